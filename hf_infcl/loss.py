@@ -1,0 +1,330 @@
+"""The public loss: ``contrastive_loss`` and the ``InfCLLoss`` module.
+
+This layer checks arguments (before any kernel runs), picks a backend, assembles the per-row
+loss from the backend's statistics and the positive logits, and reduces. The contract it
+implements is DESIGN.md section 3.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .ops import reference
+from .ops.local import LocalLogitStats
+from .ops.spec import BlockOps, GroupMask, StatsSpec, accumulation_dtype
+from .ops.tiled import TorchTiles
+
+LOSSES = ("softmax", "sigmoid")
+REDUCTIONS = ("mean", "sum", "none")
+BACKENDS = ("auto", "torch", "triton", "reference")
+PRECISIONS = ("auto", "tf32", "ieee")
+
+
+def contrastive_loss(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    logit_scale: float | torch.Tensor = 1.0,
+    logit_bias: float | torch.Tensor | None = None,
+    *,
+    loss: str = "softmax",
+    symmetric: bool = True,
+    positives: torch.Tensor | None = None,
+    query_groups: torch.Tensor | None = None,
+    key_groups: torch.Tensor | None = None,
+    reduction: str = "mean",
+    process_group=None,
+    backend: str | BlockOps = "auto",
+    precision: str = "auto",
+) -> torch.Tensor:
+    """Exact InfoNCE (CLIP) or sigmoid (SigLIP) contrastive loss without a b x b matrix.
+
+    Args:
+        queries: ``[m, c]`` rows (image embeddings, queries, anchors).
+        keys: ``[k, c]`` columns (text embeddings, documents). ``keys[:m]`` are the positives of
+            the rows in order unless ``positives`` says otherwise; further keys are extra (hard)
+            negatives for every row.
+        logit_scale: the multiplier ``s`` of the dot products (CLIP's ``logit_scale.exp()``), a
+            positive float or a scalar tensor; gradients flow to it when it requires grad.
+        logit_bias: the additive bias ``b`` of SigLIP (float or scalar tensor), or None.
+        loss: ``"softmax"`` (InfoNCE) or ``"sigmoid"`` (SigLIP).
+        symmetric: softmax only; average the row (query->key) and the column (key->query) terms,
+            as CLIP does. The sigmoid loss has no directions and ignores it.
+        positives: ``[m]`` integer indices into ``keys`` of each row's positive.
+        query_groups, key_groups: ``[m]`` and ``[k]`` integer group ids, given together. Key j is
+            not a negative of row i when their groups are equal and j is not i's positive
+            (duplicate captions, the same document twice).
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-row losses ``[m]``).
+        process_group: ``None`` computes over this process's tensors only. A
+            ``torch.distributed`` group (or ``"auto"`` for the default group when one is
+            initialised) computes the loss over every row and key of the group with the ring.
+        backend: ``"auto"`` (Triton on CUDA when importable, else ``"torch"``), ``"torch"``
+            (tile-wise PyTorch, any device), ``"triton"``, ``"reference"`` (materialised;
+            small inputs only), or a block-ops object such as ``TorchTiles(256, 256)``.
+        precision: fp32 inputs on GPU: ``"auto"``/``"tf32"`` use TF32, ``"ieee"`` exact fp32.
+
+    Returns:
+        The reduced loss (a scalar), or the per-row losses ``[m]`` for ``reduction="none"``.
+        With ``"mean"`` over a group of n processes holding M rows in all, each process returns
+        ``(n / M) * sum of its rows' losses``, so that averaging the processes' gradients (what
+        DDP does) gives exactly the gradient of the global mean.
+    """
+    checked = _check_arguments(
+        queries, keys, logit_scale, logit_bias, loss, symmetric, positives, query_groups,
+        key_groups, reduction, backend, precision,
+    )
+    scale, bias, positives = checked
+    group, world_size = _resolve_process_group(process_group)
+    if world_size > 1:
+        raise NotImplementedError("process groups of more than one process need the ring (hf_infcl.ops.ring)")
+
+    per_row = _local_per_row_loss(
+        queries, keys, scale, bias, loss, symmetric, positives, query_groups, key_groups, backend, precision
+    )
+    return _reduce(per_row, reduction, total_rows=queries.shape[0], world_size=world_size)
+
+
+def _local_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, query_groups,
+                        key_groups, backend, precision):
+    if backend == "reference":
+        return reference.per_row_loss(
+            queries, keys, scale, bias, loss=loss, symmetric=symmetric, positives=positives,
+            query_groups=query_groups, key_groups=key_groups,
+        )
+    spec = StatsSpec(loss=loss, columns=loss == "softmax" and symmetric, precision=precision)
+    ops = select_block_ops(backend, queries.device)
+    mask = None
+    if query_groups is not None:
+        mask = GroupMask(query_groups, key_groups, positives, key_offset=0)
+    row_stat, col_stat = LocalLogitStats.apply(queries, keys, scale, bias, mask, spec, ops)
+    return assemble_per_row_loss(spec, queries, keys, scale, bias, positives, row_stat, col_stat)
+
+
+def assemble_per_row_loss(spec, queries, keys, scale, bias, positives, row_stat, col_stat):
+    """Per-row loss from the statistics and the positive logits z_{i,p(i)} (DESIGN.md section 3)."""
+    acc = accumulation_dtype(queries.dtype)
+    positive_logit = scale * (queries.to(acc) * keys[positives].to(acc)).sum(dim=1)
+    if bias is not None:
+        positive_logit = positive_logit + bias
+    if spec.loss == "sigmoid":
+        # -log sigmoid(z) = softplus(z) - z for the positive, softplus(z) for each negative.
+        return row_stat - positive_logit
+    if not spec.columns:
+        return row_stat - positive_logit
+    return (row_stat + col_stat[positives]) / 2 - positive_logit
+
+
+def _reduce(per_row: torch.Tensor, reduction: str, total_rows: int, world_size: int) -> torch.Tensor:
+    if reduction == "none":
+        return per_row
+    if reduction == "sum":
+        return per_row.sum()
+    return per_row.sum() * (world_size / total_rows)
+
+
+def select_block_ops(backend, device: torch.device) -> BlockOps:
+    """The block ops for a backend name (or a block-ops object given directly)."""
+    if not isinstance(backend, str):
+        return backend
+    if backend == "torch":
+        return TorchTiles()
+    if backend == "triton":
+        return _triton_block_ops(required=True)
+    # auto
+    if device.type == "cuda":
+        ops = _triton_block_ops(required=False)
+        if ops is not None:
+            return ops
+    return TorchTiles()
+
+
+def _triton_block_ops(required: bool):
+    try:
+        from .ops.triton_blocks import TritonBlocks
+    except ImportError as error:
+        if required:
+            raise ImportError(
+                "backend='triton' needs Triton (`pip install triton`, Linux with a CUDA GPU)"
+            ) from error
+        return None
+    return TritonBlocks()
+
+
+def _resolve_process_group(process_group):
+    """(group, world size) for ``process_group``: None is local; "auto" is the default group."""
+    if process_group is None:
+        return None, 1
+    import torch.distributed as dist
+
+    if isinstance(process_group, str):
+        if process_group != "auto":
+            raise ValueError(f"process_group must be None, 'auto' or a process group, got {process_group!r}")
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 1
+        process_group = dist.group.WORLD
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("process_group was given but torch.distributed is not initialised")
+    return process_group, dist.get_world_size(process_group)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks: every one raises before any computation, naming the argument.
+
+
+def _choice(name, value, allowed):
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+
+def _check_features(name: str, tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.ndim != 2:
+        raise ValueError(f"{name} must be 2-D [rows, width], got shape {tuple(tensor.shape)}")
+    if not tensor.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+
+
+def _check_index_vector(name, tensor, length, device):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of integers, got {type(tensor).__name__}")
+    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integers, got {tensor.dtype}")
+    if tensor.shape != (length,):
+        raise ValueError(f"{name} must have shape ({length},), got {tuple(tensor.shape)}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device} but queries are on {device}")
+
+
+def _as_scalar_tensor(name, value, dtype, device, allow_none):
+    if value is None:
+        if allow_none:
+            return None
+        raise TypeError(f"{name} must be a float or a scalar tensor, got None")
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a float or a scalar tensor, got a bool")
+    if isinstance(value, (int, float)):
+        return torch.tensor(float(value), dtype=dtype, device=device)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a float or a scalar tensor, got {type(value).__name__}")
+    if value.numel() != 1:
+        raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+    if not value.is_floating_point():
+        raise TypeError(f"{name} must be floating point, got {value.dtype}")
+    return value.reshape(()).to(device=device, dtype=dtype)
+
+
+def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, positives,
+                     query_groups, key_groups, reduction, backend, precision):
+    """Validate everything; return (scale tensor, bias tensor or None, positives [m] int64)."""
+    _check_features("queries", queries)
+    _check_features("keys", keys)
+    _choice("loss", loss, LOSSES)
+    _choice("reduction", reduction, REDUCTIONS)
+    _choice("precision", precision, PRECISIONS)
+    if isinstance(backend, str):
+        _choice("backend", backend, BACKENDS)
+    elif not (hasattr(backend, "forward_block") and hasattr(backend, "backward_block")):
+        raise TypeError(f"backend must be a name or a block-ops object, got {type(backend).__name__}")
+    if not isinstance(symmetric, bool):
+        raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
+
+    if keys.dtype != queries.dtype:
+        raise TypeError(f"keys have dtype {keys.dtype} but queries have {queries.dtype}; they must match")
+    if keys.device != queries.device:
+        raise ValueError(f"keys are on {keys.device} but queries are on {queries.device}")
+    m, width = queries.shape
+    n_keys, key_width = keys.shape
+    if key_width != width:
+        raise ValueError(f"keys have width {key_width} but queries have width {width}; they must match")
+    if m == 0:
+        raise ValueError("queries has no rows (m = 0)")
+    if width == 0:
+        raise ValueError("queries and keys have width 0")
+    if backend == "triton" and queries.device.type != "cuda":
+        raise ValueError(f"backend='triton' needs CUDA tensors, got queries on {queries.device}")
+
+    device = queries.device
+    if positives is None:
+        if n_keys < m:
+            raise ValueError(
+                f"keys has {n_keys} rows but queries has {m}: keys[:m] must be the rows' positives "
+                "(pass positives= to pair them otherwise)"
+            )
+        positives = torch.arange(m, device=device)
+    else:
+        _check_index_vector("positives", positives, m, device)
+        if n_keys == 0 or int(positives.min()) < 0 or int(positives.max()) >= n_keys:
+            raise ValueError(f"positives must index keys, i.e. lie in [0, {n_keys}); got values outside")
+        positives = positives.long()
+
+    if (query_groups is None) != (key_groups is None):
+        given = "query_groups" if key_groups is None else "key_groups"
+        missing = "key_groups" if key_groups is None else "query_groups"
+        raise ValueError(f"{given} was given without {missing}; group masking needs both")
+    if query_groups is not None:
+        _check_index_vector("query_groups", query_groups, m, device)
+        _check_index_vector("key_groups", key_groups, n_keys, device)
+
+    acc = accumulation_dtype(queries.dtype)
+    scale = _as_scalar_tensor("logit_scale", logit_scale, acc, device, allow_none=False)
+    if bool(scale.detach() <= 0):
+        raise ValueError(f"logit_scale must be > 0 (it multiplies the logits), got {float(scale)}")
+    bias = _as_scalar_tensor("logit_bias", logit_bias, acc, device, allow_none=True)
+    return scale, bias, positives
+
+
+class InfCLLoss(nn.Module):
+    """Module form of :func:`contrastive_loss`: options in ``__init__``, tensors in ``forward``.
+
+    ``logit_scale``/``logit_bias`` given here are the defaults for ``forward``; pass an
+    ``nn.Parameter`` to learn them inside this module, or pass the model's own at call time.
+    """
+
+    def __init__(
+        self,
+        logit_scale: float | torch.Tensor = 1.0,
+        logit_bias: float | torch.Tensor | None = None,
+        *,
+        loss: str = "softmax",
+        symmetric: bool = True,
+        reduction: str = "mean",
+        process_group=None,
+        backend: str | BlockOps = "auto",
+        precision: str = "auto",
+    ):
+        super().__init__()
+        _choice("loss", loss, LOSSES)
+        _choice("reduction", reduction, REDUCTIONS)
+        _choice("precision", precision, PRECISIONS)
+        if isinstance(backend, str):
+            _choice("backend", backend, BACKENDS)
+        self.logit_scale = logit_scale
+        self.logit_bias = logit_bias
+        self.loss = loss
+        self.symmetric = symmetric
+        self.reduction = reduction
+        self.process_group = process_group
+        self.backend = backend
+        self.precision = precision
+
+    def forward(self, queries, keys, logit_scale=None, logit_bias=None, positives=None,
+                query_groups=None, key_groups=None):
+        return contrastive_loss(
+            queries,
+            keys,
+            self.logit_scale if logit_scale is None else logit_scale,
+            self.logit_bias if logit_bias is None else logit_bias,
+            loss=self.loss,
+            symmetric=self.symmetric,
+            positives=positives,
+            query_groups=query_groups,
+            key_groups=key_groups,
+            reduction=self.reduction,
+            process_group=self.process_group,
+            backend=self.backend,
+            precision=self.precision,
+        )
+
+    def extra_repr(self) -> str:
+        return f"loss={self.loss!r}, symmetric={self.symmetric}, reduction={self.reduction!r}, backend={self.backend!r}"

@@ -1,0 +1,64 @@
+"""The materialised contrastive loss, written for clarity: the oracle of every test.
+
+It builds the whole m x k logit matrix, so it is only for small batches (and for checking the
+other backends). It follows DESIGN.md section 3 literally and shares no code with them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def per_row_loss(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    logit_scale: torch.Tensor,
+    logit_bias: torch.Tensor | None = None,
+    *,
+    loss: str = "softmax",
+    symmetric: bool = True,
+    positives: torch.Tensor | None = None,
+    query_groups: torch.Tensor | None = None,
+    key_groups: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-row loss l_i [m] of one process's rows against its keys.
+
+    Computes in float64 for float64 inputs and in float32 otherwise; differentiable with
+    ordinary autograd.
+    """
+    compute_dtype = torch.float64 if queries.dtype == torch.float64 else torch.float32
+    q = queries.to(compute_dtype)
+    k = keys.to(compute_dtype)
+    m, n_keys = q.shape[0], k.shape[0]
+    rows = torch.arange(m, device=q.device)
+    if positives is None:
+        positives = rows
+
+    z = logit_scale.to(compute_dtype) * (q @ k.T)
+    if logit_bias is not None:
+        z = z + logit_bias.to(compute_dtype)
+
+    # allowed[i, j]: key j takes part in row i's loss (and row i in column j's).
+    is_positive = torch.zeros(m, n_keys, dtype=torch.bool, device=q.device)
+    is_positive[rows, positives] = True
+    if query_groups is None:
+        allowed = torch.ones_like(is_positive)
+    else:
+        same_group = query_groups[:, None] == key_groups[None, :]
+        allowed = ~same_group | is_positive
+
+    positive_logit = z[rows, positives]
+
+    if loss == "sigmoid":
+        labels = torch.where(is_positive, 1.0, -1.0).to(compute_dtype)
+        pair_loss = -F.logsigmoid(labels * z)
+        return torch.where(allowed, pair_loss, torch.zeros_like(pair_loss)).sum(dim=1)
+
+    masked = z.masked_fill(~allowed, float("-inf"))
+    row_term = torch.logsumexp(masked, dim=1) - positive_logit
+    if not symmetric:
+        return row_term
+    column_lse = torch.logsumexp(masked, dim=0)  # over the rows allowed for each key
+    column_term = column_lse[positives] - positive_logit
+    return (row_term + column_term) / 2

@@ -1,0 +1,135 @@
+"""Pure-PyTorch tile-wise block ops: the statistics of :mod:`hf_infcl.ops.spec`, one tile at a time.
+
+Runs on any device, CPU included. At most one ``tile_rows x tile_keys`` tile of logits (and a
+few tiles of the same size for its probabilities) exists at any moment, so memory is
+O((m + k) * c + tile_rows * tile_keys), never O(m * k).
+
+Tiles are computed in the accumulation dtype (fp32, or fp64 for fp64 inputs): half-precision
+inputs are upcast one tile at a time, so the logits are never rounded to bf16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .spec import GroupMask, StatsSpec, accumulation_dtype
+
+# Above this, softplus(z) == z to well under float64 resolution of the row sums we form.
+_SOFTPLUS_LINEAR_ABOVE = 40.0
+
+
+@contextlib.contextmanager
+def _matmul_precision(spec: StatsSpec, device: torch.device):
+    """Honour ``precision="ieee"`` (no TF32) for fp32 matmuls on CUDA; elsewhere a no-op."""
+    if device.type != "cuda" or spec.precision == "auto":
+        yield
+        return
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = spec.precision == "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+@dataclass(frozen=True)
+class TorchTiles:
+    """Block ops built from plain torch ops over ``tile_rows x tile_keys`` tiles."""
+
+    tile_rows: int = 1024
+    tile_keys: int = 1024
+
+    def __post_init__(self):
+        for name in ("tile_rows", "tile_keys"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    def _tiles(self, m: int, k: int):
+        for row_start in range(0, m, self.tile_rows):
+            row_end = min(row_start + self.tile_rows, m)
+            for key_start in range(0, k, self.tile_keys):
+                yield row_start, row_end, key_start, min(key_start + self.tile_keys, k)
+
+    @staticmethod
+    def _logits(q_tile, k_tile, scale, bias):
+        """Scaled logits and the raw dot products of one tile."""
+        dots = q_tile @ k_tile.T
+        logits = scale * dots
+        if bias is not None:
+            logits = logits + bias
+        return logits
+
+    def forward_block(self, spec, queries, keys, scale, bias, mask: GroupMask | None):
+        acc = accumulation_dtype(queries.dtype)
+        m, k = queries.shape[0], keys.shape[0]
+        device = queries.device
+        scale = scale.to(acc)
+        bias = None if bias is None else bias.to(acc)
+        if spec.loss == "softmax":
+            row_stat = torch.full((m,), float("-inf"), dtype=acc, device=device)
+        else:
+            row_stat = torch.zeros(m, dtype=acc, device=device)
+        col_stat = torch.full((k,), float("-inf"), dtype=acc, device=device) if spec.columns else None
+
+        with _matmul_precision(spec, device):
+            for r0, r1, k0, k1 in self._tiles(m, k):
+                logits = self._logits(queries[r0:r1].to(acc), keys[k0:k1].to(acc), scale, bias)
+                allowed = None if mask is None else mask.allowed(r0, r1, k0, k1)
+                if spec.loss == "sigmoid":
+                    terms = F.softplus(logits, threshold=_SOFTPLUS_LINEAR_ABOVE)
+                    if allowed is not None:
+                        terms = terms.masked_fill(~allowed, 0.0)
+                    row_stat[r0:r1] += terms.sum(dim=1)
+                    continue
+                if allowed is not None:
+                    logits = logits.masked_fill(~allowed, float("-inf"))
+                row_stat[r0:r1] = torch.logaddexp(row_stat[r0:r1], torch.logsumexp(logits, dim=1))
+                if col_stat is not None:
+                    col_stat[k0:k1] = torch.logaddexp(col_stat[k0:k1], torch.logsumexp(logits, dim=0))
+        return row_stat, col_stat
+
+    def backward_block(
+        self,
+        spec,
+        queries,
+        keys,
+        scale,
+        bias,
+        mask: GroupMask | None,
+        row_stat,
+        col_stat,
+        row_weight,
+        col_weight,
+        grad_queries,
+        grad_keys,
+    ):
+        acc = accumulation_dtype(queries.dtype)
+        m, k = queries.shape[0], keys.shape[0]
+        scale = scale.to(acc)
+        bias = None if bias is None else bias.to(acc)
+        row_sums = torch.zeros(m, dtype=acc, device=queries.device)
+
+        with _matmul_precision(spec, queries.device):
+            for r0, r1, k0, k1 in self._tiles(m, k):
+                q_tile = queries[r0:r1].to(acc)
+                k_tile = keys[k0:k1].to(acc)
+                logits = self._logits(q_tile, k_tile, scale, bias)
+                if spec.loss == "sigmoid":
+                    grad_logits = row_weight[r0:r1, None] * torch.sigmoid(logits)
+                else:
+                    grad_logits = row_weight[r0:r1, None] * torch.exp(logits - row_stat[r0:r1, None])
+                    if col_weight is not None:
+                        grad_logits += col_weight[None, k0:k1] * torch.exp(logits - col_stat[None, k0:k1])
+                if mask is not None:
+                    # where(), not a product: a masked entry may hold inf * 0 = nan.
+                    allowed = mask.allowed(r0, r1, k0, k1)
+                    grad_logits = torch.where(allowed, grad_logits, torch.zeros_like(grad_logits))
+                grad_queries[r0:r1].addmm_(grad_logits, k_tile)
+                grad_keys[k0:k1].addmm_(grad_logits.T, q_tile)
+                row_sums[r0:r1] += grad_logits.sum(dim=1)
+        return row_sums
