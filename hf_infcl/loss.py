@@ -327,4 +327,7 @@ class InfCLLoss(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        return f"loss={self.loss!r}, symmetric={self.symmetric}, reduction={self.reduction!r}, backend={self.backend!r}"
+        return (
+            f"loss={self.loss!r}, symmetric={self.symmetric}, reduction={self.reduction!r}, "
+            f"backend={self.backend!r}"
+        )

@@ -1,0 +1,247 @@
+"""The public loss against the float64 contract: every backend, value and every gradient."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import hf_infcl
+from hf_infcl import TorchTiles, contrastive_loss
+from tests.oracle import contract_loss
+
+# Small tiles so that every test crosses several tile boundaries in both directions.
+SMALL_TILES = TorchTiles(tile_rows=5, tile_keys=7)
+BACKENDS = {"torch": SMALL_TILES, "reference": "reference"}
+
+
+def make_case(m, k, c, *, groups=False, custom_positives=False, seed=None, dtype=torch.float64):
+    """Fresh random features (never zeros) in the ranges CLIP sees: unit-norm rows plus noise."""
+    gen = torch.Generator().manual_seed(seed if seed is not None else random.randrange(2**31))
+    q = torch.nn.functional.normalize(torch.randn(m, c, generator=gen, dtype=torch.float64), dim=1)
+    keys = torch.nn.functional.normalize(torch.randn(k, c, generator=gen, dtype=torch.float64), dim=1)
+    keys[: min(m, k)] += 0.5 * q[: min(m, k)]  # make positives more similar than chance, as trained models do
+    case = {
+        "queries": q.to(dtype),
+        "keys": keys.to(dtype),
+        "scale": float(torch.empty(1).uniform_(2.0, 20.0, generator=gen)),
+        "bias": float(torch.empty(1).uniform_(-5.0, 1.0, generator=gen)),
+        "positives": torch.randperm(k, generator=gen)[:m] if custom_positives else None,
+        "query_groups": None,
+        "key_groups": None,
+    }
+    if groups:
+        n_groups = max(2, m // 2)
+        case["query_groups"] = torch.randint(0, n_groups, (m,), generator=gen)
+        case["key_groups"] = torch.randint(0, n_groups, (k,), generator=gen)
+    return case
+
+
+def run_backend(case, backend, *, loss, symmetric, reduction, use_bias):
+    """Loss and the gradients of queries, keys, scale, bias (scale and bias as leaf tensors)."""
+    q = case["queries"].clone().requires_grad_(True)
+    k = case["keys"].clone().requires_grad_(True)
+    scale = torch.tensor(case["scale"], dtype=torch.float64, requires_grad=True)
+    bias = torch.tensor(case["bias"], dtype=torch.float64, requires_grad=True) if use_bias else None
+    value = contrastive_loss(
+        q, k, scale, bias, loss=loss, symmetric=symmetric, positives=case["positives"],
+        query_groups=case["query_groups"], key_groups=case["key_groups"], reduction=reduction,
+        backend=backend,
+    )
+    total = value.sum() if reduction == "none" else value
+    leaves = [q, k, scale] + ([bias] if use_bias else [])
+    grads = torch.autograd.grad(total, leaves)
+    names = ["queries", "keys", "scale", "bias"]
+    return value.detach(), {name: g.double().numpy() for name, g in zip(names, grads)}
+
+
+def run_oracle(case, *, loss, symmetric, reduction, use_bias):
+    as_np = lambda t: None if t is None else t.numpy()  # noqa: E731
+    return contract_loss(
+        case["queries"].double().numpy(), case["keys"].double().numpy(), case["scale"],
+        case["bias"] if use_bias else None, loss=loss, symmetric=symmetric,
+        positives=as_np(case["positives"]), query_groups=as_np(case["query_groups"]),
+        key_groups=as_np(case["key_groups"]),
+        reduction=reduction,
+    )
+
+
+def relative_error(actual, expected) -> float:
+    actual, expected = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30))
+
+
+def assert_matches_oracle(case, backend, tolerance, **options):
+    value, grads = run_backend(case, backend, **options)
+    expected_value, expected_grads = run_oracle(case, **options)
+    errors = {"loss": relative_error(value.numpy(), expected_value)}
+    for name, grad in grads.items():
+        errors[name] = relative_error(grad, expected_grads[name])
+    if options["loss"] == "softmax" and "bias" in grads:
+        # A bias cancels out of every softmax term: its exact gradient is 0, so compare absolutely.
+        errors["bias"] = abs(float(grads["bias"]) - expected_grads["bias"])
+    worst = max(errors.values())
+    assert worst < tolerance, f"relative errors {errors} (tolerance {tolerance})"
+    return worst
+
+
+def _shape_id(shape):
+    """Readable parametrize ids: m7-k19-c96."""
+    return "m{}-k{}-c{}".format(*shape)
+
+
+SHAPES = [(1, 1, 1), (7, 7, 3), (7, 19, 96), (129, 129, 3), (13, 40, 1)]
+OPTIONS = [
+    ("softmax", True),
+    ("softmax", False),
+    ("sigmoid", True),
+]
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS), ids=lambda b: f"backend-{b}")
+@pytest.mark.parametrize("loss,symmetric", OPTIONS, ids=["softmax-sym", "softmax-asym", "sigmoid"])
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("groups", [False, True], ids=["nogroups", "groups"])
+def test_float64_matches_contract(backend, loss, symmetric, shape, groups):
+    m, k, c = shape
+    case = make_case(m, k, c, groups=groups, seed=m * 1000 + k * 10 + c)
+    assert_matches_oracle(
+        case, BACKENDS[backend], 1e-10, loss=loss, symmetric=symmetric, reduction="mean",
+        use_bias=loss == "sigmoid",
+    )
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("custom_positives", [False, True], ids=["diag", "custom-positives"])
+@pytest.mark.parametrize("loss,symmetric", OPTIONS, ids=["softmax-sym", "softmax-asym", "sigmoid"])
+def test_reductions_and_positives(reduction, custom_positives, loss, symmetric):
+    case = make_case(9, 23, 5, groups=True, custom_positives=custom_positives, seed=11)
+    assert_matches_oracle(
+        case, SMALL_TILES, 1e-10, loss=loss, symmetric=symmetric, reduction=reduction, use_bias=True
+    )
+
+
+@pytest.mark.parametrize("shape", [(33, 100, 40), (64, 64, 257)], ids=_shape_id)
+@pytest.mark.parametrize("loss", ["softmax", "sigmoid"])
+def test_float32_inputs_within_1e_5(shape, loss):
+    m, k, c = shape
+    case = make_case(m, k, c, groups=True, seed=5, dtype=torch.float32)
+    assert_matches_oracle(
+        case, TorchTiles(16, 24), 1e-5, loss=loss, symmetric=True, reduction="mean", use_bias=True
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_inputs_on_cpu(dtype):
+    case = make_case(20, 50, 32, seed=3, dtype=dtype)
+    assert_matches_oracle(
+        case, TorchTiles(8, 16), 1e-2, loss="softmax", symmetric=True, reduction="mean", use_bias=False
+    )
+
+
+def test_positive_shared_by_several_rows():
+    """Two rows with the same positive key: the column term's weight adds up for that key."""
+    case = make_case(6, 10, 4, seed=21)
+    case["positives"] = torch.tensor([0, 0, 3, 3, 3, 9])
+    for backend in BACKENDS.values():
+        assert_matches_oracle(
+            case, backend, 1e-10, loss="softmax", symmetric=True, reduction="mean", use_bias=False
+        )
+
+
+def test_fewer_keys_than_rows_with_explicit_positives():
+    case = make_case(8, 3, 4, seed=22, custom_positives=False)
+    case["positives"] = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    assert_matches_oracle(case, SMALL_TILES, 1e-10, loss="softmax", symmetric=True,
+                          reduction="mean", use_bias=False)
+
+
+def test_random_contract_cases():
+    """Fresh draws on every run (seed printed on failure): shapes, options, groups, positives."""
+    seed = int(os.environ.get("HF_INFCL_TEST_SEED", random.randrange(2**31)))
+    rng = random.Random(seed)
+    worst = 0.0
+    for _ in range(12):
+        m = rng.randint(1, 40)
+        k = m + rng.randint(0, 40)
+        c = rng.randint(1, 70)
+        case = make_case(m, k, c, groups=rng.random() < 0.5, custom_positives=rng.random() < 0.3,
+                         seed=rng.randrange(2**31))
+        loss, symmetric = rng.choice(OPTIONS)
+        backend = rng.choice([TorchTiles(rng.randint(1, 17), rng.randint(1, 17)), "reference"])
+        options = dict(loss=loss, symmetric=symmetric, reduction=rng.choice(["mean", "sum", "none"]),
+                       use_bias=rng.random() < 0.5)
+        try:
+            worst = max(worst, assert_matches_oracle(case, backend, 1e-7, **options))
+        except AssertionError as error:
+            raise AssertionError(f"seed {seed}, m={m} k={k} c={c} {options} {backend}: {error}") from None
+    print(f"random contract cases: seed {seed}, worst relative error {worst:.2e}")
+
+
+@pytest.mark.parametrize("loss,symmetric", OPTIONS, ids=["softmax-sym", "softmax-asym", "sigmoid"])
+def test_gradcheck_torch_backend(loss, symmetric):
+    case = make_case(4, 6, 3, groups=True, seed=8)
+    q = case["queries"].clone().requires_grad_(True)
+    k = case["keys"].clone().requires_grad_(True)
+    scale = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
+    bias = torch.tensor(-0.5, dtype=torch.float64, requires_grad=True)
+
+    def fn(q, k, scale, bias):
+        return contrastive_loss(q, k, scale, bias, loss=loss, symmetric=symmetric,
+                                query_groups=case["query_groups"], key_groups=case["key_groups"],
+                                reduction="none", backend=TorchTiles(3, 4))
+
+    assert torch.autograd.gradcheck(fn, (q, k, scale, bias))
+
+
+def test_default_backend_on_cpu_is_tiled_torch():
+    from hf_infcl.loss import select_block_ops
+
+    assert isinstance(select_block_ops("auto", torch.device("cpu")), TorchTiles)
+
+
+def test_float_scale_equals_tensor_scale_and_module():
+    case = make_case(10, 15, 8, seed=4)
+    q, k = case["queries"], case["keys"]
+    as_float = contrastive_loss(q, k, 7.5)
+    as_tensor = contrastive_loss(q, k, torch.tensor([7.5], dtype=torch.float32))
+    module = hf_infcl.InfCLLoss(logit_scale=7.5)(q, k)
+    assert torch.allclose(as_float, as_tensor) and torch.allclose(as_float, module)
+
+
+def test_module_learns_its_own_scale_parameter():
+    scale = torch.nn.Parameter(torch.tensor(5.0, dtype=torch.float64))
+    criterion = hf_infcl.InfCLLoss(logit_scale=scale, loss="softmax")
+    assert any(p is scale for p in criterion.parameters())
+    case = make_case(6, 6, 4, seed=9)
+    criterion(case["queries"], case["keys"]).backward()
+    _, expected = contract_loss(case["queries"].numpy(), case["keys"].numpy(), 5.0)
+    assert abs(scale.grad.item() - expected["scale"]) < 1e-10
+
+
+def test_process_group_auto_without_distributed_is_local():
+    case = make_case(5, 9, 4, seed=10)
+    local = contrastive_loss(case["queries"], case["keys"], 3.0)
+    auto = contrastive_loss(case["queries"], case["keys"], 3.0, process_group="auto")
+    assert torch.equal(local, auto)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS), ids=lambda b: f"backend-{b}")
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+@pytest.mark.parametrize("where", ["queries", "keys", "scale"])
+def test_non_finite_inputs_give_non_finite_loss(backend, poison, where):
+    case = make_case(6, 8, 4, seed=12)
+    bad = float(poison)
+    q, k, scale = case["queries"].clone(), case["keys"].clone(), case["scale"]
+    if where == "queries":
+        q[2, 1] = bad
+    elif where == "keys":
+        k[5, 0] = bad
+    else:
+        scale = bad
+    for loss in ["softmax", "sigmoid"]:
+        value = contrastive_loss(q, k, scale, loss=loss, backend=BACKENDS[backend])
+        assert not torch.isfinite(value), f"{loss} gave a finite loss {value} from a {poison} in {where}"
