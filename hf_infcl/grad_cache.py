@@ -1,0 +1,316 @@
+"""Gradient caching (GradCache): encoders see a large contrastive batch in chunks.
+
+A contrastive loss couples every row of the batch, so the encoders' activations for the whole
+batch would normally have to live until the loss is known. Gradient caching (Gao et al., 2021)
+splits one optimisation step into three phases:
+
+1. embed every chunk *without* grad, recording the RNG state before each chunk;
+2. compute the loss on the full (detached) embeddings and its gradient with respect to them;
+3. replay each chunk's forward *with* grad under its recorded RNG state, so dropout draws the
+   same masks, and backpropagate the cached embedding gradient through it.
+
+The parameter gradients are exactly those of the full-batch step; peak activation memory is
+that of one chunk. This module knows nothing of the Trainer: it takes encoder callables, the
+batch and a loss callable, so it serves the Trainer, an Accelerate loop and plain PyTorch.
+
+Example (one CLIP-like model encoding both towers per chunk, under DDP or Accelerate)::
+
+    from hf_infcl import contrastive_loss
+    from hf_infcl.grad_cache import cached_step
+
+    def encode(chunk):                      # one chunk of the batch -> per-row embeddings
+        out = model(pixel_values=chunk["pixel_values"], input_ids=chunk["input_ids"],
+                    attention_mask=chunk["attention_mask"])
+        return out.image_embeds, out.text_embeds
+
+    logit_scale = unwrapped_model.logit_scale
+    def loss_fn(image_embeds, text_embeds, log_scale):
+        return contrastive_loss(image_embeds, text_embeds, log_scale.exp(), process_group="auto")
+
+    result = cached_step(
+        encode, batch, loss_fn, chunk_size=256,
+        loss_params=[logit_scale],          # tensors the loss uses directly (passed after the embeddings)
+        offload=True, device=accelerator.device,
+        no_sync=lambda: accelerator.no_sync(model),   # or model.no_sync for a bare DDP module
+        scale_loss=scaler.scale if scaler is not None else None,
+    )
+    optimizer.step()                        # the parameters' .grad are those of the full batch
+    print(result.loss, result.embeddings[0].shape)
+
+Rules that make the gradients exact and DDP efficient:
+
+- The parameters the loss uses directly (a learned logit scale or bias) are passed as
+  ``loss_params``, never closed over: their gradient is taken in phase 2 and backpropagated in
+  the last replay, so DDP sees it in the one synchronised backward.
+- ``no_sync`` (a context-manager factory) wraps every replay but the last, so DDP all-reduces
+  once per step. With one DDP module over both towers, encode both towers in one callable
+  (rows of both towers are chunked together), or build DDP with ``find_unused_parameters=True``.
+- ``scale_loss`` (e.g. ``GradScaler.scale``) scales the loss before the embedding gradients
+  are taken, so fp16 gradients in the replays carry the scaler's factor like any backward.
+- Autocast: call the encoders inside autocast in your callables, or give ``forward_context``;
+  phase 1 and the replays run the same callable, so they agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CachedStepOutput", "cached_step", "split_batch", "to_device"]
+
+
+@dataclass
+class CachedStepOutput:
+    """What :func:`cached_step` returns (everything detached, for logging and metrics).
+
+    Attributes:
+        loss: the unscaled loss (a detached scalar tensor).
+        embeddings: every encoder output over the whole batch, in the order ``loss_fn``
+            received them (tower 0's outputs first), detached.
+    """
+
+    loss: torch.Tensor
+    embeddings: tuple[torch.Tensor, ...]
+
+
+def cached_step(
+    encoders: Callable | Sequence[Callable],
+    inputs: Mapping | Sequence[Mapping],
+    loss_fn: Callable[..., torch.Tensor],
+    chunk_size: int | None,
+    *,
+    loss_params: Sequence[torch.Tensor] = (),
+    offload: bool = False,
+    device: torch.device | str | None = None,
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+    scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> CachedStepOutput:
+    """Run one gradient-cached forward/backward; parameter ``.grad`` accumulate as for the full batch.
+
+    Args:
+        encoders: one callable per tower, or one callable for all. Each takes a chunk of its
+            tower's inputs (a dict of tensors sliced along dim 0, on ``device``) and returns a
+            tensor ``[rows, ...]`` or a tuple of them (e.g. image and text embeddings).
+        inputs: a dict of tensors per tower (a single dict for a single callable). Tensors with
+            a batch dimension are chunked along dim 0; 0-d tensors and non-tensors are passed
+            to every chunk unchanged.
+        loss_fn: ``loss_fn(*embeddings, *loss_params) -> scalar loss`` over the whole batch, the
+            embeddings concatenated over chunks in tower order.
+        chunk_size: rows per chunk; ``None`` or a size >= the batch runs one chunk.
+        loss_params: tensors ``loss_fn`` uses directly that need gradients (a learned logit
+            scale/bias). Their gradient is backpropagated in the last replay.
+        offload: keep the batch in (pinned, when CUDA is available) host memory and move one
+            chunk at a time to ``device``.
+        device: where the encoders run. ``None`` leaves every tensor where it is.
+        no_sync: a factory of a context manager (``ddp_model.no_sync``,
+            ``lambda: accelerator.no_sync(model)``) entered around every replay but the last.
+            A sequence of factories, one per encoder, syncs the last replay of each encoder.
+        scale_loss: applied to the loss before its gradients are taken (``GradScaler.scale``).
+        forward_context: a factory of a context manager entered around every encoder call
+            (e.g. ``lambda: torch.autocast("cuda", torch.bfloat16)``).
+
+    Returns:
+        :class:`CachedStepOutput` with the detached loss and embeddings.
+    """
+    encoder_list, input_list = _normalise_towers(encoders, inputs)
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
+                                   or chunk_size <= 0):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    no_sync_list = _normalise_no_sync(no_sync, len(encoder_list))
+    # One factory: a single synchronised replay (the very last). One per encoder: each
+    # encoder's last replay synchronises its own DDP module.
+    sync_each_tower = no_sync is not None and not callable(no_sync)
+    loss_params = list(loss_params)
+    for param in loss_params:
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"loss_params must hold tensors, got {type(param).__name__}")
+    device = torch.device(device) if device is not None else None
+    enter = forward_context or contextlib.nullcontext
+
+    if offload:
+        input_list = [_pin(tower_inputs) for tower_inputs in input_list]
+    elif device is not None:
+        input_list = [to_device(tower_inputs, device) for tower_inputs in input_list]
+    chunks = [split_batch(tower_inputs, chunk_size) for tower_inputs in input_list]
+
+    # Phase 1: embed every chunk without grad; remember the RNG state each chunk started from.
+    rng_states: list[list[_RngState]] = []
+    tower_outputs: list[list[tuple[torch.Tensor, ...]]] = []
+    with torch.no_grad():
+        for encode, tower_chunks in zip(encoder_list, chunks):
+            states, outputs = [], []
+            for chunk in tower_chunks:
+                chunk = to_device(chunk, device, non_blocking=offload) if device is not None else chunk
+                states.append(_RngState.capture(_devices_of(chunk)))
+                with enter():
+                    outputs.append(_as_tuple(encode(chunk)))
+            rng_states.append(states)
+            tower_outputs.append(outputs)
+
+    # Phase 2: the loss on the full embeddings, and its gradient w.r.t. them (and loss_params).
+    embeddings = []
+    for outputs in tower_outputs:
+        widths = {len(out) for out in outputs}
+        if len(widths) != 1:
+            raise ValueError("an encoder returned a different number of outputs for different chunks")
+        for position in range(widths.pop()):
+            embeddings.append(torch.cat([out[position] for out in outputs]).detach().requires_grad_())
+    loss = loss_fn(*embeddings, *loss_params)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError("loss_fn must return a scalar tensor")
+    scaled = scale_loss(loss) if scale_loss is not None else loss
+    grads = torch.autograd.grad(scaled, [*embeddings, *loss_params], allow_unused=True)
+    embedding_grads, param_grads = grads[: len(embeddings)], grads[len(embeddings):]
+
+    # Phase 3: replay each chunk with grad under its recorded RNG state; backprop the cached grads.
+    offset = 0
+    for tower, (encode, tower_chunks) in enumerate(zip(encoder_list, chunks)):
+        n_outputs = len(tower_outputs[tower][0])
+        tower_grads = embedding_grads[offset: offset + n_outputs]
+        offset += n_outputs
+        row_starts = [0] * n_outputs
+        for index, chunk in enumerate(tower_chunks):
+            last_of_tower = index == len(tower_chunks) - 1
+            last_overall = last_of_tower and tower == len(encoder_list) - 1
+            synced = last_overall or (last_of_tower and sync_each_tower)
+            sync_context = no_sync_list[tower] if (no_sync_list[tower] is not None and not synced) else None
+            chunk = to_device(chunk, device, non_blocking=offload) if device is not None else chunk
+            with (sync_context() if sync_context else contextlib.nullcontext()):
+                with rng_states[tower][index].restored(), enter():
+                    replayed = _as_tuple(encode(chunk))
+                surrogate = []
+                for position, output in enumerate(replayed):
+                    rows = output.shape[0]
+                    grad = tower_grads[position]
+                    start = row_starts[position]
+                    row_starts[position] += rows
+                    if grad is None or not output.requires_grad:
+                        continue
+                    surrogate.append((output * grad[start: start + rows].to(output.dtype)).sum())
+                if last_overall:
+                    surrogate.extend(
+                        (param * grad.to(param.dtype)).sum()
+                        for param, grad in zip(loss_params, param_grads)
+                        if grad is not None and param.requires_grad
+                    )
+                if surrogate:
+                    torch.stack([term.float() for term in surrogate]).sum().backward()
+
+    return CachedStepOutput(loss=loss.detach(), embeddings=tuple(e.detach() for e in embeddings))
+
+
+def split_batch(inputs: Mapping, chunk_size: int | None) -> list[dict]:
+    """Split a dict of tensors along dim 0 into chunks of ``chunk_size`` rows (views, no copy).
+
+    0-d tensors and non-tensor values are repeated in every chunk. Every tensor with a batch
+    dimension must have the same number of rows.
+    """
+    sizes = {v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.ndim > 0}
+    if not sizes:
+        raise ValueError("inputs must contain at least one tensor with a batch dimension")
+    if len(sizes) > 1:
+        raise ValueError(f"the tensors in one tower's inputs disagree on the batch size: {sorted(sizes)}")
+    batch = sizes.pop()
+    if batch == 0:
+        raise ValueError("inputs have an empty batch")
+    step = batch if chunk_size is None else min(chunk_size, batch)
+    return [
+        {key: (v[start: start + step] if isinstance(v, torch.Tensor) and v.ndim > 0 else v)
+         for key, v in inputs.items()}
+        for start in range(0, batch, step)
+    ]
+
+
+def to_device(inputs: Mapping, device: torch.device | str, non_blocking: bool = False) -> dict:
+    """Move the tensors of a dict to ``device`` (other values unchanged)."""
+    return {
+        key: (v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v)
+        for key, v in inputs.items()
+    }
+
+
+def _pin(inputs: Mapping) -> dict:
+    """The batch on the host, pinned when CUDA can use it, so chunk copies can overlap compute."""
+    pin = torch.cuda.is_available()
+    moved = {}
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor):
+            value = value.cpu()
+            if pin and not value.is_pinned():
+                value = value.pin_memory()
+        moved[key] = value
+    return moved
+
+
+def _normalise_towers(encoders, inputs):
+    if callable(encoders):
+        if not isinstance(inputs, Mapping):
+            raise TypeError("with one encoder callable, inputs must be one dict of tensors")
+        return [encoders], [inputs]
+    encoder_list = list(encoders)
+    if not encoder_list or not all(callable(e) for e in encoder_list):
+        raise TypeError("encoders must be a callable or a non-empty sequence of callables")
+    if isinstance(inputs, Mapping):
+        raise TypeError("with several encoders, inputs must be a sequence of dicts, one per encoder")
+    input_list = list(inputs)
+    if len(input_list) != len(encoder_list):
+        raise ValueError(f"{len(encoder_list)} encoders but {len(input_list)} input dicts")
+    for tower_inputs in input_list:
+        if not isinstance(tower_inputs, Mapping):
+            raise TypeError(f"inputs must be dicts of tensors, got {type(tower_inputs).__name__}")
+    return encoder_list, input_list
+
+
+def _normalise_no_sync(no_sync, n_towers):
+    if no_sync is None or callable(no_sync):
+        return [no_sync] * n_towers
+    factories = list(no_sync)
+    if len(factories) != n_towers:
+        raise ValueError(f"no_sync has {len(factories)} factories for {n_towers} encoders")
+    return factories
+
+
+def _as_tuple(output) -> tuple[torch.Tensor, ...]:
+    if isinstance(output, torch.Tensor):
+        return (output,)
+    if isinstance(output, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in output):
+        return tuple(output)
+    raise TypeError(
+        f"an encoder must return a tensor or a tuple of tensors, got {type(output).__name__}"
+    )
+
+
+def _devices_of(chunk: Mapping) -> list[torch.device]:
+    cuda = {v.device for v in chunk.values() if isinstance(v, torch.Tensor) and v.device.type == "cuda"}
+    return sorted(cuda, key=str)
+
+
+class _RngState:
+    """The CPU RNG state and the CUDA RNG states of the devices a chunk lives on."""
+
+    def __init__(self, cpu_state, cuda_devices, cuda_states):
+        self.cpu_state = cpu_state
+        self.cuda_devices = cuda_devices
+        self.cuda_states = cuda_states
+
+    @classmethod
+    def capture(cls, cuda_devices):
+        if not cuda_devices and torch.cuda.is_available() and torch.cuda.is_initialized():
+            # The inputs are on the host but the model may be on the current GPU.
+            cuda_devices = [torch.device("cuda", torch.cuda.current_device())]
+        cuda_states = [torch.cuda.get_rng_state(d) for d in cuda_devices]
+        return cls(torch.get_rng_state(), cuda_devices, cuda_states)
+
+    @contextlib.contextmanager
+    def restored(self):
+        # fork_rng puts the generators back afterwards, so the replays leave the RNG stream
+        # where phase 1 left it, as a single uncached forward would.
+        with torch.random.fork_rng(devices=self.cuda_devices, enabled=True):
+            torch.set_rng_state(self.cpu_state)
+            for device, state in zip(self.cuda_devices, self.cuda_states):
+                torch.cuda.set_rng_state(state, device)
+            yield

@@ -1,0 +1,180 @@
+"""GradCache (hf_infcl.grad_cache): a cached chunked step gives the full-batch step's gradients.
+
+Dropout stays on where the comparison allows it: the uncached reference then embeds the same
+chunks with grad in one graph under the same seed, so both draw the same dropout masks only if
+the replay restores each chunk's RNG state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from hf_infcl import contrastive_loss
+from hf_infcl.grad_cache import cached_step, split_batch
+from tests.trainer_fixtures import clip_batch, parameter_grads, tiny_clip
+
+
+def clip_encoder(model):
+    def encode(chunk):
+        out = model(**chunk)
+        return out.image_embeds, out.text_embeds
+
+    return encode
+
+
+def clip_loss(image_embeds, text_embeds, log_scale):
+    return contrastive_loss(image_embeds, text_embeds, log_scale.exp())
+
+
+def assert_same_grads(cached, reference, rtol=1e-5, atol=1e-6):
+    assert cached.keys() == reference.keys()
+    assert len(cached) > 10
+    for name in reference:
+        torch.testing.assert_close(cached[name], reference[name], rtol=rtol, atol=atol, msg=name)
+
+
+def uncached_chunked_grads(model, batch, chunk_size, seed):
+    """The full-batch step in one autograd graph, the encoders run over the same chunks."""
+    model.zero_grad()
+    encode = clip_encoder(model)
+    torch.manual_seed(seed)
+    outputs = [encode(chunk) for chunk in split_batch(batch, chunk_size)]
+    image_embeds, text_embeds = (torch.cat(parts) for parts in zip(*outputs))
+    loss = clip_loss(image_embeds, text_embeds, model.logit_scale)
+    loss.backward()
+    return loss.detach(), parameter_grads(model)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "offload"])
+def test_cached_step_matches_full_batch_with_dropout(offload):
+    model = tiny_clip(dropout=0.2)
+    batch = clip_batch(16)
+    reference_loss, reference = uncached_chunked_grads(model, batch, 4, seed=7)
+
+    model.zero_grad()
+    torch.manual_seed(7)
+    result = cached_step(clip_encoder(model), batch, clip_loss, 4, loss_params=[model.logit_scale],
+                         offload=offload, device="cpu" if offload else None)
+    torch.testing.assert_close(result.loss, reference_loss, rtol=1e-6, atol=1e-6)
+    assert_same_grads(parameter_grads(model), reference)
+    assert model.logit_scale.grad is not None and model.logit_scale.grad.abs() > 0
+    assert [e.shape for e in result.embeddings] == [(16, 8), (16, 8)]
+    assert not any(e.requires_grad for e in result.embeddings)
+
+
+def test_cached_step_matches_clip_own_loss_without_dropout():
+    """Against CLIPModel(return_loss=True) on the whole batch in one call: an independent oracle."""
+    model = tiny_clip(dropout=0.0)
+    batch = clip_batch(16, seed=3)
+    out = model(**batch, return_loss=True)
+    out.loss.backward()
+    reference = parameter_grads(model)
+
+    model.zero_grad()
+    result = cached_step(clip_encoder(model), batch, clip_loss, 4, loss_params=[model.logit_scale])
+    torch.testing.assert_close(result.loss, out.loss.detach(), rtol=1e-6, atol=1e-6)
+    assert_same_grads(parameter_grads(model), reference)
+
+
+def test_replay_without_rng_restore_would_differ():
+    """The dropout check has teeth: chunks that draw fresh masks in the replay change the grads."""
+    model = tiny_clip(dropout=0.2)
+    batch = clip_batch(16)
+    _, reference = uncached_chunked_grads(model, batch, 4, seed=7)
+    model.zero_grad()
+    torch.manual_seed(8)  # a different stream: the replay's masks no longer match phase 1's draws
+    cached_step(clip_encoder(model), batch, clip_loss, 4, loss_params=[model.logit_scale])
+    grads = parameter_grads(model)
+    assert max((grads[k] - reference[k]).abs().max().item() for k in reference) > 1e-4
+
+
+def test_two_towers_as_separate_encoders_and_scaled_loss():
+    """One callable per tower (different sizes per tower allowed) and a GradScaler-like factor."""
+    model = tiny_clip(dropout=0.1)
+    batch = clip_batch(12, seed=4)
+    images = {"pixel_values": batch["pixel_values"]}
+    texts = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+    def image_tower(chunk):
+        return model.get_image_features(**chunk).pooler_output
+
+    def text_tower(chunk):
+        return model.get_text_features(**chunk).pooler_output
+
+    def loss_fn(image_embeds, text_embeds, log_scale):
+        image_embeds = torch.nn.functional.normalize(image_embeds, dim=-1)
+        text_embeds = torch.nn.functional.normalize(text_embeds, dim=-1)
+        return contrastive_loss(image_embeds, text_embeds, log_scale.exp(), backend="reference")
+
+    torch.manual_seed(11)
+    reference_loss = loss_fn(image_tower(images), text_tower(texts), model.logit_scale)
+    (reference_loss * 8.0).backward()  # uncached chunk = whole tower, so draws match chunk_size=None below
+    reference = parameter_grads(model)
+
+    model.zero_grad()
+    torch.manual_seed(11)
+    result = cached_step([image_tower, text_tower], [images, texts], loss_fn, None,
+                         loss_params=[model.logit_scale], scale_loss=lambda loss: loss * 8.0)
+    torch.testing.assert_close(result.loss, reference_loss.detach())
+    assert_same_grads(parameter_grads(model), reference)
+
+    # Chunked towers: same loss value with dropout off in the same way both times.
+    model.eval()
+    model.zero_grad()
+    towers, tower_inputs = [image_tower, text_tower], [images, texts]
+    full = cached_step(towers, tower_inputs, loss_fn, None, loss_params=[model.logit_scale])
+    full_grads = parameter_grads(model)
+    model.zero_grad()
+    chunked = cached_step(towers, tower_inputs, loss_fn, 5, loss_params=[model.logit_scale])
+    torch.testing.assert_close(chunked.loss, full.loss)
+    assert_same_grads(parameter_grads(model), full_grads)
+
+
+@pytest.mark.parametrize("per_tower", [False, True], ids=["one-factory", "factory-per-tower"])
+def test_no_sync_wraps_every_replay_but_the_last(per_tower):
+    model = tiny_clip(dropout=0.0)
+    batch = clip_batch(10, seed=5)
+    entered = []
+
+    def factory(tag):
+        @contextlib.contextmanager
+        def no_sync():
+            entered.append(tag)
+            yield
+        return no_sync
+
+    images = {"pixel_values": batch["pixel_values"]}
+    texts = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    no_sync = [factory("image"), factory("text")] if per_tower else factory("any")
+    towers = [lambda c: model.get_image_features(**c).pooler_output,
+              lambda c: model.get_text_features(**c).pooler_output]
+    cached_step(towers, [images, texts], lambda i, t: contrastive_loss(i, t, 10.0), 4, no_sync=no_sync)
+    # 3 chunks per tower (4 + 4 + 2 rows), 6 replays
+    if per_tower:
+        assert entered == ["image", "image", "text", "text"]
+    else:
+        assert entered == ["any"] * 5
+
+
+def test_split_batch_repeats_scalars_and_checks_sizes():
+    chunks = split_batch({"x": torch.arange(10), "flag": True, "t": torch.tensor(3.0)}, 4)
+    assert [c["x"].tolist() for c in chunks] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert all(c["flag"] is True and float(c["t"]) == 3.0 for c in chunks)
+    with pytest.raises(ValueError, match="disagree on the batch size"):
+        split_batch({"a": torch.zeros(3), "b": torch.zeros(4)}, 2)
+
+
+def test_bad_arguments_are_rejected():
+    model = tiny_clip(dropout=0.0)
+    batch = clip_batch(4)
+    with pytest.raises(ValueError, match="chunk_size"):
+        cached_step(clip_encoder(model), batch, clip_loss, 0, loss_params=[model.logit_scale])
+    with pytest.raises(TypeError, match="sequence of dicts"):
+        cached_step([clip_encoder(model)], batch, clip_loss, 2)
+    with pytest.raises(ValueError, match="2 encoders but 1 input"):
+        cached_step([clip_encoder(model), clip_encoder(model)], [batch], clip_loss, 2)
+    with pytest.raises(TypeError, match="tensor or a tuple"):
+        cached_step(lambda chunk: {"x": 1}, batch, clip_loss, 2)
