@@ -14,7 +14,7 @@ import torch
 
 from hf_infcl import contrastive_loss
 from hf_infcl.grad_cache import cached_step, split_batch
-from tests.trainer_fixtures import clip_batch, parameter_grads, tiny_clip
+from tests.trainer_fixtures import clip_batch, pair_text_batch, parameter_grads, tiny_clip, tiny_dual_encoder
 
 
 def clip_encoder(model):
@@ -63,6 +63,33 @@ def test_cached_step_matches_full_batch_with_dropout(offload):
     assert model.logit_scale.grad is not None and model.logit_scale.grad.abs() > 0
     assert [e.shape for e in result.embeddings] == [(16, 8), (16, 8)]
     assert not any(e.requires_grad for e in result.embeddings)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-towers", "separate-towers"])
+def test_cached_step_matches_full_batch_dual_encoder(shared):
+    model = tiny_dual_encoder(shared=shared, dropout=0.2)
+    batch = pair_text_batch(16)
+
+    def encode(chunk):
+        out = model(**chunk)
+        return out.query_embeds, out.doc_embeds
+
+    def loss_fn(queries, docs, log_scale):
+        return contrastive_loss(queries, docs, log_scale.exp())
+
+    torch.manual_seed(3)
+    outputs = [encode(chunk) for chunk in split_batch(batch, 4)]
+    queries, docs = (torch.cat(parts) for parts in zip(*outputs))
+    reference_loss = loss_fn(queries, docs, model.logit_scale)
+    reference_loss.backward()
+    reference = parameter_grads(model)
+
+    model.zero_grad()
+    torch.manual_seed(3)
+    result = cached_step(encode, batch, loss_fn, 4, loss_params=[model.logit_scale])
+    torch.testing.assert_close(result.loss, reference_loss.detach(), rtol=1e-6, atol=1e-6)
+    assert_same_grads(parameter_grads(model), reference)
+    assert "logit_scale" in reference
 
 
 def test_cached_step_matches_clip_own_loss_without_dropout():
