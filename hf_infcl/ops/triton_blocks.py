@@ -1,0 +1,193 @@
+"""Block ops (the protocol of :mod:`hf_infcl.ops.spec`) on the fused Triton kernels.
+
+``forward_block`` runs the statistics kernel once for the rows and, for the symmetric softmax
+loss, once more with keys and queries swapped for the columns: two passes over the tiles.
+
+``backward_block`` walks the problem in super-tiles of ``tile_rows x tile_keys`` logits. For each
+one, the gradient-tile kernel recomputes the logits once and writes G (both directions'
+probabilities, masked) into a bounded scratch buffer; two cuBLAS GEMMs then add G K to the
+query accumulator and G^T Q to the key accumulator. ``hf_infcl.ops.triton_kernels`` explains why
+G goes through that buffer rather than register accumulators for widths of 512-1024.
+
+The object keeps no state between calls, so the ring can call it once per visiting key block.
+Float64 inputs have no tensor-core path: they are handed to :class:`TorchTiles`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from . import triton_kernels as kernels
+from .spec import GroupMask, StatsSpec
+from .tiled import TorchTiles
+
+_HALF_TYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class TritonBlocks:
+    """Fused Triton block ops for CUDA tensors (or any tensors under ``TRITON_INTERPRET=1``).
+
+    Attributes:
+        tile_rows, tile_keys: the backward's super-tile; its G buffer holds
+            ``tile_rows * tile_keys`` entries of the input dtype. None picks 4096 x 4096 for
+            half types and 4096 x 2048 for fp32 (32 MiB either way).
+        stat_splits: programs sharing one outer block's inner range in the forward (None: enough
+            to fill the GPU). Tests set it to exercise the merge of partial statistics.
+        poison: fill every buffer the kernels must write completely with NaN first (tests use it
+            to prove that no entry is left unwritten).
+    """
+
+    tile_rows: int | None = None
+    tile_keys: int | None = None
+    stat_splits: int | None = None
+    poison: bool = False
+
+    def __post_init__(self):
+        for name in ("tile_rows", "tile_keys", "stat_splits"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+
+    # ----------------------------------------------------------------------------------------
+
+    def forward_block(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None):
+        if queries.dtype == torch.float64:
+            return TorchTiles().forward_block(spec, queries, keys, scale, bias, mask)
+        self._check(queries, keys)
+        queries, keys = queries.contiguous(), keys.contiguous()
+        scale, bias = _scalar(scale), None if bias is None else _scalar(bias)
+        groups = _mask_arguments(mask)
+        sigmoid = spec.loss == "sigmoid"
+        row_stat = kernels.logit_stats(
+            queries, keys, scale, bias, sigmoid=sigmoid, columns=False, precision=spec.precision,
+            splits=self.stat_splits, out=self._stat_buffer(queries, keys), **groups,
+        )
+        col_stat = None
+        if spec.columns:
+            col_stat = kernels.logit_stats(
+                keys, queries, scale, bias, sigmoid=False, columns=True, precision=spec.precision,
+                splits=self.stat_splits, out=self._stat_buffer(keys, queries), **groups,
+            )
+        return row_stat, col_stat
+
+    def backward_block(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None,
+                       row_stat, col_stat, row_weight, col_weight, grad_queries, grad_keys):
+        if queries.dtype == torch.float64:
+            return TorchTiles().backward_block(spec, queries, keys, scale, bias, mask, row_stat, col_stat,
+                                               row_weight, col_weight, grad_queries, grad_keys)
+        self._check(queries, keys)
+        queries, keys = queries.contiguous(), keys.contiguous()
+        scale, bias = _scalar(scale), None if bias is None else _scalar(bias)
+        m, k = queries.shape[0], keys.shape[0]
+        device = queries.device
+        f32 = dict(dtype=torch.float32, device=device)
+        row_stat, row_weight = row_stat.to(**f32).contiguous(), row_weight.to(**f32).contiguous()
+        if col_stat is not None:
+            col_stat, col_weight = col_stat.to(**f32).contiguous(), col_weight.to(**f32).contiguous()
+
+        # G is stored as G / g_scale, g_scale = max |weight|, so that half precision keeps the
+        # relative precision of G even when the weights are tiny (1/m for a mean over 1M rows).
+        g_scale = row_weight.abs().amax()
+        if col_weight is not None:
+            g_scale = g_scale + col_weight.abs().amax()
+        g_scale = g_scale.clamp_min(torch.finfo(torch.float32).tiny)
+        inv_g_scale = 1.0 / g_scale
+
+        tile_rows, tile_keys = self._super_tile(queries.dtype, m, k)
+        # Row stride padded to 8 elements so that cuBLAS sees aligned leading dimensions.
+        ld = -(-tile_keys // 8) * 8
+        scratch = torch.empty((tile_rows, ld), dtype=queries.dtype, device=device)
+        row_sums = torch.zeros(m, **f32)
+        groups = _mask_arguments(mask)
+        base_offset = groups.pop("key_offset", 0)
+        sigmoid = spec.loss == "sigmoid"
+
+        for r0 in range(0, m, tile_rows):
+            r1 = min(r0 + tile_rows, m)
+            q_rows = queries[r0:r1]
+            for k0 in range(0, k, tile_keys):
+                k1 = min(k0 + tile_keys, k)
+                g = scratch[: r1 - r0, : k1 - k0]
+                if self.poison:
+                    scratch.fill_(float("nan"))
+                tile_row_sums = torch.zeros(r1 - r0, **f32)
+                tile_groups = {}
+                if groups:
+                    tile_groups = dict(
+                        row_groups=groups["row_groups"][r0:r1],
+                        key_groups=groups["key_groups"][k0:k1],
+                        positive_keys=groups["positive_keys"][r0:r1],
+                        key_offset=base_offset + k0,
+                    )
+                kernels.grad_tile(
+                    q_rows, keys[k0:k1], g, tile_row_sums, scale, bias, inv_g_scale,
+                    row_stat[r0:r1], None if col_stat is None else col_stat[k0:k1],
+                    row_weight[r0:r1], None if col_weight is None else col_weight[k0:k1],
+                    sigmoid=sigmoid, precision=spec.precision, **tile_groups,
+                )
+                row_sums[r0:r1] += tile_row_sums
+                with _cublas_precision(queries.dtype, spec.precision, device):
+                    grad_queries[r0:r1].addcmul_(g @ keys[k0:k1], g_scale)
+                    grad_keys[k0:k1].addcmul_(g.T @ q_rows, g_scale)
+        return row_sums
+
+    # ----------------------------------------------------------------------------------------
+
+    def _super_tile(self, dtype: torch.dtype, m: int, k: int) -> tuple[int, int]:
+        default_keys = 4096 if dtype in _HALF_TYPES else 2048
+        rows = self.tile_rows if self.tile_rows is not None else 4096
+        keys = self.tile_keys if self.tile_keys is not None else default_keys
+        return min(rows, m), min(keys, k)
+
+    def _stat_buffer(self, outer: torch.Tensor, inner: torch.Tensor) -> torch.Tensor | None:
+        if not self.poison:
+            return None
+        splits = self.stat_splits or kernels.auto_splits(outer.shape[0], inner.shape[0], outer.device)
+        splits = max(1, min(splits, inner.shape[0]))
+        per_split = -(-inner.shape[0] // splits)
+        splits = -(-inner.shape[0] // per_split)
+        return torch.full((splits, outer.shape[0]), float("nan"), dtype=torch.float32, device=outer.device)
+
+    @staticmethod
+    def _check(queries: torch.Tensor, keys: torch.Tensor) -> None:
+        if queries.dtype not in (torch.float32, *_HALF_TYPES):
+            raise TypeError(f"queries must be float32, float16 or bfloat16 for Triton, got {queries.dtype}")
+        if keys.dtype != queries.dtype:
+            raise TypeError(f"keys have dtype {keys.dtype} but queries have {queries.dtype}")
+        if not kernels.INTERPRET and queries.device.type != "cuda":
+            raise ValueError(f"the Triton kernels need CUDA tensors, got queries on {queries.device}")
+
+
+@contextlib.contextmanager
+def _cublas_precision(dtype: torch.dtype, precision: str, device: torch.device):
+    """The G K and G^T Q GEMMs of fp32 inputs follow ``precision`` like the kernels' tl.dot:
+    TF32 unless "ieee" ("auto" included, whatever torch's global default says)."""
+    if device.type != "cuda" or dtype != torch.float32:
+        yield
+        return
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision != "ieee"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def _scalar(value: torch.Tensor) -> torch.Tensor:
+    """A 0-d fp32 tensor the kernels read through a pointer (no host synchronisation)."""
+    return value.detach().reshape(()).to(torch.float32)
+
+
+def _mask_arguments(mask: GroupMask | None) -> dict:
+    if mask is None:
+        return {}
+    return dict(
+        row_groups=mask.query_groups.to(torch.int64).contiguous(),
+        key_groups=mask.key_groups.to(torch.int64).contiguous(),
+        positive_keys=mask.positive_keys.to(torch.int64).contiguous(),
+        key_offset=int(mask.key_offset),
+    )

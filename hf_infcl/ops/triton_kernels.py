@@ -1,0 +1,382 @@
+"""Fused Triton kernels for the logit statistics of :mod:`hf_infcl.ops.spec`, and their launchers.
+
+Three kernels, none of which ever holds more than one ``BLOCK_M x BLOCK_N`` tile of logits:
+
+* ``_stats_kernel`` (forward): one program owns a block of "outer" vectors and streams every
+  "inner" vector past it, keeping an online log-sum-exp (softmax) or a running sum of softplus
+  (sigmoid) per outer vector. With queries outer it gives the row statistic; with keys outer the
+  column log-sum-exp of the symmetric loss. So the forward is at most two passes over the tiles.
+  When there are too few outer blocks to fill the GPU, the inner range is split over several
+  programs whose partial statistics are merged afterwards (a few floats per vector).
+
+* ``_grad_tile_kernel`` (backward): one program per tile of a "super-tile" of R rows x C keys.
+  It recomputes the logits of its tile once, forms both directions' probabilities in one
+  expression G = w_r * exp(z - r) + w_c * exp(z - c) (or w_r * sigmoid(z)), masks them, adds the
+  tile's row sums of G (for d bias) and writes G, divided by a GPU-resident scale, to a bounded
+  scratch buffer of R x C entries in the input dtype.
+
+* The two products dQ += G K and dK += G^T Q of that super-tile are then plain cuBLAS GEMMs.
+
+Why G goes through a bounded scratch buffer instead of register accumulators (the question the
+design leaves open for c = 512..1024): a row block's dQ accumulator is BLOCK_M x c fp32, i.e.
+128 x 1024 x 4 B = 512 KiB for c = 1024, twice the register file of an SM. The alternatives each
+cost more than they save:
+  - splitting c across the grid means every c-slice recomputes the whole z tile (c / slice extra
+    GEMM passes: 2-4 more passes at c = 512..1024);
+  - fp32 atomics of partial dQ/dK per tile are 2 * BLOCK * c atomics per tile, about as many
+    atomics as multiply-adds / BLOCK, which saturates L2;
+  - a two-kernel dQ / dK scheme recomputes every tile twice (4 backward passes instead of 3).
+Writing G once (2 bytes per logit in bf16) and reading it twice from GEMMs costs 6 bytes per
+logit of memory traffic but keeps the backward at three GEMM-sized passes (recompute, dQ, dK),
+each tile recomputed exactly once, with the two products running at cuBLAS speed. The buffer is
+bounded (32 MiB by default), so memory stays O((m + k) c), never O(m k). G is stored divided by
+max|w| so that half precision never underflows when the weights are 1/m-small; the GEMM outputs
+are multiplied back.
+
+Every index is int64, so m * k > 2^31 is fine; any m, k, c >= 1 works through load masks (c is
+walked in ``BLOCK_K`` chunks, never reshaped). ``scale`` and ``bias`` are read through pointers,
+so nothing waits on the host.
+
+Under ``TRITON_INTERPRET=1`` (checked at import) every kernel runs one small fixed config and
+upcasts its loads to fp32 before ``tl.dot``: the interpreter's half-precision dot is not exact.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Keys of the autotuners: the width c and a coarse size class (tiny / medium / large problems),
+# so a small first call does not fix the configuration of large ones. The autotuner adds the
+# dtypes of tensor arguments to the key by itself.
+_TUNE_KEY = ["c", "size_class"]
+
+
+def _size_class(n_outer: int, n_inner: int) -> int:
+    entries = n_outer * n_inner
+    return 0 if entries < 2**22 else (1 if entries < 2**28 else 2)
+
+
+def _stats_configs():
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1)]
+    shapes = [
+        # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
+        (128, 128, 64, 8, 3),
+        (128, 128, 64, 4, 3),
+        (128, 64, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+        (128, 128, 32, 8, 4),
+        (64, 64, 64, 4, 3),
+    ]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in shapes
+    ]
+
+
+def _grad_configs():
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1)]
+    shapes = [
+        (128, 128, 64, 8, 3),
+        (128, 128, 64, 4, 3),
+        (128, 64, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+        (128, 128, 32, 8, 4),
+    ]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in shapes
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Device functions
+
+
+@triton.jit
+def _dot_tile(a_ptr, b_ptr, a_index, b_index, a_valid, b_valid, c, stride_a, stride_b,
+              BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
+              PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """<A_a, B_b> for a BLOCK_A x BLOCK_B tile, walking the width c in BLOCK_K chunks (fp32)."""
+    acc = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+    width = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + a_index[:, None] * stride_a
+    b_rows = b_ptr + b_index[:, None] * stride_b
+    for c0 in range(0, c, BLOCK_K):
+        cols = c0 + width
+        in_width = cols[None, :] < c
+        a = tl.load(a_rows + cols[None, :], mask=a_valid[:, None] & in_width, other=0.0)
+        b = tl.load(b_rows + cols[None, :], mask=b_valid[:, None] & in_width, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _softplus(z):
+    """log(1 + e^z) without overflow and without losing the small values of very negative z.
+
+    log1p(u) for u = e^-|z| uses log(w) * u / (w - 1), w = 1 + u, which is exact to rounding
+    even where 1 + u rounds (the naive log(1 + u) loses everything below 1e-7 relative).
+    """
+    u = tl.exp(-tl.abs(z))
+    w = 1.0 + u
+    log1p_u = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+    return tl.maximum(z, 0.0) + log1p_u
+
+
+@triton.jit
+def _allowed(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
+             positive_ptr, key_offset, HAS_MASK: tl.constexpr):
+    """Boolean [rows, keys] tile of the contract's masking (positives always allowed)."""
+    allowed = row_valid[:, None] & key_valid[None, :]
+    if HAS_MASK:
+        row_group = tl.load(row_group_ptr + row_index, mask=row_valid, other=0)
+        key_group = tl.load(key_group_ptr + key_index, mask=key_valid, other=0)
+        positive = tl.load(positive_ptr + row_index, mask=row_valid, other=-1)
+        is_positive = positive[:, None] == (key_offset + key_index)[None, :]
+        allowed = allowed & ((row_group[:, None] != key_group[None, :]) | is_positive)
+    return allowed
+
+
+# --------------------------------------------------------------------------------------------
+# Forward: row statistic (queries outer) or column log-sum-exp (keys outer)
+
+
+@triton.jit
+def _stats_kernel_body(
+    outer_ptr, inner_ptr, out_ptr, scale_ptr, bias_ptr,
+    row_group_ptr, key_group_ptr, positive_ptr, key_offset,
+    n_outer, n_inner, c, stride_outer, stride_inner, inner_per_split, size_class,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1).to(tl.int64)
+    outer_index = pid * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    outer_valid = outer_index < n_outer
+    inner_start = split * inner_per_split
+    inner_end = tl.minimum(inner_start + inner_per_split, n_inner)
+
+    scale = tl.load(scale_ptr).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr).to(tl.float32)
+    else:
+        bias = 0.0
+
+    running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for n0 in range(inner_start, inner_end, BLOCK_N):
+        inner_index = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        inner_valid = inner_index < inner_end
+        dots = _dot_tile(outer_ptr, inner_ptr, outer_index, inner_index, outer_valid, inner_valid, c,
+                         stride_outer, stride_inner, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
+        logits = dots * scale + bias
+        if COLUMNS:
+            # The tile is transposed (keys x rows): build the mask in (rows, keys) order.
+            allowed = tl.trans(_allowed(inner_index, outer_index, inner_valid, outer_valid,
+                                        row_group_ptr, key_group_ptr, positive_ptr, key_offset, HAS_MASK))
+        else:
+            allowed = _allowed(outer_index, inner_index, outer_valid, inner_valid,
+                               row_group_ptr, key_group_ptr, positive_ptr, key_offset, HAS_MASK)
+        if SIGMOID:
+            running_sum += tl.sum(tl.where(allowed, _softplus(logits), 0.0), axis=1)
+        else:
+            logits = tl.where(allowed, logits, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+            # A row with nothing allowed yet keeps max = -inf; shift by 0 there to avoid inf - inf.
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(
+                tl.exp(logits - shift[:, None]), axis=1
+            )
+            running_max = new_max
+
+    if SIGMOID:
+        result = running_sum
+    else:
+        shift = tl.where(running_max == float("-inf"), 0.0, running_max)
+        result = shift + tl.log(running_sum)  # log(0) = -inf for rows that saw no allowed key
+    tl.store(out_ptr + split * n_outer + outer_index, result, mask=outer_valid)
+
+
+_stats_kernel = triton.autotune(configs=_stats_configs(), key=_TUNE_KEY)(_stats_kernel_body)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward: G of one super-tile, written to a scratch buffer
+
+
+@triton.jit
+def _grad_tile_kernel_body(
+    q_ptr, k_ptr, g_ptr, row_sums_ptr, scale_ptr, bias_ptr, inv_g_scale_ptr,
+    row_stat_ptr, col_stat_ptr, row_weight_ptr, col_weight_ptr,
+    row_group_ptr, key_group_ptr, positive_ptr, key_offset,
+    n_rows, n_keys, c, stride_q, stride_k, stride_g, size_class,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row_index = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    key_index = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    row_valid = row_index < n_rows
+    key_valid = key_index < n_keys
+
+    scale = tl.load(scale_ptr).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr).to(tl.float32)
+    else:
+        bias = 0.0
+    dots = _dot_tile(q_ptr, k_ptr, row_index, key_index, row_valid, key_valid, c, stride_q, stride_k,
+                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
+    logits = dots * scale + bias
+
+    row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
+    if SIGMOID:
+        grad = row_weight[:, None] * tl.sigmoid(logits)
+    else:
+        row_stat = tl.load(row_stat_ptr + row_index, mask=row_valid, other=0.0)
+        grad = row_weight[:, None] * tl.exp(logits - row_stat[:, None])
+        if COLUMNS:
+            col_stat = tl.load(col_stat_ptr + key_index, mask=key_valid, other=0.0)
+            col_weight = tl.load(col_weight_ptr + key_index, mask=key_valid, other=0.0)
+            grad += col_weight[None, :] * tl.exp(logits - col_stat[None, :])
+    allowed = _allowed(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
+                       positive_ptr, key_offset, HAS_MASK)
+    # where(), not a product: a masked entry may hold 0 * inf = nan.
+    grad = tl.where(allowed, grad, 0.0)
+
+    tl.atomic_add(row_sums_ptr + row_index, tl.sum(grad, axis=1), mask=row_valid)
+    inv_g_scale = tl.load(inv_g_scale_ptr)
+    g_tile = g_ptr + row_index[:, None] * stride_g + key_index[None, :]
+    tl.store(g_tile, (grad * inv_g_scale).to(g_ptr.dtype.element_ty),
+             mask=row_valid[:, None] & key_valid[None, :])
+
+
+_grad_tile_kernel = triton.autotune(
+    configs=_grad_configs(), key=_TUNE_KEY, reset_to_zero=["row_sums_ptr"]
+)(_grad_tile_kernel_body)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+
+
+def dot_precision(dtype: torch.dtype, precision: str) -> str:
+    """tl.dot input_precision: TF32 for fp32 unless "ieee"; half types ignore it."""
+    if dtype == torch.float32 and precision == "ieee":
+        return "ieee"
+    return "tf32"
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def auto_splits(n_outer: int, n_inner: int, device: torch.device) -> int:
+    """How many programs share one outer block's inner range: enough programs to fill the GPU
+    (two per SM, assuming 128-wide outer blocks), but each still streams >= 2048 inner vectors."""
+    outer_blocks = math.ceil(n_outer / 128)
+    wanted = math.ceil(2 * _sm_count(device) / outer_blocks)
+    return max(1, min(wanted, n_inner // 2048))
+
+
+def logit_stats(
+    outer: torch.Tensor,
+    inner: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    sigmoid: bool,
+    columns: bool,
+    precision: str,
+    row_groups: torch.Tensor | None = None,
+    key_groups: torch.Tensor | None = None,
+    positive_keys: torch.Tensor | None = None,
+    key_offset: int = 0,
+    splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Row statistic of ``outer`` against ``inner`` (queries, keys), or with ``columns=True`` the
+    column log-sum-exp (outer = keys, inner = queries). fp32 [n_outer].
+
+    ``out`` (optional, fp32 [splits, n_outer]) receives the per-split partial statistics; the
+    merged result is returned. Masks use rows/keys in the contract's sense whatever the role.
+    """
+    n_outer, c = outer.shape
+    n_inner = inner.shape[0]
+    if splits is None:
+        splits = auto_splits(n_outer, n_inner, outer.device)
+    splits = max(1, min(splits, n_inner))
+    inner_per_split = math.ceil(n_inner / splits)
+    splits = math.ceil(n_inner / inner_per_split)
+    if out is None:
+        out = torch.empty((splits, n_outer), dtype=torch.float32, device=outer.device)
+    has_mask = row_groups is not None
+    dummy = scale  # any valid pointer for arguments a specialisation never reads
+    grid = lambda meta: (triton.cdiv(n_outer, meta["BLOCK_M"]), splits)  # noqa: E731
+    _stats_kernel[grid](
+        outer, inner, out, scale, bias if bias is not None else dummy,
+        row_groups if has_mask else dummy, key_groups if has_mask else dummy,
+        positive_keys if has_mask else dummy, key_offset,
+        n_outer, n_inner, c, outer.stride(0), inner.stride(0), inner_per_split,
+        _size_class(n_outer, n_inner),
+        HAS_BIAS=bias is not None, HAS_MASK=has_mask, COLUMNS=columns, SIGMOID=sigmoid,
+        PRECISION=dot_precision(outer.dtype, precision), UPCAST=INTERPRET,
+    )
+    if splits == 1:
+        return out[0]
+    return out.sum(dim=0) if sigmoid else torch.logsumexp(out, dim=0)
+
+
+def grad_tile(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    g_out: torch.Tensor,
+    row_sums: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    inv_g_scale: torch.Tensor,
+    row_stat: torch.Tensor,
+    col_stat: torch.Tensor | None,
+    row_weight: torch.Tensor,
+    col_weight: torch.Tensor | None,
+    *,
+    sigmoid: bool,
+    precision: str,
+    row_groups: torch.Tensor | None = None,
+    key_groups: torch.Tensor | None = None,
+    positive_keys: torch.Tensor | None = None,
+    key_offset: int = 0,
+) -> None:
+    """Write G / g_scale of ``queries`` x ``keys`` into ``g_out`` [rows, keys] (a view whose last
+    stride is 1) and add the row sums of G into ``row_sums`` [rows] (fp32, zeroed by the caller).
+    """
+    n_rows, c = queries.shape
+    n_keys = keys.shape[0]
+    has_mask = row_groups is not None
+    columns = col_stat is not None
+    dummy = scale
+    grid = lambda meta: (triton.cdiv(n_rows, meta["BLOCK_M"]), triton.cdiv(n_keys, meta["BLOCK_N"]))  # noqa: E731
+    _grad_tile_kernel[grid](
+        queries, keys, g_out, row_sums, scale, bias if bias is not None else dummy, inv_g_scale,
+        row_stat, col_stat if columns else dummy, row_weight, col_weight if columns else dummy,
+        row_groups if has_mask else dummy, key_groups if has_mask else dummy,
+        positive_keys if has_mask else dummy, key_offset,
+        n_rows, n_keys, c, queries.stride(0), keys.stride(0), g_out.stride(0),
+        _size_class(n_rows, n_keys),
+        HAS_BIAS=bias is not None, HAS_MASK=has_mask, COLUMNS=columns, SIGMOID=sigmoid,
+        PRECISION=dot_precision(queries.dtype, precision), UPCAST=INTERPRET,
+    )

@@ -1,0 +1,163 @@
+"""The Triton kernels under ``TRITON_INTERPRET=1`` on CPU, against the float64 reference.
+
+Not collected by pytest directly (its name does not start with ``test_``): ``tests/test_triton.py``
+runs it in a subprocess with the variable set, because it must be set before any kernel is
+defined and must not leak into the rest of the suite. Run it by hand with
+``TRITON_INTERPRET=1 python -m pytest tests/triton_interpreted.py -q``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from hf_infcl import contrastive_loss
+from hf_infcl.ops.spec import GroupMask, StatsSpec
+from hf_infcl.ops.tiled import TorchTiles
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 (run through tests/test_triton.py)", allow_module_level=True)
+
+from hf_infcl.ops.triton_blocks import TritonBlocks  # noqa: E402  (after the interpreter check)
+
+# Small super-tiles and split statistics so that every case crosses several tiles of both kernels
+# and merges partial statistics; poison proves every output entry is written.
+BLOCKS = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=2, poison=True)
+
+# Norm-wise relative tolerance per input dtype. The interpreter multiplies in fp32; for fp16 the
+# error is G rounded to fp16 (2^-11) plus the fp16 output of the G K / G^T Q products, which
+# d scale (a sum with cancellation) amplifies. fp32: rounding of c = 1 cases where P_ii ~ 1
+# and dq_i = s (sum_j P_ij k_j - k_i) cancels to a few ulps reached 2.2e-5 once in 2000 draws.
+TOLERANCE = {torch.float32: 5e-5, torch.float16: 1e-2}
+
+
+def random_case(m, k, c, *, groups, custom_positives, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(m, c, generator=gen, dtype=torch.float64), dim=1)
+    keys = torch.nn.functional.normalize(torch.randn(k, c, generator=gen, dtype=torch.float64), dim=1)
+    keys[:m] += 0.5 * q  # positives more similar than chance, as in a trained model
+    case = dict(
+        queries=q, keys=keys,
+        scale=float(torch.empty(1).uniform_(2.0, 20.0, generator=gen)),
+        bias=float(torch.empty(1).uniform_(-8.0, 1.0, generator=gen)),
+        positives=torch.randperm(k, generator=gen)[:m] if custom_positives else None,
+        query_groups=None, key_groups=None,
+        row_weights=torch.rand(m, generator=gen, dtype=torch.float64) + 0.1,
+    )
+    if groups:
+        n_groups = max(2, m // 3)
+        case["query_groups"] = torch.randint(0, n_groups, (m,), generator=gen)
+        case["key_groups"] = torch.randint(0, n_groups, (k,), generator=gen)
+    return case
+
+
+def loss_and_grads(case, dtype, backend, *, loss, symmetric, use_bias):
+    """Weighted sum of per-row losses (arbitrary row weights) and its gradients."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    q = case["queries"].to(dtype).requires_grad_(True)
+    k = case["keys"].to(dtype).requires_grad_(True)
+    scale = torch.tensor(case["scale"], dtype=acc, requires_grad=True)
+    bias = torch.tensor(case["bias"], dtype=acc, requires_grad=True) if use_bias else None
+    per_row = contrastive_loss(
+        q, k, scale, bias, loss=loss, symmetric=symmetric, positives=case["positives"],
+        query_groups=case["query_groups"], key_groups=case["key_groups"], reduction="none",
+        backend=backend,
+    )
+    total = (per_row.double() * case["row_weights"]).sum()
+    leaves = [q, k, scale] + ([bias] if use_bias else [])
+    grads = torch.autograd.grad(total, leaves)
+    named = {n: g.double() for n, g in zip(["dq", "dk", "dscale", "dbias"], grads)}
+    return {"loss": per_row.detach().double(), **named}
+
+
+def relative_error(out, ref):
+    """Norm-wise relative error. Below a norm of 1 it turns absolute: with m = k = 1 the loss and
+    dq are exactly 0 in exact arithmetic, and fp32 leaves rounding noise of the terms' size."""
+    assert torch.isfinite(out).all(), "non-finite output"
+    return float((out - ref).norm() / ref.norm().clamp_min(1.0))
+
+
+LOSSES = {
+    "softmax-sym": dict(loss="softmax", symmetric=True, use_bias=False),
+    "softmax-asym": dict(loss="softmax", symmetric=False, use_bias=False),
+    "sigmoid-bias": dict(loss="sigmoid", symmetric=False, use_bias=True),
+}
+# (m, k, c): m = 1, 7, 33; keys = rows plus hard negatives; widths 1, 3, 40 (none a multiple of 16).
+SHAPES = [(1, 1, 3), (1, 6, 40), (7, 7, 1), (7, 19, 40), (33, 33, 3), (33, 71, 40)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("groups", [False, True], ids=["nogroups", "groups"])
+@pytest.mark.parametrize("loss_name", list(LOSSES))
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"m{m}-k{k}-c{c}" for m, k, c in SHAPES])
+def test_loss_and_gradients_match_float64_reference(shape, loss_name, groups, dtype):
+    m, k, c = shape
+    # Keep the run short: fp16 on half the shapes, groups only where there are several rows.
+    if dtype == torch.float16 and SHAPES.index(shape) % 2 == 0:
+        pytest.skip("fp16 runs on every other shape to keep CI short")
+    if groups and m == 1:
+        pytest.skip("a single row has no false negatives to mask")
+    seed = random.randrange(2**31)
+    case = random_case(m, k, c, groups=groups, custom_positives=(k > m and m > 1), seed=seed)
+    options = LOSSES[loss_name]
+    # The reference sees the same rounded inputs, upcast: only the kernels' arithmetic differs.
+    rounded = dict(case, queries=case["queries"].to(dtype).double(), keys=case["keys"].to(dtype).double())
+    expected = loss_and_grads(rounded, torch.float64, "reference", **options)
+    got = loss_and_grads(case, dtype, BLOCKS, **options)
+    assert set(got) == set(expected)
+    errors = {name: relative_error(got[name], expected[name]) for name in expected}
+    assert max(errors.values()) < TOLERANCE[dtype], (seed, errors)
+
+
+def test_block_ops_with_key_offset_add_into_accumulators():
+    """The ring's use: a key block at a global offset, complete statistics, accumulators that
+    already hold other blocks' sums. Compared with TorchTiles in float64."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    m, k, c, offset = 9, 21, 17, 30
+    q = torch.nn.functional.normalize(torch.randn(m, c, generator=gen, dtype=torch.float64), dim=1)
+    keys = torch.nn.functional.normalize(torch.randn(k, c, generator=gen, dtype=torch.float64), dim=1)
+    positives = offset + torch.randperm(k, generator=gen)[:m]
+    positives[::3] = 5  # some rows' positives live in another key block
+    mask = GroupMask(torch.randint(0, 3, (m,), generator=gen), torch.randint(0, 3, (k,), generator=gen),
+                     positives, key_offset=offset)
+    scale = torch.tensor(7.5, dtype=torch.float64)
+    spec = StatsSpec("softmax", columns=True)
+
+    ref_row, ref_col = TorchTiles(4, 5).forward_block(spec, q, keys, scale, None, mask)
+    row, col = BLOCKS.forward_block(spec, q.float(), keys.float(), scale.float(), None, mask)
+    assert relative_error(row.double(), ref_row) < 1e-6
+    assert relative_error(col.double(), ref_col) < 1e-6
+
+    # Complete statistics of a bigger problem: the block's own plus some other keys' mass.
+    full_row, full_col = ref_row + 0.3, ref_col + 0.2
+    row_w = torch.rand(m, generator=gen, dtype=torch.float64)
+    col_w = torch.rand(k, generator=gen, dtype=torch.float64)
+    start_q = torch.randn(m, c, generator=gen, dtype=torch.float64)
+    start_k = torch.randn(k, c, generator=gen, dtype=torch.float64)
+    ref_dq, ref_dk = start_q.clone(), start_k.clone()
+    ref_sums = TorchTiles(4, 5).backward_block(spec, q, keys, scale, None, mask, full_row, full_col,
+                                               row_w, col_w, ref_dq, ref_dk)
+    dq, dk = start_q.float(), start_k.float()
+    sums = BLOCKS.backward_block(spec, q.float(), keys.float(), scale.float(), None, mask, full_row.float(),
+                                 full_col.float(), row_w.float(), col_w.float(), dq, dk)
+    assert relative_error(dq.double() - start_q, ref_dq - start_q) < 1e-5
+    assert relative_error(dk.double() - start_k, ref_dk - start_k) < 1e-5
+    assert relative_error(sums.double(), ref_sums) < 1e-5
+
+
+def test_non_finite_input_gives_nan_not_a_finite_number():
+    q = torch.randn(5, 8)
+    k = torch.randn(7, 8)
+    q[2, 3] = float("nan")
+    loss = contrastive_loss(q, k, 3.0, backend=BLOCKS)
+    assert torch.isnan(loss)
+
+
+def test_float64_inputs_fall_back_to_torch_tiles():
+    case = random_case(6, 9, 5, groups=False, custom_positives=False, seed=random.randrange(2**31))
+    expected = loss_and_grads(case, torch.float64, "reference", **LOSSES["softmax-sym"])
+    got = loss_and_grads(case, torch.float64, BLOCKS, **LOSSES["softmax-sym"])
+    assert max(relative_error(got[n], expected[n]) for n in expected) < 1e-10
