@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .ops import reference
+from .ops import reference, ring
 from .ops.local import LocalLogitStats
 from .ops.spec import BlockOps, GroupMask, StatsSpec, accumulation_dtype
 from .ops.tiled import TorchTiles
@@ -56,8 +56,12 @@ def contrastive_loss(
             (duplicate captions, the same document twice).
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-row losses ``[m]``).
         process_group: ``None`` computes over this process's tensors only. A
-            ``torch.distributed`` group (or ``"auto"`` for the default group when one is
-            initialised) computes the loss over every row and key of the group with the ring.
+            ``torch.distributed`` group computes the loss over every row and key of the group
+            with the ring (``hf_infcl.ops.ring``): every rank must call this with its own rows
+            and keys (a rank may hold no rows), and every rank must backpropagate its result.
+            ``"auto"`` means the default (WORLD) group when ``torch.distributed`` is initialised
+            with more than one process, and local computation otherwise. A group of one process
+            gives exactly the local result.
         backend: ``"auto"`` (Triton on CUDA when importable, else ``"torch"``), ``"torch"``
             (tile-wise PyTorch, any device), ``"triton"``, ``"reference"`` (materialised;
             small inputs only), or a block-ops object such as ``TorchTiles(256, 256)``.
@@ -69,14 +73,23 @@ def contrastive_loss(
         ``(n / M) * sum of its rows' losses``, so that averaging the processes' gradients (what
         DDP does) gives exactly the gradient of the global mean.
     """
-    checked = _check_arguments(
-        queries, keys, logit_scale, logit_bias, loss, symmetric, positives, query_groups,
-        key_groups, reduction, backend, precision,
-    )
-    scale, bias, positives = checked
     group, world_size = _resolve_process_group(process_group)
+    try:
+        checked = _check_arguments(
+            queries, keys, logit_scale, logit_bias, loss, symmetric, positives, query_groups,
+            key_groups, reduction, backend, precision, in_ring=world_size > 1,
+        )
+    except (TypeError, ValueError):
+        if world_size > 1:  # the other ranks wait in the ring's size exchange: tell them, then raise
+            ring.announce_rejected_arguments(group, queries.device if torch.is_tensor(queries) else None)
+        raise
+    scale, bias, positives = checked
     if world_size > 1:
-        raise NotImplementedError("process groups of more than one process need the ring (hf_infcl.ops.ring)")
+        per_row, total_rows = _ring_per_row_loss(
+            group, queries, keys, scale, bias, loss, symmetric, positives, query_groups, key_groups,
+            backend, precision,
+        )
+        return _reduce(per_row, reduction, total_rows=total_rows, world_size=world_size)
 
     per_row = _local_per_row_loss(
         queries, keys, scale, bias, loss, symmetric, positives, query_groups, key_groups, backend, precision
@@ -98,6 +111,20 @@ def _local_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, 
         mask = GroupMask(query_groups, key_groups, positives, key_offset=0)
     row_stat, col_stat = LocalLogitStats.apply(queries, keys, scale, bias, mask, spec, ops)
     return assemble_per_row_loss(spec, queries, keys, scale, bias, positives, row_stat, col_stat)
+
+
+def _ring_per_row_loss(group, queries, keys, scale, bias, loss, symmetric, positives, query_groups,
+                       key_groups, backend, precision):
+    """Per-row losses of this rank's rows over the whole group (the ring), and the group's row count."""
+    spec = StatsSpec(loss=loss, columns=loss == "softmax" and symmetric, precision=precision)
+    layout = ring.exchange_layout(group, queries, keys, spec, bias is not None, query_groups is not None)
+    ops = select_block_ops(backend, queries.device)
+    positive_keys = positives + layout.key_offset(layout.rank)  # global key ids, for group masking
+    row_stat, col_stat = ring.RingLogitStats.apply(
+        queries, keys, scale, bias, query_groups, key_groups, positive_keys, spec, ops, layout
+    )
+    per_row = assemble_per_row_loss(spec, queries, keys, scale, bias, positives, row_stat, col_stat)
+    return per_row, layout.total_rows
 
 
 def assemble_per_row_loss(spec, queries, keys, scale, bias, positives, row_stat, col_stat):
@@ -215,8 +242,11 @@ def _as_scalar_tensor(name, value, dtype, device, allow_none):
 
 
 def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, positives,
-                     query_groups, key_groups, reduction, backend, precision):
-    """Validate everything; return (scale tensor, bias tensor or None, positives [m] int64)."""
+                     query_groups, key_groups, reduction, backend, precision, in_ring=False):
+    """Validate everything; return (scale tensor, bias tensor or None, positives [m] int64).
+
+    ``in_ring``: one rank of several, which may hold no rows (the ring checks the group has some).
+    """
     _check_features("queries", queries)
     _check_features("keys", keys)
     _choice("loss", loss, LOSSES)
@@ -237,8 +267,11 @@ def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, po
     n_keys, key_width = keys.shape
     if key_width != width:
         raise ValueError(f"keys have width {key_width} but queries have width {width}; they must match")
-    if m == 0:
+    if m == 0 and not in_ring:
         raise ValueError("queries has no rows (m = 0)")
+    if in_ring and backend == "reference":
+        raise ValueError("backend='reference' materialises the logits of one process only; "
+                         "use 'torch' or 'triton' with a process group")
     if width == 0:
         raise ValueError("queries and keys have width 0")
     if backend == "triton" and queries.device.type != "cuda":
@@ -254,7 +287,7 @@ def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, po
         positives = torch.arange(m, device=device)
     else:
         _check_index_vector("positives", positives, m, device)
-        if n_keys == 0 or int(positives.min()) < 0 or int(positives.max()) >= n_keys:
+        if m and (n_keys == 0 or int(positives.min()) < 0 or int(positives.max()) >= n_keys):
             raise ValueError(f"positives must index keys, i.e. lie in [0, {n_keys}); got values outside")
         positives = positives.long()
 

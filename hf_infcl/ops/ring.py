@@ -1,0 +1,429 @@
+"""The loss across processes: key blocks travel round a ring of ranks, queries stay put.
+
+Rank r of n holds its rows Q_r [m_r, c] and keys K_r [k_r, c]. The statistics every row and every
+key needs (:mod:`hf_infcl.ops.spec`) run over the keys and rows of the whole group, which no rank
+ever gathers. Instead, in n steps, every key block visits every rank:
+
+    step t: rank r holds the key block of rank (r - t) mod n, sends it on to rank r + 1 and
+            receives the next one from rank r - 1 *before* it computes on the current block, so
+            the transfer overlaps the compute.
+
+Forward: a rank merges each block's partial row statistic into its rows' statistic. The column
+statistic (softmax, symmetric loss) of a key block is a running log-sum-exp that follows its
+block one step behind: rank r sends it on after adding its own partial, and rank r + 1 needs it
+only once it has computed its own partial, so that transfer overlaps compute too. After n steps
+the complete column statistic arrives home.
+
+Backward: the key blocks travel again, carrying their owner's complete column statistic and its
+gradient. The gradient of the keys is accumulated in fp32 (fp64 for fp64 inputs) the same way as
+the forward's column statistic: it travels one step behind its key block, and arrives home when
+every rank has added G^T Q_r. It travels in slices of the key block so that only about one key
+block of accumulators is in flight per rank, not three.
+
+Ranks may hold different numbers of rows and keys (one may hold no rows at all): the sizes are
+exchanged first with one small all_gather, which also carries every option that must agree, so
+that a mismatch raises the same ``ValueError`` on every rank instead of a hang. Key blocks travel
+padded to the largest k; each rank computes only on the owner's real keys.
+
+Gradients: each rank's backward returns the gradient of the *sum of every rank's* loss with
+respect to its own queries and keys, and its share of the gradient of the scale and bias (from the
+logits it computed). With the ``mean`` reduction of DESIGN.md section 3, DDP's average of the
+ranks' gradients is then exactly the gradient of the global mean; no collective touches the scale
+or the bias.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .local import finish_gradients
+from .spec import BlockOps, GroupMask, StatsSpec, accumulation_dtype, empty_row_stats, merge_row_stats
+
+# The all_gather at the start carries these fields per rank (as float64: every value is a small
+# integer, exact in a double).
+_LAYOUT_FIELDS = (
+    "ok", "rows", "keys", "width", "dtype", "loss", "columns", "precision", "device_type",
+    "has_bias", "has_groups",
+)
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_LOSS_CODES = {"softmax": 1, "sigmoid": 2}
+_PRECISION_CODES = {"auto": 1, "tf32": 2, "ieee": 3}
+_DEVICE_CODES = {"cpu": 1, "cuda": 2, "xpu": 3, "mps": 4}
+
+# The backward's key-gradient accumulators travel in slices of at most this many bytes (fp32),
+# so that a rank holds about one key block of them in flight instead of three. Small enough to
+# halve the loss memory at large batches, large enough to keep each slice's GEMMs efficient.
+_MAX_SLICE_BYTES = 64 * 2**20
+_MAX_SLICES = 8
+
+
+@dataclass(frozen=True)
+class RingLayout:
+    """Who holds what: the outcome of the size exchange, identical on every rank."""
+
+    group: object
+    rank: int  # this process's rank within the group
+    world_size: int
+    next_peer: int  # global rank of (rank + 1) mod n: where key blocks go
+    prev_peer: int  # global rank of (rank - 1) mod n: where they come from
+    rows: tuple[int, ...]  # m of every rank
+    keys: tuple[int, ...]  # k of every rank
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.rows)
+
+    @property
+    def max_keys(self) -> int:
+        return max(self.keys)
+
+    def key_offset(self, rank: int) -> int:
+        """Global index of rank ``rank``'s first key (keys are numbered in rank order)."""
+        return sum(self.keys[:rank])
+
+    def owner(self, step: int) -> int:
+        """The rank whose key block this rank holds at ``step``."""
+        return (self.rank - step) % self.world_size
+
+
+def _metadata_device(group, fallback: torch.device) -> torch.device:
+    """Where the size exchange's tensor must live for this group's backend."""
+    backend = str(dist.get_backend(group)).lower()
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return fallback if fallback.type != "meta" else torch.device("cpu")
+
+
+def _all_gather_layout(group, values: list[float], device: torch.device) -> torch.Tensor:
+    world_size = dist.get_world_size(group)
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=group)
+    return torch.stack(gathered).cpu()
+
+
+def announce_rejected_arguments(group, device: torch.device | None = None) -> None:
+    """Take part in the size exchange as a rank whose arguments failed their checks.
+
+    Called by a rank that is about to raise its own argument error, so that the other ranks, who
+    are waiting in the exchange, raise too instead of hanging.
+    """
+    values = [0.0] * len(_LAYOUT_FIELDS)
+    _all_gather_layout(group, values, _metadata_device(group, device or torch.device("cpu")))
+
+
+def exchange_layout(group, queries, keys, spec: StatsSpec, has_bias: bool, has_groups: bool) -> RingLayout:
+    """Exchange sizes and options with every rank of ``group``; raise the same error everywhere
+    when they disagree."""
+    values = {
+        "ok": 1,
+        "rows": queries.shape[0],
+        "keys": keys.shape[0],
+        "width": queries.shape[1],
+        "dtype": _DTYPE_CODES.get(queries.dtype, 99),
+        "loss": _LOSS_CODES[spec.loss],
+        "columns": int(spec.columns),
+        "precision": _PRECISION_CODES[spec.precision],
+        "device_type": _DEVICE_CODES.get(queries.device.type, 99),
+        "has_bias": int(has_bias),
+        "has_groups": int(has_groups),
+    }
+    table = _all_gather_layout(
+        group, [float(values[name]) for name in _LAYOUT_FIELDS], _metadata_device(group, queries.device)
+    )
+    columns = {name: [int(v) for v in table[:, i].tolist()] for i, name in enumerate(_LAYOUT_FIELDS)}
+    _check_agreement(columns)
+
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    return RingLayout(
+        group=group,
+        rank=rank,
+        world_size=world_size,
+        next_peer=dist.get_global_rank(group, (rank + 1) % world_size),
+        prev_peer=dist.get_global_rank(group, (rank - 1) % world_size),
+        rows=tuple(columns["rows"]),
+        keys=tuple(columns["keys"]),
+    )
+
+
+def _check_agreement(columns: dict[str, list[int]]) -> None:
+    """Raise on disagreement. Every rank runs this on the same table, so every rank raises the
+    same error."""
+    rejected = [rank for rank, ok in enumerate(columns["ok"]) if not ok]
+    if rejected:
+        raise ValueError(
+            f"rank(s) {rejected} of the process group rejected their arguments to contrastive_loss "
+            "(see the error raised there); every rank stops"
+        )
+
+    def per_rank(name, decode=str):
+        return ", ".join(f"rank {r}: {decode(v)}" for r, v in enumerate(columns[name]))
+
+    names = {
+        "width": ("the feature width c", str),
+        "dtype": ("the dtype of the features", _decoder(_DTYPE_CODES)),
+        "device_type": ("the device type", _decoder(_DEVICE_CODES)),
+        "loss": ("loss", _decoder(_LOSS_CODES)),
+        "columns": ("symmetric (column statistics)", lambda v: str(bool(v))),
+        "precision": ("precision", _decoder(_PRECISION_CODES)),
+        "has_bias": ("whether logit_bias is given", lambda v: str(bool(v))),
+        "has_groups": ("whether query_groups/key_groups are given", lambda v: str(bool(v))),
+    }
+    for field, (what, decode) in names.items():
+        if len(set(columns[field])) > 1:
+            raise ValueError(f"ranks of the process group disagree on {what}: {per_rank(field, decode)}")
+    if sum(columns["rows"]) == 0:
+        raise ValueError("no rank of the process group has any rows (queries is empty everywhere)")
+
+
+def _decoder(codes: dict) -> Callable[[int], str]:
+    names = {code: str(name).replace("torch.", "") for name, code in codes.items()}
+    return lambda code: names.get(code, "other")
+
+
+# --------------------------------------------------------------------------------------------
+# Point-to-point plumbing.
+
+
+def _exchange(layout: RingLayout, outgoing: list[torch.Tensor], incoming: list[torch.Tensor]):
+    """Post one batch: send ``outgoing`` to the next rank, receive ``incoming`` from the previous.
+
+    Returns the works to wait on. Every rank posts its batches in the same order, so they match.
+    """
+    ops = [dist.P2POp(dist.isend, t, layout.next_peer, layout.group) for t in outgoing]
+    ops += [dist.P2POp(dist.irecv, t, layout.prev_peer, layout.group) for t in incoming]
+    return dist.batch_isend_irecv(ops)
+
+
+def _wait(works) -> None:
+    for work in works or ():
+        work.wait()
+
+
+def _padded(tensor: torch.Tensor, length: int, fill: float) -> torch.Tensor:
+    """``tensor`` as a contiguous block of ``length`` rows (the ring's fixed message size)."""
+    if tensor.shape[0] == length and tensor.is_contiguous():
+        return tensor
+    out = torch.full((length, *tensor.shape[1:]), fill, dtype=tensor.dtype, device=tensor.device)
+    out[: tensor.shape[0]] = tensor
+    return out
+
+
+class _TravellingBlocks:
+    """The key blocks (and whatever travels with them) going round the ring, double-buffered.
+
+    ``current`` holds the block of this step; ``post_next`` sends it on and receives the next
+    one into a spare buffer before the current block is computed on; ``advance`` waits for that
+    transfer and makes the received block current.
+    """
+
+    def __init__(self, layout: RingLayout, own: list[torch.Tensor]):
+        self.layout = layout
+        self.current = own
+        self._own = own  # the caller's tensors, never received into
+        self._spare = None
+        self._incoming = None
+        self._works = None
+
+    def post_next(self) -> None:
+        if self._spare is None:
+            self._spare = [torch.empty_like(t) for t in self.current]
+        self._incoming, self._spare = self._spare, None
+        self._works = _exchange(self.layout, self.current, self._incoming)
+
+    def advance(self) -> None:
+        _wait(self._works)
+        finished = self.current
+        self.current, self._incoming, self._works = self._incoming, None, None
+        if finished is not self._own:
+            self._spare = finished
+
+
+# --------------------------------------------------------------------------------------------
+# The autograd Function.
+
+
+class RingLogitStats(torch.autograd.Function):
+    """(queries, keys, scale, bias, groups) -> (row_stat [m_r], col_stat [k_r] or empty), both
+    over the whole process group; the ring counterpart of ``LocalLogitStats``.
+
+    ``positive_keys`` are the rows' positives as *global* key indices (this rank's key offset
+    plus the local index); they only matter for group masking.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        query_groups: torch.Tensor | None,
+        key_groups: torch.Tensor | None,
+        positive_keys: torch.Tensor,
+        spec: StatsSpec,
+        ops: BlockOps,
+        layout: RingLayout,
+    ):
+        row_stat, col_stat = _ring_forward(
+            layout, spec, ops, queries, keys, scale, bias, query_groups, key_groups, positive_keys
+        )
+        ctx.save_for_backward(queries, keys, scale, bias, row_stat, col_stat)
+        ctx.groups = (query_groups, key_groups, positive_keys)
+        ctx.spec, ctx.ops, ctx.layout = spec, ops, layout
+        ctx.mark_non_differentiable(*(t for t in (query_groups, key_groups, positive_keys) if t is not None))
+        return row_stat, col_stat
+
+    @staticmethod
+    def backward(ctx, grad_row_stat, grad_col_stat):
+        queries, keys, scale, bias, row_stat, col_stat = ctx.saved_tensors
+        query_groups, key_groups, positive_keys = ctx.groups
+        grad_queries, grad_keys, row_sums = _ring_backward(
+            ctx.layout, ctx.spec, ctx.ops, queries, keys, scale, bias, query_groups, key_groups,
+            positive_keys, row_stat, col_stat, grad_row_stat, grad_col_stat,
+        )
+        grads = finish_gradients(ctx, queries, keys, scale, bias, grad_queries, grad_keys, row_sums)
+        return (*grads, None, None, None, None, None, None)
+
+
+def _block_mask(query_groups, positive_keys, block_groups, offset: int) -> GroupMask | None:
+    if query_groups is None:
+        return None
+    return GroupMask(query_groups, block_groups, positive_keys, key_offset=offset)
+
+
+def _ring_forward(layout, spec, ops, queries, keys, scale, bias, query_groups, key_groups, positive_keys):
+    acc = accumulation_dtype(queries.dtype)
+    device = queries.device
+    m, k_max, n = queries.shape[0], layout.max_keys, layout.world_size
+    row_stat = empty_row_stats(spec, m, acc, device)
+
+    own = [_padded(keys, k_max, 0.0)]
+    if key_groups is not None:
+        own.append(_padded(key_groups, k_max, 0))
+    blocks = _TravellingBlocks(layout, own)
+
+    # The running column statistic of the block computed last step, one step behind its keys.
+    col_works, col_arrived = None, None
+    for step in range(n):
+        owner = layout.owner(step)
+        k_owner = layout.keys[owner]
+        if step < n - 1:
+            blocks.post_next()  # before the compute, so that the transfer overlaps it
+        block_keys = blocks.current[0][:k_owner]
+        block_groups = blocks.current[1][:k_owner] if key_groups is not None else None
+
+        if m == 0 or k_owner == 0:  # nothing to compute (backends need not handle empty blocks)
+            partial_row = empty_row_stats(spec, m, acc, device)
+            partial_col = torch.full((k_owner,), float("-inf"), dtype=acc, device=device)
+        else:
+            mask = _block_mask(query_groups, positive_keys, block_groups, layout.key_offset(owner))
+            partial_row, partial_col = ops.forward_block(spec, queries, block_keys, scale, bias, mask)
+        row_stat = merge_row_stats(spec, row_stat, partial_row)
+
+        if spec.columns:
+            _wait(col_works)  # the running statistic sent by the previous rank last step
+            if col_arrived is not None:
+                partial_col = torch.logaddexp(col_arrived[:k_owner], partial_col)
+            outgoing = _padded(partial_col, k_max, float("-inf"))
+            col_arrived = torch.empty(k_max, dtype=acc, device=device)
+            # At the last step this sends the block's complete statistic home to its owner and
+            # receives this rank's own.
+            col_works = _exchange(layout, [outgoing], [col_arrived])
+        if step < n - 1:
+            blocks.advance()
+
+    if spec.columns:
+        _wait(col_works)
+        col_stat = col_arrived[: keys.shape[0]].clone()
+    else:
+        col_stat = row_stat.new_empty(0)
+    return row_stat, col_stat
+
+
+def _key_slices(k_max: int, width: int, element_bytes: int) -> list[tuple[int, int]]:
+    """Row ranges of a key block in which its gradient accumulator travels."""
+    count = math.ceil(k_max * width * element_bytes / _MAX_SLICE_BYTES)
+    count = max(1, min(count, _MAX_SLICES, k_max))
+    bounds = [round(i * k_max / count) for i in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _ring_backward(layout, spec, ops, queries, keys, scale, bias, query_groups, key_groups,
+                   positive_keys, row_stat, col_stat, grad_row_stat, grad_col_stat):
+    acc = accumulation_dtype(queries.dtype)
+    device = queries.device
+    (m, width), k_max, n = queries.shape, layout.max_keys, layout.world_size
+    row_weight = grad_row_stat.to(acc)
+    grad_queries = torch.zeros(m, width, dtype=acc, device=device)
+    row_sums = torch.zeros(m, dtype=acc, device=device)
+
+    own = [_padded(keys, k_max, 0.0)]
+    if key_groups is not None:
+        own.append(_padded(key_groups, k_max, 0))
+    if spec.columns:
+        # The owner's complete column statistic and its gradient travel with the keys.
+        col_info = torch.zeros(2, k_max, dtype=acc, device=device)
+        col_info[0, : keys.shape[0]] = col_stat
+        col_info[1, : keys.shape[0]] = grad_col_stat.to(acc)
+        own.append(col_info)
+    blocks = _TravellingBlocks(layout, own)
+
+    slices = _key_slices(k_max, width, torch.finfo(acc).bits // 8)
+    # Per slice, the running key gradient of the block this rank computes next, received from the
+    # previous rank one step ahead of use.
+    arrived: list[torch.Tensor | None] = [None] * len(slices)
+    free: list[torch.Tensor] = []  # accumulator buffers whose transfers are done
+    pending_works, pending_sent = None, None  # the last accumulator batch, waited one slice later
+
+    def take(length):
+        for i, buffer in enumerate(free):
+            if buffer.shape[0] == length:
+                return free.pop(i)
+        return torch.empty(length, width, dtype=acc, device=device)
+
+    for step in range(n):
+        owner = layout.owner(step)
+        k_owner = layout.keys[owner]
+        if step < n - 1:
+            blocks.post_next()  # before the compute, so that the transfer overlaps it
+        block_keys = blocks.current[0]
+        block_groups = blocks.current[1] if key_groups is not None else None
+        block_cols = blocks.current[-1] if spec.columns else None
+
+        for index, (lo, hi) in enumerate(slices):
+            partial = take(hi - lo).zero_()
+            hi_real = min(hi, k_owner)  # rows past the owner's k are padding: never computed
+            if lo < hi_real and m > 0:
+                sliced_groups = block_groups[lo:hi_real] if block_groups is not None else None
+                mask = _block_mask(query_groups, positive_keys, sliced_groups, layout.key_offset(owner) + lo)
+                row_sums += ops.backward_block(
+                    spec, queries, block_keys[lo:hi_real], scale, bias, mask, row_stat,
+                    block_cols[0, lo:hi_real] if spec.columns else None,
+                    row_weight,
+                    block_cols[1, lo:hi_real] if spec.columns else None,
+                    grad_queries, partial[: hi_real - lo],
+                )
+            # The previous batch had this slice's compute to finish in; once it is done, every
+            # accumulator this slice needs has arrived (each is received one step ahead).
+            _wait(pending_works)
+            if pending_sent is not None:
+                free.append(pending_sent)
+            if arrived[index] is not None:
+                partial += arrived[index]
+                free.append(arrived[index])
+            arrived[index] = take(hi - lo)
+            # At the last step this sends the slice home to its owner and receives this rank's own.
+            pending_works = _exchange(layout, [partial], [arrived[index]])
+            pending_sent = partial
+        if step < n - 1:
+            blocks.advance()
+
+    _wait(pending_works)
+    grad_keys = torch.cat(arrived)[: keys.shape[0]]
+    return grad_queries, grad_keys, row_sums

@@ -1,0 +1,268 @@
+"""Processes of the gloo ring tests (``tests/test_ring.py``), spawned 2 or 3 at a time on CPU.
+
+Each rank trains a tiny dual encoder wrapped in DDP for one step on its own uneven slice of a
+global batch, with the ring loss over the process group; rank 0 repeats the step in one process
+on the concatenated batch with the materialised float64 reference loss. Both sets of gradients,
+the updated parameters and the logged loss go to a file that the test process compares. The same
+processes then provoke every kind of disagreement between ranks and record what each rank
+raised. Nothing is asserted here: a failure must reach pytest, not die in a child.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hf_infcl import TorchTiles, contrastive_loss
+from hf_infcl.ops import ring
+
+INPUT_WIDTH = 5
+FEATURE_WIDTH = 4
+# Small tiles, so that every block crosses tile boundaries in both directions.
+TILES = TorchTiles(tile_rows=2, tile_keys=3)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One DDP training step: loss options and the rows/keys each rank holds, per world size."""
+
+    loss: str = "softmax"
+    symmetric: bool = True
+    bias: bool = False
+    groups: bool = False
+    custom_positives: bool = False
+    rows: dict = field(default_factory=dict)  # world size -> rows per rank
+    # world size -> keys per rank (>= rows: the extras are hard negatives)
+    keys: dict = field(default_factory=dict)
+    backend: object = TILES
+    process_group: str = "auto"  # "auto", or "world" for dist.group.WORLD passed explicitly
+    slice_bytes: int | None = None  # force the backward's key gradients to travel in many slices
+
+
+SCENARIOS = {
+    "softmax_symmetric": Scenario(
+        rows={2: (5, 2), 3: (3, 0, 2)}, keys={2: (5, 2), 3: (3, 0, 2)}, process_group="world",
+    ),
+    "hard_negatives": Scenario(
+        # n=2: rank 1 has one row and two hard negatives; n=3: rank 1 has hard negatives only.
+        rows={2: (4, 1), 3: (4, 0, 2)}, keys={2: (6, 3), 3: (5, 3, 2)}, slice_bytes=3 * FEATURE_WIDTH * 8,
+    ),
+    "hard_negatives_one_direction": Scenario(
+        symmetric=False, rows={2: (3, 2), 3: (2, 3, 1)}, keys={2: (5, 2), 3: (2, 5, 3)}, backend="torch",
+    ),
+    "groups_spanning_ranks": Scenario(
+        groups=True, custom_positives=True, rows={2: (4, 3), 3: (3, 1, 3)}, keys={2: (5, 4), 3: (4, 3, 3)},
+        slice_bytes=2 * FEATURE_WIDTH * 8,
+    ),
+    "sigmoid_with_bias": Scenario(
+        loss="sigmoid", bias=True, rows={2: (4, 2), 3: (2, 0, 3)}, keys={2: (5, 2), 3: (3, 2, 3)},
+    ),
+    "sigmoid_groups": Scenario(
+        loss="sigmoid", bias=True, groups=True,
+        rows={2: (3, 3), 3: (2, 2, 2)}, keys={2: (4, 3), 3: (2, 3, 2)},
+    ),
+}
+
+
+class TinyDualEncoder(nn.Module):
+    """Two linear towers plus a learnable temperature (and a SigLIP bias)."""
+
+    def __init__(self, with_bias: bool):
+        super().__init__()
+        self.query_tower = nn.Linear(INPUT_WIDTH, FEATURE_WIDTH, dtype=torch.float64)
+        self.key_tower = nn.Linear(INPUT_WIDTH, FEATURE_WIDTH, dtype=torch.float64)
+        self.log_scale = nn.Parameter(torch.tensor(math.log(4.0), dtype=torch.float64))
+        self.bias = nn.Parameter(torch.tensor(-1.5, dtype=torch.float64)) if with_bias else None
+
+    def forward(self, query_inputs, key_inputs):
+        queries = torch.tanh(self.query_tower(query_inputs))
+        keys = torch.tanh(self.key_tower(key_inputs))
+        return queries, keys, self.log_scale.exp(), self.bias
+
+
+def global_batch(scenario: Scenario, world_size: int, seed: int):
+    """The whole group's inputs, split by rank, with global positives and groups."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, keys = scenario.rows[world_size], scenario.keys[world_size]
+    parts = []
+    for m, k in zip(rows, keys):
+        part = {
+            "query_inputs": torch.randn(m, INPUT_WIDTH, generator=gen, dtype=torch.float64),
+            "key_inputs": torch.randn(k, INPUT_WIDTH, generator=gen, dtype=torch.float64),
+            "positives": torch.randperm(k, generator=gen)[:m] if scenario.custom_positives else None,
+            "query_groups": torch.randint(0, 3, (m,), generator=gen) if scenario.groups else None,
+            "key_groups": torch.randint(0, 3, (k,), generator=gen) if scenario.groups else None,
+        }
+        # Make each positive's input resemble its row's, as a trained pairing would.
+        positives = part["positives"] if part["positives"] is not None else torch.arange(m)
+        part["key_inputs"][positives] += part["query_inputs"]
+        parts.append(part)
+    return parts
+
+
+def concatenated(parts):
+    """One process's view of the whole batch: keys in rank order, positives as global indices."""
+    offsets = [0]
+    for part in parts:
+        offsets.append(offsets[-1] + part["key_inputs"].shape[0])
+    positives = []
+    for part, offset in zip(parts, offsets):
+        local = part["positives"]
+        if local is None:
+            local = torch.arange(part["query_inputs"].shape[0])
+        positives.append(local + offset)
+    groups = parts[0]["query_groups"] is not None
+    return {
+        "query_inputs": torch.cat([p["query_inputs"] for p in parts]),
+        "key_inputs": torch.cat([p["key_inputs"] for p in parts]),
+        "positives": torch.cat(positives),
+        "query_groups": torch.cat([p["query_groups"] for p in parts]) if groups else None,
+        "key_groups": torch.cat([p["key_groups"] for p in parts]) if groups else None,
+    }
+
+
+def train_step(model, batch, scenario, backend, process_group):
+    """Forward, loss, backward and one SGD step; returns the loss (detached)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    queries, keys, scale, bias = model(batch["query_inputs"], batch["key_inputs"])
+    loss = contrastive_loss(
+        queries, keys, scale, bias, loss=scenario.loss, symmetric=scenario.symmetric,
+        positives=batch["positives"], query_groups=batch["query_groups"], key_groups=batch["key_groups"],
+        reduction="mean", process_group=process_group, backend=backend,
+    )
+    loss.backward()
+    module = getattr(model, "module", model)  # DDP wraps the encoder
+    grads = {name: p.grad.detach().clone() for name, p in module.named_parameters()}
+    optimizer.step()
+    return loss.detach(), grads
+
+
+def run_scenario(name: str, scenario: Scenario, rank: int, world_size: int):
+    seed = 1000 + 17 * world_size + sorted(SCENARIOS).index(name)
+    torch.manual_seed(seed)
+    model = TinyDualEncoder(with_bias=scenario.bias)
+    initial_state = {k: v.clone() for k, v in model.state_dict().items()}
+    ddp_model = nn.parallel.DistributedDataParallel(model)
+    parts = global_batch(scenario, world_size, seed)
+    group = dist.group.WORLD if scenario.process_group == "world" else "auto"
+
+    default_slice_bytes = ring._MAX_SLICE_BYTES
+    if scenario.slice_bytes is not None:
+        ring._MAX_SLICE_BYTES = scenario.slice_bytes
+    try:
+        loss, grads = train_step(ddp_model, parts[rank], scenario, scenario.backend, group)
+    finally:
+        ring._MAX_SLICE_BYTES = default_slice_bytes
+    logged = loss.clone()
+    dist.all_reduce(logged)
+    logged /= world_size  # what a Trainer logs: the mean of the ranks' returned losses
+    per_rank_losses = [torch.zeros_like(loss) for _ in range(world_size)]
+    dist.all_gather(per_rank_losses, loss)
+    result = {
+        "ring_grads": grads,
+        "ring_params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "logged_loss": logged,
+        "per_rank_losses": torch.stack(per_rank_losses),
+    }
+    if rank == 0:
+        reference_model = TinyDualEncoder(with_bias=scenario.bias)
+        reference_model.load_state_dict(initial_state)
+        reference_loss, reference_grads = train_step(
+            reference_model, concatenated(parts), scenario, "reference", None
+        )
+        result.update(
+            reference_loss=reference_loss,
+            reference_grads=reference_grads,
+            reference_params={k: v.detach().clone() for k, v in reference_model.state_dict().items()},
+        )
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Ranks that disagree: each case gives every rank its own arguments; every rank records what it
+# raised.
+
+
+def _features(m, width=FEATURE_WIDTH, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, width, generator=gen, dtype=dtype)
+
+
+def disagreement_cases(rank: int, world_size: int):
+    last = world_size - 1
+    return {
+        "width": lambda: contrastive_loss(_features(3, 4 + (rank == 0)), _features(3, 4 + (rank == 0)),
+                                          process_group="auto"),
+        "dtype": lambda: contrastive_loss(
+            _features(3, dtype=torch.float32 if rank == last else torch.float64),
+            _features(3, dtype=torch.float32 if rank == last else torch.float64), process_group="auto"),
+        "symmetric": lambda: contrastive_loss(_features(3), _features(3), symmetric=rank != 0,
+                                              process_group="auto"),
+        "loss": lambda: contrastive_loss(
+            _features(3), _features(3), loss="sigmoid" if rank == 0 else "softmax", process_group="auto"),
+        "bias_given": lambda: contrastive_loss(
+            _features(3), _features(3), logit_bias=-1.0 if rank == 0 else None, loss="sigmoid",
+            process_group="auto"),
+        "groups_given": lambda: contrastive_loss(
+            _features(3), _features(3), query_groups=torch.zeros(3, dtype=torch.long) if rank == 0 else None,
+            key_groups=torch.zeros(3, dtype=torch.long) if rank == 0 else None, process_group="auto"),
+        # One rank's own argument check fails: it raises its own error, the others are told.
+        "bad_positives_on_one_rank": lambda: contrastive_loss(
+            _features(3), _features(3), positives=torch.tensor([0, 1, 7 if rank == 1 else 2]),
+            process_group="auto"),
+        "no_rows_anywhere": lambda: contrastive_loss(_features(0), _features(0), process_group="auto"),
+    }
+
+
+def run_disagreements(rank: int, world_size: int):
+    raised = {}
+    for name, call in disagreement_cases(rank, world_size).items():
+        try:
+            call()
+            raised[name] = None
+        except Exception as error:  # recorded for the test process to judge
+            raised[name] = (type(error).__name__, str(error))
+    # The group must still be in step afterwards: a correct loss right after all those errors.
+    queries, keys = _features(2 + rank, seed=rank), _features(3 + rank, seed=10 + rank)
+    after = contrastive_loss(queries, keys, 3.0, process_group="auto", reduction="sum")
+    dist.all_reduce(after)
+    return raised, after
+
+
+def run_group_of_one(rank: int):
+    """A group holding only rank 0 (every rank must create it) gives exactly the local result."""
+    solo = dist.new_group([0])
+    if rank != 0:
+        return None
+    queries, keys = _features(4, seed=3), _features(6, seed=4)
+    in_group = contrastive_loss(queries, keys, 2.5, process_group=solo, backend=TILES)
+    local = contrastive_loss(queries, keys, 2.5, process_group=None, backend=TILES)
+    return in_group, local
+
+
+def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """Entry point of one spawned rank; writes its results (or its traceback) under out_dir."""
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=60),
+        )
+        scenarios = {name: run_scenario(name, s, rank, world_size) for name, s in SCENARIOS.items()}
+        results = {"scenarios": scenarios}
+        results["raised"], results["after_errors"] = run_disagreements(rank, world_size)
+        results["group_of_one"] = run_group_of_one(rank)
+        dist.barrier()
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
+            f.write(traceback.format_exc())
+        raise

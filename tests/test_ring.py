@@ -1,0 +1,158 @@
+"""The ring across processes (gloo on CPU): one DDP step of a tiny dual encoder on uneven
+per-rank batches equals one process on the concatenated batch, to 1e-6 in float64.
+
+Each world size (2 and 3 processes) is spawned once per session; the processes run every
+scenario of ``tests/ring_workers.py`` and write their results to files, which the tests below
+judge. A hang cannot stall the suite: the processes have a 60 s collective timeout and are
+killed after ``SPAWN_TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests import ring_workers
+
+WORLD_SIZES = (2, 3)
+SPAWN_TIMEOUT_S = 150
+TOLERANCE = {"rtol": 1e-6, "atol": 1e-9}
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _spawn(world_size: int, out_dir: str) -> list[dict]:
+    context = mp.get_context("spawn")
+    init_file = os.path.join(out_dir, "init")
+    processes = [
+        context.Process(target=ring_workers.worker, args=(rank, world_size, init_file, out_dir))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=SPAWN_TIMEOUT_S)
+    hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+    for rank in hung:
+        processes[rank].kill()
+        processes[rank].join()
+    errors = {
+        rank: Path(out_dir, f"rank{rank}.error").read_text()
+        for rank in range(world_size)
+        if Path(out_dir, f"rank{rank}.error").exists()
+    }
+    exit_codes = [process.exitcode for process in processes]
+    if hung or errors or any(exit_codes):
+        details = "\n".join(f"--- rank {rank}:\n{text}" for rank, text in errors.items())
+        pytest.fail(f"ring processes (n={world_size}): hung {hung}, exit codes {exit_codes}:\n{details}")
+    return [
+        torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False) for rank in range(world_size)
+    ]
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"n{n}")
+def ranks(request):
+    """The results of every rank of one spawned group, in rank order."""
+    out_dir = tempfile.mkdtemp(prefix=f"ring-n{request.param}-")
+    try:
+        yield _spawn(request.param, out_dir)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("scenario", sorted(ring_workers.SCENARIOS))
+def test_ddp_step_equals_one_process_on_the_concatenated_batch(ranks, scenario):
+    reference = ranks[0]["scenarios"][scenario]
+    for rank, result in enumerate(ranks):
+        mine = result["scenarios"][scenario]
+        assert mine["ring_grads"].keys() == reference["reference_grads"].keys()
+        for name, expected in reference["reference_grads"].items():
+            # Fresh random inputs: a zero gradient would make the comparison vacuous.
+            assert expected.abs().max() > 1e-4, f"{name} has a vanishing reference gradient"
+            torch.testing.assert_close(
+                mine["ring_grads"][name], expected, **TOLERANCE,
+                msg=lambda text, name=name, rank=rank: f"grad of {name} on rank {rank}: {text}",
+            )
+        for name, expected in reference["reference_params"].items():
+            torch.testing.assert_close(mine["ring_params"][name], expected, **TOLERANCE)
+
+
+@pytest.mark.parametrize("scenario", sorted(ring_workers.SCENARIOS))
+def test_logged_loss_is_the_global_mean(ranks, scenario):
+    reference_loss = ranks[0]["scenarios"][scenario]["reference_loss"]
+    for result in ranks:
+        torch.testing.assert_close(result["scenarios"][scenario]["logged_loss"], reference_loss, **TOLERANCE)
+    # The ranks' values differ (uneven batches): the test above is not comparing one number.
+    per_rank = ranks[0]["scenarios"][scenario]["per_rank_losses"]
+    assert len(set(per_rank.tolist())) == len(ranks)
+
+
+SAME_ERROR_EVERYWHERE = {
+    "width": "feature width c",
+    "dtype": "dtype of the features",
+    "symmetric": "symmetric",
+    "loss": "disagree on loss",
+    "bias_given": "logit_bias",
+    "groups_given": "query_groups/key_groups",
+    "no_rows_anywhere": "no rank of the process group has any rows",
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAME_ERROR_EVERYWHERE))
+def test_disagreeing_ranks_raise_the_same_error_on_every_rank(ranks, case):
+    raised = [result["raised"][case] for result in ranks]
+    assert all(r is not None for r in raised), f"some rank did not raise: {raised}"
+    assert all(r == raised[0] for r in raised), f"ranks raised different errors: {raised}"
+    kind, message = raised[0]
+    assert kind == "ValueError"
+    assert SAME_ERROR_EVERYWHERE[case] in message
+
+
+def test_one_rank_rejecting_its_arguments_stops_every_rank(ranks):
+    raised = [result["raised"]["bad_positives_on_one_rank"] for result in ranks]
+    assert raised[1] == ("ValueError", raised[1][1]) and "positives" in raised[1][1]
+    for rank, error in enumerate(raised):
+        if rank != 1:
+            assert error == ("ValueError", error[1]) and "rank(s) [1]" in error[1], error
+
+
+def test_group_still_usable_after_the_errors(ranks):
+    # Every rank's ``sum`` loss after the errors, summed over ranks: the global sum, the same on
+    # every rank, and equal to the reference loss of the concatenated batch.
+    world_size = len(ranks)
+    queries = torch.cat([ring_workers._features(2 + r, seed=r) for r in range(world_size)])
+    keys = torch.cat([ring_workers._features(3 + r, seed=10 + r) for r in range(world_size)])
+    key_offsets = [sum(3 + s for s in range(r)) for r in range(world_size)]
+    positives = torch.cat([torch.arange(2 + r) + key_offsets[r] for r in range(world_size)])
+    from hf_infcl import contrastive_loss
+
+    expected = contrastive_loss(queries, keys, 3.0, positives=positives, reduction="sum", backend="reference")
+    for result in ranks:
+        torch.testing.assert_close(result["after_errors"], expected, **TOLERANCE)
+
+
+def test_group_of_one_gives_exactly_the_local_result(ranks):
+    in_group, local = ranks[0]["group_of_one"]
+    assert torch.equal(in_group, local)
+
+
+# --------------------------------------------------------------------------------------------
+# NCCL (GPU): the parity script under torchrun, when two GPUs are visible.
+
+
+@pytest.mark.gpu
+def test_nccl_ring_parity_script():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(REPO / "tests" / "ring_nccl_check.py")]
+    completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    assert "ALL PASSED" in completed.stdout
