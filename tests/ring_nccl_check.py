@@ -1,0 +1,213 @@
+"""NCCL parity check of the ring on GPUs, against the float64 reference of the whole batch.
+
+Run on a machine with 2 (or more) GPUs:
+
+    torchrun --standalone --nproc_per_node 2 tests/ring_nccl_check.py
+
+(``tests/test_ring.py::test_nccl_ring_parity_script`` runs it when two GPUs are visible;
+``--cpu`` runs the same checks over gloo on CPU, a dry run of the script itself.)
+
+Each rank holds its own uneven slice of a global batch (one case gives a rank no rows at all),
+calls ``contrastive_loss(..., process_group=WORLD)`` with the Triton backend when it is
+importable (else the tiled PyTorch one) in fp32 and bf16, and backpropagates. Every rank
+compares its gradients of its queries and keys, and the group's total gradient of the scale and
+bias, with float64 autograd through the materialised reference on the concatenated batch (the
+same bf16-rounded inputs), and with one process on the concatenated batch with the same backend
+and dtype, whose own rounding error is the most the ring can be asked for. Prints one line per
+check, then ``ALL PASSED``, or exits with status 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hf_infcl import contrastive_loss
+from hf_infcl.ops import ring
+
+# Relative (to the largest entry) max error allowed per dtype. fp32 runs with TF32 ("auto").
+TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 2e-2}
+LOGIT_SCALE = 1 / 0.07
+
+
+@dataclass(frozen=True)
+class Case:
+    width: int
+    rows: tuple[int, ...]  # per rank, cycled if there are more ranks
+    keys: tuple[int, ...]
+    loss: str = "softmax"
+    symmetric: bool = True
+    bias: bool = False
+    groups: bool = False
+    custom_positives: bool = False
+    slice_bytes: int | None = None  # force the backward's key gradients into several slices
+
+
+CASES = {
+    "symmetric-hard_negatives": Case(256, rows=(1500, 1100), keys=(1800, 1100)),
+    "symmetric-sliced": Case(128, rows=(900, 1300), keys=(1000, 1400), slice_bytes=300 * 128 * 4),
+    "one_direction": Case(256, rows=(800, 1000), keys=(900, 1000), symmetric=False),
+    "groups-custom_positives-c96": Case(96, rows=(700, 513), keys=(700, 600), groups=True,
+                                        custom_positives=True),
+    "sigmoid-bias": Case(256, rows=(1024, 900), keys=(1024, 1000), loss="sigmoid", bias=True),
+    "zero_row_rank": Case(768, rows=(1200, 0), keys=(1200, 257)),
+}
+
+
+def global_case(case: Case, world_size: int, seed: int):
+    """The whole batch in float64 on CPU (the same on every rank), split per rank."""
+    gen = torch.Generator().manual_seed(seed)
+    parts = []
+    for r in range(world_size):
+        m, k = case.rows[r % len(case.rows)], case.keys[r % len(case.keys)]
+        queries = F.normalize(torch.randn(m, case.width, generator=gen, dtype=torch.float64), dim=1)
+        keys = F.normalize(torch.randn(k, case.width, generator=gen, dtype=torch.float64), dim=1)
+        positives = torch.randperm(k, generator=gen)[:m] if case.custom_positives else torch.arange(m)
+        keys[positives] = F.normalize(keys[positives] + queries, dim=1)  # positives look alike
+        parts.append({
+            "queries": queries,
+            "keys": keys,
+            "positives": positives if case.custom_positives else None,
+            "query_groups": torch.randint(0, 50, (m,), generator=gen) if case.groups else None,
+            "key_groups": torch.randint(0, 50, (k,), generator=gen) if case.groups else None,
+        })
+    return parts
+
+
+def ring_gradients(case: Case, part: dict, dtype, device, backend):
+    queries = part["queries"].to(device=device, dtype=dtype).requires_grad_(True)
+    keys = part["keys"].to(device=device, dtype=dtype).requires_grad_(True)
+    scale = torch.tensor(LOGIT_SCALE, device=device, requires_grad=True)
+    bias = torch.tensor(-10.0, device=device, requires_grad=True) if case.bias else None
+    moved = {name: None if part[name] is None else part[name].to(device)
+             for name in ("positives", "query_groups", "key_groups")}
+    value = contrastive_loss(queries, keys, scale, bias, loss=case.loss, symmetric=case.symmetric,
+                             reduction="mean", process_group=dist.group.WORLD, backend=backend, **moved)
+    value.backward()
+    grads = {"queries": queries.grad, "keys": keys.grad, "scale": scale.grad}
+    if case.bias:
+        grads["bias"] = bias.grad
+    return value.detach(), grads
+
+
+def one_process_gradients(case: Case, parts: list[dict], dtype, device, backend):
+    """One process on the concatenated batch, of the sum of the ranks' ``mean`` losses,
+    (n / M) * sum of all rows: what the ring differentiates.
+
+    ``backend="reference"`` in float64 (on the ``dtype``-rounded inputs) is the oracle; the same
+    backend and dtype as the ring's is the single-GPU baseline, whose own rounding error bounds
+    what the ring may be expected to reach.
+    """
+    world_size = len(parts)
+    compute_dtype = torch.float64 if backend == "reference" else dtype
+    rounded = [{name: part[name].to(dtype).to(compute_dtype) for name in ("queries", "keys")}
+               for part in parts]
+    queries = torch.cat([p["queries"] for p in rounded]).to(device).requires_grad_(True)
+    keys = torch.cat([p["keys"] for p in rounded]).to(device).requires_grad_(True)
+    offsets, positives = 0, []
+    for part in parts:
+        local = part["positives"] if part["positives"] is not None else torch.arange(part["queries"].shape[0])
+        positives.append(local + offsets)
+        offsets += part["keys"].shape[0]
+    groups = {}
+    if case.groups:
+        groups = {name: torch.cat([p[name] for p in parts]).to(device)
+                  for name in ("query_groups", "key_groups")}
+    scalar_dtype = torch.float64 if backend == "reference" else torch.float32
+    scale = torch.tensor(LOGIT_SCALE, dtype=scalar_dtype, device=device, requires_grad=True)
+    bias = torch.tensor(-10.0, dtype=scalar_dtype, device=device, requires_grad=True) if case.bias else None
+    total = contrastive_loss(queries, keys, scale, bias, loss=case.loss, symmetric=case.symmetric,
+                             positives=torch.cat(positives).to(device), reduction="sum",
+                             backend=backend, **groups)
+    total = total * (world_size / queries.shape[0])
+    total.backward()
+    grads = {"queries": queries.grad, "keys": keys.grad, "scale": scale.grad}
+    if case.bias:
+        grads["bias"] = bias.grad
+    return total.detach() / world_size, grads  # (global mean, gradients)
+
+
+def relative_error(value: torch.Tensor, expected: torch.Tensor) -> float:
+    if expected.numel() == 0:
+        return 0.0 if value.numel() == 0 else float("inf")
+    scale = expected.abs().max().clamp_min(1e-30)
+    return float((value.double() - expected).abs().max() / scale)
+
+
+def main() -> int:
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    on_cpu = "--cpu" in sys.argv  # a dry run of this script over gloo, without GPUs
+    if on_cpu:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+        device, backend = torch.device("cpu"), "torch"
+    else:
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", timeout=timedelta(seconds=120))
+        device = torch.device("cuda", local_rank)
+        try:
+            import hf_infcl.ops.triton_blocks  # noqa: F401
+
+            backend = "triton"
+        except ImportError:
+            backend = "torch"
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        print(f"ring NCCL check: {world_size} ranks, backend={backend}, torch {torch.__version__}, "
+              f"{'cpu (gloo)' if on_cpu else torch.cuda.get_device_name()}", flush=True)
+
+    failures = []
+    started = time.perf_counter()
+    default_slice_bytes = ring._MAX_SLICE_BYTES
+    for index, (name, case) in enumerate(CASES.items()):
+        parts = global_case(case, world_size, seed=100 + index)
+        for dtype in (torch.float32, torch.bfloat16):
+            ring._MAX_SLICE_BYTES = case.slice_bytes or default_slice_bytes
+            try:
+                value, grads = ring_gradients(case, parts[rank], dtype, device, backend)
+            finally:
+                ring._MAX_SLICE_BYTES = default_slice_bytes
+            expected_mean, expected = one_process_gradients(case, parts, dtype, device, "reference")
+            _, single = one_process_gradients(case, parts, dtype, device, backend)
+            # Rank r's slices of the one-process query and key gradients.
+            row0 = sum(p["queries"].shape[0] for p in parts[:rank])
+            key0 = sum(p["keys"].shape[0] for p in parts[:rank])
+            for whole in (expected, single):
+                whole["queries"] = whole["queries"][row0: row0 + parts[rank]["queries"].shape[0]]
+                whole["keys"] = whole["keys"][key0: key0 + parts[rank]["keys"].shape[0]]
+            # Scale and bias: the group's total (what DDP's average times n would give).
+            for shared in ("scale", "bias"):
+                if shared in grads:
+                    dist.all_reduce(grads[shared])
+            logged = value.float().clone()
+            dist.all_reduce(logged)
+            errors = {key: relative_error(grads[key], expected[key]) for key in grads}
+            errors["logged_loss"] = relative_error(logged / world_size, expected_mean.reshape(()))
+            baseline = {key: relative_error(single[key], expected[key]) for key in grads}
+            # The ring must meet the dtype's tolerance, or be no worse than one GPU is: bf16
+            # gradients of peaked softmaxes lose digits to cancellation whatever computes them.
+            ok = all(error <= max(TOLERANCE[dtype], 1.5 * baseline.get(key, 0.0))
+                     for key, error in errors.items())
+            flags = torch.tensor([0.0 if ok else 1.0], device=device)
+            dist.all_reduce(flags)
+            line = " ".join(f"{key}={error:.1e}" for key, error in errors.items())
+            line += " | one GPU: " + " ".join(f"{key}={error:.1e}" for key, error in baseline.items())
+            print(f"[rank {rank}] {name:28s} {str(dtype):15s} {'ok' if ok else 'FAIL'}  {line}", flush=True)
+            if flags.item() > 0:
+                failures.append((name, str(dtype)))
+    dist.barrier()
+    if rank == 0:
+        print(f"checked {len(CASES) * 2} cases in {time.perf_counter() - started:.1f} s", flush=True)
+        print("ALL PASSED" if not failures else f"FAILED: {sorted(set(failures))}", flush=True)
+    dist.destroy_process_group()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
