@@ -89,13 +89,16 @@ class TritonBlocks:
         if col_stat is not None:
             col_stat, col_weight = col_stat.to(**f32).contiguous(), col_weight.to(**f32).contiguous()
 
-        # G is stored as G / g_scale, g_scale = max |weight|, so that half precision keeps the
-        # relative precision of G even when the weights are tiny (1/m for a mean over 1M rows).
-        g_scale = row_weight.abs().amax()
-        if col_weight is not None:
-            g_scale = g_scale + col_weight.abs().amax()
-        g_scale = g_scale.clamp_min(torch.finfo(torch.float32).tiny)
-        inv_g_scale = 1.0 / g_scale
+        # fp16 stores G / g_scale, g_scale = max |weight|, so that it keeps its relative precision
+        # even when the weights are tiny (1/m for a mean over 1M rows would underflow fp16).
+        # bf16 and fp32 have fp32's exponent range and store G itself.
+        g_scale = None
+        if queries.dtype == torch.float16:
+            g_scale = row_weight.abs().amax()
+            if col_weight is not None:
+                g_scale = g_scale + col_weight.abs().amax()
+            g_scale = g_scale.clamp_min(torch.finfo(torch.float32).tiny)
+        inv_g_scale = torch.ones((), **f32) if g_scale is None else 1.0 / g_scale
 
         tile_rows, tile_keys = self._super_tile(queries.dtype, m, k)
         # Row stride padded to 8 elements so that cuBLAS sees aligned leading dimensions.
@@ -105,34 +108,36 @@ class TritonBlocks:
         groups = _mask_arguments(mask)
         base_offset = groups.pop("key_offset", 0)
         sigmoid = spec.loss == "sigmoid"
+        # One autotuning key for every super-tile of this call, so that tuning (which zeroes the
+        # row-sum buffer it benchmarks on) can only happen on the first super-tile.
+        size_class = kernels.problem_size_class(m, k)
 
-        for r0 in range(0, m, tile_rows):
-            r1 = min(r0 + tile_rows, m)
-            q_rows = queries[r0:r1]
-            for k0 in range(0, k, tile_keys):
-                k1 = min(k0 + tile_keys, k)
-                g = scratch[: r1 - r0, : k1 - k0]
-                if self.poison:
-                    scratch.fill_(float("nan"))
-                tile_row_sums = torch.zeros(r1 - r0, **f32)
-                tile_groups = {}
-                if groups:
-                    tile_groups = dict(
-                        row_groups=groups["row_groups"][r0:r1],
-                        key_groups=groups["key_groups"][k0:k1],
-                        positive_keys=groups["positive_keys"][r0:r1],
-                        key_offset=base_offset + k0,
+        with _cublas_precision(queries.dtype, spec.precision, device):
+            for r0 in range(0, m, tile_rows):
+                r1 = min(r0 + tile_rows, m)
+                q_rows = queries[r0:r1]
+                row_args = (row_stat[r0:r1], row_weight[r0:r1])
+                for k0 in range(0, k, tile_keys):
+                    k1 = min(k0 + tile_keys, k)
+                    g = scratch[: r1 - r0, : k1 - k0]
+                    if self.poison:
+                        scratch.fill_(float("nan"))
+                    tile_groups = {}
+                    if groups:
+                        tile_groups = dict(
+                            row_groups=groups["row_groups"][r0:r1],
+                            key_groups=groups["key_groups"][k0:k1],
+                            positive_keys=groups["positive_keys"][r0:r1],
+                            key_offset=base_offset + k0,
+                        )
+                    kernels.grad_tile(
+                        q_rows, keys[k0:k1], g, row_sums[r0:r1], scale, bias, inv_g_scale,
+                        row_args[0], None if col_stat is None else col_stat[k0:k1],
+                        row_args[1], None if col_weight is None else col_weight[k0:k1],
+                        sigmoid=sigmoid, precision=spec.precision, size_class=size_class, **tile_groups,
                     )
-                kernels.grad_tile(
-                    q_rows, keys[k0:k1], g, tile_row_sums, scale, bias, inv_g_scale,
-                    row_stat[r0:r1], None if col_stat is None else col_stat[k0:k1],
-                    row_weight[r0:r1], None if col_weight is None else col_weight[k0:k1],
-                    sigmoid=sigmoid, precision=spec.precision, **tile_groups,
-                )
-                row_sums[r0:r1] += tile_row_sums
-                with _cublas_precision(queries.dtype, spec.precision, device):
-                    grad_queries[r0:r1].addcmul_(g @ keys[k0:k1], g_scale)
-                    grad_keys[k0:k1].addcmul_(g.T @ q_rows, g_scale)
+                    _accumulate_product(grad_queries[r0:r1], g, keys[k0:k1], g_scale)
+                    _accumulate_product(grad_keys[k0:k1], g.T, q_rows, g_scale)
         return row_sums
 
     # ----------------------------------------------------------------------------------------
@@ -160,6 +165,32 @@ class TritonBlocks:
             raise TypeError(f"keys have dtype {keys.dtype} but queries have {queries.dtype}")
         if not kernels.INTERPRET and queries.device.type != "cuda":
             raise ValueError(f"the Triton kernels need CUDA tensors, got queries on {queries.device}")
+
+
+def _accumulate_product(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor, g_scale) -> None:
+    """accumulator (fp32) += g_scale * (a @ b), a and b in the input dtype.
+
+    fp32 inputs: one in-place addmm. Half inputs on CUDA: cuBLAS accumulates into the fp32
+    buffer directly (``out_dtype``), with no rounded intermediate; elsewhere, and for fp16 whose G
+    carries a scale, a product in the input dtype added with the scale.
+    """
+    if g_scale is None:
+        if a.dtype == accumulator.dtype:
+            accumulator.addmm_(a, b)
+            return
+        if a.is_cuda and _HAS_OUT_DTYPE[0]:
+            try:
+                torch.addmm(accumulator, a, b, out_dtype=accumulator.dtype, out=accumulator)
+                return
+            except (RuntimeError, TypeError):
+                _HAS_OUT_DTYPE[0] = False  # an older torch: use the general path from now on
+        accumulator.add_(a @ b)
+        return
+    accumulator.addcmul_(a @ b, g_scale)
+
+
+# Whether torch.addmm(..., out_dtype=) works here; cleared at the first failure.
+_HAS_OUT_DTYPE = [True]
 
 
 @contextlib.contextmanager

@@ -51,6 +51,10 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# HF_INFCL_TRITON_AUTOTUNE=0 uses one safe config per kernel: GPU tests compile many
+# specialisations (dtype x loss x mask) and need not autotune each of them.
+AUTOTUNE = os.environ.get("HF_INFCL_TRITON_AUTOTUNE", "1") != "0"
+_UNTUNED = (128, 128, 32, 4, 3)
 
 # Keys of the autotuners: the width c and a coarse size class (tiny / medium / large problems),
 # so a small first call does not fix the configuration of large ones. The autotuner adds the
@@ -58,7 +62,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _TUNE_KEY = ["c", "size_class"]
 
 
-def _size_class(n_outer: int, n_inner: int) -> int:
+def problem_size_class(n_outer: int, n_inner: int) -> int:
     entries = n_outer * n_inner
     return 0 if entries < 2**22 else (1 if entries < 2**28 else 2)
 
@@ -74,7 +78,11 @@ def _stats_configs():
         (64, 128, 64, 4, 4),
         (128, 128, 32, 8, 4),
         (64, 64, 64, 4, 3),
+        (128, 256, 64, 8, 3),
+        (128, 128, 128, 8, 2),
     ]
+    if not AUTOTUNE:
+        shapes = [_UNTUNED]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
         for bm, bn, bk, w, s in shapes
@@ -90,7 +98,12 @@ def _grad_configs():
         (128, 64, 64, 4, 4),
         (64, 128, 64, 4, 4),
         (128, 128, 32, 8, 4),
+        (128, 256, 64, 8, 3),
+        (256, 128, 64, 8, 3),
+        (128, 128, 128, 8, 2),
     ]
+    if not AUTOTUNE:
+        shapes = [_UNTUNED]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
         for bm, bn, bk, w, s in shapes
@@ -332,7 +345,7 @@ def logit_stats(
         row_groups if has_mask else dummy, key_groups if has_mask else dummy,
         positive_keys if has_mask else dummy, key_offset,
         n_outer, n_inner, c, outer.stride(0), inner.stride(0), inner_per_split,
-        _size_class(n_outer, n_inner),
+        problem_size_class(n_outer, n_inner),
         HAS_BIAS=bias is not None, HAS_MASK=has_mask, COLUMNS=columns, SIGMOID=sigmoid,
         PRECISION=dot_precision(outer.dtype, precision), UPCAST=INTERPRET,
     )
@@ -360,9 +373,14 @@ def grad_tile(
     key_groups: torch.Tensor | None = None,
     positive_keys: torch.Tensor | None = None,
     key_offset: int = 0,
+    size_class: int | None = None,
 ) -> None:
     """Write G / g_scale of ``queries`` x ``keys`` into ``g_out`` [rows, keys] (a view whose last
-    stride is 1) and add the row sums of G into ``row_sums`` [rows] (fp32, zeroed by the caller).
+    stride is 1) and add the row sums of G into ``row_sums`` [rows] (fp32, atomically).
+
+    ``size_class`` (default: from this tile's shape) is part of the autotuning key. Tuning zeroes
+    ``row_sums`` before each trial, so callers that launch several tiles into one buffer pass the
+    class of the whole problem: then only their first launch can trigger tuning.
     """
     n_rows, c = queries.shape
     n_keys = keys.shape[0]
@@ -376,7 +394,7 @@ def grad_tile(
         row_groups if has_mask else dummy, key_groups if has_mask else dummy,
         positive_keys if has_mask else dummy, key_offset,
         n_rows, n_keys, c, queries.stride(0), keys.stride(0), g_out.stride(0),
-        _size_class(n_rows, n_keys),
+        size_class if size_class is not None else problem_size_class(n_rows, n_keys),
         HAS_BIAS=bias is not None, HAS_MASK=has_mask, COLUMNS=columns, SIGMOID=sigmoid,
         PRECISION=dot_precision(queries.dtype, precision), UPCAST=INTERPRET,
     )

@@ -1,0 +1,53 @@
+"""Where the Triton backend's time goes (a GPU script, not a test): forward and backward timed
+apart, and a per-kernel table from torch.profiler, for one size.
+
+    python tests/triton_profile.py --b 32768 --c 512 --dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from hf_infcl import contrastive_loss
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--b", type=int, default=32768)
+    parser.add_argument("--c", type=int, default=512)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    args = parser.parse_args()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    q = F.normalize(torch.randn(args.b, args.c, device="cuda"), dim=1).to(dtype).requires_grad_(True)
+    k = F.normalize(torch.randn(args.b, args.c, device="cuda"), dim=1).to(dtype).requires_grad_(True)
+    scale = torch.tensor(1 / 0.07, device="cuda", requires_grad=True)
+
+    def forward():
+        return contrastive_loss(q, k, scale, backend="triton", precision="tf32")
+
+    def both():
+        return torch.autograd.grad(forward(), [q, k, scale])
+
+    both()  # compile and autotune
+    fwd = triton.testing.do_bench(forward, return_mode="median")
+    total = triton.testing.do_bench(both, return_mode="median")
+    flops = 2 * args.b * args.b * args.c
+    print(f"b={args.b} c={args.c} {args.dtype}: forward {fwd:.2f} ms, fwd+bwd {total:.2f} ms, "
+          f"backward ~{total - fwd:.2f} ms; one GEMM pass at 700 TFLOP/s = {flops / 700e9:.2f} ms")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        both()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+    from hf_infcl.ops import triton_kernels
+
+    for name in ("_stats_kernel", "_grad_tile_kernel"):
+        tuner = getattr(triton_kernels, name)
+        print(name, {key: str(config) for key, config in getattr(tuner, "cache", {}).items()})
+
+
+if __name__ == "__main__":
+    main()
