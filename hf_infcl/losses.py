@@ -1,0 +1,413 @@
+"""sentence-transformers adapter: ``losses.InfCLLoss``, a drop-in for MNRL, MNSRL and CachedMNRL.
+
+``from hf_infcl import losses; loss = losses.InfCLLoss(model)`` inside a
+``SentenceTransformerTrainer``. The loss is the one of sentence-transformers'
+``MultipleNegativesRankingLoss`` (``symmetric=False``) or
+``MultipleNegativesSymmetricRankingLoss`` (``symmetric=True``), computed by
+``hf_infcl.contrastive_loss`` without a batch x batch score matrix:
+
+- columns ``(anchor, positive, negative_1, ...)``: every negative column is an extra candidate
+  for every anchor, exactly as sentence-transformers concatenates ``docs_all``;
+- ``mini_batch_size=N`` caches the gradients w.r.t. the embeddings (GradCache) through
+  sentence-transformers' own ``CachedLossMixin`` when the installed version has one (a small
+  fallback here otherwise), but computes the loss of the whole batch in ONE fused call instead of
+  CachedMNRL's per-chunk Python loop;
+- with several processes the loss runs over every process's rows and keys with the hf_infcl ring
+  (instead of an all-gather of the embeddings); ``gather_across_devices=False`` keeps negatives
+  local to each process, as sentence-transformers does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .loss import BACKENDS, PRECISIONS, contrastive_loss
+
+try:
+    from sentence_transformers import util as _st_util
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "hf_infcl.losses needs sentence-transformers: `pip install 'sentence-transformers>=3'`"
+    ) from error
+
+try:  # sentence-transformers >= 6: the shared GradCache machinery
+    from sentence_transformers.base.losses.gradcache import CachedLossMixin as _STCachedLossMixin
+except ImportError:  # older releases keep it private to each cached loss
+    _STCachedLossMixin = None
+
+try:  # sentence-transformers >= 6 embeds the candidate columns in one merged forward
+    from sentence_transformers.base.losses.merged_forward import embed_columns as _st_embed_columns
+except ImportError:
+    _st_embed_columns = None
+
+
+INFCL_CITATION = """
+@misc{cheng2024breakingmemorybarriernear,
+      title={Breaking the Memory Barrier: Near Infinite Batch Size Scaling for Contrastive Loss},
+      author={Zesen Cheng and Hang Zhang and Kehan Li and Sicong Leng and Zhiqiang Hu and Fei Wu
+              and Deli Zhao and Xin Li and Lidong Bing},
+      year={2024},
+      eprint={2410.17243},
+      archivePrefix={arXiv},
+      primaryClass={cs.CV},
+      url={https://arxiv.org/abs/2410.17243},
+}
+"""
+
+
+# --------------------------------------------------------------------------------------------
+# GradCache fallback for sentence-transformers releases without ``CachedLossMixin``. Same contract
+# (the subclass provides ``model``, ``mini_batch_size``, ``calculate_loss``; ``forward_cached``
+# does the three steps), minus token-budget mini-batches and the DDP replay subtleties.
+
+
+class _RandState:
+    """The CPU and CUDA RNG state at creation, restored on enter (dropout replay)."""
+
+    def __init__(self, *tensors) -> None:
+        from torch.utils.checkpoint import get_device_states
+
+        self.cpu_state = torch.get_rng_state()
+        self.devices, self.device_states = get_device_states(*tensors)
+
+    def __enter__(self) -> None:
+        from torch.utils.checkpoint import set_device_states
+
+        self._fork = torch.random.fork_rng(devices=self.devices, enabled=True)
+        self._fork.__enter__()
+        torch.set_rng_state(self.cpu_state)
+        set_device_states(self.devices, self.device_states)
+
+    def __exit__(self, *exc) -> None:
+        self._fork.__exit__(*exc)
+
+
+class _FallbackCachedLossMixin:
+    """Minimal GradCache (embed without grad, loss + cached embedding gradients, replay)."""
+
+    model: Any
+    mini_batch_size: int
+    mini_batch_num_tokens: int | None = None
+    show_progress_bar: bool = False
+    uses_gradient_cache: bool = True
+
+    def embed_minibatch_iter(self, sentence_feature, with_grad, copy_random_state, random_states=None):
+        rows = _column_rows(sentence_feature)
+        for index, begin in enumerate(range(0, rows, self.mini_batch_size)):
+            chunk = _slice_rows(sentence_feature, begin, min(begin + self.mini_batch_size, rows))
+            replay = nullcontext() if random_states is None else random_states[index]
+            with replay, (nullcontext() if with_grad else torch.no_grad()):
+                tensors = [value for value in chunk.values() if isinstance(value, Tensor)]
+                state = _RandState(*tensors) if copy_random_state else None
+                embeddings = self.model(chunk)["sentence_embedding"]
+            yield embeddings, state
+
+    def forward_cached(self, sentence_features, labels=None):
+        sentence_features = list(sentence_features)
+        grad_enabled = torch.is_grad_enabled()
+        reps, random_states = [], []
+        for feature in sentence_features:
+            column_reps, column_states = [], []
+            for embeddings, state in self.embed_minibatch_iter(feature, False, grad_enabled):
+                column_reps.append(embeddings.detach().requires_grad_())
+                column_states.append(state)
+            reps.append(column_reps)
+            random_states.append(column_states)
+        if not grad_enabled:
+            return self.calculate_loss(reps, labels)
+        loss = self.calculate_loss(reps, labels, with_backward=True).detach().requires_grad_()
+        cache = [[rep.grad for rep in column] for column in reps]
+        loss.register_hook(
+            partial(_fallback_backward_hook, loss_obj=self, features=sentence_features, cache=cache,
+                    random_states=random_states)
+        )
+        return loss
+
+
+def _slice_rows(features: dict[str, Any], begin: int, end: int) -> dict[str, Any]:
+    """Rows ``begin:end`` of padded features, without the padding columns no row of them uses.
+
+    Trimming saves work on short mini-batches, and is what sentence-transformers >= 6 does, so the
+    dropout masks (drawn per padded position) match its cached losses.
+    """
+    mask = features.get("attention_mask")
+    width = keep = None
+    if isinstance(mask, Tensor) and mask.ndim == 2:
+        width = mask.shape[1]
+        used = mask[begin:end].bool().any(dim=0).nonzero()
+        if len(used):
+            keep = int(used.max()) + 1
+    chunk = {}
+    for key, value in features.items():
+        if not isinstance(value, Tensor) or value.ndim == 0:
+            chunk[key] = value
+        elif keep is not None and value.ndim >= 2 and value.shape[1] == width:
+            chunk[key] = value[begin:end, :keep]
+        else:
+            chunk[key] = value[begin:end]
+    return chunk
+
+
+def _fallback_backward_hook(grad_output, loss_obj, features, cache, random_states):
+    with torch.enable_grad():
+        for feature, column_cache, column_states in zip(features, cache, random_states):
+            chunks = loss_obj.embed_minibatch_iter(feature, True, False, column_states)
+            for (embeddings, _), cached_grad in zip(chunks, column_cache):
+                # d loss / d params = <embeddings, cached grad> back-propagated, times the outer grad
+                surrogate = torch.dot(embeddings.flatten().float(), cached_grad.flatten().float())
+                (surrogate * grad_output).backward()
+
+
+CachedLossMixin = _STCachedLossMixin if _STCachedLossMixin is not None else _FallbackCachedLossMixin
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _similarity_kind(similarity_fct) -> str:
+    """'cos_sim' or 'dot_score' for the similarity functions the fused path supports."""
+    if similarity_fct is _st_util.cos_sim:
+        return "cos_sim"
+    if similarity_fct is _st_util.dot_score:
+        return "dot_score"
+    # The same functions reached through another import path (or a re-export in another release).
+    name = getattr(similarity_fct, "__name__", None)
+    module = getattr(similarity_fct, "__module__", "") or ""
+    if module.startswith("sentence_transformers") and name in ("cos_sim", "dot_score"):
+        return name
+    raise ValueError(
+        "similarity_fct must be sentence_transformers.util.cos_sim or util.dot_score: InfCLLoss computes the "
+        f"loss with fused dot products and cannot call an arbitrary function; got {similarity_fct!r}. "
+        "Use MultipleNegativesRankingLoss for other similarity functions."
+    )
+
+
+def _column_rows(features: dict[str, Any]) -> int:
+    """Number of texts in one column's features (padded, flattened or EmbeddingBag inputs)."""
+    if "offsets" in features:  # StaticEmbedding: a flat token stream with one offset per text
+        return len(features["offsets"])
+    if "cu_seq_lens_q" in features:  # flattened (unpadded) inputs
+        return len(features["cu_seq_lens_q"]) - 1
+    for key in ("input_ids", "attention_mask"):
+        value = features.get(key)
+        if isinstance(value, Tensor) and value.ndim > 0:
+            return value.shape[0]
+    for value in features.values():
+        if isinstance(value, Tensor) and value.ndim > 0:
+            return value.shape[0]
+    raise ValueError(f"cannot tell how many texts a column holds from its features {sorted(features)}")
+
+
+def _check_columns(sentence_features: list[dict[str, Any]]) -> None:
+    if len(sentence_features) < 2:
+        raise ValueError(
+            "InfCLLoss needs at least two columns, (anchor, positive[, negative_1, ...]); "
+            f"got {len(sentence_features)} column(s)"
+        )
+    rows = [_column_rows(features) for features in sentence_features]
+    if len(set(rows)) != 1:
+        raise ValueError(
+            "every column must hold the same number of texts (one positive and one negative per anchor "
+            f"in each column); got {rows} texts in columns 0..{len(rows) - 1}"
+        )
+
+
+def _embed_columns(model, sentence_features):
+    """Embed every column exactly as MultipleNegativesRankingLoss does (same RNG use, so dropout matches)."""
+    if _st_embed_columns is not None:
+        return _st_embed_columns(model, sentence_features)
+    return [model(features)["sentence_embedding"] for features in sentence_features]
+
+
+class InfCLLoss(CachedLossMixin, nn.Module):
+    def __init__(
+        self,
+        model,
+        scale: float = 20.0,
+        similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.cos_sim,
+        symmetric: bool = False,
+        mini_batch_size: int | None = None,
+        show_progress_bar: bool = False,
+        gather_across_devices: bool = True,
+        backend: str = "auto",
+        precision: str = "auto",
+        mini_batch_num_tokens: int | None = None,
+    ) -> None:
+        """Exact in-batch-negatives contrastive loss (InfoNCE) without a batch x batch matrix (Inf-CL).
+
+        Args:
+            model: the SentenceTransformer model.
+            scale: multiplies the similarities (``scale = 1 / temperature``), as in
+                MultipleNegativesRankingLoss; ``20.0`` is ``temperature = 0.05``.
+            similarity_fct: ``sentence_transformers.util.cos_sim`` (the embeddings are L2-normalised,
+                then dotted) or ``util.dot_score``. Other functions raise ``ValueError``.
+            symmetric: False gives MultipleNegativesRankingLoss (anchor -> candidates); True adds the
+                positive -> anchors direction and averages the two, as
+                MultipleNegativesSymmetricRankingLoss does.
+            mini_batch_size: None embeds the whole batch with gradients, like
+                MultipleNegativesRankingLoss. An integer embeds it in chunks of that many texts
+                with gradient caching (like CachedMultipleNegativesRankingLoss, dropout replayed),
+                and computes the loss of the whole batch in one fused call.
+            show_progress_bar: show the mini-batch progress of gradient caching.
+            gather_across_devices: with several processes, compute the loss over every process's
+                anchors and candidates (the hf_infcl ring; no embedding is all-gathered). False keeps
+                each process's negatives local.
+            backend: the hf_infcl backend: ``"auto"`` (Triton on CUDA when available, else tiled
+                PyTorch), ``"torch"``, ``"triton"`` or ``"reference"``.
+            precision: fp32 embeddings on GPU: ``"auto"``/``"tf32"`` or ``"ieee"``.
+            mini_batch_num_tokens: with gradient caching, pack mini-batches by token count instead
+                (sentence-transformers >= 6 only).
+
+        Inputs:
+            (anchor, positive) pairs, or (anchor, positive, negative_1, ..., negative_n) tuples;
+            labels are ignored. Every negative column is a candidate for every anchor of the batch.
+
+        Example:
+            ::
+
+                from hf_infcl import losses
+                loss = losses.InfCLLoss(model, mini_batch_size=256)
+                trainer = SentenceTransformerTrainer(model=model, train_dataset=dataset, loss=loss)
+        """
+        super().__init__()
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be a positive float, got {type(scale).__name__}")
+        if not scale > 0:
+            raise ValueError(f"scale must be > 0 (it multiplies the similarities), got {scale}")
+        self._similarity_kind = _similarity_kind(similarity_fct)
+        if not isinstance(symmetric, bool):
+            raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
+        if mini_batch_size is not None and (
+            isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0
+        ):
+            raise ValueError(f"mini_batch_size must be None or a positive integer, got {mini_batch_size!r}")
+        if mini_batch_num_tokens is not None:
+            if mini_batch_size is None:
+                raise ValueError("mini_batch_num_tokens needs gradient caching: set mini_batch_size too")
+            if _STCachedLossMixin is None:
+                raise ValueError("mini_batch_num_tokens needs sentence-transformers >= 6")
+            if isinstance(mini_batch_num_tokens, bool) or not isinstance(mini_batch_num_tokens, int) or (
+                mini_batch_num_tokens <= 0
+            ):
+                raise ValueError(
+                    f"mini_batch_num_tokens must be a positive integer, got {mini_batch_num_tokens!r}"
+                )
+        for name, value, allowed in (("backend", backend, BACKENDS), ("precision", precision, PRECISIONS)):
+            if not isinstance(value, str) or value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+        if mini_batch_size is not None and _has_static_embedding(model):
+            raise ValueError(
+                "mini_batch_size (gradient caching) cannot split a StaticEmbedding model's inputs into "
+                "mini-batches; use mini_batch_size=None: InfCLLoss's memory does not grow with batch^2 anyway"
+            )
+
+        self.model = model
+        self.scale = float(scale)
+        self.similarity_fct = similarity_fct
+        self.symmetric = symmetric
+        self.mini_batch_size = mini_batch_size
+        self.mini_batch_num_tokens = mini_batch_num_tokens
+        self.show_progress_bar = show_progress_bar
+        self.gather_across_devices = gather_across_devices
+        self.backend = backend
+        self.precision = precision
+        # Losses that back-propagate from a hook (gradient caching) say so: MatryoshkaLoss and
+        # AdaptiveLayerLoss read this to treat them specially.
+        self.uses_gradient_cache = mini_batch_size is not None
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        sentence_features = list(sentence_features)
+        _check_columns(sentence_features)
+        if self.mini_batch_size is not None:
+            return self.forward_cached(sentence_features, labels)
+        embeddings = _embed_columns(self.model, sentence_features)
+        return self.compute_loss_from_embeddings(embeddings, labels)
+
+    def calculate_loss(
+        self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
+    ) -> Tensor:
+        """The GradCache loss step: the whole batch's loss in one fused call (the mixin's contract)."""
+        loss = self.compute_loss_from_embeddings([torch.cat(column) for column in reps], labels)
+        if with_backward:
+            loss.backward()
+            loss = loss.detach()
+        return loss
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
+        """The loss from one embedding tensor per column: anchors, positives, then negatives columns."""
+        if len(embeddings) < 2:
+            raise ValueError(f"InfCLLoss needs at least two columns of embeddings, got {len(embeddings)}")
+        anchors = embeddings[0]
+        rows = [len(column) for column in embeddings]
+        if len(set(rows)) != 1:
+            raise ValueError(f"every column must hold the same number of texts; got {rows} embeddings")
+        # Candidates in sentence-transformers' order: all positives, then each negatives column. The
+        # first m candidates are the anchors' positives, which is hf_infcl's default pairing.
+        candidates = torch.cat(embeddings[1:]) if len(embeddings) > 2 else embeddings[1]
+        if candidates.dtype != anchors.dtype:
+            common = torch.promote_types(anchors.dtype, candidates.dtype)
+            anchors, candidates = anchors.to(common), candidates.to(common)
+        if self._similarity_kind == "cos_sim":
+            # util.cos_sim normalises with F.normalize(p=2, dim=-1); the same call keeps parity exact.
+            anchors = F.normalize(anchors, p=2, dim=-1)
+            candidates = F.normalize(candidates, p=2, dim=-1)
+        # symmetric=True is MNSRL: (row LSE over all candidates + column LSE of each anchor's
+        # positive over all anchors) / 2 - positive logit. MNSRL's doc_to_query term is
+        # similarity(anchors, positives).T: the positives column only, never the hard negatives,
+        # which is exactly hf_infcl's column term "over positive keys only" (DESIGN.md section 3).
+        return contrastive_loss(
+            anchors,
+            candidates,
+            logit_scale=self.scale,
+            symmetric=self.symmetric,
+            reduction="mean",
+            process_group="auto" if self.gather_across_devices else None,
+            backend=self.backend,
+            precision=self.precision,
+        )
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {
+            "scale": self.scale,
+            "similarity_fct": self._similarity_kind,
+            "symmetric": self.symmetric,
+            "mini_batch_size": self.mini_batch_size,
+            "gather_across_devices": self.gather_across_devices,
+            "backend": self.backend,
+        }
+
+    @property
+    def temperature(self) -> float:
+        return 1.0 / self.scale
+
+    @property
+    def citation(self) -> str:
+        return INFCL_CITATION
+
+
+def _has_static_embedding(model) -> bool:
+    try:
+        from sentence_transformers.base.losses.gradcache import has_static_embedding_input
+    except ImportError:
+        has_static_embedding_input = None
+    if has_static_embedding_input is not None:
+        try:
+            return bool(has_static_embedding_input(model))
+        except Exception:  # a model layout the helper does not know: fall through
+            pass
+    try:
+        from sentence_transformers.models import StaticEmbedding
+    except ImportError:
+        return False
+    first = model[0] if isinstance(model, nn.Sequential) and len(model) else model
+    return isinstance(first, StaticEmbedding)
+
+
+__all__ = ["InfCLLoss", "INFCL_CITATION"]

