@@ -392,6 +392,8 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, query_groups, 
         k_owner = layout.keys[owner]
         if step < n - 1:
             blocks.post_next()  # before the compute, so that the transfer overlaps it
+        else:
+            home = torch.empty(k_max, width, dtype=acc, device=device)  # this rank's dK arrives here
         block_keys = blocks.current[0]
         block_groups = blocks.current[1] if key_groups is not None else None
         block_cols = blocks.current[-1] if spec.columns else None
@@ -417,13 +419,14 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, query_groups, 
             if arrived[index] is not None:
                 partial += arrived[index]
                 free.append(arrived[index])
-            arrived[index] = take(hi - lo)
-            # At the last step this sends the slice home to its owner and receives this rank's own.
+            if step < n - 1:
+                arrived[index] = take(hi - lo)
+            else:  # the last step sends the slice home to its owner and receives this rank's own
+                arrived[index] = home[lo:hi]
             pending_works = _exchange(layout, [partial], [arrived[index]])
             pending_sent = partial
         if step < n - 1:
             blocks.advance()
 
     _wait(pending_works)
-    grad_keys = torch.cat(arrived)[: keys.shape[0]]
-    return grad_queries, grad_keys, row_sums
+    return grad_queries, home[: keys.shape[0]], row_sums

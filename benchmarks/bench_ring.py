@@ -1,0 +1,331 @@
+"""The ring across GPUs: time and per-GPU memory of the symmetric loss at a global batch, against
+one GPU at the same global batch, and how much of the communication the compute hides.
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/bench_ring.py   # ring on 2 GPUs + 1-GPU rows
+    torchrun --standalone --nproc_per_node 1 benchmarks/bench_ring.py   # 1-GPU rows only
+
+Every rank holds b/n L2-normalised rows and their b/n positive keys (bf16, c=768 by default) and
+runs forward + backward of ``contrastive_loss(..., process_group=WORLD)`` (symmetric softmax,
+scale 1/0.07, gradients of queries, keys and scale). Rows of the table, per global b:
+
+  ring        one step on n GPUs: wall time (slowest rank), peak memory above the inputs (the
+              largest over ranks; it includes the returned input gradients).
+  compute     the same ranks' block computations with no communication at all (the forward and
+              backward block calls the ring makes, on local blocks of the same shapes).
+  comm        the ring's transfers alone (the same batches of sends/receives, no compute).
+  one-gpu     rank 0 alone on the whole global batch (``process_group=None``), same backend;
+              the other ranks wait.
+
+``exposed = ring - compute`` is the communication time the compute did not hide, and
+``hidden = 1 - exposed / comm``. ``ring/one-gpu`` is the speed-up bar (<= 0.6 at b = 128k on two
+GPUs) and ``mem ring/one-gpu`` the memory one (about 0.5). The ring and one-GPU losses are also
+compared (the same global batch): ``loss_rel_diff``.
+
+Times are medians of ``--iters`` steps after ``--warmup``. Sizes whose one-GPU step exceeds the
+time budget are cut short (fewer iterations), so the whole run stays within a few minutes. CSV
+rows go to ``$OUT/bench_ring.csv`` when ``OUT`` is set (or to ``--csv``); the table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hf_infcl import contrastive_loss
+from hf_infcl.loss import select_block_ops
+from hf_infcl.ops import ring
+from hf_infcl.ops.spec import StatsSpec
+
+LOGIT_SCALE = 1 / 0.07
+DEVICE = torch.device("cuda")  # "--cpu" (a dry run of this script over gloo) switches it
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_count(text: str) -> int:
+    text = text.strip().lower()
+    factor = {"k": 1024, "m": 1024 * 1024}.get(text[-1], 1)
+    return int(text[:-1] if factor > 1 else text) * factor
+
+
+def format_count(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def synchronize() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(step, iters: int, warmup: int, group=None) -> list[float]:
+    """Wall seconds of ``step`` per iteration, the slowest rank's, synchronised before and after."""
+    times = []
+    for i in range(warmup + iters):
+        synchronize()
+        if group is not None:
+            dist.barrier(group=group)
+        start = time.perf_counter()
+        step()
+        synchronize()
+        elapsed = torch.tensor([time.perf_counter() - start], device=DEVICE)
+        if group is not None:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+        if i >= warmup:
+            times.append(float(elapsed))
+    return times
+
+
+def peak_above(step) -> int:
+    """Peak bytes allocated during ``step`` above what was allocated before it."""
+    if DEVICE.type != "cuda":
+        step()
+        return 0
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def features(rows: int, width: int, dtype, seed: int):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    queries = F.normalize(torch.randn(rows, width, device=DEVICE, generator=gen), dim=1)
+    keys = F.normalize(torch.randn(rows, width, device=DEVICE, generator=gen) + queries, dim=1)
+    return queries.to(dtype), keys.to(dtype)
+
+
+def loss_step(queries, keys, backend, group):
+    """One forward + backward; returns the loss value."""
+    q = queries.detach().requires_grad_(True)
+    k = keys.detach().requires_grad_(True)
+    scale = torch.tensor(LOGIT_SCALE, device=DEVICE, requires_grad=True)
+    loss = contrastive_loss(q, k, scale, process_group=group, backend=backend)
+    grads = torch.autograd.grad(loss, [q, k, scale])
+    del grads
+    return loss.detach()
+
+
+def compute_only_step(queries, keys, backend, world_size: int):
+    """The ring's block computations on one rank, with every transfer left out: n forward blocks,
+    then n backward blocks in the ring's key slices, on local blocks of the same shapes."""
+    spec = StatsSpec(loss="softmax", columns=True)
+    ops = select_block_ops(backend, queries.device)
+    scale = torch.tensor(LOGIT_SCALE, device=DEVICE)
+    m, width = queries.shape
+    row_stat = None
+    for _ in range(world_size):
+        partial_row, partial_col = ops.forward_block(spec, queries, keys, scale, None, None)
+        row_stat = partial_row if row_stat is None else torch.logaddexp(row_stat, partial_row)
+    col_stat = partial_col
+    weight = torch.full((m,), 0.5 / m, device=DEVICE)
+    grad_queries = torch.zeros(m, width, device=DEVICE)
+    slices = ring._key_slices(keys.shape[0], width, 4)
+    partial = torch.empty(max(hi - lo for lo, hi in slices), width, device=DEVICE)
+    for _ in range(world_size):
+        for lo, hi in slices:
+            partial[: hi - lo].zero_()
+            ops.backward_block(spec, queries, keys[lo:hi], scale, None, None, row_stat, col_stat[lo:hi],
+                               weight, weight[lo:hi], grad_queries, partial[: hi - lo])
+
+
+def comm_only_step(queries, keys, layout):
+    """The ring's transfers with no compute: forward key blocks and column statistics, backward
+    key blocks with their column statistics, and the key-gradient slices."""
+    n, (m, width) = layout.world_size, queries.shape
+    send_keys, recv_keys = keys.contiguous(), torch.empty_like(keys)
+    col, col_in = torch.zeros(m, device=DEVICE), torch.empty(m, device=DEVICE)
+    info, info_in = torch.zeros(2, m, device=DEVICE), torch.empty(2, m, device=DEVICE)
+    slices = ring._key_slices(m, width, 4)
+    grad = [torch.zeros(hi - lo, width, device=DEVICE) for lo, hi in slices]
+    grad_in = [torch.empty_like(g) for g in grad]
+    works = []
+    for step in range(n):  # forward
+        if step < n - 1:
+            works += ring._exchange(layout, [send_keys], [recv_keys])
+        works += ring._exchange(layout, [col], [col_in])
+    for step in range(n):  # backward
+        if step < n - 1:
+            works += ring._exchange(layout, [send_keys, info], [recv_keys, info_in])
+        for index in range(len(slices)):
+            works += ring._exchange(layout, [grad[index]], [grad_in[index]])
+    ring._wait(works)
+
+
+def measure_ring(queries, keys, args, group, world_size: int) -> list[dict]:
+    """Rows "ring", "compute" and "comm" for one global batch."""
+    layout = ring.exchange_layout(group, queries, keys, StatsSpec("softmax", True), False, False)
+
+    def step():
+        return loss_step(queries, keys, args.backend, group)
+
+    iters, warmup = args.iters, args.warmup
+    if timed(step, 1, 0, group)[0] > args.slow_step_s:
+        iters, warmup = 1, 0
+    times = timed(step, iters, warmup, group)
+    memory = torch.tensor([peak_above(step)], device=DEVICE, dtype=torch.float64)
+    dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+    ring_loss = step().float()
+    dist.all_reduce(ring_loss)
+    compute = timed(lambda: compute_only_step(queries, keys, args.backend, world_size), iters, warmup, group)
+    comm = timed(lambda: comm_only_step(queries, keys, layout), max(iters, 3), 1, group)
+    return [
+        dict(what="ring", ms=1e3 * statistics.median(times), peak_gib=float(memory) / 2**30,
+             loss=float(ring_loss) / world_size),
+        dict(what="compute", ms=1e3 * statistics.median(compute)),
+        dict(what="comm", ms=1e3 * statistics.median(comm)),
+    ]
+
+
+def measure_one_gpu(all_queries, all_keys, args) -> dict:
+    """Row "one-gpu": the whole global batch on this GPU alone."""
+
+    def step():
+        return loss_step(all_queries, all_keys, args.backend, None)
+
+    iters, warmup = args.iters, args.warmup
+    if timed(step, 1, 0)[0] > args.slow_step_s:
+        iters, warmup = 1, 0
+    times = timed(step, iters, warmup)
+    memory = peak_above(step)
+    return dict(what="one-gpu", ms=1e3 * statistics.median(times), peak_gib=memory / 2**30,
+                loss=float(step()))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", default="64k,128k,256k", help="global batch sizes b")
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--backend", default="auto", help="auto, triton or torch")
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--slow-step-s", type=float, default=4.0,
+                        help="a size whose first step takes longer than this is timed once")
+    parser.add_argument("--no-one-gpu", action="store_true", help="skip the one-GPU rows")
+    parser.add_argument("--csv", default=None, help="CSV path (default: $OUT/bench_ring.csv when OUT is set)")
+    parser.add_argument("--cpu", action="store_true", help="dry run over gloo on CPU (tiny sizes)")
+    args = parser.parse_args()
+
+    global DEVICE
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.cpu:
+        DEVICE = torch.device("cpu")
+        dist.init_process_group("gloo")
+    else:
+        DEVICE = torch.device("cuda", local_rank)
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl")
+    group = dist.group.WORLD
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[args.dtype]
+    backend_name = type(select_block_ops(args.backend, DEVICE)).__name__
+    csv_path = args.csv
+    if csv_path is None and os.environ.get("OUT"):
+        csv_path = os.path.join(os.environ["OUT"], "bench_ring.csv")
+    device_name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"
+    rows = []
+
+    for b in (parse_count(s) for s in args.sizes.split(",")):
+        if b % world_size:
+            raise SystemExit(f"global batch {b} is not divisible by {world_size} processes")
+        queries, keys = features(b // world_size, args.width, dtype, seed=rank)
+        measured = measure_ring(queries, keys, args, group, world_size) if world_size > 1 else []
+        if not args.no_one_gpu:
+            # The same global batch on rank 0 alone: gather the ranks' features there.
+            gathered_q = [torch.empty_like(queries) for _ in range(world_size)]
+            gathered_k = [torch.empty_like(keys) for _ in range(world_size)]
+            dist.all_gather(gathered_q, queries)
+            dist.all_gather(gathered_k, keys)
+            del queries, keys
+            if rank == 0:
+                all_queries, all_keys = torch.cat(gathered_q), torch.cat(gathered_k)
+                del gathered_q, gathered_k
+                single = measure_one_gpu(all_queries, all_keys, args)
+                if measured:
+                    single["loss_rel_diff"] = abs(measured[0]["loss"] - single["loss"]) / abs(single["loss"])
+                measured.append(single)
+                del all_queries, all_keys
+            else:
+                del gathered_q, gathered_k
+            dist.barrier()
+        for row in measured:
+            rows.append(dict(b=b, world_size=world_size, width=args.width, dtype=args.dtype,
+                             backend=backend_name, device=device_name, torch=torch.__version__, **row))
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+
+    if rank == 0:
+        write_csv(rows, csv_path)
+        print_table(rows, world_size)
+    dist.destroy_process_group()
+    return 0
+
+
+def write_csv(rows, path):
+    if not path:
+        return
+    fields = sorted({key for row in rows for key in row})
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}", flush=True)
+
+
+def ratio(row, baseline, key):
+    if not row or not baseline or not baseline.get(key):
+        return None
+    return row[key] / baseline[key]
+
+
+def print_table(rows, world_size: int):
+    by_size = {}
+    for row in rows:
+        by_size.setdefault(row["b"], {})[row["what"]] = row
+    device = rows[0]["device"] if rows else "?"
+    backend = rows[0]["backend"] if rows else "?"
+    print(f"\nring benchmark: {world_size} x {device}, backend {backend}, "
+          f"c={rows[0]['width'] if rows else '?'}, {rows[0]['dtype'] if rows else '?'}")
+    header = (f"{'b':>6} {'ring ms':>9} {'1-GPU ms':>9} {'ring/1GPU':>9} {'ring GiB':>9} {'1-GPU GiB':>9} "
+              f"{'mem ratio':>9} {'compute ms':>10} {'comm ms':>8} {'exposed ms':>10} {'hidden':>7} "
+              f"{'loss diff':>9}")
+    print(header)
+    for b, entry in by_size.items():
+        ring_row, single = entry.get("ring"), entry.get("one-gpu")
+        compute, comm = entry.get("compute"), entry.get("comm")
+
+        def cell(value, spec, width):
+            return f"{format(value, spec):>{width}}" if value is not None else f"{'-':>{width}}"
+
+        exposed = ring_row["ms"] - compute["ms"] if ring_row and compute else None
+        hidden = None
+        if exposed is not None and comm and comm["ms"] > 0:
+            hidden = min(1.0, max(0.0, 1 - exposed / comm["ms"]))
+        print(" ".join([
+            f"{format_count(b):>6}",
+            cell(ring_row and ring_row["ms"], ".1f", 9),
+            cell(single and single["ms"], ".1f", 9),
+            cell(ratio(ring_row, single, "ms"), ".3f", 9),
+            cell(ring_row and ring_row["peak_gib"], ".3f", 9),
+            cell(single and single["peak_gib"], ".3f", 9),
+            cell(ratio(ring_row, single, "peak_gib"), ".3f", 9),
+            cell(compute and compute["ms"], ".1f", 10),
+            cell(comm and comm["ms"], ".1f", 8),
+            cell(exposed, ".1f", 10),
+            cell(hidden, ".2f", 7),
+            cell(single and single.get("loss_rel_diff"), ".1e", 9),
+        ]), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
