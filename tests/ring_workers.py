@@ -236,6 +236,25 @@ def run_disagreements(rank: int, world_size: int):
     return raised, after
 
 
+def reduction_inputs(world_size: int):
+    """Per-rank features for the reduction checks: uneven, rank 1 without rows, hard negatives."""
+    rows = [4, 0, 3][:world_size]
+    keys = [5, 2, 3][:world_size]
+    return [(_features(m, seed=20 + r), _features(k, seed=40 + r))
+            for r, (m, k) in enumerate(zip(rows, keys))]
+
+
+def run_reductions(rank: int, world_size: int):
+    """This rank's ``none`` and ``sum`` values (no autograd: the forward alone must be right)."""
+    queries, keys = reduction_inputs(world_size)[rank]
+    with torch.no_grad():
+        return {
+            reduction: contrastive_loss(queries, keys, 3.0, reduction=reduction, process_group="auto",
+                                        backend=TILES)
+            for reduction in ("none", "sum")
+        }
+
+
 def run_group_of_one(rank: int):
     """A group holding only rank 0 (every rank must create it) gives exactly the local result."""
     solo = dist.new_group([0])
@@ -258,6 +277,7 @@ def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         scenarios = {name: run_scenario(name, s, rank, world_size) for name, s in SCENARIOS.items()}
         results = {"scenarios": scenarios}
         results["raised"], results["after_errors"] = run_disagreements(rank, world_size)
+        results["reductions"] = run_reductions(rank, world_size)
         results["group_of_one"] = run_group_of_one(rank)
         dist.barrier()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

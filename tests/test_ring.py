@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from hf_infcl import contrastive_loss
 from tests import ring_workers
 
 WORLD_SIZES = (2, 3)
@@ -131,11 +132,24 @@ def test_group_still_usable_after_the_errors(ranks):
     keys = torch.cat([ring_workers._features(3 + r, seed=10 + r) for r in range(world_size)])
     key_offsets = [sum(3 + s for s in range(r)) for r in range(world_size)]
     positives = torch.cat([torch.arange(2 + r) + key_offsets[r] for r in range(world_size)])
-    from hf_infcl import contrastive_loss
-
     expected = contrastive_loss(queries, keys, 3.0, positives=positives, reduction="sum", backend="reference")
     for result in ranks:
         torch.testing.assert_close(result["after_errors"], expected, **TOLERANCE)
+
+
+def test_reductions_none_and_sum_without_autograd(ranks):
+    parts = ring_workers.reduction_inputs(len(ranks))
+    queries = torch.cat([q for q, _ in parts])
+    keys = torch.cat([k for _, k in parts])
+    key_offsets = torch.tensor([0] + [k.shape[0] for _, k in parts]).cumsum(0)
+    positives = torch.cat([torch.arange(q.shape[0]) + key_offsets[r] for r, (q, _) in enumerate(parts)])
+    expected = contrastive_loss(queries, keys, 3.0, positives=positives, reduction="none",
+                                backend="reference")
+    row_offsets = [0] + torch.tensor([q.shape[0] for q, _ in parts]).cumsum(0).tolist()
+    for rank, result in enumerate(ranks):
+        mine = expected[row_offsets[rank]: row_offsets[rank + 1]]
+        torch.testing.assert_close(result["reductions"]["none"], mine, **TOLERANCE)
+        torch.testing.assert_close(result["reductions"]["sum"], mine.sum(), **TOLERANCE)
 
 
 def test_group_of_one_gives_exactly_the_local_result(ranks):
