@@ -163,7 +163,9 @@ def cached_step(
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError("loss_fn must return a scalar tensor")
     scaled = scale_loss(loss) if scale_loss is not None else loss
-    grads = torch.autograd.grad(scaled, [*embeddings, *loss_params], allow_unused=True)
+    # Only loss_params that require grad are differentiated (a fixed scale may be passed too).
+    learned = [param for param in loss_params if param.requires_grad]
+    grads = torch.autograd.grad(scaled, [*embeddings, *learned], allow_unused=True)
     embedding_grads, param_grads = grads[: len(embeddings)], grads[len(embeddings):]
 
     # Phase 3: replay each chunk with grad under its recorded RNG state; backprop the cached grads.
@@ -194,8 +196,8 @@ def cached_step(
                 if last_overall:
                     surrogate.extend(
                         (param * grad.to(param.dtype)).sum()
-                        for param, grad in zip(loss_params, param_grads)
-                        if grad is not None and param.requires_grad
+                        for param, grad in zip(learned, param_grads)
+                        if grad is not None
                     )
                 if surrogate:
                     torch.stack([term.float() for term in surrogate]).sum().backward()

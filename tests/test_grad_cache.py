@@ -14,7 +14,16 @@ import torch
 
 from hf_infcl import contrastive_loss
 from hf_infcl.grad_cache import cached_step, split_batch
-from tests.trainer_fixtures import clip_batch, pair_text_batch, parameter_grads, tiny_clip, tiny_dual_encoder
+from tests.trainer_fixtures import (
+    clip_batch,
+    one_thread,  # noqa: F401  (a fixture)
+    pair_text_batch,
+    parameter_grads,
+    tiny_clip,
+    tiny_dual_encoder,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def clip_encoder(model):

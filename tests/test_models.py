@@ -27,7 +27,16 @@ from hf_infcl.models import (
     pair_embeddings,
     tower_inputs,
 )
-from tests.trainer_fixtures import clip_batch, pair_text_batch, tiny_bert_config, tiny_clip, tiny_dual_encoder
+from tests.trainer_fixtures import (
+    clip_batch,
+    one_thread,  # noqa: F401  (a fixture)
+    pair_text_batch,
+    tiny_bert_config,
+    tiny_clip,
+    tiny_dual_encoder,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TEXT = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
             max_position_embeddings=16)

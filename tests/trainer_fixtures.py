@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import CLIPConfig, CLIPModel
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from threads, and spinning OpenMP threads slow a loaded machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def tiny_clip_config(dropout: float = 0.1, image_size: int = 8, vocab_size: int = 40) -> CLIPConfig:
@@ -69,3 +79,85 @@ def pair_text_batch(batch: int, seed: int = 2, seq_len: int = 7, vocab_size: int
         result[f"{side}_input_ids"] = ids * mask
         result[f"{side}_attention_mask"] = mask
     return result
+
+
+class PairDataset(torch.utils.data.Dataset):
+    """Rows of a dict of equally long tensors, one dict per example (what a collator stacks)."""
+
+    def __init__(self, columns: dict[str, torch.Tensor]):
+        self.columns = columns
+        self.length = len(next(iter(columns.values())))
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        return {name: values[index] for name, values in self.columns.items()}
+
+
+def trainer_arguments(output_dir, **overrides):
+    """Small, quiet, CPU-only InfCLTrainingArguments for tests."""
+    from hf_infcl import InfCLTrainingArguments
+
+    settings = dict(output_dir=str(output_dir), use_cpu=True, report_to="none", disable_tqdm=True,
+                    save_strategy="no", logging_steps=1, seed=0, dataloader_num_workers=0)
+    settings.update(overrides)
+    return InfCLTrainingArguments(**settings)
+
+
+def trained_parameters(trainer) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+
+
+DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+CAPTION_TEMPLATES = ("a photo of the digit {}", "handwritten {}", "the number {}", "a {} written by hand")
+
+
+def caption_tokenizer():
+    """A word-level tokenizer over the digit captions, built offline ([BOS] words [EOS], pad 0)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[BOS]": 2, "[EOS]": 3}
+    for template in CAPTION_TEMPLATES:
+        for word in (*template.split(), *DIGIT_WORDS):
+            vocab.setdefault(word, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    core.post_processor = processors.TemplateProcessing(
+        single="[BOS] $A [EOS]", special_tokens=[("[BOS]", 2), ("[EOS]", 3)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", bos_token="[BOS]",
+                                   eos_token="[EOS]", unk_token="[UNK]")
+
+
+def digits_clip(vocab_size: int):
+    """A small CLIP for 8x8 one-channel digit images (eos id 3, so CLIP pools at the [EOS] token)."""
+    from transformers import CLIPConfig, CLIPModel
+
+    text = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=10, eos_token_id=3, bos_token_id=2,
+                pad_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=8, patch_size=2, num_channels=1)
+    torch.manual_seed(0)
+    return CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
+
+
+def digits_image_caption_split(tokenizer, n_train: int = 1500, seed: int = 0):
+    """sklearn's digits as image-caption pairs: a training PairDataset and held-out (images, labels)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32)[:, None] / 8.0 - 1.0
+    labels = torch.tensor(digits.target)
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(labels), generator=generator)
+    train, held_out = order[:n_train], order[n_train:]
+    template = torch.randint(0, len(CAPTION_TEMPLATES), (n_train,), generator=generator)
+    captions = [CAPTION_TEMPLATES[int(t)].format(DIGIT_WORDS[int(labels[i])])
+                for i, t in zip(train, template)]
+    tokens = tokenizer(captions, padding="max_length", max_length=10, return_tensors="pt")
+    dataset = PairDataset({"pixel_values": images[train], "input_ids": tokens["input_ids"],
+                           "attention_mask": tokens["attention_mask"], "label": labels[train]})
+    return dataset, images[held_out], labels[held_out]

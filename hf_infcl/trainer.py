@@ -1,0 +1,380 @@
+"""``InfCLTrainer``: the transformers ``Trainer`` with the Inf-CL loss and gradient caching.
+
+The Trainer keeps its loop, checkpoints, logging and callbacks. This subclass changes only:
+
+- ``compute_loss``: embeddings from the model (``hf_infcl.models``) and ``contrastive_loss`` over
+  the whole contrastive batch (every process's rows, through the ring when several processes run);
+- ``training_step`` when ``chunk_size`` is set: the cached three-phase step of
+  ``hf_infcl.grad_cache`` (one DDP all-reduce per step, optional data offload);
+- ``evaluation_loop``: eval loss and recall@1/5/10 in both directions, block by block, without
+  an n x n similarity matrix;
+- ``log``: adds the logit scale and the in-batch top-1 accuracy to every training log;
+- a callback clamps the learned logit scale after each optimizer step (CLIP's log(100)).
+
+The contrastive batch is ``per_device_train_batch_size`` x number of processes. Gradient
+accumulation does not add negatives (each micro-batch is its own contrastive batch); to grow the
+batch beyond memory, raise the batch size and set ``chunk_size``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import EvalLoopOutput
+
+from .grad_cache import cached_step
+from .loss import BACKENDS, LOSSES, contrastive_loss
+from .models import (
+    contrastive_loss_kind,
+    encode_keys,
+    encode_queries,
+    pair_embeddings,
+    tower_inputs,
+    unwrap_model,
+)
+
+__all__ = ["InfCLTrainer", "InfCLTrainingArguments", "retrieval_recalls"]
+
+RECALL_AT = (1, 5, 10)
+
+
+@dataclass
+class InfCLTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` plus the contrastive-loss options of :class:`InfCLTrainer`."""
+
+    chunk_size: int | None = field(
+        default=None,
+        metadata={"help": "Rows per encoder chunk for gradient caching (GradCache). None: no caching, the "
+                          "encoders see the whole per-device batch at once."},
+    )
+    offload: bool = field(
+        default=False,
+        metadata={"help": "Keep the batch in pinned host memory and move one chunk at a time to the device. "
+                          "Needs chunk_size."},
+    )
+    loss_backend: str = field(
+        default="auto",
+        metadata={"help": "Backend of the loss: 'auto' (Triton on CUDA when available), 'torch', 'triton' "
+                          "or 'reference' (materialised, small batches only)."},
+    )
+    contrastive_loss: str | None = field(
+        default=None,
+        metadata={"help": "'softmax' (InfoNCE/CLIP) or 'sigmoid' (SigLIP). None: 'sigmoid' for models with a "
+                          "logit_bias (SigLIP), else 'softmax'."},
+    )
+    symmetric: bool = field(
+        default=True,
+        metadata={"help": "Softmax loss: average the row->key and key->row directions, as CLIP does."},
+    )
+    logit_scale_max: float | None = field(
+        default=100.0,
+        metadata={"help": "Clamp the learned logit scale exp(logit_scale) to at most this after each "
+                          "optimizer step (CLIP uses 100). None disables the clamp."},
+    )
+    group_column: str | None = field(
+        default=None,
+        metadata={"help": "Batch column of integer group ids: rows and keys of the same group are not "
+                          "negatives of each other (duplicate captions, the same document twice)."},
+    )
+    eval_block_rows: int = field(
+        default=1024,
+        metadata={"help": "Rows per block when evaluation ranks every key for each row (memory "
+                          "eval_block_rows x eval set size)."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        chunk = self.chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
+            raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
+        if self.offload and self.chunk_size is None:
+            raise ValueError("offload=True needs chunk_size: without chunks the whole batch is on the device")
+        if self.loss_backend not in BACKENDS:
+            raise ValueError(f"loss_backend must be one of {', '.join(map(repr, BACKENDS))}; "
+                             f"got {self.loss_backend!r}")
+        if self.contrastive_loss is not None and self.contrastive_loss not in LOSSES:
+            raise ValueError(f"contrastive_loss must be one of {', '.join(map(repr, LOSSES))} or None; "
+                             f"got {self.contrastive_loss!r}")
+        if self.logit_scale_max is not None and not self.logit_scale_max > 0:
+            raise ValueError(f"logit_scale_max must be > 0 or None, got {self.logit_scale_max!r}")
+        if self.eval_block_rows <= 0:
+            raise ValueError(f"eval_block_rows must be positive, got {self.eval_block_rows!r}")
+
+
+class InfCLTrainer(Trainer):
+    """Trains a CLIP-like model or a :class:`~hf_infcl.models.DualEncoder` with the Inf-CL loss.
+
+    Batches are dicts with the model's tower inputs (``pixel_values`` + ``input_ids``/
+    ``attention_mask``, or ``query_*`` + ``doc_*``); row i of one tower is the positive of row i of
+    the other. Everything else is the ``Trainer`` API.
+    """
+
+    def __init__(self, model=None, args: InfCLTrainingArguments | None = None, *more, **kwargs):
+        if model is None:
+            raise ValueError("InfCLTrainer needs a model (model_init is not supported)")
+        if args is None:
+            args = InfCLTrainingArguments(output_dir="tmp_trainer")
+        if not isinstance(args, InfCLTrainingArguments):
+            raise TypeError(f"args must be InfCLTrainingArguments, got {type(args).__name__}")
+        if kwargs.get("compute_loss_func") is not None:
+            raise ValueError("InfCLTrainer computes the contrastive loss itself; drop compute_loss_func")
+        tower_inputs(model)  # TypeError for models we cannot take embeddings from
+        super().__init__(model, args, *more, **kwargs)
+        self._check_combinations()
+        # Our loss is a per-batch mean: let the Trainer divide it for gradient accumulation.
+        self.model_accepts_loss_kwargs = False
+        self.loss_is_scaled_for_ga = False
+        self.loss_kind = args.contrastive_loss or contrastive_loss_kind(self.model)
+        if self.loss_kind == "softmax" and contrastive_loss_kind(self.model) == "sigmoid":
+            warnings.warn("the model has a logit_bias (SigLIP) but contrastive_loss='softmax' ignores it; it "
+                          "gets no gradient (with DDP, set ddp_find_unused_parameters=True)", stacklevel=2)
+        if args.logit_scale_max is not None:
+            self.add_callback(ClampLogitScale(args.logit_scale_max))
+        self._step_stats = None  # [sum of top-1 accuracy, sum of logit scale, steps] since the last log
+
+    def _check_combinations(self):
+        args = self.args
+        if args.n_gpu > 1:
+            raise ValueError("InfCLTrainer does not support torch.nn.DataParallel (several GPUs in one "
+                             "process); launch one process per GPU with torchrun or accelerate launch")
+        if args.chunk_size is not None and (args.deepspeed or self.is_fsdp_enabled):
+            raise ValueError("chunk_size (gradient caching) needs DDP-style no_sync between replays; it is "
+                             "not supported with DeepSpeed or FSDP")
+        if args.gradient_accumulation_steps > 1:
+            warnings.warn(
+                "gradient accumulation does not add negatives: each micro-batch of "
+                "per_device_train_batch_size x processes rows is its own contrastive batch. To grow the "
+                "contrastive batch, raise per_device_train_batch_size and set chunk_size instead.",
+                stacklevel=3,
+            )
+
+    # ---- data ----------------------------------------------------------------------------
+
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        column = self.args.group_column
+        if column is not None and column not in self._signature_columns:
+            self._signature_columns = [*self._signature_columns, column]
+
+    def get_train_dataloader(self):
+        dataloader = super().get_train_dataloader()
+        if self.args.offload and getattr(dataloader, "device", None) is not None:
+            # Accelerate's DataLoaderShard would move every whole batch to the GPU; with offload
+            # the cached step moves one chunk at a time.
+            dataloader.device = None
+        return dataloader
+
+    # ---- loss ----------------------------------------------------------------------------
+
+    def _loss_params(self, model) -> list[torch.Tensor]:
+        """The model's log logit scale (and SigLIP's bias): tensors the loss uses directly."""
+        inner = unwrap_model(model)
+        params = [inner.logit_scale]
+        if self.loss_kind == "sigmoid" and isinstance(getattr(inner, "logit_bias", None), torch.Tensor):
+            params.append(inner.logit_bias)
+        return params
+
+    def _groups(self, inputs, device):
+        column = self.args.group_column
+        if column is None:
+            return None
+        if column not in inputs and column in ("label", "label_ids") and "labels" in inputs:
+            column = "labels"  # transformers' default collator renames these columns
+        if column not in inputs:
+            raise KeyError(f"group_column={column!r} is not in the batch (keys: {sorted(inputs)})")
+        return torch.as_tensor(inputs[column]).to(device)
+
+    def _contrastive(self, queries, keys, groups, log_scale, bias=None, process_group="auto"):
+        dtype = torch.promote_types(queries.dtype, keys.dtype)
+        return contrastive_loss(
+            queries.to(dtype),
+            keys.to(dtype),
+            log_scale.reshape(()).exp(),
+            None if bias is None else bias.reshape(()),
+            loss=self.loss_kind,
+            symmetric=self.args.symmetric,
+            query_groups=groups,
+            key_groups=groups,
+            process_group=process_group,
+            backend=self.args.loss_backend,
+        )
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        queries, keys = pair_embeddings(model, inputs)
+        groups = self._groups(inputs, queries.device)
+        loss = self._contrastive(queries, keys, groups, *self._loss_params(model))
+        if model.training:
+            self._track(queries.detach(), keys.detach(), model, groups)
+        if return_outputs:
+            return loss, {"query_embeds": queries, "key_embeds": keys}
+        return loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.args.chunk_size is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        if not self.args.offload:
+            inputs = self._prepare_inputs(inputs)
+        names = tower_inputs(model)
+        encoder_inputs = {name: inputs[name] for name in (*names.query, *names.key)
+                          if inputs.get(name) is not None}
+        groups = self._groups(inputs, self.args.device)
+        ga_steps = self.current_gradient_accumulation_steps
+
+        def loss_fn(queries, keys, *params):
+            return self._contrastive(queries, keys, groups, *params)
+
+        def scale_for_backward(loss):
+            # what Trainer.training_step + Accelerator.backward do to the loss before backward
+            loss = loss / ga_steps / self.accelerator.gradient_accumulation_steps
+            scaler = getattr(self.accelerator, "scaler", None)
+            return scaler.scale(loss) if scaler is not None else loss
+
+        result = cached_step(
+            lambda chunk: pair_embeddings(model, chunk),
+            encoder_inputs,
+            loss_fn,
+            self.args.chunk_size,
+            loss_params=self._loss_params(model),
+            offload=self.args.offload,
+            device=self.args.device if self.args.offload else None,
+            no_sync=lambda: self.accelerator.no_sync(model),
+            scale_loss=scale_for_backward,
+            forward_context=self.compute_loss_context_manager,
+        )
+        self._track(*result.embeddings, model, groups)
+        return result.loss.to(self.args.device) / ga_steps
+
+    # ---- logging -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _track(self, queries, keys, model, groups=None):
+        """Accumulate the in-batch top-1 accuracy (rows against every key of the global batch).
+
+        A row is right when its best key is its positive, or (with a group column) a key of its
+        own group, which the loss does not treat as a negative either.
+        """
+        if self.args.logging_strategy == "no":
+            return
+        offset = 0
+        key_groups = groups
+        if self.accelerator.num_processes > 1:
+            # pad to the largest rank with NaN rows (never the argmax) and gather every key
+            padded = self.accelerator.pad_across_processes(keys.float(), dim=0, pad_index=float("nan"))
+            offset = self.accelerator.process_index * padded.shape[0]
+            keys = self.accelerator.gather(padded)
+            if groups is not None:
+                key_groups = self.accelerator.gather(self.accelerator.pad_across_processes(groups, dim=0))
+        hits = 0
+        block = self.args.eval_block_rows
+        for start in range(0, queries.shape[0], block):
+            sims = queries[start: start + block].float() @ keys.float().T
+            best = torch.nan_to_num(sims, nan=-math.inf).argmax(dim=1)
+            rows = torch.arange(start, start + sims.shape[0], device=best.device)
+            right = best == rows + offset
+            if groups is not None:
+                right |= key_groups[best] == groups[rows]
+            hits = hits + right.sum()
+        accuracy = torch.as_tensor(hits, dtype=torch.float32, device=queries.device) / queries.shape[0]
+        scale = unwrap_model(model).logit_scale.detach().float().exp().reshape(()).to(queries.device)
+        stats = torch.stack([accuracy, scale, torch.ones_like(scale)])
+        previous = self._step_stats
+        self._step_stats = stats if previous is None else previous + stats.to(previous)
+
+    def log(self, logs, *args, **kwargs):
+        if "loss" in logs and self._step_stats is not None:
+            stats = self._step_stats.to(self.args.device)
+            if self.accelerator.num_processes > 1:
+                stats = self.accelerator.reduce(stats, reduction="sum")
+            accuracy, scale, count = stats.tolist()
+            logs["accuracy"] = accuracy / count
+            logs["logit_scale"] = scale / count
+            self._step_stats = None
+        return super().log(logs, *args, **kwargs)
+
+    # ---- evaluation ----------------------------------------------------------------------
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        model = self.model
+        model.eval()
+        queries, keys, groups = [], [], []
+        for batch in dataloader:
+            batch = self._prepare_inputs(batch)
+            with torch.no_grad(), self.accelerator.autocast():
+                batch_queries = encode_queries(model, batch).float()
+                batch_keys = encode_keys(model, batch).float()
+            gathered = [batch_queries, batch_keys]
+            if self.args.group_column is not None:
+                gathered.append(self._groups(batch, batch_queries.device))
+            gathered = self.accelerator.gather_for_metrics(tuple(gathered))
+            queries.append(gathered[0])
+            keys.append(gathered[1])
+            if self.args.group_column is not None:
+                groups.append(gathered[2])
+        if not queries:
+            raise ValueError("the evaluation dataset is empty")
+        queries, keys = torch.cat(queries), torch.cat(keys)
+        groups = torch.cat(groups) if groups else None
+
+        params = [p.detach().float() for p in self._loss_params(model)]
+        with torch.no_grad():
+            loss = self._contrastive(queries, keys, groups, *params, process_group=None)
+        row, key = ("query", "doc") if tower_inputs(model).query[0].startswith("query") else ("image", "text")
+        metrics = {f"{metric_key_prefix}_loss": float(loss)}
+        block = self.args.eval_block_rows
+        directions = {f"{row}_to_{key}": (queries, keys), f"{key}_to_{row}": (keys, queries)}
+        for direction, (rows, cols) in directions.items():
+            for k, value in retrieval_recalls(rows, cols, groups, block_rows=block).items():
+                metrics[f"{metric_key_prefix}_{direction}_recall@{k}"] = value
+        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=queries.shape[0])
+
+
+@torch.no_grad()
+def retrieval_recalls(rows: torch.Tensor, keys: torch.Tensor, groups: torch.Tensor | None = None,
+                      ks=RECALL_AT, block_rows: int = 1024) -> dict[int, float]:
+    """Recall@k of retrieving key i for row i among all keys, ``block_rows`` rows at a time.
+
+    The rank of the positive is the number of keys scored strictly higher; keys of the same group
+    as the row (other than its positive) are not counted, as in the loss. Memory is
+    ``block_rows x len(keys)``, never ``len(rows) x len(keys)``.
+    """
+    if rows.shape[0] != keys.shape[0]:
+        raise ValueError(f"rows ({rows.shape[0]}) and keys ({keys.shape[0]}) must pair one to one")
+    hits = dict.fromkeys(ks, 0)
+    for start in range(0, rows.shape[0], block_rows):
+        end = min(start + block_rows, rows.shape[0])
+        sims = rows[start:end].float() @ keys.float().T
+        index = torch.arange(start, end, device=sims.device)
+        positive = sims[index - start, index]
+        better = sims > positive[:, None]
+        if groups is not None:
+            better &= groups[start:end, None] != groups[None, :]
+        rank = better.sum(dim=1)
+        for k in ks:
+            hits[k] += int((rank < k).sum())
+    return {k: hits[k] / rows.shape[0] for k in ks}
+
+
+class ClampLogitScale(TrainerCallback):
+    """After each optimizer step, clamp a learned ``logit_scale`` (log of the scale) to log(maximum).
+
+    CLIP clamps its temperature this way so the logits cannot grow without bound.
+    """
+
+    def __init__(self, maximum: float = 100.0):
+        if not maximum > 0:
+            raise ValueError(f"maximum must be > 0, got {maximum!r}")
+        self.log_maximum = math.log(maximum)
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        param = getattr(unwrap_model(model), "logit_scale", None) if model is not None else None
+        if isinstance(param, torch.Tensor) and param.requires_grad:
+            with torch.no_grad():
+                param.clamp_(max=self.log_maximum)

@@ -1,0 +1,246 @@
+"""InfCLTrainer on tiny models built from configs: equivalence, two processes, resume, convergence."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from transformers import BertModel, TrainerCallback
+
+from hf_infcl import InfCLTrainer, InfCLTrainingArguments, contrastive_loss
+from hf_infcl.models import encode_keys, encode_queries
+from hf_infcl.trainer import retrieval_recalls
+from tests.trainer_fixtures import (
+    DIGIT_WORDS,
+    PairDataset,
+    caption_tokenizer,
+    clip_batch,
+    digits_clip,
+    digits_image_caption_split,
+    one_thread,  # noqa: F401  (fixture)
+    pair_text_batch,
+    tiny_bert_config,
+    tiny_clip,
+    tiny_dual_encoder,
+    trained_parameters,
+    trainer_arguments,
+)
+from tests.trainer_workers import TWO_PROCESS_SETTINGS
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def assert_same_parameters(actual, expected, rtol=1e-5, atol=1e-6):
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol, msg=name)
+
+
+def train(tmp_path, model, dataset, **overrides):
+    trainer = InfCLTrainer(model=model, args=trainer_arguments(tmp_path, **overrides), train_dataset=dataset)
+    trainer.train()
+    return trainer
+
+
+# ---- the cached step inside the Trainer -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("build", "batch"),
+    [(lambda: tiny_clip(dropout=0.0), lambda: clip_batch(16)),
+     (lambda: tiny_dual_encoder(shared=False, dropout=0.0), lambda: pair_text_batch(16))],
+    ids=["clip", "dual-encoder"],
+)
+def test_chunked_and_offloaded_training_match_the_full_batch(tmp_path, build, batch):
+    dataset = PairDataset(batch())
+    settings = dict(per_device_train_batch_size=16, max_steps=2, optim="sgd", learning_rate=0.05)
+    full = trained_parameters(train(tmp_path / "full", build(), dataset, **settings))
+    chunked = train(tmp_path / "chunked", build(), dataset, chunk_size=4, **settings)
+    offloaded = train(tmp_path / "offload", build(), dataset, chunk_size=4, offload=True, **settings)
+    assert_same_parameters(trained_parameters(chunked), full)
+    assert_same_parameters(trained_parameters(offloaded), full)
+    assert not torch.equal(full["logit_scale"], build().logit_scale.detach())  # the scale was trained
+    # per-step logs: loss, logit scale and in-batch accuracy
+    logs = [entry for entry in chunked.state.log_history if "loss" in entry]
+    assert len(logs) == 2
+    assert all({"accuracy", "logit_scale"} <= entry.keys() for entry in logs)
+    assert all(0.0 <= entry["accuracy"] <= 1.0 for entry in logs)
+    assert math.isclose(logs[0]["logit_scale"], float(build().logit_scale.detach().exp()), rel_tol=1e-5)
+
+
+def test_two_processes_match_one_process_on_the_concatenated_batch(tmp_path):
+    """torchrun, 2 ranks x 8 pairs, chunks of 4 with offload == 1 process x 16 pairs, uncached."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(port), os.path.join(REPO, "tests", "trainer_workers.py"), str(tmp_path), "4", "offload"]
+    environment = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=240)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+
+    single = train(tmp_path / "single", tiny_clip(dropout=0.0), PairDataset(clip_batch(16)),
+                   per_device_train_batch_size=16, **TWO_PROCESS_SETTINGS)
+    assert_same_parameters(torch.load(tmp_path / "parameters.pt"), trained_parameters(single))
+    with open(tmp_path / "log_history.json") as handle:
+        two_logs = [entry for entry in json.load(handle) if "loss" in entry]
+    one_logs = [entry for entry in single.state.log_history if "loss" in entry]
+    for two, one in zip(two_logs, one_logs, strict=True):
+        assert math.isclose(two["loss"], one["loss"], rel_tol=1e-5)  # the global mean, not a rank's
+        assert math.isclose(two["accuracy"], one["accuracy"], abs_tol=1e-6)
+
+
+# ---- resume ---------------------------------------------------------------------------------
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def test_resume_from_checkpoint_gives_the_same_losses(tmp_path):
+    dataset = PairDataset(clip_batch(48, seed=6))
+    settings = dict(per_device_train_batch_size=8, max_steps=6, chunk_size=4, learning_rate=1e-3)
+
+    def losses(trainer):
+        return {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
+
+    uninterrupted = train(tmp_path / "a", tiny_clip(dropout=0.2), dataset, **settings)
+
+    args = trainer_arguments(tmp_path / "b", save_strategy="steps", save_steps=3, **settings)
+    stopped = InfCLTrainer(model=tiny_clip(dropout=0.2), args=args, train_dataset=dataset,
+                           callbacks=[StopAt(3)])
+    stopped.train()
+    assert stopped.state.global_step == 3
+    resumed = InfCLTrainer(model=tiny_clip(dropout=0.2, seed=99), args=args, train_dataset=dataset)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-3"))
+
+    expected, got = losses(uninterrupted), losses(resumed)  # the resumed history holds steps 1-3 too
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert math.isclose(got[step], expected[step], rel_tol=1e-6), (step, got[step], expected[step])
+
+
+# ---- evaluation, logit scale clamp, groups ------------------------------------------------
+
+
+@pytest.mark.parametrize("with_groups", [False, True], ids=["no-groups", "groups"])
+def test_retrieval_recalls_match_a_full_similarity_matrix(with_groups):
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(37, 6, generator=generator, dtype=torch.float64)
+    keys = rows + 0.8 * torch.randn(37, 6, generator=generator, dtype=torch.float64)
+    groups = torch.randint(0, 9, (37,), generator=generator) if with_groups else None
+    recalls = retrieval_recalls(rows, keys, groups, ks=(1, 3, 10), block_rows=5)
+
+    sims = rows @ keys.T
+    expected = {}
+    for k in (1, 3, 10):
+        hits = 0
+        for i in range(37):
+            competitors = [j for j in range(37) if j != i and (groups is None or groups[j] != groups[i])]
+            hits += sum(bool(sims[i, j] > sims[i, i]) for j in competitors) < k
+        expected[k] = hits / 37
+    assert recalls == pytest.approx(expected)
+    assert 0 < recalls[1] < 1
+
+
+def test_evaluate_reports_loss_and_recalls_both_directions(tmp_path):
+    model = tiny_clip(dropout=0.0)
+    trainer = InfCLTrainer(model=model, args=trainer_arguments(tmp_path, per_device_eval_batch_size=5),
+                           eval_dataset=PairDataset(clip_batch(13, seed=9)))
+    metrics = trainer.evaluate()
+    for direction in ("image_to_text", "text_to_image"):
+        for k in (1, 5, 10):
+            assert 0.0 <= metrics[f"eval_{direction}_recall@{k}"] <= 1.0
+    with torch.no_grad():
+        reference = model(**clip_batch(13, seed=9), return_loss=True).loss  # CLIP's own n x n loss
+    assert math.isclose(metrics["eval_loss"], float(reference), rel_tol=1e-5)
+
+
+def test_logit_scale_is_clamped_after_each_step(tmp_path):
+    model = tiny_clip(dropout=0.0)
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(250.0))
+    train(tmp_path, model, PairDataset(clip_batch(8)), per_device_train_batch_size=8, max_steps=1,
+          logit_scale_max=100.0)
+    assert float(model.logit_scale) == pytest.approx(math.log(100.0))
+
+
+def test_group_column_masks_false_negatives(tmp_path):
+    """Duplicate pairs share a group id: the Trainer's loss is the float64 reference with masking."""
+    batch = clip_batch(6, seed=4)
+    duplicated = {name: torch.cat([values, values[:2]]) for name, values in batch.items()}
+    groups = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1])
+    model = tiny_clip(dropout=0.0).eval()
+    trainer = InfCLTrainer(model=model, args=trainer_arguments(tmp_path, group_column="group"))
+    trainer._set_signature_columns_if_needed()
+    assert "group" in trainer._signature_columns  # the column survives remove_unused_columns
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, {**duplicated, "group": groups})
+        out = model(**duplicated)
+        scale = model.logit_scale.exp().double()
+        masked = contrastive_loss(out.image_embeds.double(), out.text_embeds.double(), scale,
+                                  query_groups=groups, key_groups=groups, backend="reference")
+        unmasked = contrastive_loss(out.image_embeds.double(), out.text_embeds.double(), scale,
+                                    backend="reference")
+    torch.testing.assert_close(loss.double(), masked, rtol=1e-5, atol=1e-6)
+    assert abs(float(masked) - float(unmasked)) > 1e-3  # the masking changed the loss
+
+
+def test_convergence_on_digits_zero_shot(tmp_path):
+    """A few hundred cached steps on sklearn digits as image-caption pairs, duplicates grouped by
+    digit: held-out zero-shot classification against "a photo of the digit <word>" beats chance
+    (10 %) by far."""
+    tokenizer = caption_tokenizer()
+    dataset, images, labels = digits_image_caption_split(tokenizer)
+    model = digits_clip(len(tokenizer))
+    trainer = train(tmp_path, model, dataset, per_device_train_batch_size=64, max_steps=200, chunk_size=32,
+                    learning_rate=3e-3, warmup_steps=10, weight_decay=0.0, group_column="label",
+                    logging_steps=50)
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logs[-1]["loss"] < 0.5 * logs[0]["loss"]
+    model.eval()
+    prompts = tokenizer([f"a photo of the digit {word}" for word in DIGIT_WORDS], padding="max_length",
+                        max_length=10, return_tensors="pt")
+    with torch.no_grad():
+        class_embeddings = encode_keys(model, dict(prompts))
+        image_embeddings = encode_queries(model, {"pixel_values": images})
+    accuracy = float(((image_embeddings @ class_embeddings.T).argmax(dim=1) == labels).float().mean())
+    assert accuracy > 0.7, accuracy
+
+
+# ---- argument checks ------------------------------------------------------------------------
+
+
+def test_bad_arguments_and_combinations_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="offload=True needs chunk_size"):
+        InfCLTrainingArguments(output_dir=str(tmp_path), offload=True, use_cpu=True)
+    with pytest.raises(ValueError, match="chunk_size"):
+        InfCLTrainingArguments(output_dir=str(tmp_path), chunk_size=0, use_cpu=True)
+    with pytest.raises(ValueError, match="contrastive_loss"):
+        InfCLTrainingArguments(output_dir=str(tmp_path), contrastive_loss="triplet", use_cpu=True)
+    with pytest.raises(ValueError, match="loss_backend"):
+        InfCLTrainingArguments(output_dir=str(tmp_path), loss_backend="cuda", use_cpu=True)
+    with pytest.raises(ValueError, match="logit_scale_max"):
+        InfCLTrainingArguments(output_dir=str(tmp_path), logit_scale_max=0.0, use_cpu=True)
+    with pytest.raises(TypeError, match="not a supported contrastive model"):
+        InfCLTrainer(model=BertModel(tiny_bert_config()), args=trainer_arguments(tmp_path))
+    with pytest.raises(ValueError, match="compute_loss_func"):
+        InfCLTrainer(model=tiny_clip(), args=trainer_arguments(tmp_path), compute_loss_func=lambda *a, **k: 0)
+    with pytest.warns(UserWarning, match="gradient accumulation does not add negatives"):
+        InfCLTrainer(model=tiny_clip(), args=trainer_arguments(tmp_path, gradient_accumulation_steps=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        InfCLTrainer(model=tiny_clip(), args=trainer_arguments(tmp_path))
