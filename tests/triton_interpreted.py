@@ -23,9 +23,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from hf_infcl.ops.triton_blocks import TritonBlocks  # noqa: E402  (after the interpreter check)
 
-# Small super-tiles and split statistics so that every case crosses several tiles of both kernels
-# and merges partial statistics; poison proves every output entry is written.
-BLOCKS = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=2, poison=True)
+# Small super-tiles, split statistics and a small column-partial buffer, so that every case
+# crosses several tiles of every kernel, several row chunks of the fused forward, and merges
+# partial statistics; poison proves every output entry is written.
+BLOCKS = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=2, poison=True, column_buffer_entries=80)
+TWO_PASS = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=3, poison=True, fused_columns=False)
 
 # Norm-wise relative tolerance per input dtype. The interpreter multiplies in fp32; for fp16 the
 # error is G rounded to fp16 (2^-11) plus the fp16 output of the G K / G^T Q products, which
@@ -112,6 +114,18 @@ def test_loss_and_gradients_match_float64_reference(shape, loss_name, groups, dt
     assert max(errors.values()) < TOLERANCE[dtype], (seed, errors)
 
 
+@pytest.mark.parametrize("groups", [False, True], ids=["nogroups", "groups"])
+@pytest.mark.parametrize("shape", [(7, 19, 40), (33, 71, 3)], ids=["m7-k19-c40", "m33-k71-c3"])
+def test_two_pass_forward_matches_reference(shape, groups):
+    """The column statistic from its own column-major pass (fused_columns=False)."""
+    seed = random.randrange(2**31)
+    case = random_case(*shape, groups=groups, custom_positives=True, seed=seed)
+    expected = loss_and_grads(case, torch.float64, "reference", **LOSSES["softmax-sym"])
+    got = loss_and_grads(case, torch.float32, TWO_PASS, **LOSSES["softmax-sym"])
+    errors = {name: relative_error(got[name], expected[name]) for name in expected}
+    assert max(errors.values()) < TOLERANCE[torch.float32], (seed, errors)
+
+
 def test_block_ops_with_key_offset_add_into_accumulators():
     """The ring's use: a key block at a global offset, complete statistics, accumulators that
     already hold other blocks' sums. Compared with TorchTiles in float64."""
@@ -127,9 +141,10 @@ def test_block_ops_with_key_offset_add_into_accumulators():
     spec = StatsSpec("softmax", columns=True)
 
     ref_row, ref_col = TorchTiles(4, 5).forward_block(spec, q, keys, scale, None, mask)
-    row, col = BLOCKS.forward_block(spec, q.float(), keys.float(), scale.float(), None, mask)
-    assert relative_error(row.double(), ref_row) < 1e-6
-    assert relative_error(col.double(), ref_col) < 1e-6
+    for blocks in (BLOCKS, TWO_PASS):
+        row, col = blocks.forward_block(spec, q.float(), keys.float(), scale.float(), None, mask)
+        assert relative_error(row.double(), ref_row) < 1e-6
+        assert relative_error(col.double(), ref_col) < 1e-6
 
     # Complete statistics of a bigger problem: the block's own plus some other keys' mass.
     full_row, full_col = ref_row + 0.3, ref_col + 0.2

@@ -39,15 +39,21 @@ class TritonBlocks:
             to fill the GPU). Tests set it to exercise the merge of partial statistics.
         poison: fill every buffer the kernels must write completely with NaN first (tests use it
             to prove that no entry is left unwritten).
+        fused_columns: the symmetric loss's column statistic comes out of the row pass (one
+            forward pass); False runs a second, column-major pass instead.
+        column_buffer_entries: fp32 entries (default 16M: 64 MiB) of the fused pass's column
+            partials, one per (row block, key); more rows per launch when larger.
     """
 
     tile_rows: int | None = None
     tile_keys: int | None = None
     stat_splits: int | None = None
     poison: bool = False
+    fused_columns: bool = True
+    column_buffer_entries: int = 16 * 2**20
 
     def __post_init__(self):
-        for name in ("tile_rows", "tile_keys", "stat_splits"):
+        for name in ("tile_rows", "tile_keys", "stat_splits", "column_buffer_entries"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -62,6 +68,8 @@ class TritonBlocks:
         scale, bias = _scalar(scale), None if bias is None else _scalar(bias)
         groups = _mask_arguments(mask)
         sigmoid = spec.loss == "sigmoid"
+        if spec.columns and self.fused_columns:
+            return self._rows_and_columns_in_one_pass(spec, queries, keys, scale, bias, groups)
         row_stat = kernels.logit_stats(
             queries, keys, scale, bias, sigmoid=sigmoid, columns=False, precision=spec.precision,
             splits=self.stat_splits, out=self._stat_buffer(queries, keys), **groups,
@@ -140,6 +148,37 @@ class TritonBlocks:
                     _accumulate_product(grad_keys[k0:k1], g.T, q_rows, g_scale)
         return row_sums
 
+    def _rows_and_columns_in_one_pass(self, spec, queries, keys, scale, bias, groups):
+        """Row and column log-sum-exp from one pass over the tiles.
+
+        Rows go in chunks small enough that the column partials (one fp32 per row block and
+        key) fit in ``column_buffer_entries``; each chunk's partials are merged into the column
+        statistic before the next chunk reuses the buffer.
+        """
+        m, k = queries.shape[0], keys.shape[0]
+        device = queries.device
+        blocks_per_chunk = max(1, self.column_buffer_entries // k)
+        chunk_rows = min(m, blocks_per_chunk * kernels.MIN_BLOCK_M)
+        partials = torch.empty((triton_cdiv(chunk_rows, kernels.MIN_BLOCK_M), k), dtype=torch.float32,
+                               device=device)
+        row_stat = torch.empty(m, dtype=torch.float32, device=device)
+        col_stat = torch.full((k,), float("-inf"), dtype=torch.float32, device=device)
+        for r0 in range(0, m, chunk_rows):
+            r1 = min(r0 + chunk_rows, m)
+            # Row blocks a config with larger blocks leaves unwritten must not count: -inf.
+            partials.fill_(float("-inf"))
+            chunk_groups = groups
+            if groups:
+                chunk_groups = dict(groups, row_groups=groups["row_groups"][r0:r1],
+                                    positive_keys=groups["positive_keys"][r0:r1])
+            row_stat[r0:r1] = kernels.logit_stats(
+                queries[r0:r1], keys, scale, bias, sigmoid=False, columns=False,
+                precision=spec.precision, splits=self.stat_splits,
+                out=self._stat_buffer(queries[r0:r1], keys), column_partials=partials, **chunk_groups,
+            )
+            col_stat = torch.logaddexp(col_stat, torch.logsumexp(partials, dim=0))
+        return row_stat, col_stat
+
     # ----------------------------------------------------------------------------------------
 
     def _super_tile(self, dtype: torch.dtype, m: int, k: int) -> tuple[int, int]:
@@ -206,6 +245,10 @@ def _cublas_precision(dtype: torch.dtype, precision: str, device: torch.device):
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _scalar(value: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,13 @@ Three kernels, none of which ever holds more than one ``BLOCK_M x BLOCK_N`` tile
 
 * ``_stats_kernel`` (forward): one program owns a block of "outer" vectors and streams every
   "inner" vector past it, keeping an online log-sum-exp (softmax) or a running sum of softplus
-  (sigmoid) per outer vector. With queries outer it gives the row statistic; with keys outer the
-  column log-sum-exp of the symmetric loss. So the forward is at most two passes over the tiles.
-  When there are too few outer blocks to fill the GPU, the inner range is split over several
-  programs whose partial statistics are merged afterwards (a few floats per vector).
+  (sigmoid) per outer vector. With queries outer it gives the row statistic. For the symmetric
+  loss the same tiles also yield each key's log-sum-exp over the program's rows, written as one
+  partial per (row block, key) into a bounded buffer and merged by the launcher: the forward is
+  ONE pass over the tiles. (With keys outer, the kernel gives the column statistic on its own;
+  that second pass is kept as an option.) When there are too few outer blocks to fill the GPU,
+  the inner range is split over several programs whose partial statistics are merged
+  afterwards (a few floats per vector).
 
 * ``_grad_tile_kernel`` (backward): one program per tile of a "super-tile" of R rows x C keys.
   It recomputes the logits of its tile once, forms both directions' probabilities in one
@@ -89,6 +92,10 @@ def _stats_configs():
     ]
 
 
+# The smallest row block of any stats config: column-partial buffers have a row per such block.
+MIN_BLOCK_M = min(config.kwargs["BLOCK_M"] for config in _stats_configs())
+
+
 def _grad_configs():
     if INTERPRET:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1)]
@@ -168,11 +175,11 @@ def _allowed(row_index, key_index, row_valid, key_valid, row_group_ptr, key_grou
 
 @triton.jit
 def _stats_kernel_body(
-    outer_ptr, inner_ptr, out_ptr, scale_ptr, bias_ptr,
+    outer_ptr, inner_ptr, out_ptr, col_partial_ptr, scale_ptr, bias_ptr,
     row_group_ptr, key_group_ptr, positive_ptr, key_offset,
     n_outer, n_inner, c, stride_outer, stride_inner, inner_per_split, size_class,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    FUSED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -214,6 +221,14 @@ def _stats_kernel_body(
                 tl.exp(logits - shift[:, None]), axis=1
             )
             running_max = new_max
+            if FUSED_COLUMNS:
+                # The same tile's column log-sum-exp over this program's rows: one partial per
+                # (row block, key), merged by the launcher. Saves the second forward pass.
+                col_max = tl.max(logits, axis=0)
+                col_shift = tl.where(col_max == float("-inf"), 0.0, col_max)
+                col_sum = tl.sum(tl.exp(logits - col_shift[None, :]), axis=0)
+                tl.store(col_partial_ptr + pid * n_inner + inner_index, col_shift + tl.log(col_sum),
+                         mask=inner_valid)
 
     if SIGMOID:
         result = running_sum
@@ -321,12 +336,18 @@ def logit_stats(
     key_offset: int = 0,
     splits: int | None = None,
     out: torch.Tensor | None = None,
+    column_partials: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row statistic of ``outer`` against ``inner`` (queries, keys), or with ``columns=True`` the
     column log-sum-exp (outer = keys, inner = queries). fp32 [n_outer].
 
     ``out`` (optional, fp32 [splits, n_outer]) receives the per-split partial statistics; the
     merged result is returned. Masks use rows/keys in the contract's sense whatever the role.
+
+    ``column_partials`` (softmax rows only; fp32 [>= cdiv(n_outer, MIN_BLOCK_M), n_inner], filled
+    with -inf by the caller) also receives, per row block of the launch, the column log-sum-exp
+    of the tiles it computed: ``logsumexp(column_partials, 0)`` is then the column statistic of
+    these rows, and the forward needs one pass over the tiles instead of two.
     """
     n_outer, c = outer.shape
     n_inner = inner.shape[0]
@@ -340,14 +361,15 @@ def logit_stats(
     has_mask = row_groups is not None
     dummy = scale  # any valid pointer for arguments a specialisation never reads
     grid = lambda meta: (triton.cdiv(n_outer, meta["BLOCK_M"]), splits)  # noqa: E731
+    fused = column_partials is not None
     _stats_kernel[grid](
-        outer, inner, out, scale, bias if bias is not None else dummy,
+        outer, inner, out, column_partials if fused else dummy, scale, bias if bias is not None else dummy,
         row_groups if has_mask else dummy, key_groups if has_mask else dummy,
         positive_keys if has_mask else dummy, key_offset,
         n_outer, n_inner, c, outer.stride(0), inner.stride(0), inner_per_split,
         problem_size_class(n_outer, n_inner),
         HAS_BIAS=bias is not None, HAS_MASK=has_mask, COLUMNS=columns, SIGMOID=sigmoid,
-        PRECISION=dot_precision(outer.dtype, precision), UPCAST=INTERPRET,
+        FUSED_COLUMNS=fused, PRECISION=dot_precision(outer.dtype, precision), UPCAST=INTERPRET,
     )
     if splits == 1:
         return out[0]
