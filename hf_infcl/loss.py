@@ -87,7 +87,7 @@ def contrastive_loss(
     if world_size > 1:
         per_row, total_rows = _ring_per_row_loss(
             group, queries, keys, scale, bias, loss, symmetric, positives, query_groups, key_groups,
-            backend, precision,
+            backend, precision, reduction,
         )
         return _reduce(per_row, reduction, total_rows=total_rows, world_size=world_size)
 
@@ -114,10 +114,11 @@ def _local_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, 
 
 
 def _ring_per_row_loss(group, queries, keys, scale, bias, loss, symmetric, positives, query_groups,
-                       key_groups, backend, precision):
+                       key_groups, backend, precision, reduction):
     """Per-row losses of this rank's rows over the whole group (the ring), and the group's row count."""
     spec = StatsSpec(loss=loss, columns=loss == "softmax" and symmetric, precision=precision)
-    layout = ring.exchange_layout(group, queries, keys, spec, bias is not None, query_groups is not None)
+    layout = ring.exchange_layout(group, queries, keys, spec, bias is not None, query_groups is not None,
+                                  reduction)
     ops = select_block_ops(backend, queries.device)
     positive_keys = positives + layout.key_offset(layout.rank)  # global key ids, for group masking
     row_stat, col_stat = ring.RingLogitStats.apply(

@@ -213,6 +213,8 @@ def disagreement_cases(rank: int, world_size: int):
         "groups_given": lambda: contrastive_loss(
             _features(3), _features(3), query_groups=torch.zeros(3, dtype=torch.long) if rank == 0 else None,
             key_groups=torch.zeros(3, dtype=torch.long) if rank == 0 else None, process_group="auto"),
+        "reduction": lambda: contrastive_loss(
+            _features(3), _features(3), reduction="sum" if rank == last else "mean", process_group="auto"),
         # One rank's own argument check fails: it raises its own error, the others are told.
         "bad_positives_on_one_rank": lambda: contrastive_loss(
             _features(3), _features(3), positives=torch.tensor([0, 1, 7 if rank == 1 else 2]),

@@ -102,6 +102,7 @@ SAME_ERROR_EVERYWHERE = {
     "loss": "disagree on loss",
     "bias_given": "logit_bias",
     "groups_given": "query_groups/key_groups",
+    "reduction": "disagree on reduction",
     "no_rows_anywhere": "no rank of the process group has any rows",
 }
 

@@ -48,12 +48,13 @@ from .spec import BlockOps, GroupMask, StatsSpec, accumulation_dtype, empty_row_
 # integer, exact in a double).
 _LAYOUT_FIELDS = (
     "ok", "rows", "keys", "width", "dtype", "loss", "columns", "precision", "device_type",
-    "has_bias", "has_groups",
+    "has_bias", "has_groups", "reduction",
 )
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 _LOSS_CODES = {"softmax": 1, "sigmoid": 2}
 _PRECISION_CODES = {"auto": 1, "tf32": 2, "ieee": 3}
 _DEVICE_CODES = {"cpu": 1, "cuda": 2, "xpu": 3, "mps": 4}
+_REDUCTION_CODES = {"mean": 1, "sum": 2, "none": 3}
 
 # The backward's key-gradient accumulators travel in slices of at most this many bytes (fp32),
 # so that a rank holds about one key block of them in flight instead of three. Small enough to
@@ -117,7 +118,8 @@ def announce_rejected_arguments(group, device: torch.device | None = None) -> No
     _all_gather_layout(group, values, _metadata_device(group, device or torch.device("cpu")))
 
 
-def exchange_layout(group, queries, keys, spec: StatsSpec, has_bias: bool, has_groups: bool) -> RingLayout:
+def exchange_layout(group, queries, keys, spec: StatsSpec, has_bias: bool, has_groups: bool,
+                    reduction: str = "mean") -> RingLayout:
     """Exchange sizes and options with every rank of ``group``; raise the same error everywhere
     when they disagree."""
     values = {
@@ -132,6 +134,7 @@ def exchange_layout(group, queries, keys, spec: StatsSpec, has_bias: bool, has_g
         "device_type": _DEVICE_CODES.get(queries.device.type, 99),
         "has_bias": int(has_bias),
         "has_groups": int(has_groups),
+        "reduction": _REDUCTION_CODES.get(reduction, 99),
     }
     table = _all_gather_layout(
         group, [float(values[name]) for name in _LAYOUT_FIELDS], _metadata_device(group, queries.device)
@@ -173,6 +176,7 @@ def _check_agreement(columns: dict[str, list[int]]) -> None:
         "precision": ("precision", _decoder(_PRECISION_CODES)),
         "has_bias": ("whether logit_bias is given", lambda v: str(bool(v))),
         "has_groups": ("whether query_groups/key_groups are given", lambda v: str(bool(v))),
+        "reduction": ("reduction", _decoder(_REDUCTION_CODES)),
     }
     for field, (what, decode) in names.items():
         if len(set(columns[field])) > 1:
@@ -236,11 +240,12 @@ class _TravellingBlocks:
         self._incoming, self._spare = self._spare, None
         self._works = _exchange(self.layout, self.current, self._incoming)
 
-    def advance(self) -> None:
+    def advance(self, keep_spare: bool = True) -> None:
+        """Make the received block current; ``keep_spare=False`` when no block is to come."""
         _wait(self._works)
         finished = self.current
         self.current, self._incoming, self._works = self._incoming, None, None
-        if finished is not self._own:
+        if finished is not self._own and keep_spare:
             self._spare = finished
 
 
@@ -336,7 +341,7 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, query_groups, k
             # receives this rank's own.
             col_works = _exchange(layout, [outgoing], [col_arrived])
         if step < n - 1:
-            blocks.advance()
+            blocks.advance(keep_spare=step < n - 2)
 
     if spec.columns:
         _wait(col_works)
@@ -414,11 +419,15 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, query_groups, 
             # The previous batch had this slice's compute to finish in; once it is done, every
             # accumulator this slice needs has arrived (each is received one step ahead).
             _wait(pending_works)
-            if pending_sent is not None:
+            # Recycle the buffers that are done with; in the last step only one is needed (the
+            # next slice's ``partial``): the others are dropped to lower the peak memory.
+            keep = len(slices) + 2 if step < n - 1 else 1
+            if pending_sent is not None and len(free) < keep:
                 free.append(pending_sent)
             if arrived[index] is not None:
                 partial += arrived[index]
-                free.append(arrived[index])
+                if len(free) < keep:
+                    free.append(arrived[index])
             if step < n - 1:
                 arrived[index] = take(hi - lo)
             else:  # the last step sends the slice home to its owner and receives this rank's own
@@ -426,7 +435,7 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, query_groups, 
             pending_works = _exchange(layout, [partial], [arrived[index]])
             pending_sent = partial
         if step < n - 1:
-            blocks.advance()
+            blocks.advance(keep_spare=step < n - 2)
 
     _wait(pending_works)
     return grad_queries, home[: keys.shape[0]], row_sums
