@@ -1,0 +1,319 @@
+"""Largest trainable batch and samples/s: plain ``Trainer`` (CLIP's own loss) vs ``InfCLTrainer``.
+
+The model is a CLIP ViT-B/32-sized ``CLIPModel`` built from its config (random weights: memory and
+speed do not depend on them), 224 px images, 77-token texts, bf16 mixed precision (``bf16=True``),
+AdamW. Batches are synthetic; for runs without offload they are drawn straight on the GPU so that
+the input pipeline times nothing, and with offload they sit in pinned host memory (bf16 pixels),
+as a real offloaded batch would.
+
+Steps:
+1. B_v: the largest batch the plain ``Trainer`` with ``return_loss=True`` trains for two steps
+   without running out of memory (doubling from --start-batch, then bisection to --resolution).
+2. The largest batch ``InfCLTrainer`` trains for one step with chunk 256 and offload, trying
+   ``--ours-factors`` x B_v (32 first; the bar is >= 32 x B_v). Host memory bounds this: 32 x B_v
+   pairs of bf16 224 px images take 32 x B_v x 0.3 MB of pinned memory.
+3. samples/s at B_v: vanilla, ours without chunking, ours with chunk 256, ours with chunk 256 and
+   offload (--warmup untimed steps, then --steps timed ones).
+
+The table is printed last; CSV rows (with device and versions) go to $OUT/bench_trainer.csv when
+$OUT is set, or to --csv.
+
+    python benchmarks/bench_trainer.py                 # one H100, about 5-8 minutes
+    python benchmarks/bench_trainer.py --tiny          # a CPU smoke run of the whole script
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import os
+import platform
+import sys
+import time
+
+import torch
+import transformers
+from torch.utils.data import Dataset
+from transformers import CLIPConfig, CLIPModel, PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+from hf_infcl import InfCLTrainer, InfCLTrainingArguments
+
+IMAGE_SIZE = 224
+TEXT_LENGTH = 77
+# pinned host bytes per pair with offload: bf16 pixels, int64 ids and mask
+HOST_BYTES_PER_PAIR = 3 * IMAGE_SIZE * IMAGE_SIZE * 2 + 2 * TEXT_LENGTH * 8
+
+
+def available_host_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def clip_b32_config(tiny: bool) -> CLIPConfig:
+    if tiny:
+        text = dict(vocab_size=1000, bos_token_id=998, eos_token_id=999, hidden_size=32,
+                    intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                    max_position_embeddings=TEXT_LENGTH)
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=IMAGE_SIZE, patch_size=32)
+        return CLIPConfig(text_config=text, vision_config=vision, projection_dim=32)
+    # openai/clip-vit-base-patch32
+    text = dict(vocab_size=49408, hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
+                num_attention_heads=8, max_position_embeddings=TEXT_LENGTH)
+    vision = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                  image_size=IMAGE_SIZE, patch_size=32)
+    return CLIPConfig(text_config=text, vision_config=vision, projection_dim=512)
+
+
+class Indices(Dataset):
+    """n placeholder examples; the collator makes the synthetic batch."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        return {"index": index}
+
+
+class SyntheticPairs:
+    """Collator: random pixels and token ids (eos last) for as many pairs as it is given."""
+
+    def __init__(self, config: CLIPConfig, device: torch.device, on_host: bool, return_loss: bool):
+        self.vocab = config.text_config.vocab_size
+        self.eos = config.text_config.eos_token_id
+        self.device = device
+        self.on_host = on_host
+        self.return_loss = return_loss
+        self.pool = None
+
+    def __call__(self, features):
+        n = len(features)
+        if self.on_host:
+            # pinned bf16 host batch filled from a small random pool (memcpy speed, no randn of GBs)
+            if self.pool is None:
+                self.pool = torch.randn(256, 3, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.bfloat16)
+            pixels = torch.empty(n, 3, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.bfloat16,
+                                 pin_memory=torch.cuda.is_available())
+            for start in range(0, n, len(self.pool)):
+                stop = min(start + len(self.pool), n)
+                pixels[start:stop] = self.pool[: stop - start]
+            ids = torch.randint(0, self.vocab - 2, (n, TEXT_LENGTH))
+        else:
+            pixels = torch.randn(n, 3, IMAGE_SIZE, IMAGE_SIZE, device=self.device)
+            ids = torch.randint(0, self.vocab - 2, (n, TEXT_LENGTH), device=self.device)
+        ids[:, -1] = self.eos
+        batch = {"pixel_values": pixels, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if self.return_loss:
+            batch["return_loss"] = True
+        return batch
+
+
+class StepTimer(TrainerCallback):
+    """Wall time at the end of every step (after a device synchronisation)."""
+
+    def __init__(self):
+        self.ends = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.ends.append(time.perf_counter())
+
+
+def free_memory():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("out of memory" in text or "ALLOC_FAILED" in text)
+
+
+def run(kind: str, batch: int, steps: int, options, chunk_size=None, offload=False, warmup=1):
+    """Train ``steps`` steps; return (seconds per step after ``warmup`` steps, peak GiB), or None
+    when the device (or, with offload, pinned host memory) runs out of memory."""
+    config = clip_b32_config(options.tiny)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    common = dict(output_dir=os.path.join(options.work_dir, kind), per_device_train_batch_size=batch,
+                  max_steps=steps, bf16=not options.tiny, report_to="none", save_strategy="no",
+                  logging_strategy="no", disable_tqdm=True, remove_unused_columns=False,
+                  dataloader_pin_memory=False, use_cpu=not torch.cuda.is_available(), seed=0)
+    timer = StepTimer()
+    trainer = model = None
+    free_memory()
+    try:
+        torch.manual_seed(0)
+        with device:  # initialise on the GPU: much faster than on the host for 150M parameters
+            model = CLIPModel(config)
+        if kind == "vanilla":
+            args = TrainingArguments(**common)
+            collator = SyntheticPairs(config, device, on_host=False, return_loss=True)
+            trainer = Trainer(model=model, args=args, train_dataset=Indices(batch * steps),
+                              data_collator=collator, callbacks=[timer])
+        else:
+            args = InfCLTrainingArguments(**common, chunk_size=chunk_size, offload=offload)
+            collator = SyntheticPairs(config, device, on_host=offload, return_loss=False)
+            trainer = InfCLTrainer(model=model, args=args, train_dataset=Indices(batch * steps),
+                                   data_collator=collator, callbacks=[timer])
+        trainer.remove_callback(PrinterCallback)
+        trainer.train()
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        if not is_out_of_memory(error):
+            raise
+        print(f"    out of memory: {str(error).splitlines()[0][:120]}", flush=True)
+        return None
+    finally:
+        if trainer is not None:
+            trainer.accelerator.free_memory()
+        del trainer, model
+        free_memory()
+    timed = timer.ends[warmup - 1:] if warmup >= 1 else timer.ends
+    per_step = (timed[-1] - timed[0]) / (len(timed) - 1) if len(timed) > 1 else float("nan")
+    return per_step, peak
+
+
+def fits(kind, batch, options, **kwargs):
+    result = run(kind, batch, 2 if kind == "vanilla" else 1, options, **kwargs)
+    status = "ok" if result is not None else "OOM"
+    print(f"  {kind:<24} batch {batch:>8}: {status}"
+          + (f" (peak {result[1]:.1f} GiB)" if result else ""), flush=True)
+    return result is not None
+
+
+def largest_vanilla_batch(options) -> int:
+    low, high = 0, None
+    batch = options.start_batch
+    while high is None:
+        if batch > options.max_batch:
+            return low
+        if fits("vanilla", batch, options):
+            low, batch = batch, batch * 2
+        else:
+            high = batch
+    while high - low > max(options.resolution, 1):
+        middle = (low + high) // 2 // options.resolution * options.resolution
+        if middle <= low:
+            break
+        if fits("vanilla", middle, options):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny model and batches: a smoke run (CPU)")
+    parser.add_argument("--start-batch", type=int, default=None)
+    parser.add_argument("--max-batch", type=int, default=None, help="stop doubling above this (vanilla)")
+    parser.add_argument("--resolution", type=int, default=None, help="bisection step for B_v")
+    parser.add_argument("--ours-factors", default="32", help="comma list of multiples of B_v to try for ours")
+    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps for samples/s")
+    parser.add_argument("--csv", default=None)
+    parser.add_argument("--work-dir", default="/tmp/bench_trainer")
+    options = parser.parse_args(argv)
+    if options.start_batch is None:
+        options.start_batch = 8 if options.tiny else 1024
+    if options.max_batch is None:
+        options.max_batch = 32 if options.tiny else 1 << 20
+    if options.resolution is None:
+        options.resolution = 8 if options.tiny else 256
+    device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    print(f"device: {device_name}; {versions}", flush=True)
+    started = time.perf_counter()
+    rows = []
+
+    print("1. B_v, the largest batch of the plain Trainer (return_loss=True):", flush=True)
+    b_v = largest_vanilla_batch(options)
+    print(f"   B_v = {b_v}", flush=True)
+    if b_v == 0:
+        sys.exit("the plain Trainer did not fit even --start-batch; lower it")
+
+    print(f"2. the largest batch of InfCLTrainer, chunk {options.chunk_size} + offload:", flush=True)
+    ours_max, host_limited = 0, False
+    # the offloaded batch lives in pinned host memory, twice while the next one is collated
+    host_cap = int(0.8 * available_host_bytes() / HOST_BYTES_PER_PAIR)
+    for factor in [float(f) for f in options.ours_factors.split(",")]:
+        batch = int(factor * b_v)
+        if batch > host_cap:
+            print(f"  {factor:g} x B_v = {batch} pairs needs {batch * HOST_BYTES_PER_PAIR / 2**30:.0f} GiB "
+                  f"of pinned host memory; trying the host's limit {host_cap} instead", flush=True)
+            batch, host_limited = host_cap, True
+        if batch <= ours_max or not fits("infcl-chunk-offload", batch, options, chunk_size=options.chunk_size,
+                                         offload=True):
+            break
+        ours_max = batch
+        if host_limited:
+            break
+    rows.append(dict(measure="largest batch", config="vanilla Trainer", batch=b_v, value=b_v, unit="pairs"))
+    rows.append(dict(measure="largest batch", config=f"InfCLTrainer chunk {options.chunk_size} + offload",
+                     batch=ours_max, value=ours_max, unit="pairs",
+                     ratio=f"{ours_max / b_v:.1f} x B_v" + (" (host-memory bound)" if host_limited else "")))
+
+    print(f"3. samples/s at B_v = {b_v} ({options.warmup} warm-up + {options.steps} timed):", flush=True)
+    configs = [
+        ("vanilla Trainer", "vanilla", {}),
+        ("InfCLTrainer, no chunking", "infcl", {}),
+        (f"InfCLTrainer, chunk {options.chunk_size}", "infcl-chunk", {"chunk_size": options.chunk_size}),
+        (f"InfCLTrainer, chunk {options.chunk_size} + offload", "infcl-chunk-offload",
+         {"chunk_size": options.chunk_size, "offload": True}),
+    ]
+    vanilla_rate = None
+    for label, kind, kwargs in configs:
+        result = run(kind, b_v, options.warmup + options.steps, options, warmup=max(options.warmup, 1),
+                     **kwargs)
+        if result is None:
+            rate, peak = float("nan"), float("nan")
+            print(f"  {label}: OOM at B_v", flush=True)
+        else:
+            rate, peak = b_v / result[0], result[1]
+            print(f"  {label}: {rate:.1f} samples/s, peak {peak:.1f} GiB", flush=True)
+        vanilla_rate = rate if kind == "vanilla" else vanilla_rate
+        rows.append(dict(measure="samples/s at B_v", config=label, batch=b_v, value=f"{rate:.1f}",
+                         unit="samples/s", peak_gib=f"{peak:.1f}",
+                         ratio=f"{rate / vanilla_rate:.0%} of vanilla" if vanilla_rate else ""))
+
+    elapsed = time.perf_counter() - started
+    common = dict(device=device_name, torch=torch.__version__, transformers=transformers.__version__,
+                  model="tiny" if options.tiny else "CLIP ViT-B/32",
+                  precision="fp32" if options.tiny else "bf16")
+    fields = ["measure", "config", "batch", "value", "unit", "ratio", "peak_gib", *common]
+    out_path = options.csv
+    if out_path is None and os.environ.get("OUT"):
+        out_path = os.path.join(os.environ["OUT"], "bench_trainer.csv")
+    if out_path:
+        with open(out_path, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=fields)
+            writer.writeheader()
+            for row in rows:
+                writer.writerow({**common, **row})
+        print(f"CSV: {out_path}")
+
+    print(f"\nbench_trainer ({common['model']}, {common['precision']}, {device_name}; {elapsed:.0f} s)")
+    print(f"{'measure':<18} {'config':<40} {'batch':>8} {'value':>10}  {'':<10} {'vs':<18} peak GiB")
+    for row in rows:
+        print(f"{row['measure']:<18} {row['config']:<40} {row['batch']:>8} {row['value']:>10}  "
+              f"{row['unit']:<10} {row.get('ratio', ''):<18} {row.get('peak_gib', '')}")
+
+
+if __name__ == "__main__":
+    main()
