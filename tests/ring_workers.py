@@ -257,6 +257,52 @@ def run_reductions(rank: int, world_size: int):
         }
 
 
+TRITON_LOSSES = {"softmax_symmetric": ("softmax", None), "sigmoid_with_bias": ("sigmoid", -1.5)}
+
+
+def triton_inputs(world_size: int):
+    """Per-rank fp32 features for the Triton block ops (which hand float64 to the torch tiles):
+    uneven, hard negatives, groups spanning ranks, custom positives, a rank without rows (n=3)."""
+    rows = {2: (5, 2), 3: (4, 0, 3)}[world_size]
+    keys = {2: (7, 3), 3: (5, 2, 3)}[world_size]
+    gen = torch.Generator().manual_seed(77 + world_size)
+    parts = []
+    for m, k in zip(rows, keys):
+        parts.append({
+            "queries": torch.randn(m, FEATURE_WIDTH, generator=gen),
+            "keys": torch.randn(k, FEATURE_WIDTH, generator=gen),
+            "positives": torch.randperm(k, generator=gen)[:m],
+            "query_groups": torch.randint(0, 3, (m,), generator=gen),
+            "key_groups": torch.randint(0, 3, (k,), generator=gen),
+        })
+    return parts
+
+
+def run_triton(rank: int, world_size: int):
+    """The ring over the Triton block ops (interpreted on CPU), fp32: this rank's value and
+    gradients per loss, or None where Triton cannot be imported."""
+    try:
+        from hf_infcl.ops.triton_blocks import TritonBlocks
+    except ImportError:
+        return None
+    part = triton_inputs(world_size)[rank]
+    results = {}
+    for name, (loss, bias_value) in TRITON_LOSSES.items():
+        queries = part["queries"].clone().requires_grad_(True)
+        keys = part["keys"].clone().requires_grad_(True)
+        scale = torch.tensor(4.0, requires_grad=True)
+        bias = torch.tensor(bias_value, requires_grad=True) if bias_value is not None else None
+        value = contrastive_loss(
+            queries, keys, scale, bias, loss=loss, positives=part["positives"],
+            query_groups=part["query_groups"], key_groups=part["key_groups"], process_group="auto",
+            backend=TritonBlocks(tile_rows=2, tile_keys=4, poison=True),
+        )
+        value.backward()
+        results[name] = {"value": value.detach(), "queries": queries.grad, "keys": keys.grad,
+                         "scale": scale.grad, "bias": None if bias is None else bias.grad}
+    return results
+
+
 def run_group_of_one(rank: int):
     """A group holding only rank 0 (every rank must create it) gives exactly the local result."""
     solo = dist.new_group([0])
@@ -271,6 +317,9 @@ def run_group_of_one(rank: int):
 def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     """Entry point of one spawned rank; writes its results (or its traceback) under out_dir."""
     try:
+        # The Triton block ops run in Triton's interpreter on CPU; it is read when the kernels are
+        # first imported, which happens in this process only (spawned, not forked).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
@@ -280,6 +329,7 @@ def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         results = {"scenarios": scenarios}
         results["raised"], results["after_errors"] = run_disagreements(rank, world_size)
         results["reductions"] = run_reductions(rank, world_size)
+        results["triton"] = run_triton(rank, world_size)
         results["group_of_one"] = run_group_of_one(rank)
         dist.barrier()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

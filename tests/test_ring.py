@@ -153,6 +153,44 @@ def test_reductions_none_and_sum_without_autograd(ranks):
         torch.testing.assert_close(result["reductions"]["sum"], mine.sum(), **TOLERANCE)
 
 
+@pytest.mark.parametrize("loss_name", sorted(ring_workers.TRITON_LOSSES))
+def test_ring_over_triton_block_ops_matches_float64(ranks, loss_name):
+    if ranks[0]["triton"] is None:
+        pytest.skip("Triton is not importable here")
+    world_size = len(ranks)
+    loss, bias_value = ring_workers.TRITON_LOSSES[loss_name]
+    parts = ring_workers.triton_inputs(world_size)
+    queries = torch.cat([p["queries"] for p in parts]).double().requires_grad_(True)
+    keys = torch.cat([p["keys"] for p in parts]).double().requires_grad_(True)
+    key_offsets = [0] + torch.tensor([p["keys"].shape[0] for p in parts]).cumsum(0).tolist()
+    row_offsets = [0] + torch.tensor([p["queries"].shape[0] for p in parts]).cumsum(0).tolist()
+    positives = torch.cat([p["positives"] + key_offsets[r] for r, p in enumerate(parts)])
+    scale = torch.tensor(4.0, dtype=torch.float64, requires_grad=True)
+    bias = None
+    if bias_value is not None:
+        bias = torch.tensor(bias_value, dtype=torch.float64, requires_grad=True)
+    # What the ring differentiates: the sum of the ranks' "mean" values, (n / M) * all rows.
+    total = contrastive_loss(
+        queries, keys, scale, bias, loss=loss, positives=positives, reduction="sum", backend="reference",
+        query_groups=torch.cat([p["query_groups"] for p in parts]),
+        key_groups=torch.cat([p["key_groups"] for p in parts]),
+    ) * (world_size / queries.shape[0])
+    total.backward()
+    fp32 = {"rtol": 1e-5, "atol": 1e-6}
+    for rank, result in enumerate(ranks):
+        mine = result["triton"][loss_name]
+        rows = slice(row_offsets[rank], row_offsets[rank + 1])
+        cols = slice(key_offsets[rank], key_offsets[rank + 1])
+        torch.testing.assert_close(mine["queries"].double(), queries.grad[rows], **fp32)
+        torch.testing.assert_close(mine["keys"].double(), keys.grad[cols], **fp32)
+    summed = {name: sum(float(r["triton"][loss_name][name]) for r in ranks) for name in ("value", "scale")}
+    torch.testing.assert_close(summed["value"], float(total.detach()), **fp32)
+    torch.testing.assert_close(summed["scale"], float(scale.grad), **fp32)
+    if bias is not None:
+        bias_total = sum(float(r["triton"][loss_name]["bias"]) for r in ranks)
+        torch.testing.assert_close(bias_total, float(bias.grad), **fp32)
+
+
 def test_group_of_one_gives_exactly_the_local_result(ranks):
     in_group, local = ranks[0]["group_of_one"]
     assert torch.equal(in_group, local)
