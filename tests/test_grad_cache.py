@@ -214,3 +214,53 @@ def test_bad_arguments_are_rejected():
         cached_step([clip_encoder(model), clip_encoder(model)], [batch], clip_loss, 2)
     with pytest.raises(TypeError, match="tensor or a tuple"):
         cached_step(lambda chunk: {"x": 1}, batch, clip_loss, 2)
+
+
+def test_autocast_bf16_with_grad_scaler():
+    """bf16 autocast around every encoder call, a GradScaler scaling the loss: after unscaling, the
+    gradients are those of the uncached step under the same autocast (bf16 tolerance)."""
+    model = tiny_clip(dropout=0.1)
+    batch = clip_batch(16, seed=12)
+
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    model.zero_grad()
+    torch.manual_seed(4)
+    encode = clip_encoder(model)
+    outputs = []
+    for chunk in split_batch(batch, 4):
+        with autocast():
+            outputs.append(encode(chunk))
+    image_embeds, text_embeds = (torch.cat(parts) for parts in zip(*outputs))
+    clip_loss(image_embeds.float(), text_embeds.float(), model.logit_scale).backward()
+    reference = parameter_grads(model)
+
+    model.zero_grad()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    torch.manual_seed(4)
+    cached_step(clip_encoder(model), batch, lambda i, t, s: clip_loss(i.float(), t.float(), s), 4,
+                loss_params=[model.logit_scale], forward_context=autocast, scale_loss=scaler.scale)
+    scaled = parameter_grads(model)
+    scaler.unscale_(optimizer)
+    unscaled = parameter_grads(model)
+    assert_same_grads(unscaled, reference, rtol=2e-2, atol=2e-3)
+    name = "text_projection.weight"
+    torch.testing.assert_close(scaled[name], unscaled[name] * 1024.0)
+
+
+def test_gradient_checkpointing_inside_the_replay():
+    model = tiny_clip(dropout=0.2)
+    # transformers >= 5.20 renamed it; the GPU image has an older 5.x
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    checkpointing = getattr(type(model), "is_activation_checkpointing", None)
+    assert checkpointing.fget(model) if checkpointing is not None else model.is_gradient_checkpointing
+    batch = clip_batch(16, seed=13)
+    reference_loss, reference = uncached_chunked_grads(model, batch, 4, seed=21)
+    model.zero_grad()
+    torch.manual_seed(21)
+    result = cached_step(clip_encoder(model), batch, clip_loss, 4, loss_params=[model.logit_scale])
+    torch.testing.assert_close(result.loss, reference_loss, rtol=1e-6, atol=1e-6)
+    assert_same_grads(parameter_grads(model), reference)

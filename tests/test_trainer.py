@@ -29,6 +29,7 @@ from tests.trainer_fixtures import (
     tiny_bert_config,
     tiny_clip,
     tiny_dual_encoder,
+    tiny_siglip,
     trained_parameters,
     trainer_arguments,
 )
@@ -56,8 +57,9 @@ def train(tmp_path, model, dataset, **overrides):
 @pytest.mark.parametrize(
     ("build", "batch"),
     [(lambda: tiny_clip(dropout=0.0), lambda: clip_batch(16)),
-     (lambda: tiny_dual_encoder(shared=False, dropout=0.0), lambda: pair_text_batch(16))],
-    ids=["clip", "dual-encoder"],
+     (lambda: tiny_dual_encoder(shared=False, dropout=0.0), lambda: pair_text_batch(16)),
+     (tiny_siglip, lambda: clip_batch(16))],
+    ids=["clip", "dual-encoder", "siglip"],
 )
 def test_chunked_and_offloaded_training_match_the_full_batch(tmp_path, build, batch):
     dataset = PairDataset(batch())
@@ -68,6 +70,9 @@ def test_chunked_and_offloaded_training_match_the_full_batch(tmp_path, build, ba
     assert_same_parameters(trained_parameters(chunked), full)
     assert_same_parameters(trained_parameters(offloaded), full)
     assert not torch.equal(full["logit_scale"], build().logit_scale.detach())  # the scale was trained
+    if "logit_bias" in full:  # SigLIP: the sigmoid loss trains the bias too
+        assert chunked.loss_kind == "sigmoid"
+        assert not torch.equal(full["logit_bias"], build().logit_bias.detach())
     # per-step logs: loss, logit scale and in-batch accuracy
     logs = [entry for entry in chunked.state.log_history if "loss" in entry]
     assert len(logs) == 2
@@ -76,13 +81,15 @@ def test_chunked_and_offloaded_training_match_the_full_batch(tmp_path, build, ba
     assert math.isclose(logs[0]["logit_scale"], float(build().logit_scale.detach().exp()), rel_tol=1e-5)
 
 
-def test_two_processes_match_one_process_on_the_concatenated_batch(tmp_path):
-    """torchrun, 2 ranks x 8 pairs, chunks of 4 with offload == 1 process x 16 pairs, uncached."""
+@pytest.mark.parametrize(("chunk", "offload"), [("4", "offload"), ("none", "on-device")],
+                         ids=["chunk4-offload", "uncached"])
+def test_two_processes_match_one_process_on_the_concatenated_batch(tmp_path, chunk, offload):
+    """torchrun, 2 ranks x 8 pairs (DDP, gloo, the ring) == 1 process x 16 pairs, uncached."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(port), os.path.join(REPO, "tests", "trainer_workers.py"), str(tmp_path), "4", "offload"]
+               str(port), os.path.join(REPO, "tests", "trainer_workers.py"), str(tmp_path), chunk, offload]
     environment = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=240)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]

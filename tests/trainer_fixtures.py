@@ -161,3 +161,15 @@ def digits_image_caption_split(tokenizer, n_train: int = 1500, seed: int = 0):
     dataset = PairDataset({"pixel_values": images[train], "input_ids": tokens["input_ids"],
                            "attention_mask": tokens["attention_mask"], "label": labels[train]})
     return dataset, images[held_out], labels[held_out]
+
+
+def tiny_siglip(seed: int = 0):
+    """A tiny SiglipModel (sigmoid loss with a learned logit_bias) for 8x8 one-channel images."""
+    from transformers import SiglipConfig, SiglipModel
+
+    text = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=16)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=8, patch_size=4, num_channels=1)
+    torch.manual_seed(seed)
+    return SiglipModel(SiglipConfig(text_config=text, vision_config=vision)).train()
