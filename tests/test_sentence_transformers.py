@@ -103,6 +103,37 @@ def test_cached_path_fallback_without_sentence_transformers_mixin(tiny_model):
     assert_same_step(expected, actual)
 
 
+def test_token_budget_mini_batches_match_cached_loss(tiny_model):
+    from sentence_transformers import losses as st_losses
+
+    columns = text_columns(9, 2, seed=37)
+    reference = st_losses.CachedMultipleNegativesRankingLoss(
+        tiny_model, mini_batch_size=4, mini_batch_num_tokens=24
+    )
+    expected = loss_and_gradients(tiny_model, reference, columns, seed=9)
+    ours = losses.InfCLLoss(tiny_model, mini_batch_size=4, mini_batch_num_tokens=24)
+    actual = loss_and_gradients(tiny_model, ours, columns, seed=9)
+    assert_same_step(expected, actual)
+
+
+@pytest.mark.parametrize("mini_batch_size", [None, 4], ids=["plain", "cached4"])
+def test_inside_matryoshka_loss(tiny_model, mini_batch_size):
+    """MatryoshkaLoss wraps the model's forward (plain) or calculate_loss (cached): both must work."""
+    from sentence_transformers import losses as st_losses
+
+    columns = text_columns(8, 3, seed=43)
+    dims = [32, 16, 8]
+    reference = st_losses.MatryoshkaLoss(
+        tiny_model, st_reference_loss(tiny_model, False, mini_batch_size), matryoshka_dims=dims
+    )
+    expected = loss_and_gradients(tiny_model, reference, columns, seed=13)
+    ours = st_losses.MatryoshkaLoss(
+        tiny_model, losses.InfCLLoss(tiny_model, mini_batch_size=mini_batch_size), matryoshka_dims=dims
+    )
+    actual = loss_and_gradients(tiny_model, ours, columns, seed=13)
+    assert_same_step(expected, actual)
+
+
 def test_dot_score_and_scale(tiny_model):
     from sentence_transformers import losses as st_losses
     from sentence_transformers import util
