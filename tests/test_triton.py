@@ -142,6 +142,16 @@ def test_gpu_two_pass_forward_matches_float64_reference(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("groups", [False, True], ids=["nogroups", "groups"])
+def test_gpu_plain_tf32_matches_float64_reference(groups):
+    """TF32 tensor cores on the fp32 inputs themselves (tf32_via_fp16=False)."""
+    from hf_infcl.ops.triton_blocks import TritonBlocks
+
+    _check_against_float64(1000, 3000, 257, "tf32", "softmax-sym", groups,
+                           backend=TritonBlocks(poison=True, tf32_via_fp16=False))
+
+
+@pytest.mark.gpu
 def test_gpu_backend_name_with_mean_reduction():
     """backend="triton" through the public API, learnable scale, default mean reduction."""
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ()).item()))

@@ -1,13 +1,22 @@
 """Block ops (the protocol of :mod:`hf_infcl.ops.spec`) on the fused Triton kernels.
 
-``forward_block`` runs the statistics kernel once for the rows and, for the symmetric softmax
-loss, once more with keys and queries swapped for the columns: two passes over the tiles.
+``forward_block`` runs the statistics kernel once over the tiles: it gives the row statistic
+and, for the symmetric softmax loss, the column log-sum-exp from the same tiles (or, with
+``fused_columns=False``, from a second column-major pass).
 
 ``backward_block`` walks the problem in super-tiles of ``tile_rows x tile_keys`` logits. For each
 one, the gradient-tile kernel recomputes the logits once and writes G (both directions'
 probabilities, masked) into a bounded scratch buffer; two cuBLAS GEMMs then add G K to the
 query accumulator and G^T Q to the key accumulator. ``hf_infcl.ops.triton_kernels`` explains why
 G goes through that buffer rather than register accumulators for widths of 512-1024.
+
+fp32 inputs with TF32 precision ("auto"/"tf32") are multiplied as fp16 copies scaled by
+1 / max|x| (per tensor): fp16 has TF32's 10-bit mantissa, the scaling keeps every value in fp16's
+range, and half-precision tensor cores and GEMMs run at twice the TF32 rate with half the bytes.
+The scale factors go into the logit scale (forward) and into the accumulation (backward), so
+the result is what TF32 would give, up to fp16's smaller exponent range *below* the largest
+entry (entries under 6e-5 x max|x| keep an absolute error of 3e-8 x max|x|).
+``precision="ieee"`` keeps exact fp32 everywhere.
 
 The object keeps no state between calls, so the ring can call it once per visiting key block.
 Float64 inputs have no tensor-core path: they are handed to :class:`TorchTiles`.
@@ -25,6 +34,7 @@ from .spec import GroupMask, StatsSpec
 from .tiled import TorchTiles
 
 _HALF_TYPES = (torch.float16, torch.bfloat16)
+_TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclass(frozen=True)
@@ -33,8 +43,8 @@ class TritonBlocks:
 
     Attributes:
         tile_rows, tile_keys: the backward's super-tile; its G buffer holds
-            ``tile_rows * tile_keys`` entries of the input dtype. None picks 4096 x 4096 for
-            half types and 4096 x 2048 for fp32 (32 MiB either way).
+            ``tile_rows * tile_keys`` entries of the operand dtype. None picks 4096 x 4096 for
+            half operands and 4096 x 2048 for fp32 (32 MiB either way).
         stat_splits: programs sharing one outer block's inner range in the forward (None: enough
             to fill the GPU). Tests set it to exercise the merge of partial statistics.
         poison: fill every buffer the kernels must write completely with NaN first (tests use it
@@ -43,6 +53,8 @@ class TritonBlocks:
             forward pass); False runs a second, column-major pass instead.
         column_buffer_entries: fp32 entries (default 16M: 64 MiB) of the fused pass's column
             partials, one per (row block, key); more rows per launch when larger.
+        tf32_via_fp16: multiply fp32 inputs with TF32 precision as scaled fp16 copies (see the
+            module docstring); False uses TF32 tensor cores on the fp32 inputs.
     """
 
     tile_rows: int | None = None
@@ -51,6 +63,7 @@ class TritonBlocks:
     poison: bool = False
     fused_columns: bool = True
     column_buffer_entries: int = 16 * 2**20
+    tf32_via_fp16: bool = True
 
     def __post_init__(self):
         for name in ("tile_rows", "tile_keys", "stat_splits", "column_buffer_entries"):
@@ -64,15 +77,16 @@ class TritonBlocks:
         if queries.dtype == torch.float64:
             return TorchTiles().forward_block(spec, queries, keys, scale, bias, mask)
         self._check(queries, keys)
-        queries, keys = queries.contiguous(), keys.contiguous()
-        scale, bias = _scalar(scale), None if bias is None else _scalar(bias)
+        operands = self._operands(spec, queries, keys, scale)
+        queries, keys, scale = operands.queries, operands.keys, operands.scale
+        bias = None if bias is None else _scalar(bias)
         groups = _mask_arguments(mask)
-        sigmoid = spec.loss == "sigmoid"
         if spec.columns and self.fused_columns:
             return self._rows_and_columns_in_one_pass(spec, queries, keys, scale, bias, groups)
         row_stat = kernels.logit_stats(
-            queries, keys, scale, bias, sigmoid=sigmoid, columns=False, precision=spec.precision,
-            splits=self.stat_splits, out=self._stat_buffer(queries, keys), **groups,
+            queries, keys, scale, bias, sigmoid=spec.loss == "sigmoid", columns=False,
+            precision=spec.precision, splits=self.stat_splits, out=self._stat_buffer(queries, keys),
+            **groups,
         )
         col_stat = None
         if spec.columns:
@@ -88,8 +102,9 @@ class TritonBlocks:
             return TorchTiles().backward_block(spec, queries, keys, scale, bias, mask, row_stat, col_stat,
                                                row_weight, col_weight, grad_queries, grad_keys)
         self._check(queries, keys)
-        queries, keys = queries.contiguous(), keys.contiguous()
-        scale, bias = _scalar(scale), None if bias is None else _scalar(bias)
+        operands = self._operands(spec, queries, keys, scale)
+        queries, keys, scale = operands.queries, operands.keys, operands.scale
+        bias = None if bias is None else _scalar(bias)
         m, k = queries.shape[0], keys.shape[0]
         device = queries.device
         f32 = dict(dtype=torch.float32, device=device)
@@ -97,16 +112,27 @@ class TritonBlocks:
         if col_stat is not None:
             col_stat, col_weight = col_stat.to(**f32).contiguous(), col_weight.to(**f32).contiguous()
 
-        # fp16 stores G / g_scale, g_scale = max |weight|, so that it keeps its relative precision
-        # even when the weights are tiny (1/m for a mean over 1M rows would underflow fp16).
+        # fp16 G is stored as G / g_scale, g_scale = max |weight|, so that it keeps its relative
+        # precision when the weights are tiny (1/m for a mean over 1M rows underflows fp16).
         # bf16 and fp32 have fp32's exponent range and store G itself.
         g_scale = None
         if queries.dtype == torch.float16:
             g_scale = row_weight.abs().amax()
             if col_weight is not None:
                 g_scale = g_scale + col_weight.abs().amax()
-            g_scale = g_scale.clamp_min(torch.finfo(torch.float32).tiny)
+            g_scale = g_scale.clamp_min(_TINY)
         inv_g_scale = torch.ones((), **f32) if g_scale is None else 1.0 / g_scale
+
+        # The GEMMs add (G / g_scale) @ (K / k_max) into grad_queries, whose true increment is
+        # that times g_scale * k_max. Dividing the accumulator by the factor first and
+        # multiplying it back after keeps every product exactly one fp32 addmm (no rounded
+        # half-precision intermediate that could overflow) at the cost of two cheap passes.
+        factor_q = _product(g_scale, operands.keys_max)
+        factor_k = _product(g_scale, operands.queries_max)
+        if factor_q is not None:
+            grad_queries.div_(factor_q)
+        if factor_k is not None:
+            grad_keys.div_(factor_k)
 
         tile_rows, tile_keys = self._super_tile(queries.dtype, m, k)
         # Row stride padded to 8 elements so that cuBLAS sees aligned leading dimensions.
@@ -124,7 +150,6 @@ class TritonBlocks:
             for r0 in range(0, m, tile_rows):
                 r1 = min(r0 + tile_rows, m)
                 q_rows = queries[r0:r1]
-                row_args = (row_stat[r0:r1], row_weight[r0:r1])
                 for k0 in range(0, k, tile_keys):
                     k1 = min(k0 + tile_keys, k)
                     g = scratch[: r1 - r0, : k1 - k0]
@@ -140,13 +165,36 @@ class TritonBlocks:
                         )
                     kernels.grad_tile(
                         q_rows, keys[k0:k1], g, row_sums[r0:r1], scale, bias, inv_g_scale,
-                        row_args[0], None if col_stat is None else col_stat[k0:k1],
-                        row_args[1], None if col_weight is None else col_weight[k0:k1],
+                        row_stat[r0:r1], None if col_stat is None else col_stat[k0:k1],
+                        row_weight[r0:r1], None if col_weight is None else col_weight[k0:k1],
                         sigmoid=sigmoid, precision=spec.precision, size_class=size_class, **tile_groups,
                     )
-                    _accumulate_product(grad_queries[r0:r1], g, keys[k0:k1], g_scale)
-                    _accumulate_product(grad_keys[k0:k1], g.T, q_rows, g_scale)
+                    _add_product(grad_queries[r0:r1], g, keys[k0:k1])
+                    _add_product(grad_keys[k0:k1], g.T, q_rows)
+
+        if factor_q is not None:
+            grad_queries.mul_(factor_q)
+        if factor_k is not None:
+            grad_keys.mul_(factor_k)
         return row_sums
+
+    # ----------------------------------------------------------------------------------------
+
+    def _operands(self, spec: StatsSpec, queries, keys, scale) -> _Operands:
+        """The tensors the kernels multiply, and the logit scale that makes their logits right."""
+        scale = _scalar(scale)
+        queries, keys = queries.contiguous(), keys.contiguous()
+        if not (queries.dtype == torch.float32 and spec.precision != "ieee" and self.tf32_via_fp16):
+            return _Operands(queries, keys, scale, None, None)
+        queries_max = queries.detach().abs().amax().float().clamp_min(_TINY)
+        keys_max = keys.detach().abs().amax().float().clamp_min(_TINY)
+        return _Operands(
+            (queries.detach() / queries_max).to(torch.float16),
+            (keys.detach() / keys_max).to(torch.float16),
+            scale * queries_max * keys_max,
+            queries_max,
+            keys_max,
+        )
 
     def _rows_and_columns_in_one_pass(self, spec, queries, keys, scale, bias, groups):
         """Row and column log-sum-exp from one pass over the tiles.
@@ -159,7 +207,7 @@ class TritonBlocks:
         device = queries.device
         blocks_per_chunk = max(1, self.column_buffer_entries // k)
         chunk_rows = min(m, blocks_per_chunk * kernels.MIN_BLOCK_M)
-        partials = torch.empty((triton_cdiv(chunk_rows, kernels.MIN_BLOCK_M), k), dtype=torch.float32,
+        partials = torch.empty((_cdiv(chunk_rows, kernels.MIN_BLOCK_M), k), dtype=torch.float32,
                                device=device)
         row_stat = torch.empty(m, dtype=torch.float32, device=device)
         col_stat = torch.full((k,), float("-inf"), dtype=torch.float32, device=device)
@@ -179,8 +227,6 @@ class TritonBlocks:
             col_stat = torch.logaddexp(col_stat, torch.logsumexp(partials, dim=0))
         return row_stat, col_stat
 
-    # ----------------------------------------------------------------------------------------
-
     def _super_tile(self, dtype: torch.dtype, m: int, k: int) -> tuple[int, int]:
         default_keys = 4096 if dtype in _HALF_TYPES else 2048
         rows = self.tile_rows if self.tile_rows is not None else 4096
@@ -192,8 +238,8 @@ class TritonBlocks:
             return None
         splits = self.stat_splits or kernels.auto_splits(outer.shape[0], inner.shape[0], outer.device)
         splits = max(1, min(splits, inner.shape[0]))
-        per_split = -(-inner.shape[0] // splits)
-        splits = -(-inner.shape[0] // per_split)
+        per_split = _cdiv(inner.shape[0], splits)
+        splits = _cdiv(inner.shape[0], per_split)
         return torch.full((splits, outer.shape[0]), float("nan"), dtype=torch.float32, device=outer.device)
 
     @staticmethod
@@ -206,26 +252,41 @@ class TritonBlocks:
             raise ValueError(f"the Triton kernels need CUDA tensors, got queries on {queries.device}")
 
 
-def _accumulate_product(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor, g_scale) -> None:
-    """accumulator (fp32) += g_scale * (a @ b), a and b in the input dtype.
+@dataclass(frozen=True)
+class _Operands:
+    queries: torch.Tensor
+    keys: torch.Tensor
+    scale: torch.Tensor  # 0-d fp32: the logit scale for these operands
+    queries_max: torch.Tensor | None  # the factors the fp16 copies were divided by, if any
+    keys_max: torch.Tensor | None
 
-    fp32 inputs: one in-place addmm. Half inputs on CUDA: cuBLAS accumulates into the fp32
-    buffer directly (``out_dtype``), with no rounded intermediate; elsewhere, and for fp16 whose G
-    carries a scale, a product in the input dtype added with the scale.
+
+def _product(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """a * b for optional 0-d factors (None means 1), kept away from 0 so it can divide."""
+    if a is None and b is None:
+        return None
+    if a is None or b is None:
+        return a if b is None else b
+    return (a * b).clamp_min(_TINY)
+
+
+def _add_product(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """accumulator (fp32) += a @ b, with a and b in the operand dtype and no rounded intermediate.
+
+    fp32 operands: one in-place addmm. Half operands on CUDA: cuBLAS accumulates into the fp32
+    buffer directly (``out_dtype``). Elsewhere (CPU under the interpreter, or a torch without
+    ``out_dtype``): the product of fp32 copies.
     """
-    if g_scale is None:
-        if a.dtype == accumulator.dtype:
-            accumulator.addmm_(a, b)
-            return
-        if a.is_cuda and _HAS_OUT_DTYPE[0]:
-            try:
-                torch.addmm(accumulator, a, b, out_dtype=accumulator.dtype, out=accumulator)
-                return
-            except (RuntimeError, TypeError):
-                _HAS_OUT_DTYPE[0] = False  # an older torch: use the general path from now on
-        accumulator.add_(a @ b)
+    if a.dtype == accumulator.dtype:
+        accumulator.addmm_(a, b)
         return
-    accumulator.addcmul_(a @ b, g_scale)
+    if a.is_cuda and _HAS_OUT_DTYPE[0]:
+        try:
+            torch.addmm(accumulator, a, b, out_dtype=accumulator.dtype, out=accumulator)
+            return
+        except (RuntimeError, TypeError):
+            _HAS_OUT_DTYPE[0] = False  # an older torch: use the general path from now on
+    accumulator.addmm_(a.to(accumulator.dtype), b.to(accumulator.dtype))
 
 
 # Whether torch.addmm(..., out_dtype=) works here; cleared at the first failure.
@@ -234,7 +295,7 @@ _HAS_OUT_DTYPE = [True]
 
 @contextlib.contextmanager
 def _cublas_precision(dtype: torch.dtype, precision: str, device: torch.device):
-    """The G K and G^T Q GEMMs of fp32 inputs follow ``precision`` like the kernels' tl.dot:
+    """The G K and G^T Q GEMMs of fp32 operands follow ``precision`` like the kernels' tl.dot:
     TF32 unless "ieee" ("auto" included, whatever torch's global default says)."""
     if device.type != "cuda" or dtype != torch.float32:
         yield
@@ -247,7 +308,7 @@ def _cublas_precision(dtype: torch.dtype, precision: str, device: torch.device):
         torch.backends.cuda.matmul.allow_tf32 = previous
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
