@@ -186,7 +186,9 @@ def run(sizes, widths, impls, tiled_max, csv_path, max_b_for_all):
     with contextlib.ExitStack() as stack:
         writer = None
         if csv_path:
-            writer = csv.DictWriter(stack.enter_context(open(csv_path, "w", newline="")), fieldnames=fields)
+            # Line-buffered: a sweep stopped midway keeps the rows it finished.
+            handle = stack.enter_context(open(csv_path, "w", newline="", buffering=1))
+            writer = csv.DictWriter(handle, fieldnames=fields)
             writer.writeheader()
         sweep(sizes, widths, impls, tiled_max, max_b_for_all, device, meta, rows, writer)
     print_table(rows, meta)
