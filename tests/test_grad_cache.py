@@ -264,3 +264,37 @@ def test_gradient_checkpointing_inside_the_replay():
     result = cached_step(clip_encoder(model), batch, clip_loss, 4, loss_params=[model.logit_scale])
     torch.testing.assert_close(result.loss, reference_loss, rtol=1e-6, atol=1e-6)
     assert_same_grads(parameter_grads(model), reference)
+
+
+@pytest.mark.gpu
+@torch.backends.cudnn.flags(enabled=True, allow_tf32=False)  # exact fp32 patch convolutions
+def test_offload_on_gpu_keeps_one_chunk_on_the_device():
+    """The batch stays in pinned host memory: the device never holds much more than one chunk,
+    and the gradients equal the uncached step's on the GPU."""
+    device = torch.device("cuda")
+    model = tiny_clip(dropout=0.0).to(device)
+    batch = clip_batch(1024, seed=14)
+    padding = torch.randn(1024, 64, 1024)  # a 256 MiB host-only column: offload must not copy it whole
+    inputs = {**batch, "padding": padding}
+
+    def encode(chunk):
+        assert chunk["pixel_values"].device.type == "cuda" and chunk["padding"].shape[0] <= 64
+        out = model(**{k: v for k, v in chunk.items() if k != "padding"})
+        return out.image_embeds, out.text_embeds
+
+    def loss_fn(image_embeds, text_embeds, log_scale):
+        return contrastive_loss(image_embeds, text_embeds, log_scale.exp(), backend="torch")
+
+    full = model(**{k: v.to(device) for k, v in batch.items()})
+    loss_fn(full.image_embeds, full.text_embeds, model.logit_scale).backward()
+    reference = parameter_grads(model)
+    del full
+
+    model.zero_grad()
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    cached_step(encode, inputs, loss_fn, 64, loss_params=[model.logit_scale], offload=True, device=device)
+    peak_above_baseline = torch.cuda.max_memory_allocated() - baseline
+    assert peak_above_baseline < padding.numel() * 4 / 8, peak_above_baseline
+    assert_same_grads(parameter_grads(model), reference, rtol=1e-4, atol=1e-5)

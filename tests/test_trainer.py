@@ -69,6 +69,9 @@ def test_chunked_and_offloaded_training_match_the_full_batch(tmp_path, build, ba
     offloaded = train(tmp_path / "offload", build(), dataset, chunk_size=4, offload=True, **settings)
     assert_same_parameters(trained_parameters(chunked), full)
     assert_same_parameters(trained_parameters(offloaded), full)
+    # with offload the data loader leaves batches on the host; otherwise it moves them
+    assert offloaded.get_train_dataloader().device is None
+    assert chunked.get_train_dataloader().device is not None
     assert not torch.equal(full["logit_scale"], build().logit_scale.detach())  # the scale was trained
     if "logit_bias" in full:  # SigLIP: the sigmoid loss trains the bias too
         assert chunked.loss_kind == "sigmoid"
@@ -182,7 +185,7 @@ def test_logit_scale_is_clamped_after_each_step(tmp_path):
         model.logit_scale.fill_(math.log(250.0))
     train(tmp_path, model, PairDataset(clip_batch(8)), per_device_train_batch_size=8, max_steps=1,
           logit_scale_max=100.0)
-    assert float(model.logit_scale) == pytest.approx(math.log(100.0))
+    assert float(model.logit_scale.detach()) == pytest.approx(math.log(100.0))
 
 
 def test_group_column_masks_false_negatives(tmp_path):
@@ -251,3 +254,30 @@ def test_bad_arguments_and_combinations_are_rejected(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         InfCLTrainer(model=tiny_clip(), args=trainer_arguments(tmp_path))
+
+
+# ---- GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_bf16_chunked_offloaded_training_on_gpu(tmp_path):
+    """bf16 mixed precision, chunks of 4 with offload, on CUDA: finite losses, the scale trains,
+    and batches reach the step on the host."""
+    seen_devices = []
+
+    class RecordBatchDevice(TrainerCallback):
+        def on_step_begin(self, args, state, control, train_dataloader=None, **kwargs):
+            seen_devices.append(train_dataloader.device)
+
+    model = tiny_clip(dropout=0.1)
+    before = model.logit_scale.detach().clone()
+    args = trainer_arguments(tmp_path, use_cpu=False, bf16=True, chunk_size=4, offload=True,
+                             per_device_train_batch_size=16, max_steps=3, learning_rate=1e-2)
+    trainer = InfCLTrainer(model=model, args=args, train_dataset=PairDataset(clip_batch(48)),
+                           callbacks=[RecordBatchDevice()])
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
+    assert not torch.equal(model.logit_scale.detach().cpu(), before)
+    assert next(model.parameters()).device.type == "cuda"
+    assert seen_devices and all(device is None for device in seen_devices)  # no whole-batch transfer
