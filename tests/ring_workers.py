@@ -296,6 +296,7 @@ def run_triton(rank: int, world_size: int):
             queries, keys, scale, bias, loss=loss, positives=part["positives"],
             query_groups=part["query_groups"], key_groups=part["key_groups"], process_group="auto",
             backend=TritonBlocks(tile_rows=2, tile_keys=4, poison=True),
+            precision="ieee",  # exact fp32: this checks the ring's plumbing, not TF32 rounding
         )
         value.backward()
         results[name] = {"value": value.detach(), "queries": queries.grad, "keys": keys.grad,
