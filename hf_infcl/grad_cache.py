@@ -143,8 +143,7 @@ def cached_step(
     with torch.no_grad():
         for encode, tower_chunks in zip(encoder_list, chunks):
             states, outputs = [], []
-            for chunk in tower_chunks:
-                chunk = to_device(chunk, device, non_blocking=offload) if device is not None else chunk
+            for chunk in _on_device(tower_chunks, device, offload):
                 states.append(_RngState.capture(_devices_of(chunk)))
                 with enter():
                     outputs.append(_as_tuple(encode(chunk)))
@@ -175,12 +174,11 @@ def cached_step(
         tower_grads = embedding_grads[offset: offset + n_outputs]
         offset += n_outputs
         row_starts = [0] * n_outputs
-        for index, chunk in enumerate(tower_chunks):
+        for index, chunk in enumerate(_on_device(tower_chunks, device, offload)):
             last_of_tower = index == len(tower_chunks) - 1
             last_overall = last_of_tower and tower == len(encoder_list) - 1
             synced = last_overall or (last_of_tower and sync_each_tower)
             sync_context = no_sync_list[tower] if (no_sync_list[tower] is not None and not synced) else None
-            chunk = to_device(chunk, device, non_blocking=offload) if device is not None else chunk
             with (sync_context() if sync_context else contextlib.nullcontext()):
                 with rng_states[tower][index].restored(), enter():
                     replayed = _as_tuple(encode(chunk))
@@ -233,6 +231,39 @@ def to_device(inputs: Mapping, device: torch.device | str, non_blocking: bool = 
         key: (v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v)
         for key, v in inputs.items()
     }
+
+
+def _on_device(chunks: list[dict], device: torch.device | None, offload: bool):
+    """Yield the chunks on ``device``. Offloaded chunks bound for a GPU are copied on a side stream
+    one chunk ahead, so the copy of chunk i+1 overlaps the compute of chunk i (two chunks on the
+    device at most)."""
+    if device is None:
+        yield from chunks
+        return
+    if not (offload and device.type == "cuda" and chunks):
+        for chunk in chunks:
+            yield to_device(chunk, device, non_blocking=offload)
+        return
+    compute_stream = torch.cuda.current_stream(device)
+    copy_stream = torch.cuda.Stream(device)
+
+    def start_copy(chunk):
+        # the copy must not overwrite memory the compute stream may still read
+        copy_stream.wait_stream(compute_stream)
+        with torch.cuda.stream(copy_stream):
+            return to_device(chunk, device, non_blocking=True)
+
+    pending = start_copy(chunks[0])
+    for index in range(len(chunks)):
+        current = pending
+        compute_stream.wait_stream(copy_stream)
+        for value in current.values():
+            if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                # memory allocated on the copy stream, used on the compute stream: keep the
+                # allocator from handing it out again before the compute stream is done with it
+                value.record_stream(compute_stream)
+        pending = start_copy(chunks[index + 1]) if index + 1 < len(chunks) else None
+        yield current
 
 
 def _pin(inputs: Mapping) -> dict:

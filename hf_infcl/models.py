@@ -23,6 +23,11 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
+try:
+    from transformers import initialization as _hf_init
+except ImportError:  # transformers 4.x
+    _hf_init = None
+
 __all__ = [
     "DualEncoder",
     "DualEncoderConfig",
@@ -301,8 +306,12 @@ class DualEncoder(PreTrainedModel):
     def _init_weights(self, module):
         # The towers initialise themselves (they are PreTrainedModels); only our scale is ours.
         if module is self:
-            with torch.no_grad():
-                self.logit_scale.fill_(math.log(self.config.logit_scale_init))
+            value = math.log(self.config.logit_scale_init)
+            if _hf_init is not None:  # transformers 5: skips a scale that was just loaded
+                _hf_init.constant_(self.logit_scale, value)
+            else:
+                with torch.no_grad():
+                    self.logit_scale.fill_(value)
 
     def _pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         pooling = self.config.pooling
