@@ -179,6 +179,19 @@ def test_evaluate_reports_loss_and_recalls_both_directions(tmp_path):
     assert math.isclose(metrics["eval_loss"], float(reference), rel_tol=1e-5)
 
 
+def test_evaluate_dual_encoder_names_query_and_doc(tmp_path):
+    model = tiny_dual_encoder(dropout=0.0, learn_scale=False)
+    batch = pair_text_batch(9, seed=8)
+    trainer = InfCLTrainer(model=model, args=trainer_arguments(tmp_path, per_device_eval_batch_size=4),
+                           eval_dataset=PairDataset(batch))
+    metrics = trainer.evaluate()
+    assert {"eval_query_to_doc_recall@1", "eval_doc_to_query_recall@10"} <= metrics.keys()
+    assert metrics["eval_query_to_doc_recall@10"] == 1.0  # 9 documents: the positive is always in the top 10
+    with torch.no_grad():
+        reference = model.eval()(**batch, return_loss=True).loss
+    assert math.isclose(metrics["eval_loss"], float(reference), rel_tol=1e-5)
+
+
 def test_logit_scale_is_clamped_after_each_step(tmp_path):
     model = tiny_clip(dropout=0.0)
     with torch.no_grad():
