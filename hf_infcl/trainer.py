@@ -143,6 +143,8 @@ class InfCLTrainer(Trainer):
         if args.n_gpu > 1:
             raise ValueError("InfCLTrainer does not support torch.nn.DataParallel (several GPUs in one "
                              "process); launch one process per GPU with torchrun or accelerate launch")
+        if args.label_smoothing_factor:
+            raise ValueError("label_smoothing_factor does not apply to the contrastive loss; leave it at 0")
         if args.chunk_size is not None and (args.deepspeed or self.is_fsdp_enabled):
             raise ValueError("chunk_size (gradient caching) needs DDP-style no_sync between replays; it is "
                              "not supported with DeepSpeed or FSDP")

@@ -263,6 +263,8 @@ def test_bad_arguments_and_combinations_are_rejected(tmp_path):
         InfCLTrainer(model=BertModel(tiny_bert_config()), args=trainer_arguments(tmp_path))
     with pytest.raises(ValueError, match="compute_loss_func"):
         InfCLTrainer(model=tiny_clip(), args=trainer_arguments(tmp_path), compute_loss_func=lambda *a, **k: 0)
+    with pytest.raises(ValueError, match="label_smoothing_factor"):
+        InfCLTrainer(model=tiny_clip(), args=trainer_arguments(tmp_path, label_smoothing_factor=0.1))
     with pytest.warns(UserWarning, match="gradient accumulation does not add negatives"):
         InfCLTrainer(model=tiny_clip(), args=trainer_arguments(tmp_path, gradient_accumulation_steps=2))
     with warnings.catch_warnings():
