@@ -39,10 +39,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hf_infcl import contrastive_loss
-from hf_infcl.loss import select_block_ops
-from hf_infcl.ops import ring
-from hf_infcl.ops.spec import StatsSpec
+# torchrun puts this script's folder, not the repository, on sys.path: make the package
+# importable from a plain checkout too (an installed one is found either way).
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hf_infcl import contrastive_loss  # noqa: E402
+from hf_infcl.loss import select_block_ops  # noqa: E402
+from hf_infcl.ops import ring  # noqa: E402
+from hf_infcl.ops.spec import StatsSpec  # noqa: E402
 
 LOGIT_SCALE = 1 / 0.07
 DEVICE = torch.device("cuda")  # "--cpu" (a dry run of this script over gloo) switches it

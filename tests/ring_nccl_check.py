@@ -29,8 +29,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hf_infcl import contrastive_loss
-from hf_infcl.ops import ring
+# torchrun puts this script's folder, not the repository, on sys.path: make the package
+# importable from a plain checkout too (an installed one is found either way).
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hf_infcl import contrastive_loss  # noqa: E402
+from hf_infcl.ops import ring  # noqa: E402
 
 # Relative (to the largest entry) max error allowed per dtype. fp32 runs with TF32 ("auto").
 TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 2e-2}
