@@ -93,7 +93,8 @@ def test_two_processes_match_one_process_on_the_concatenated_batch(tmp_path, chu
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(port), os.path.join(REPO, "tests", "trainer_workers.py"), str(tmp_path), chunk, offload]
-    environment = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    python_path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    environment = {**os.environ, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}
     finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=240)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
 
