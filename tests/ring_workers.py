@@ -61,6 +61,9 @@ SCENARIOS = {
         groups=True, custom_positives=True, rows={2: (4, 3), 3: (3, 1, 3)}, keys={2: (5, 4), 3: (4, 3, 3)},
         slice_bytes=2 * FEATURE_WIDTH * 8,
     ),
+    "one_key_per_rank": Scenario(  # key blocks of one row: the backward's single-slice path
+        rows={2: (1, 1), 3: (1, 1, 1)}, keys={2: (1, 1), 3: (1, 1, 1)},
+    ),
     "sigmoid_with_bias": Scenario(
         loss="sigmoid", bias=True, rows={2: (4, 2), 3: (2, 0, 3)}, keys={2: (5, 2), 3: (3, 2, 3)},
     ),

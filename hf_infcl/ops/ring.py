@@ -17,8 +17,10 @@ the complete column statistic arrives home.
 Backward: the key blocks travel again, carrying their owner's complete column statistic and its
 gradient. The gradient of the keys is accumulated in fp32 (fp64 for fp64 inputs) the same way as
 the forward's column statistic: it travels one step behind its key block, and arrives home when
-every rank has added G^T Q_r. It travels in slices of the key block so that only about one key
-block of accumulators is in flight per rank, not three.
+every rank has added G^T Q_r. It travels in slices of the key block (at least two), each rank
+adding into a slice in place and sending it on while it computes the next one, so that a rank
+holds about one key block of accumulators (plus one slice in flight), and the previous rank's
+slice always arrives while an earlier one is computed.
 
 Ranks may hold different numbers of rows and keys (one may hold no rows at all): the sizes are
 exchanged first with one small all_gather, which also carries every option that must agree, so
@@ -41,7 +43,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .local import finish_gradients
 from .spec import BlockOps, GroupMask, StatsSpec, accumulation_dtype, empty_row_stats, merge_row_stats
 
 # The all_gather at the start carries these fields per rank (as float64: every value is a small
@@ -56,9 +57,9 @@ _PRECISION_CODES = {"auto": 1, "tf32": 2, "ieee": 3}
 _DEVICE_CODES = {"cpu": 1, "cuda": 2, "xpu": 3, "mps": 4}
 _REDUCTION_CODES = {"mean": 1, "sum": 2, "none": 3}
 
-# The backward's key-gradient accumulators travel in slices of at most this many bytes (fp32),
-# so that a rank holds about one key block of them in flight instead of three. Small enough to
-# halve the loss memory at large batches, large enough to keep each slice's GEMMs efficient.
+# The backward's key-gradient accumulators travel in slices of at most this many bytes (fp32):
+# small enough that the one slice in flight besides the block's accumulators costs little, large
+# enough to keep each slice's GEMMs efficient.
 _MAX_SLICE_BYTES = 64 * 2**20
 _MAX_SLICES = 8
 
@@ -281,18 +282,17 @@ class RingLogitStats(torch.autograd.Function):
         ctx.save_for_backward(queries, keys, scale, bias, row_stat, col_stat)
         ctx.groups = (query_groups, key_groups, positive_keys)
         ctx.spec, ctx.ops, ctx.layout = spec, ops, layout
-        ctx.mark_non_differentiable(*(t for t in (query_groups, key_groups, positive_keys) if t is not None))
         return row_stat, col_stat
 
     @staticmethod
     def backward(ctx, grad_row_stat, grad_col_stat):
         queries, keys, scale, bias, row_stat, col_stat = ctx.saved_tensors
         query_groups, key_groups, positive_keys = ctx.groups
-        grad_queries, grad_keys, row_sums = _ring_backward(
+        grad_queries, key_slices, row_sums = _ring_backward(
             ctx.layout, ctx.spec, ctx.ops, queries, keys, scale, bias, query_groups, key_groups,
             positive_keys, row_stat, col_stat, grad_row_stat, grad_col_stat,
         )
-        grads = finish_gradients(ctx, queries, keys, scale, bias, grad_queries, grad_keys, row_sums)
+        grads = _finish_gradients(ctx, queries, keys, scale, bias, grad_queries, key_slices, row_sums)
         return (*grads, None, None, None, None, None, None)
 
 
@@ -352,15 +352,19 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, query_groups, k
 
 
 def _key_slices(k_max: int, width: int, element_bytes: int) -> list[tuple[int, int]]:
-    """Row ranges of a key block in which its gradient accumulator travels."""
+    """Row ranges of a key block in which its gradient accumulator travels: at least two (so that
+    a slice's accumulator always arrives while an earlier slice is computed), at most
+    ``_MAX_SLICES``, each at most ``_MAX_SLICE_BYTES`` where possible."""
     count = math.ceil(k_max * width * element_bytes / _MAX_SLICE_BYTES)
-    count = max(1, min(count, _MAX_SLICES, k_max))
+    count = max(min(2, k_max), min(count, _MAX_SLICES, k_max))
     bounds = [round(i * k_max / count) for i in range(count + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _ring_backward(layout, spec, ops, queries, keys, scale, bias, query_groups, key_groups,
                    positive_keys, row_stat, col_stat, grad_row_stat, grad_col_stat):
+    """Returns (unscaled G K for this rank's rows, this rank's unscaled G^T Q as a list of
+    (row range, accumulator) slices, row sums of G)."""
     acc = accumulation_dtype(queries.dtype)
     device = queries.device
     (m, width), k_max, n = queries.shape, layout.max_keys, layout.world_size
@@ -380,31 +384,43 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, query_groups, 
     blocks = _TravellingBlocks(layout, own)
 
     slices = _key_slices(k_max, width, torch.finfo(acc).bits // 8)
-    # Per slice, the running key gradient of the block this rank computes next, received from the
-    # previous rank one step ahead of use.
-    arrived: list[torch.Tensor | None] = [None] * len(slices)
-    free: list[torch.Tensor] = []  # accumulator buffers whose transfers are done
-    pending_works, pending_sent = None, None  # the last accumulator batch, waited one slice later
+    # Per slice, the running key gradient of the block this rank computes on next: received from
+    # the previous rank, computed into in place, sent on. About one key block per rank.
+    running: list[torch.Tensor | None] = [None] * len(slices)
+    spare: list[torch.Tensor] = []  # at most one buffer whose transfer is done
+    pending = None  # (works, buffer sent) of the last batch: waited one slice later
 
-    def take(length):
-        for i, buffer in enumerate(free):
-            if buffer.shape[0] == length:
-                return free.pop(i)
+    def buffer(length):
+        if spare and spare[-1].shape[0] == length:
+            return spare.pop()
         return torch.empty(length, width, dtype=acc, device=device)
+
+    def wait_pending():
+        nonlocal pending
+        if pending is not None:
+            works, sent = pending
+            _wait(works)
+            spare[:] = [sent]
+            pending = None
 
     for step in range(n):
         owner = layout.owner(step)
         k_owner = layout.keys[owner]
         if step < n - 1:
             blocks.post_next()  # before the compute, so that the transfer overlaps it
-        else:
-            home = torch.empty(k_max, width, dtype=acc, device=device)  # this rank's dK arrives here
         block_keys = blocks.current[0]
         block_groups = blocks.current[1] if key_groups is not None else None
         block_cols = blocks.current[-1] if spec.columns else None
 
         for index, (lo, hi) in enumerate(slices):
-            partial = take(hi - lo).zero_()
+            if step == 0:
+                accumulator = buffer(hi - lo).zero_()
+            else:
+                # Sent by the previous rank a whole slice's compute ago or more, and its batch
+                # already waited, unless the block is a single slice (k = 1).
+                if len(slices) == 1:
+                    wait_pending()
+                accumulator = running[index]
             hi_real = min(hi, k_owner)  # rows past the owner's k are padding: never computed
             if lo < hi_real and m > 0:
                 sliced_groups = block_groups[lo:hi_real] if block_groups is not None else None
@@ -414,28 +430,46 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, query_groups, 
                     block_cols[0, lo:hi_real] if spec.columns else None,
                     row_weight,
                     block_cols[1, lo:hi_real] if spec.columns else None,
-                    grad_queries, partial[: hi_real - lo],
+                    grad_queries, accumulator[: hi_real - lo],
                 )
-            # The previous batch had this slice's compute to finish in; once it is done, every
-            # accumulator this slice needs has arrived (each is received one step ahead).
-            _wait(pending_works)
-            # Recycle the buffers that are done with; in the last step only one is needed (the
-            # next slice's ``partial``): the others are dropped to lower the peak memory.
-            keep = len(slices) + 2 if step < n - 1 else 1
-            if pending_sent is not None and len(free) < keep:
-                free.append(pending_sent)
-            if arrived[index] is not None:
-                partial += arrived[index]
-                if len(free) < keep:
-                    free.append(arrived[index])
-            if step < n - 1:
-                arrived[index] = take(hi - lo)
-            else:  # the last step sends the slice home to its owner and receives this rank's own
-                arrived[index] = home[lo:hi]
-            pending_works = _exchange(layout, [partial], [arrived[index]])
-            pending_sent = partial
+            # The previous batch had this slice's compute to finish in.
+            wait_pending()
+            # Send the running gradient on (at the last step: home to its owner) and receive the
+            # next one (at the last step: this rank's own, complete).
+            running[index] = buffer(hi - lo)
+            pending = (_exchange(layout, [accumulator], [running[index]]), accumulator)
         if step < n - 1:
             blocks.advance(keep_spare=step < n - 2)
 
-    _wait(pending_works)
-    return grad_queries, home[: keys.shape[0]], row_sums
+    wait_pending()
+    spare.clear()
+    return grad_queries, list(zip(slices, running)), row_sums
+
+
+def _finish_gradients(ctx, queries, keys, scale, bias, grad_queries, key_slices, row_sums):
+    """(d queries, d keys, d scale, d bias) from the unscaled accumulators, like
+    ``ops.local.finish_gradients`` but in place and in chunks, so that the end of the backward
+    needs no full-size temporaries: d scale = sum_i <Q_i, (G K)_i>, d bias = sum of G."""
+    need_q, need_k, need_scale, need_bias = ctx.needs_input_grad[:4]
+    acc = grad_queries.dtype
+    scale_acc = scale.to(acc)
+    grad_scale = grad_bias = grad_q = grad_k = None
+    if need_scale:
+        total = torch.zeros((), dtype=acc, device=grad_queries.device)
+        chunk = max(1, 2**22 // max(1, grad_queries.shape[1]))
+        for start in range(0, grad_queries.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            total += (grad_queries[rows] * queries[rows].to(acc)).sum()
+        grad_scale = total.to(scale.dtype)
+    if need_bias and bias is not None:
+        grad_bias = row_sums.sum().to(bias.dtype)
+    if need_q:
+        grad_q = grad_queries.mul_(scale_acc).to(queries.dtype)
+    if need_k:
+        grad_k = torch.empty(keys.shape, dtype=keys.dtype, device=keys.device)
+        for index, ((lo, hi), accumulator) in enumerate(key_slices):
+            hi_real = min(hi, keys.shape[0])
+            if lo < hi_real:
+                grad_k[lo:hi_real] = accumulator[: hi_real - lo].mul_(scale_acc)
+            key_slices[index] = None  # free each slice as soon as it is copied out
+    return grad_q, grad_k, grad_scale, grad_bias
