@@ -109,8 +109,10 @@ def _local_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, 
     mask = None
     if query_groups is not None:
         mask = GroupMask(query_groups, key_groups, positives, key_offset=0)
-    row_stat, col_stat = LocalLogitStats.apply(queries, keys, scale, bias, mask, spec, ops)
-    return assemble_per_row_loss(spec, queries, keys, scale, bias, positives, row_stat, col_stat)
+    row_stat, col_stat, positive_logit = LocalLogitStats.apply(
+        queries, keys, scale, bias, positives, mask, spec, ops
+    )
+    return assemble_per_row_loss(spec, positives, row_stat, col_stat, positive_logit)
 
 
 def _ring_per_row_loss(group, queries, keys, scale, bias, loss, symmetric, positives, query_groups,
@@ -121,19 +123,15 @@ def _ring_per_row_loss(group, queries, keys, scale, bias, loss, symmetric, posit
                                   reduction)
     ops = select_block_ops(backend, queries.device)
     positive_keys = positives + layout.key_offset(layout.rank)  # global key ids, for group masking
-    row_stat, col_stat = ring.RingLogitStats.apply(
-        queries, keys, scale, bias, query_groups, key_groups, positive_keys, spec, ops, layout
+    row_stat, col_stat, positive_logit = ring.RingLogitStats.apply(
+        queries, keys, scale, bias, positives, query_groups, key_groups, positive_keys, spec, ops, layout
     )
-    per_row = assemble_per_row_loss(spec, queries, keys, scale, bias, positives, row_stat, col_stat)
+    per_row = assemble_per_row_loss(spec, positives, row_stat, col_stat, positive_logit)
     return per_row, layout.total_rows
 
 
-def assemble_per_row_loss(spec, queries, keys, scale, bias, positives, row_stat, col_stat):
+def assemble_per_row_loss(spec, positives, row_stat, col_stat, positive_logit):
     """Per-row loss from the statistics and the positive logits z_{i,p(i)} (DESIGN.md section 3)."""
-    acc = accumulation_dtype(queries.dtype)
-    positive_logit = scale * (queries.to(acc) * keys[positives].to(acc)).sum(dim=1)
-    if bias is not None:
-        positive_logit = positive_logit + bias
     if spec.loss == "sigmoid":
         # -log sigmoid(z) = softplus(z) - z for the positive, softplus(z) for each negative.
         return row_stat - positive_logit

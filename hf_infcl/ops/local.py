@@ -1,8 +1,16 @@
-"""The single-process algorithm: one autograd Function over any backend's block ops.
+"""The single-process algorithm: one autograd Function over any backend's block ops, and the
+pieces of the backward that the ring Function shares with it.
 
 Forward: one call of ``forward_block`` over all rows and keys gives the row (and column)
-statistics. Only those O(m + k) floats are saved, with references to the inputs; the backward
-recomputes every tile once through ``backward_block``.
+statistics, and the positive logits z_{i,p(i)} are computed beside them. Only those O(m + k)
+floats are saved, with references to the inputs; the backward recomputes every tile once
+through ``backward_block``.
+
+Why the positive logits are an output of the Function rather than plain autograd ops outside
+it: their gradient nearly cancels the statistics' gradient at the positive (P_ii - 1 when the
+softmax is peaked). Summed in the fp32 accumulators before the single cast to the input dtype,
+that cancellation is exact; summed by autograd after two separate bf16 casts, it loses most of
+the significant bits of dQ and dK.
 """
 
 from __future__ import annotations
@@ -11,9 +19,19 @@ import torch
 
 from .spec import BlockOps, GroupMask, StatsSpec, accumulation_dtype
 
+# Row chunks for the O(m c) epilogues, so they allocate no full-size fp32 temporaries.
+_EPILOGUE_ELEMENTS = 2**22
+
+
+def _row_chunks(rows: int, width: int):
+    step = max(1, _EPILOGUE_ELEMENTS // max(1, width))
+    for start in range(0, rows, step):
+        yield slice(start, min(start + step, rows))
+
 
 class LocalLogitStats(torch.autograd.Function):
-    """(queries, keys, scale, bias, groups) -> (row_stat [m], col_stat [k] or empty)."""
+    """(queries, keys, scale, bias, positives, mask) ->
+    (row_stat [m], col_stat [k] or empty, positive_logit [m])."""
 
     @staticmethod
     def forward(
@@ -22,6 +40,7 @@ class LocalLogitStats(torch.autograd.Function):
         keys: torch.Tensor,
         scale: torch.Tensor,
         bias: torch.Tensor | None,
+        positives: torch.Tensor,
         mask: GroupMask | None,
         spec: StatsSpec,
         ops: BlockOps,
@@ -29,13 +48,14 @@ class LocalLogitStats(torch.autograd.Function):
         row_stat, col_stat = ops.forward_block(spec, queries, keys, scale, bias, mask)
         if col_stat is None:
             col_stat = row_stat.new_empty(0)
-        ctx.save_for_backward(queries, keys, scale, bias, row_stat, col_stat)
+        positive_logit = positive_logits(queries, keys, positives, scale, bias)
+        ctx.save_for_backward(queries, keys, scale, bias, positives, row_stat, col_stat)
         ctx.mask, ctx.spec, ctx.ops = mask, spec, ops
-        return row_stat, col_stat
+        return row_stat, col_stat, positive_logit
 
     @staticmethod
-    def backward(ctx, grad_row_stat, grad_col_stat):
-        queries, keys, scale, bias, row_stat, col_stat = ctx.saved_tensors
+    def backward(ctx, grad_row_stat, grad_col_stat, grad_positive_logit):
+        queries, keys, scale, bias, positives, row_stat, col_stat = ctx.saved_tensors
         spec: StatsSpec = ctx.spec
         acc = accumulation_dtype(queries.dtype)
         grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
@@ -54,21 +74,70 @@ class LocalLogitStats(torch.autograd.Function):
             grad_queries,
             grad_keys,
         )
-        return (*finish_gradients(ctx, queries, keys, scale, bias, grad_queries, grad_keys, row_sums),
-                None, None, None)
+        key_slices = [((0, keys.shape[0]), grad_keys)]
+        add_positive_gradients(queries, keys, positives, grad_positive_logit, grad_queries, key_slices,
+                               row_sums)
+        grads = finish_gradients(ctx, queries, keys, scale, bias, grad_queries, key_slices, row_sums)
+        return (*grads, None, None, None, None)
 
 
-def finish_gradients(ctx, queries, keys, scale, bias, grad_queries, grad_keys, row_sums):
-    """Turn the unscaled accumulators into (d queries, d keys, d scale, d bias).
+def positive_logits(queries, keys, positives, scale, bias) -> torch.Tensor:
+    """z_{i,p(i)} = s <Q_i, K_{p(i)}> + b in the accumulation dtype, [m]."""
+    acc = accumulation_dtype(queries.dtype)
+    dots = torch.empty(queries.shape[0], dtype=acc, device=queries.device)
+    for rows in _row_chunks(queries.shape[0], queries.shape[1]):
+        dots[rows] = (queries[rows].to(acc) * keys[positives[rows]].to(acc)).sum(dim=1)
+    logits = scale.to(acc) * dots
+    return logits if bias is None else logits + bias.to(acc)
 
-    d scale = sum_ij G_ij x_ij = sum_i <Q_i, (G K)_i>, so it needs no pass over the tiles.
-    Shared by the single-process and the ring Functions.
+
+def add_positive_gradients(queries, keys, positives, grad_positive, grad_queries, key_slices, row_sums):
+    """Add the positive logits' gradient to the unscaled accumulators, in place.
+
+    ``key_slices`` is a list of ((start, end), accumulator) covering this process's keys (the
+    ring keeps its key gradient in slices). d z_{i,p(i)} / d bias = 1, so the gradient is also
+    added to ``row_sums``; d scale follows from the accumulators in ``finish_gradients``.
     """
     acc = grad_queries.dtype
-    scale_acc = scale.to(acc)
+    weight = grad_positive.to(acc)
+    for rows in _row_chunks(queries.shape[0], queries.shape[1]):
+        grad_queries[rows] += weight[rows, None] * keys[positives[rows]].to(acc)
+        for (start, end), accumulator in key_slices:
+            inside = ((positives[rows] >= start) & (positives[rows] < end)).nonzero().squeeze(1)
+            if inside.numel():
+                chunk_rows = inside + rows.start
+                accumulator.index_add_(
+                    0, positives[chunk_rows] - start, weight[chunk_rows, None] * queries[chunk_rows].to(acc)
+                )
+    row_sums += weight
+
+
+def finish_gradients(ctx, queries, keys, scale, bias, grad_queries, key_slices, row_sums):
+    """(d queries, d keys, d scale, d bias) from the unscaled accumulators.
+
+    d scale = sum_ij G_ij x_ij = sum_i <Q_i, (G K)_i>, so it needs no pass over the tiles;
+    d bias = sum of G. Works in place and in row chunks, so that the end of the backward makes
+    no full-size fp32 temporaries. Shared by the single-process and the ring Functions; the
+    key gradient comes as ((start, end), accumulator) slices, freed as they are copied out.
+    """
     need_q, need_k, need_scale, need_bias = ctx.needs_input_grad[:4]
-    grad_scale = (grad_queries * queries.to(acc)).sum().to(scale.dtype) if need_scale else None
-    grad_bias = row_sums.sum().to(bias.dtype) if need_bias and bias is not None else None
-    grad_q = (grad_queries * scale_acc).to(queries.dtype) if need_q else None
-    grad_k = (grad_keys * scale_acc).to(keys.dtype) if need_k else None
+    acc = grad_queries.dtype
+    scale_acc = scale.to(acc)
+    grad_scale = grad_bias = grad_q = grad_k = None
+    if need_scale:
+        total = torch.zeros((), dtype=acc, device=grad_queries.device)
+        for rows in _row_chunks(queries.shape[0], queries.shape[1]):
+            total += (grad_queries[rows] * queries[rows].to(acc)).sum()
+        grad_scale = total.to(scale.dtype)
+    if need_bias and bias is not None:
+        grad_bias = row_sums.sum().to(bias.dtype)
+    if need_q:
+        grad_q = grad_queries.mul_(scale_acc).to(queries.dtype)
+    if need_k:
+        grad_k = torch.empty(keys.shape, dtype=keys.dtype, device=keys.device)
+        for index, ((start, end), accumulator) in enumerate(key_slices):
+            real_end = min(end, keys.shape[0])  # the ring pads key blocks to the largest rank's
+            if start < real_end:
+                grad_k[start:real_end] = accumulator[: real_end - start].mul_(scale_acc)
+            key_slices[index] = None  # free each slice as soon as it is copied out
     return grad_q, grad_k, grad_scale, grad_bias

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .local import add_positive_gradients, finish_gradients, positive_logits
 from .spec import BlockOps, GroupMask, StatsSpec, accumulation_dtype, empty_row_stats, merge_row_stats
 
 # The all_gather at the start carries these fields per rank (as float64: every value is a small
@@ -255,11 +256,13 @@ class _TravellingBlocks:
 
 
 class RingLogitStats(torch.autograd.Function):
-    """(queries, keys, scale, bias, groups) -> (row_stat [m_r], col_stat [k_r] or empty), both
-    over the whole process group; the ring counterpart of ``LocalLogitStats``.
+    """(queries, keys, scale, bias, positives, groups) -> (row_stat [m_r], col_stat [k_r] or
+    empty, positive_logit [m_r]), the statistics over the whole process group; the ring
+    counterpart of ``LocalLogitStats``.
 
-    ``positive_keys`` are the rows' positives as *global* key indices (this rank's key offset
-    plus the local index); they only matter for group masking.
+    ``positives`` are local key indices (a row's positive is always on its own rank);
+    ``positive_keys`` are the same as *global* key indices (this rank's key offset plus the
+    local index), which only group masking needs.
     """
 
     @staticmethod
@@ -269,6 +272,7 @@ class RingLogitStats(torch.autograd.Function):
         keys: torch.Tensor,
         scale: torch.Tensor,
         bias: torch.Tensor | None,
+        positives: torch.Tensor,
         query_groups: torch.Tensor | None,
         key_groups: torch.Tensor | None,
         positive_keys: torch.Tensor,
@@ -279,21 +283,24 @@ class RingLogitStats(torch.autograd.Function):
         row_stat, col_stat = _ring_forward(
             layout, spec, ops, queries, keys, scale, bias, query_groups, key_groups, positive_keys
         )
-        ctx.save_for_backward(queries, keys, scale, bias, row_stat, col_stat)
+        positive_logit = positive_logits(queries, keys, positives, scale, bias)
+        ctx.save_for_backward(queries, keys, scale, bias, positives, row_stat, col_stat)
         ctx.groups = (query_groups, key_groups, positive_keys)
         ctx.spec, ctx.ops, ctx.layout = spec, ops, layout
-        return row_stat, col_stat
+        return row_stat, col_stat, positive_logit
 
     @staticmethod
-    def backward(ctx, grad_row_stat, grad_col_stat):
-        queries, keys, scale, bias, row_stat, col_stat = ctx.saved_tensors
+    def backward(ctx, grad_row_stat, grad_col_stat, grad_positive_logit):
+        queries, keys, scale, bias, positives, row_stat, col_stat = ctx.saved_tensors
         query_groups, key_groups, positive_keys = ctx.groups
         grad_queries, key_slices, row_sums = _ring_backward(
             ctx.layout, ctx.spec, ctx.ops, queries, keys, scale, bias, query_groups, key_groups,
             positive_keys, row_stat, col_stat, grad_row_stat, grad_col_stat,
         )
-        grads = _finish_gradients(ctx, queries, keys, scale, bias, grad_queries, key_slices, row_sums)
-        return (*grads, None, None, None, None, None, None)
+        add_positive_gradients(queries, keys, positives, grad_positive_logit, grad_queries, key_slices,
+                               row_sums)
+        grads = finish_gradients(ctx, queries, keys, scale, bias, grad_queries, key_slices, row_sums)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def _block_mask(query_groups, positive_keys, block_groups, offset: int) -> GroupMask | None:
@@ -444,32 +451,3 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, query_groups, 
     wait_pending()
     spare.clear()
     return grad_queries, list(zip(slices, running)), row_sums
-
-
-def _finish_gradients(ctx, queries, keys, scale, bias, grad_queries, key_slices, row_sums):
-    """(d queries, d keys, d scale, d bias) from the unscaled accumulators, like
-    ``ops.local.finish_gradients`` but in place and in chunks, so that the end of the backward
-    needs no full-size temporaries: d scale = sum_i <Q_i, (G K)_i>, d bias = sum of G."""
-    need_q, need_k, need_scale, need_bias = ctx.needs_input_grad[:4]
-    acc = grad_queries.dtype
-    scale_acc = scale.to(acc)
-    grad_scale = grad_bias = grad_q = grad_k = None
-    if need_scale:
-        total = torch.zeros((), dtype=acc, device=grad_queries.device)
-        chunk = max(1, 2**22 // max(1, grad_queries.shape[1]))
-        for start in range(0, grad_queries.shape[0], chunk):
-            rows = slice(start, start + chunk)
-            total += (grad_queries[rows] * queries[rows].to(acc)).sum()
-        grad_scale = total.to(scale.dtype)
-    if need_bias and bias is not None:
-        grad_bias = row_sums.sum().to(bias.dtype)
-    if need_q:
-        grad_q = grad_queries.mul_(scale_acc).to(queries.dtype)
-    if need_k:
-        grad_k = torch.empty(keys.shape, dtype=keys.dtype, device=keys.device)
-        for index, ((lo, hi), accumulator) in enumerate(key_slices):
-            hi_real = min(hi, keys.shape[0])
-            if lo < hi_real:
-                grad_k[lo:hi_real] = accumulator[: hi_real - lo].mul_(scale_acc)
-            key_slices[index] = None  # free each slice as soon as it is copied out
-    return grad_q, grad_k, grad_scale, grad_bias
