@@ -33,7 +33,10 @@ TWO_PASS = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=3, poison=True, 
 # error is G rounded to fp16 (2^-11) plus the fp16 output of the G K / G^T Q products, which
 # d scale (a sum with cancellation) amplifies. fp32: rounding of c = 1 cases where P_ii ~ 1
 # and dq_i = s (sum_j P_ij k_j - k_i) cancels to a few ulps reached 2.2e-5 once in 2000 draws.
-TOLERANCE = {"fp32-ieee": 5e-5, "fp32-tf32": 3e-3, "fp16": 1e-2}
+# fp32-tf32: the kernels round the operands to a 10-bit mantissa (as TF32 does) while the
+# positive logit and the reference use the exact inputs; with a single row (m = 1) nothing
+# averages that out: up to 6.2e-3 in 25 draws of every shape here (bugs give errors of 0.1-1).
+TOLERANCE = {"fp32-ieee": 5e-5, "fp32-tf32": 2e-2, "fp16": 1e-2}
 # Input dtype and precision of each mode. "fp32-tf32" runs the fp32 inputs as scaled fp16 copies.
 MODES = {"fp32-ieee": (torch.float32, "ieee"), "fp32-tf32": (torch.float32, "tf32"),
          "fp16": (torch.float16, "auto")}
