@@ -140,19 +140,28 @@ class TrainArguments:
 
 
 class PairDataset(torch.utils.data.Dataset):
-    """Preprocessed pixel values with their captions; one caption is drawn per visit."""
+    """Preprocessed pixel values with their captions; one caption is drawn per visit.
+
+    The draw is a function of (seed, epoch, index), not of a running generator, so a run resumed
+    from a checkpoint sees exactly the captions the uninterrupted run would have seen.
+    """
 
     def __init__(self, pixel_values, captions, caption_groups, seed):
         self.pixel_values = pixel_values
         self.captions = captions
         self.caption_groups = caption_groups
-        self.rng = random.Random(seed)
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
 
     def __len__(self):
         return len(self.captions)
 
     def __getitem__(self, index):
-        choice = self.rng.randrange(len(self.captions[index]))
+        draw = random.Random((self.seed * 1_000_003 + self.epoch) * 1_000_003 + index)
+        choice = draw.randrange(len(self.captions[index]))
         return self.pixel_values[index], self.captions[index][choice], self.caption_groups[index][choice]
 
 
@@ -321,7 +330,7 @@ def evaluate(clip, processor, data, held_out_pixels, device, batch_size, max_len
 
 def main(argv=None):
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import DataLoaderConfiguration, set_seed
     from tqdm.auto import tqdm
     from transformers import HfArgumentParser, get_scheduler
 
@@ -334,7 +343,12 @@ def main(argv=None):
         raise ValueError(f"--loss must be 'softmax' or 'sigmoid', got {args.loss!r}")
     started = time.perf_counter()
 
-    accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=_run_on_cpu(args))
+    # A seedable sampler draws each epoch's order from (seed, epoch), so resuming is exact.
+    accelerator = Accelerator(
+        mixed_precision=args.mixed_precision,
+        cpu=_run_on_cpu(args),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
     world = accelerator.num_processes
     if args.per_device_train_batch_size is None:
         args.global_batch_size = args.global_batch_size or 128
@@ -368,10 +382,12 @@ def main(argv=None):
     logit_scale = model.logit_scale
     logit_bias = None
     if args.loss == "sigmoid":
-        # SigLIP's initialisation: t = 10, b = -10. CLIPModel has no bias, so it lives beside it.
+        # SigLIP's initialisation, t = 10 and b = -10, puts the prior probability of a pair being
+        # positive at about 1 / (its batch of 32k); b = -log(batch) does the same for ours.
+        # CLIPModel has no bias, so it lives beside the model.
         with torch.no_grad():
             logit_scale.fill_(math.log(10.0))
-        logit_bias = torch.nn.Parameter(torch.tensor(-10.0))
+        logit_bias = torch.nn.Parameter(torch.tensor(-math.log(global_batch)))
 
     train_pixels = preprocess_images(processor.image_processor, data.train)
     held_out_pixels = preprocess_images(processor.image_processor, data.held_out)
@@ -379,7 +395,7 @@ def main(argv=None):
         train_pixels,
         [ex.captions for ex in data.train],
         group_ids(data, data.train),
-        seed=args.seed + accelerator.process_index,
+        seed=args.seed,
     )
     # Every process draws a full per-device batch each step (drop_last), so all rows of the
     # global batch exist on every step.
@@ -450,6 +466,21 @@ def main(argv=None):
         f"{', chunks of ' + str(args.chunk_size) if args.chunk_size else ''}); held out: {len(data.held_out)}"
     )
     history, final = [], {}
+
+    def run_evaluation(at_step, train_loss):
+        metrics = evaluate(
+            unwrapped,
+            processor,
+            data,
+            held_out_pixels,
+            device,
+            args.per_device_eval_batch_size,
+            data_args.max_seq_length,
+        )
+        history.append({"step": at_step, "train_loss": train_loss, **metrics})
+        progress.write(f"step {at_step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+        return metrics
+
     progress = tqdm(
         total=total_steps,
         initial=step,
@@ -465,6 +496,7 @@ def main(argv=None):
     epoch = step // steps_per_epoch
     stop = False
     while step < total_steps and not stop:
+        dataset.set_epoch(epoch)
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(epoch)
         batches = loader
@@ -511,22 +543,13 @@ def main(argv=None):
                 and time.perf_counter() - train_started > args.max_train_seconds
             )
             if step == total_steps or out_of_time or (args.eval_steps and step % args.eval_steps == 0):
-                metrics = evaluate(
-                    unwrapped,
-                    processor,
-                    data,
-                    held_out_pixels,
-                    device,
-                    args.per_device_eval_batch_size,
-                    data_args.max_seq_length,
-                )
-                history.append({"step": step, "train_loss": loss.item(), **metrics})
-                final = metrics
-                progress.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+                final = run_evaluation(step, loss.item())
             if step >= total_steps or out_of_time:
                 stop = True
                 break
         epoch += 1
+    if not history or history[-1]["step"] != step:  # e.g. resumed from the last checkpoint
+        final = run_evaluation(step, None)
     progress.close()
     train_seconds = time.perf_counter() - train_started
 

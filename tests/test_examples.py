@@ -225,3 +225,35 @@ def test_train_sentence_transformer_runs_end_to_end(tmp_path):
     card = huggingface_hub.ModelCard.load(out / "README.md")
     assert card.data.library_name == "sentence-transformers" and "inf-cl" in card.data.tags
     assert "| optimizer steps | 2 |" in card.text
+
+
+# ---- train_clip.py options -------------------------------------------------------------------
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_train_clip_resume_from_checkpoint_continues_exactly(tmp_path):
+    """save_state every 3 steps; resuming from step 3 ends with the uninterrupted run's weights."""
+    import train_clip
+
+    common = ["--max_steps", "6", "--eval_steps", "0", "--global_batch_size", "64", "--chunk_size", "16"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    train_clip.main(["--output_dir", str(whole), "--save_steps", "3", *common])
+    assert (whole / "checkpoint-3").is_dir() and (whole / "checkpoint-6").is_dir()
+    # A second run that only has the step-3 state to start from.
+    (resumed / "checkpoint-3").parent.mkdir()
+    os.rename(whole / "checkpoint-3", resumed / "checkpoint-3")
+    final = train_clip.main(["--output_dir", str(resumed), "--resume_from_checkpoint", "latest", *common])
+    assert "zero_shot_top1" in final
+    expected, got = _weights(whole), _weights(resumed)
+    at_step_3 = {name.removeprefix("clip."): w for name, w in _weights(resumed / "checkpoint-3").items()}
+    assert expected.keys() == got.keys() == at_step_3.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    # ... and the resumed run did train: its weights moved on from the step-3 state.
+    assert not torch.equal(got["visual_projection.weight"], at_step_3["visual_projection.weight"])
+    assert (resumed / "README.md").is_file()
