@@ -152,6 +152,16 @@ def test_gpu_plain_tf32_matches_float64_reference(groups):
 
 
 @pytest.mark.gpu
+def test_gpu_first_call_that_autotunes_is_correct():
+    """The call that autotunes must already be right: tuning runs every config on the live
+    buffers (the column partials, the row sums). A width no other test uses makes this call the
+    first of its tuning key. Meaningful when run without HF_INFCL_TRITON_AUTOTUNE=0."""
+    from hf_infcl.ops.triton_blocks import TritonBlocks
+
+    _check_against_float64(6000, 9000, 200, "bf16", "softmax-sym", True, backend=TritonBlocks())
+
+
+@pytest.mark.gpu
 def test_gpu_backend_name_with_mean_reduction():
     """backend="triton" through the public API, learnable scale, default mean reduction."""
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ()).item()))
