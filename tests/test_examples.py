@@ -257,3 +257,79 @@ def test_train_clip_resume_from_checkpoint_continues_exactly(tmp_path):
     # ... and the resumed run did train: its weights moved on from the step-3 state.
     assert not torch.equal(got["visual_projection.weight"], at_step_3["visual_projection.weight"])
     assert (resumed / "README.md").is_file()
+
+
+def test_train_clip_on_a_user_csv_pushes_model_processor_and_card(tmp_path, monkeypatch):
+    """Your own CSV of image paths and captions; --push_to_hub sends the model, its processor and
+    its card (not the checkpoint-* training states) through a fake HfApi."""
+    pytest.importorskip("datasets")
+    import huggingface_hub
+    import numpy as np
+    import train_clip
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    rows = ["image_path,caption"]
+    for i in range(40):
+        colour = ("red", "green", "blue", "white")[i % 4]
+        pixels = np.zeros((8, 8, 3), dtype=np.uint8)
+        pixels[..., :] = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255,) * 3}[
+            colour
+        ]
+        pixels = np.clip(pixels.astype(int) + rng.integers(-30, 30, pixels.shape), 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(tmp_path / f"{i}.png")
+        rows.append(f"{i}.png,a {colour} square number {i}")
+    (tmp_path / "pairs.csv").write_text("\n".join(rows))
+
+    uploads = {}
+
+    class FakeHfApi:
+        def __init__(self, token=None):
+            uploads["token"] = token
+
+        def create_repo(self, repo_id, **kwargs):
+            uploads["repo"] = repo_id
+
+        def create_commit(self, repo_id, operations, **kwargs):
+            uploads["files"] = {op.path_in_repo for op in operations}
+            return huggingface_hub.CommitInfo(
+                commit_url=f"https://huggingface.co/{repo_id}/commit/1",
+                commit_message="m",
+                commit_description="",
+                oid="1",
+            )
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeHfApi)
+    out = tmp_path / "out"
+    final = train_clip.main(
+        [
+            "--dataset",
+            str(tmp_path / "pairs.csv"),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "3",
+            "--global_batch_size",
+            "16",
+            "--save_steps",
+            "3",
+            "--push_to_hub",
+            "--hub_model_id",
+            "someone/squares",
+            "--hub_token",
+            "not-a-token",
+        ]
+    )
+    assert {"image_to_text_recall@1", "text_to_image_mrr"} <= set(final) and "zero_shot_top1" not in final
+    assert (out / "checkpoint-3").is_dir()
+    assert uploads["repo"] == "someone/squares" and uploads["token"] == "not-a-token"
+    assert {
+        "README.md",
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "processor_config.json",
+    } <= uploads["files"]
+    assert not any(name.startswith("checkpoint-") for name in uploads["files"])
+    card = huggingface_hub.ModelCard.load(out / "README.md")
+    assert card.data.model_name == "someone/squares"
