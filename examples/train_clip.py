@@ -530,20 +530,31 @@ def main(argv=None):
                 logit_scale.clamp_(0, math.log(100))  # CLIP caps the temperature at 100
             step += 1
             progress.update(1)
-            if step % args.logging_steps == 0 or step == total_steps:
+            out_of_time = False
+            if args.max_train_seconds is not None:
+                # Every process must stop at the same step: stop when any one is out of time.
+                late = float(time.perf_counter() - train_started > args.max_train_seconds)
+                out_of_time = (
+                    accelerator.reduce(torch.tensor([late], device=device), reduction="sum").item() > 0
+                )
+            logging_step = step % args.logging_steps == 0 or step == total_steps
+            evaluation_step = (
+                step == total_steps or out_of_time or (args.eval_steps and step % args.eval_steps == 0)
+            )
+            if logging_step or evaluation_step:
+                # Each process holds its share (n/M)·Σ of the mean loss; their average is the loss
+                # of the whole contrastive batch. Every process takes part in this reduce.
+                batch_loss = accelerator.reduce(loss.detach().float().reshape(1), reduction="mean").item()
+            if logging_step:
                 progress.set_postfix(
-                    loss=f"{loss.item():.3f}",
+                    loss=f"{batch_loss:.3f}",
                     scale=f"{logit_scale.exp().item():.1f}",
                     lr=f"{scheduler.get_last_lr()[0]:.1e}",
                 )
             if args.save_steps and step % args.save_steps == 0:
                 accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{step}"))
-            out_of_time = (
-                args.max_train_seconds is not None
-                and time.perf_counter() - train_started > args.max_train_seconds
-            )
-            if step == total_steps or out_of_time or (args.eval_steps and step % args.eval_steps == 0):
-                final = run_evaluation(step, loss.item())
+            if evaluation_step:
+                final = run_evaluation(step, batch_loss)
             if step >= total_steps or out_of_time:
                 stop = True
                 break
