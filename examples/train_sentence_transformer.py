@@ -123,6 +123,10 @@ def main(argv=None):
         "--save_strategy": "no",
         "--report_to": "none",
     }
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Several processes without CUDA (`accelerate launch --multi_gpu` / torchrun on a CPU
+        # machine) only form one gloo group when the Trainer is told to use the CPU.
+        defaults["--use_cpu"] = "true"
     for flag, value in defaults.items():
         if flag not in argv:
             argv += [flag, value]
