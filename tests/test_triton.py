@@ -143,12 +143,12 @@ def test_gpu_two_pass_forward_matches_float64_reference(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("groups", [False, True], ids=["nogroups", "groups"])
-def test_gpu_plain_tf32_matches_float64_reference(groups):
-    """TF32 tensor cores on the fp32 inputs themselves (tf32_via_fp16=False)."""
+def test_gpu_tf32_via_fp16_matches_float64_reference(groups):
+    """The opt-in TF32 emulation: fp32 inputs as scaled fp16 copies (tf32_via_fp16=True)."""
     from hf_infcl.ops.triton_blocks import TritonBlocks
 
     _check_against_float64(1000, 3000, 257, "tf32", "softmax-sym", groups,
-                           backend=TritonBlocks(poison=True, tf32_via_fp16=False))
+                           backend=TritonBlocks(poison=True, tf32_via_fp16=True))
 
 
 @pytest.mark.gpu

@@ -26,7 +26,10 @@ from hf_infcl.ops.triton_blocks import TritonBlocks  # noqa: E402  (after the in
 # Small super-tiles, split statistics and a small column-partial buffer, so that every case
 # crosses several tiles of every kernel, several row chunks of the fused forward, and merges
 # partial statistics; poison proves every output entry is written.
-BLOCKS = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=2, poison=True, column_buffer_entries=80)
+# tf32_via_fp16: the interpreter's TF32 dot is exact fp32, so "fp32-tf32" checks the opt-in
+# scaled-fp16 path, the one whose rounding differs from plain fp32.
+BLOCKS = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=2, poison=True, column_buffer_entries=80,
+                      tf32_via_fp16=True)
 TWO_PASS = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=3, poison=True, fused_columns=False)
 
 # Norm-wise relative tolerance per input dtype. The interpreter multiplies in fp32; for fp16 the
