@@ -1,7 +1,7 @@
 """Train a CLIP model with the exact Inf-CL loss in a plain Accelerate loop (no Trainer).
 
-    accelerate launch examples/train_clip.py                      # tiny CLIP on bundled digits, CPU or GPU
-    accelerate launch --num_processes 2 --cpu examples/train_clip.py   # the loss runs a ring over gloo
+    accelerate launch examples/train_clip.py            # tiny CLIP on bundled digits, CPU or GPU
+    accelerate launch --multi_gpu --num_processes 2 examples/train_clip.py   # 2 processes, one ring
     accelerate launch examples/train_clip.py --dataset openmoji --num_train_epochs 40
     accelerate launch examples/train_clip.py --model_name_or_path ./my-clip --dataset captions.csv \\
         --per_device_train_batch_size 4096 --chunk_size 256 --offload --mixed_precision bf16
@@ -16,6 +16,11 @@ n processes (``process_group="auto"``: a ring of key blocks, never an all-gather
 ``--chunk_size`` runs the encoders on chunks of the batch (GradCache), so the batch can be far
 larger than what the encoders' activations allow; ``--offload`` keeps the batch in host memory.
 Flags follow transformers' contrastive-image-text example where they overlap.
+
+Several processes on a machine without a GPU: ``accelerate launch --multi_gpu --num_processes 2``
+(the script then asks Accelerate for gloo on the CPU; ``--use_cpu`` does the same on a GPU
+machine). ``accelerate launch --cpu --num_processes 2`` starts a single process unless MPI is
+set up: that is Accelerate's behaviour, and the script says so when it sees it.
 """
 
 from __future__ import annotations
@@ -236,19 +241,30 @@ def load_model_and_processor(model_args, data_args, data, seed):
         model = AutoModel.from_pretrained(model_args.model_name_or_path)
         processor = AutoProcessor.from_pretrained(model_args.model_name_or_path)
         return model, processor, model_args.model_name_or_path
-    from tiny_clip import EOS_ID, PAD_ID, build_tiny_clip_and_processor
+    from tiny_clip import (
+        BOS_ID,
+        EOS_ID,
+        PAD_ID,
+        build_image_processor,
+        build_tiny_clip_and_processor,
+        build_word_tokenizer,
+    )
 
     texts = data.vocabulary_text()
     if model_args.config_name is not None:
-        model_, processor = build_tiny_clip_and_processor(texts, max_text_length=data_args.max_seq_length)
+        # The config's architecture with the word-level tokenizer over the captions.
+        from transformers import CLIPProcessor
+
         config = CLIPConfig.from_pretrained(model_args.config_name)
-        config.text_config.vocab_size = len(processor.tokenizer)
-        config.text_config.eos_token_id, config.text_config.pad_token_id = EOS_ID, PAD_ID
+        tokenizer = build_word_tokenizer(texts, max_length=config.text_config.max_position_embeddings)
+        config.text_config.vocab_size = len(tokenizer)
+        text_config = config.text_config
+        text_config.pad_token_id, text_config.bos_token_id, text_config.eos_token_id = PAD_ID, BOS_ID, EOS_ID
         torch.manual_seed(seed)
         model = CLIPModel(config)
-        from tiny_clip import build_image_processor
-
-        processor.image_processor = build_image_processor(config.vision_config.image_size)
+        processor = CLIPProcessor(
+            image_processor=build_image_processor(config.vision_config.image_size), tokenizer=tokenizer
+        )
         return model, processor, f"{model_args.config_name} (config, random init)"
     model, processor = build_tiny_clip_and_processor(
         texts,
