@@ -296,5 +296,7 @@ def test_offload_on_gpu_keeps_one_chunk_on_the_device():
     torch.cuda.reset_peak_memory_stats()
     cached_step(encode, inputs, loss_fn, 64, loss_params=[model.logit_scale], offload=True, device=device)
     peak_above_baseline = torch.cuda.max_memory_allocated() - baseline
-    assert peak_above_baseline < padding.numel() * 4 / 8, peak_above_baseline
+    # The prefetch holds the chunk being computed and the next one (and briefly the one being
+    # freed): about 3 chunks of 1/16 of the batch each, far from the whole batch.
+    assert peak_above_baseline < padding.numel() * 4 / 4, peak_above_baseline
     assert_same_grads(parameter_grads(model), reference, rtol=1e-4, atol=1e-5)
