@@ -12,8 +12,9 @@ Implementations:
                                precision for fp32, i.e. no TF32); "OOM" when they do not fit.
   torch-tiled                  hf_infcl's tile-wise PyTorch backend (bf16 inputs; small b only).
   triton-bf16 / triton-tf32    hf_infcl's Triton backend on bf16 inputs, and on fp32 inputs with
-                               precision="tf32" (multiplied as scaled fp16 copies, TF32's mantissa).
-  triton-tf32-plain            the same on TF32 tensor cores (TritonBlocks(tf32_via_fp16=False)).
+                               precision="tf32" (the default: TF32 tensor cores).
+  triton-tf32-fp16             fp32 inputs as scaled fp16 copies (TritonBlocks(tf32_via_fp16=True),
+                               opt-in: TF32's mantissa at the fp16 rate).
   inf-cl                       the published inf-cl (``cal_inf_loss`` both ways), when importable,
                                on a torch.distributed world of one process; skipped otherwise.
   gemm-bf16                    one bf16 GEMM pass [b, c] x [c, b]. Above b = 64k the b x b output
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 IMPLEMENTATIONS = ("vanilla-fp32", "vanilla-bf16", "torch-tiled", "triton-bf16", "triton-tf32",
-                   "triton-tf32-plain", "inf-cl")
+                   "triton-tf32-fp16", "inf-cl")
 DEFAULT_SIZES = "8k,32k,64k,128k,1m"
 DEFAULT_WIDTHS = "512,768,1024"
 LOGIT_SCALE = 1 / 0.07
@@ -113,10 +114,10 @@ def make_step(impl, q32, k32, scale):
         return hf_infcl_step(*half, scale, "triton"), half
     if impl == "triton-tf32":
         return hf_infcl_step(*full, scale, "triton", precision="tf32"), full
-    if impl == "triton-tf32-plain":
+    if impl == "triton-tf32-fp16":
         from hf_infcl.ops.triton_blocks import TritonBlocks
 
-        return hf_infcl_step(*full, scale, TritonBlocks(tf32_via_fp16=False), precision="tf32"), full
+        return hf_infcl_step(*full, scale, TritonBlocks(tf32_via_fp16=True), precision="tf32"), full
     if impl == "inf-cl":
         return inf_cl_step(*full, scale), full
     raise ValueError(f"unknown implementation {impl!r}")
