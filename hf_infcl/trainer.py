@@ -19,6 +19,7 @@ batch beyond memory, raise the batch size and set ``chunk_size``.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -316,6 +317,46 @@ class InfCLTrainer(Trainer):
             logs["logit_scale"] = scale / count
             self._step_stats = None
         return super().log(logs, *args, **kwargs)
+
+    def create_model_card(self, language=None, license=None, tags=None, model_name=None,
+                          finetuned_from=None, tasks=None, dataset_tags=None, dataset=None,
+                          dataset_args=None, **kwargs):
+        """Write the output directory's README.md with hf_infcl's card (``push_to_hub`` calls
+        this): the run's contrastive settings and its latest evaluation, valid Hub metadata."""
+        if not self.is_world_process_zero():
+            return
+        from .model_card import save_model_card
+
+        kind = "dual_encoder" if tower_inputs(self.model).query[0].startswith("query") else "clip"
+        last_eval = next((entry for entry in reversed(self.state.log_history)
+                          if any(key.startswith("eval_") for key in entry)), {})
+        processes = self.accelerator.num_processes
+        save_model_card(
+            self.args.output_dir,
+            kind,
+            model_name=model_name or self.args.hub_model_id or os.path.basename(
+                os.path.abspath(self.args.output_dir)),
+            base_model=finetuned_from,
+            dataset=dataset if isinstance(dataset, str) else None,
+            tags=[tags] if isinstance(tags, str) else tags,
+            language=language,
+            license=license,
+            hub_model_id=self.args.hub_model_id,
+            global_batch_size=self.args.per_device_train_batch_size * processes,
+            per_device_batch_size=self.args.per_device_train_batch_size,
+            chunk_size=self.args.chunk_size,
+            offload=self.args.offload,
+            loss=self.loss_kind,
+            symmetric=self.args.symmetric,
+            num_processes=processes,
+            device=str(self.args.device),
+            peak_gpu_memory_gib=(torch.cuda.max_memory_allocated() / 2**30
+                                 if torch.cuda.is_available() else None),
+            learning_rate=self.args.learning_rate,
+            steps=self.state.global_step,
+            eval_results={key.removeprefix("eval_"): value for key, value in last_eval.items()
+                          if key.startswith("eval_") and not key.endswith(("runtime", "_per_second"))},
+        )
 
     # ---- evaluation ----------------------------------------------------------------------
 

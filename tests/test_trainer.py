@@ -193,6 +193,29 @@ def test_evaluate_dual_encoder_names_query_and_doc(tmp_path):
     assert math.isclose(metrics["eval_loss"], float(reference), rel_tol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["clip", "dual_encoder"])
+def test_model_card_of_the_trainer(tmp_path, kind):
+    """push_to_hub's card is hf_infcl's: the run's contrastive settings, the latest evaluation,
+    Hub metadata that huggingface_hub parses back."""
+    from huggingface_hub import ModelCard
+
+    if kind == "clip":
+        model, batch = tiny_clip(dropout=0.0), clip_batch(12, seed=3)
+    else:
+        model, batch = tiny_dual_encoder(dropout=0.0), pair_text_batch(12, seed=3)
+    trainer = InfCLTrainer(model=model, args=trainer_arguments(tmp_path, per_device_train_batch_size=6,
+                                                               chunk_size=3),
+                           train_dataset=PairDataset(batch), eval_dataset=PairDataset(batch))
+    trainer.train()
+    trainer.evaluate()
+    trainer.create_model_card(model_name="tiny-infcl", dataset="toy-pairs")
+    card = ModelCard.load(tmp_path / "README.md")
+    assert "inf-cl" in card.data.tags
+    assert card.data.model_name == "tiny-infcl"
+    assert card.data.eval_results, "the latest evaluation goes into the model-index"
+    assert "encoder chunk (GradCache)" in card.text and "| 3 |" in card.text.replace("  ", " ")
+
+
 def test_logit_scale_is_clamped_after_each_step(tmp_path):
     model = tiny_clip(dropout=0.0)
     with torch.no_grad():
