@@ -35,3 +35,19 @@ def zero_shot_accuracy(image_embeds, class_text_embeds, labels) -> float:
     """Top-1 accuracy of classifying each image as its most similar class embedding."""
     predictions = (image_embeds.float() @ class_text_embeds.float().T).argmax(dim=1)
     return float((predictions == labels).float().mean())
+
+
+@torch.no_grad()
+def embed_texts(tokenizer, texts, encode, batch_size, max_length, device) -> torch.Tensor:
+    """fp32 embeddings [len(texts), d] of ``encode(input_ids=..., attention_mask=...)``, in batches."""
+    out = []
+    for start in range(0, len(texts), batch_size):
+        tok = tokenizer(
+            texts[start : start + batch_size],
+            padding=True,
+            truncation=True,
+            max_length=max_length,
+            return_tensors="pt",
+        ).to(device)
+        out.append(encode(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"]).float())
+    return torch.cat(out)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' shared helpers
 
 from bundled_data import ImageCaptionData, load_image_caption_data  # noqa: E402
-from retrieval_metrics import retrieval_metrics, zero_shot_accuracy  # noqa: E402
+from retrieval_metrics import embed_texts, retrieval_metrics, zero_shot_accuracy  # noqa: E402
 
 
 @dataclass
@@ -290,21 +290,10 @@ def evaluate(clip, processor, data, held_out_pixels, device, batch_size, max_len
     tokenizer = processor.tokenizer
 
     def embed_text(texts):
-        out = []
-        for start in range(0, len(texts), batch_size):
-            tok = tokenizer(
-                texts[start : start + batch_size],
-                padding=True,
-                truncation=True,
-                max_length=max_length,
-                return_tensors="pt",
-            ).to(device)
-            out.append(
-                _features(
-                    clip.get_text_features(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"])
-                ).float()
-            )
-        return F.normalize(torch.cat(out), dim=-1)
+        def encode(**tokens):
+            return _features(clip.get_text_features(**tokens))
+
+        return F.normalize(embed_texts(tokenizer, texts, encode, batch_size, max_length, device), dim=-1)
 
     image_embeds = F.normalize(
         torch.cat(

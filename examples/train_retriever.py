@@ -31,7 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' shared helpers
 
-from retrieval_metrics import retrieval_metrics  # noqa: E402
+from example_cli import parse_with_defaults  # noqa: E402
+from retrieval_metrics import embed_texts, retrieval_metrics  # noqa: E402
 from text_pairs import TextPairs, load_text_pairs  # noqa: E402
 
 DEFAULT_OUTPUT_DIR = "outputs/retriever-wordnet"
@@ -119,17 +120,7 @@ def evaluate_retrieval(model, tokenizer, pairs, batch_size=256, max_length=64, d
     passage_id = {p: i for i, p in enumerate(passages)}
 
     def embed(texts, encode):
-        out = []
-        for start in range(0, len(texts), batch_size):
-            tok = tokenizer(
-                texts[start : start + batch_size],
-                padding=True,
-                truncation=True,
-                max_length=max_length,
-                return_tensors="pt",
-            ).to(device)
-            out.append(encode(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"]).float())
-        return torch.cat(out)
+        return embed_texts(tokenizer, texts, encode, batch_size, max_length, device)
 
     queries = embed([q for q, _ in pairs], model.encode_queries)
     docs = embed(passages, model.encode_docs)
@@ -147,9 +138,6 @@ def main(argv=None):
     from hf_infcl import DualEncoder, InfCLTrainer, InfCLTrainingArguments
 
     parser = HfArgumentParser((RetrieverArguments, InfCLTrainingArguments))
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--output_dir" not in argv:
-        argv += ["--output_dir", DEFAULT_OUTPUT_DIR]
     # Example-friendly defaults; any of them can be given on the command line.
     defaults = {
         "--per_device_train_batch_size": "128",
@@ -161,14 +149,7 @@ def main(argv=None):
         "--group_column": "groups",
         "--remove_unused_columns": "false",
     }
-    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Several processes without CUDA (`accelerate launch --multi_gpu` / torchrun on a CPU
-        # machine) only form one gloo group when the Trainer is told to use the CPU.
-        defaults["--use_cpu"] = "true"
-    for flag, value in defaults.items():
-        if flag not in argv:
-            argv += [flag, value]
-    script_args, args = parser.parse_args_into_dataclasses(args=argv)
+    script_args, args = parse_with_defaults(parser, argv, DEFAULT_OUTPUT_DIR, defaults)
     # The push (model + card) happens at the end through hf_infcl.model_card; the Trainer's own
     # push would upload a second time with its own card.
     push_to_hub, args.push_to_hub = args.push_to_hub, False

@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' shared helpers
 
+from example_cli import parse_with_defaults  # noqa: E402
 from text_pairs import load_text_pairs  # noqa: E402
 
 DEFAULT_OUTPUT_DIR = "outputs/sentence-transformer-wordnet"
@@ -112,9 +113,6 @@ def main(argv=None):
     from hf_infcl import losses
 
     parser = HfArgumentParser((ScriptArguments, SentenceTransformerTrainingArguments))
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--output_dir" not in argv:
-        argv += ["--output_dir", DEFAULT_OUTPUT_DIR]
     defaults = {
         "--per_device_train_batch_size": "128",
         "--learning_rate": "1e-4",
@@ -123,14 +121,7 @@ def main(argv=None):
         "--save_strategy": "no",
         "--report_to": "none",
     }
-    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Several processes without CUDA (`accelerate launch --multi_gpu` / torchrun on a CPU
-        # machine) only form one gloo group when the Trainer is told to use the CPU.
-        defaults["--use_cpu"] = "true"
-    for flag, value in defaults.items():
-        if flag not in argv:
-            argv += [flag, value]
-    script_args, args = parser.parse_args_into_dataclasses(args=argv)
+    script_args, args = parse_with_defaults(parser, argv, DEFAULT_OUTPUT_DIR, defaults)
     # In-batch negatives: a batch must not hold the same passage twice (it would be a false negative).
     args.batch_sampler = BatchSamplers.NO_DUPLICATES
     push_to_hub, args.push_to_hub = args.push_to_hub, False  # pushed with our card at the end
