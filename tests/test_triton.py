@@ -224,7 +224,8 @@ def test_gpu_fp32_loss_is_unbiased_on_a_peaked_softmax(variant):
     m, c = 4096, 256
     q = torch.nn.functional.normalize(torch.randn(m, c, generator=gen, device="cuda"), dim=1)
     keys = torch.nn.functional.normalize(q + 0.15 * torch.randn(m, c, generator=gen, device="cuda"), dim=1)
-    keys = torch.cat([keys, torch.nn.functional.normalize(torch.randn(m, c, generator=gen, device="cuda"), dim=1)])
+    negatives = torch.nn.functional.normalize(torch.randn(m, c, generator=gen, device="cuda"), dim=1)
+    keys = torch.cat([keys, negatives])
 
     def loss_and_grads(dtype, backend, precision):
         qq, kk = q.to(dtype).requires_grad_(True), keys.to(dtype).requires_grad_(True)
