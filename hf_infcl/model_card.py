@@ -24,7 +24,9 @@ from pathlib import Path
 
 KINDS = ("clip", "dual_encoder")
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "model_cards"
+# Shipped inside the package (so wheel installs have them); ``model_cards/`` at the top of the
+# repository is a link to this folder.
+TEMPLATE_DIR = Path(__file__).resolve().parent / "model_cards"
 
 # Every fact a card may be given. Names double as the rows of the "Training" table, in order.
 SETTING_LABELS = {
