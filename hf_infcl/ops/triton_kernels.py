@@ -72,26 +72,44 @@ def problem_size_class(n_outer: int, n_inner: int) -> int:
     return 0 if entries < 2**22 else (1 if entries < 2**28 else 2)
 
 
-def _stats_configs():
+# Autotuning candidates: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
+_STATS_SHAPES = [
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 4, 3),
+    (128, 64, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+    (128, 128, 32, 8, 4),
+    (64, 64, 64, 4, 3),
+    (128, 256, 64, 8, 3),
+    (128, 128, 128, 8, 2),
+]
+_GRAD_SHAPES = [
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 4, 3),
+    (128, 64, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+    (128, 128, 32, 8, 4),
+    (128, 256, 64, 8, 3),
+    (256, 128, 64, 8, 3),
+    (128, 128, 128, 8, 2),
+]
+
+
+def _configs(shapes):
+    """The autotuner's configs: one small fixed config under the interpreter, one safe config
+    with HF_INFCL_TRITON_AUTOTUNE=0, else every candidate shape."""
     if INTERPRET:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1)]
-    shapes = [
-        # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
-        (128, 128, 64, 8, 3),
-        (128, 128, 64, 4, 3),
-        (128, 64, 64, 4, 4),
-        (64, 128, 64, 4, 4),
-        (128, 128, 32, 8, 4),
-        (64, 64, 64, 4, 3),
-        (128, 256, 64, 8, 3),
-        (128, 128, 128, 8, 2),
-    ]
     if not AUTOTUNE:
         shapes = [_UNTUNED]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
         for bm, bn, bk, w, s in shapes
     ]
+
+
+def _stats_configs():
+    return _configs(_STATS_SHAPES)
 
 
 # The smallest row block of any stats config: column-partial buffers have a row per such block.
@@ -99,24 +117,7 @@ MIN_BLOCK_M = min(config.kwargs["BLOCK_M"] for config in _stats_configs())
 
 
 def _grad_configs():
-    if INTERPRET:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1)]
-    shapes = [
-        (128, 128, 64, 8, 3),
-        (128, 128, 64, 4, 3),
-        (128, 64, 64, 4, 4),
-        (64, 128, 64, 4, 4),
-        (128, 128, 32, 8, 4),
-        (128, 256, 64, 8, 3),
-        (256, 128, 64, 8, 3),
-        (128, 128, 128, 8, 2),
-    ]
-    if not AUTOTUNE:
-        shapes = [_UNTUNED]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-        for bm, bn, bk, w, s in shapes
-    ]
+    return _configs(_GRAD_SHAPES)
 
 
 # --------------------------------------------------------------------------------------------
