@@ -39,24 +39,13 @@ import time
 
 import torch
 import torch.nn.functional as F
+from bench_common import format_count, parse_count  # this folder is on sys.path
 
 IMPLEMENTATIONS = ("vanilla-fp32", "vanilla-bf16", "torch-tiled", "triton-bf16", "triton-tf32",
                    "triton-tf32-fp16", "inf-cl")
 DEFAULT_SIZES = "8k,32k,64k,128k,1m"
 DEFAULT_WIDTHS = "512,768,1024"
 LOGIT_SCALE = 1 / 0.07
-
-
-def parse_count(text: str) -> int:
-    text = text.strip().lower()
-    factor = {"k": 1024, "m": 1024 * 1024}.get(text[-1], 1)
-    return int(text[:-1] if factor > 1 else text) * factor
-
-
-def format_count(n: int) -> str:
-    if n % (1024 * 1024) == 0:
-        return f"{n // (1024 * 1024)}M"
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ import torch.nn.functional as F
 # importable from a plain checkout too (an installed one is found either way).
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_common import format_count, parse_count  # this folder is on sys.path
+
 from hf_infcl import contrastive_loss  # noqa: E402
 from hf_infcl.loss import select_block_ops  # noqa: E402
 from hf_infcl.ops import ring  # noqa: E402
@@ -51,16 +53,6 @@ from hf_infcl.ops.spec import StatsSpec  # noqa: E402
 LOGIT_SCALE = 1 / 0.07
 DEVICE = torch.device("cuda")  # "--cpu" (a dry run of this script over gloo) switches it
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def parse_count(text: str) -> int:
-    text = text.strip().lower()
-    factor = {"k": 1024, "m": 1024 * 1024}.get(text[-1], 1)
-    return int(text[:-1] if factor > 1 else text) * factor
-
-
-def format_count(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
 def synchronize() -> None:

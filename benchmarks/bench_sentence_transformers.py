@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_common import format_count, parse_count  # this folder is on sys.path
 
 MINI_BATCH_SIZE = 256
 MINILM_CONFIG = {  # sentence-transformers/all-MiniLM-L6-v2's config.json, for the random-weights fallback
@@ -52,18 +53,6 @@ MINILM_CONFIG = {  # sentence-transformers/all-MiniLM-L6-v2's config.json, for t
     "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1, "layer_norm_eps": 1e-12,
 }
 STATIC_WIDTH = 1024
-
-
-def parse_count(text: str) -> int:
-    text = text.strip().lower()
-    factor = {"k": 1024, "m": 1024 * 1024}.get(text[-1], 1)
-    return int(text[:-1] if factor > 1 else text) * factor
-
-
-def format_count(n: int) -> str:
-    if n % (1024 * 1024) == 0:
-        return f"{n // (1024 * 1024)}M"
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
 def gib(n_bytes: float) -> float:
