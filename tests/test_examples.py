@@ -37,22 +37,21 @@ def offline_env(tmp_path):
     return env
 
 
-def accelerate_launch(tmp_path, *launch_args, script="train_clip.py", script_args=(), timeout=240):
-    """Run ``accelerate launch [launch_args] examples/<script> [script_args]`` in ``tmp_path``."""
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        *launch_args,
-        str(EXAMPLES / script),
-        *script_args,
-    ]
+def run_in(tmp_path, command, timeout):
+    """Run ``command`` in ``tmp_path`` offline with a fresh HF home; its output (fails on exit != 0)."""
     result = subprocess.run(
         command, cwd=tmp_path, env=offline_env(tmp_path), capture_output=True, text=True, timeout=timeout
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     return output
+
+
+def accelerate_launch(tmp_path, *launch_args, script="train_clip.py", script_args=(), timeout=240):
+    """Run ``accelerate launch [launch_args] examples/<script> [script_args]`` in ``tmp_path``."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launch_args, str(EXAMPLES / script),
+               *script_args]
+    return run_in(tmp_path, command, timeout)
 
 
 def reloaded_zero_shot_accuracy(output_dir):
@@ -155,11 +154,7 @@ def test_train_retriever_short_run_improves_held_out_recall(tmp_path):
         "--max_seq_length",
         "32",
     ]
-    command = [sys.executable, str(EXAMPLES / "train_retriever.py"), *args]
-    result = subprocess.run(
-        command, cwd=tmp_path, env=offline_env(tmp_path), capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    run_in(tmp_path, [sys.executable, str(EXAMPLES / "train_retriever.py"), *args], timeout=300)
     results = json.loads((out / "eval_results.json").read_text())
     before, after = results["before"], results["after"]
     assert after["mrr"] > before["mrr"] + 0.005, results
@@ -206,11 +201,7 @@ def test_train_sentence_transformer_runs_end_to_end(tmp_path):
         "--max_seq_length",
         "32",
     ]
-    command = [sys.executable, str(EXAMPLES / "train_sentence_transformer.py"), *args]
-    result = subprocess.run(
-        command, cwd=tmp_path, env=offline_env(tmp_path), capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    run_in(tmp_path, [sys.executable, str(EXAMPLES / "train_sentence_transformer.py"), *args], timeout=300)
     results = json.loads((out / "eval_results.json").read_text())
     for split in ("before", "after"):
         assert set(results[split]) >= {"recall@1", "recall@10", "mrr@10"}
