@@ -162,6 +162,33 @@ def test_gpu_first_call_that_autotunes_is_correct():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["bf16", "ieee"])
+def test_gpu_clip_scale_100_matches_float64_reference(dtype_name):
+    """CLIP's largest logit scale (100) with confident and unconfident rows: logits spread over
+    ~200, so some tiles take the kernels' exact paths (a second exponential) and others the
+    one-exponential shortcut; both must agree with float64."""
+    from hf_infcl.ops.triton_blocks import TritonBlocks
+
+    dtype, precision = DTYPES[dtype_name]
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    m, c = 3000, 256
+    q = torch.nn.functional.normalize(torch.randn(m, c, generator=gen, device="cuda"), dim=1)
+    # Half the pairs nearly identical (row LSE ~ 100), half unrelated (row LSE ~ 20).
+    noise = torch.where(torch.arange(m, device="cuda")[:, None] % 2 == 0, 0.1, 10.0)
+    keys = torch.nn.functional.normalize(q + noise * torch.randn(m, c, generator=gen, device="cuda"), dim=1)
+    case = dict(queries=q, keys=keys, scale=100.0, bias=0.0, query_groups=None, key_groups=None,
+                row_weights=torch.rand(m, generator=gen, device="cuda", dtype=torch.float64) / m)
+    options = LOSSES["softmax-sym"]
+    rounded = dict(case, queries=q.to(dtype).double(), keys=keys.to(dtype).double())
+    expected = _loss_and_grads(rounded, torch.float64, TorchTiles(4096, 4096), "ieee", **options)
+    got = _loss_and_grads(case, dtype, TritonBlocks(poison=True), precision, **options)
+    errors = _errors(got, expected)
+    # fp32 logits near 100 carry an absolute rounding error of ~100 * 2^-24 each.
+    tolerance = TOLERANCE[dtype_name] * (10 if dtype_name == "ieee" else 1)
+    assert max(errors.values()) < tolerance, errors
+
+
+@pytest.mark.gpu
 def test_gpu_backend_name_with_mean_reduction():
     """backend="triton" through the public API, learnable scale, default mean reduction."""
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ()).item()))
