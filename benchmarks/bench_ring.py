@@ -3,6 +3,8 @@ one GPU at the same global batch, and how much of the communication the compute 
 
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_ring.py   # ring on 2 GPUs + 1-GPU rows
     torchrun --standalone --nproc_per_node 1 benchmarks/bench_ring.py   # 1-GPU rows only
+    torchrun --standalone --nproc_per_node 4 benchmarks/bench_ring.py --sizes 256k,1m,4m \
+        --one-gpu-max 1m --compute-max 1m                                # 4 GPUs, 4M without the slow rows
 
 Every rank holds b/n L2-normalised rows and their b/n positive keys (bf16, c=768 by default) and
 runs forward + backward of ``contrastive_loss(..., process_group=WORLD)`` (symmetric softmax,
@@ -155,44 +157,47 @@ def comm_only_step(queries, keys, layout):
     ring._wait(works)
 
 
-def measure_ring(queries, keys, args, group, world_size: int) -> list[dict]:
-    """Rows "ring", "compute" and "comm" for one global batch."""
+def measure_step(step, args, group=None) -> tuple[list[float], int, float]:
+    """(seconds per step, peak bytes above the inputs, loss) of ``step`` (which returns the loss).
+
+    The first step gives all three. A step slower than ``--slow-step-s`` is not repeated (the
+    large sizes would otherwise take minutes each); faster ones get ``--warmup`` + ``--iters``.
+    """
+    peak = {}
+
+    def first():
+        peak["loss"] = step()
+
+    first_time = timed(lambda: peak.__setitem__("bytes", peak_above(first)), 1, 0, group)
+    if first_time[0] > args.slow_step_s:
+        return first_time, peak["bytes"], float(peak["loss"])
+    return timed(step, args.iters, args.warmup, group), peak["bytes"], float(peak["loss"])
+
+
+def measure_ring(queries, keys, args, group, world_size: int, with_compute: bool) -> list[dict]:
+    """Rows "ring", "compute" (when ``with_compute``) and "comm" for one global batch."""
     layout = ring.exchange_layout(group, queries, keys, StatsSpec("softmax", True), False, False)
-
-    def step():
-        return loss_step(queries, keys, args.backend, group)
-
-    iters, warmup = args.iters, args.warmup
-    if timed(step, 1, 0, group)[0] > args.slow_step_s:
-        iters, warmup = 1, 0
-    times = timed(step, iters, warmup, group)
-    memory = torch.tensor([peak_above(step)], device=DEVICE, dtype=torch.float64)
+    times, peak, loss = measure_step(lambda: loss_step(queries, keys, args.backend, group), args, group)
+    memory = torch.tensor([peak], device=DEVICE, dtype=torch.float64)
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
-    ring_loss = step().float()
+    ring_loss = torch.tensor([loss], device=DEVICE)
     dist.all_reduce(ring_loss)
-    compute = timed(lambda: compute_only_step(queries, keys, args.backend, world_size), iters, warmup, group)
+    rows = [dict(what="ring", ms=1e3 * statistics.median(times), peak_gib=float(memory) / 2**30,
+                 loss=float(ring_loss) / world_size)]
+    iters, warmup = (1, 0) if len(times) == 1 else (args.iters, args.warmup)
+    if with_compute:
+        compute = timed(lambda: compute_only_step(queries, keys, args.backend, world_size),
+                        iters, warmup, group)
+        rows.append(dict(what="compute", ms=1e3 * statistics.median(compute)))
     comm = timed(lambda: comm_only_step(queries, keys, layout), max(iters, 3), 1, group)
-    return [
-        dict(what="ring", ms=1e3 * statistics.median(times), peak_gib=float(memory) / 2**30,
-             loss=float(ring_loss) / world_size),
-        dict(what="compute", ms=1e3 * statistics.median(compute)),
-        dict(what="comm", ms=1e3 * statistics.median(comm)),
-    ]
+    rows.append(dict(what="comm", ms=1e3 * statistics.median(comm)))
+    return rows
 
 
 def measure_one_gpu(all_queries, all_keys, args) -> dict:
     """Row "one-gpu": the whole global batch on this GPU alone."""
-
-    def step():
-        return loss_step(all_queries, all_keys, args.backend, None)
-
-    iters, warmup = args.iters, args.warmup
-    if timed(step, 1, 0)[0] > args.slow_step_s:
-        iters, warmup = 1, 0
-    times = timed(step, iters, warmup)
-    memory = peak_above(step)
-    return dict(what="one-gpu", ms=1e3 * statistics.median(times), peak_gib=memory / 2**30,
-                loss=float(step()))
+    times, peak, loss = measure_step(lambda: loss_step(all_queries, all_keys, args.backend, None), args)
+    return dict(what="one-gpu", ms=1e3 * statistics.median(times), peak_gib=peak / 2**30, loss=loss)
 
 
 def main() -> int:
@@ -208,6 +213,9 @@ def main() -> int:
     parser.add_argument("--slow-step-s", type=float, default=4.0,
                         help="a size whose first step takes longer than this is timed once")
     parser.add_argument("--no-one-gpu", action="store_true", help="skip the one-GPU rows")
+    parser.add_argument("--one-gpu-max", default=None, help="largest b with a one-GPU row (default: all)")
+    parser.add_argument("--compute-max", default=None,
+                        help="largest b with a compute-only row (default: all; it costs one more step)")
     parser.add_argument("--csv", default=None, help="CSV path (default: $OUT/bench_ring.csv when OUT is set)")
     parser.add_argument("--cpu", action="store_true", help="dry run over gloo on CPU (tiny sizes)")
     args = parser.parse_args()
@@ -235,8 +243,11 @@ def main() -> int:
         if b % world_size:
             raise SystemExit(f"global batch {b} is not divisible by {world_size} processes")
         queries, keys = features(b // world_size, args.width, dtype, seed=rank)
-        measured = measure_ring(queries, keys, args, group, world_size) if world_size > 1 else []
-        if not args.no_one_gpu:
+        with_compute = args.compute_max is None or b <= parse_count(args.compute_max)
+        measured = []
+        if world_size > 1:
+            measured = measure_ring(queries, keys, args, group, world_size, with_compute)
+        if not args.no_one_gpu and (args.one_gpu_max is None or b <= parse_count(args.one_gpu_max)):
             # The same global batch on rank 0 alone: gather the ranks' features there.
             gathered_q = [torch.empty_like(queries) for _ in range(world_size)]
             gathered_k = [torch.empty_like(keys) for _ in range(world_size)]
