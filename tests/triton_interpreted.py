@@ -26,23 +26,25 @@ from hf_infcl.ops.triton_blocks import TritonBlocks  # noqa: E402  (after the in
 # Small super-tiles, split statistics and a small column-partial buffer, so that every case
 # crosses several tiles of every kernel, several row chunks of the fused forward, and merges
 # partial statistics; poison proves every output entry is written.
-# tf32_via_fp16: the interpreter's TF32 dot is exact fp32, so "fp32-tf32" checks the opt-in
-# scaled-fp16 path, the one whose rounding differs from plain fp32.
-BLOCKS = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=2, poison=True, column_buffer_entries=80,
-                      tf32_via_fp16=True)
+BLOCKS = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=2, poison=True, column_buffer_entries=80)
+# tf32_via_fp16: fp32 inputs multiplied as scaled fp16 copies in the kernels too (opt-in).
+BLOCKS_VIA_FP16 = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=2, poison=True,
+                               column_buffer_entries=80, tf32_via_fp16=True)
 TWO_PASS = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=3, poison=True, fused_columns=False)
 
-# Norm-wise relative tolerance per input dtype. The interpreter multiplies in fp32; for fp16 the
+# Norm-wise relative tolerance per mode. The interpreter multiplies in fp32; for fp16 the
 # error is G rounded to fp16 (2^-11) plus the fp16 output of the G K / G^T Q products, which
 # d scale (a sum with cancellation) amplifies. fp32: rounding of c = 1 cases where P_ii ~ 1
 # and dq_i = s (sum_j P_ij k_j - k_i) cancels to a few ulps reached 2.2e-5 once in 2000 draws.
-# fp32-tf32: the kernels round the operands to a 10-bit mantissa (as TF32 does) while the
-# positive logit and the reference use the exact inputs; with a single row (m = 1) nothing
-# averages that out: up to 6.2e-3 in 25 draws of every shape here (bugs give errors of 0.1-1).
-TOLERANCE = {"fp32-ieee": 5e-5, "fp32-tf32": 2e-2, "fp16": 1e-2}
-# Input dtype and precision of each mode. "fp32-tf32" runs the fp32 inputs as scaled fp16 copies.
-MODES = {"fp32-ieee": (torch.float32, "ieee"), "fp32-tf32": (torch.float32, "tf32"),
-         "fp16": (torch.float16, "auto")}
+# fp32-tf32 (the default path: kernels on operands rounded to TF32, the backward's GEMMs on
+# scaled fp16 copies and fp16 G) and fp32-tf32-fp16 (everything on scaled fp16 copies): the
+# operands carry a 10-bit mantissa while the positive logit and the reference use the exact
+# inputs; with a single row (m = 1) nothing averages that out: up to 6.2e-3 in 25 draws of every
+# shape here (bugs give errors of 0.1-1). (The interpreter's TF32 dot itself is exact fp32.)
+TOLERANCE = {"fp32-ieee": 5e-5, "fp32-tf32": 2e-2, "fp32-tf32-fp16": 2e-2, "fp16": 1e-2}
+# Input dtype, precision and block ops of each mode.
+MODES = {"fp32-ieee": (torch.float32, "ieee", BLOCKS), "fp32-tf32": (torch.float32, "tf32", BLOCKS),
+         "fp32-tf32-fp16": (torch.float32, "tf32", BLOCKS_VIA_FP16), "fp16": (torch.float16, "auto", BLOCKS)}
 
 
 def random_case(m, k, c, *, groups, custom_positives, seed):
@@ -106,10 +108,11 @@ SHAPES = [(1, 1, 3), (1, 6, 40), (7, 7, 1), (7, 19, 40), (33, 33, 3), (33, 71, 4
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"m{m}-k{k}-c{c}" for m, k, c in SHAPES])
 def test_loss_and_gradients_match_float64_reference(shape, loss_name, groups, mode):
     m, k, c = shape
-    dtype, precision = MODES[mode]
-    # Keep the run short: fp16 and fp32-tf32 on alternate shapes, groups only with several rows.
-    if mode != "fp32-ieee" and SHAPES.index(shape) % 2 == (0 if mode == "fp16" else 1):
-        pytest.skip("fp16 and fp32-tf32 run on alternate shapes to keep CI short")
+    dtype, precision, blocks = MODES[mode]
+    # Keep the run short: the reduced-precision modes on alternate shapes, groups only with
+    # several rows.
+    if mode != "fp32-ieee" and SHAPES.index(shape) % 2 == (0 if mode in ("fp16", "fp32-tf32-fp16") else 1):
+        pytest.skip("the reduced-precision modes run on alternate shapes to keep CI short")
     if groups and m == 1:
         pytest.skip("a single row has no false negatives to mask")
     seed = random.randrange(2**31)
@@ -118,7 +121,7 @@ def test_loss_and_gradients_match_float64_reference(shape, loss_name, groups, mo
     # The reference sees the same rounded inputs, upcast: only the kernels' arithmetic differs.
     rounded = dict(case, queries=case["queries"].to(dtype).double(), keys=case["keys"].to(dtype).double())
     expected = loss_and_grads(rounded, torch.float64, "reference", **options)
-    got = loss_and_grads(case, dtype, BLOCKS, precision=precision, **options)
+    got = loss_and_grads(case, dtype, blocks, precision=precision, **options)
     assert set(got) == set(expected)
     errors = {name: relative_error(got[name], expected[name]) for name in expected}
     assert max(errors.values()) < TOLERANCE[mode], (seed, errors)
@@ -165,17 +168,21 @@ def test_block_ops_with_key_offset_add_into_accumulators():
     ref_dq, ref_dk = start_q.clone(), start_k.clone()
     ref_sums = TorchTiles(4, 5).backward_block(spec, q, keys, scale, None, mask, full_row, full_col,
                                                row_w, col_w, ref_dq, ref_dk)
-    # Exact fp32, fp32 as scaled fp16 copies, fp16: the last two divide and re-multiply the
-    # accumulators, which must leave the sums already there intact.
-    for precision, dtype, tolerance in (("ieee", torch.float32, 1e-5), ("tf32", torch.float32, 3e-3),
-                                        ("auto", torch.float16, 1e-2)):
+    # Exact fp32; fp32 with TF32 (fp16 GEMMs) and fully as scaled fp16 copies; fp16. All but the
+    # first divide and re-multiply the accumulators, which must leave the sums already there intact.
+    for name, precision, dtype, blocks, tolerance in (
+        ("ieee", "ieee", torch.float32, BLOCKS, 1e-5),
+        ("tf32", "tf32", torch.float32, BLOCKS, 3e-3),
+        ("tf32-fp16", "tf32", torch.float32, BLOCKS_VIA_FP16, 3e-3),
+        ("fp16", "auto", torch.float16, BLOCKS, 1e-2),
+    ):
         block_spec = StatsSpec("softmax", columns=True, precision=precision)
         dq, dk = start_q.float(), start_k.float()
-        sums = BLOCKS.backward_block(block_spec, q.to(dtype), keys.to(dtype), scale.float(), None, mask,
+        sums = blocks.backward_block(block_spec, q.to(dtype), keys.to(dtype), scale.float(), None, mask,
                                      full_row.float(), full_col.float(), row_w.float(), col_w.float(), dq, dk)
-        assert relative_error(dq.double() - start_q, ref_dq - start_q) < tolerance, precision
-        assert relative_error(dk.double() - start_k, ref_dk - start_k) < tolerance, precision
-        assert relative_error(sums.double(), ref_sums) < tolerance, precision
+        assert relative_error(dq.double() - start_q, ref_dq - start_q) < tolerance, name
+        assert relative_error(dk.double() - start_k, ref_dk - start_k) < tolerance, name
+        assert relative_error(sums.double(), ref_sums) < tolerance, name
 
 
 def test_non_finite_input_gives_nan_not_a_finite_number():

@@ -10,17 +10,17 @@ probabilities, masked) into a bounded scratch buffer; two cuBLAS GEMMs then add 
 query accumulator and G^T Q to the key accumulator. ``hf_infcl.ops.triton_kernels`` explains why
 G goes through that buffer rather than register accumulators for widths of 512-1024.
 
-fp32 inputs with TF32 precision ("auto"/"tf32") run on TF32 tensor cores, as DESIGN.md says,
-after rounding the operands to TF32 to nearest (``round_to_tf32``: the dot itself truncates).
-``TritonBlocks(tf32_via_fp16=True)`` instead multiplies them as fp16 copies scaled by
-1 / max|x| (per tensor): fp16 has TF32's 10-bit mantissa, the scaling keeps every value in fp16's
-range, and half-precision tensor cores and GEMMs run at twice the TF32 rate with half the bytes.
-The scale factors go into the logit scale (forward) and into the accumulation (backward), so
-the result is close to what TF32 would give, up to fp16's smaller exponent range *below* the
-largest entry (entries under 6e-5 x max|x| keep an absolute error of 3e-8 x max|x|) and G
-rounded to fp16. It is opt-in because on 2 x H200 its ring gradients were 2-3x further from
-float64 (5-8e-3) than one GPU's, beyond the TF32 tolerance, and the cause is not yet known.
-``precision="ieee"`` keeps exact fp32 everywhere.
+fp32 inputs with TF32 precision ("auto"/"tf32") run the kernels on TF32 tensor cores, as
+DESIGN.md says, after rounding the operands to TF32 to nearest (``round_to_tf32``: the dot
+itself truncates). The backward's two GEMMs then multiply fp16 copies scaled by 1 / max|x| (per
+tensor) and G in fp16: a TF32 GEMM would round its operands to the same 10-bit mantissa, while
+fp16 halves G's bytes and runs at twice the TF32 rate; the scaling keeps every value in fp16's
+range, and the factors go into the accumulation. What differs from TF32 is fp16's smaller
+exponent range *below* the largest entry (entries under 6e-5 x max|x| keep an absolute error
+of 3e-8 x max|x|). ``TritonBlocks(tf32_via_fp16=True)`` also runs the kernels on those fp16
+copies (the factors folded into the logit scale): faster still, but opt-in because on 2 x H200
+its ring gradients were 2-3x further from float64 (5-8e-3) than one GPU's, beyond the TF32
+tolerance, and the cause is not yet known. ``precision="ieee"`` keeps exact fp32 everywhere.
 
 The object keeps no state between calls, so the ring can call it once per visiting key block.
 Float64 inputs have no tensor-core path: they are handed to :class:`TorchTiles`.
@@ -47,8 +47,9 @@ class TritonBlocks:
 
     Attributes:
         tile_rows, tile_keys: the backward's super-tile; its G buffer holds
-            ``tile_rows * tile_keys`` entries of the operand dtype. None picks 4096 x 4096 for
-            half operands and 4096 x 2048 for fp32 (32 MiB either way).
+            ``tile_rows * tile_keys`` entries of the GEMM operand dtype. None picks 4096 x 4096
+            for half-precision G (every mode but ``precision="ieee"``) and 4096 x 2048 for fp32
+            G (32 MiB either way).
         stat_splits: programs sharing one outer block's inner range in the forward (None: enough
             to fill the GPU). Tests set it to exercise the merge of partial statistics.
         poison: fill every buffer the kernels must write completely with NaN first (tests use it
@@ -57,9 +58,9 @@ class TritonBlocks:
             forward pass); False runs a second, column-major pass instead.
         column_buffer_entries: fp32 entries (default 16M: 64 MiB) of the fused pass's column
             partials, one per (row block, key); more rows per launch when larger.
-        tf32_via_fp16: multiply fp32 inputs with TF32 precision as scaled fp16 copies (faster;
-            see the module docstring for its accuracy); False (the default) uses TF32 tensor
-            cores on the fp32 inputs.
+        tf32_via_fp16: multiply fp32 inputs with TF32 precision as scaled fp16 copies in the
+            kernels too (faster; see the module docstring for its accuracy); False (the
+            default) runs the kernels on TF32 tensor cores and only the GEMMs in fp16.
     """
 
     tile_rows: int | None = None
@@ -108,6 +109,7 @@ class TritonBlocks:
                                                row_weight, col_weight, grad_queries, grad_keys)
         self._check(queries, keys)
         operands = self._operands(spec, queries, keys, scale)
+        gemm = self._gemm_operands(spec, queries, keys, operands)
         queries, keys, scale = operands.queries, operands.keys, operands.scale
         bias = None if bias is None else _scalar(bias)
         m, k = queries.shape[0], keys.shape[0]
@@ -117,11 +119,12 @@ class TritonBlocks:
         if col_stat is not None:
             col_stat, col_weight = col_stat.to(**f32).contiguous(), col_weight.to(**f32).contiguous()
 
-        # fp16 G is stored as G / g_scale, g_scale = max |weight|, so that it keeps its relative
-        # precision when the weights are tiny (1/m for a mean over 1M rows underflows fp16).
-        # bf16 and fp32 have fp32's exponent range and store G itself.
+        # G is stored in the GEMM operands' dtype. In fp16 it is stored as G / g_scale,
+        # g_scale = max |weight|, so that it keeps its relative precision when the weights are
+        # tiny (1/m for a mean over 1M rows underflows fp16). bf16 and fp32 have fp32's
+        # exponent range and store G itself.
         g_scale = None
-        if queries.dtype == torch.float16:
+        if gemm.queries.dtype == torch.float16:
             g_scale = row_weight.abs().amax()
             if col_weight is not None:
                 g_scale = g_scale + col_weight.abs().amax()
@@ -132,17 +135,17 @@ class TritonBlocks:
         # that times g_scale * k_max. Dividing the accumulator by the factor first and
         # multiplying it back after keeps every product exactly one fp32 addmm (no rounded
         # half-precision intermediate that could overflow) at the cost of two cheap passes.
-        factor_q = _product(g_scale, operands.keys_max)
-        factor_k = _product(g_scale, operands.queries_max)
+        factor_q = _product(g_scale, gemm.keys_max)
+        factor_k = _product(g_scale, gemm.queries_max)
         if factor_q is not None:
             grad_queries.div_(factor_q)
         if factor_k is not None:
             grad_keys.div_(factor_k)
 
-        tile_rows, tile_keys = self._super_tile(queries.dtype, m, k)
+        tile_rows, tile_keys = self._super_tile(gemm.queries.dtype, m, k)
         # Row stride padded to 8 elements so that cuBLAS sees aligned leading dimensions.
         ld = -(-tile_keys // 8) * 8
-        scratch = torch.empty((tile_rows, ld), dtype=queries.dtype, device=device)
+        scratch = torch.empty((tile_rows, ld), dtype=gemm.queries.dtype, device=device)
         row_sums = torch.zeros(m, **f32)
         groups = _mask_arguments(mask)
         base_offset = groups.pop("key_offset", 0)
@@ -151,7 +154,7 @@ class TritonBlocks:
         # row-sum buffer it benchmarks on) can only happen on the first super-tile.
         size_class = kernels.problem_size_class(m, k)
 
-        with _cublas_precision(queries.dtype, spec.precision, device):
+        with _cublas_precision(gemm.queries.dtype, spec.precision, device):
             for r0 in range(0, m, tile_rows):
                 r1 = min(r0 + tile_rows, m)
                 q_rows = queries[r0:r1]
@@ -174,8 +177,8 @@ class TritonBlocks:
                         row_weight[r0:r1], None if col_weight is None else col_weight[k0:k1],
                         sigmoid=sigmoid, precision=spec.precision, size_class=size_class, **tile_groups,
                     )
-                    _add_product(grad_queries[r0:r1], g, keys[k0:k1])
-                    _add_product(grad_keys[k0:k1], g.T, q_rows)
+                    _add_product(grad_queries[r0:r1], g, gemm.keys[k0:k1])
+                    _add_product(grad_keys[k0:k1], g.T, gemm.queries[r0:r1])
 
         if factor_q is not None:
             grad_queries.mul_(factor_q)
@@ -189,23 +192,29 @@ class TritonBlocks:
         """The tensors the kernels multiply, and the logit scale that makes their logits right."""
         scale = _scalar(scale)
         queries, keys = queries.contiguous(), keys.contiguous()
-        if queries.dtype == torch.float32 and spec.precision != "ieee" and not self.tf32_via_fp16:
-            # Triton's TF32 dot truncates each operand's mantissa to 10 bits, which shrinks every
-            # logit by about 1e-3 of its size while the positive logit is exact fp32: the fp32
-            # loss value came out 3-11 % off on 2 x H200. Rounded to nearest first, the
-            # truncation is exact and the rounding errors no longer share a sign.
-            return _Operands(round_to_tf32(queries), round_to_tf32(keys), scale, None, None)
-        if not (queries.dtype == torch.float32 and spec.precision != "ieee" and self.tf32_via_fp16):
+        if not _tf32(spec, queries):
             return _Operands(queries, keys, scale, None, None)
-        queries_max = queries.detach().abs().amax().float().clamp_min(_TINY)
-        keys_max = keys.detach().abs().amax().float().clamp_min(_TINY)
-        return _Operands(
-            (queries.detach() / queries_max).to(torch.float16),
-            (keys.detach() / keys_max).to(torch.float16),
-            scale * queries_max * keys_max,
-            queries_max,
-            keys_max,
-        )
+        if self.tf32_via_fp16:
+            fp16 = _scaled_fp16(queries, keys)
+            return _Operands(fp16.queries, fp16.keys, scale * fp16.queries_max * fp16.keys_max,
+                             fp16.queries_max, fp16.keys_max)
+        # Triton's TF32 dot truncates each operand's mantissa to 10 bits, which shrinks every
+        # logit by about 1e-3 of its size while the positive logit is exact fp32: the fp32
+        # loss value came out 3-11 % off on 2 x H200. Rounded to nearest first, the
+        # truncation is exact and the rounding errors no longer share a sign.
+        return _Operands(round_to_tf32(queries), round_to_tf32(keys), scale, None, None)
+
+    def _gemm_operands(self, spec: StatsSpec, queries, keys, kernel_operands: _Operands) -> _Operands:
+        """The operands of the backward's G K and G^T Q GEMMs (``scale`` unused).
+
+        fp32 inputs with TF32 precision multiply as fp16 copies scaled by 1 / max|x|: a TF32
+        GEMM rounds its operands to the same 10-bit mantissa, while fp16 halves the bytes of G
+        and of the operands and runs at twice the TF32 rate. Otherwise: the kernels' operands.
+        """
+        if not _tf32(spec, queries) or kernel_operands.queries.dtype == torch.float16:
+            return kernel_operands
+        fp16 = _scaled_fp16(queries, keys)
+        return _Operands(fp16.queries, fp16.keys, kernel_operands.scale, fp16.queries_max, fp16.keys_max)
 
     def _rows_and_columns_in_one_pass(self, spec, queries, keys, scale, bias, groups):
         """Row and column log-sum-exp from one pass over the tiles.
@@ -267,9 +276,23 @@ class TritonBlocks:
 class _Operands:
     queries: torch.Tensor
     keys: torch.Tensor
-    scale: torch.Tensor  # 0-d fp32: the logit scale for these operands
+    scale: torch.Tensor | None  # 0-d fp32: the logit scale for these operands
     queries_max: torch.Tensor | None  # the factors the fp16 copies were divided by, if any
     keys_max: torch.Tensor | None
+
+
+def _tf32(spec: StatsSpec, queries: torch.Tensor) -> bool:
+    """fp32 inputs multiplied with TF32 precision ("auto" or "tf32")."""
+    return queries.dtype == torch.float32 and spec.precision != "ieee"
+
+
+def _scaled_fp16(queries: torch.Tensor, keys: torch.Tensor) -> _Operands:
+    """fp16 copies of fp32 operands divided by their largest magnitude (per tensor), so that
+    every value is in fp16's range; ``scale`` is left unset (None)."""
+    queries_max = queries.detach().abs().amax().float().clamp_min(_TINY)
+    keys_max = keys.detach().abs().amax().float().clamp_min(_TINY)
+    return _Operands((queries.detach() / queries_max).to(torch.float16),
+                     (keys.detach() / keys_max).to(torch.float16), None, queries_max, keys_max)
 
 
 def _product(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
