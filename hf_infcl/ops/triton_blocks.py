@@ -47,9 +47,9 @@ class TritonBlocks:
 
     Attributes:
         tile_rows, tile_keys: the backward's super-tile; its G buffer holds
-            ``tile_rows * tile_keys`` entries of the GEMM operand dtype. None picks 4096 x 4096
-            for half-precision G (every mode but ``precision="ieee"``) and 4096 x 2048 for fp32
-            G (32 MiB either way).
+            ``tile_rows * tile_keys`` entries of the GEMM operand dtype. None picks 8192 x 4096
+            for half-precision G (every mode but ``precision="ieee"``) and 4096 x 4096 for fp32
+            G (64 MiB either way).
         stat_splits: programs sharing one outer block's inner range in the forward (None: enough
             to fill the GPU). Tests set it to exercise the merge of partial statistics.
         poison: fill every buffer the kernels must write completely with NaN first (tests use it
@@ -154,31 +154,45 @@ class TritonBlocks:
         # row-sum buffer it benchmarks on) can only happen on the first super-tile.
         size_class = kernels.problem_size_class(m, k)
 
+        # Every view the loop needs, made once: at b = 32k the loop body runs 32-64 times per
+        # call and at 128k ~1000 times, and the host time of slicing a dozen tensors per
+        # super-tile (on top of three launches) was longer than the GPU work it launched.
+        row_bounds = [(r0, min(r0 + tile_rows, m)) for r0 in range(0, m, tile_rows)]
+        key_bounds = [(k0, min(k0 + tile_keys, k)) for k0 in range(0, k, tile_keys)]
+        rows = [
+            dict(queries=queries[r0:r1], gemm_queries=gemm.queries[r0:r1], grad=grad_queries[r0:r1],
+                 row_sums=row_sums[r0:r1], row_stat=row_stat[r0:r1], row_weight=row_weight[r0:r1],
+                 groups=dict(row_groups=groups["row_groups"][r0:r1],
+                             positive_keys=groups["positive_keys"][r0:r1]) if groups else {})
+            for r0, r1 in row_bounds
+        ]
+        key_tiles = [
+            dict(keys=keys[k0:k1], gemm_keys=gemm.keys[k0:k1], grad=grad_keys[k0:k1],
+                 col_stat=None if col_stat is None else col_stat[k0:k1],
+                 col_weight=None if col_weight is None else col_weight[k0:k1],
+                 groups=dict(key_groups=groups["key_groups"][k0:k1], key_offset=base_offset + k0)
+                 if groups else {})
+            for k0, k1 in key_bounds
+        ]
+        g_views = {}  # at most four shapes: full, last row panel, last key tile, both
+
         with _cublas_precision(gemm.queries.dtype, spec.precision, device):
-            for r0 in range(0, m, tile_rows):
-                r1 = min(r0 + tile_rows, m)
-                q_rows = queries[r0:r1]
-                for k0 in range(0, k, tile_keys):
-                    k1 = min(k0 + tile_keys, k)
-                    g = scratch[: r1 - r0, : k1 - k0]
+            for row in rows:
+                for tile in key_tiles:
+                    shape = (row["queries"].shape[0], tile["keys"].shape[0])
+                    g = g_views.get(shape)
+                    if g is None:
+                        g = g_views[shape] = scratch[: shape[0], : shape[1]]
                     if self.poison:
                         scratch.fill_(float("nan"))
-                    tile_groups = {}
-                    if groups:
-                        tile_groups = dict(
-                            row_groups=groups["row_groups"][r0:r1],
-                            key_groups=groups["key_groups"][k0:k1],
-                            positive_keys=groups["positive_keys"][r0:r1],
-                            key_offset=base_offset + k0,
-                        )
                     kernels.grad_tile(
-                        q_rows, keys[k0:k1], g, row_sums[r0:r1], scale, bias, inv_g_scale,
-                        row_stat[r0:r1], None if col_stat is None else col_stat[k0:k1],
-                        row_weight[r0:r1], None if col_weight is None else col_weight[k0:k1],
-                        sigmoid=sigmoid, precision=spec.precision, size_class=size_class, **tile_groups,
+                        row["queries"], tile["keys"], g, row["row_sums"], scale, bias, inv_g_scale,
+                        row["row_stat"], tile["col_stat"], row["row_weight"], tile["col_weight"],
+                        sigmoid=sigmoid, precision=spec.precision, size_class=size_class,
+                        **row["groups"], **tile["groups"],
                     )
-                    _add_product(grad_queries[r0:r1], g, gemm.keys[k0:k1])
-                    _add_product(grad_keys[k0:k1], g.T, gemm.queries[r0:r1])
+                    _add_product(row["grad"], g, tile["gemm_keys"])
+                    _add_product(tile["grad"], g.T, row["gemm_queries"])
 
         if factor_q is not None:
             grad_queries.mul_(factor_q)
@@ -248,8 +262,11 @@ class TritonBlocks:
         return row_stat, col_stat
 
     def _super_tile(self, dtype: torch.dtype, m: int, k: int) -> tuple[int, int]:
-        default_keys = 4096 if dtype in _HALF_TYPES else 2048
-        rows = self.tile_rows if self.tile_rows is not None else 4096
+        # 64 MiB of G: each super-tile then carries enough GPU work (~0.25 ms at c = 512) to
+        # hide the host time of its three launches; 32 MiB tiles left an H100 waiting on the
+        # host (19 ms wall for 12.5 ms of GPU work at b = 32k, c = 512).
+        default_keys = 4096
+        rows = self.tile_rows if self.tile_rows is not None else (8192 if dtype in _HALF_TYPES else 4096)
         keys = self.tile_keys if self.tile_keys is not None else default_keys
         return min(rows, m), min(keys, k)
 
