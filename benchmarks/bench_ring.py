@@ -157,6 +157,9 @@ def comm_only_step(queries, keys, layout):
     ring._wait(works)
 
 
+_WARMED_UP = []  # set by the first measure_step of the run
+
+
 def measure_step(step, args, group=None) -> tuple[list[float], int, float]:
     """(seconds per step, peak bytes above the inputs, loss) of ``step`` (which returns the loss).
 
@@ -164,6 +167,11 @@ def measure_step(step, args, group=None) -> tuple[list[float], int, float]:
     large sizes would otherwise take minutes each); faster ones get ``--warmup`` + ``--iters``.
     """
     peak = {}
+    if not _WARMED_UP:
+        # The first step of the run compiles and autotunes the kernels (tens of seconds on
+        # several processes); the tuned configs then serve every size of the same class.
+        step()
+        _WARMED_UP.append(True)
 
     def first():
         peak["loss"] = step()
