@@ -16,7 +16,13 @@ Three kernels, none of which ever holds more than one ``BLOCK_M x BLOCK_N`` tile
   It recomputes the logits of its tile once, forms both directions' probabilities in one
   expression G = w_r * exp(z - r) + w_c * exp(z - c) (or w_r * sigmoid(z)), masks them, adds the
   tile's row sums of G (for d bias) and writes G, divided by a GPU-resident scale, to a bounded
-  scratch buffer of R x C entries in the operand dtype.
+  scratch buffer of R x C entries in the dtype of the GEMMs that follow.
+
+Both kernels spend one exponential per logit for the softmax, whichever directions they need:
+they work in base 2 (exp2 is the hardware's exponential; log2(e) goes into the scale) and
+derive the column terms from the row exponentials with per-row and per-column factors
+(``_column_lse``, ``_column_probability``), falling back to a second exponential only in tiles
+whose logits spread too far for the factors (large logit scales).
 
 * The two products dQ += G K and dK += G^T Q of that super-tile are then plain cuBLAS GEMMs.
 
@@ -32,10 +38,10 @@ cost more than they save:
 Writing G once (2 bytes per logit in bf16) and reading it twice from GEMMs costs 6 bytes per
 logit of memory traffic but keeps the backward at three GEMM-sized passes (recompute, dQ, dK),
 each tile recomputed exactly once, with the two products running at cuBLAS speed. The buffer is
-bounded (32 MiB by default), so memory stays O((m + k) c), never O(m k). In fp16, G is stored
+bounded (64 MiB by default), so memory stays O((m + k) c), never O(m k). In fp16, G is stored
 divided by max|w| so that it never underflows when the weights are 1/m-small; the caller folds
 the factor back into its accumulators (``hf_infcl.ops.triton_blocks``). Measured on an H100 at
-b = 32k, c = 512, bf16: recompute + G kernel 4.4 ms, the two GEMMs 2.0 + 1.8 ms, against 1.9 ms
+b = 32k, c = 512, bf16: recompute + G kernel 3.7 ms, the two GEMMs 1.7 + 1.6 ms, against 1.9 ms
 for one cuBLAS GEMM pass (``benchmarks/triton_notes.md``).
 
 Every index is int64, so m * k > 2^31 is fine; any m, k, c >= 1 works through load masks (c is
