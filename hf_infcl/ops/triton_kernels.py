@@ -19,10 +19,12 @@ Three kernels, none of which ever holds more than one ``BLOCK_M x BLOCK_N`` tile
   scratch buffer of R x C entries in the dtype of the GEMMs that follow.
 
 Both kernels spend one exponential per logit for the softmax, whichever directions they need:
-they work in base 2 (exp2 is the hardware's exponential; log2(e) goes into the scale) and
-derive the column terms from the row exponentials with per-row and per-column factors
+they derive the column terms from the row exponentials with per-row and per-column factors
 (``_column_lse``, ``_column_probability``), falling back to a second exponential only in tiles
-whose logits spread too far for the factors (large logit scales).
+whose logits spread too far for the factors (large logit scales). They call exp2 (the
+hardware's exponential) on differences of logits taken in natural units, times log2(e):
+scaling the logits themselves by log2(e) first saves a multiply but triples the rounding error
+of those differences, which the fp32 tests at c = 1 caught.
 
 * The two products dQ += G K and dK += G^T Q of that super-tile are then plain cuBLAS GEMMs.
 
@@ -67,7 +69,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 AUTOTUNE = os.environ.get("HF_INFCL_TRITON_AUTOTUNE", "1") != "0"
 _UNTUNED = (128, 128, 32, 4, 3)
 LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
 
 # Keys of the autotuners: the width c and a coarse size class (tiny / medium / large problems),
 # so a small first call does not fix the configuration of large ones. The autotuner adds the
@@ -187,28 +188,28 @@ def _allowed(row_index, key_index, row_valid, key_valid, row_group_ptr, key_grou
 
 @triton.jit
 def _column_lse(logits, p, tile_max, inner_valid):
-    """Base-2 log-sum-exp of each column of a tile of base-2 logits, reusing p = 2^(logits - tile_max).
+    """Log-sum-exp of each column of a tile of logits, reusing p = exp(logits - tile_max) (per row).
 
-    2^(z_ij - S) = p_ij * 2^(tile_max_i - S) with one shift S for the whole tile (its largest
+    exp(z_ij - S) = p_ij * exp(tile_max_i - S) with one shift S for the whole tile (its largest
     logit), so the columns need one multiply per logit instead of their own maximum and a second
-    exponential (a cross-warp reduction and one exp2 per logit less: that was 40 % of the fused
-    forward). The products only lose terms below 2^-126 of the tile's largest logit; if a column
-    still has anything allowed, its sum is then exact unless the sum itself is tiny. A tile with
-    such a column (logits spread by more than ~80 in base 2, e.g. large scales) takes the exact
-    path, each column shifted by its own maximum.
+    exponential (a cross-warp reduction and one exponential per logit less: that was 40 % of the
+    fused forward). The products only lose terms below 2^-126 of the tile's largest logit; if a
+    column still has anything allowed, its sum is then exact unless the sum itself is tiny. A tile
+    with such a column (logits spread by more than ~55, e.g. large scales) takes the exact path,
+    each column shifted by its own maximum.
     """
     tile_top = tl.max(tile_max, axis=0)
     shift = tl.where(tile_top == float("-inf"), 0.0, tile_top)
-    col_sum = tl.sum(p * tl.exp2(tile_max - shift)[:, None], axis=0)
+    col_sum = tl.sum(p * tl.exp2((tile_max - shift) * LOG2E)[:, None], axis=0)
     # Sums below 2^-40 could be missing terms that matter (each term lost is < 2^-126); a column
     # with nothing allowed (sum 0) also takes the exact path, which gives it -inf just the same.
     doubtful = inner_valid & (col_sum < 9.094947017729282e-13)
     if tl.max(doubtful.to(tl.int32), axis=0) > 0:
         col_max = tl.max(logits, axis=0)
         col_shift = tl.where(col_max == float("-inf"), 0.0, col_max)
-        col_lse = col_shift + tl.log2(tl.sum(tl.exp2(logits - col_shift[None, :]), axis=0))
+        col_lse = col_shift + tl.log(tl.sum(tl.exp2((logits - col_shift[None, :]) * LOG2E), axis=0))
     else:
-        col_lse = shift + tl.log2(col_sum)
+        col_lse = shift + tl.log(col_sum)
     return col_lse
 
 
@@ -237,11 +238,6 @@ def _stats_kernel_body(
         bias = tl.load(bias_ptr).to(tl.float32)
     else:
         bias = 0.0
-    if not SIGMOID:
-        # Softmax statistics in base 2: exp2 is the hardware's exponential, so folding log2(e)
-        # into the scale saves a multiply per logit. Converted back to natural units at the end.
-        scale = scale * LOG2E
-        bias = bias * LOG2E
 
     running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -266,24 +262,24 @@ def _stats_kernel_body(
             # column partials below. A row with nothing allowed has max -inf: shift by 0 there.
             tile_max = tl.max(logits, axis=1)
             tile_shift = tl.where(tile_max == float("-inf"), 0.0, tile_max)
-            p = tl.exp2(logits - tile_shift[:, None])
+            p = tl.exp2((logits - tile_shift[:, None]) * LOG2E)
             new_max = tl.maximum(running_max, tile_max)
             new_shift = tl.where(new_max == float("-inf"), 0.0, new_max)
             # exp2(-inf - shift) = 0 takes care of rows and tiles with nothing allowed.
-            running_sum = running_sum * tl.exp2(running_max - new_shift) + tl.sum(p, axis=1) * tl.exp2(
-                tile_max - new_shift)
+            running_sum = (running_sum * tl.exp2((running_max - new_shift) * LOG2E)
+                           + tl.sum(p, axis=1) * tl.exp2((tile_max - new_shift) * LOG2E))
             running_max = new_max
             if FUSED_COLUMNS:
                 # The same tile's column log-sum-exp over this program's rows: one partial per
                 # (row block, key), merged by the launcher. Saves the second forward pass.
                 col_lse = _column_lse(logits, p, tile_max, inner_valid)
-                tl.store(col_partial_ptr + pid * n_inner + inner_index, col_lse * LN2, mask=inner_valid)
+                tl.store(col_partial_ptr + pid * n_inner + inner_index, col_lse, mask=inner_valid)
 
     if SIGMOID:
         result = running_sum
     else:
         shift = tl.where(running_max == float("-inf"), 0.0, running_max)
-        result = (shift + tl.log2(running_sum)) * LN2  # log(0) = -inf for rows that saw no allowed key
+        result = shift + tl.log(running_sum)  # log(0) = -inf for rows that saw no allowed key
     tl.store(out_ptr + split * n_outer + outer_index, result, mask=outer_valid)
 
 
@@ -297,25 +293,25 @@ _stats_kernel = triton.autotune(configs=_stats_configs(), key=_TUNE_KEY, restore
 
 @triton.jit
 def _column_probability(logits, p_row, row_stat, col_stat, row_valid, key_valid):
-    """2^(z2_ij - c2_j) for a tile (base-2 logits and statistics), from p_row = 2^(z2_ij - r2_i).
+    """exp(z_ij - c_j) for a tile, from p_row = exp(z_ij - r_i).
 
-    2^(z2 - c2_j) = p_row * 2^(r2_i - c2_j) = p_row * u_i * v_j with u_i = 2^(r2_i - mid),
-    v_j = 2^(mid - c2_j): two multiplies per logit instead of a second exponential. Exact to
-    rounding when the tile's statistics lie within 100 of each other (u, v within 2^+-50; where
-    p_row underflows, the true value is below 2^-26 and is dropped like any underflow). Otherwise
-    (large scales, very uneven rows) the tile computes the second exponential.
+    exp(z - c_j) = p_row * exp(r_i - c_j) = p_row * u_i * v_j with u_i = exp(r_i - mid),
+    v_j = exp(mid - c_j): two multiplies per logit instead of a second exponential. Exact to
+    rounding when the tile's statistics lie within 69 (100 in base 2) of each other (u, v within
+    2^+-50; where p_row underflows, the true value is below 2^-26 and is dropped like any
+    underflow). Otherwise (large scales, very uneven rows) the tile computes the exponential.
     """
     top = tl.maximum(tl.max(tl.where(row_valid, row_stat, float("-inf")), axis=0),
                      tl.max(tl.where(key_valid, col_stat, float("-inf")), axis=0))
     bottom = tl.minimum(tl.min(tl.where(row_valid, row_stat, float("inf")), axis=0),
                         tl.min(tl.where(key_valid, col_stat, float("inf")), axis=0))
-    if top - bottom <= 100.0:
+    if (top - bottom) * LOG2E <= 100.0:
         mid = 0.5 * (top + bottom)
-        u = tl.exp2(row_stat - mid)
-        v = tl.exp2(mid - col_stat)
+        u = tl.exp2((row_stat - mid) * LOG2E)
+        v = tl.exp2((mid - col_stat) * LOG2E)
         p_col = p_row * u[:, None] * v[None, :]
     else:
-        p_col = tl.exp2(logits - col_stat[None, :])
+        p_col = tl.exp2((logits - col_stat[None, :]) * LOG2E)
     return p_col
 
 
@@ -350,13 +346,12 @@ def _grad_tile_kernel_body(
     if SIGMOID:
         grad = row_weight[:, None] * tl.sigmoid(dots * scale + bias)
     else:
-        # Base 2 (see the stats kernel): z2 = z log2(e), so exp(z - r) = exp2(z2 - r log2(e)).
-        logits = dots * (scale * LOG2E) + bias * LOG2E
-        row_stat = tl.load(row_stat_ptr + row_index, mask=row_valid, other=0.0) * LOG2E
-        p_row = tl.exp2(logits - row_stat[:, None])
+        logits = dots * scale + bias
+        row_stat = tl.load(row_stat_ptr + row_index, mask=row_valid, other=0.0)
+        p_row = tl.exp2((logits - row_stat[:, None]) * LOG2E)
         grad = row_weight[:, None] * p_row
         if COLUMNS:
-            col_stat = tl.load(col_stat_ptr + key_index, mask=key_valid, other=0.0) * LOG2E
+            col_stat = tl.load(col_stat_ptr + key_index, mask=key_valid, other=0.0)
             col_weight = tl.load(col_weight_ptr + key_index, mask=key_valid, other=0.0)
             p_col = _column_probability(logits, p_row, row_stat, col_stat, row_valid, key_valid)
             grad += col_weight[None, :] * p_col
