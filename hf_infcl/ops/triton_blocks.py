@@ -225,7 +225,7 @@ class TritonBlocks:
         GEMM rounds its operands to the same 10-bit mantissa, while fp16 halves the bytes of G
         and of the operands and runs at twice the TF32 rate. Otherwise: the kernels' operands.
         """
-        if not _tf32(spec, queries) or kernel_operands.queries.dtype == torch.float16:
+        if not _tf32(spec, queries) or self.tf32_via_fp16:
             return kernel_operands
         fp16 = _scaled_fp16(queries, keys)
         return _Operands(fp16.queries, fp16.keys, kernel_operands.scale, fp16.queries_max, fp16.keys_max)
