@@ -80,17 +80,16 @@ def timed(step, iters: int, warmup: int, group=None) -> list[float]:
     return times
 
 
-def peak_above(step) -> int:
-    """Peak bytes allocated during ``step`` above what was allocated before it."""
+def peak_above(step) -> tuple[int, object]:
+    """(peak bytes allocated during ``step`` above what was allocated before it, its result)."""
     if DEVICE.type != "cuda":
-        step()
-        return 0
+        return 0, step()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    step()
+    result = step()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
+    return torch.cuda.max_memory_allocated() - before, result
 
 
 def features(rows: int, width: int, dtype, seed: int):
@@ -166,20 +165,17 @@ def measure_step(step, args, group=None) -> tuple[list[float], int, float]:
     The first step gives all three. A step slower than ``--slow-step-s`` is not repeated (the
     large sizes would otherwise take minutes each); faster ones get ``--warmup`` + ``--iters``.
     """
-    peak = {}
     if not _WARMED_UP:
         # The first step of the run compiles and autotunes the kernels (tens of seconds on
         # several processes); the tuned configs then serve every size of the same class.
         step()
         _WARMED_UP.append(True)
-
-    def first():
-        peak["loss"] = step()
-
-    first_time = timed(lambda: peak.__setitem__("bytes", peak_above(first)), 1, 0, group)
+    first = []  # (peak bytes, loss) of the first measured step
+    first_time = timed(lambda: first.append(peak_above(step)), 1, 0, group)
+    peak, loss = first[0]
     if first_time[0] > args.slow_step_s:
-        return first_time, peak["bytes"], float(peak["loss"])
-    return timed(step, args.iters, args.warmup, group), peak["bytes"], float(peak["loss"])
+        return first_time, peak, float(loss)
+    return timed(step, args.iters, args.warmup, group), peak, float(loss)
 
 
 def measure_ring(queries, keys, args, group, world_size: int, with_compute: bool) -> list[dict]:
