@@ -214,3 +214,62 @@ def test_large_scales_match_reference(scale):
     errors = {name: relative_error(got[name], expected[name]) for name in expected}
     # fp32 logits of size ~scale carry an absolute rounding error of ~scale * 2^-24.
     assert max(errors.values()) < 5e-5 * scale / 20, (seed, errors)
+
+
+def _owned_tensors(loss):
+    """What a caller hands the loss: fp32 features, the scale and bias as outputs of autograd ops
+    (a model's ``logit_scale.exp()``), positives and groups."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    m, k, c = 11, 23, 20
+    log_scale = torch.tensor(2.3, requires_grad=True)
+    raw_bias = torch.tensor(-4.0, requires_grad=True)
+    owned = dict(
+        queries=torch.randn(m, c, generator=gen).requires_grad_(True),
+        keys=torch.randn(k, c, generator=gen).requires_grad_(True),
+        logit_scale=log_scale.exp(),
+        logit_bias=raw_bias * 1.0 if loss == "sigmoid" else None,
+        positives=torch.randperm(k, generator=gen)[:m],
+        query_groups=torch.randint(0, 4, (m,), generator=gen),
+        key_groups=torch.randint(0, 4, (k,), generator=gen),
+    )
+    leaves = [owned["queries"], owned["keys"], log_scale] + ([raw_bias] if loss == "sigmoid" else [])
+    return owned, leaves
+
+
+@pytest.mark.parametrize("blocks_name", ["fused", "two-pass"])
+@pytest.mark.parametrize("loss_name", list(LOSSES))
+def test_kernels_never_write_into_the_callers_tensors(loss_name, blocks_name, monkeypatch):
+    """Every pointer a kernel writes, or that its autotuner restores or zeroes around each trial
+    (``restore_value`` / ``reset_to_zero``), is a buffer of the backend's own, never a tensor the
+    caller passed. The interpreter runs one config, so it never autotunes; this checks the
+    arguments of every launch instead. (A caller's logit scale once sat in an unused written slot,
+    and the GPU's first, tuning call copied into it: autograd then refused the backward.)"""
+    from hf_infcl.ops import triton_kernels as kernels
+
+    written_by_kernel = {kernels._stats_kernel: ("out_ptr", "col_partial_ptr"),
+                         kernels._grad_tile_kernel: ("g_ptr", "row_sums_ptr")}
+    launches = []
+    for tuner, written in written_by_kernel.items():
+        touched = set(written) | set(tuner.restore_value) | set(tuner.reset_to_zero)
+
+        def run(*args, _tuner=tuner, _touched=touched, _run=tuner.run, **kwargs):
+            named = {**dict(zip(_tuner.arg_names, args)), **kwargs}
+            launches.append({name: named[name] for name in _touched})
+            return _run(*args, **kwargs)
+
+        monkeypatch.setattr(tuner, "run", run)
+
+    options = LOSSES[loss_name]
+    owned, leaves = _owned_tensors(options["loss"])
+    versions = {name: t._version for name, t in owned.items() if t is not None}
+    blocks = BLOCKS if blocks_name == "fused" else TWO_PASS
+    value = contrastive_loss(**owned, loss=options["loss"], symmetric=options["symmetric"], backend=blocks)
+    torch.autograd.grad(value, leaves)  # raises if a tensor saved for backward was modified
+
+    assert {name: owned[name]._version for name in versions} == versions
+    caller_storages = {t.untyped_storage().data_ptr() for t in owned.values() if t is not None}
+    assert len(launches) >= 2
+    for launch in launches:
+        for name, tensor in launch.items():
+            assert tensor.untyped_storage().data_ptr() not in caller_storages, (
+                f"{name} of a kernel launch is a tensor the caller owns")

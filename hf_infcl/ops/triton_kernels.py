@@ -402,6 +402,17 @@ def auto_splits(n_outer: int, n_inner: int, device: torch.device) -> int:
     return max(1, min(wanted, n_inner // 2048))
 
 
+def _unused_pointer(device: torch.device) -> torch.Tensor:
+    """A fresh one-element buffer for pointer arguments that a kernel specialisation never reads.
+
+    It must not be one of the caller's tensors: the autotuner restores ``col_partial_ptr`` (and
+    zeroes ``row_sums_ptr``) around every trial, i.e. it copies into whatever tensor sits in that
+    slot. Passing the logit scale there made the first, tuning call bump the version counter of
+    the caller's ``logit_scale`` tensor and broke its autograd graph.
+    """
+    return torch.empty(1, dtype=torch.float32, device=device)
+
+
 def logit_stats(
     outer: torch.Tensor,
     inner: torch.Tensor,
@@ -440,7 +451,7 @@ def logit_stats(
     if out is None:
         out = torch.empty((splits, n_outer), dtype=torch.float32, device=outer.device)
     has_mask = row_groups is not None
-    dummy = scale  # any valid pointer for arguments a specialisation never reads
+    dummy = _unused_pointer(outer.device)
     grid = lambda meta: (triton.cdiv(n_outer, meta["BLOCK_M"]), splits)  # noqa: E731
     fused = column_partials is not None
     _stats_kernel[grid](
@@ -489,7 +500,7 @@ def grad_tile(
     n_keys = keys.shape[0]
     has_mask = row_groups is not None
     columns = col_stat is not None
-    dummy = scale
+    dummy = _unused_pointer(queries.device)
     grid = lambda meta: (triton.cdiv(n_rows, meta["BLOCK_M"]), triton.cdiv(n_keys, meta["BLOCK_N"]))  # noqa: E731
     _grad_tile_kernel[grid](
         queries, keys, g_out, row_sums, scale, bias if bias is not None else dummy, inv_g_scale,
