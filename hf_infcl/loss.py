@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .ops import reference, ring
+from .ops import custom_ops, reference, ring
 from .ops.local import LocalLogitStats
-from .ops.spec import BlockOps, GroupMask, StatsSpec, accumulation_dtype
-from .ops.tiled import TorchTiles
+from .ops.spec import BlockOps, GroupMask, StatsSpec, accumulation_dtype, resolve_precision
+from .ops.spec import check_values as _check_values
 
 LOSSES = ("softmax", "sigmoid")
 REDUCTIONS = ("mean", "sum", "none")
@@ -74,51 +74,72 @@ def contrastive_loss(
         DDP does) gives exactly the gradient of the global mean.
     """
     group, world_size = _resolve_process_group(process_group)
-    try:
-        checked = _check_arguments(
-            queries, keys, logit_scale, logit_bias, loss, symmetric, positives, query_groups,
-            key_groups, reduction, backend, precision, in_ring=world_size > 1,
-        )
-    except (TypeError, ValueError):
-        if world_size > 1:  # the other ranks wait in the ring's size exchange: tell them, then raise
-            ring.announce_rejected_arguments(group, queries.device if torch.is_tensor(queries) else None)
-        raise
-    scale, bias, positives = checked
     if world_size > 1:
-        per_row, total_rows = _ring_per_row_loss(
-            group, queries, keys, scale, bias, loss, symmetric, positives, query_groups, key_groups,
-            backend, precision, reduction,
-        )
-        return _reduce(per_row, reduction, total_rows=total_rows, world_size=world_size)
-
-    per_row = _local_per_row_loss(
-        queries, keys, scale, bias, loss, symmetric, positives, query_groups, key_groups, backend, precision
+        return _ring_loss(group, world_size, queries, keys, logit_scale, logit_bias, loss, symmetric,
+                          positives, query_groups, key_groups, reduction, backend, precision)
+    # Under torch.compile, the checks that read values (scale > 0, positives in range) would break
+    # the graph: the op makes them itself when it runs (see hf_infcl.ops.custom_ops).
+    compiling = torch.compiler.is_compiling()
+    scale, bias, positives = _check_arguments(
+        queries, keys, logit_scale, logit_bias, loss, symmetric, positives, query_groups, key_groups,
+        reduction, backend, precision, check_values=not compiling,
     )
+    per_row = _local_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, query_groups,
+                                  key_groups, backend, precision, validate=compiling)
     return _reduce(per_row, reduction, total_rows=queries.shape[0], world_size=world_size)
 
 
 def _local_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, query_groups,
-                        key_groups, backend, precision):
+                        key_groups, backend, precision, validate):
+    """Per-row losses of one process. Named backends run as the custom op (torch.compile keeps it
+    in the graph); the reference and block-ops objects run eagerly."""
+    if backend == "reference" or not isinstance(backend, str):
+        return _eager_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, query_groups,
+                                   key_groups, backend, precision, validate)
+    spec = _stats_spec(loss, symmetric, precision, queries)
+    row_stat, col_stat, positive_logit = custom_ops.logit_stats(
+        queries, keys, scale, bias, positives, query_groups, key_groups, spec.loss, spec.columns,
+        spec.precision, backend_name(backend, queries.device), validate,
+    )
+    return assemble_per_row_loss(spec, positives, row_stat, col_stat, positive_logit)
+
+
+@torch.compiler.disable
+def _eager_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, query_groups, key_groups,
+                        backend, precision, validate):
+    """The reference and block-ops objects (which cannot be custom-op arguments): a graph break
+    under torch.compile."""
+    if validate:
+        _check_values(scale, positives, keys.shape[0])
     if backend == "reference":
         return reference.per_row_loss(
             queries, keys, scale, bias, loss=loss, symmetric=symmetric, positives=positives,
             query_groups=query_groups, key_groups=key_groups,
         )
-    spec = StatsSpec(loss=loss, columns=loss == "softmax" and symmetric, precision=precision)
-    ops = select_block_ops(backend, queries.device)
+    spec = _stats_spec(loss, symmetric, precision, queries)
     mask = None
     if query_groups is not None:
         mask = GroupMask(query_groups, key_groups, positives, key_offset=0)
     row_stat, col_stat, positive_logit = LocalLogitStats.apply(
-        queries, keys, scale, bias, positives, mask, spec, ops
+        queries, keys, scale, bias, positives, mask, spec, backend
     )
     return assemble_per_row_loss(spec, positives, row_stat, col_stat, positive_logit)
 
 
-def _ring_per_row_loss(group, queries, keys, scale, bias, loss, symmetric, positives, query_groups,
-                       key_groups, backend, precision, reduction):
-    """Per-row losses of this rank's rows over the whole group (the ring), and the group's row count."""
-    spec = StatsSpec(loss=loss, columns=loss == "softmax" and symmetric, precision=precision)
+@torch.compiler.disable
+def _ring_loss(group, world_size, queries, keys, logit_scale, logit_bias, loss, symmetric, positives,
+               query_groups, key_groups, reduction, backend, precision):
+    """The loss over a process group (the ring); eager, a graph break under torch.compile."""
+    try:
+        scale, bias, positives = _check_arguments(
+            queries, keys, logit_scale, logit_bias, loss, symmetric, positives, query_groups,
+            key_groups, reduction, backend, precision, in_ring=True,
+        )
+    except (TypeError, ValueError):
+        # the other ranks wait in the ring's size exchange: tell them, then raise
+        ring.announce_rejected_arguments(group, queries.device if torch.is_tensor(queries) else None)
+        raise
+    spec = _stats_spec(loss, symmetric, precision, queries)
     layout = ring.exchange_layout(group, queries, keys, spec, bias is not None, query_groups is not None,
                                   reduction)
     ops = select_block_ops(backend, queries.device)
@@ -127,7 +148,13 @@ def _ring_per_row_loss(group, queries, keys, scale, bias, loss, symmetric, posit
         queries, keys, scale, bias, positives, query_groups, key_groups, positive_keys, spec, ops, layout
     )
     per_row = assemble_per_row_loss(spec, positives, row_stat, col_stat, positive_logit)
-    return per_row, layout.total_rows
+    return _reduce(per_row, reduction, total_rows=layout.total_rows, world_size=world_size)
+
+
+def _stats_spec(loss, symmetric, precision, queries) -> StatsSpec:
+    """The statistics a loss needs, with ``precision="auto"`` resolved (``resolve_precision``)."""
+    return StatsSpec(loss=loss, columns=loss == "softmax" and symmetric,
+                     precision=resolve_precision(precision, queries.dtype, queries.device))
 
 
 def assemble_per_row_loss(spec, positives, row_stat, col_stat, positive_logit):
@@ -152,28 +179,29 @@ def select_block_ops(backend, device: torch.device) -> BlockOps:
     """The block ops for a backend name (or a block-ops object given directly)."""
     if not isinstance(backend, str):
         return backend
+    return custom_ops.block_ops(backend_name(backend, device))
+
+
+def backend_name(backend: str, device: torch.device) -> str:
+    """"torch" or "triton" for a backend name: "auto" is Triton on CUDA when it can be imported."""
     if backend == "torch":
-        return TorchTiles()
+        return "torch"
     if backend == "triton":
-        return _triton_block_ops(required=True)
-    # auto
-    if device.type == "cuda":
-        ops = _triton_block_ops(required=False)
-        if ops is not None:
-            return ops
-    return TorchTiles()
+        if not _triton_importable():
+            raise ImportError("backend='triton' needs Triton (`pip install triton`, Linux with a CUDA GPU)")
+        return "triton"
+    return "triton" if device.type == "cuda" and _triton_importable() else "torch"
 
 
-def _triton_block_ops(required: bool):
+@torch.compiler.assume_constant_result
+def _triton_importable() -> bool:
+    # assume_constant_result: torch.compile calls this once while tracing and keeps the answer,
+    # instead of tracing an import.
     try:
-        from .ops.triton_blocks import TritonBlocks
-    except ImportError as error:
-        if required:
-            raise ImportError(
-                "backend='triton' needs Triton (`pip install triton`, Linux with a CUDA GPU)"
-            ) from error
-        return None
-    return TritonBlocks()
+        from .ops import triton_blocks  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _resolve_process_group(process_group):
@@ -241,10 +269,13 @@ def _as_scalar_tensor(name, value, dtype, device, allow_none):
 
 
 def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, positives,
-                     query_groups, key_groups, reduction, backend, precision, in_ring=False):
+                     query_groups, key_groups, reduction, backend, precision, in_ring=False,
+                     check_values=True):
     """Validate everything; return (scale tensor, bias tensor or None, positives [m] int64).
 
     ``in_ring``: one rank of several, which may hold no rows (the ring checks the group has some).
+    ``check_values=False`` leaves out the checks that read values (``spec.check_values``), for
+    callers that have them made later (under torch.compile).
     """
     _check_features("queries", queries)
     _check_features("keys", keys)
@@ -286,8 +317,6 @@ def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, po
         positives = torch.arange(m, device=device)
     else:
         _check_index_vector("positives", positives, m, device)
-        if m and (n_keys == 0 or int(positives.min()) < 0 or int(positives.max()) >= n_keys):
-            raise ValueError(f"positives must index keys, i.e. lie in [0, {n_keys}); got values outside")
         positives = positives.long()
 
     if (query_groups is None) != (key_groups is None):
@@ -300,9 +329,9 @@ def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, po
 
     acc = accumulation_dtype(queries.dtype)
     scale = _as_scalar_tensor("logit_scale", logit_scale, acc, device, allow_none=False)
-    if bool(scale.detach() <= 0):
-        raise ValueError(f"logit_scale must be > 0 (it multiplies the logits), got {float(scale)}")
     bias = _as_scalar_tensor("logit_bias", logit_bias, acc, device, allow_none=True)
+    if check_values:
+        _check_values(scale, positives, n_keys)
     return scale, bias, positives
 
 

@@ -321,9 +321,8 @@ def run_group_of_one(rank: int):
 def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     """Entry point of one spawned rank; writes its results (or its traceback) under out_dir."""
     try:
-        # The Triton block ops run in Triton's interpreter on CPU; it is read when the kernels are
-        # first imported, which happens in this process only (spawned, not forked).
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        # (TRITON_INTERPRET=1, for the Triton block ops on CPU, is set by the parent before the
+        # spawn: Triton is already imported by the time this runs.)
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,

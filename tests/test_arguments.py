@@ -70,12 +70,14 @@ def test_bad_input_names_the_argument(case, monkeypatch):
     build, error_type, named = BAD_INPUTS[case]
     arguments = build()
     # Fail loudly if any computation started: the checks must come first.
-    from hf_infcl.ops import local
+    from hf_infcl.ops import reference
+    from hf_infcl.ops.tiled import TorchTiles
 
     def no_compute(*args, **kwargs):
         raise AssertionError("computation started before the arguments were checked")
 
-    monkeypatch.setattr(local.LocalLogitStats, "apply", no_compute)
+    monkeypatch.setattr(TorchTiles, "forward_block", no_compute)
+    monkeypatch.setattr(reference, "per_row_loss", no_compute)
     with pytest.raises(error_type, match=named):
         contrastive_loss(**arguments)
 

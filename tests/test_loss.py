@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
@@ -15,7 +16,9 @@ from tests.oracle import contract_loss
 
 # Small tiles so that every test crosses several tile boundaries in both directions.
 SMALL_TILES = TorchTiles(tile_rows=5, tile_keys=7)
-BACKENDS = {"torch": SMALL_TILES, "reference": "reference"}
+# "torch-op" is the backend by name: the custom op of hf_infcl.ops.custom_ops (what users get and
+# what torch.compile sees); "torch" passes a block-ops object, which runs as an autograd Function.
+BACKENDS = {"torch": SMALL_TILES, "torch-op": "torch", "reference": "reference"}
 
 
 def make_case(m, k, c, *, groups=False, custom_positives=False, seed=None, dtype=torch.float64):
@@ -261,3 +264,32 @@ def test_half_gradients_when_the_softmax_is_peaked(dtype):
     # Rounding the gradients once to bf16 gives ~1.7e-3 here; summing two rounded halves gave 3.6e-3.
     assert_matches_oracle(case, TorchTiles(64, 64), 2.5e-3, loss="softmax", symmetric=True,
                           reduction="mean", use_bias=False)
+
+
+def _owned_inputs(case, *, loss):
+    """Every tensor a caller hands the loss, the scale and bias as outputs of autograd ops (as a
+    model's ``logit_scale.exp()`` is), so that an in-place write into any of them breaks backward."""
+    q = case["queries"].clone().requires_grad_(True)
+    k = case["keys"].clone().requires_grad_(True)
+    log_scale = torch.tensor(math.log(case["scale"]), dtype=torch.float64, requires_grad=True)
+    raw_bias = torch.tensor(case["bias"], dtype=torch.float64, requires_grad=True)
+    inputs = dict(queries=q, keys=k, logit_scale=log_scale.exp(),
+                  logit_bias=raw_bias * 1.0 if loss == "sigmoid" else None,
+                  positives=case["positives"], query_groups=case["query_groups"],
+                  key_groups=case["key_groups"])
+    return inputs, [q, k, log_scale] + ([raw_bias] if loss == "sigmoid" else [])
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS), ids=lambda b: f"backend-{b}")
+@pytest.mark.parametrize("loss,symmetric", OPTIONS, ids=["softmax-sym", "softmax-asym", "sigmoid"])
+def test_no_input_is_modified_in_place(backend, loss, symmetric):
+    """No tensor the caller owns changes its version counter across forward and backward: not the
+    features, not the scale or bias (outputs of autograd ops here), not positives or groups."""
+    case = make_case(9, 14, 5, groups=True, custom_positives=True)
+    inputs, leaves = _owned_inputs(case, loss=loss)
+    versions = {name: t._version for name, t in inputs.items() if torch.is_tensor(t)}
+    value = contrastive_loss(**inputs, loss=loss, symmetric=symmetric, backend=BACKENDS[backend])
+    grads = torch.autograd.grad(value, leaves)  # raises if a saved tensor was modified
+    assert all(torch.isfinite(g).all() for g in grads)
+    after = {name: inputs[name]._version for name in versions}
+    assert after == versions

@@ -36,8 +36,20 @@ def _spawn(world_size: int, out_dir: str) -> list[dict]:
         context.Process(target=ring_workers.worker, args=(rank, world_size, init_file, out_dir))
         for rank in range(world_size)
     ]
-    for process in processes:
-        process.start()
+    # The Triton block ops run in Triton's interpreter on CPU, which Triton reads when it is first
+    # imported: in a spawned rank that is while it unpickles its target (importing hf_infcl
+    # imports torch's compiler stack, and with it Triton), so the variable must be in the
+    # environment the ranks start with. Only theirs: the test process keeps its own.
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        for process in processes:
+            process.start()
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
     for process in processes:
         process.join(timeout=SPAWN_TIMEOUT_S)
     hung = [rank for rank, process in enumerate(processes) if process.is_alive()]

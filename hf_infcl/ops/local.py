@@ -1,5 +1,6 @@
-"""The single-process algorithm: one autograd Function over any backend's block ops, and the
-pieces of the backward that the ring Function shares with it.
+"""The single-process algorithm over any backend's block ops (``local_forward``,
+``local_backward``, and an autograd Function around them), and the pieces of the backward that
+the ring Function shares with it.
 
 Forward: one call of ``forward_block`` over all rows and keys gives the row (and column)
 statistics, and the positive logits z_{i,p(i)} are computed beside them. Only those O(m + k)
@@ -29,9 +30,51 @@ def _row_chunks(rows: int, width: int):
         yield slice(start, min(start + step, rows))
 
 
+def local_forward(spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, positives,
+                  mask: GroupMask | None):
+    """(row_stat [m], col_stat [k] or empty, positive_logit [m]) of one process's rows and keys."""
+    row_stat, col_stat = ops.forward_block(spec, queries, keys, scale, bias, mask)
+    if col_stat is None:
+        col_stat = row_stat.new_empty(0)
+    positive_logit = positive_logits(queries, keys, positives, scale, bias)
+    return row_stat, col_stat, positive_logit
+
+
+def local_backward(spec: StatsSpec, ops: BlockOps, mask: GroupMask | None, queries, keys, scale, bias,
+                   positives, row_stat, col_stat, grad_row_stat, grad_col_stat, grad_positive_logit,
+                   needs=(True, True, True, True)):
+    """(d queries, d keys, d scale, d bias) from the statistics' gradients: every tile is
+    recomputed once through ``backward_block``. ``needs`` says which of the four are wanted
+    (None is returned for the others)."""
+    acc = accumulation_dtype(queries.dtype)
+    grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
+    grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
+    row_sums = ops.backward_block(
+        spec,
+        queries,
+        keys,
+        scale,
+        bias,
+        mask,
+        row_stat,
+        col_stat if spec.columns else None,
+        grad_row_stat.to(acc),
+        grad_col_stat.to(acc) if spec.columns else None,
+        grad_queries,
+        grad_keys,
+    )
+    key_slices = [((0, keys.shape[0]), grad_keys)]
+    add_positive_gradients(queries, keys, positives, grad_positive_logit, grad_queries, key_slices, row_sums)
+    return finish_gradients(needs, queries, keys, scale, bias, grad_queries, key_slices, row_sums)
+
+
 class LocalLogitStats(torch.autograd.Function):
     """(queries, keys, scale, bias, positives, mask) ->
-    (row_stat [m], col_stat [k] or empty, positive_logit [m])."""
+    (row_stat [m], col_stat [k] or empty, positive_logit [m]), over any block-ops object.
+
+    The named backends ("torch", "triton") run the same two functions through the custom ops of
+    :mod:`hf_infcl.ops.custom_ops`, which ``torch.compile`` can put in a graph; this Function
+    serves block-ops objects that a caller passes directly (they cannot be op arguments)."""
 
     @staticmethod
     def forward(
@@ -45,10 +88,8 @@ class LocalLogitStats(torch.autograd.Function):
         spec: StatsSpec,
         ops: BlockOps,
     ):
-        row_stat, col_stat = ops.forward_block(spec, queries, keys, scale, bias, mask)
-        if col_stat is None:
-            col_stat = row_stat.new_empty(0)
-        positive_logit = positive_logits(queries, keys, positives, scale, bias)
+        row_stat, col_stat, positive_logit = local_forward(spec, ops, queries, keys, scale, bias, positives,
+                                                           mask)
         ctx.save_for_backward(queries, keys, scale, bias, positives, row_stat, col_stat)
         ctx.mask, ctx.spec, ctx.ops = mask, spec, ops
         return row_stat, col_stat, positive_logit
@@ -56,28 +97,9 @@ class LocalLogitStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_row_stat, grad_col_stat, grad_positive_logit):
         queries, keys, scale, bias, positives, row_stat, col_stat = ctx.saved_tensors
-        spec: StatsSpec = ctx.spec
-        acc = accumulation_dtype(queries.dtype)
-        grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
-        grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
-        row_sums = ctx.ops.backward_block(
-            spec,
-            queries,
-            keys,
-            scale,
-            bias,
-            ctx.mask,
-            row_stat,
-            col_stat if spec.columns else None,
-            grad_row_stat.to(acc),
-            grad_col_stat.to(acc) if spec.columns else None,
-            grad_queries,
-            grad_keys,
-        )
-        key_slices = [((0, keys.shape[0]), grad_keys)]
-        add_positive_gradients(queries, keys, positives, grad_positive_logit, grad_queries, key_slices,
-                               row_sums)
-        grads = finish_gradients(ctx, queries, keys, scale, bias, grad_queries, key_slices, row_sums)
+        grads = local_backward(ctx.spec, ctx.ops, ctx.mask, queries, keys, scale, bias, positives, row_stat,
+                               col_stat, grad_row_stat, grad_col_stat, grad_positive_logit,
+                               needs=ctx.needs_input_grad[:4])
         return (*grads, None, None, None, None)
 
 
@@ -112,15 +134,16 @@ def add_positive_gradients(queries, keys, positives, grad_positive, grad_queries
     row_sums += weight
 
 
-def finish_gradients(ctx, queries, keys, scale, bias, grad_queries, key_slices, row_sums):
-    """(d queries, d keys, d scale, d bias) from the unscaled accumulators.
+def finish_gradients(needs, queries, keys, scale, bias, grad_queries, key_slices, row_sums):
+    """(d queries, d keys, d scale, d bias) from the unscaled accumulators; ``needs`` (four bools,
+    e.g. ``ctx.needs_input_grad[:4]``) says which are wanted, None for the others.
 
     d scale = sum_ij G_ij x_ij = sum_i <Q_i, (G K)_i>, so it needs no pass over the tiles;
     d bias = sum of G. Works in place and in row chunks, so that the end of the backward makes
     no full-size fp32 temporaries. Shared by the single-process and the ring Functions; the
     key gradient comes as ((start, end), accumulator) slices, freed as they are copied out.
     """
-    need_q, need_k, need_scale, need_bias = ctx.needs_input_grad[:4]
+    need_q, need_k, need_scale, need_bias = needs
     acc = grad_queries.dtype
     scale_acc = scale.to(acc)
     grad_scale = grad_bias = grad_q = grad_k = None

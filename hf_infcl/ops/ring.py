@@ -299,7 +299,8 @@ class RingLogitStats(torch.autograd.Function):
         )
         add_positive_gradients(queries, keys, positives, grad_positive_logit, grad_queries, key_slices,
                                row_sums)
-        grads = finish_gradients(ctx, queries, keys, scale, bias, grad_queries, key_slices, row_sums)
+        grads = finish_gradients(ctx.needs_input_grad[:4], queries, keys, scale, bias, grad_queries,
+                                 key_slices, row_sums)
         return (*grads, None, None, None, None, None, None, None)
 
 

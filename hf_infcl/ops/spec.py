@@ -39,8 +39,9 @@ class StatsSpec:
         loss: ``"softmax"`` (row, and optionally column, log-sum-exp) or ``"sigmoid"``
             (row sum of softplus).
         columns: softmax only; also compute the column log-sum-exp (the symmetric loss needs it).
-        precision: how fp32 inputs are multiplied on GPUs: ``"auto"``/``"tf32"`` use TF32 tensor
-            cores, ``"ieee"`` exact fp32. Ignored on CPU and for half-precision inputs.
+        precision: how fp32 inputs are multiplied: ``"tf32"`` (TF32 tensor cores) or ``"ieee"``
+            (exact fp32); ``"auto"`` follows :func:`resolve_precision`. Ignored for
+            half-precision and float64 inputs.
     """
 
     loss: LossKind
@@ -79,6 +80,28 @@ class GroupMask:
         )
         is_positive = self.positive_keys[row_start:row_end, None] == key_index[None, :]
         return (qg != kg) | is_positive
+
+
+def resolve_precision(precision: str, dtype: torch.dtype, device: torch.device) -> Precision:
+    """The one rule for how fp32 inputs are multiplied: ``"tf32"`` or ``"ieee"``.
+
+    ``"auto"`` means TF32 where TF32 exists, i.e. fp32 inputs on a CUDA device, in every backend
+    (whatever ``torch.backends.cuda.matmul.allow_tf32`` says), and exact fp32 elsewhere. An
+    explicit ``"tf32"`` or ``"ieee"`` is kept as given. Half-precision inputs always run on
+    tensor cores with fp32 accumulation; float64 inputs are always exact.
+    """
+    if precision != "auto":
+        return precision
+    return "tf32" if dtype == torch.float32 and torch.device(device).type == "cuda" else "ieee"
+
+
+def check_values(scale: torch.Tensor, positives: torch.Tensor, n_keys: int) -> None:
+    """The argument checks that read values (one host synchronisation): ``logit_scale`` > 0 and
+    every positive index inside ``[0, n_keys)``."""
+    if bool(scale.detach() <= 0):
+        raise ValueError(f"logit_scale must be > 0 (it multiplies the logits), got {float(scale)}")
+    if positives.numel() and (n_keys == 0 or int(positives.min()) < 0 or int(positives.max()) >= n_keys):
+        raise ValueError(f"positives must index keys, i.e. lie in [0, {n_keys}); got values outside")
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

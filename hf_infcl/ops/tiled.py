@@ -16,20 +16,21 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .spec import GroupMask, StatsSpec, accumulation_dtype
+from .spec import GroupMask, StatsSpec, accumulation_dtype, resolve_precision
 
 # Above this, softplus(z) == z to well under float64 resolution of the row sums we form.
 _SOFTPLUS_LINEAR_ABOVE = 40.0
 
 
 @contextlib.contextmanager
-def _matmul_precision(spec: StatsSpec, device: torch.device):
-    """Honour ``precision="ieee"`` (no TF32) for fp32 matmuls on CUDA; elsewhere a no-op."""
-    if device.type != "cuda" or spec.precision == "auto":
+def _matmul_precision(spec: StatsSpec, dtype: torch.dtype, device: torch.device):
+    """fp32 matmuls on CUDA follow ``spec.precision`` (:func:`resolve_precision`), whatever torch's
+    global TF32 switch says; elsewhere a no-op."""
+    if device.type != "cuda":
         yield
         return
     previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = spec.precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = resolve_precision(spec.precision, dtype, device) == "tf32"
     try:
         yield
     finally:
@@ -76,7 +77,7 @@ class TorchTiles:
             row_stat = torch.zeros(m, dtype=acc, device=device)
         col_stat = torch.full((k,), float("-inf"), dtype=acc, device=device) if spec.columns else None
 
-        with _matmul_precision(spec, device):
+        with _matmul_precision(spec, queries.dtype, device):
             for r0, r1, k0, k1 in self._tiles(m, k):
                 logits = self._logits(queries[r0:r1].to(acc), keys[k0:k1].to(acc), scale, bias)
                 allowed = None if mask is None else mask.allowed(r0, r1, k0, k1)
@@ -114,7 +115,7 @@ class TorchTiles:
         bias = None if bias is None else bias.to(acc)
         row_sums = torch.zeros(m, dtype=acc, device=queries.device)
 
-        with _matmul_precision(spec, queries.device):
+        with _matmul_precision(spec, queries.dtype, queries.device):
             for r0, r1, k0, k1 in self._tiles(m, k):
                 q_tile = queries[r0:r1].to(acc)
                 k_tile = keys[k0:k1].to(acc)

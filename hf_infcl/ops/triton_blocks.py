@@ -29,12 +29,13 @@ Float64 inputs have no tensor-core path: they are handed to :class:`TorchTiles`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from . import triton_kernels as kernels
-from .spec import GroupMask, StatsSpec
+from .spec import GroupMask, StatsSpec, resolve_precision
 from .tiled import TorchTiles
 
 _HALF_TYPES = (torch.float16, torch.bfloat16)
@@ -83,6 +84,7 @@ class TritonBlocks:
         if queries.dtype == torch.float64:
             return TorchTiles().forward_block(spec, queries, keys, scale, bias, mask)
         self._check(queries, keys)
+        spec = _resolved(spec, queries)
         operands = self._operands(spec, queries, keys, scale)
         queries, keys, scale = operands.queries, operands.keys, operands.scale
         bias = None if bias is None else _scalar(bias)
@@ -108,6 +110,7 @@ class TritonBlocks:
             return TorchTiles().backward_block(spec, queries, keys, scale, bias, mask, row_stat, col_stat,
                                                row_weight, col_weight, grad_queries, grad_keys)
         self._check(queries, keys)
+        spec = _resolved(spec, queries)
         operands = self._operands(spec, queries, keys, scale)
         gemm = self._gemm_operands(spec, queries, keys, operands)
         queries, keys, scale = operands.queries, operands.keys, operands.scale
@@ -298,9 +301,16 @@ class _Operands:
     keys_max: torch.Tensor | None
 
 
+def _resolved(spec: StatsSpec, queries: torch.Tensor) -> StatsSpec:
+    """``spec`` with ``"auto"`` precision replaced by what it means here (:func:`resolve_precision`),
+    so that the kernels, the GEMMs and the operand preparation below all see "tf32" or "ieee"."""
+    return dataclasses.replace(spec, precision=resolve_precision(spec.precision, queries.dtype,
+                                                                 queries.device))
+
+
 def _tf32(spec: StatsSpec, queries: torch.Tensor) -> bool:
-    """fp32 inputs multiplied with TF32 precision ("auto" or "tf32")."""
-    return queries.dtype == torch.float32 and spec.precision != "ieee"
+    """fp32 inputs multiplied with TF32 precision."""
+    return queries.dtype == torch.float32 and spec.precision == "tf32"
 
 
 def _scaled_fp16(queries: torch.Tensor, keys: torch.Tensor) -> _Operands:

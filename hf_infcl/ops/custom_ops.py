@@ -1,0 +1,146 @@
+"""The single-process loss as ``torch.library`` custom ops, so that ``torch.compile`` can keep it in
+one graph (``fullgraph=True``) instead of tracing into Triton launchers or autotuners.
+
+Two ops, both functional (they allocate their outputs and write nothing the caller owns):
+
+* ``hf_infcl::logit_stats`` -> (row_stat [m], col_stat [k] or [0], positive_logit [m]), the
+  statistics of :mod:`hf_infcl.ops.spec` over one process's rows and keys;
+* ``hf_infcl::logit_stats_backward`` -> (d queries, d keys, d scale, d bias), every tile
+  recomputed once.
+
+The first op's autograd formula calls the second, so the compiled backward holds one opaque op
+too. Each op has a fake (meta) implementation: shapes only, which is all the compiler needs.
+
+A custom op takes tensors, numbers and strings, not Python objects, so the backend is named
+(``"torch"`` or ``"triton"``) and the group mask is passed as its tensors. Block-ops objects that a
+caller passes directly go through :class:`hf_infcl.ops.local.LocalLogitStats` instead.
+
+``validate``: eager callers check argument values (scale > 0, positives in range) before calling,
+which needs the values on the host. Under ``torch.compile`` that read would break the graph, so
+the compiled caller passes ``validate=True`` and the op checks them itself when it runs.
+
+(No ``from __future__ import annotations`` here: ``custom_op`` reads the annotations as types to
+build the op's schema.)
+"""
+
+
+import torch
+from torch import Tensor
+
+from .local import local_backward, local_forward
+from .spec import GroupMask, StatsSpec, accumulation_dtype, check_values
+from .tiled import TorchTiles
+
+BACKEND_NAMES = ("torch", "triton")
+
+
+def block_ops(backend: str):
+    """The block-ops object of a named backend."""
+    if backend == "torch":
+        return TorchTiles()
+    if backend == "triton":
+        from .triton_blocks import TritonBlocks
+
+        return TritonBlocks()
+    raise ValueError(f"backend must be one of {', '.join(map(repr, BACKEND_NAMES))}, got {backend!r}")
+
+
+def _mask(query_groups, key_groups, positives) -> GroupMask | None:
+    if query_groups is None:
+        return None
+    return GroupMask(query_groups, key_groups, positives, key_offset=0)
+
+
+@torch.library.custom_op("hf_infcl::logit_stats", mutates_args=())
+def logit_stats(
+    queries: Tensor,
+    keys: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    positives: Tensor,
+    query_groups: Tensor | None,
+    key_groups: Tensor | None,
+    loss: str,
+    columns: bool,
+    precision: str,
+    backend: str,
+    validate: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if validate:
+        check_values(scale, positives, keys.shape[0])
+    spec = StatsSpec(loss=loss, columns=columns, precision=precision)
+    mask = _mask(query_groups, key_groups, positives)
+    return local_forward(spec, block_ops(backend), queries, keys, scale, bias, positives, mask)
+
+
+@logit_stats.register_fake
+def _logit_stats_fake(queries, keys, scale, bias, positives, query_groups, key_groups, loss, columns,
+                      precision, backend, validate):
+    acc = accumulation_dtype(queries.dtype)
+    m, k = queries.shape[0], keys.shape[0]
+    return (queries.new_empty((m,), dtype=acc), queries.new_empty((k if columns else 0,), dtype=acc),
+            queries.new_empty((m,), dtype=acc))
+
+
+@torch.library.custom_op("hf_infcl::logit_stats_backward", mutates_args=())
+def logit_stats_backward(
+    grad_row_stat: Tensor,
+    grad_col_stat: Tensor,
+    grad_positive_logit: Tensor,
+    queries: Tensor,
+    keys: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    positives: Tensor,
+    query_groups: Tensor | None,
+    key_groups: Tensor | None,
+    row_stat: Tensor,
+    col_stat: Tensor,
+    loss: str,
+    columns: bool,
+    precision: str,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    spec = StatsSpec(loss=loss, columns=columns, precision=precision)
+    mask = _mask(query_groups, key_groups, positives)
+    grad_q, grad_k, grad_scale, grad_bias = local_backward(
+        spec, block_ops(backend), mask, queries, keys, scale, bias, positives, row_stat, col_stat,
+        grad_row_stat, grad_col_stat, grad_positive_logit, needs=(True, True, True, bias is not None),
+    )
+    if grad_bias is None:  # an op returns tensors only; the autograd formula drops this one
+        grad_bias = torch.zeros((), dtype=scale.dtype, device=scale.device)
+    return grad_q, grad_k, grad_scale, grad_bias
+
+
+@logit_stats_backward.register_fake
+def _logit_stats_backward_fake(grad_row_stat, grad_col_stat, grad_positive_logit, queries, keys, scale, bias,
+                               positives, query_groups, key_groups, row_stat, col_stat, loss, columns,
+                               precision, backend):
+    grad_bias = scale.new_empty(()) if bias is None else bias.new_empty(())
+    return torch.empty_like(queries), torch.empty_like(keys), scale.new_empty(()), grad_bias
+
+
+def _setup_context(ctx, inputs, output):
+    (queries, keys, scale, bias, positives, query_groups, key_groups, loss, columns, precision, backend,
+     _validate) = inputs
+    row_stat, col_stat, _positive_logit = output
+    ctx.save_for_backward(queries, keys, scale, bias, positives, query_groups, key_groups, row_stat, col_stat)
+    ctx.options = (loss, columns, precision, backend)
+
+
+def _backward(ctx, grad_row_stat, grad_col_stat, grad_positive_logit):
+    queries, keys, scale, bias, positives, query_groups, key_groups, row_stat, col_stat = ctx.saved_tensors
+    # Outputs that did not reach the loss get no gradient; the backward op needs tensors.
+    grad_row_stat = torch.zeros_like(row_stat) if grad_row_stat is None else grad_row_stat
+    grad_col_stat = torch.zeros_like(col_stat) if grad_col_stat is None else grad_col_stat
+    if grad_positive_logit is None:
+        grad_positive_logit = torch.zeros_like(row_stat)
+    grad_q, grad_k, grad_scale, grad_bias = logit_stats_backward(
+        grad_row_stat, grad_col_stat, grad_positive_logit, queries, keys, scale, bias, positives,
+        query_groups, key_groups, row_stat, col_stat, *ctx.options,
+    )
+    return (grad_q, grad_k, grad_scale, grad_bias if bias is not None else None,
+            None, None, None, None, None, None, None, None)
+
+
+logit_stats.register_autograd(_backward, setup_context=_setup_context)
