@@ -6,8 +6,8 @@ The Trainer keeps its loop, checkpoints, logging and callbacks. This subclass ch
   the whole contrastive batch (every process's rows, through the ring when several processes run);
 - ``training_step`` when ``chunk_size`` is set: the cached three-phase step of
   ``hf_infcl.grad_cache`` (one DDP all-reduce per step, optional data offload);
-- ``evaluation_loop``: eval loss and recall@1/5/10 in both directions, block by block, without
-  an n x n similarity matrix;
+- ``evaluation_loop``: eval loss, recall@1/5/10 and MRR in both directions, block by block,
+  without an n x n similarity matrix (``hf_infcl.metrics``: ties count against the positive);
 - ``log``: adds the logit scale and the in-batch top-1 accuracy to every training log;
 - a callback clamps the learned logit scale after each optimizer step (CLIP's log(100)).
 
@@ -28,7 +28,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import EvalLoopOutput
 
 from .grad_cache import cached_step
-from .loss import BACKENDS, LOSSES, contrastive_loss
+from .loss import BACKENDS, LOSSES, PRECISIONS, contrastive_loss
+from .metrics import RECALL_AT, relevant_ranks, retrieval_metrics
 from .models import (
     contrastive_loss_kind,
     encode_keys,
@@ -40,7 +41,6 @@ from .models import (
 
 __all__ = ["InfCLTrainer", "InfCLTrainingArguments", "retrieval_recalls"]
 
-RECALL_AT = (1, 5, 10)
 # rows per process whose in-batch top-1 accuracy is logged (an estimate at large batches)
 ACCURACY_ROWS = 1024
 
@@ -63,6 +63,12 @@ class InfCLTrainingArguments(TrainingArguments):
         default="auto",
         metadata={"help": "Backend of the loss: 'auto' (Triton on CUDA when available), 'torch', 'triton' "
                           "or 'reference' (materialised, small batches only)."},
+    )
+    precision: str = field(
+        default="auto",
+        metadata={"help": "Matmul precision of the loss for fp32 embeddings: 'auto' (TF32 on CUDA in every "
+                          "backend, exact fp32 elsewhere), 'tf32' or 'ieee' (exact fp32). bf16/fp16 "
+                          "embeddings are unaffected."},
     )
     contrastive_loss: str | None = field(
         default=None,
@@ -99,6 +105,9 @@ class InfCLTrainingArguments(TrainingArguments):
         if self.loss_backend not in BACKENDS:
             raise ValueError(f"loss_backend must be one of {', '.join(map(repr, BACKENDS))}; "
                              f"got {self.loss_backend!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}; "
+                             f"got {self.precision!r}")
         if self.contrastive_loss is not None and self.contrastive_loss not in LOSSES:
             raise ValueError(f"contrastive_loss must be one of {', '.join(map(repr, LOSSES))} or None; "
                              f"got {self.contrastive_loss!r}")
@@ -206,6 +215,7 @@ class InfCLTrainer(Trainer):
             key_groups=groups,
             process_group=process_group,
             backend=self.args.loss_backend,
+            precision=self.args.precision,
         )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -274,8 +284,9 @@ class InfCLTrainer(Trainer):
 
         The first ``ACCURACY_ROWS`` rows of each process are ranked against every key of the global
         batch (keys of other processes gathered), so the cost stays small at any batch size. A row
-        is right when its best key is its positive, or (with a group column) a key of its own
-        group, which the loss does not treat as a negative either.
+        is right when no other key scores at least as high as its positive, or (with a group column)
+        as its best key of its own group, which the loss does not treat as negatives either: the
+        tie rule of ``hf_infcl.metrics``.
         """
         if not self._logged_this_step():
             return
@@ -285,22 +296,19 @@ class InfCLTrainer(Trainer):
         offset = 0
         key_groups = groups
         if self.accelerator.num_processes > 1:
-            # pad to the largest rank with NaN rows (never the argmax) and gather every key
+            # pad to the largest rank with NaN rows (they rank below every real key) and gather every key
             padded = self.accelerator.pad_across_processes(keys.float(), dim=0, pad_index=float("nan"))
             offset = self.accelerator.process_index * padded.shape[0]
             keys = self.accelerator.gather(padded)
             if groups is not None:
                 key_groups = self.accelerator.gather(self.accelerator.pad_across_processes(groups, dim=0))
-        hits = 0
-        block = self.args.eval_block_rows
-        for start in range(0, queries.shape[0], block):
-            sims = queries[start: start + block].float() @ keys.float().T
-            best = torch.nan_to_num(sims, nan=-math.inf).argmax(dim=1)
-            rows = torch.arange(start, start + sims.shape[0], device=best.device)
-            right = best == rows + offset
-            if groups is not None:
-                right |= key_groups[best] == groups_of_rows[rows]
-            hits = hits + right.sum()
+        if groups is not None:
+            row_ids, key_ids = groups_of_rows, key_groups
+        else:
+            row_ids = torch.arange(offset, offset + queries.shape[0], device=queries.device)
+            key_ids = torch.arange(keys.shape[0], device=queries.device)
+        ranks = relevant_ranks(queries, keys, row_ids, key_ids, block_rows=self.args.eval_block_rows)
+        hits = (ranks == 0).sum()
         accuracy = torch.as_tensor(hits, dtype=torch.float32, device=queries.device) / queries.shape[0]
         scale = unwrap_model(model).logit_scale.detach().float().exp().reshape(()).to(queries.device)
         stats = torch.stack([accuracy, scale, torch.ones_like(scale)])
@@ -391,35 +399,24 @@ class InfCLTrainer(Trainer):
         block = self.args.eval_block_rows
         directions = {f"{row}_to_{key}": (queries, keys), f"{key}_to_{row}": (keys, queries)}
         for direction, (rows, cols) in directions.items():
-            for k, value in retrieval_recalls(rows, cols, groups, block_rows=block).items():
-                metrics[f"{metric_key_prefix}_{direction}_recall@{k}"] = value
+            metrics.update(retrieval_metrics(rows, cols, groups, groups, block_rows=block,
+                                             prefix=f"{metric_key_prefix}_{direction}_"))
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=queries.shape[0])
 
 
-@torch.no_grad()
 def retrieval_recalls(rows: torch.Tensor, keys: torch.Tensor, groups: torch.Tensor | None = None,
                       ks=RECALL_AT, block_rows: int = 1024) -> dict[int, float]:
-    """Recall@k of retrieving key i for row i among all keys, ``block_rows`` rows at a time.
+    """Recall@k of retrieving key i for row i among all keys: ``{k: recall}``.
 
-    The rank of the positive is the number of keys scored strictly higher; keys of the same group
-    as the row (other than its positive) are not counted, as in the loss. Memory is
-    ``block_rows x len(keys)``, never ``len(rows) x len(keys)``.
+    A thin view of :func:`hf_infcl.metrics.retrieval_metrics`, the one implementation the
+    evaluation and the examples share: with ``groups``, every key of the row's group is a right
+    answer; ties with the best right answer count against the row. Memory is ``block_rows x
+    len(keys)``.
     """
     if rows.shape[0] != keys.shape[0]:
         raise ValueError(f"rows ({rows.shape[0]}) and keys ({keys.shape[0]}) must pair one to one")
-    hits = dict.fromkeys(ks, 0)
-    for start in range(0, rows.shape[0], block_rows):
-        end = min(start + block_rows, rows.shape[0])
-        sims = rows[start:end].float() @ keys.float().T
-        index = torch.arange(start, end, device=sims.device)
-        positive = sims[index - start, index]
-        better = sims > positive[:, None]
-        if groups is not None:
-            better &= groups[start:end, None] != groups[None, :]
-        rank = better.sum(dim=1)
-        for k in ks:
-            hits[k] += int((rank < k).sum())
-    return {k: hits[k] / rows.shape[0] for k in ks}
+    metrics = retrieval_metrics(rows, keys, groups, groups, ks=ks, block_rows=block_rows)
+    return {k: metrics[f"recall@{k}"] for k in ks}
 
 
 class ClampLogitScale(TrainerCallback):

@@ -149,22 +149,35 @@ def test_resume_from_checkpoint_gives_the_same_losses(tmp_path):
 
 @pytest.mark.parametrize("with_groups", [False, True], ids=["no-groups", "groups"])
 def test_retrieval_recalls_match_a_full_similarity_matrix(with_groups):
+    """hf_infcl.metrics' rule, spelled out: a row's rank is the number of keys outside its group
+    (other than its positive, without groups) scoring at least as high as its best key inside."""
     generator = torch.Generator().manual_seed(0)
     rows = torch.randn(37, 6, generator=generator, dtype=torch.float64)
     keys = rows + 0.8 * torch.randn(37, 6, generator=generator, dtype=torch.float64)
-    groups = torch.randint(0, 9, (37,), generator=generator) if with_groups else None
-    recalls = retrieval_recalls(rows, keys, groups, ks=(1, 3, 10), block_rows=5)
+    groups = torch.randint(0, 9, (37,), generator=generator) if with_groups else torch.arange(37)
+    recalls = retrieval_recalls(rows, keys, groups if with_groups else None, ks=(1, 3, 10), block_rows=5)
 
-    sims = rows @ keys.T
+    sims = (rows.float() @ keys.float().T).double()
     expected = {}
     for k in (1, 3, 10):
         hits = 0
         for i in range(37):
-            competitors = [j for j in range(37) if j != i and (groups is None or groups[j] != groups[i])]
-            hits += sum(bool(sims[i, j] > sims[i, i]) for j in competitors) < k
+            best = max(sims[i, j] for j in range(37) if groups[j] == groups[i])
+            hits += sum(bool(sims[i, j] >= best) for j in range(37) if groups[j] != groups[i]) < k
         expected[k] = hits / 37
     assert recalls == pytest.approx(expected)
     assert 0 < recalls[1] < 1
+
+
+def test_retrieval_recalls_count_ties_against_the_positive():
+    rows = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    keys = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.5, 0.5]])
+    # ranks 1, 2, 2: row 0's positive ties key 1, row 1's ties key 0 (key 2 beats it), row 2's ties both
+    assert retrieval_recalls(rows, keys, ks=(1, 2, 3)) == {1: 0.0, 2: pytest.approx(1 / 3), 3: 1.0}
+    # a constant model: every key ties, every row ranks last
+    assert retrieval_recalls(torch.ones(4, 3), torch.ones(4, 3), ks=(1, 3, 4)) == {1: 0.0, 3: 0.0, 4: 1.0}
+    # with groups, the tie is with a key of the row's own group: no penalty
+    assert retrieval_recalls(rows, keys, torch.tensor([0, 0, 1]), ks=(1,)) == {1: pytest.approx(1 / 3)}
 
 
 def test_evaluate_reports_loss_and_recalls_both_directions(tmp_path):
@@ -272,6 +285,32 @@ def test_convergence_on_digits_zero_shot(tmp_path):
 # ---- argument checks ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("chunk_size", [None, 4], ids=["whole-batch", "chunked"])
+def test_precision_reaches_every_loss_call(tmp_path, monkeypatch, chunk_size):
+    """--precision goes to the training loss (plain and cached steps) and the evaluation loss."""
+    import hf_infcl.trainer
+    from hf_infcl.loss import PRECISIONS
+
+    seen = []
+
+    def recording_loss(*args, **kwargs):
+        seen.append(kwargs.get("precision"))
+        return contrastive_loss(*args, **kwargs)
+
+    monkeypatch.setattr(hf_infcl.trainer, "contrastive_loss", recording_loss)
+    args = trainer_arguments(tmp_path, precision="ieee", per_device_train_batch_size=8, max_steps=2,
+                             chunk_size=chunk_size)
+    assert args.precision == "ieee" and "ieee" in PRECISIONS
+    batch = clip_batch(16)
+    trainer = InfCLTrainer(model=tiny_clip(dropout=0.0), args=args, train_dataset=PairDataset(batch),
+                           eval_dataset=PairDataset(batch))
+    trainer.train()
+    trainer.evaluate()
+    assert len(seen) >= 3 and set(seen) == {"ieee"}
+    assert InfCLTrainingArguments(output_dir=str(tmp_path), use_cpu=True).precision == "auto"
+
+
+
 def test_bad_arguments_and_combinations_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="offload=True needs chunk_size"):
         InfCLTrainingArguments(output_dir=str(tmp_path), offload=True, use_cpu=True)
@@ -283,6 +322,9 @@ def test_bad_arguments_and_combinations_are_rejected(tmp_path):
         InfCLTrainingArguments(output_dir=str(tmp_path), loss_backend="cuda", use_cpu=True)
     with pytest.raises(ValueError, match="logit_scale_max"):
         InfCLTrainingArguments(output_dir=str(tmp_path), logit_scale_max=0.0, use_cpu=True)
+    for precision in ("fp8", "TF32", None, ""):
+        with pytest.raises(ValueError, match="precision must be one of 'auto', 'tf32', 'ieee'"):
+            InfCLTrainingArguments(output_dir=str(tmp_path), precision=precision, use_cpu=True)
     with pytest.raises(TypeError, match="not a supported contrastive model"):
         InfCLTrainer(model=BertModel(tiny_bert_config()), args=trainer_arguments(tmp_path))
     with pytest.raises(ValueError, match="compute_loss_func"):

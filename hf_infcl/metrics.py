@@ -1,0 +1,114 @@
+"""Retrieval metrics: recall@k and the mean reciprocal rank, block by block.
+
+This is the one implementation behind every retrieval figure hf_infcl reports: the evaluation of
+:class:`~hf_infcl.InfCLTrainer` (``eval_<direction>_recall@k`` / ``_mrr``) and the examples'
+before/after figures. Whoever reports them, the same embeddings give the same numbers.
+
+Relevance is given by integer ids: candidate j answers query i when ``key_ids[j] ==
+query_ids[i]`` (duplicate captions, several words defined by one gloss, a document twice: any of
+them is a right answer). Without ids, key i is the only right answer of query i, and keys past the
+number of queries are negatives of every query.
+
+**Tie rule.** The rank of a query is the number of *irrelevant* candidates that score **at least
+as high** as its best-scoring relevant candidate: ties are counted against the query. This is
+the conservative choice: a model that gives every candidate the same score ranks each relevant
+candidate below all irrelevant ones, and scores recall@1 = 0 (not 1). NaN scores count as
+``-inf``.
+
+Memory is ``block_rows x len(keys)`` similarities at a time, never ``len(queries) x len(keys)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["RECALL_AT", "relevant_ranks", "retrieval_metrics"]
+
+RECALL_AT = (1, 5, 10)
+
+
+def _ids(ids, count, name, device):
+    if ids is None:
+        return torch.arange(count, device=device)
+    ids = torch.as_tensor(ids, device=device)
+    if ids.shape != (count,):
+        raise ValueError(f"{name} must hold one id per embedding ({count}), got shape {tuple(ids.shape)}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must be integer ids, got {ids.dtype}")
+    return ids
+
+
+@torch.no_grad()
+def relevant_ranks(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_ids: torch.Tensor | None = None,
+    key_ids: torch.Tensor | None = None,
+    *,
+    block_rows: int = 1024,
+) -> torch.Tensor:
+    """0-based rank of each query's best-scoring relevant key: ``[len(queries)]`` int64.
+
+    Scores are dot products in fp32. The rank counts the irrelevant keys scoring at least as high
+    as the best relevant key (ties count against the query; see the module docstring).
+
+    Args:
+        queries: ``[m, d]`` query embeddings.
+        keys: ``[n, d]`` candidate embeddings.
+        query_ids, key_ids: ``[m]`` and ``[n]`` integer ids, given together; key j is relevant to
+            query i when their ids are equal. None: key i is the one relevant key of query i
+            (needs ``n >= m``).
+        block_rows: queries scored at a time (memory ``block_rows x n``).
+    """
+    if queries.ndim != 2 or keys.ndim != 2:
+        raise ValueError(f"queries and keys must be 2-d, got shapes {tuple(queries.shape)} and "
+                         f"{tuple(keys.shape)}")
+    if queries.shape[1] != keys.shape[1]:
+        raise ValueError(f"queries and keys must have the same width, got {queries.shape[1]} and "
+                         f"{keys.shape[1]}")
+    if (query_ids is None) != (key_ids is None):
+        raise ValueError("give query_ids and key_ids together (or neither)")
+    if query_ids is None and keys.shape[0] < queries.shape[0]:
+        raise ValueError(f"without ids, key i answers query i: need at least {queries.shape[0]} keys, "
+                         f"got {keys.shape[0]}")
+    if isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows <= 0:
+        raise ValueError(f"block_rows must be a positive int, got {block_rows!r}")
+    device = keys.device
+    query_ids = _ids(query_ids, queries.shape[0], "query_ids", device)
+    key_ids = _ids(key_ids, keys.shape[0], "key_ids", device)
+    keys = keys.float()
+    ranks = []
+    for start in range(0, queries.shape[0], block_rows):
+        scores = queries[start : start + block_rows].to(device=device, dtype=torch.float32) @ keys.T
+        scores = scores.masked_fill(scores.isnan(), float("-inf"))
+        relevant = query_ids[start : start + block_rows, None] == key_ids[None, :]
+        if not bool(relevant.any(dim=1).all()):
+            raise ValueError("every query needs at least one relevant key (a key with its id)")
+        best = scores.masked_fill(~relevant, float("-inf")).amax(dim=1)
+        ranks.append(((scores >= best[:, None]) & ~relevant).sum(dim=1))
+    if not ranks:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    return torch.cat(ranks)
+
+
+def retrieval_metrics(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_ids: torch.Tensor | None = None,
+    key_ids: torch.Tensor | None = None,
+    *,
+    ks=RECALL_AT,
+    block_rows: int = 1024,
+    prefix: str = "",
+) -> dict[str, float]:
+    """``{prefix}recall@k`` for each k and ``{prefix}mrr``, as floats (see :func:`relevant_ranks`).
+
+    recall@k: the share of queries whose best relevant key ranks in the top k; mrr: the mean of
+    ``1 / (rank + 1)``.
+    """
+    if queries.shape[0] == 0:
+        raise ValueError("retrieval metrics need at least one query")
+    rank = relevant_ranks(queries, keys, query_ids, key_ids, block_rows=block_rows)
+    metrics = {f"{prefix}recall@{k}": float((rank < k).double().mean()) for k in ks}
+    metrics[f"{prefix}mrr"] = float((1.0 / (rank.double() + 1)).mean())
+    return metrics
