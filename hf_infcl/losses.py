@@ -261,7 +261,9 @@ class InfCLLoss(CachedLossMixin, nn.Module):
                 each process's negatives local.
             backend: the hf_infcl backend: ``"auto"`` (Triton on CUDA when available, else tiled
                 PyTorch), ``"torch"``, ``"triton"`` or ``"reference"``.
-            precision: fp32 embeddings on GPU: ``"auto"``/``"tf32"`` or ``"ieee"``.
+            precision: matmul precision of the loss for fp32 embeddings (``hf_infcl.loss.PRECISIONS``):
+                ``"auto"`` (TF32 on CUDA in every backend, exact fp32 elsewhere), ``"tf32"``, or
+                ``"ieee"`` (exact fp32). bf16/fp16 embeddings are unaffected.
             mini_batch_num_tokens: with gradient caching, pack mini-batches by token count instead
                 (sentence-transformers >= 6 only).
 
@@ -381,6 +383,7 @@ class InfCLLoss(CachedLossMixin, nn.Module):
             "mini_batch_size": self.mini_batch_size,
             "gather_across_devices": self.gather_across_devices,
             "backend": self.backend,
+            "precision": self.precision,
         }
 
     @property

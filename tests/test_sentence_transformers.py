@@ -195,12 +195,30 @@ def test_other_similarity_functions_are_rejected_at_construction(tiny_model):
         pytest.param({"mini_batch_size": 0}, ValueError, "mini_batch_size", id="mini_batch_size-zero"),
         pytest.param({"symmetric": 1}, TypeError, "symmetric", id="symmetric-int"),
         pytest.param({"backend": "cuda"}, ValueError, "backend", id="backend-unknown"),
+        pytest.param({"precision": "fp8"}, ValueError, "precision", id="precision-unknown"),
+        pytest.param({"precision": None}, ValueError, "precision", id="precision-none"),
         pytest.param({"mini_batch_num_tokens": 64}, ValueError, "mini_batch_size", id="tokens-without-cache"),
     ],
 )
 def test_bad_options_are_rejected(tiny_model, kwargs, error, match):
     with pytest.raises(error, match=match):
         losses.InfCLLoss(tiny_model, **kwargs)
+
+
+@pytest.mark.parametrize("precision", ["auto", "tf32", "ieee"])
+def test_precision_reaches_the_loss(tiny_model, monkeypatch, precision):
+    from hf_infcl.loss import contrastive_loss
+
+    seen = []
+
+    def recording_loss(*args, **kwargs):
+        seen.append(kwargs.get("precision"))
+        return contrastive_loss(*args, **kwargs)
+
+    monkeypatch.setattr(losses, "contrastive_loss", recording_loss)
+    loss = losses.InfCLLoss(tiny_model, precision=precision)
+    assert torch.isfinite(loss(features(tiny_model, text_columns(4, 2, seed=5)), None))
+    assert seen == [precision]
 
 
 def test_static_embedding_refuses_only_gradient_caching():
@@ -223,7 +241,8 @@ def test_static_embedding_refuses_only_gradient_caching():
 
 def test_config_and_citation(tiny_model):
     loss = losses.InfCLLoss(
-        tiny_model, scale=10.0, symmetric=True, mini_batch_size=8, gather_across_devices=False
+        tiny_model, scale=10.0, symmetric=True, mini_batch_size=8, gather_across_devices=False,
+        precision="ieee",
     )
     assert loss.get_config_dict() == {
         "scale": 10.0,
@@ -232,7 +251,9 @@ def test_config_and_citation(tiny_model):
         "mini_batch_size": 8,
         "gather_across_devices": False,
         "backend": "auto",
+        "precision": "ieee",
     }
+    assert losses.InfCLLoss(tiny_model).get_config_dict()["precision"] == "auto"
     assert loss.temperature == pytest.approx(0.1)
     assert "2410.17243" in loss.citation and "Breaking the Memory Barrier" in loss.citation
     assert loss.uses_gradient_cache and not losses.InfCLLoss(tiny_model).uses_gradient_cache
