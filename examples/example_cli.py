@@ -1,24 +1,251 @@
-"""Command-line parsing shared by the Trainer-based examples: HfArgumentParser with
-example-friendly defaults that any flag given on the command line overrides."""
+"""Command-line handling shared by the examples.
+
+- :func:`parse_with_defaults`: HfArgumentParser with example-friendly defaults, set through the
+  parser's own defaults, so that any flag given on the command line wins, in any spelling
+  (``--learning_rate 3e-4`` or ``--learning_rate=3e-4``).
+- :func:`check_numeric_flags`: every numeric flag checked before any work, with a one-line error
+  that names the flag (``--global_batch_size must be > 0, got 0``).
+- :func:`check_hub_push`: ``--push_to_hub`` checked before training (repo id, token, the Hub
+  answering, the repo writable), so a run does not train for nothing and fail at the end;
+  :func:`push_output_dir` uploads after the results are printed, failing in one line.
+
+Errors are argparse-style: one ``<script>: error: ...`` line on standard error (printed by the
+main process only) and exit status 2.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import sys
+import types
+import typing
+from collections.abc import Callable
 
 import torch
 
 
-def parse_with_defaults(parser, argv, default_output_dir: str, defaults: dict[str, str]):
-    """``parser.parse_args_into_dataclasses`` over ``argv`` (default: ``sys.argv[1:]``) with
-    ``--output_dir`` and ``defaults`` filled in where the command line leaves them out."""
+class ExampleError(SystemExit):
+    """A command-line mistake: exit status 2 after one ``<script>: error: <message>`` line."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self):
+        return self.message
+
+
+def is_main_process() -> bool:
+    """Rank 0 of a launch (torchrun / accelerate launch set RANK), or a lone process."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def fail(message: str):
+    """Print ``<script>: error: <message>`` once (main process) and exit with status 2."""
+    if is_main_process():
+        print(f"{os.path.basename(sys.argv[0]) or 'example'}: error: {message}", file=sys.stderr, flush=True)
+    raise ExampleError(message)
+
+
+def parse_with_defaults(parser, argv, default_output_dir: str, defaults: dict[str, object]):
+    """``parser.parse_args_into_dataclasses(argv)`` (default: ``sys.argv[1:]``) with ``output_dir`` =
+    ``default_output_dir`` and ``defaults`` ({field name: typed value}) as the parser's defaults.
+
+    The defaults are the parser's own (argparse ``set_defaults``), so a flag given on the command
+    line in any form overrides them. A dataclass ``__post_init__`` check that fails (ValueError)
+    becomes a one-line error.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
-    defaults = {"--output_dir": default_output_dir, **defaults}
+    defaults = {"output_dir": default_output_dir, **defaults}
     if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Several processes without CUDA (`accelerate launch --multi_gpu` / torchrun on a CPU
         # machine) only form one gloo group when the Trainer is told to use the CPU.
-        defaults["--use_cpu"] = "true"
-    for flag, value in defaults.items():
-        if flag not in argv:
-            argv += [flag, value]
-    return parser.parse_args_into_dataclasses(args=argv)
+        defaults["use_cpu"] = True
+    dests = {action.dest for action in parser._actions}
+    unknown = set(defaults) - dests
+    if unknown:
+        raise KeyError(f"defaults for flags the parser does not have: {sorted(unknown)}")
+    for action in parser._actions:
+        if action.dest in defaults:
+            action.required = False  # a default makes a required flag optional
+    parser.set_defaults(**defaults)
+    try:
+        return parser.parse_args_into_dataclasses(args=argv)
+    except ValueError as error:  # the dataclasses' own checks (e.g. InfCLTrainingArguments)
+        fail(str(error))
+
+
+# ---- numeric flags ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """What a numeric flag must be: ``test(value)`` true; ``text`` says it in the error."""
+
+    test: Callable[[float], bool]
+    text: str
+
+
+POSITIVE = Rule(lambda v: v > 0, "> 0")
+NON_NEGATIVE = Rule(lambda v: v >= 0, ">= 0")
+RATIO = Rule(lambda v: 0 <= v <= 1, "between 0 and 1")
+BELOW_ONE = Rule(lambda v: 0 <= v < 1, ">= 0 and < 1")
+STEPS = Rule(lambda v: v > 0 or v == -1, "> 0, or -1 (train for num_train_epochs)")
+SEED = Rule(lambda v: 0 <= v < 2**32, "between 0 and 2**32 - 1")
+RANK = Rule(lambda v: v >= -1, ">= -1")
+
+# Every numeric field of transformers' TrainingArguments (and of sentence-transformers' and
+# hf_infcl's subclasses). None, where a field allows it, always passes: it means "not set".
+TRAINING_ARGUMENT_RULES = {
+    "per_device_train_batch_size": POSITIVE,
+    "per_device_eval_batch_size": POSITIVE,
+    "gradient_accumulation_steps": POSITIVE,
+    "eval_accumulation_steps": POSITIVE,
+    "num_train_epochs": POSITIVE,
+    "max_steps": STEPS,
+    "learning_rate": POSITIVE,
+    "warmup_steps": NON_NEGATIVE,
+    "warmup_ratio": RATIO,
+    "weight_decay": NON_NEGATIVE,
+    "adam_beta1": BELOW_ONE,
+    "adam_beta2": BELOW_ONE,
+    "adam_epsilon": POSITIVE,
+    "max_grad_norm": NON_NEGATIVE,
+    "label_smoothing_factor": BELOW_ONE,
+    "neftune_noise_alpha": POSITIVE,
+    "torch_empty_cache_steps": POSITIVE,
+    "logging_steps": POSITIVE,
+    "eval_steps": POSITIVE,
+    "eval_delay": NON_NEGATIVE,
+    "save_steps": POSITIVE,
+    "save_total_limit": NON_NEGATIVE,
+    "seed": SEED,
+    "data_seed": SEED,
+    "dataloader_num_workers": NON_NEGATIVE,
+    "dataloader_prefetch_factor": POSITIVE,
+    "ddp_bucket_cap_mb": POSITIVE,
+    "ddp_timeout": POSITIVE,
+    "local_rank": RANK,
+    # InfCLTrainingArguments
+    "chunk_size": POSITIVE,
+    "logit_scale_max": POSITIVE,
+    "eval_block_rows": POSITIVE,
+}
+
+# The text examples' shared data options (text_pairs.TextPairArguments).
+TEXT_PAIR_RULES = {
+    "max_train_pairs": POSITIVE,
+    "held_out_pairs": POSITIVE,
+    "max_seq_length": POSITIVE,
+}
+
+
+def _is_number_type(annotation) -> bool:
+    if annotation in (int, float):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return bool(args) and all(a in (int, float) for a in args)
+    return False
+
+
+def numeric_fields(dataclass_type) -> list[str]:
+    """Names of the fields of ``dataclass_type`` typed int or float (or ``int | None`` ...)."""
+    hints = typing.get_type_hints(dataclass_type)
+    return [f.name for f in dataclasses.fields(dataclass_type) if f.init and _is_number_type(hints[f.name])]
+
+
+def check_numeric_flags(objects, rules: dict[str, Rule]) -> None:
+    """Check every numeric field of the parsed dataclasses ``objects`` that ``rules`` names;
+    the first bad one ends the run with ``--<name> must be <rule>, got <value>``."""
+    for obj in objects:
+        for name in numeric_fields(type(obj)):
+            value = getattr(obj, name)
+            rule = rules.get(name)
+            if rule is None or value is None or isinstance(value, bool):
+                continue
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or not rule.test(value):
+                fail(f"--{name} must be {rule.text}, got {value!r}")
+
+
+# ---- --push_to_hub ---------------------------------------------------------------------------
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _status_code(error: BaseException):
+    response = getattr(error, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def check_hub_push(repo_id: str | None, output_dir: str, token: str | None = None,
+                   private: bool = False) -> str:
+    """Before training, make sure ``--push_to_hub`` can succeed; return the repo id to push to.
+
+    Checks, in order, with a one-line error for each: a token exists (``--hub_token``, ``HF_TOKEN``
+    or ``hf auth login``); the Hub answers and accepts the token (``whoami``); the repo id is
+    valid (without ``--hub_model_id``: ``<your user name>/<output_dir's name>``, as the Trainer
+    does); the repo exists or can be created (``create_repo(exist_ok=True)``, as the Trainer does
+    at its start).
+    """
+    try:
+        import huggingface_hub
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+    except ImportError:
+        fail("--push_to_hub needs huggingface_hub: pip install huggingface_hub")
+    if repo_id is not None:
+        try:
+            validate_repo_id(repo_id)
+        except HFValidationError as error:
+            fail(f"--hub_model_id {repo_id!r} is not a valid repo id ('user/name'): {first_line(error)}")
+    token = token or huggingface_hub.get_token()
+    if not token:
+        fail("--push_to_hub needs a Hugging Face token with write access: run `hf auth login`, set "
+             "HF_TOKEN, or pass --hub_token")
+    api = huggingface_hub.HfApi(token=token)
+    endpoint = getattr(huggingface_hub.constants, "ENDPOINT", "the Hugging Face Hub")
+    try:
+        user = api.whoami()
+    except Exception as error:  # network, offline mode, refused token: all end the run here
+        if _status_code(error) == 401:
+            fail(f"--push_to_hub: the Hub refused the token ({first_line(error)})")
+        fail(f"--push_to_hub: cannot reach {endpoint} ({first_line(error)}); train without "
+             "--push_to_hub and upload later with hf_infcl.model_card.push_checkpoint")
+    if repo_id is None:
+        name = os.path.basename(os.path.abspath(output_dir))
+        repo_id = f"{user['name']}/{name}" if isinstance(user, dict) and user.get("name") else name
+        try:
+            validate_repo_id(repo_id)
+        except HFValidationError as error:
+            fail(f"--push_to_hub without --hub_model_id pushes to {repo_id!r}, which is not a valid repo "
+                 f"id ({first_line(error)}); pass --hub_model_id user/name")
+    try:
+        api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+    except Exception as error:
+        fail(f"--push_to_hub: cannot create or write the repo {repo_id} ({first_line(error)})")
+    return repo_id
+
+
+def push_output_dir(output_dir: str, repo_id: str, token: str | None = None, private: bool = False) -> str:
+    """Upload the run's folder (model, processor/tokenizer, card, results) to ``repo_id``.
+
+    Call it after the results are printed and saved: should the upload still fail (the network
+    went away during training), the run ends with one line saying where the model is, exit 1.
+    """
+    from hf_infcl.model_card import push_checkpoint
+
+    try:
+        url = push_checkpoint(output_dir, repo_id, token=token, private=private)
+    except Exception as error:
+        raise SystemExit(
+            f"{os.path.basename(sys.argv[0]) or 'example'}: error: push to {repo_id} failed "
+            f"({first_line(error)}); the model is saved in {os.path.abspath(output_dir)}: upload it "
+            f"later with hf_infcl.model_card.push_checkpoint({str(output_dir)!r}, {repo_id!r})"
+        ) from None
+    print(f"pushed to {url}", flush=True)
+    return url

@@ -1,6 +1,6 @@
 """What the text examples leave in their output folder after training: ``eval_results.json``,
 hf_infcl's model card (with the fields both text examples share), and, when asked, the upload
-of the whole folder to the Hub."""
+of the whole folder to the Hub (``example_cli.push_output_dir``)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,16 @@ import os
 import torch
 
 
-def save_results_and_card(args, script_args, data, trainer, *, before, after, train_seconds, push_to_hub,
+def save_results_and_card(args, script_args, data, trainer, *, before, after, train_seconds,
                           **card_fields) -> None:
-    """Write eval_results.json and the model card into ``args.output_dir``; push it if asked.
+    """Write eval_results.json and the model card into ``args.output_dir``.
 
-    ``args``: the run's TrainingArguments; ``script_args``: a ``TextPairArguments``; ``data``: the
+    ``args``: the run's TrainingArguments (``hub_model_id``, when set, is what the card's usage
+    snippet loads; else the local folder); ``script_args``: a ``TextPairArguments``; ``data``: the
     ``TextPairs`` trained on; ``card_fields``: what differs between the examples (loss settings,
     library name, tags). Call it on the main process, after the model is saved.
     """
-    from hf_infcl.model_card import push_checkpoint, save_model_card
+    from hf_infcl.model_card import save_model_card
 
     with open(os.path.join(args.output_dir, "eval_results.json"), "w") as handle:
         json.dump({"before": before, "after": after, "train_seconds": train_seconds}, handle, indent=2)
@@ -48,11 +49,4 @@ def save_results_and_card(args, script_args, data, trainer, *, before, after, tr
         repo_id=args.hub_model_id or os.path.abspath(args.output_dir),
         **card_fields,
     )
-    if push_to_hub:
-        url = push_checkpoint(
-            args.output_dir,
-            args.hub_model_id or os.path.basename(args.output_dir.rstrip("/")),
-            token=args.hub_token,
-            private=bool(args.hub_private_repo),
-        )
-        print(f"pushed to {url}")
+

