@@ -56,6 +56,7 @@ upcasts its loads to fp32 before ``tl.dot``: the interpreter's half-precision do
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -402,13 +403,15 @@ def auto_splits(n_outer: int, n_inner: int, device: torch.device) -> int:
     return max(1, min(wanted, n_inner // 2048))
 
 
+@functools.lru_cache(maxsize=None)
 def _unused_pointer(device: torch.device) -> torch.Tensor:
-    """A fresh one-element buffer for pointer arguments that a kernel specialisation never reads.
+    """A one-element buffer of this module's own (one per device) for pointer arguments that a
+    kernel specialisation never reads.
 
     It must not be one of the caller's tensors: the autotuner restores ``col_partial_ptr`` (and
     zeroes ``row_sums_ptr``) around every trial, i.e. it copies into whatever tensor sits in that
     slot. Passing the logit scale there made the first, tuning call bump the version counter of
-    the caller's ``logit_scale`` tensor and broke its autograd graph.
+    the caller's ``logit_scale`` tensor and broke its autograd graph. Its contents never matter.
     """
     return torch.empty(1, dtype=torch.float32, device=device)
 
