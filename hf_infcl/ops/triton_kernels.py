@@ -403,7 +403,7 @@ def auto_splits(n_outer: int, n_inner: int, device: torch.device) -> int:
     return max(1, min(wanted, n_inner // 2048))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _unused_pointer(device: torch.device) -> torch.Tensor:
     """A one-element buffer of this module's own (one per device) for pointer arguments that a
     kernel specialisation never reads.
