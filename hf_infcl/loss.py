@@ -2,7 +2,7 @@
 
 This layer checks arguments (before any kernel runs), picks a backend, assembles the per-row
 loss from the backend's statistics and the positive logits, and reduces. The contract it
-implements is DESIGN.md section 3.
+implements is docs/contract.md.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def _stats_spec(loss, symmetric, precision, queries) -> StatsSpec:
 
 
 def assemble_per_row_loss(spec, positives, row_stat, col_stat, positive_logit):
-    """Per-row loss from the statistics and the positive logits z_{i,p(i)} (DESIGN.md section 3)."""
+    """Per-row loss from the statistics and the positive logits z_{i,p(i)} (docs/contract.md)."""
     if spec.loss == "sigmoid":
         # -log sigmoid(z) = softplus(z) - z for the positive, softplus(z) for each negative.
         return row_stat - positive_logit

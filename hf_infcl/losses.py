@@ -363,7 +363,7 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         # symmetric=True is MNSRL: (row LSE over all candidates + column LSE of each anchor's
         # positive over all anchors) / 2 - positive logit. MNSRL's doc_to_query term is
         # similarity(anchors, positives).T: the positives column only, never the hard negatives,
-        # which is exactly hf_infcl's column term "over positive keys only" (DESIGN.md section 3).
+        # which is exactly hf_infcl's column term "over positive keys only" (docs/contract.md).
         return contrastive_loss(
             anchors,
             candidates,

@@ -1,4 +1,4 @@
-"""A float64 NumPy implementation of DESIGN.md section 3, value and gradients.
+"""A float64 NumPy implementation of docs/contract.md, value and gradients.
 
 It shares no code with the package (not even torch autograd): the gradients are the contract's
 closed form dL/dz_ij, so a wrong backward in any backend cannot hide behind the same mistake here.

@@ -36,7 +36,7 @@ def test_kernels_under_interpreter_match_float64_reference():
 # ----------------------------------------------------------------------------------------------
 # GPU
 
-# Norm-wise relative tolerances (DESIGN.md section 7 and issue 3).
+# Norm-wise relative tolerances (docs/contract.md, "Accuracy").
 TOLERANCE = {"bf16": 1e-2, "fp16": 1e-2, "tf32": 3e-3, "ieee": 1e-5}
 DTYPES = {"bf16": (torch.bfloat16, "auto"), "fp16": (torch.float16, "auto"),
           "tf32": (torch.float32, "tf32"), "ieee": (torch.float32, "ieee")}

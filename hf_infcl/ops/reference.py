@@ -1,7 +1,7 @@
 """The materialised contrastive loss, written for clarity: the oracle of every test.
 
 It builds the whole m x k logit matrix, so it is only for small batches (and for checking the
-other backends). It follows DESIGN.md section 3 literally and shares no code with them.
+other backends). It follows docs/contract.md literally and shares no code with them.
 """
 
 from __future__ import annotations

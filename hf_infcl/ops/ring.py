@@ -29,7 +29,7 @@ padded to the largest k; each rank computes only on the owner's real keys.
 
 Gradients: each rank's backward returns the gradient of the *sum of every rank's* loss with
 respect to its own queries and keys, and its share of the gradient of the scale and bias (from the
-logits it computed). With the ``mean`` reduction of DESIGN.md section 3, DDP's average of the
+logits it computed). With the ``mean`` reduction of docs/contract.md ("Reductions"), DDP's average of the
 ranks' gradients is then exactly the gradient of the global mean; no collective touches the scale
 or the bias.
 """

@@ -10,17 +10,18 @@ probabilities, masked) into a bounded scratch buffer; two cuBLAS GEMMs then add 
 query accumulator and G^T Q to the key accumulator. ``hf_infcl.ops.triton_kernels`` explains why
 G goes through that buffer rather than register accumulators for widths of 512-1024.
 
-fp32 inputs with TF32 precision ("auto"/"tf32") run the kernels on TF32 tensor cores, as
-DESIGN.md says, after rounding the operands to TF32 to nearest (``round_to_tf32``: the dot
-itself truncates). The backward's two GEMMs then multiply fp16 copies scaled by 1 / max|x| (per
-tensor) and G in fp16: a TF32 GEMM would round its operands to the same 10-bit mantissa, while
-fp16 halves G's bytes and runs at twice the TF32 rate; the scaling keeps every value in fp16's
-range, and the factors go into the accumulation. What differs from TF32 is fp16's smaller
-exponent range *below* the largest entry (entries under 6e-5 x max|x| keep an absolute error
-of 3e-8 x max|x|). ``TritonBlocks(tf32_via_fp16=True)`` also runs the kernels on those fp16
-copies (the factors folded into the logit scale): faster still, but opt-in because on 2 x H200
-its ring gradients were 2-3x further from float64 (5-8e-3) than one GPU's, beyond the TF32
-tolerance, and the cause is not yet known. ``precision="ieee"`` keeps exact fp32 everywhere.
+fp32 inputs with TF32 precision ("auto" on CUDA, or "tf32") run the kernels on TF32 tensor
+cores, as docs/contract.md ("Precision") says, after rounding the operands to TF32 to nearest
+(``round_to_tf32``: the dot itself truncates). The backward's two GEMMs then multiply fp16
+copies scaled by 1 / max|x| (per tensor) and G in fp16: a TF32 GEMM would round its operands to
+the same 10-bit mantissa, while fp16 halves G's bytes and runs at twice the TF32 rate; the
+scaling keeps every value in fp16's range, and the factors go into the accumulation. What
+differs from TF32 is fp16's smaller exponent range *below* the largest entry (entries under 6e-5
+x max|x| keep an absolute error of 3e-8 x max|x|). ``TritonBlocks(tf32_via_fp16=True)`` also
+runs the kernels on those fp16 copies (the factors folded into the logit scale): faster still,
+but opt-in because on 2 x H200 its ring gradients were 2-3x further from float64 (5-8e-3) than
+one GPU's, beyond the TF32 tolerance, and the cause is not yet known. ``precision="ieee"`` keeps
+exact fp32 everywhere.
 
 The object keeps no state between calls, so the ring can call it once per visiting key block.
 Float64 inputs have no tensor-core path: they are handed to :class:`TorchTiles`.
