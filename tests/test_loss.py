@@ -293,3 +293,16 @@ def test_no_input_is_modified_in_place(backend, loss, symmetric):
     assert all(torch.isfinite(g).all() for g in grads)
     after = {name: inputs[name]._version for name in versions}
     assert after == versions
+
+
+def test_precision_auto_has_one_meaning():
+    """"auto" is TF32 exactly where TF32 exists (fp32 inputs on CUDA), in every backend; an
+    explicit choice is kept."""
+    from hf_infcl.ops.spec import resolve_precision
+
+    assert resolve_precision("auto", torch.float32, torch.device("cuda")) == "tf32"
+    assert resolve_precision("auto", torch.float32, torch.device("cpu")) == "ieee"
+    assert resolve_precision("auto", torch.float64, torch.device("cuda")) == "ieee"
+    for explicit in ("tf32", "ieee"):
+        for device in ("cpu", "cuda"):
+            assert resolve_precision(explicit, torch.float32, torch.device(device)) == explicit
