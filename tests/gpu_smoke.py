@@ -177,7 +177,8 @@ def run_trainer_case(model_name: str, chunk_size: int | None):
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 3 and all(math.isfinite(value) for value in losses), losses
     parameters = dict(model.named_parameters())
-    moved = {name: not torch.equal(parameters[name].detach(), before) for name, before in learned.items()}
+    moved = {name: not torch.equal(parameters[name].detach().cpu(), before.cpu())
+             for name, before in learned.items()}
     assert all(moved.values()), f"learned scale/bias did not train: {moved}"
     assert next(model.parameters()).device.type == "cuda"
     return {"losses": losses}
