@@ -15,26 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.offline import offline_env
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
-
-
-def offline_env(tmp_path):
-    """A fresh Hugging Face home (so no accelerate config exists) and no network."""
-    env = dict(os.environ)
-    env.update(
-        HF_HOME=str(tmp_path / "hf_home"),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONUNBUFFERED="1",
-    )
-    env.pop("ACCELERATE_CONFIG_FILE", None)
-    for name in [n for n in env if n.startswith(("ACCELERATE_", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))]:
-        env.pop(name)
-    return env
 
 
 def run_in(tmp_path, command, timeout):

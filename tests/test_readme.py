@@ -10,13 +10,14 @@ silently did nothing fails too.
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.offline import offline_env
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -61,22 +62,6 @@ def python_blocks(path: Path = README) -> list[tuple[str, str]]:
     if code is not None:
         blocks.append((section, "\n".join(code) + "\n"))
     return blocks
-
-
-def offline_env(tmp_path: Path) -> dict:
-    env = dict(os.environ)
-    env.update(
-        HF_HOME=str(tmp_path / "hf_home"),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
-    )
-    launcher = ("ACCELERATE_", "WORLD_SIZE", "LOCAL_RANK", "RANK", "MASTER_")
-    for name in [n for n in env if n.startswith(launcher)]:
-        env.pop(name)
-    return env
 
 
 def test_every_python_block_has_a_check():
