@@ -49,6 +49,18 @@ Rules that make the gradients exact and DDP efficient:
   are taken, so fp16 gradients in the replays carry the scaler's factor like any backward.
 - Autocast: call the encoders inside autocast in your callables, or give ``forward_context``;
   phase 1 and the replays run the same callable, so they agree.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``): call the sharded module's ``forward`` in the
+encoder callables (FSDP2 gathers the root's own parameters only around it), and pass the loss
+parameters as read before the step (sharded DTensors): the loss sees their full value, and their
+gradient, averaged over ranks like FSDP2's own, is added to the sharded ``.grad`` after the last
+replay. ``fully_shard`` refuses 0-d parameters, so a scalar logit scale is reshaped to ``[1]``
+first. Two ways to reduce the encoders' gradients, both exact:
+
+- ``no_sync=lambda: fsdp_no_sync(model)``: the replays accumulate unsharded gradients and the
+  last one reduce-scatters them: one reduction per step, unsharded gradient memory;
+- ``no_sync=None``: every replay's backward reduce-scatters into the sharded gradients: sharded
+  gradient memory, one reduce-scatter per chunk.
 """
 
 from __future__ import annotations
@@ -59,7 +71,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CachedStepOutput", "cached_step", "split_batch", "to_device"]
+__all__ = ["CachedStepOutput", "cached_step", "fsdp_no_sync", "split_batch", "to_device"]
 
 
 @dataclass
@@ -151,6 +163,8 @@ def cached_step(
             tower_outputs.append(outputs)
 
     # Phase 2: the loss on the full embeddings, and its gradient w.r.t. them (and loss_params).
+    # A loss parameter sharded by FSDP2 (a DTensor) enters the loss as its full value.
+    loss_values = [_full_value(param) for param in loss_params]
     embeddings = []
     for outputs in tower_outputs:
         widths = {len(out) for out in outputs}
@@ -158,14 +172,20 @@ def cached_step(
             raise ValueError("an encoder returned a different number of outputs for different chunks")
         for position in range(widths.pop()):
             embeddings.append(torch.cat([out[position] for out in outputs]).detach().requires_grad_())
-    loss = loss_fn(*embeddings, *loss_params)
+    loss = loss_fn(*embeddings, *loss_values)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError("loss_fn must return a scalar tensor")
     scaled = scale_loss(loss) if scale_loss is not None else loss
     # Only loss_params that require grad are differentiated (a fixed scale may be passed too).
-    learned = [param for param in loss_params if param.requires_grad]
-    grads = torch.autograd.grad(scaled, [*embeddings, *learned], allow_unused=True)
+    learned = [(param, value) for param, value in zip(loss_params, loss_values) if param.requires_grad]
+    grads = torch.autograd.grad(scaled, [*embeddings, *(value for _, value in learned)], allow_unused=True)
     embedding_grads, param_grads = grads[: len(embeddings)], grads[len(embeddings):]
+    # Plain parameters get their gradient through the last replay's backward, so DDP reduces it
+    # with the rest; sharded ones are reduced here, after that backward (FSDP2 never sees them).
+    plain = [(param, grad) for (param, _), grad in zip(learned, param_grads)
+             if grad is not None and not _is_dtensor(param)]
+    sharded = [(param, grad) for (param, _), grad in zip(learned, param_grads)
+               if grad is not None and _is_dtensor(param)]
 
     # Phase 3: replay each chunk with grad under its recorded RNG state; backprop the cached grads.
     offset = 0
@@ -192,15 +212,61 @@ def cached_step(
                         continue
                     surrogate.append((output * grad[start: start + rows].to(output.dtype)).sum())
                 if last_overall:
-                    surrogate.extend(
-                        (param * grad.to(param.dtype)).sum()
-                        for param, grad in zip(learned, param_grads)
-                        if grad is not None
-                    )
+                    surrogate.extend((param * grad.to(param.dtype)).sum() for param, grad in plain)
                 if surrogate:
                     torch.stack([term.float() for term in surrogate]).sum().backward()
+    for param, grad in sharded:
+        _accumulate_sharded_grad(param, grad)
 
     return CachedStepOutput(loss=loss.detach(), embeddings=tuple(e.detach() for e in embeddings))
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(module):
+    """The ``no_sync`` of an FSDP2 module (``torch.distributed.fsdp.fully_shard``): gradient
+    reduction off inside, so the replays accumulate unsharded gradients and the last replay
+    reduce-scatters them once (one reduction per step, at the memory cost of unsharded
+    gradients). Pass ``no_sync=lambda: fsdp_no_sync(model)`` to :func:`cached_step`; leave
+    ``no_sync`` out to reduce-scatter after every replay instead (sharded gradient memory, one
+    reduce-scatter per chunk)."""
+    if not hasattr(module, "set_requires_gradient_sync"):
+        raise TypeError(f"fsdp_no_sync needs a module wrapped by fully_shard, got {type(module).__name__}")
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def _is_dtensor(tensor) -> bool:
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "full_tensor")
+
+
+def _full_value(param: torch.Tensor) -> torch.Tensor:
+    """The value the loss sees: the tensor itself, or for a DTensor (a parameter sharded by FSDP2)
+    its full value gathered from every rank, as a plain leaf."""
+    if not _is_dtensor(param):
+        return param
+    return param.full_tensor().detach().requires_grad_(param.requires_grad)
+
+
+def _accumulate_sharded_grad(param, grad: torch.Tensor) -> None:
+    """Add the average over ranks of ``grad`` (this rank's gradient of the full value) to the
+    sharded ``param.grad``, as FSDP2's own reduction does for the parameters it sees: each rank's
+    loss is its share of the global loss, so the average is the gradient of the global loss."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = param.device_mesh
+    reduced = grad.detach().to(param.dtype).clone()
+    dist.all_reduce(reduced, group=mesh.get_group())
+    reduced /= mesh.size()
+    # Every rank holds the same full value now: each keeps its own shard, with no communication.
+    shard = distribute_tensor(reduced, mesh, param.placements, src_data_rank=None)
+    if param.grad is None:
+        param.grad = shard
+    else:
+        param.grad += shard
 
 
 def split_batch(inputs: Mapping, chunk_size: int | None) -> list[dict]:

@@ -1,0 +1,151 @@
+"""Worker for the FSDP2 GradCache tests: ``torchrun --nproc_per_node 2 tests/fsdp_workers.py OUT``.
+
+Each rank wraps a tiny model with ``fully_shard`` (each encoder layer, then the root) on CPU over
+gloo, and takes one step on its own 8 pairs with the ring loss, in several ways:
+
+* ``uncached``: every chunk embedded with grad in one graph, one backward (the reference; the
+  same chunks as the cached step, so that dropout draws the same masks);
+* ``cached-per-step``: :func:`cached_step` with ``fsdp_no_sync``: one reduce-scatter per step;
+* ``cached-per-replay``: :func:`cached_step` without it: a reduce-scatter after every replay.
+
+Rank 0 writes the full (unsharded) gradients of every variant to OUT. With dropout off it also
+writes the gradients of one process without FSDP on the concatenation of both ranks' pairs, which
+the sharded steps must equal (the loss's mean over the group, and the logit scale's gradient
+averaged over ranks like every other gradient).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hf_infcl import contrastive_loss  # noqa: E402
+from hf_infcl.grad_cache import cached_step, fsdp_no_sync, split_batch  # noqa: E402
+from tests.trainer_fixtures import clip_batch, pair_text_batch, tiny_clip, tiny_dual_encoder  # noqa: E402
+
+ROWS_PER_RANK = 8
+CHUNK = 3  # uneven: chunks of 3, 3, 2
+
+
+def build(kind: str, dropout: float):
+    """The model with its logit scale as a 1-element vector: fully_shard refuses 0-d parameters
+    (CLIP's exp(logit_scale) broadcasts the same either way)."""
+    if kind == "clip":
+        model = tiny_clip(dropout=dropout, seed=0)
+    else:
+        model = tiny_dual_encoder(dropout=dropout, seed=0)
+    model.logit_scale = torch.nn.Parameter(model.logit_scale.detach().reshape(1))
+    return model
+
+
+def batch_of(kind: str, rank: int, rows: int = ROWS_PER_RANK):
+    return clip_batch(rows, seed=10 + rank) if kind == "clip" else pair_text_batch(rows, seed=10 + rank)
+
+
+def encoder(kind: str, model):
+    if kind == "clip":
+        def encode(chunk):
+            out = model(**chunk)
+            return out.image_embeds, out.text_embeds
+    else:
+        # Through forward, not encode_queries/encode_docs: FSDP2 gathers the root's own
+        # parameters (embeddings, the scale) only around the root module's forward.
+        def encode(chunk):
+            out = model(**chunk)
+            return out.query_embeds, out.doc_embeds
+    return encode
+
+
+def loss_fn(process_group):
+    def loss(queries, keys, log_scale):
+        return contrastive_loss(queries, keys, log_scale.reshape(()).exp(), process_group=process_group)
+    return loss
+
+
+def shard(kind: str, model):
+    from torch.distributed.fsdp import fully_shard
+
+    if kind == "clip":
+        layers = [*model.text_model.encoder.layers, *model.vision_model.encoder.layers]
+    else:
+        towers = [model.query_encoder] + ([model.doc_encoder] if model.doc_encoder is not None else [])
+        layers = [layer for tower in towers for layer in tower.encoder.layer]
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            grad = param.grad
+            grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
+    return grads
+
+
+def uncached_step(kind, model, batch, seed):
+    """The reference: the same chunks with grad in one graph and one backward. After the root's
+    forward FSDP2 holds the root's parameters unsharded, so the loss uses the scale as the module
+    holds it then, and FSDP2's own reduce-scatter averages its gradient with the rest."""
+    torch.manual_seed(seed)
+    encode = encoder(kind, model)
+    outputs = [encode(chunk) for chunk in split_batch(batch, CHUNK)]
+    queries, keys = (torch.cat(parts) for parts in zip(*outputs))
+    assert not hasattr(model.logit_scale, "full_tensor"), "expected the unsharded scale after forward"
+    loss_fn("auto")(queries, keys, model.logit_scale).backward()
+
+
+def run_variant(kind, variant, dropout, rank):
+    model = shard(kind, build(kind, dropout))
+    batch = batch_of(kind, rank)
+    seed = 100 + rank
+    if variant == "uncached":
+        uncached_step(kind, model, batch, seed)
+        return full_grads(model)
+    torch.manual_seed(seed)
+    no_sync = (lambda: fsdp_no_sync(model)) if variant == "cached-per-step" else None
+    cached_step(encoder(kind, model), batch, loss_fn("auto"), CHUNK, loss_params=[model.logit_scale],
+                no_sync=no_sync)
+    return full_grads(model)
+
+
+def one_process_reference(kind, world_size):
+    """No FSDP, one process, every rank's pairs concatenated, dropout off."""
+    model = build(kind, dropout=0.0)
+    parts = [batch_of(kind, rank) for rank in range(world_size)]
+    batch = {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+    encode = encoder(kind, model)
+    queries, keys = encode(batch)
+    loss_fn(None)(queries, keys, model.logit_scale).backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def main(out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init_device_mesh("cpu", (world_size,))
+    results = {}
+    for kind in ("clip", "dual-encoder"):
+        for dropout in (0.1, 0.0):
+            for variant in ("uncached", "cached-per-step", "cached-per-replay"):
+                results[(kind, dropout, variant)] = run_variant(kind, variant, dropout, rank)
+        if rank == 0:
+            results[(kind, 0.0, "one-process")] = one_process_reference(kind, world_size)
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, "grads.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

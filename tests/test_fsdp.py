@@ -1,0 +1,73 @@
+"""GradCache under FSDP2 (``fully_shard``), two processes on CPU over gloo (``pytest -k fsdp``).
+
+``tests/fsdp_workers.py`` runs once per session and writes every variant's full gradients; the
+tests compare them: the cached step, with either reduction strategy, equals the uncached step
+under the same sharding (dropout on: the replays draw the same masks), and with dropout off both
+equal one process without FSDP on the concatenated batch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+KINDS = ["clip", "dual-encoder"]
+STRATEGIES = ["cached-per-step", "cached-per-replay"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_grads(tmp_path_factory):
+    pytest.importorskip("torch.distributed.fsdp")
+    out = tmp_path_factory.mktemp("fsdp")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(port), str(REPO / "tests" / "fsdp_workers.py"), str(out)]
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    environment = {**os.environ, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}
+    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-5000:]
+    return torch.load(out / "grads.pt")
+
+
+def assert_same_grads(got, expected):
+    assert got.keys() == expected.keys() and len(expected) > 10
+    for name, reference in expected.items():
+        value = got[name].reshape(reference.shape)
+        # Norm-wise, with an absolute floor: a few gradients are zero in exact arithmetic (the
+        # attention key biases) and hold only fp32 rounding noise of ~1e-7.
+        difference, size = float((value - reference).norm()), float(reference.norm())
+        assert difference <= 1e-5 * size + 1e-6, f"{name}: difference {difference:.2e}, norm {size:.2e}"
+
+
+@pytest.mark.parametrize("dropout", [0.1, 0.0], ids=["dropout", "no-dropout"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_fsdp_cached_step_equals_the_uncached_step(fsdp_grads, kind, strategy, dropout):
+    cached = fsdp_grads[(kind, dropout, strategy)]
+    assert_same_grads(cached, fsdp_grads[(kind, dropout, "uncached")])
+    assert float(cached["logit_scale"].abs().max()) > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fsdp_steps_equal_one_process_on_the_concatenated_batch(fsdp_grads, kind):
+    """The loss's mean over the group and the logit scale's gradient averaged over ranks give the
+    gradient of one process's mean over every pair."""
+    one_process = fsdp_grads[(kind, 0.0, "one-process")]
+    for variant in ("uncached", *STRATEGIES):
+        assert_same_grads(fsdp_grads[(kind, 0.0, variant)], one_process)
+
+
+def test_fsdp_no_sync_rejects_a_module_that_is_not_sharded():
+    from hf_infcl.grad_cache import fsdp_no_sync
+
+    with pytest.raises(TypeError, match="fully_shard"), fsdp_no_sync(torch.nn.Linear(2, 2)):
+        pass
