@@ -156,8 +156,12 @@ class InfCLTrainer(Trainer):
         if args.label_smoothing_factor:
             raise ValueError("label_smoothing_factor does not apply to the contrastive loss; leave it at 0")
         if args.chunk_size is not None and (args.deepspeed or self.is_fsdp_enabled):
-            raise ValueError("chunk_size (gradient caching) needs DDP-style no_sync between replays; it is "
-                             "not supported with DeepSpeed or FSDP")
+            engine = "DeepSpeed" if args.deepspeed else "FSDP"
+            raise ValueError(
+                f"InfCLTrainer does not support chunk_size (gradient caching) with {engine} yet. Under "
+                "FSDP2, hf_infcl.grad_cache.cached_step (with fsdp_no_sync) gives exact gradients in your "
+                f"own training loop; without chunk_size the Trainer runs {engine} as usual"
+            )
         if args.gradient_accumulation_steps > 1:
             warnings.warn(
                 "gradient accumulation does not add negatives: each micro-batch of "

@@ -366,3 +366,11 @@ def test_bf16_chunked_offloaded_training_on_gpu(tmp_path):
     assert not torch.equal(model.logit_scale.detach().cpu(), before)
     assert next(model.parameters()).device.type == "cuda"
     assert seen_devices and all(device is None for device in seen_devices)  # no whole-batch transfer
+
+
+def test_chunk_size_with_fsdp_is_rejected_with_a_pointer_to_cached_step(tmp_path):
+    """The Trainer enables FSDP only in distributed runs, so the flag is set by hand here."""
+    trainer = InfCLTrainer(model=tiny_clip(), args=trainer_arguments(tmp_path, chunk_size=4))
+    trainer.is_fsdp_enabled = True
+    with pytest.raises(ValueError, match="chunk_size .* with FSDP yet.*cached_step .*fsdp_no_sync"):
+        trainer._check_combinations()
