@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from .ops import custom_ops, reference, ring
-from .ops.local import LocalLogitStats
-from .ops.spec import BlockOps, GroupMask, StatsSpec, accumulation_dtype, resolve_precision
+from .ops.local import LocalLogitStats, local_mask
+from .ops.spec import BlockOps, StatsSpec, accumulation_dtype, resolve_precision
 from .ops.spec import check_values as _check_values
 
 LOSSES = ("softmax", "sigmoid")
@@ -117,9 +117,7 @@ def _eager_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, 
             query_groups=query_groups, key_groups=key_groups,
         )
     spec = _stats_spec(loss, symmetric, precision, queries)
-    mask = None
-    if query_groups is not None:
-        mask = GroupMask(query_groups, key_groups, positives, key_offset=0)
+    mask = local_mask(query_groups, key_groups, positives)
     row_stat, col_stat, positive_logit = LocalLogitStats.apply(
         queries, keys, scale, bias, positives, mask, spec, backend
     )

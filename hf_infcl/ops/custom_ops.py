@@ -27,8 +27,8 @@ build the op's schema.)
 import torch
 from torch import Tensor
 
-from .local import local_backward, local_forward
-from .spec import GroupMask, StatsSpec, accumulation_dtype, check_values
+from .local import local_backward, local_forward, local_mask
+from .spec import StatsSpec, accumulation_dtype, check_values
 from .tiled import TorchTiles
 
 BACKEND_NAMES = ("torch", "triton")
@@ -43,12 +43,6 @@ def block_ops(backend: str):
 
         return TritonBlocks()
     raise ValueError(f"backend must be one of {', '.join(map(repr, BACKEND_NAMES))}, got {backend!r}")
-
-
-def _mask(query_groups, key_groups, positives) -> GroupMask | None:
-    if query_groups is None:
-        return None
-    return GroupMask(query_groups, key_groups, positives, key_offset=0)
 
 
 @torch.library.custom_op("hf_infcl::logit_stats", mutates_args=())
@@ -69,7 +63,7 @@ def logit_stats(
     if validate:
         check_values(scale, positives, keys.shape[0])
     spec = StatsSpec(loss=loss, columns=columns, precision=precision)
-    mask = _mask(query_groups, key_groups, positives)
+    mask = local_mask(query_groups, key_groups, positives)
     return local_forward(spec, block_ops(backend), queries, keys, scale, bias, positives, mask)
 
 
@@ -102,7 +96,7 @@ def logit_stats_backward(
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     spec = StatsSpec(loss=loss, columns=columns, precision=precision)
-    mask = _mask(query_groups, key_groups, positives)
+    mask = local_mask(query_groups, key_groups, positives)
     grad_q, grad_k, grad_scale, grad_bias = local_backward(
         spec, block_ops(backend), mask, queries, keys, scale, bias, positives, row_stat, col_stat,
         grad_row_stat, grad_col_stat, grad_positive_logit, needs=(True, True, True, bias is not None),

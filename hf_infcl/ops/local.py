@@ -30,6 +30,13 @@ def _row_chunks(rows: int, width: int):
         yield slice(start, min(start + step, rows))
 
 
+def local_mask(query_groups, key_groups, positives) -> GroupMask | None:
+    """The group mask of one process's rows and keys (None without groups)."""
+    if query_groups is None:
+        return None
+    return GroupMask(query_groups, key_groups, positives, key_offset=0)
+
+
 def local_forward(spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, positives,
                   mask: GroupMask | None):
     """(row_stat [m], col_stat [k] or empty, positive_logit [m]) of one process's rows and keys."""
