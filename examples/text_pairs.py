@@ -31,6 +31,17 @@ WORDNET_DIRS = ("/usr/share/wordnet", "/usr/local/share/wordnet", "/opt/homebrew
 WORDNET_LICENSE = "WordNet 3.0 license (Princeton University): free to use, copy, modify and distribute"
 
 
+# The training defaults both text examples share (the parser's own defaults, so any flag given on
+# the command line wins); the README's figures for their no-argument runs come from these.
+TEXT_TRAINING_DEFAULTS = {
+    "per_device_train_batch_size": 64,
+    "learning_rate": 2e-4,
+    "num_train_epochs": 1.0,
+    "logging_steps": 4,
+    "save_strategy": "no",
+    "report_to": "none",
+}
+
 
 @dataclass
 class TextPairArguments:

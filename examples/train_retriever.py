@@ -45,7 +45,7 @@ from example_cli import (  # noqa: E402
 )
 from retrieval_metrics import embed_texts, retrieval_metrics  # noqa: E402
 from text_outputs import save_results_and_card  # noqa: E402
-from text_pairs import TextPairArguments, TextPairs  # noqa: E402
+from text_pairs import TEXT_TRAINING_DEFAULTS, TextPairArguments, TextPairs  # noqa: E402
 
 DEFAULT_OUTPUT_DIR = "outputs/retriever-wordnet"
 
@@ -69,16 +69,7 @@ NUMERIC_RULES = {
 }
 
 # Example-friendly defaults (the parser's own: any flag given on the command line wins).
-DEFAULTS = {
-    "per_device_train_batch_size": 64,
-    "learning_rate": 2e-4,
-    "num_train_epochs": 1.0,
-    "logging_steps": 4,
-    "save_strategy": "no",
-    "report_to": "none",
-    "group_column": "groups",
-    "remove_unused_columns": False,
-}
+DEFAULTS = {**TEXT_TRAINING_DEFAULTS, "group_column": "groups", "remove_unused_columns": False}
 
 
 class PairCollator:
