@@ -42,6 +42,17 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def close_process_group() -> None:
+    """Destroy the default process group at the end of a launched run.
+
+    A process that exits with a gloo group still alive can abort during interpreter shutdown
+    ("terminate called without an active exception"): gloo's worker threads still hold tensors
+    when Python is torn down. The Trainer does not destroy the group, so the scripts do.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def fail(message: str):
     """Print ``<script>: error: <message>`` once (main process) and exit with status 2."""
     if is_main_process():

@@ -35,6 +35,7 @@ from example_cli import (  # noqa: E402
     TRAINING_ARGUMENT_RULES,
     check_hub_push,
     check_numeric_flags,
+    close_process_group,
     fail,
     is_main_process,
     parse_with_defaults,
@@ -185,3 +186,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    close_process_group()

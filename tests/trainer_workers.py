@@ -51,3 +51,5 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    # Without this, gloo can abort the process during interpreter shutdown (a torch issue).
+    torch.distributed.destroy_process_group()
