@@ -81,6 +81,92 @@ def pair_text_batch(batch: int, seed: int = 2, seq_len: int = 7, vocab_size: int
     return result
 
 
+DECODER_EOS, DECODER_PAD = 2, 0  # the tiny decoder's special ids (bos is 1)
+
+
+def tiny_decoder_config(dropout: float = 0.1, vocab_size: int = 40, model_type: str = "qwen2"):
+    """A tiny decoder-only LLM config: "qwen2" (Qwen2 layout), "llama", or "gpt2" (learned absolute
+    positions, where left padding changes the result unless positions are counted over the mask).
+    Hidden 16, 2 layers, 2 heads, 1 KV head (grouped-query attention); ``dropout`` is the
+    attention dropout (what Qwen2/Llama have); eos 2, pad 0, bos 1."""
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+
+    special = dict(eos_token_id=DECODER_EOS, pad_token_id=DECODER_PAD, bos_token_id=1)
+    if model_type == "gpt2":
+        return GPT2Config(vocab_size=vocab_size, n_embd=16, n_layer=2, n_head=2, n_inner=32, n_positions=64,
+                          attn_pdrop=dropout, resid_pdrop=dropout, embd_pdrop=dropout, **special)
+    builders = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+    if model_type not in builders:
+        raise ValueError(f"model_type must be 'qwen2', 'llama' or 'gpt2'; got {model_type!r}")
+    return builders[model_type](
+        vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, attention_dropout=dropout,
+        tie_word_embeddings=False, **special,
+    )
+
+
+def tiny_decoder_dual_encoder(shared: bool = True, dropout: float = 0.1, pooling: str = "last", seed: int = 0,
+                              learn_scale: bool = True, model_type: str = "qwen2",
+                              attn_implementation: str | None = None, **settings):
+    """A DualEncoder over tiny decoder towers (``tiny_decoder_config``), last-token pooling by default,
+    in training mode; ``settings`` go to ``DualEncoder.from_encoders`` (e.g. ``query_instruction``)."""
+    from hf_infcl.models import DualEncoder
+
+    torch.manual_seed(seed)
+    config = tiny_decoder_config(dropout, model_type=model_type)
+    model = DualEncoder.from_encoders(config, None if shared else config, pooling=pooling,
+                                      learn_scale=learn_scale, logit_scale_init=10.0,
+                                      attn_implementation=attn_implementation, **settings)
+    return model.train()
+
+
+def decoder_text_batch(batch: int, seed: int = 2, seq_len: int = 7, vocab_size: int = 40,
+                       padding_side: str = "left"):
+    """Random query/document token ids for a tiny decoder DualEncoder: each text ends with the EOS id
+    (2), is padded with 0 on ``padding_side``, and the first row of each side fills the whole
+    length (an all-ones mask beside shorter rows). The same ``seed`` gives the same texts on
+    either padding side, so the two batches must give the same embeddings."""
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right'; got {padding_side!r}")
+    generator = torch.Generator().manual_seed(seed)
+    result = {}
+    for side in ("query", "doc"):
+        ids = torch.randint(3, vocab_size, (batch, seq_len), generator=generator)
+        lengths = torch.randint(2, seq_len + 1, (batch,), generator=generator)
+        lengths[0] = seq_len
+        mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
+        ids[torch.arange(batch), lengths - 1] = DECODER_EOS
+        ids = ids * mask + DECODER_PAD * (1 - mask)
+        if padding_side == "left":
+            order = torch.argsort(mask, dim=1, stable=True)  # padding first, tokens in order after
+            ids, mask = ids.gather(1, order), mask.gather(1, order)
+        result[f"{side}_input_ids"] = ids
+        result[f"{side}_attention_mask"] = mask
+    return result
+
+
+def decoder_word_tokenizer(add_eos: bool = False):
+    """A word-level tokenizer for the tiny decoders (ids below 40), built offline: like Qwen2's and
+    Llama's, it adds no EOS unless ``add_eos``; ``<|endoftext|>`` (id 2) is its EOS, ``<pad>`` (0)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["Instruct:", "find", "the", "word", "Query:", "passage:", "a", "an", "dog", "cat", "is", "was",
+             "small", "big", "red", "blue", "one", "two", "three", "what", "which", "animal", "colour",
+             "number", "runs", "sits"]
+    vocab = {"<pad>": 0, "<bos>": 1, "<|endoftext|>": 2, "<unk>": 3}
+    for word in words:
+        vocab.setdefault(word, len(vocab))
+    assert len(vocab) <= 40
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if add_eos:
+        core.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>",
+                                                            special_tokens=[("<|endoftext|>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<|endoftext|>",
+                                   bos_token="<bos>", unk_token="<unk>")
+
+
 class PairDataset(torch.utils.data.Dataset):
     """Rows of a dict of equally long tensors, one dict per example (what a collator stacks)."""
 
