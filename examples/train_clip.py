@@ -5,6 +5,7 @@
     accelerate launch examples/train_clip.py --dataset openmoji --num_train_epochs 40
     accelerate launch examples/train_clip.py --model_name_or_path ./my-clip --dataset captions.csv \\
         --per_device_train_batch_size 4096 --chunk_size 256 --offload --mixed_precision bf16
+    accelerate launch --config_file examples/fsdp2.yaml examples/train_clip.py --chunk_size 64   # FSDP2
 
 With no arguments it builds a tiny CLIPModel from a config (word-level tokenizer over the
 captions, CLIP image processor from arguments: nothing is downloaded), trains it on
@@ -24,10 +25,18 @@ Several processes on a machine without a GPU: ``accelerate launch --multi_gpu --
 (the script then asks Accelerate for gloo on the CPU; ``--use_cpu`` does the same on a GPU
 machine). ``accelerate launch --cpu --num_processes 2`` starts a single process unless MPI is
 set up: that is Accelerate's behaviour, and the script says so when it sees it.
+
+FSDP2 (``examples/fsdp2.yaml``: ``fully_shard`` on every encoder layer and on the two towers,
+GPUs only: Accelerate ignores FSDP on the CPU) works with and without ``--chunk_size``: the
+gradient-cached step reduce-scatters once per step (``--reduce_every_chunk``: after every chunk,
+keeping gradients sharded). ``fully_shard`` refuses 0-d parameters, so CLIP's scalar logit scale
+is trained as a 1-element vector and saved back as CLIP's scalar; ``save_steps`` /
+``--resume_from_checkpoint`` use Accelerate's sharded checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -119,6 +128,13 @@ class TrainArguments:
     )
     offload: bool = field(
         default=False, metadata={"help": "GradCache: keep the batch in (pinned) host memory."}
+    )
+    reduce_every_chunk: bool = field(
+        default=False,
+        metadata={
+            "help": "GradCache: reduce the gradients after every chunk's backward instead of once per "
+            "step; under FSDP2 they then stay sharded (less memory, one reduce-scatter per chunk)."
+        },
     )
     loss: str = field(default="softmax", metadata={"help": "'softmax' (CLIP InfoNCE) or 'sigmoid' (SigLIP)."})
     symmetric: bool = field(default=True, metadata={"help": "Softmax: average image->text and text->image."})
@@ -242,20 +258,129 @@ def _features(output):
 
 
 class ClipEmbedder(torch.nn.Module):
-    """The two towers as one module returning normalised embeddings (what DDP wraps).
+    """The two towers as one module returning normalised embeddings (what DDP / FSDP2 wrap).
 
     Calling the model's ``forward`` would build CLIP's b x b logits matrix, which is what the
-    Inf-CL loss exists to avoid.
+    Inf-CL loss exists to avoid. SigLIP's learned bias (CLIPModel has none) is a parameter of this
+    module rather than of the loop: DDP and FSDP2 then average its gradient over the processes
+    like the logit scale's, Accelerate's FSDP2 ``prepare`` finds it in the model (it remaps every
+    optimizer parameter to the model's sharded one), and ``save_state`` checkpoints it.
     """
 
-    def __init__(self, clip):
+    def __init__(self, clip, logit_bias: float | None = None):
         super().__init__()
         self.clip = clip
+        self.logit_bias = None if logit_bias is None else torch.nn.Parameter(torch.tensor(float(logit_bias)))
 
-    def forward(self, pixel_values, input_ids, attention_mask):
-        image = _features(self.clip.get_image_features(pixel_values=pixel_values))
-        text = _features(self.clip.get_text_features(input_ids=input_ids, attention_mask=attention_mask))
-        return F.normalize(image, dim=-1), F.normalize(text, dim=-1)
+    def forward(self, pixel_values=None, input_ids=None, attention_mask=None):
+        """(image, text) embeddings of the towers whose inputs are given (None for the other).
+
+        Evaluation calls this too: FSDP2 gathers this root module's own parameters (embeddings,
+        projections, the scale) only around its ``forward``.
+        """
+        image = text = None
+        if pixel_values is not None:
+            image = F.normalize(_features(self.clip.get_image_features(pixel_values=pixel_values)), dim=-1)
+        if input_ids is not None:
+            text = _features(self.clip.get_text_features(input_ids=input_ids, attention_mask=attention_mask))
+            text = F.normalize(text, dim=-1)
+        return image, text
+
+    def loss_parameters(self) -> list[torch.Tensor]:
+        """The parameters the loss uses directly, read now: under FSDP2 the module holds sharded
+        DTensors between steps and the gathered tensors after a forward."""
+        return [self.clip.logit_scale] + ([self.logit_bias] if self.logit_bias is not None else [])
+
+
+def vectorise_scalar_parameters(module) -> list[str]:
+    """Replace every 0-d parameter of ``module`` by a 1-element one (``fully_shard`` refuses 0-d
+    parameters; CLIP's ``logit_scale.exp()`` broadcasts the same); the names replaced."""
+    names = []
+    for name, param in list(module.named_parameters()):
+        if param.ndim == 0:
+            owner_name, _, attribute = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            setattr(owner, attribute, torch.nn.Parameter(param.detach().reshape(1), param.requires_grad))
+            names.append(name)
+    return names
+
+
+def pretrained_state_dict(embedder_state: dict, vectorised: list[str], prefix: str = "clip.") -> dict:
+    """The model's state dict for ``save_pretrained`` out of the embedder's: its ``prefix`` keys
+    only (not the loop's bias), with the parameters ``vectorise_scalar_parameters`` made 1-element
+    0-d again, so that ``from_pretrained`` loads them instead of re-initialising a mismatch."""
+    return {
+        key.removeprefix(prefix): value.reshape(()) if key in vectorised else value
+        for key, value in embedder_state.items()
+        if key.startswith(prefix)
+    }
+
+
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's full value: a DTensor sharded by FSDP2 is gathered (a collective: every process
+    calls it; with 2 processes a 1-element parameter lives entirely on rank 0)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def clamp_logit_scale(model: ClipEmbedder) -> None:
+    """CLIP caps the temperature at 100. Done after the optimizer step, on the parameter the
+    optimizer updates (under FSDP2 the sharded one)."""
+    with torch.no_grad():
+        model.clip.logit_scale.clamp_(0, math.log(100))
+
+
+def clip_loss(args, groups, process_group="auto"):
+    """``loss_fn(image_embeds, text_embeds, log_scale[, bias])`` of one batch."""
+    from hf_infcl import contrastive_loss
+
+    def loss_fn(image_embeds, text_embeds, log_scale, *bias):
+        groups_kwargs = {}
+        if args.mask_false_negatives:
+            groups_kwargs = {"query_groups": groups, "key_groups": groups}
+        return contrastive_loss(
+            image_embeds,
+            text_embeds,
+            log_scale.exp(),
+            bias[0] if bias else None,
+            loss=args.loss,
+            symmetric=args.symmetric,
+            process_group=process_group,
+            backend=args.backend,
+            precision=args.precision,
+            **groups_kwargs,
+        )
+
+    return loss_fn
+
+
+def training_step(embedder, model, batch, loss_fn, chunk_size=None, *, offload=False, device=None,
+                  no_sync=None, forward_context=contextlib.nullcontext, scale_loss=None, backward=None):
+    """One forward/backward of the batch; the detached loss. ``embedder`` is what ``prepare``
+    returned (DDP, FSDP2 or the module), ``model`` the :class:`ClipEmbedder` inside it."""
+    from hf_infcl.grad_cache import cached_step
+
+    if chunk_size:
+        # The loss parameters as read before the step: under FSDP2 sharded DTensors, which
+        # cached_step gives the loss as their full value and whose gradient it averages over ranks.
+        return cached_step(
+            lambda chunk: embedder(**chunk),
+            batch,
+            loss_fn,
+            chunk_size,
+            loss_params=model.loss_parameters(),
+            offload=offload,
+            device=device,
+            no_sync=no_sync,
+            forward_context=forward_context,
+            scale_loss=scale_loss,
+        ).loss
+    with forward_context():
+        image_embeds, text_embeds = embedder(**batch)
+    # Read after the forward: under FSDP2 the root's parameters are then the gathered tensors,
+    # whose gradient FSDP2 reduce-scatters with the rest.
+    loss = loss_fn(image_embeds, text_embeds, *model.loss_parameters())
+    (backward or torch.Tensor.backward)(loss)
+    return loss.detach()
 
 
 def load_model_and_processor(model_args, data_args, data, seed):
@@ -307,24 +432,25 @@ def load_model_and_processor(model_args, data_args, data, seed):
 
 
 @torch.no_grad()
-def evaluate(clip, processor, data, held_out_pixels, device, batch_size, max_length):
-    """Zero-shot top-1 over the class prompts (where there are classes) and image<->text recall."""
-    was_training = clip.training
-    clip.eval()
+def evaluate(embedder, processor, data, held_out_pixels, device, batch_size, max_length):
+    """Zero-shot top-1 over the class prompts (where there are classes) and image<->text recall.
+
+    ``embedder`` is the :class:`ClipEmbedder` (under FSDP2 the sharded root, through its forward);
+    every process calls this with the same data, as FSDP2's gathers need."""
+    was_training = embedder.training
+    embedder.eval()
     tokenizer = processor.tokenizer
 
     def embed_text(texts):
         def encode(**tokens):
-            return _features(clip.get_text_features(**tokens))
+            return embedder(**tokens)[1]
 
         return F.normalize(embed_texts(tokenizer, texts, encode, batch_size, max_length, device), dim=-1)
 
     image_embeds = F.normalize(
         torch.cat(
             [
-                _features(
-                    clip.get_image_features(pixel_values=held_out_pixels[s : s + batch_size].to(device))
-                ).float()
+                embedder(pixel_values=held_out_pixels[s : s + batch_size].to(device))[0].float()
                 for s in range(0, len(held_out_pixels), batch_size)
             ]
         ),
@@ -349,7 +475,7 @@ def evaluate(clip, processor, data, held_out_pixels, device, batch_size, max_len
     text_embeds = embed_text(list(caption_group))
     metrics.update(retrieval_metrics(image_embeds, text_embeds, image_ids, text_ids, prefix="image_to_text_"))
     metrics.update(retrieval_metrics(text_embeds, image_embeds, text_ids, image_ids, prefix="text_to_image_"))
-    clip.train(was_training)
+    embedder.train(was_training)
     return metrics
 
 
@@ -382,7 +508,11 @@ CHOICES = {
 def build_parser():
     from transformers import HfArgumentParser
 
-    return HfArgumentParser((ModelArguments, DataArguments, TrainArguments))
+    return HfArgumentParser(
+        (ModelArguments, DataArguments, TrainArguments),
+        epilog="FSDP2 on 2 GPUs: accelerate launch --config_file examples/fsdp2.yaml examples/train_clip.py "
+        "--chunk_size 64 (the config says how to change the GPU count and the sharded layer class).",
+    )
 
 
 def parse_arguments(argv=None):
@@ -398,6 +528,8 @@ def parse_arguments(argv=None):
         fail(f"--patch_size {model_args.patch_size} must divide --image_size {model_args.image_size}")
     if args.offload and not args.chunk_size:
         fail("--offload needs --chunk_size: without chunks the whole batch is on the device")
+    if args.reduce_every_chunk and not args.chunk_size:
+        fail("--reduce_every_chunk needs --chunk_size: without chunks there is one backward per step")
     return model_args, data_args, args
 
 
@@ -407,12 +539,9 @@ def parse_arguments(argv=None):
 
 def main(argv=None):
     from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, set_seed
+    from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
     from tqdm.auto import tqdm
     from transformers import get_scheduler
-
-    from hf_infcl import contrastive_loss
-    from hf_infcl.grad_cache import cached_step
 
     model_args, data_args, args = parse_arguments(argv)
     if args.push_to_hub and is_main_process():  # checked now, not after training
@@ -427,6 +556,10 @@ def main(argv=None):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
     world = accelerator.num_processes
+    fsdp2 = accelerator.is_fsdp2
+    if accelerator.distributed_type == DistributedType.FSDP and not fsdp2:
+        fail("FSDP needs fsdp_version: 2 in the accelerate config (examples/fsdp2.yaml): GradCache and the "
+             "scale's reshaping are written for fully_shard")
     if args.per_device_train_batch_size is None:
         if args.global_batch_size is None:
             args.global_batch_size = 128
@@ -458,15 +591,14 @@ def main(argv=None):
         model.text_model.requires_grad_(False)
 
     # Loss parameters: CLIP's learned temperature (and, for SigLIP, a learned bias).
-    logit_scale = model.logit_scale
     logit_bias = None
     if args.loss == "sigmoid":
         # SigLIP's initialisation, t = 10 and b = -10, puts the prior probability of a pair being
         # positive at about 1 / (its batch of 32k); b = -log(batch) does the same for ours.
-        # CLIPModel has no bias, so it lives beside the model.
+        # CLIPModel has no bias: ClipEmbedder holds it.
         with torch.no_grad():
-            logit_scale.fill_(math.log(10.0))
-        logit_bias = torch.nn.Parameter(torch.tensor(-math.log(global_batch)))
+            model.logit_scale.fill_(math.log(10.0))
+        logit_bias = -math.log(global_batch)
 
     train_pixels = preprocess_images(processor.image_processor, data.train)
     held_out_pixels = preprocess_images(processor.image_processor, data.held_out)
@@ -486,14 +618,14 @@ def main(argv=None):
         collate_fn=make_collate(processor.tokenizer, data_args.max_seq_length),
         generator=torch.Generator().manual_seed(args.seed),
     )
-    embedder = ClipEmbedder(model)
+    embedder = ClipEmbedder(model, logit_bias)
+    # fully_shard refuses 0-d parameters; the saved model gets these names' 0-d shapes back.
+    vectorised = vectorise_scalar_parameters(embedder) if fsdp2 else []
     decay, no_decay = [], []
     for name, param in embedder.named_parameters():
         if param.requires_grad:
             (no_decay if param.ndim < 2 or "logit_scale" in name else decay).append(param)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if logit_bias is not None:
-        groups.append({"params": [logit_bias], "weight_decay": 0.0})
     optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, args.adam_beta2))
 
     embedder, optimizer, loader = accelerator.prepare(embedder, optimizer, loader)
@@ -510,8 +642,6 @@ def main(argv=None):
         num_training_steps=total_steps,
     )
     accelerator.register_for_checkpointing(scheduler)
-    if logit_bias is not None:
-        accelerator.register_for_checkpointing(_ParameterHolder(logit_bias))
 
     step = 0
     if args.resume_from_checkpoint:
@@ -520,25 +650,10 @@ def main(argv=None):
         step = int(path.rstrip("/").rsplit("-", 1)[-1])
         log(f"resumed from {path} at step {step}")
 
-    unwrapped = accelerator.unwrap_model(embedder).clip
+    # The ClipEmbedder (under FSDP2 the sharded module itself). fully_shard replaced its
+    # parameters: read them from it when needed, never from references taken before prepare.
+    model = accelerator.unwrap_model(embedder)
     device = accelerator.device
-
-    def loss_fn(image_embeds, text_embeds, log_scale, *bias):
-        groups_kwargs = {}
-        if args.mask_false_negatives:
-            groups_kwargs = {"query_groups": current_groups, "key_groups": current_groups}
-        return contrastive_loss(
-            image_embeds,
-            text_embeds,
-            log_scale.exp(),
-            bias[0] if bias else None,
-            loss=args.loss,
-            symmetric=args.symmetric,
-            process_group="auto",
-            backend=args.backend,
-            precision=args.precision,
-            **groups_kwargs,
-        )
 
     log(
         f"train: {len(dataset)} pairs x {args.num_train_epochs:g} epochs = {total_steps} steps of a global "
@@ -549,7 +664,7 @@ def main(argv=None):
 
     def run_evaluation(at_step, train_loss):
         metrics = evaluate(
-            unwrapped,
+            model,
             processor,
             data,
             held_out_pixels,
@@ -557,6 +672,10 @@ def main(argv=None):
             args.per_device_eval_batch_size,
             data_args.max_seq_length,
         )
+        if fsdp2:
+            # FSDP2 keeps the root's parameters gathered after a forward without grad: shard them
+            # again, so that the next step and the clamp see the sharded parameters.
+            model.reshard()
         history.append({"step": at_step, "train_loss": train_loss, **metrics})
         if accelerator.is_main_process:  # every process evaluates; one prints
             progress.write(f"step {at_step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
@@ -573,7 +692,6 @@ def main(argv=None):
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     train_started = time.perf_counter()
-    loss_params = [logit_scale] + ([logit_bias] if logit_bias is not None else [])
     epoch = step // steps_per_epoch
     stop = False
     while step < total_steps and not stop:
@@ -584,31 +702,25 @@ def main(argv=None):
         if step % steps_per_epoch and epoch == step // steps_per_epoch:
             batches = accelerator.skip_first_batches(loader, step % steps_per_epoch)
         for batch in batches:
-            current_groups = batch.pop("groups")
-            if args.chunk_size:
-                result = cached_step(
-                    lambda chunk: embedder(**chunk),
-                    batch,
-                    loss_fn,
-                    args.chunk_size,
-                    loss_params=loss_params,
-                    offload=args.offload,
-                    device=device,
-                    no_sync=lambda: accelerator.no_sync(embedder),
-                    forward_context=accelerator.autocast,
-                    scale_loss=accelerator.scaler.scale if accelerator.scaler is not None else None,
-                )
-                loss = result.loss
-            else:
-                with accelerator.autocast():
-                    image_embeds, text_embeds = embedder(**batch)
-                loss = loss_fn(image_embeds, text_embeds, *loss_params)
-                accelerator.backward(loss)
+            pair_groups = batch.pop("groups")
+            loss = training_step(
+                embedder,
+                model,
+                batch,
+                clip_loss(args, pair_groups),
+                args.chunk_size,
+                offload=args.offload,
+                device=device,
+                # One reduction per step (DDP all-reduce, FSDP2 reduce-scatter); None: every chunk.
+                no_sync=None if args.reduce_every_chunk else lambda: accelerator.no_sync(embedder),
+                forward_context=accelerator.autocast,
+                scale_loss=accelerator.scaler.scale if accelerator.scaler is not None else None,
+                backward=accelerator.backward,
+            )
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                logit_scale.clamp_(0, math.log(100))  # CLIP caps the temperature at 100
+            clamp_logit_scale(model)
             step += 1
             progress.update(1)
             out_of_time = False
@@ -627,9 +739,9 @@ def main(argv=None):
                 # of the whole contrastive batch. Every process takes part in this reduce.
                 batch_loss = accelerator.reduce(loss.detach().float().reshape(1), reduction="mean").item()
             if logging_step:
-                progress.set_postfix(
+                progress.set_postfix(  # every process gathers the scale (a collective under FSDP2)
                     loss=f"{batch_loss:.3f}",
-                    scale=f"{logit_scale.exp().item():.1f}",
+                    scale=f"{full_value(model.clip.logit_scale).exp().item():.1f}",
                     lr=f"{scheduler.get_last_lr()[0]:.1e}",
                 )
             if args.save_steps and step % args.save_steps == 0:
@@ -647,9 +759,16 @@ def main(argv=None):
 
     accelerator.wait_for_everyone()
     peak_gpu_gib = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    # Gathered on every process (collectives under FSDP2), written by the main one.
+    final_scale = float(full_value(model.clip.logit_scale.detach()).exp())
+    final_bias = float(full_value(model.logit_bias.detach())) if model.logit_bias is not None else None
+    state = accelerator.get_state_dict(embedder) if fsdp2 else None
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
-        unwrapped.save_pretrained(args.output_dir)
+        if fsdp2:  # the full weights gathered above, as a plain CLIP checkpoint (0-d scale)
+            model.clip.save_pretrained(args.output_dir, state_dict=pretrained_state_dict(state, vectorised))
+        else:
+            model.clip.save_pretrained(args.output_dir)
         processor.save_pretrained(args.output_dir)
         facts = dict(
             base_model=base_model if model_args.model_name_or_path else None,
@@ -667,8 +786,8 @@ def main(argv=None):
             loss=args.loss,
             symmetric=args.symmetric,
             mask_false_negatives=args.mask_false_negatives,
-            logit_scale=float(logit_scale.detach().exp()),
-            logit_bias=float(logit_bias) if logit_bias is not None else None,
+            logit_scale=final_scale,
+            logit_bias=final_bias,
             num_processes=world,
             device=_device_description(device),
             mixed_precision=accelerator.mixed_precision,
@@ -725,14 +844,6 @@ def _run_on_cpu(args) -> bool:
             file=sys.stderr,
         )
     return args.use_cpu or (several and not torch.cuda.is_available())
-
-
-class _ParameterHolder(torch.nn.Module):
-    """Lets ``accelerator.save_state`` checkpoint a parameter that lives outside the model."""
-
-    def __init__(self, parameter):
-        super().__init__()
-        self.parameter = parameter
 
 
 def _resolve_checkpoint(path, output_dir):
