@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import (
     AutoModel,
+    BertConfig,
     BertModel,
     SiglipConfig,
     SiglipModel,
@@ -22,18 +23,28 @@ from hf_infcl.models import (
     contrastive_loss_kind,
     encode_keys,
     encode_queries,
+    is_decoder_config,
     logit_bias_of,
     logit_scale_of,
     pair_embeddings,
+    tokenize_texts,
     tower_inputs,
 )
 from tests.trainer_fixtures import (
+    DECODER_EOS,
+    PairDataset,
     clip_batch,
+    decoder_text_batch,
+    decoder_word_tokenizer,
     one_thread,  # noqa: F401  (a fixture)
     pair_text_batch,
+    parameter_grads,
     tiny_bert_config,
     tiny_clip,
+    tiny_decoder_config,
+    tiny_decoder_dual_encoder,
     tiny_dual_encoder,
+    trainer_arguments,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -169,3 +180,235 @@ def test_config_rejects_bad_values():
         DualEncoderConfig(query_encoder=tiny_bert_config(), logit_scale_init=0.0)
     with pytest.raises(TypeError, match="query_encoder"):
         DualEncoderConfig(query_encoder={"hidden_size": 3})
+
+
+# ---- DualEncoder over decoder (LLM) towers ---------------------------------------------------
+
+DECODERS = ["qwen2", "llama", "gpt2"]  # gpt2: learned absolute positions, where padding matters most
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+@pytest.mark.parametrize("model_type", DECODERS)
+def test_decoder_embeddings_do_not_depend_on_the_padding_side(model_type, pooling):
+    """Left- and right-padded batches of the same texts give the same embeddings, and each equals
+    the one of the text alone (no padding): for "last", the hidden state at the text's last token."""
+    model = tiny_decoder_dual_encoder(dropout=0.0, pooling=pooling, model_type=model_type).eval()
+    model.config.normalize = False
+    left, right = decoder_text_batch(5, seed=4, padding_side="left"), decoder_text_batch(5, seed=4,
+                                                                                       padding_side="right")
+    assert left["query_attention_mask"][0].all() and not left["query_attention_mask"].all()  # mixed lengths
+    with torch.no_grad():
+        embeds = {name: model(**batch) for name, batch in (("left", left), ("right", right))}
+        for side in ("query", "doc"):
+            got_left, got_right = embeds["left"][f"{side}_embeds"], embeds["right"][f"{side}_embeds"]
+            torch.testing.assert_close(got_left, got_right, rtol=1e-5, atol=1e-6)
+            ids, mask = right[f"{side}_input_ids"], right[f"{side}_attention_mask"]
+            for row in range(len(ids)):
+                text = ids[row, : int(mask[row].sum())][None]
+                hidden = model.query_encoder(input_ids=text).last_hidden_state[0]
+                alone = hidden[-1] if pooling == "last" else hidden.mean(0)
+                assert int(text[0, -1]) == DECODER_EOS
+                torch.testing.assert_close(got_left[row], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_last_pooling_reads_each_rows_last_attended_token():
+    """Full rows, right padding, left padding and an empty row in one batch."""
+    model = tiny_dual_encoder(dropout=0.0, pooling="last")
+    hidden = torch.randn(4, 5, 3)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 1, 1], [0, 0, 0, 0, 0]])
+    pooled = model._pool(hidden, mask)
+    torch.testing.assert_close(pooled, torch.stack([hidden[0, 4], hidden[1, 1], hidden[2, 4], hidden[3, 0]]))
+    torch.testing.assert_close(model._pool(hidden, None), hidden[:, -1])
+
+
+def test_decoder_towers_get_mask_positions_and_no_cache():
+    model = tiny_decoder_dual_encoder(dropout=0.0)
+    seen = []
+    model.query_encoder.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs),
+                                                  with_kwargs=True)
+    batch = decoder_text_batch(3, padding_side="left")
+    model(**batch)
+    assert len(seen) == 2 and all(kwargs["use_cache"] is False for kwargs in seen)
+    mask = batch["query_attention_mask"]
+    expected = torch.where(mask.bool(), mask.cumsum(1) - 1, 0)
+    torch.testing.assert_close(seen[0]["position_ids"], expected)
+    # encoders are called as before: no position ids, no use_cache
+    bert, calls = tiny_dual_encoder(dropout=0.0), []
+    bert.query_encoder.register_forward_pre_hook(lambda m, a, kwargs: calls.append(set(kwargs)),
+                                                 with_kwargs=True)
+    bert(**pair_text_batch(3))
+    assert calls and all(keys == {"input_ids", "attention_mask"} for keys in calls)
+
+
+def test_decoder_detection_and_pooling_defaults(caplog):
+    assert all(is_decoder_config(tiny_decoder_config(model_type=t)) for t in DECODERS)
+    assert is_decoder_config({"model_type": "qwen3"}) and is_decoder_config({"model_type": "mistral"})
+    assert not is_decoder_config(tiny_bert_config()) and not is_decoder_config({"model_type": "xlm-roberta"})
+    assert is_decoder_config(BertConfig(is_decoder=True))
+    decoder = DualEncoder.from_encoders(tiny_decoder_config(0.0))
+    assert (decoder.config.pooling, decoder.config.append_eos) == ("last", True)
+    assert decoder.config.encoder_attn_implementation is None
+    bert = DualEncoder.from_encoders(tiny_bert_config(0.0))
+    assert (bert.config.pooling, bert.config.append_eos) == ("mean", False)
+    chosen = DualEncoder.from_encoders(tiny_decoder_config(0.0), pooling="mean")
+    assert (chosen.config.pooling, chosen.config.append_eos) == ("mean", False)
+    # the config itself keeps its historic default, and says what a decoder usually wants
+    with caplog.at_level("WARNING", logger="hf_infcl.models"):
+        assert DualEncoderConfig(query_encoder=tiny_decoder_config()).pooling == "mean"
+    assert "pooling='last'" in caplog.text
+    with pytest.raises(ValueError, match="pooling='cls'.*decoder tower \\(qwen2\\)"):
+        DualEncoder.from_encoders(tiny_decoder_config(0.0), pooling="cls")
+
+
+def test_instructions_and_attention_are_saved_with_the_model(tmp_path, caplog):
+    instruction = "Instruct: find the word\nQuery: "
+    model = tiny_decoder_dual_encoder(shared=False, dropout=0.0, query_instruction=instruction,
+                                      doc_instruction="passage: ", attn_implementation="eager")
+    model.save_pretrained(tmp_path)
+    saved = (tmp_path / "config.json").read_text()
+    assert '"pooling": "last"' in saved and '"query_instruction"' in saved
+    with caplog.at_level("WARNING", logger="hf_infcl.models"):
+        loaded = AutoModel.from_pretrained(tmp_path)
+    assert "pooling not given" not in caplog.text
+    assert isinstance(loaded, DualEncoder)
+    assert (loaded.config.query_instruction, loaded.config.doc_instruction) == (instruction, "passage: ")
+    assert loaded.config.append_eos and loaded.config.pooling == "last"
+    assert loaded.config.encoder_attn_implementation == "eager"
+    assert {t.config._attn_implementation for t in (loaded.query_encoder, loaded.doc_encoder)} == {"eager"}
+    switched = DualEncoder.from_pretrained(tmp_path, attn_implementation="sdpa")
+    assert switched.config.encoder_attn_implementation == "sdpa"
+    assert switched.query_encoder.config._attn_implementation == "sdpa"
+    # tokenize applies the saved instruction per side and ends each text in EOS
+    tokenizer = decoder_word_tokenizer()
+    queries = loaded.tokenize(tokenizer, ["a small dog", "red"], "query")
+    expected = tokenizer([instruction + "a small dog"])["input_ids"][0] + [DECODER_EOS]
+    assert queries["input_ids"][0].tolist() == expected
+    docs = loaded.tokenize(tokenizer, ["a small dog"], "doc")
+    expected = tokenizer(["passage: a small dog"])["input_ids"][0] + [DECODER_EOS]
+    assert docs["input_ids"][0].tolist() == expected
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval().encode_queries(**queries),
+                                   model.eval().encode_queries(**queries))
+    with pytest.raises(ValueError, match="side must be 'query' or 'doc'"):
+        loaded.tokenize(tokenizer, ["a"], "passage")
+    # "mean" chosen for a decoder is written out too, so loading it warns of nothing
+    tiny_decoder_dual_encoder(dropout=0.0, pooling="mean").save_pretrained(tmp_path / "mean")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_infcl.models"):
+        assert DualEncoder.from_pretrained(tmp_path / "mean").config.pooling == "mean"
+    assert "pooling not given" not in caplog.text
+
+
+def test_tokenize_texts_appends_eos_once_and_pads_either_side():
+    plain, adds_eos = decoder_word_tokenizer(), decoder_word_tokenizer(add_eos=True)
+    texts = ["a small red dog runs", "cat"]
+    a, small, red, dog, runs, cat = plain.convert_tokens_to_ids(["a", "small", "red", "dog", "runs", "cat"])
+    eos, pad = DECODER_EOS, 0
+    for tokenizer in (plain, adds_eos):
+        right = tokenize_texts(tokenizer, texts, append_eos=True, padding_side="right")
+        left = tokenize_texts(tokenizer, texts, append_eos=True, padding_side="left")
+        assert right["input_ids"].tolist() == [[a, small, red, dog, runs, eos], [cat, eos] + [pad] * 4]
+        assert left["input_ids"].tolist() == [[a, small, red, dog, runs, eos], [pad] * 4 + [cat, eos]]
+        assert right["attention_mask"].tolist() == [[1] * 6, [1, 1, 0, 0, 0, 0]]
+        cut = tokenize_texts(tokenizer, texts, append_eos=True, max_length=3)  # the last token becomes EOS
+        assert cut["input_ids"].tolist() == [[a, small, eos], [cat, eos, pad]]
+    # without append_eos it is the tokenizer's own call
+    own = plain(texts, padding=True)["input_ids"]
+    assert tokenize_texts(plain, texts)["input_ids"].tolist() == own and own[0][-1] != eos
+    no_pad = decoder_word_tokenizer()
+    no_pad.pad_token = None
+    with pytest.raises(ValueError, match="tokenizer.pad_token"):
+        tokenize_texts(no_pad, texts)
+    no_eos = decoder_word_tokenizer()
+    no_eos.eos_token = None
+    with pytest.raises(ValueError, match="append_eos=True needs a tokenizer with an eos_token"):
+        tokenize_texts(no_eos, texts, append_eos=True)
+    with pytest.raises(ValueError, match="padding_side"):
+        tokenize_texts(plain, texts, padding_side="middle")
+    with pytest.raises(ValueError, match="max_length"):
+        tokenize_texts(plain, texts, max_length=0)
+    with pytest.raises(TypeError, match="query_instruction"):
+        DualEncoderConfig(query_encoder=tiny_decoder_config(), pooling="last", query_instruction=3)
+
+
+def _loss_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    model(**batch, return_loss=True).loss.backward()
+    return parameter_grads(model)
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+@pytest.mark.parametrize("enable", ["gradient_checkpointing_enable", "activation_checkpointing_enable"])
+def test_gradient_checkpointing_reaches_the_towers_and_keeps_the_gradients(enable):
+    batch = decoder_text_batch(6, padding_side="left")
+    plain = _loss_grads(tiny_decoder_dual_encoder(shared=False, dropout=0.0), batch)
+    model = tiny_decoder_dual_encoder(shared=False, dropout=0.0)
+    getattr(model, enable)()
+    layers = [layer for tower in (model.query_encoder, model.doc_encoder) for layer in tower.layers]
+    assert layers and all(layer.gradient_checkpointing for layer in layers)
+    recomputed = []
+    for layer in layers:
+        layer.mlp.register_forward_pre_hook(lambda module, args: recomputed.append(module))
+    checkpointed = _loss_grads(model, batch)
+    assert len(recomputed) == 2 * len(layers)  # each layer ran again in the backward
+    assert checkpointed.keys() == plain.keys() and len(plain) > 10
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_sdpa_and_eager_attention_give_the_same_embeddings():
+    batch = decoder_text_batch(5, padding_side="left")
+    sdpa = tiny_decoder_dual_encoder(dropout=0.0, attn_implementation="sdpa").eval()
+    eager = tiny_decoder_dual_encoder(dropout=0.0, attn_implementation="eager").eval()
+    assert sdpa.query_encoder.config._attn_implementation == "sdpa"
+    assert eager.query_encoder.config._attn_implementation == "eager"
+    assert eager.config.encoder_attn_implementation == "eager"
+    with torch.no_grad():
+        a, b = sdpa(**batch), eager(**batch)
+    torch.testing.assert_close(a.query_embeds, b.query_embeds, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a.doc_embeds, b.doc_embeds, rtol=1e-5, atol=1e-6)
+
+
+class _FirstStepGrads:
+    """A TrainerCallback keeping the gradients of the first optimizer step."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        self.grads = None
+        outer = self
+
+        class Callback(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+                if outer.grads is None:
+                    outer.grads = parameter_grads(model)
+
+        self.callback = Callback()
+
+
+@pytest.mark.parametrize(("model_type", "checkpointing"),
+                         [("qwen2", False), ("qwen2", True), ("gpt2", False)],
+                         ids=["qwen2-chunked", "qwen2-chunked-checkpointed", "gpt2-chunked"])
+def test_trainer_chunked_decoder_steps_match_the_whole_batch(tmp_path, model_type, checkpointing):
+    from hf_infcl import InfCLTrainer
+
+    dataset = PairDataset(decoder_text_batch(16, seed=5, padding_side="left"))
+    settings = dict(per_device_train_batch_size=16, max_steps=3, optim="sgd", learning_rate=0.05)
+    runs = {}
+    chunked = dict(chunk_size=4, activation_checkpointing=checkpointing)
+    for name, extra in (("whole", {}), ("chunked", chunked)):
+        first = _FirstStepGrads()
+        model = tiny_decoder_dual_encoder(shared=False, dropout=0.0, model_type=model_type)
+        trainer = InfCLTrainer(model=model,
+                               args=trainer_arguments(tmp_path / name, **settings, **extra),
+                               train_dataset=dataset, callbacks=[first.callback])
+        trainer.train()
+        runs[name] = (first.grads, {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+    if checkpointing:
+        assert trainer.model.query_encoder.layers[0].gradient_checkpointing
+    (grads, params), (chunk_grads, chunk_params) = runs["whole"], runs["chunked"]
+    assert grads.keys() == chunk_grads.keys() and "logit_scale" in grads
+    for name in grads:
+        torch.testing.assert_close(chunk_grads[name], grads[name], rtol=0, atol=1e-5, msg=name)
+    for name in params:
+        torch.testing.assert_close(chunk_params[name], params[name], rtol=1e-5, atol=1e-6, msg=name)
