@@ -43,6 +43,7 @@ __all__ = ["InfCLTrainer", "InfCLTrainingArguments", "retrieval_recalls"]
 
 # rows per process whose in-batch top-1 accuracy is logged (an estimate at large batches)
 ACCURACY_ROWS = 1024
+CHUNK_GRADIENT_SYNCS = ("step", "chunk")
 
 
 @dataclass
@@ -89,6 +90,13 @@ class InfCLTrainingArguments(TrainingArguments):
         metadata={"help": "Batch column of integer group ids: rows and keys of the same group are not "
                           "negatives of each other (duplicate captions, the same document twice)."},
     )
+    chunk_gradient_sync: str = field(
+        default="step",
+        metadata={"help": "With chunk_size under DDP or FSDP2: 'step' reduces the encoders' gradients once "
+                          "per step (sync off during the replays; under FSDP2 the replays accumulate "
+                          "unsharded gradients), 'chunk' after every chunk's replay (FSDP2: sharded "
+                          "gradient memory, one reduce-scatter per chunk)."},
+    )
     eval_block_rows: int = field(
         default=1024,
         metadata={"help": "Rows per block when evaluation ranks every key for each row (memory "
@@ -113,6 +121,10 @@ class InfCLTrainingArguments(TrainingArguments):
                              f"got {self.contrastive_loss!r}")
         if self.logit_scale_max is not None and not self.logit_scale_max > 0:
             raise ValueError(f"logit_scale_max must be > 0 or None, got {self.logit_scale_max!r}")
+        if self.chunk_gradient_sync not in CHUNK_GRADIENT_SYNCS:
+            choices = ", ".join(map(repr, CHUNK_GRADIENT_SYNCS))
+            raise ValueError(f"chunk_gradient_sync must be one of {choices}; "
+                             f"got {self.chunk_gradient_sync!r}")
         if self.eval_block_rows <= 0:
             raise ValueError(f"eval_block_rows must be positive, got {self.eval_block_rows!r}")
 
@@ -137,6 +149,7 @@ class InfCLTrainer(Trainer):
         tower_inputs(model)  # TypeError for models we cannot take embeddings from
         super().__init__(model, args, *more, **kwargs)
         self._check_combinations()
+        self._flattened_scalars = _prepare_for_fsdp2(self.model, self.optimizer) if self._is_fsdp2() else []
         # Our loss is a per-batch mean: let the Trainer divide it for gradient accumulation.
         self.model_accepts_loss_kwargs = False
         self.loss_is_scaled_for_ga = False
@@ -155,12 +168,16 @@ class InfCLTrainer(Trainer):
                              "process); launch one process per GPU with torchrun or accelerate launch")
         if args.label_smoothing_factor:
             raise ValueError("label_smoothing_factor does not apply to the contrastive loss; leave it at 0")
-        if args.chunk_size is not None and (args.deepspeed or self.is_fsdp_enabled):
-            engine = "DeepSpeed" if args.deepspeed else "FSDP"
+        if args.chunk_size is not None and args.deepspeed:
             raise ValueError(
-                f"InfCLTrainer does not support chunk_size (gradient caching) with {engine} yet. Under "
-                "FSDP2, hf_infcl.grad_cache.cached_step (with fsdp_no_sync) gives exact gradients in your "
-                f"own training loop; without chunk_size the Trainer runs {engine} as usual"
+                "InfCLTrainer does not support chunk_size (gradient caching) with DeepSpeed yet; use FSDP2 "
+                "(fsdp=True, fsdp_config={'version': 2}), which shards parameters, gradients and optimizer "
+                "state like ZeRO-3, or leave chunk_size unset to run DeepSpeed as usual"
+            )
+        if args.chunk_size is not None and self.is_fsdp_enabled and not self._is_fsdp2():
+            raise ValueError(
+                "InfCLTrainer supports chunk_size (gradient caching) under FSDP2 only; set "
+                "fsdp_config={'version': 2} (FSDP1 is deprecated in PyTorch), or leave chunk_size unset"
             )
         if args.gradient_accumulation_steps > 1:
             warnings.warn(
@@ -169,6 +186,23 @@ class InfCLTrainer(Trainer):
                 "contrastive batch, raise per_device_train_batch_size and set chunk_size instead.",
                 stacklevel=3,
             )
+
+    def _is_fsdp2(self) -> bool:
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        return self.is_fsdp_enabled and getattr(plugin, "fsdp_version", 1) == 2
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if self._flattened_scalars and self.args.should_save:
+            # Checkpoints keep the model's own shapes: CLIPModel.from_pretrained expects a 0-d
+            # logit_scale and would re-initialise a [1] one.
+            if state_dict is None:
+                state_dict = self.accelerator.unwrap_model(self.model).state_dict()
+            state_dict = dict(state_dict)
+            for name in self._flattened_scalars:
+                value = state_dict.get(name)
+                if isinstance(value, torch.Tensor) and value.numel() == 1 and not _is_dtensor(value):
+                    state_dict[name] = value.reshape(())
+        super()._save(output_dir, state_dict=state_dict)
 
     # ---- data ----------------------------------------------------------------------------
 
@@ -245,6 +279,11 @@ class InfCLTrainer(Trainer):
                           if inputs.get(name) is not None}
         groups = self._groups(inputs, self.args.device)
         ga_steps = self.current_gradient_accumulation_steps
+        if self._is_fsdp2():
+            # The loss parameters are read sharded (cached_step gathers their full value and
+            # reduces their gradient); an evaluation forward may have left the root gathered.
+            model.reshard()
+        reduce_once = self.args.chunk_gradient_sync == "step"
 
         def loss_fn(queries, keys, *params):
             return self._contrastive(queries, keys, groups, *params)
@@ -263,7 +302,7 @@ class InfCLTrainer(Trainer):
             loss_params=self._loss_params(model),
             offload=self.args.offload,
             device=self.args.device if self.args.offload else None,
-            no_sync=lambda: self.accelerator.no_sync(model),
+            no_sync=(lambda: self.accelerator.no_sync(model)) if reduce_once else None,
             scale_loss=scale_for_backward,
             forward_context=self.compute_loss_context_manager,
         )
@@ -314,7 +353,10 @@ class InfCLTrainer(Trainer):
         ranks = relevant_ranks(queries, keys, row_ids, key_ids, block_rows=self.args.eval_block_rows)
         hits = (ranks == 0).sum()
         accuracy = torch.as_tensor(hits, dtype=torch.float32, device=queries.device) / queries.shape[0]
-        scale = unwrap_model(model).logit_scale.detach().float().exp().reshape(()).to(queries.device)
+        log_scale = unwrap_model(model).logit_scale.detach()
+        if _is_dtensor(log_scale):  # sharded by FSDP2: every rank takes part in the gather
+            log_scale = log_scale.full_tensor()
+        scale = log_scale.float().exp().reshape(()).to(queries.device)
         stats = torch.stack([accuracy, scale, torch.ones_like(scale)])
         previous = self._step_stats
         self._step_stats = stats if previous is None else previous + stats.to(previous)
@@ -406,6 +448,49 @@ class InfCLTrainer(Trainer):
             metrics.update(retrieval_metrics(rows, cols, groups, groups, block_rows=block,
                                              prefix=f"{metric_key_prefix}_{direction}_"))
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=queries.shape[0])
+
+
+def _is_dtensor(tensor) -> bool:
+    return type(tensor).__name__ == "DTensor"
+
+
+def _prepare_for_fsdp2(model: torch.nn.Module, optimizer=None) -> list[str]:
+    """Make a contrastive model acceptable to Accelerate's FSDP2 preparation; return the names of
+    the parameters that ``_save`` must give back their 0-d shape.
+
+    - ``fully_shard`` refuses 0-d parameters (CLIP's ``logit_scale``): they become 1-element
+      vectors, which the models broadcast the same way (in ``optimizer`` too, if one was given).
+    - Accelerate shards ``get_input_embeddings()`` as a unit of its own, and transformers raises
+      NotImplementedError for two-tower models that have no single input embedding (CLIPModel):
+      for those this model answers None, so each tower's embeddings stay with its root.
+    """
+    for accessor in ("get_input_embeddings", "get_output_embeddings"):
+        method = getattr(model, accessor, None)
+        if method is None:
+            continue
+        try:
+            method()
+        except NotImplementedError:
+            setattr(model, accessor, lambda: None)
+    return _flatten_scalar_parameters(model, optimizer)
+
+
+def _flatten_scalar_parameters(model: torch.nn.Module, optimizer=None) -> list[str]:
+    """Replace every 0-d parameter of ``model`` by a 1-element vector (in ``optimizer`` too, if one
+    was given); return their names."""
+    names = []
+    for name, param in list(model.named_parameters()):
+        if param.ndim != 0:
+            continue
+        owner_name, _, attribute = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        vector = torch.nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad)
+        setattr(owner, attribute, vector)
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                group["params"] = [vector if p is param else p for p in group["params"]]
+        names.append(name)
+    return names
 
 
 def retrieval_recalls(rows: torch.Tensor, keys: torch.Tensor, groups: torch.Tensor | None = None,

@@ -322,6 +322,8 @@ def test_bad_arguments_and_combinations_are_rejected(tmp_path):
         InfCLTrainingArguments(output_dir=str(tmp_path), loss_backend="cuda", use_cpu=True)
     with pytest.raises(ValueError, match="logit_scale_max"):
         InfCLTrainingArguments(output_dir=str(tmp_path), logit_scale_max=0.0, use_cpu=True)
+    with pytest.raises(ValueError, match="chunk_gradient_sync must be one of 'step', 'chunk'; got 'layer'"):
+        InfCLTrainingArguments(output_dir=str(tmp_path), chunk_gradient_sync="layer", use_cpu=True)
     for precision in ("fp8", "TF32", None, ""):
         with pytest.raises(ValueError, match="precision must be one of 'auto', 'tf32', 'ieee'"):
             InfCLTrainingArguments(output_dir=str(tmp_path), precision=precision, use_cpu=True)
@@ -368,9 +370,15 @@ def test_bf16_chunked_offloaded_training_on_gpu(tmp_path):
     assert seen_devices and all(device is None for device in seen_devices)  # no whole-batch transfer
 
 
-def test_chunk_size_with_fsdp_is_rejected_with_a_pointer_to_cached_step(tmp_path):
-    """The Trainer enables FSDP only in distributed runs, so the flag is set by hand here."""
+def test_chunk_size_is_rejected_with_fsdp1_and_deepspeed(tmp_path):
+    """The Trainer enables FSDP only in distributed runs, so the engine is set by hand here
+    (FSDP2 with chunk_size runs in tests/test_trainer_fsdp.py)."""
     trainer = InfCLTrainer(model=tiny_clip(), args=trainer_arguments(tmp_path, chunk_size=4))
     trainer.is_fsdp_enabled = True
-    with pytest.raises(ValueError, match="chunk_size .* with FSDP yet.*cached_step .*fsdp_no_sync"):
+    trainer._is_fsdp2 = lambda: False  # FSDP1
+    with pytest.raises(ValueError, match="chunk_size .* under FSDP2 only.*'version': 2"):
+        trainer._check_combinations()
+    trainer.is_fsdp_enabled = False
+    trainer.args.deepspeed = {"zero_optimization": {"stage": 3}}
+    with pytest.raises(ValueError, match="chunk_size .* with DeepSpeed yet.*FSDP2"):
         trainer._check_combinations()

@@ -1,0 +1,70 @@
+"""InfCLTrainer under FSDP2, two processes (``pytest -k fsdp``): ``tests/trainer_fsdp_workers.py``.
+
+On CPU (gloo) the worker switches the Trainer's Accelerator to FSDP2 (Accelerate enables FSDP on
+GPUs only); the GPU test runs the Trainer's own ``fsdp`` arguments on two CUDA devices. Both check
+that two steps with and without ``chunk_size``, under each ``chunk_gradient_sync``, give the
+parameters of the same run under DDP, and that the saved CLIPModel loads with its 0-d logit scale.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_fsdp import assert_same_grads
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANTS = ["fsdp", "fsdp-chunk-step", "fsdp-chunk-chunk"]
+
+
+def run_worker(out: Path, cuda: bool) -> dict[str, dict]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(port), str(REPO / "tests" / "trainer_fsdp_workers.py"), str(out)]
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    environment = {**os.environ, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}
+    if not cuda:
+        environment["CUDA_VISIBLE_DEVICES"] = ""
+    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-5000:]
+    return {name: torch.load(out / f"{name}.pt") for name in ["ddp", *VARIANTS]}
+
+
+def check_runs(runs: dict[str, dict], out: Path, tolerance: float) -> None:
+    from transformers import CLIPModel
+
+    reference = runs["ddp"]
+    reference_losses = [entry["loss"] for entry in reference["log_history"] if "loss" in entry]
+    assert len(reference_losses) == 2
+    for name in VARIANTS:
+        parameters = runs[name]["parameters"]
+        assert parameters["logit_scale"].shape == (1,)  # what fully_shard needs
+        assert_same_grads(parameters, reference["parameters"], tolerance)
+        losses = [entry["loss"] for entry in runs[name]["log_history"] if "loss" in entry]
+        for got, want in zip(losses, reference_losses, strict=True):
+            assert math.isclose(got, want, rel_tol=tolerance), name
+        # save_model writes CLIPModel's own 0-d scale, so from_pretrained keeps the trained value
+        loaded = CLIPModel.from_pretrained(out / name)
+        assert loaded.logit_scale.shape == ()
+        assert math.isclose(float(loaded.logit_scale), float(parameters["logit_scale"]), rel_tol=1e-6)
+
+
+def test_trainer_under_fsdp2_matches_ddp_with_and_without_chunks(tmp_path):
+    pytest.importorskip("torch.distributed.fsdp")
+    check_runs(run_worker(tmp_path, cuda=False), tmp_path, tolerance=1e-5)
+
+
+@pytest.mark.gpu
+def test_trainer_under_fsdp2_matches_ddp_on_two_gpus(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    check_runs(run_worker(tmp_path, cuda=True), tmp_path, tolerance=1e-4)
