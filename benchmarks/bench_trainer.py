@@ -20,6 +20,16 @@ $OUT is set, or to --csv.
 
     python benchmarks/bench_trainer.py                 # one H100, about 5-8 minutes
     python benchmarks/bench_trainer.py --tiny          # a CPU smoke run of the whole script
+
+``--fsdp MODEL`` measures the same two figures under FSDP2 on every GPU of the machine, for
+``decoder-1.5b`` (a Qwen2-1.5B-shaped decoder DualEncoder, last-token pooling, 128-token queries
+and documents) or ``vit-l14`` (CLIP ViT-L/14 at 224 px): the largest global batch of the plain
+Trainer (the model's own loss on each rank's batch) and of InfCLTrainer with ``--chunk-size``, and
+pairs/s of both at the plain Trainer's largest batch. Every trial is a fresh ``torchrun`` (an
+out-of-memory rank takes its peers down with it instead of leaving them waiting):
+
+    python benchmarks/bench_trainer.py --fsdp decoder-1.5b --ours-batches 65536
+    python benchmarks/bench_trainer.py --fsdp decoder-1.5b --tiny     # CPU smoke run (gloo)
 """
 
 from __future__ import annotations
@@ -217,6 +227,202 @@ def largest_vanilla_batch(options) -> int:
     return low
 
 
+# ---- FSDP2 ---------------------------------------------------------------------------------
+
+
+def fsdp_model(name: str, tiny: bool, device):
+    """(model, wrapped layer class name, collator(n, return_loss)) of an --fsdp setting."""
+    if name == "vit-l14":
+        from transformers.models.clip.modeling_clip import CLIPEncoderLayer
+
+        if tiny:
+            config = clip_b32_config(True)
+        else:  # openai/clip-vit-large-patch14
+            text = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                        num_attention_heads=12, max_position_embeddings=TEXT_LENGTH)
+            vision = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                          num_attention_heads=16, image_size=IMAGE_SIZE, patch_size=14)
+            config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=768)
+        with device:
+            model = CLIPModel(config)
+        pairs = SyntheticPairs(config, device, on_host=False, return_loss=False)
+
+        def collate(n, return_loss):
+            pairs.return_loss = return_loss
+            return pairs([None] * n)
+        return model, CLIPEncoderLayer.__name__, collate
+
+    from transformers import Qwen2Config
+
+    from hf_infcl.models import DualEncoder
+
+    if tiny:
+        config = Qwen2Config(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    else:  # Qwen/Qwen2-1.5B
+        config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                             num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                             max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True)
+    with device:
+        model = DualEncoder.from_encoders(config, pooling="last", learn_scale=True, logit_scale_init=20.0)
+    length = 128
+
+    def collate(n, return_loss):
+        batch = {}
+        for side in ("query", "doc"):
+            batch[f"{side}_input_ids"] = torch.randint(0, config.vocab_size, (n, length), device=device)
+            batch[f"{side}_attention_mask"] = torch.ones(n, length, dtype=torch.long, device=device)
+        if return_loss:
+            batch["return_loss"] = True
+        return batch
+    return model, "Qwen2DecoderLayer", collate
+
+
+def fsdp_trial(options) -> None:
+    """One trial under torchrun: ``--trial-kind`` (vanilla or infcl) at ``--trial-batch`` pairs per
+    rank for ``--steps`` steps; rank 0 writes seconds per step and peak memory to ``--trial-out``."""
+    import json
+
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    model, layer_class, collate = fsdp_model(options.fsdp, options.tiny, device)
+    vanilla = options.trial_kind == "vanilla"
+    batch = options.trial_batch
+    common = dict(output_dir=os.path.join(options.work_dir, "fsdp"), per_device_train_batch_size=batch,
+                  max_steps=options.steps, bf16=cuda, report_to="none", save_strategy="no",
+                  logging_strategy="no", disable_tqdm=True, remove_unused_columns=False,
+                  dataloader_pin_memory=False, use_cpu=not cuda, seed=0, fsdp=True,
+                  fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [layer_class],
+                               "reshard_after_forward": True})
+    timer = StepTimer()
+
+    def collator(features):
+        return collate(len(features), vanilla)
+    if vanilla:
+        trainer = Trainer(model=model, args=TrainingArguments(**common), data_collator=collator,
+                          train_dataset=Indices(batch * options.steps * 8), callbacks=[timer])
+    else:
+        args = InfCLTrainingArguments(**common, chunk_size=options.chunk_size)
+        trainer = InfCLTrainer(model=model, args=args, data_collator=collator,
+                               train_dataset=Indices(batch * options.steps * 8), callbacks=[timer])
+    trainer.remove_callback(PrinterCallback)
+    if not cuda:  # Accelerate enables FSDP on GPUs only: the CPU smoke run checks the rest
+        print("no GPU: the smoke run trains without FSDP", flush=True)
+    trainer.train()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    timed = timer.ends[options.warmup - 1:] if options.warmup >= 1 else timer.ends
+    per_step = (timed[-1] - timed[0]) / (len(timed) - 1) if len(timed) > 1 else float("nan")
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(options.trial_out, "w") as handle:
+            json.dump({"seconds_per_step": per_step, "peak_gib": peak}, handle)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def fsdp_run(options, kind: str, batch: int, steps: int, warmup: int):
+    """Launch one trial (``batch`` pairs per rank); (seconds per step, peak GiB) or None on OOM."""
+    import json
+    import socket
+    import subprocess
+    import tempfile
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    handle, out = tempfile.mkstemp(suffix=".json")
+    os.close(handle)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(options.gpus),
+               "--master_port", str(port), os.path.abspath(__file__), "--fsdp", options.fsdp,
+               "--trial-kind", kind, "--trial-batch", str(batch), "--trial-out", out,
+               "--steps", str(steps), "--warmup", str(warmup), "--chunk-size", str(options.chunk_size),
+               "--work-dir", options.work_dir] + (["--tiny"] if options.tiny else [])
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    python_path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+    environment = {**os.environ, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}
+    started = time.perf_counter()
+    finished = subprocess.run(command, env=environment, capture_output=True, text=True,
+                              timeout=options.trial_timeout)
+    seconds = time.perf_counter() - started
+    if finished.returncode != 0:
+        log = finished.stdout + finished.stderr
+        if "out of memory" in log or "OutOfMemoryError" in log:
+            return None
+        raise RuntimeError(f"trial {kind} at {batch}/rank failed:\n{log[-4000:]}")
+    with open(out) as handle:
+        result = json.load(handle)
+    print(f"    ({seconds:.0f} s)", flush=True)
+    return result["seconds_per_step"], result["peak_gib"]
+
+
+def fsdp_main(options, device_name: str) -> None:
+    gpus = options.gpus
+    label = {"decoder-1.5b": "Qwen2-1.5B-shaped decoder DualEncoder, 128 tokens",
+             "vit-l14": "CLIP ViT-L/14, 224 px"}[options.fsdp]
+    started = time.perf_counter()
+    rows = []
+
+    def fits_fsdp(kind, per_rank):
+        result = fsdp_run(options, kind, per_rank, 2 if kind == "vanilla" else 1, warmup=1)
+        print(f"  {kind:<8} global batch {per_rank * gpus:>8}: " + (f"ok (peak {result[1]:.1f} GiB)" if result
+                                                                     else "OOM"), flush=True)
+        return result is not None
+
+    print(f"1. the plain Trainer's largest global batch under FSDP2 on {gpus} GPUs ({label}):", flush=True)
+    low, high, per_rank = 0, None, options.start_batch
+    while high is None and per_rank <= options.max_batch:
+        if fits_fsdp("vanilla", per_rank):
+            low, per_rank = per_rank, per_rank * 2
+        else:
+            high = per_rank
+    while high is not None and high - low > options.resolution:
+        middle = (low + high) // 2 // options.resolution * options.resolution
+        if middle <= low:
+            break
+        if fits_fsdp("vanilla", middle):
+            low = middle
+        else:
+            high = middle
+    b_v = low * gpus
+    print(f"   B_v = {b_v}", flush=True)
+    if low == 0:
+        sys.exit("the plain Trainer did not fit even --start-batch; lower it")
+    rows.append(dict(measure="largest batch", config="plain Trainer, FSDP2", batch=b_v, value=b_v,
+                     unit="pairs"))
+
+    print(f"2. InfCLTrainer, chunk {options.chunk_size}, FSDP2:", flush=True)
+    ours = 0
+    for global_batch in [int(b) for b in options.ours_batches.split(",")]:
+        if not fits_fsdp("infcl", global_batch // gpus):
+            break
+        ours = global_batch
+    rows.append(dict(measure="largest batch tried", config=f"InfCLTrainer chunk {options.chunk_size}, FSDP2",
+                     batch=ours, value=ours, unit="pairs", ratio=f"{ours / b_v:.0f} x B_v"))
+
+    print(f"3. pairs/s at B_v = {b_v} ({options.warmup} warm-up + {options.steps} timed):", flush=True)
+    vanilla_rate = None
+    for config, kind in (("plain Trainer, FSDP2", "vanilla"),
+                         (f"InfCLTrainer chunk {options.chunk_size}, FSDP2", "infcl")):
+        result = fsdp_run(options, kind, low, options.warmup + options.steps, warmup=max(options.warmup, 1))
+        rate = b_v / result[0] if result else float("nan")
+        vanilla_rate = rate if kind == "vanilla" else vanilla_rate
+        rows.append(dict(measure="pairs/s at B_v", config=config, batch=b_v, value=f"{rate:.1f}",
+                         unit="pairs/s", peak_gib=f"{result[1]:.1f}" if result else "OOM",
+                         ratio=f"{rate / vanilla_rate:.0%} of plain" if vanilla_rate else ""))
+        print(f"  {config}: {rate:.1f} pairs/s", flush=True)
+    print(f"\nbench_trainer --fsdp {options.fsdp} ({label}, bf16, {gpus} x {device_name}; "
+          f"{time.perf_counter() - started:.0f} s)")
+    print(f"{'measure':<20} {'config':<36} {'batch':>8} {'value':>10}  {'':<8} {'vs':<16} peak GiB/rank")
+    for row in rows:
+        print(f"{row['measure']:<20} {row['config']:<36} {row['batch']:>8} {row['value']:>10}  "
+              f"{row['unit']:<8} {row.get('ratio', ''):<16} {row.get('peak_gib', '')}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model and batches: a smoke run (CPU)")
@@ -229,7 +435,28 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=5, help="timed steps for samples/s")
     parser.add_argument("--csv", default=None)
     parser.add_argument("--work-dir", default="/tmp/bench_trainer")
+    parser.add_argument("--fsdp", choices=["decoder-1.5b", "vit-l14"], default=None,
+                        help="measure this model under FSDP2 on every GPU (see the module docstring)")
+    parser.add_argument("--ours-batches", default="65536",
+                        help="--fsdp: comma list of global batches to try for ours")
+    parser.add_argument("--trial-timeout", type=int, default=900, help="--fsdp: seconds per trial")
+    for name in ("--trial-kind", "--trial-batch", "--trial-out"):  # internal: one --fsdp trial
+        parser.add_argument(name, default=None, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
+    if options.trial_kind is not None:
+        options.trial_batch = int(options.trial_batch)
+        fsdp_trial(options)
+        return
+    if options.fsdp is not None:
+        options.gpus = max(torch.cuda.device_count(), 1) if not options.tiny else 2
+        options.start_batch = options.start_batch or (4 if options.tiny else 64)
+        options.max_batch = options.max_batch or (8 if options.tiny else 1 << 16)
+        options.resolution = options.resolution or (4 if options.tiny else 32)
+        if options.tiny:
+            options.ours_batches = "32"
+        device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        fsdp_main(options, device_name)
+        return
     if options.start_batch is None:
         options.start_batch = 8 if options.tiny else 1024
     if options.max_batch is None:
