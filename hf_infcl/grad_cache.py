@@ -100,6 +100,7 @@ def cached_step(
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
     scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
     forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    no_grad_chunk_size: int | None = None,
 ) -> CachedStepOutput:
     """Run one gradient-cached forward/backward; parameter ``.grad`` accumulate as for the full batch.
 
@@ -124,14 +125,18 @@ def cached_step(
         scale_loss: applied to the loss before its gradients are taken (``GradScaler.scale``).
         forward_context: a factory of a context manager entered around every encoder call
             (e.g. ``lambda: torch.autocast("cuda", torch.bfloat16)``).
+        no_grad_chunk_size: rows per chunk of the first, no-grad pass (default: ``chunk_size``).
+            That pass keeps no activations, so larger chunks fit and run faster. The replays
+            then cannot draw the same random numbers as the first pass: set it only for encoders
+            that draw none in training (no dropout, no stochastic depth), where the gradients stay
+            exact up to the rounding of different GEMM shapes.
 
     Returns:
         :class:`CachedStepOutput` with the detached loss and embeddings.
     """
     encoder_list, input_list = _normalise_towers(encoders, inputs)
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
-                                   or chunk_size <= 0):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    _check_chunk_size("chunk_size", chunk_size)
+    _check_chunk_size("no_grad_chunk_size", no_grad_chunk_size)
     no_sync_list = _normalise_no_sync(no_sync, len(encoder_list))
     # One factory: a single synchronised replay (the very last). One per encoder: each
     # encoder's last replay synchronises its own DDP module.
@@ -148,12 +153,15 @@ def cached_step(
     elif device is not None:
         input_list = [to_device(tower_inputs, device) for tower_inputs in input_list]
     chunks = [split_batch(tower_inputs, chunk_size) for tower_inputs in input_list]
+    # The replays restore each first-pass chunk's RNG state only when the two passes chunk alike.
+    replay_rng = no_grad_chunk_size is None or no_grad_chunk_size == chunk_size
+    first_pass_chunks = chunks if replay_rng else [split_batch(t, no_grad_chunk_size) for t in input_list]
 
     # Phase 1: embed every chunk without grad; remember the RNG state each chunk started from.
     rng_states: list[list[_RngState]] = []
     tower_outputs: list[list[tuple[torch.Tensor, ...]]] = []
     with torch.no_grad():
-        for encode, tower_chunks in zip(encoder_list, chunks):
+        for encode, tower_chunks in zip(encoder_list, first_pass_chunks):
             states, outputs = [], []
             for chunk in _on_device(tower_chunks, device, offload):
                 states.append(_RngState.capture(_devices_of(chunk)))
@@ -200,7 +208,8 @@ def cached_step(
             synced = last_overall or (last_of_tower and sync_each_tower)
             sync_context = no_sync_list[tower] if (no_sync_list[tower] is not None and not synced) else None
             with (sync_context() if sync_context else contextlib.nullcontext()):
-                with rng_states[tower][index].restored(), enter():
+                rng = rng_states[tower][index].restored() if replay_rng else contextlib.nullcontext()
+                with rng, enter():
                     replayed = _as_tuple(encode(chunk))
                 surrogate = []
                 for position, output in enumerate(replayed):
@@ -343,6 +352,11 @@ def _pin(inputs: Mapping) -> dict:
                 value = value.pin_memory()
         moved[key] = value
     return moved
+
+
+def _check_chunk_size(name: str, value) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
 def _normalise_towers(encoders, inputs):

@@ -115,6 +115,21 @@ def test_cached_step_matches_clip_own_loss_without_dropout():
     assert_same_grads(parameter_grads(model), reference)
 
 
+@pytest.mark.parametrize("no_grad_chunk_size", [16, 6], ids=["whole-batch", "uneven"])
+def test_larger_no_grad_chunks_keep_the_gradients_without_dropout(no_grad_chunk_size):
+    """The first pass in other chunks than the replays: exact for encoders that draw no random
+    numbers (CLIP's own loss on the whole batch as the oracle)."""
+    model = tiny_clip(dropout=0.0)
+    batch = clip_batch(16, seed=3)
+    model(**batch, return_loss=True).loss.backward()
+    reference = parameter_grads(model)
+
+    model.zero_grad()
+    cached_step(clip_encoder(model), batch, clip_loss, 4, loss_params=[model.logit_scale],
+                no_grad_chunk_size=no_grad_chunk_size)
+    assert_same_grads(parameter_grads(model), reference)
+
+
 def test_replay_without_rng_restore_would_differ():
     """The dropout check has teeth: chunks that draw fresh masks in the replay change the grads."""
     model = tiny_clip(dropout=0.2)
@@ -214,6 +229,8 @@ def test_bad_arguments_are_rejected():
         cached_step([clip_encoder(model), clip_encoder(model)], [batch], clip_loss, 2)
     with pytest.raises(TypeError, match="tensor or a tuple"):
         cached_step(lambda chunk: {"x": 1}, batch, clip_loss, 2)
+    with pytest.raises(ValueError, match="no_grad_chunk_size must be a positive int or None, got 0"):
+        cached_step(clip_encoder(model), batch, clip_loss, 2, no_grad_chunk_size=0)
 
 
 def test_autocast_bf16_with_grad_scaler():
