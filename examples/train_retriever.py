@@ -16,6 +16,25 @@ passage among all held-out passages, before and after training, and saves the mo
 and model card. With no arguments: 1024 training pairs, 16 steps of 64, 1000 held out (about
 a minute on a 2-core CPU); raise ``--max_train_pairs`` for more.
 
+LLM-based retriever (``--preset``): a decoder DualEncoder with last-token pooling, an EOS token
+ending every text, a query instruction saved with the model, and gradient checkpointing:
+
+    python examples/train_retriever.py --preset qwen2-1.5b --model_name_or_path Qwen/Qwen2-1.5B \
+        --per_device_train_batch_size 1024 --chunk_size 64 --bf16     # real weights, one GPU
+    python examples/train_retriever.py --preset qwen2-tiny            # the same path in seconds, CPU
+
+``qwen2-1.5b`` is the Qwen2-1.5B layout (hidden 1536, 28 layers, 12 query / 2 key-value heads,
+intermediate 8960, vocabulary 151936, rope theta 1e6, RMS-norm eps 1e-6), the base of
+gte-Qwen2-1.5B-instruct; a real run passes ``--model_name_or_path Qwen/Qwen2-1.5B`` (or
+Qwen/Qwen2.5-1.5B, Qwen/Qwen3-Embedding-0.6B, any Qwen2/Qwen3/Llama-style checkpoint), whose own
+tokenizer and weights are loaded from the Hub. Without it nothing is downloaded: the layout is
+built from a config with random weights, and a byte-level BPE tokenizer is trained on the run's
+own texts in a second or two (``<|endoftext|>`` as EOS and padding, as in Qwen2's): that checks
+the pipeline and the memory of a step, not the quality of a 1.5B retriever. ``qwen2-tiny`` is the
+same architecture at hidden 32 and 2 layers, for CI. A preset's defaults (learning rate 2e-5 for
+qwen2-1.5b, 1e-3 for qwen2-tiny, 64 tokens, bf16 on a GPU that has it, the instruction
+``--query_instruction``) give way to any flag given.
+
 Every ``TrainingArguments`` flag works (``--learning_rate``, ``--max_steps``, ``--bf16``,
 ``--push_to_hub``, ...), plus InfCLTrainingArguments' ``--chunk_size``, ``--offload``,
 ``--loss_backend``, ``--precision``, ``--contrastive_loss``. Numeric flags are checked before
@@ -27,7 +46,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -40,6 +59,7 @@ from example_cli import (  # noqa: E402
     check_hub_push,
     check_numeric_flags,
     close_process_group,
+    fail,
     is_main_process,
     parse_with_defaults,
     push_output_dir,
@@ -50,10 +70,47 @@ from text_pairs import TEXT_TRAINING_DEFAULTS, TextPairArguments, TextPairs  # n
 
 DEFAULT_OUTPUT_DIR = "outputs/retriever-wordnet"
 
+# Qwen2-1.5B's config (hidden 1536, 28 layers, 12 heads of which 2 key-value, intermediate 8960).
+QWEN2_1_5B = dict(
+    hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+    num_key_value_heads=2, vocab_size=151936, max_position_embeddings=131072, rope_theta=1e6,
+    rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
+)
+PRESETS = {
+    "qwen2-1.5b": dict(config=QWEN2_1_5B, tokenizer_vocab=16384,
+                       defaults={"learning_rate": 2e-5, "max_seq_length": 64}),
+    "qwen2-tiny": dict(
+        config=dict(QWEN2_1_5B, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
+                    max_position_embeddings=512),
+        tokenizer_vocab=1024,
+        defaults={"learning_rate": 1e-3, "max_seq_length": 64},
+    ),
+}
+# The instruction a preset puts before each query (Qwen3-Embedding / gte-Qwen2 / E5-mistral style).
+PRESET_INSTRUCTION = "Instruct: Given a definition or a description, retrieve what it describes\nQuery: "
+
 
 @dataclass
 class RetrieverArguments(TextPairArguments):
-    pooling: str = field(default="mean", metadata={"help": "cls, mean or last."})
+    preset: str | None = field(
+        default=None,
+        metadata={"help": "An LLM-based retriever: qwen2-1.5b (the Qwen2-1.5B layout; random weights unless "
+                  "--model_name_or_path names a checkpoint) or qwen2-tiny (the same at hidden 32, for "
+                  "tests). Last-token pooling, EOS appended, a query instruction, gradient checkpointing."},
+    )
+    pooling: str | None = field(
+        default=None, metadata={"help": "cls, mean or last (default: last for decoder models, else mean)."}
+    )
+    query_instruction: str | None = field(
+        default=None,
+        metadata={"help": "Text put before every query and saved with the model (e.g. "
+                  "'Instruct: ...\\nQuery: '; default with --preset: a generic retrieval instruction)."},
+    )
+    attn_implementation: str | None = field(
+        default=None,
+        metadata={"help": "sdpa, eager, flash_attention_2, ... (default: transformers' own, SDPA)."},
+    )
     logit_scale: float = field(
         default=20.0, metadata={"help": "Scale of the cosine logits (1 / temperature)."}
     )
@@ -73,20 +130,37 @@ NUMERIC_RULES = {
 DEFAULTS = {**TEXT_TRAINING_DEFAULTS, "group_column": "groups", "remove_unused_columns": False}
 
 
+class SideTokenizer:
+    """A tokenizer call for one side of a DualEncoder: the model's saved instruction for that side
+    and its EOS rule (``hf_infcl.models.tokenize_texts``). It holds the settings, not the model."""
+
+    def __init__(self, tokenizer, config, side):
+        self.tokenizer = tokenizer
+        self.instruction = config.instruction(side)
+        self.append_eos = config.append_eos
+
+    def __call__(self, texts, max_length=None, **ignored):  # padding/truncation/return_tensors: always on
+        from hf_infcl.models import tokenize_texts
+
+        return tokenize_texts(self.tokenizer, texts, instruction=self.instruction, append_eos=self.append_eos,
+                              max_length=max_length)
+
+
 class PairCollator:
     """Tokenises (query, passage, group) items into the DualEncoder's query_* / doc_* inputs."""
 
-    def __init__(self, tokenizer, max_length):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, max_length, config=None):
+        from hf_infcl.models import DualEncoderConfig
+
+        config = config or DualEncoderConfig()
+        self.sides = {side: SideTokenizer(tokenizer, config, side) for side in ("query", "doc")}
         self.max_length = max_length
 
     def __call__(self, items):
         queries, passages, groups = zip(*[(i["query"], i["passage"], i["group"]) for i in items])
         batch = {}
         for prefix, texts in (("query", queries), ("doc", passages)):
-            encoded = self.tokenizer(
-                list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
-            )
+            encoded = self.sides[prefix](list(texts), max_length=self.max_length)
             batch[f"{prefix}_input_ids"] = encoded["input_ids"]
             batch[f"{prefix}_attention_mask"] = encoded["attention_mask"]
         batch["groups"] = torch.tensor(groups, dtype=torch.long)
@@ -108,11 +182,12 @@ def evaluate_retrieval(model, tokenizer, pairs, batch_size=256, max_length=64, d
     passages = list(dict.fromkeys(p for _, p in pairs))
     passage_id = {p: i for i, p in enumerate(passages)}
 
-    def embed(texts, encode):
-        return embed_texts(tokenizer, texts, encode, batch_size, max_length, device)
+    def embed(texts, encode, side):
+        side_tokenizer = SideTokenizer(tokenizer, model.config, side)
+        return embed_texts(side_tokenizer, texts, encode, batch_size, max_length, device)
 
-    queries = embed([q for q, _ in pairs], model.encode_queries)
-    docs = embed(passages, model.encode_docs)
+    queries = embed([q for q, _ in pairs], model.encode_queries, "query")
+    docs = embed(passages, model.encode_docs, "doc")
     query_ids = torch.tensor([passage_id[p] for _, p in pairs], device=device)
     passage_ids = torch.arange(len(passages), device=device)
     metrics = retrieval_metrics(queries, docs, query_ids, passage_ids, ks=(1, 10))
@@ -128,17 +203,89 @@ def build_parser():
     return HfArgumentParser((RetrieverArguments, InfCLTrainingArguments))
 
 
+def given_preset(argv) -> str | None:
+    """The ``--preset`` value in ``argv`` (before parsing: a preset changes the parser's defaults)."""
+    for i, arg in enumerate(argv):
+        if arg == "--preset" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--preset="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def parse_arguments(argv=None):
     """(RetrieverArguments, InfCLTrainingArguments) of ``argv``, every numeric flag checked."""
-    script_args, args = parse_with_defaults(build_parser(), argv, DEFAULT_OUTPUT_DIR, DEFAULTS)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    preset = given_preset(argv)
+    if preset is not None and preset not in PRESETS:
+        fail(f"--preset must be one of {', '.join(PRESETS)}; got {preset!r}")
+    defaults = dict(DEFAULTS)
+    if preset is not None:
+        defaults.update(PRESETS[preset]["defaults"])
+        defaults["output_dir"] = f"outputs/retriever-{preset}"
+        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            defaults["bf16"] = True
+    output_dir = defaults.pop("output_dir", DEFAULT_OUTPUT_DIR)
+    script_args, args = parse_with_defaults(build_parser(), argv, output_dir, defaults)
     check_numeric_flags((script_args, args), NUMERIC_RULES)
+    if script_args.pooling is not None and script_args.pooling not in ("cls", "mean", "last"):
+        fail(f"--pooling must be one of cls, mean, last; got {script_args.pooling!r}")
+    if preset is not None and script_args.query_instruction is None:
+        script_args.query_instruction = PRESET_INSTRUCTION
     return script_args, args
 
 
-def main(argv=None):
-    from transformers import AutoTokenizer
+def train_bpe_tokenizer(texts, vocab_size):
+    """A byte-level BPE tokenizer trained on ``texts`` (offline, seconds), with ``<|endoftext|>`` as its
+    EOS and padding token and no special token added to a text, as Qwen2's tokenizer does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
-    from hf_infcl import DualEncoder, InfCLTrainer
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    core.train_from_iterator(texts, trainer=trainer)
+    eos = "<|endoftext|>"
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=eos, pad_token=eos)
+
+
+def build_model_and_tokenizer(script_args, data):
+    """(DualEncoder, tokenizer, base model id or None) for the options: a checkpoint, or a preset's
+    config with a tokenizer trained on ``data``'s texts."""
+    from transformers import AutoTokenizer, Qwen2Config
+
+    from hf_infcl import DualEncoder
+
+    settings = dict(pooling=script_args.pooling, logit_scale_init=script_args.logit_scale,
+                    learn_scale=script_args.learn_scale, query_instruction=script_args.query_instruction,
+                    attn_implementation=script_args.attn_implementation)
+    preset = PRESETS.get(script_args.preset)
+    if preset is None or script_args.model_name_or_path:
+        model_path = script_args.model_path()
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if tokenizer.pad_token is None:  # Llama-style tokenizers have none
+            tokenizer.pad_token = tokenizer.eos_token
+        model = DualEncoder.from_encoders(model_path, **settings)
+        base = script_args.model_name_or_path
+    else:
+        texts = [text for pair in data.train for text in pair]
+        texts.append(script_args.query_instruction or "")
+        tokenizer = train_bpe_tokenizer(texts, preset["tokenizer_vocab"])
+        eos = tokenizer.eos_token_id
+        config = Qwen2Config(**preset["config"], bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+        model = DualEncoder.from_encoders(config, **settings)
+        base = None
+    if preset is not None:
+        # transformers 5 renames it activation_checkpointing_enable (the old name warns)
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
+    return model, tokenizer, base
+
+
+def main(argv=None):
+    from hf_infcl import InfCLTrainer
 
     script_args, args = parse_arguments(argv)
     # The push (model + card) happens at the end through hf_infcl.model_card; the Trainer's own
@@ -150,22 +297,21 @@ def main(argv=None):
     started = time.perf_counter()
 
     data = script_args.load_pairs(seed=args.seed)
-    model_path = script_args.model_path()
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = DualEncoder.from_encoders(
-        model_path,
-        pooling=script_args.pooling,
-        logit_scale_init=script_args.logit_scale,
-        learn_scale=script_args.learn_scale,
-    )
+    model, tokenizer, base_model = build_model_and_tokenizer(script_args, data)
     trainer = InfCLTrainer(
         model=model,
         args=args,
         train_dataset=as_items(data.train),
-        data_collator=PairCollator(tokenizer, script_args.max_seq_length),
+        data_collator=PairCollator(tokenizer, script_args.max_seq_length, model.config),
     )
     main_process = trainer.is_world_process_zero()
     say = print if main_process else (lambda *a, **k: None)
+    if script_args.preset:
+        tower = model.query_encoder.config
+        weights = f"weights of {base_model}" if base_model else "random weights, a tokenizer trained here"
+        say(f"preset {script_args.preset}: {tower.model_type}, {tower.num_hidden_layers} layers, hidden "
+            f"{tower.hidden_size}, {model.num_parameters() / 1e6:.1f} M parameters ({weights}); "
+            f"pooling {model.config.pooling}, EOS appended {model.config.append_eos}")
     say(
         f"{data.description}: {len(data.train)} training pairs, {len(data.held_out)} held out; "
         f"contrastive batch {args.per_device_train_batch_size * trainer.accelerator.num_processes}"
@@ -187,8 +333,16 @@ def main(argv=None):
     trainer.save_model(args.output_dir)
     if main_process:
         tokenizer.save_pretrained(args.output_dir)
+        card_args = script_args
+        if script_args.preset and base_model is None:  # no base model: the card says what was trained
+            card_args = replace(script_args, model_name_or_path="")
+            card_fields = dict(model_description=f"the {script_args.preset} preset's Qwen2 layout, "
+                               "trained from random weights")
+        else:
+            card_fields = {}
         save_results_and_card(
-            args, script_args, data, trainer, before=before, after=after, train_seconds=train_seconds,
+            args, card_args, data, trainer, before=before, after=after, train_seconds=train_seconds,
+            **card_fields,
             chunk_size=args.chunk_size,
             offload=args.offload,
             loss=trainer.loss_kind,

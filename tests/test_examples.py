@@ -189,6 +189,9 @@ BAD_NUMBERS = [
     ("train_retriever", ["--logit_scale", "-20"], "--logit_scale must be > 0"),
     ("train_retriever", ["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps must be > 0"),
     ("train_retriever", ["--precision", "fp8"], "precision must be one of 'auto', 'tf32', 'ieee'"),
+    ("train_retriever", ["--preset", "qwen9"], "--preset must be one of qwen2-1.5b, qwen2-tiny; got 'qwen9'"),
+    ("train_retriever", ["--preset=qwen2-tiny", "--pooling", "max"],
+     "--pooling must be one of cls, mean, last"),
     ("train_sentence_transformer", ["--per_device_train_batch_size", "0"],
      "--per_device_train_batch_size must be > 0"),
     ("train_sentence_transformer", ["--mini_batch_size", "-8"], "--mini_batch_size must be > 0, got -8"),
@@ -403,6 +406,56 @@ def test_train_retriever_default_run_improves_held_out_recall(tmp_path):
     card = huggingface_hub.ModelCard.load(out / "README.md")
     assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2" and "inf-cl" in card.data.tags
     assert "(before → after)" in card.text
+
+
+def test_train_retriever_llm_preset_runs_end_to_end(tmp_path, capsys):
+    """--preset qwen2-tiny: a Qwen2 decoder DualEncoder (last-token pooling, EOS appended, a query
+    instruction, gradient checkpointing) trained with chunks, saved, and reloaded to the same scores."""
+    train_retriever = text_example("train_retriever")
+    from transformers import AutoTokenizer
+
+    from hf_infcl import DualEncoder
+
+    out = tmp_path / "llm"
+    before, after = train_retriever.main([
+        "--preset", "qwen2-tiny", "--output_dir", str(out), "--max_train_pairs", "48",
+        "--held_out_pairs", "24", "--per_device_train_batch_size", "16", "--chunk_size", "8",
+        "--max_seq_length", "48",
+    ])
+    printed = capsys.readouterr().out
+    assert "preset qwen2-tiny: qwen2, 2 layers, hidden 32" in printed
+    assert "pooling last, EOS appended True" in printed
+    assert after != before
+    reloaded = DualEncoder.from_pretrained(out)
+    config = reloaded.config
+    assert (config.pooling, config.append_eos) == ("last", True)
+    assert config.query_instruction == train_retriever.PRESET_INSTRUCTION and config.doc_instruction is None
+    assert config.query_encoder["model_type"] == "qwen2" and config.query_encoder["hidden_size"] == 32
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    encoded = reloaded.tokenize(tokenizer, ["a small dog", "a definition of a word"], max_length=48)
+    assert (encoded["input_ids"][:, -1] == tokenizer.eos_token_id).all()  # left or right, rows end in EOS
+    import text_pairs
+
+    held_out = text_pairs.load_text_pairs("wordnet", held_out=24, max_train=48, seed=42).held_out
+    again = train_retriever.evaluate_retrieval(reloaded, tokenizer, held_out, max_length=48)
+    assert again["mrr"] == pytest.approx(after["mrr"], abs=1e-4)
+    card = (out / "README.md").read_text()
+    assert "all-MiniLM" not in card and "trained from random weights" in card
+
+
+def test_the_qwen2_1_5b_preset_is_qwen2_1_5b():
+    """The preset's layout has Qwen2-1.5B's parameter count (1.54 B with tied embeddings), on the meta
+    device so that nothing is allocated."""
+    train_retriever = text_example("train_retriever")
+    from transformers import Qwen2Config, Qwen2Model
+
+    with torch.device("meta"):
+        tower = Qwen2Model(Qwen2Config(**train_retriever.PRESETS["qwen2-1.5b"]["config"]))
+    assert 1.53e9 < sum(p.numel() for p in tower.parameters()) < 1.55e9
+    _, args = train_retriever.parse_arguments(["--preset", "qwen2-1.5b"])
+    assert args.learning_rate == 2e-5 and args.output_dir == "outputs/retriever-qwen2-1.5b"
+    script_args, args = train_retriever.parse_arguments(["--preset=qwen2-tiny", "--learning_rate", "3e-4"])
+    assert args.learning_rate == 3e-4 and script_args.query_instruction == train_retriever.PRESET_INSTRUCTION
 
 
 @pytest.mark.slow
