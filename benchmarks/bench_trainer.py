@@ -397,16 +397,18 @@ def fsdp_main(options, device_name: str) -> None:
 
     print(f"2. InfCLTrainer, chunk {options.chunk_size}, FSDP2:", flush=True)
     ours = 0
-    for global_batch in [int(b) for b in options.ours_batches.split(",")]:
+    for global_batch in [int(b) for b in options.ours_batches.split(",") if b]:
         if not fits_fsdp("infcl", global_batch // gpus):
             break
         ours = global_batch
-    rows.append(dict(measure="largest batch tried", config=f"InfCLTrainer chunk {options.chunk_size}, FSDP2",
-                     batch=ours, value=ours, unit="pairs", ratio=f"{ours / b_v:.0f} x B_v"))
+    if ours:
+        config = f"InfCLTrainer chunk {options.chunk_size}, FSDP2"
+        rows.append(dict(measure="largest batch tried", config=config, batch=ours, value=ours, unit="pairs",
+                         ratio=f"{ours / b_v:.0f} x B_v"))
 
     print(f"3. pairs/s at B_v = {b_v} ({options.warmup} warm-up + {options.steps} timed):", flush=True)
     vanilla_rate = None
-    for config, kind in (("plain Trainer, FSDP2", "vanilla"),
+    for config, kind in [] if options.skip_rate else (("plain Trainer, FSDP2", "vanilla"),
                          (f"InfCLTrainer chunk {options.chunk_size}, FSDP2", "infcl")):
         result = fsdp_run(options, kind, low, options.warmup + options.steps, warmup=max(options.warmup, 1))
         rate = b_v / result[0] if result else float("nan")
@@ -440,6 +442,7 @@ def main(argv=None):
     parser.add_argument("--ours-batches", default="65536",
                         help="--fsdp: comma list of global batches to try for ours")
     parser.add_argument("--trial-timeout", type=int, default=900, help="--fsdp: seconds per trial")
+    parser.add_argument("--skip-rate", action="store_true", help="--fsdp: skip the pairs/s measurement")
     for name in ("--trial-kind", "--trial-batch", "--trial-out"):  # internal: one --fsdp trial
         parser.add_argument(name, default=None, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
