@@ -309,9 +309,9 @@ class DualEncoderConfig(PretrainedConfig):
         return self.query_instruction if side == "query" else self.doc_instruction
 
     def to_diff_dict(self) -> dict:
-        # Always saved, even when equal to the defaults: a config loaded without ``pooling`` would
-        # otherwise fall back to "mean" for a decoder tower trained with "mean" chosen explicitly,
-        # and a reader of the file sees the pooling without knowing the defaults.
+        # Always saved, even where equal to DualEncoderConfig()'s (transformers 4.x leaves such values
+        # out; 5 keeps them): a decoder config saved with "mean" would load with the "pooling not
+        # given" warning, and a reader of the file sees the pooling without knowing the defaults.
         diff = super().to_diff_dict()
         diff["pooling"] = self.pooling
         return diff
