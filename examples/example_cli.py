@@ -45,9 +45,10 @@ def is_main_process() -> bool:
 def close_process_group() -> None:
     """Destroy the default process group at the end of a launched run.
 
-    A process that exits with a gloo group still alive can abort during interpreter shutdown
-    ("terminate called without an active exception"): gloo's worker threads still hold tensors
-    when Python is torn down. The Trainer does not destroy the group, so the scripts do.
+    On CPU (gloo), a gloo worker thread still releasing a last collective's tensors while Python
+    shuts down can abort the process after all its output is written ("terminate called without
+    an active exception"; a torch issue). Destroying the group first makes that rarer; it cannot
+    rule it out while the Trainer still holds the group.
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -16,6 +16,28 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def end_worker_process() -> None:
+    """End a torchrun worker without interpreter shutdown, its results already written.
+
+    Python 3.11 kills any thread that asks for the GIL while the interpreter finalises. A gloo
+    worker thread still releasing the tensors of a last collective (the Trainer's own
+    ``store_flos`` all_gather at the end of ``train``) does exactly that, and dies inside a
+    noexcept destructor: "terminate called without an active exception", SIGABRT, in about one
+    run in ten (caught under gdb; pytorch issue 190489). Destroying the process group is not
+    enough while the Trainer still holds it. ``os._exit`` skips the finalisation.
+    """
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def tiny_clip_config(dropout: float = 0.1, image_size: int = 8, vocab_size: int = 40) -> CLIPConfig:
     text = dict(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                 num_attention_heads=2, max_position_embeddings=16, dropout=dropout,

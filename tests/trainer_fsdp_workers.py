@@ -27,7 +27,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_infcl import InfCLTrainer  # noqa: E402
-from tests.trainer_fixtures import PairDataset, clip_batch, tiny_clip, trainer_arguments  # noqa: E402
+from tests.trainer_fixtures import (  # noqa: E402
+    PairDataset,
+    clip_batch,
+    end_worker_process,
+    tiny_clip,
+    trainer_arguments,
+)
 
 SETTINGS = dict(max_steps=2, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant",
                 max_grad_norm=1.0, per_device_train_batch_size=8, save_strategy="no")
@@ -88,5 +94,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    # Without this, gloo can abort the process during interpreter shutdown (a torch issue).
-    dist.destroy_process_group()
+    end_worker_process()

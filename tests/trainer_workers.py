@@ -21,6 +21,7 @@ from hf_infcl import InfCLTrainer  # noqa: E402
 from tests.trainer_fixtures import (  # noqa: E402
     PairDataset,
     clip_batch,
+    end_worker_process,
     tiny_clip,
     trained_parameters,
     trainer_arguments,
@@ -51,5 +52,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    # Without this, gloo can abort the process during interpreter shutdown (a torch issue).
-    torch.distributed.destroy_process_group()
+    end_worker_process()
