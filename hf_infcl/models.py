@@ -578,6 +578,11 @@ class DualEncoder(PreTrainedModel):
         pooled = self._pool(hidden, attention_mask)
         return nn.functional.normalize(pooled, dim=-1) if self.config.normalize else pooled
 
+    def get_input_embeddings(self) -> nn.Module:
+        """The query tower's token embeddings (the only ones when the towers are shared).
+        Accelerate's FSDP2 preparation asks for them to shard them as a unit of their own."""
+        return self.query_encoder.get_input_embeddings()
+
     def encode_queries(self, input_ids, attention_mask=None, token_type_ids=None, **kwargs) -> torch.Tensor:
         return self._encode(self.query_encoder, self._query_is_decoder, input_ids, attention_mask,
                             token_type_ids, **kwargs)

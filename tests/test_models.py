@@ -412,3 +412,11 @@ def test_trainer_chunked_decoder_steps_match_the_whole_batch(tmp_path, model_typ
         torch.testing.assert_close(chunk_grads[name], grads[name], rtol=0, atol=1e-5, msg=name)
     for name in params:
         torch.testing.assert_close(chunk_params[name], params[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "separate"])
+def test_dual_encoder_input_embeddings_are_the_query_towers(shared):
+    """Accelerate's FSDP2 preparation calls get_input_embeddings (transformers raises for models it
+    cannot place): a DualEncoder answers with its query tower's token embeddings."""
+    model = tiny_dual_encoder(shared=shared)
+    assert model.get_input_embeddings() is model.query_encoder.embeddings.word_embeddings
