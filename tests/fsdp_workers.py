@@ -1,6 +1,7 @@
 """Worker for the FSDP2 GradCache tests: ``torchrun --nproc_per_node 2 tests/fsdp_workers.py OUT``.
 
-Each rank wraps a tiny model with ``fully_shard`` (each encoder layer, then the root) on CPU over
+Each rank wraps a tiny model (CLIP, a BERT DualEncoder, a Qwen2-style decoder DualEncoder) with
+``fully_shard`` (each encoder or decoder layer, then the root) on CPU over
 gloo, and takes one step on its own 8 pairs with the ring loss, in several ways:
 
 * ``uncached``: every chunk embedded with grad in one graph, one backward (the reference; the
@@ -26,7 +27,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_infcl import contrastive_loss  # noqa: E402
 from hf_infcl.grad_cache import cached_step, fsdp_no_sync, split_batch  # noqa: E402
-from tests.trainer_fixtures import clip_batch, pair_text_batch, tiny_clip, tiny_dual_encoder  # noqa: E402
+from tests.trainer_fixtures import (  # noqa: E402
+    clip_batch,
+    decoder_text_batch,
+    end_worker_process,
+    pair_text_batch,
+    tiny_clip,
+    tiny_decoder_dual_encoder,
+    tiny_dual_encoder,
+)
 
 ROWS_PER_RANK = 8
 CHUNK = 3  # uneven: chunks of 3, 3, 2
@@ -37,6 +46,8 @@ def build(kind: str, dropout: float):
     (CLIP's exp(logit_scale) broadcasts the same either way)."""
     if kind == "clip":
         model = tiny_clip(dropout=dropout, seed=0)
+    elif kind == "decoder":
+        model = tiny_decoder_dual_encoder(dropout=dropout, seed=0)
     else:
         model = tiny_dual_encoder(dropout=dropout, seed=0)
     model.logit_scale = torch.nn.Parameter(model.logit_scale.detach().reshape(1))
@@ -44,7 +55,11 @@ def build(kind: str, dropout: float):
 
 
 def batch_of(kind: str, rank: int, rows: int = ROWS_PER_RANK):
-    return clip_batch(rows, seed=10 + rank) if kind == "clip" else pair_text_batch(rows, seed=10 + rank)
+    if kind == "clip":
+        return clip_batch(rows, seed=10 + rank)
+    if kind == "decoder":  # left padding, as decoder embedders batch their inputs
+        return decoder_text_batch(rows, seed=10 + rank)
+    return pair_text_batch(rows, seed=10 + rank)
 
 
 def encoder(kind: str, model):
@@ -74,7 +89,8 @@ def shard(kind: str, model):
         layers = [*model.text_model.encoder.layers, *model.vision_model.encoder.layers]
     else:
         towers = [model.query_encoder] + ([model.doc_encoder] if model.doc_encoder is not None else [])
-        layers = [layer for tower in towers for layer in tower.encoder.layer]
+        layers = [layer for tower in towers
+                  for layer in (tower.layers if kind == "decoder" else tower.encoder.layer)]
     for layer in layers:
         fully_shard(layer)
     fully_shard(model)
@@ -135,7 +151,7 @@ def main(out_dir: str) -> None:
 
     init_device_mesh("cpu", (world_size,))
     results = {}
-    for kind in ("clip", "dual-encoder"):
+    for kind in ("clip", "dual-encoder", "decoder"):
         for dropout in (0.1, 0.0):
             for variant in ("uncached", "cached-per-step", "cached-per-replay"):
                 results[(kind, dropout, variant)] = run_variant(kind, variant, dropout, rank)
@@ -149,3 +165,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_worker_process()

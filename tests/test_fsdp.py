@@ -18,7 +18,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-KINDS = ["clip", "dual-encoder"]
+KINDS = ["clip", "dual-encoder", "decoder"]  # decoder: a Qwen2-style DualEncoder, last-token pooling
 STRATEGIES = ["cached-per-step", "cached-per-replay"]
 
 
