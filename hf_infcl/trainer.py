@@ -5,7 +5,9 @@ The Trainer keeps its loop, checkpoints, logging and callbacks. This subclass ch
 - ``compute_loss``: embeddings from the model (``hf_infcl.models``) and ``contrastive_loss`` over
   the whole contrastive batch (every process's rows, through the ring when several processes run);
 - ``training_step`` when ``chunk_size`` is set: the cached three-phase step of
-  ``hf_infcl.grad_cache`` (one DDP all-reduce per step, optional data offload);
+  ``hf_infcl.grad_cache`` (one gradient reduction per step under DDP or FSDP2, optional data
+  offload); under FSDP2, 0-d parameters become 1-element vectors for ``fully_shard`` and are
+  saved 0-d again;
 - ``evaluation_loop``: eval loss, recall@1/5/10 and MRR in both directions, block by block,
   without an n x n similarity matrix (``hf_infcl.metrics``: ties count against the positive);
 - ``log``: adds the logit scale and the in-batch top-1 accuracy to every training log;
