@@ -1,10 +1,13 @@
-"""The environment of the tests' subprocesses (examples, README snippets): offline, a fresh
-Hugging Face home (so no accelerate config or cached token is found), no launcher variables
-inherited from the test run, and this checkout importable."""
+"""The tests' subprocesses: the environment of examples and README snippets (offline, a fresh
+Hugging Face home so no accelerate config or cached token is found, no launcher variables
+inherited from the test run, this checkout importable), and two-process torchrun workers."""
 
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,3 +28,20 @@ def offline_env(tmp_path) -> dict:
     for name in [n for n in env if n.startswith(_LAUNCHER_VARIABLES)]:
         env.pop(name)
     return env
+
+
+def run_two_processes(script, *args, timeout: int = 600, cuda: bool = False) -> None:
+    """``torchrun --nproc_per_node 2 script *args`` on a free port with this checkout importable
+    and one thread per process; fails the test with the workers' output unless both succeed.
+    ``cuda=False`` hides the GPUs (gloo on CPU)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(port), str(script), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-5000:]

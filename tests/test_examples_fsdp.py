@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +39,8 @@ from train_clip import (  # noqa: E402
     training_step,
     vectorise_scalar_parameters,
 )
+
+from tests.offline import run_two_processes  # noqa: E402
 
 LOSSES = ["softmax", "sigmoid"]
 VARIANTS = ["uncached", "cached-per-step", "cached-per-chunk"]
@@ -282,15 +283,7 @@ def _fsdp_worker(out_dir: str) -> None:
 def fsdp_results(tmp_path_factory):
     pytest.importorskip("torch.distributed.fsdp")
     out = tmp_path_factory.mktemp("fsdp-example")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(port), __file__, str(out)]
-    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    environment = {**os.environ, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
-    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-5000:]
+    run_two_processes(__file__, out)
     return torch.load(out / "results.pt", weights_only=False)
 
 

@@ -8,14 +8,12 @@ equal one process without FSDP on the concatenated batch.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.offline import run_two_processes
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ["clip", "dual-encoder", "decoder"]  # decoder: a Qwen2-style DualEncoder, last-token pooling
@@ -26,15 +24,7 @@ STRATEGIES = ["cached-per-step", "cached-per-replay"]
 def fsdp_grads(tmp_path_factory):
     pytest.importorskip("torch.distributed.fsdp")
     out = tmp_path_factory.mktemp("fsdp")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(port), str(REPO / "tests" / "fsdp_workers.py"), str(out)]
-    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    environment = {**os.environ, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}
-    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
-    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-5000:]
+    run_two_processes(REPO / "tests" / "fsdp_workers.py", out)
     return torch.load(out / "grads.pt")
 
 

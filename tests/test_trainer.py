@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -17,6 +14,7 @@ from transformers import BertModel, TrainerCallback
 from hf_infcl import InfCLTrainer, InfCLTrainingArguments, contrastive_loss
 from hf_infcl.models import encode_keys, encode_queries
 from hf_infcl.trainer import retrieval_recalls
+from tests.offline import run_two_processes
 from tests.trainer_fixtures import (
     DIGIT_WORDS,
     PairDataset,
@@ -87,15 +85,7 @@ def test_chunked_and_offloaded_training_match_the_full_batch(tmp_path, build, ba
 def test_two_processes_match_one_process_on_the_concatenated_batch(tmp_path):
     """torchrun, 2 ranks x 8 pairs (DDP, gloo, the ring), cached with offload and uncached ==
     1 process x 16 pairs, uncached: parameters after two steps, logged loss and accuracy."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(port), os.path.join(REPO, "tests", "trainer_workers.py"), str(tmp_path)]
-    python_path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
-    environment = {**os.environ, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}
-    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
-    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    run_two_processes(os.path.join(REPO, "tests", "trainer_workers.py"), tmp_path, timeout=300)
 
     single = train(tmp_path / "single", tiny_clip(dropout=0.0), PairDataset(clip_batch(16)),
                    per_device_train_batch_size=16, **TWO_PROCESS_SETTINGS)

@@ -9,15 +9,12 @@ parameters of the same run under DDP, and that the saved CLIPModel loads with it
 from __future__ import annotations
 
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.offline import run_two_processes
 from tests.test_fsdp import assert_same_grads
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,17 +22,7 @@ VARIANTS = ["fsdp", "fsdp-chunk-step", "fsdp-chunk-chunk"]
 
 
 def run_worker(out: Path, cuda: bool) -> dict[str, dict]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(port), str(REPO / "tests" / "trainer_fsdp_workers.py"), str(out)]
-    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    environment = {**os.environ, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}
-    if not cuda:
-        environment["CUDA_VISIBLE_DEVICES"] = ""
-    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
-    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-5000:]
+    run_two_processes(REPO / "tests" / "trainer_fsdp_workers.py", out, cuda=cuda)
     return {name: torch.load(out / f"{name}.pt") for name in ["ddp", *VARIANTS]}
 
 
