@@ -71,6 +71,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .rng import RngState
+
 __all__ = ["CachedStepOutput", "cached_step", "fsdp_no_sync", "split_batch", "to_device"]
 
 
@@ -158,13 +160,13 @@ def cached_step(
     first_pass_chunks = chunks if replay_rng else [split_batch(t, no_grad_chunk_size) for t in input_list]
 
     # Phase 1: embed every chunk without grad; remember the RNG state each chunk started from.
-    rng_states: list[list[_RngState]] = []
+    rng_states: list[list[RngState]] = []
     tower_outputs: list[list[tuple[torch.Tensor, ...]]] = []
     with torch.no_grad():
         for encode, tower_chunks in zip(encoder_list, first_pass_chunks):
             states, outputs = [], []
             for chunk in _on_device(tower_chunks, device, offload):
-                states.append(_RngState.capture(_devices_of(chunk)))
+                states.append(RngState.capture(*chunk.values()))
                 with enter():
                     outputs.append(_as_tuple(encode(chunk)))
             rng_states.append(states)
@@ -395,35 +397,3 @@ def _as_tuple(output) -> tuple[torch.Tensor, ...]:
     raise TypeError(
         f"an encoder must return a tensor or a tuple of tensors, got {type(output).__name__}"
     )
-
-
-def _devices_of(chunk: Mapping) -> list[torch.device]:
-    cuda = {v.device for v in chunk.values() if isinstance(v, torch.Tensor) and v.device.type == "cuda"}
-    return sorted(cuda, key=str)
-
-
-class _RngState:
-    """The CPU RNG state and the CUDA RNG states of the devices a chunk lives on."""
-
-    def __init__(self, cpu_state, cuda_devices, cuda_states):
-        self.cpu_state = cpu_state
-        self.cuda_devices = cuda_devices
-        self.cuda_states = cuda_states
-
-    @classmethod
-    def capture(cls, cuda_devices):
-        if not cuda_devices and torch.cuda.is_available() and torch.cuda.is_initialized():
-            # The inputs are on the host but the model may be on the current GPU.
-            cuda_devices = [torch.device("cuda", torch.cuda.current_device())]
-        cuda_states = [torch.cuda.get_rng_state(d) for d in cuda_devices]
-        return cls(torch.get_rng_state(), cuda_devices, cuda_states)
-
-    @contextlib.contextmanager
-    def restored(self):
-        # fork_rng puts the generators back afterwards, so the replays leave the RNG stream
-        # where phase 1 left it, as a single uncached forward would.
-        with torch.random.fork_rng(devices=self.cuda_devices, enabled=True):
-            torch.set_rng_state(self.cpu_state)
-            for device, state in zip(self.cuda_devices, self.cuda_states):
-                torch.cuda.set_rng_state(state, device)
-            yield

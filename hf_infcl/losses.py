@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .loss import BACKENDS, PRECISIONS, contrastive_loss
+from .rng import RngState
 
 try:
     from sentence_transformers import util as _st_util
@@ -68,27 +69,6 @@ INFCL_CITATION = """
 # does the three steps), minus token-budget mini-batches and the DDP replay subtleties.
 
 
-class _RandState:
-    """The CPU and CUDA RNG state at creation, restored on enter (dropout replay)."""
-
-    def __init__(self, *tensors) -> None:
-        from torch.utils.checkpoint import get_device_states
-
-        self.cpu_state = torch.get_rng_state()
-        self.devices, self.device_states = get_device_states(*tensors)
-
-    def __enter__(self) -> None:
-        from torch.utils.checkpoint import set_device_states
-
-        self._fork = torch.random.fork_rng(devices=self.devices, enabled=True)
-        self._fork.__enter__()
-        torch.set_rng_state(self.cpu_state)
-        set_device_states(self.devices, self.device_states)
-
-    def __exit__(self, *exc) -> None:
-        self._fork.__exit__(*exc)
-
-
 class _FallbackCachedLossMixin:
     """Minimal GradCache (embed without grad, loss + cached embedding gradients, replay)."""
 
@@ -102,10 +82,10 @@ class _FallbackCachedLossMixin:
         rows = _column_rows(sentence_feature)
         for index, begin in enumerate(range(0, rows, self.mini_batch_size)):
             chunk = _slice_rows(sentence_feature, begin, min(begin + self.mini_batch_size, rows))
-            replay = nullcontext() if random_states is None else random_states[index]
+            replay = nullcontext() if random_states is None else random_states[index].restored()
             with replay, (nullcontext() if with_grad else torch.no_grad()):
                 tensors = [value for value in chunk.values() if isinstance(value, Tensor)]
-                state = _RandState(*tensors) if copy_random_state else None
+                state = RngState.capture(*tensors) if copy_random_state else None
                 embeddings = self.model(chunk)["sentence_embedding"]
             yield embeddings, state
 

@@ -1,0 +1,61 @@
+"""One RNG snapshot for replaying a forward pass with the same random draws (dropout).
+
+Gradient caching runs each chunk twice, once without grad and once with; both passes must draw
+the same dropout masks. :class:`RngState` records the CPU generator and the generators of the
+accelerator devices a chunk's tensors live on, and restores them for the replay. The device part
+is a thin use of ``torch.utils.checkpoint.get_device_states`` / ``set_device_states`` (what
+activation checkpointing itself does), and the restore runs inside ``torch.random.fork_rng``, so
+the replay leaves every generator where it was, as a single uncached forward would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils.checkpoint import get_device_states, set_device_states
+
+__all__ = ["RngState"]
+
+
+class RngState:
+    """The CPU RNG state and the RNG states of the accelerator devices some tensors live on.
+
+    ``RngState.capture(*tensors)`` takes the snapshot (non-tensors are ignored);
+    ``with state.restored():`` runs a block from it and puts every generator back afterwards.
+    """
+
+    def __init__(self, cpu_state: torch.Tensor, device_type: str | None, devices: list[int],
+                 device_states: list[torch.Tensor]):
+        self.cpu_state = cpu_state
+        self.device_type = device_type
+        self.devices = devices
+        self.device_states = device_states
+
+    @classmethod
+    def capture(cls, *tensors) -> RngState:
+        """Snapshot the CPU generator and those of the devices ``tensors`` live on.
+
+        With no accelerator tensor among them but CUDA initialised, the current CUDA device's
+        state is taken: the inputs may be on the host while the model runs on the GPU.
+        """
+        on_device = [t for t in tensors
+                     if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")]
+        if not on_device and torch.cuda.is_available() and torch.cuda.is_initialized():
+            on_device = [torch.empty(0, device=torch.device("cuda", torch.cuda.current_device()))]
+        # One device type, preferring CUDA, as torch.utils.checkpoint infers it; one tensor per device.
+        types = {t.device.type for t in on_device}
+        device_type = ("cuda" if "cuda" in types else on_device[0].device.type) if on_device else None
+        one_per_device = {t.device: t for t in on_device if t.device.type == device_type}
+        ordered = [one_per_device[d] for d in sorted(one_per_device, key=str)]
+        devices, device_states = get_device_states(*ordered)
+        return cls(torch.get_rng_state(), device_type, devices, device_states)
+
+    @contextlib.contextmanager
+    def restored(self):
+        """Run the block from the captured state; every generator is put back afterwards."""
+        with torch.random.fork_rng(devices=self.devices, enabled=True, device_type=self.device_type):
+            torch.set_rng_state(self.cpu_state)
+            if self.devices:
+                set_device_states(self.devices, self.device_states, device_type=self.device_type)
+            yield
