@@ -273,3 +273,27 @@ def test_kernels_never_write_into_the_callers_tensors(loss_name, blocks_name, mo
         for name, tensor in launch.items():
             assert tensor.untyped_storage().data_ptr() not in caller_storages, (
                 f"{name} of a kernel launch is a tensor the caller owns")
+
+
+def test_reset_autotuning_clears_every_autotuner_and_the_loss_still_matches(monkeypatch):
+    """hf_infcl.ops.reset_autotuning() (what bench_loss calls between sizes) empties the cache of
+    every autotuned kernel, so that the next call tunes afresh. The interpreter runs one config and
+    never fills the caches itself: an entry is planted in each, and a loss computed after the reset
+    still matches the tiled backend."""
+    from triton.runtime import Autotuner
+
+    from hf_infcl.ops import reset_autotuning
+    from hf_infcl.ops import triton_kernels as kernels
+
+    tuners = [value for value in vars(kernels).values() if isinstance(value, Autotuner)]
+    assert {kernels._stats_kernel, kernels._grad_tile_kernel} <= set(tuners)
+    for tuner in tuners:
+        monkeypatch.setitem(tuner.cache, ("planted",), tuner.configs[0])
+    reset_autotuning()
+    assert all(not tuner.cache for tuner in tuners)
+
+    gen = torch.Generator().manual_seed(3)
+    queries, keys = torch.randn(30, 8, generator=gen), torch.randn(40, 8, generator=gen)
+    expected = contrastive_loss(queries, keys, 10.0, backend=TorchTiles(), precision="ieee")
+    value = contrastive_loss(queries, keys, 10.0, backend=BLOCKS, precision="ieee")
+    torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)

@@ -1,3 +1,17 @@
 """Numerics of the loss, with no Hugging Face imports: the reference, the tiled PyTorch block
 ops, the fused Triton block ops, and the autograd Functions that drive them (one per algorithm:
 single process and ring)."""
+
+import sys
+
+
+def reset_autotuning() -> None:
+    """Forget the Triton kernels' autotuned configurations: the next call of each kernel tunes
+    afresh (a benchmark sweeping problem sizes tunes each for itself). Nothing to do, and Triton
+    is not imported, when the kernels have not been loaded yet."""
+    kernels = sys.modules.get(__name__ + ".triton_kernels")
+    if kernels is not None:
+        kernels.reset_autotuning()
+
+
+__all__ = ["reset_autotuning"]

@@ -42,9 +42,8 @@ logit of memory traffic but keeps the backward at three GEMM-sized passes (recom
 each tile recomputed exactly once, with the two products running at cuBLAS speed. The buffer is
 bounded (64 MiB by default), so memory stays O((m + k) c), never O(m k). In fp16, G is stored
 divided by max|w| so that it never underflows when the weights are 1/m-small; the caller folds
-the factor back into its accumulators (``hf_infcl.ops.triton_blocks``). Measured on an H100 at
-b = 32k, c = 512, bf16: recompute + G kernel 3.7 ms, the two GEMMs 1.7 + 1.6 ms, against 1.9 ms
-for one cuBLAS GEMM pass (``benchmarks/triton_notes.md``).
+the factor back into its accumulators (``hf_infcl.ops.triton_blocks``). What the three passes
+cost against one cuBLAS GEMM pass is measured in ``benchmarks/triton_notes.md``.
 
 Every index is int64, so m * k > 2^31 is fine; any m, k, c >= 1 works through load masks (c is
 walked in ``BLOCK_K`` chunks, never reshaped). ``scale`` and ``bias`` are read through pointers,
@@ -373,6 +372,15 @@ _grad_tile_kernel = triton.autotune(
 )(_grad_tile_kernel_body)
 
 
+def reset_autotuning() -> None:
+    """Forget the configurations the autotuners chose, so that the next call of each kernel tunes
+    afresh. The tuning keys are coarse (the width and a size class), so without this a benchmark
+    sweeping sizes would time every size of a class with the configs tuned at the first one;
+    after it, each size is tuned for itself, as a training run at that size would be."""
+    for tuner in (_stats_kernel, _grad_tile_kernel):
+        tuner.cache.clear()
+
+
 # --------------------------------------------------------------------------------------------
 # Launchers
 
@@ -393,11 +401,8 @@ def _sm_count(device: torch.device) -> int:
 def auto_splits(n_outer: int, n_inner: int, device: torch.device) -> int:
     """How many programs share one outer block's inner range: about eight programs per SM
     (assuming 128-wide outer blocks), so that the last, partly filled wave of programs costs
-    little, while each program still streams >= 2048 inner vectors.
-
-    With two programs per SM, 128k x 128k at c = 768 ran 2.4 waves per launch; eight per SM
-    took the statistics kernel there from 94 to 79 ms on an H100. The partial statistics cost a
-    few floats per vector and split to merge."""
+    little, while each program still streams >= 2048 inner vectors. The partial statistics cost a
+    few floats per vector and split to merge. (Why eight, measured: ``benchmarks/triton_notes.md``.)"""
     outer_blocks = math.ceil(n_outer / 128)
     wanted = math.ceil(8 * _sm_count(device) / outer_blocks)
     return max(1, min(wanted, n_inner // 2048))
