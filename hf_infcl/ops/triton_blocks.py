@@ -19,8 +19,8 @@ scaling keeps every value in fp16's range, and the factors go into the accumulat
 differs from TF32 is fp16's smaller exponent range *below* the largest entry (entries under 6e-5
 x max|x| keep an absolute error of 3e-8 x max|x|). ``TritonBlocks(tf32_via_fp16=True)`` also
 runs the kernels on those fp16 copies (the factors folded into the logit scale): faster still,
-but opt-in because on 2 x H200 its ring gradients were 2-3x further from float64 (5-8e-3) than
-one GPU's, beyond the TF32 tolerance, and the cause is not yet known. ``precision="ieee"`` keeps
+but opt-in because its ring gradients measured further from float64 than one GPU's, beyond the
+TF32 tolerance (``benchmarks/triton_notes.md``), and the cause is not yet known. ``precision="ieee"`` keeps
 exact fp32 everywhere.
 
 The object keeps no state between calls, so the ring can call it once per visiting key block.
@@ -266,9 +266,8 @@ class TritonBlocks:
         return row_stat, col_stat
 
     def _super_tile(self, dtype: torch.dtype, m: int, k: int) -> tuple[int, int]:
-        # 64 MiB of G: each super-tile then carries enough GPU work (~0.25 ms at c = 512) to
-        # hide the host time of its three launches; 32 MiB tiles left an H100 waiting on the
-        # host (19 ms wall for 12.5 ms of GPU work at b = 32k, c = 512).
+        # 64 MiB of G: each super-tile then carries enough GPU work to hide the host time of its
+        # three launches; smaller tiles left the GPU waiting on the host (benchmarks/triton_notes.md).
         default_keys = 4096
         rows = self.tile_rows if self.tile_rows is not None else (8192 if dtype in _HALF_TYPES else 4096)
         keys = self.tile_keys if self.tile_keys is not None else default_keys
