@@ -1,8 +1,9 @@
 """Retrieval metrics: recall@k and the mean reciprocal rank, block by block.
 
 This is the one implementation behind every retrieval figure hf_infcl reports: the evaluation of
-:class:`~hf_infcl.InfCLTrainer` (``eval_<direction>_recall@k`` / ``_mrr``) and the examples'
-before/after figures. Whoever reports them, the same embeddings give the same numbers.
+:class:`~hf_infcl.InfCLTrainer` (``eval_<direction>_recall@k`` / ``_mrr``), its in-batch training
+accuracy, :func:`retrieval_recalls` and the examples' before/after figures. Whoever reports
+them, the same embeddings give the same numbers.
 
 Relevance is given by integer ids: candidate j answers query i when ``key_ids[j] ==
 query_ids[i]`` (duplicate captions, several words defined by one gloss, a document twice: any of
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["RECALL_AT", "relevant_ranks", "retrieval_metrics"]
+__all__ = ["RECALL_AT", "relevant_ranks", "retrieval_metrics", "retrieval_recalls"]
 
 RECALL_AT = (1, 5, 10)
 
@@ -112,3 +113,17 @@ def retrieval_metrics(
     metrics = {f"{prefix}recall@{k}": float((rank < k).double().mean()) for k in ks}
     metrics[f"{prefix}mrr"] = float((1.0 / (rank.double() + 1)).mean())
     return metrics
+
+
+def retrieval_recalls(rows: torch.Tensor, keys: torch.Tensor, groups: torch.Tensor | None = None,
+                      ks=RECALL_AT, block_rows: int = 1024) -> dict[int, float]:
+    """Recall@k of retrieving key i for row i among all keys: ``{k: recall}``.
+
+    A thin view of :func:`retrieval_metrics`, the one implementation the evaluation and the
+    examples share: with ``groups``, every key of the row's group is a right answer; ties with the
+    best right answer count against the row. Memory is ``block_rows x len(keys)``.
+    """
+    if rows.shape[0] != keys.shape[0]:
+        raise ValueError(f"rows ({rows.shape[0]}) and keys ({keys.shape[0]}) must pair one to one")
+    metrics = retrieval_metrics(rows, keys, groups, groups, ks=ks, block_rows=block_rows)
+    return {k: metrics[f"recall@{k}"] for k in ks}

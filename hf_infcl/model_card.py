@@ -74,6 +74,16 @@ OTHER_FACTS = (
 )
 KNOWN_FACTS = frozenset(SETTING_LABELS) | frozenset(OTHER_FACTS)
 
+
+def latest_eval_results(log_history: list[dict]) -> dict:
+    """The ``eval_results`` of a card from a Trainer's ``state.log_history``: the metrics of its
+    latest evaluation, without the ``eval_`` prefix and without the timing entries."""
+    last_eval = next((entry for entry in reversed(log_history)
+                      if any(key.startswith("eval_") for key in entry)), {})
+    return {key.removeprefix("eval_"): value for key, value in last_eval.items()
+            if key.startswith("eval_") and not key.endswith(("runtime", "_per_second"))}
+
+
 _PIPELINE_TAG = {"clip": "zero-shot-image-classification", "dual_encoder": "sentence-similarity"}
 _TASK_NAME = {
     "clip": "Zero-shot image classification and image-text retrieval",

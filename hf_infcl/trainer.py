@@ -13,6 +13,10 @@ The Trainer keeps its loop, checkpoints, logging and callbacks. This subclass ch
 - ``log``: adds the logit scale and the in-batch top-1 accuracy to every training log;
 - a callback clamps the learned logit scale after each optimizer step (CLIP's log(100)).
 
+What it reads of the model goes through the model's family adapter (``hf_infcl.models``). Its
+arguments are ``hf_infcl.training_args``, the clamp ``hf_infcl.callbacks``, the ranking
+``hf_infcl.metrics`` and the card ``hf_infcl.model_card``; all four are usable without a Trainer.
+
 The contrastive batch is ``per_device_train_batch_size`` x number of processes. Gradient
 accumulation does not add negatives (each micro-batch is its own contrastive batch); to grow the
 batch beyond memory, raise the batch size and set ``chunk_size``.
@@ -20,119 +24,37 @@ batch beyond memory, raise the batch size and set ``chunk_size``.
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
-from dataclasses import dataclass, field
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
+from .callbacks import ClampLogitScale
 from .grad_cache import cached_step
-from .loss import BACKENDS, LOSSES, PRECISIONS, contrastive_loss
-from .metrics import RECALL_AT, relevant_ranks, retrieval_metrics
+from .loss import contrastive_loss
+from .metrics import relevant_ranks, retrieval_metrics, retrieval_recalls
 from .models import (
     contrastive_loss_kind,
     encode_keys,
     encode_queries,
+    model_family,
     pair_embeddings,
-    tower_inputs,
-    unwrap_model,
+    scale_and_bias,
 )
+from .training_args import InfCLTrainingArguments
 
-__all__ = ["InfCLTrainer", "InfCLTrainingArguments", "retrieval_recalls"]
+# InfCLTrainingArguments, retrieval_recalls and ClampLogitScale live in training_args, metrics and
+# callbacks; they are re-exported here, where they were first defined.
+__all__ = ["ClampLogitScale", "InfCLTrainer", "InfCLTrainingArguments", "retrieval_recalls"]
 
 # rows per process whose in-batch top-1 accuracy is logged (an estimate at large batches)
 ACCURACY_ROWS = 1024
-CHUNK_GRADIENT_SYNCS = ("step", "chunk")
-
-
-@dataclass
-class InfCLTrainingArguments(TrainingArguments):
-    """``TrainingArguments`` plus the contrastive-loss options of :class:`InfCLTrainer`."""
-
-    chunk_size: int | None = field(
-        default=None,
-        metadata={"help": "Rows per encoder chunk for gradient caching (GradCache). None: no caching, the "
-                          "encoders see the whole per-device batch at once."},
-    )
-    offload: bool = field(
-        default=False,
-        metadata={"help": "Keep the batch in pinned host memory and move one chunk at a time to the device. "
-                          "Needs chunk_size."},
-    )
-    loss_backend: str = field(
-        default="auto",
-        metadata={"help": "Backend of the loss: 'auto' (Triton on CUDA when available), 'torch', 'triton' "
-                          "or 'reference' (materialised, small batches only)."},
-    )
-    precision: str = field(
-        default="auto",
-        metadata={"help": "Matmul precision of the loss for fp32 embeddings: 'auto' (TF32 on CUDA in every "
-                          "backend, exact fp32 elsewhere), 'tf32' or 'ieee' (exact fp32). bf16/fp16 "
-                          "embeddings are unaffected."},
-    )
-    contrastive_loss: str | None = field(
-        default=None,
-        metadata={"help": "'softmax' (InfoNCE/CLIP) or 'sigmoid' (SigLIP). None: 'sigmoid' for models with a "
-                          "logit_bias (SigLIP), else 'softmax'."},
-    )
-    symmetric: bool = field(
-        default=True,
-        metadata={"help": "Softmax loss: average the row->key and key->row directions, as CLIP does."},
-    )
-    logit_scale_max: float | None = field(
-        default=100.0,
-        metadata={"help": "Clamp the learned logit scale exp(logit_scale) to at most this after each "
-                          "optimizer step (CLIP uses 100). None disables the clamp."},
-    )
-    group_column: str | None = field(
-        default=None,
-        metadata={"help": "Batch column of integer group ids: rows and keys of the same group are not "
-                          "negatives of each other (duplicate captions, the same document twice)."},
-    )
-    chunk_gradient_sync: str = field(
-        default="step",
-        metadata={"help": "With chunk_size under DDP or FSDP2: 'step' reduces the encoders' gradients once "
-                          "per step (sync off during the replays; under FSDP2 the replays accumulate "
-                          "unsharded gradients), 'chunk' after every chunk's replay (FSDP2: sharded "
-                          "gradient memory, one reduce-scatter per chunk)."},
-    )
-    eval_block_rows: int = field(
-        default=1024,
-        metadata={"help": "Rows per block when evaluation ranks every key for each row (memory "
-                          "eval_block_rows x eval set size)."},
-    )
-
-    def __post_init__(self):
-        super().__post_init__()
-        chunk = self.chunk_size
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
-            raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
-        if self.offload and self.chunk_size is None:
-            raise ValueError("offload=True needs chunk_size: without chunks the whole batch is on the device")
-        if self.loss_backend not in BACKENDS:
-            raise ValueError(f"loss_backend must be one of {', '.join(map(repr, BACKENDS))}; "
-                             f"got {self.loss_backend!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}; "
-                             f"got {self.precision!r}")
-        if self.contrastive_loss is not None and self.contrastive_loss not in LOSSES:
-            raise ValueError(f"contrastive_loss must be one of {', '.join(map(repr, LOSSES))} or None; "
-                             f"got {self.contrastive_loss!r}")
-        if self.logit_scale_max is not None and not self.logit_scale_max > 0:
-            raise ValueError(f"logit_scale_max must be > 0 or None, got {self.logit_scale_max!r}")
-        if self.chunk_gradient_sync not in CHUNK_GRADIENT_SYNCS:
-            choices = ", ".join(map(repr, CHUNK_GRADIENT_SYNCS))
-            raise ValueError(f"chunk_gradient_sync must be one of {choices}; "
-                             f"got {self.chunk_gradient_sync!r}")
-        if self.eval_block_rows <= 0:
-            raise ValueError(f"eval_block_rows must be positive, got {self.eval_block_rows!r}")
 
 
 class InfCLTrainer(Trainer):
-    """Trains a CLIP-like model or a :class:`~hf_infcl.models.DualEncoder` with the Inf-CL loss.
+    """Trains a CLIP-like model or a :class:`~hf_infcl.dual_encoder.DualEncoder` with the Inf-CL loss.
 
     Batches are dicts with the model's tower inputs (``pixel_values`` + ``input_ids``/
     ``attention_mask``, or ``query_*`` + ``doc_*``); row i of one tower is the positive of row i of
@@ -148,7 +70,7 @@ class InfCLTrainer(Trainer):
             raise TypeError(f"args must be InfCLTrainingArguments, got {type(args).__name__}")
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError("InfCLTrainer computes the contrastive loss itself; drop compute_loss_func")
-        tower_inputs(model)  # TypeError for models we cannot take embeddings from
+        self.family = model_family(model)  # TypeError for models we cannot take embeddings from
         super().__init__(model, args, *more, **kwargs)
         self._check_combinations()
         self._flattened_scalars = _prepare_for_fsdp2(self.model, self.optimizer) if self._is_fsdp2() else []
@@ -225,12 +147,9 @@ class InfCLTrainer(Trainer):
     # ---- loss ----------------------------------------------------------------------------
 
     def _loss_params(self, model) -> list[torch.Tensor]:
-        """The model's log logit scale (and SigLIP's bias): tensors the loss uses directly."""
-        inner = unwrap_model(model)
-        params = [inner.logit_scale]
-        if self.loss_kind == "sigmoid" and isinstance(getattr(inner, "logit_bias", None), torch.Tensor):
-            params.append(inner.logit_bias)
-        return params
+        """The model's log logit scale (and SigLIP's bias): the parameters the loss uses directly,
+        as the model holds them now (the cached step and FSDP2 need the parameter objects)."""
+        return self.family.loss_parameters(model, self.loss_kind)
 
     def _groups(self, inputs, device):
         column = self.args.group_column
@@ -247,8 +166,7 @@ class InfCLTrainer(Trainer):
         return contrastive_loss(
             queries.to(dtype),
             keys.to(dtype),
-            log_scale.reshape(()).exp(),
-            None if bias is None else bias.reshape(()),
+            *scale_and_bias(log_scale, bias),
             loss=self.loss_kind,
             symmetric=self.args.symmetric,
             query_groups=groups,
@@ -276,7 +194,7 @@ class InfCLTrainer(Trainer):
             self.optimizer.train()
         if not self.args.offload:
             inputs = self._prepare_inputs(inputs)
-        names = tower_inputs(model)
+        names = self.family.inputs
         encoder_inputs = {name: inputs[name] for name in (*names.query, *names.key)
                           if inputs.get(name) is not None}
         groups = self._groups(inputs, self.args.device)
@@ -355,7 +273,7 @@ class InfCLTrainer(Trainer):
         ranks = relevant_ranks(queries, keys, row_ids, key_ids, block_rows=self.args.eval_block_rows)
         hits = (ranks == 0).sum()
         accuracy = torch.as_tensor(hits, dtype=torch.float32, device=queries.device) / queries.shape[0]
-        log_scale = unwrap_model(model).logit_scale.detach()
+        log_scale = self.family.log_scale(model).detach()
         if _is_dtensor(log_scale):  # sharded by FSDP2: every rank takes part in the gather
             log_scale = log_scale.full_tensor()
         scale = log_scale.float().exp().reshape(()).to(queries.device)
@@ -381,11 +299,9 @@ class InfCLTrainer(Trainer):
         this): the run's contrastive settings and its latest evaluation, valid Hub metadata."""
         if not self.is_world_process_zero():
             return
-        from .model_card import save_model_card
+        from .model_card import latest_eval_results, save_model_card
 
-        kind = "dual_encoder" if tower_inputs(self.model).query[0].startswith("query") else "clip"
-        last_eval = next((entry for entry in reversed(self.state.log_history)
-                          if any(key.startswith("eval_") for key in entry)), {})
+        kind = self.family.name
         processes = self.accelerator.num_processes
         save_model_card(
             self.args.output_dir,
@@ -410,8 +326,7 @@ class InfCLTrainer(Trainer):
                                  if torch.cuda.is_available() else None),
             learning_rate=self.args.learning_rate,
             steps=self.state.global_step,
-            eval_results={key.removeprefix("eval_"): value for key, value in last_eval.items()
-                          if key.startswith("eval_") and not key.endswith(("runtime", "_per_second"))},
+            eval_results=latest_eval_results(self.state.log_history),
         )
 
     # ---- evaluation ----------------------------------------------------------------------
@@ -442,7 +357,7 @@ class InfCLTrainer(Trainer):
         params = [p.detach().float() for p in self._loss_params(model)]
         with torch.no_grad():
             loss = self._contrastive(queries, keys, groups, *params, process_group=None)
-        row, key = ("query", "doc") if tower_inputs(model).query[0].startswith("query") else ("image", "text")
+        row, key = self.family.rows, self.family.keys
         metrics = {f"{metric_key_prefix}_loss": float(loss)}
         block = self.args.eval_block_rows
         directions = {f"{row}_to_{key}": (queries, keys), f"{key}_to_{row}": (keys, queries)}
@@ -494,35 +409,3 @@ def _flatten_scalar_parameters(model: torch.nn.Module, optimizer=None) -> list[s
         names.append(name)
     return names
 
-
-def retrieval_recalls(rows: torch.Tensor, keys: torch.Tensor, groups: torch.Tensor | None = None,
-                      ks=RECALL_AT, block_rows: int = 1024) -> dict[int, float]:
-    """Recall@k of retrieving key i for row i among all keys: ``{k: recall}``.
-
-    A thin view of :func:`hf_infcl.metrics.retrieval_metrics`, the one implementation the
-    evaluation and the examples share: with ``groups``, every key of the row's group is a right
-    answer; ties with the best right answer count against the row. Memory is ``block_rows x
-    len(keys)``.
-    """
-    if rows.shape[0] != keys.shape[0]:
-        raise ValueError(f"rows ({rows.shape[0]}) and keys ({keys.shape[0]}) must pair one to one")
-    metrics = retrieval_metrics(rows, keys, groups, groups, ks=ks, block_rows=block_rows)
-    return {k: metrics[f"recall@{k}"] for k in ks}
-
-
-class ClampLogitScale(TrainerCallback):
-    """After each optimizer step, clamp a learned ``logit_scale`` (log of the scale) to log(maximum).
-
-    CLIP clamps its temperature this way so the logits cannot grow without bound.
-    """
-
-    def __init__(self, maximum: float = 100.0):
-        if not maximum > 0:
-            raise ValueError(f"maximum must be > 0, got {maximum!r}")
-        self.log_maximum = math.log(maximum)
-
-    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
-        param = getattr(unwrap_model(model), "logit_scale", None) if model is not None else None
-        if isinstance(param, torch.Tensor) and param.requires_grad:
-            with torch.no_grad():
-                param.clamp_(max=self.log_maximum)

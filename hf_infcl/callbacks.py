@@ -1,0 +1,63 @@
+"""The learned logit scale's clamp: a function for any training loop, and the Trainer callback.
+
+CLIP clamps its temperature after each optimizer step so that the logits cannot grow without
+bound: the learned parameter is the log of the scale, and it is clamped to ``log(100)``.
+
+- :func:`clamp_logit_scale` clamps one log-scale parameter in place (a plain tensor or one
+  sharded by FSDP2, which the optimizer updates); a custom loop such as
+  ``examples/train_clip.py`` calls it after ``optimizer.step()``.
+- :class:`ClampLogitScale` is the ``TrainerCallback`` :class:`~hf_infcl.InfCLTrainer` adds (from
+  ``logit_scale_max``); it clamps the model's ``logit_scale`` when it is learned.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import TrainerCallback
+
+from .models import unwrap_model
+
+__all__ = ["ClampLogitScale", "clamp_logit_scale"]
+
+
+def _positive(value, name):
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    return value
+
+
+@torch.no_grad()
+def clamp_logit_scale(log_scale: torch.Tensor, maximum: float = 100.0, *,
+                      minimum: float | None = None) -> None:
+    """Clamp a learned log logit scale in place, so that ``exp(log_scale) <= maximum``.
+
+    Args:
+        log_scale: the parameter holding the log of the scale (CLIP's ``logit_scale``), the one the
+            optimizer updates (under FSDP2 the sharded one).
+        maximum: the largest scale (CLIP: 100).
+        minimum: the smallest scale, or None (the default, as CLIP and the Trainer callback) for
+            no lower bound. ``minimum=1`` keeps the log-scale at or above 0, so that the scale
+            never falls below 1 (temperature at most 1).
+    """
+    log_maximum = math.log(_positive(maximum, "maximum"))
+    log_minimum = None if minimum is None else math.log(_positive(minimum, "minimum"))
+    log_scale.clamp_(min=log_minimum, max=log_maximum)
+
+
+class ClampLogitScale(TrainerCallback):
+    """After each optimizer step, clamp a learned ``logit_scale`` (log of the scale) to log(maximum).
+
+    CLIP clamps its temperature this way so the logits cannot grow without bound. A fixed scale
+    (``requires_grad=False``) and models without ``logit_scale`` are left alone.
+    """
+
+    def __init__(self, maximum: float = 100.0):
+        self.log_maximum = math.log(_positive(maximum, "maximum"))
+        self.maximum = maximum
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        param = getattr(unwrap_model(model), "logit_scale", None) if model is not None else None
+        if isinstance(param, torch.Tensor) and param.requires_grad:
+            clamp_logit_scale(param, self.maximum)
