@@ -323,10 +323,12 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def clamp_logit_scale(model: ClipEmbedder) -> None:
-    """CLIP caps the temperature at 100. Done after the optimizer step, on the parameter the
-    optimizer updates (under FSDP2 the sharded one)."""
-    with torch.no_grad():
-        model.clip.logit_scale.clamp_(0, math.log(100))
+    """CLIP caps the scale at 100; this loop also keeps it at or above 1 (log-scale >= 0). Done
+    after the optimizer step, on the parameter the optimizer updates (under FSDP2 the sharded one),
+    by the library's clamp (the one ``InfCLTrainer`` uses, here with a lower bound too)."""
+    from hf_infcl.callbacks import clamp_logit_scale as clamp
+
+    clamp(model.clip.logit_scale, maximum=100.0, minimum=1.0)
 
 
 def clip_loss(args, groups, process_group="auto"):
