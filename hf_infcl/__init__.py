@@ -1,23 +1,29 @@
 """hf_infcl: exact, memory-linear contrastive loss (Inf-CL) for the Hugging Face stack.
 
-Plain PyTorch: ``hf_infcl.contrastive_loss`` / ``hf_infcl.InfCLLoss``. The Trainer integration
-(``InfCLTrainer``, ``InfCLTrainingArguments``) and ``hf_infcl.losses`` (sentence-transformers)
-are imported lazily, so ``import hf_infcl`` stays light.
+Plain PyTorch: ``hf_infcl.contrastive_loss`` / ``hf_infcl.InfCLLoss``, with the block backends
+``TorchTiles`` and ``TritonBlocks``. The Trainer integration (``InfCLTrainer``,
+``InfCLTrainingArguments``), ``DualEncoder``, ``TritonBlocks`` (it needs Triton) and
+``hf_infcl.losses`` (sentence-transformers) are imported lazily, so ``import hf_infcl`` stays light.
 """
 
 from importlib import import_module
+from importlib import metadata as _metadata
 
 from .loss import InfCLLoss, contrastive_loss
 from .ops.tiled import TorchTiles
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("hf_infcl")
+except _metadata.PackageNotFoundError:  # a checkout on sys.path that was never installed
+    __version__ = "0+unknown"
 
 # name -> module that defines it, imported on first access
 _LAZY = {
     "InfCLTrainer": ".trainer",
-    "InfCLTrainingArguments": ".trainer",
-    "DualEncoder": ".models",
-    "DualEncoderConfig": ".models",
+    "InfCLTrainingArguments": ".training_args",
+    "DualEncoder": ".dual_encoder",
+    "DualEncoderConfig": ".dual_encoder",
+    "TritonBlocks": ".ops.triton_blocks",
     "losses": ".losses",
 }
 

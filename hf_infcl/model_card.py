@@ -17,6 +17,7 @@ a model-index of the evaluation results), so the Hub reads them like any other c
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shlex
 import sys
@@ -73,6 +74,15 @@ OTHER_FACTS = (
     "language",
 )
 KNOWN_FACTS = frozenset(SETTING_LABELS) | frozenset(OTHER_FACTS)
+
+
+def installed_version() -> str:
+    """hf_infcl's version from the package metadata (``hf_infcl.__version__`` is the same);
+    ``"0+unknown"`` for a checkout on ``sys.path`` that was never installed."""
+    try:
+        return importlib.metadata.version("hf_infcl")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 def latest_eval_results(log_history: list[dict]) -> dict:
@@ -190,8 +200,6 @@ def render_model_card(kind: str, *, template_path: str | os.PathLike | None = No
             f"model card template {path} not found (it ships in the repository's "
             "model_cards/ folder; pass template_path= to use another)"
         )
-    from . import __version__
-
     results = facts.get("eval_results") or {}
     before = facts.get("eval_results_before") or {}
     rows = []
@@ -224,7 +232,7 @@ def render_model_card(kind: str, *, template_path: str | os.PathLike | None = No
         repo_id=repo_id,
         example_prompts=list(prompts),
         usage=facts.get("usage") or _default_usage(kind, card_data.library_name, repo_id),
-        hf_infcl_version=__version__,
+        hf_infcl_version=installed_version(),
         command=facts.get("command"),
     )
     card = hub.ModelCard.from_template(card_data, template_str=path.read_text(encoding="utf-8"), **variables)
