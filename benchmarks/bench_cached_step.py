@@ -19,34 +19,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_common import Column, device_name, median_seconds, print_table  # noqa: E402
 from bench_trainer import IMAGE_SIZE, TEXT_LENGTH, clip_b32_config  # noqa: E402
 
 from hf_infcl import contrastive_loss  # noqa: E402
 from hf_infcl.grad_cache import cached_step, split_batch  # noqa: E402
 from hf_infcl.models import pair_embeddings  # noqa: E402
-
-
-def timed(fn, steps: int, warmup: int) -> float:
-    """Median seconds of ``fn()`` over ``steps`` calls after ``warmup`` calls."""
-    times = []
-    for index in range(warmup + steps):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        if index >= warmup:
-            times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -110,13 +94,13 @@ def main(argv=None):
             model.zero_grad(set_to_none=True)
         return run
 
-    name = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"device: {name}; torch {torch.__version__}; CLIP ViT-B/32{' (tiny)' if options.tiny else ''}, "
+    print(f"device: {device_name()}; torch {torch.__version__}; "
+          f"CLIP ViT-B/32{' (tiny)' if options.tiny else ''}, "
           f"batch {batch_size}, bf16 autocast", flush=True)
     rows = []
 
     def measure(label, fn):
-        rows.append((label, timed(fn, options.steps, options.warmup)))
+        rows.append((label, median_seconds(fn, options.steps, options.warmup)))
 
     measure("plain (fwd+bwd, whole batch)", plain)
     chunks = [min(int(c), batch_size) for c in options.chunks.split(",")]
@@ -130,9 +114,11 @@ def main(argv=None):
             if no_grad != size:
                 measure(f"cached, chunk {size}, no-grad chunk {no_grad}", cached(size, no_grad))
     reference = rows[0][1]
-    print(f"\n{'step':<44} {'ms':>9} {'pairs/s':>10} {'vs plain':>9}")
-    for label, seconds in rows:
-        print(f"{label:<44} {seconds * 1e3:9.1f} {batch_size / seconds:10.0f} {reference / seconds:9.0%}")
+    columns = [Column("step", 44, align="<"), Column("ms", 9, ".1f"), Column("pairs/s", 10, ".0f"),
+               Column("vs plain", 9, ".0%")]
+    print()
+    print_table(columns, [(label, seconds * 1e3, batch_size / seconds, reference / seconds)
+                          for label, seconds in rows])
 
 
 if __name__ == "__main__":

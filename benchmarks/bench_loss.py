@@ -30,17 +30,26 @@ autotuned afresh for every (b, c), as a training run at that size would tune the
 from __future__ import annotations
 
 import argparse
-import contextlib
-import csv
 import gc
-import math
 import statistics
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
-from bench_common import format_count, parse_count  # this folder is on sys.path
+from bench_common import (  # this folder is on sys.path
+    Column,
+    CsvLog,
+    device_name,
+    format_count,
+    is_out_of_memory,
+    parse_count,
+    peak_above,
+    print_table,
+    versions,
+)
+
+from hf_infcl.ops import reset_autotuning
 
 IMPLEMENTATIONS = ("vanilla-fp32", "vanilla-bf16", "torch-tiled", "triton-bf16", "triton-tf32",
                    "triton-tf32-fp16", "inf-cl")
@@ -143,12 +152,7 @@ def time_ms(fn) -> float:
 
 def peak_mib_above_inputs(fn) -> float:
     gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2**20
+    return peak_above(fn)[0] / 2**20
 
 
 def gemm_pass_ms(b: int, c: int, device) -> tuple[float, str]:
@@ -167,41 +171,25 @@ def gemm_pass_ms(b: int, c: int, device) -> tuple[float, str]:
 
 
 def run(sizes, widths, impls, tiled_max, csv_path, max_b_for_all):
-    import triton
-
     device = torch.device("cuda")
-    meta = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__, triton=triton.__version__)
+    meta = dict(device=device_name(device), **versions("torch", "triton"))
     rows = []
     fields = ["device", "torch", "triton", "impl", "b", "c", "time_ms", "peak_mib_above_inputs",
               "input_grad_mib", "x_4gemm", "gemm_ms", "status"]
-    with contextlib.ExitStack() as stack:
-        writer = None
-        if csv_path:
-            # Line-buffered: a sweep stopped midway keeps the rows it finished.
-            handle = stack.enter_context(open(csv_path, "w", newline="", buffering=1))
-            writer = csv.DictWriter(handle, fieldnames=fields)
-            writer.writeheader()
-        sweep(sizes, widths, impls, tiled_max, max_b_for_all, device, meta, rows, writer)
-    print_table(rows, meta)
+    with CsvLog(csv_path, fields) as log:
+        sweep(sizes, widths, impls, tiled_max, max_b_for_all, device, meta, rows, log)
+    print_results(rows, meta)
     return rows
 
 
-def forget_tuned_configs():
-    """Clear hf_infcl's autotuning caches, so that each size is tuned for itself, as a training
-    run at that size would be. (The tuning keys are coarse: without this, 64k and 128k reused
-    the configs tuned at 32k, which measured 273 ms at 128k/768 against 253 ms tuned there.)"""
-    kernels = sys.modules.get("hf_infcl.ops.triton_kernels")
-    if kernels is not None:
-        for tuner in (kernels._stats_kernel, kernels._grad_tile_kernel):
-            tuner.cache.clear()
-
-
-def sweep(sizes, widths, impls, tiled_max, max_b_for_all, device, meta, rows, writer):
+def sweep(sizes, widths, impls, tiled_max, max_b_for_all, device, meta, rows, log):
     for b in sizes:
         for c in widths:
-            forget_tuned_configs()
+            # Each size tuned for itself, as a training run at that size would be (the tuning keys
+            # are coarse: 64k and 128k would otherwise reuse the configs tuned at 32k).
+            reset_autotuning()
             gemm_ms, how = gemm_pass_ms(b, c, device)
-            record(rows, writer, meta, "gemm-bf16", b, c, gemm_ms, float("nan"), float("nan"), gemm_ms, how)
+            record(rows, log, meta, "gemm-bf16", b, c, gemm_ms, float("nan"), float("nan"), gemm_ms, how)
             gen = torch.Generator(device=device).manual_seed(b + c)
             q32 = torch.randn(b, c, device=device, generator=gen)
             k32 = torch.randn(b, c, device=device, generator=gen)
@@ -219,39 +207,37 @@ def sweep(sizes, widths, impls, tiled_max, max_b_for_all, device, meta, rows, wr
                     mib = peak_mib_above_inputs(step)
                 except ImportError as error:
                     status = f"skipped: {error}"
-                except torch.cuda.OutOfMemoryError:
+                except Exception as error:  # noqa: BLE001 - an OOM is a result
+                    if not is_out_of_memory(error):
+                        raise
                     status = "OOM"
                 finally:
                     step = inputs = None
                     gc.collect()
                     torch.cuda.empty_cache()
-                record(rows, writer, meta, impl, b, c, ms, mib, grad_mib, gemm_ms, status)
+                record(rows, log, meta, impl, b, c, ms, mib, grad_mib, gemm_ms, status)
             del q32, k32
             gc.collect()
             torch.cuda.empty_cache()
 
 
-def record(rows, writer, meta, impl, b, c, ms, mib, grad_mib, gemm_ms, status):
+def record(rows, log, meta, impl, b, c, ms, mib, grad_mib, gemm_ms, status):
     row = dict(meta, impl=impl, b=b, c=c, time_ms=round(ms, 3), peak_mib_above_inputs=round(mib, 1),
                input_grad_mib=round(grad_mib, 1), x_4gemm=round(ms / (4 * gemm_ms), 2) if gemm_ms else "",
                gemm_ms=round(gemm_ms, 3), status=status)
     rows.append(row)
-    if writer:
-        writer.writerow(row)
+    log.write(row)
     print(f"[{time.strftime('%H:%M:%S')}] {impl:13s} b={format_count(b):>5s} c={c:<5d} "
           f"{ms:10.3f} ms {mib:10.1f} MiB  x4gemm={row['x_4gemm']}  {status}", file=sys.stderr, flush=True)
 
 
-def print_table(rows, meta):
-    print(f"\n{meta['device']} | torch {meta['torch']} | triton {meta['triton']}")
-    print(f"{'impl':13s} {'b':>5s} {'c':>5s} {'ms':>10s} {'MiB>in':>9s} {'grad MiB':>9s} "
-          f"{'x4gemm':>7s}  status")
-    for r in rows:
-        ms = "" if math.isnan(r["time_ms"]) else f"{r['time_ms']:.2f}"
-        mib = "" if math.isnan(r["peak_mib_above_inputs"]) else f"{r['peak_mib_above_inputs']:.0f}"
-        grad = "" if math.isnan(r["input_grad_mib"]) else f"{r['input_grad_mib']:.0f}"
-        print(f"{r['impl']:13s} {format_count(r['b']):>5s} {r['c']:5d} {ms:>10s} {mib:>9s} {grad:>9s} "
-              f"{r['x_4gemm']!s:>7s}  {r['status']}")
+def print_results(rows, meta):
+    columns = [Column("impl", 13, align="<"), Column("b", 5), Column("c", 5), Column("ms", 10, ".2f"),
+               Column("MiB>in", 9, ".0f"), Column("grad MiB", 9, ".0f"), Column("x4gemm", 7),
+               Column("status", align="<", gap="  ")]
+    print_table(columns, [(r["impl"], format_count(r["b"]), r["c"], r["time_ms"], r["peak_mib_above_inputs"],
+                           r["input_grad_mib"], str(r["x_4gemm"]), r["status"]) for r in rows],
+                title=f"\n{meta['device']} | torch {meta['torch']} | triton {meta['triton']}")
 
 
 def main(argv=None):
