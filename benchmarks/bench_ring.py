@@ -31,11 +31,9 @@ rows go to ``$OUT/bench_ring.csv`` when ``OUT`` is set (or to ``--csv``); the ta
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -45,7 +43,16 @@ import torch.nn.functional as F
 # importable from a plain checkout too (an installed one is found either way).
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_common import format_count, parse_count  # this folder is on sys.path
+from bench_common import (  # this folder is on sys.path
+    Column,
+    device_name,
+    format_count,
+    parse_count,
+    peak_above,
+    print_table,
+    time_steps,
+    write_csv,
+)
 
 from hf_infcl import contrastive_loss  # noqa: E402
 from hf_infcl.loss import select_block_ops  # noqa: E402
@@ -57,39 +64,9 @@ DEVICE = torch.device("cuda")  # "--cpu" (a dry run of this script over gloo) sw
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def synchronize() -> None:
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed(step, iters: int, warmup: int, group=None) -> list[float]:
     """Wall seconds of ``step`` per iteration, the slowest rank's, synchronised before and after."""
-    times = []
-    for i in range(warmup + iters):
-        synchronize()
-        if group is not None:
-            dist.barrier(group=group)
-        start = time.perf_counter()
-        step()
-        synchronize()
-        elapsed = torch.tensor([time.perf_counter() - start], device=DEVICE)
-        if group is not None:
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-        if i >= warmup:
-            times.append(float(elapsed))
-    return times
-
-
-def peak_above(step) -> tuple[int, object]:
-    """(peak bytes allocated during ``step`` above what was allocated before it, its result)."""
-    if DEVICE.type != "cuda":
-        return 0, step()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    result = step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before, result
+    return time_steps(step, iters, warmup, group=group, device=DEVICE)
 
 
 def features(rows: int, width: int, dtype, seed: int):
@@ -240,7 +217,7 @@ def main() -> int:
     csv_path = args.csv
     if csv_path is None and os.environ.get("OUT"):
         csv_path = os.path.join(os.environ["OUT"], "bench_ring.csv")
-    device_name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"
+    device = device_name(DEVICE)
     rows = []
 
     for b in (parse_count(s) for s in args.sizes.split(",")):
@@ -271,26 +248,16 @@ def main() -> int:
             dist.barrier()
         for row in measured:
             rows.append(dict(b=b, world_size=world_size, width=args.width, dtype=args.dtype,
-                             backend=backend_name, device=device_name, torch=torch.__version__, **row))
+                             backend=backend_name, device=device, torch=torch.__version__, **row))
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
 
     if rank == 0:
-        write_csv(rows, csv_path)
-        print_table(rows, world_size)
+        if write_csv(csv_path, rows):
+            print(f"wrote {csv_path}", flush=True)
+        print_results(rows, world_size)
     dist.destroy_process_group()
     return 0
-
-
-def write_csv(rows, path):
-    if not path:
-        return
-    fields = sorted({key for row in rows for key in row})
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {path}", flush=True)
 
 
 def ratio(row, baseline, key):
@@ -299,44 +266,36 @@ def ratio(row, baseline, key):
     return row[key] / baseline[key]
 
 
-def print_table(rows, world_size: int):
+def print_results(rows, world_size: int):
     by_size = {}
     for row in rows:
         by_size.setdefault(row["b"], {})[row["what"]] = row
     device = rows[0]["device"] if rows else "?"
     backend = rows[0]["backend"] if rows else "?"
-    print(f"\nring benchmark: {world_size} x {device}, backend {backend}, "
-          f"c={rows[0]['width'] if rows else '?'}, {rows[0]['dtype'] if rows else '?'}")
-    header = (f"{'b':>6} {'ring ms':>9} {'1-GPU ms':>9} {'ring/1GPU':>9} {'ring GiB':>9} {'1-GPU GiB':>9} "
-              f"{'mem ratio':>9} {'compute ms':>10} {'comm ms':>8} {'exposed ms':>10} {'hidden':>7} "
-              f"{'loss diff':>9}")
-    print(header)
+    title = (f"\nring benchmark: {world_size} x {device}, backend {backend}, "
+             f"c={rows[0]['width'] if rows else '?'}, {rows[0]['dtype'] if rows else '?'}")
+    columns = [Column("b", 6)] + [
+        Column(name, width, spec, missing="-")
+        for name, width, spec in (("ring ms", 9, ".1f"), ("1-GPU ms", 9, ".1f"), ("ring/1GPU", 9, ".3f"),
+                                  ("ring GiB", 9, ".3f"), ("1-GPU GiB", 9, ".3f"), ("mem ratio", 9, ".3f"),
+                                  ("compute ms", 10, ".1f"), ("comm ms", 8, ".1f"), ("exposed ms", 10, ".1f"),
+                                  ("hidden", 7, ".2f"), ("loss diff", 9, ".1e"))
+    ]
+    lines = []
     for b, entry in by_size.items():
         ring_row, single = entry.get("ring"), entry.get("one-gpu")
         compute, comm = entry.get("compute"), entry.get("comm")
-
-        def cell(value, spec, width):
-            return f"{format(value, spec):>{width}}" if value is not None else f"{'-':>{width}}"
-
         exposed = ring_row["ms"] - compute["ms"] if ring_row and compute else None
         hidden = None
         if exposed is not None and comm and comm["ms"] > 0:
             hidden = min(1.0, max(0.0, 1 - exposed / comm["ms"]))
-        print(" ".join([
-            f"{format_count(b):>6}",
-            cell(ring_row and ring_row["ms"], ".1f", 9),
-            cell(single and single["ms"], ".1f", 9),
-            cell(ratio(ring_row, single, "ms"), ".3f", 9),
-            cell(ring_row and ring_row["peak_gib"], ".3f", 9),
-            cell(single and single["peak_gib"], ".3f", 9),
-            cell(ratio(ring_row, single, "peak_gib"), ".3f", 9),
-            cell(compute and compute["ms"], ".1f", 10),
-            cell(comm and comm["ms"], ".1f", 8),
-            cell(exposed, ".1f", 10),
-            cell(hidden, ".2f", 7),
-            cell(single and single.get("loss_rel_diff"), ".1e", 9),
-        ]), flush=True)
-
+        lines.append([
+            format_count(b), ring_row and ring_row["ms"], single and single["ms"],
+            ratio(ring_row, single, "ms"), ring_row and ring_row["peak_gib"], single and single["peak_gib"],
+            ratio(ring_row, single, "peak_gib"), compute and compute["ms"], comm and comm["ms"], exposed,
+            hidden, single and single.get("loss_rel_diff"),
+        ])
+    print_table(columns, lines, title=title)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -32,9 +32,6 @@ Writes ``bench_sentence_transformers.csv`` under $OUT when that is set (or to --
 from __future__ import annotations
 
 import argparse
-import contextlib
-import csv
-import gc
 import json
 import os
 import statistics
@@ -44,7 +41,22 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import format_count, parse_count  # this folder is on sys.path
+from bench_common import (  # this folder is on sys.path
+    Column,
+    CsvLog,
+    allocated,
+    csv_path,
+    device_name,
+    format_count,
+    is_out_of_memory,
+    max_allocated,
+    parse_count,
+    print_table,
+    reset_peak,
+    synchronize,
+    versions,
+)
+from bench_common import free_memory as free_device_memory
 
 MINI_BATCH_SIZE = 256
 MINILM_CONFIG = {  # sentence-transformers/all-MiniLM-L6-v2's config.json, for the random-weights fallback
@@ -173,24 +185,6 @@ def static_columns(batch: int, n_columns: int, device, generator):
 # One training step, timed
 
 
-def synchronize():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def allocated() -> int:
-    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-
-
-def peak_allocated() -> int:
-    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-
-
-def reset_peak():
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-
-
 class LossPartTimer:
     """Wraps a cached loss's ``calculate_loss`` to time it and take its own memory peak."""
 
@@ -201,13 +195,13 @@ class LossPartTimer:
         def timed(*args, **kwargs):
             synchronize()
             start_bytes = allocated()
-            outer_peak = peak_allocated()
+            outer_peak = max_allocated()
             reset_peak()
             started = time.perf_counter()
             result = inner(*args, **kwargs)
             synchronize()
             self.seconds.append(time.perf_counter() - started)
-            self.peak_bytes.append(peak_allocated() - start_bytes)
+            self.peak_bytes.append(max_allocated() - start_bytes)
             # The step's peak must still see what happened before this call: keep it in view.
             self.outer_peak = outer_peak
             return result
@@ -238,7 +232,7 @@ def measure_steps(model, loss_module, columns, repeats: int):
         train_step(model, loss_module, columns, optimizer)
         synchronize()
         step_seconds.append(time.perf_counter() - started)
-        peak = peak_allocated()
+        peak = max_allocated()
         if timer is not None:
             peak = max(peak, timer.outer_peak, before + timer.peak_bytes[-1])
         peaks.append(peak - before)
@@ -249,13 +243,7 @@ def measure_steps(model, loss_module, columns, repeats: int):
 def free_memory(model=None):
     if model is not None:
         model.zero_grad(set_to_none=True)  # a step that failed half-way leaves gradients behind
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+    free_device_memory()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -347,14 +335,17 @@ def run_static(max_batch, start_batch, device, record, meta):
         free_memory()
 
 
-def print_table(rows, meta):
+def print_results(rows, meta):
     print("\n# sentence-transformers training steps,", meta["device"])
     print(f"# torch {meta['torch']}, sentence-transformers {meta['sentence_transformers']}, "
           f"hf_infcl backend {meta['hf_infcl_backend']}; MiniLM: {meta.get('minilm', '-')}")
     minilm = {(r["batch"], r["loss"]): r for r in rows if r["part"] == "minilm"}
     if minilm:
         print("\nMiniLM, seq 64, bf16 autocast, mini_batch_size 256 (step s | loss-part s | step peak GiB)")
-        print(f"{'batch':>6} | {'CachedMNRL':>26} | {'InfCLLoss':>26} | loss-part x | step x | peak x")
+        columns = [Column("batch", 6), Column("CachedMNRL", 26, gap=" | "),
+                   Column("InfCLLoss", 26, gap=" | "),
+                   Column("loss-part x | step x | peak x", align="<", gap=" | ")]
+        lines = []
         for batch in sorted({b for b, _ in minilm}):
             cells, ok = [], True
             for name in ("CachedMNRL", "InfCLLoss"):
@@ -362,7 +353,7 @@ def print_table(rows, meta):
                 if r.get("status") == "ok":
                     cells.append(f"{r['step_s']:8.3f} | {r['loss_part_s']:7.4f} | {r['peak_gib']:6.2f}")
                 else:
-                    cells.append(f"{str(r.get('status', '-'))[:26]:>26}")
+                    cells.append(str(r.get("status", "-"))[:26])
                     ok = False
             ratios = ""
             if ok:
@@ -371,7 +362,8 @@ def print_table(rows, meta):
                 step_ratio = ours["step_s"] / base["step_s"]
                 peak_ratio = ours["peak_gib"] / base["peak_gib"] if base["peak_gib"] else float("nan")
                 ratios = f"{loss_part_speedup:10.1f}x | {step_ratio:5.2f}x | {peak_ratio:5.2f}x"
-            print(f"{format_count(batch):>6} | {cells[0]} | {cells[1]} | {ratios}")
+            lines.append((format_count(batch), *cells, ratios))
+        print_table(columns, lines)
         print("(loss-part x: CachedMNRL / InfCLLoss, bar >= 5; "
               "step x and peak x: InfCLLoss / CachedMNRL, bar <= 1)")
     if any(r["part"] == "static" for r in rows):
@@ -401,44 +393,25 @@ def main(argv=None):
         sys.exit("this benchmark needs a CUDA GPU")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    import sentence_transformers
-
-    import hf_infcl
     from hf_infcl.loss import select_block_ops
 
     meta = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "sentence_transformers": sentence_transformers.__version__, "hf_infcl": hf_infcl.__version__,
+        "device": device_name(device), **versions("torch", "triton", "sentence_transformers", "hf_infcl"),
         "hf_infcl_backend": type(select_block_ops("auto", device)).__name__,
     }
-    try:
-        import triton
 
-        meta["triton"] = triton.__version__
-    except ImportError:
-        meta["triton"] = "-"
-
-    csv_path = args.csv or (os.path.join(os.environ["OUT"], "bench_sentence_transformers.csv")
-                            if os.environ.get("OUT") else None)
     fields = ["part", "loss", "batch", "mini_batch_size", "status", "step_s", "loss_part_s", "peak_gib",
               "loss_part_peak_gib", "device", "torch", "triton", "sentence_transformers", "hf_infcl",
               "hf_infcl_backend"]
     rows = []
-    with contextlib.ExitStack() as stack:
-        writer = None
-        if csv_path:
-            handle = stack.enter_context(open(csv_path, "w", newline=""))
-            writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
-            writer.writeheader()
+    path = csv_path(args.csv, "bench_sentence_transformers.csv")
+    with CsvLog(path, fields, extrasaction="ignore") as log:
 
         def record(row):
             row = {**{key: meta.get(key, "") for key in fields}, **row}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if v not in ("", None)}), flush=True)
-            if writer:
-                writer.writerow(row)
-                handle.flush()
+            log.write(row)
 
         started = time.perf_counter()
         parts = set(args.parts.split(","))
@@ -447,7 +420,7 @@ def main(argv=None):
         if "static" in parts:
             run_static(parse_count(args.static_max), parse_count(args.static_start), device, record, meta)
     print(f"\n(total {time.perf_counter() - started:.0f} s)")
-    print_table(rows, meta)
+    print_results(rows, meta)
 
 
 if __name__ == "__main__":

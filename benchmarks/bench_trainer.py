@@ -35,15 +35,23 @@ out-of-memory rank takes its peers down with it instead of leaving them waiting)
 from __future__ import annotations
 
 import argparse
-import csv
-import gc
 import os
 import platform
 import sys
 import time
 
 import torch
-import transformers
+from bench_common import (
+    Column,
+    csv_path,
+    device_name,
+    free_memory,
+    is_out_of_memory,
+    print_table,
+    versions,
+    write_csv,
+)
+from bench_common import synchronize as synchronize_device
 from torch.utils.data import Dataset
 from transformers import CLIPConfig, CLIPModel, PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
@@ -135,23 +143,27 @@ class StepTimer(TrainerCallback):
         self.ends = []
 
     def on_step_end(self, args, state, control, **kwargs):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        synchronize_device()
         self.ends.append(time.perf_counter())
 
-
-def free_memory():
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    def seconds_per_step(self, warmup: int) -> float:
+        """Mean seconds of the steps after the first ``warmup`` (NaN with fewer than two ends)."""
+        timed = self.ends[warmup - 1:] if warmup >= 1 else self.ends
+        return (timed[-1] - timed[0]) / (len(timed) - 1) if len(timed) > 1 else float("nan")
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and ("out of memory" in text or "ALLOC_FAILED" in text)
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def print_rows(rows, widths, peak: str = "peak GiB") -> None:
+    """The results table; ``widths``: of the measure, config, unit and "vs" columns."""
+    measure, config, unit, versus = widths
+    columns = [Column("measure", measure, align="<"), Column("config", config, align="<"), Column("batch", 8),
+               Column("value", 10), Column("", unit, align="<", gap="  "), Column("vs", versus, align="<"),
+               Column(peak, align="<")]
+    print_table(columns, [(row["measure"], row["config"], row["batch"], row["value"], row["unit"],
+                           row.get("ratio", ""), row.get("peak_gib", "")) for row in rows])
 
 
 def run(kind: str, batch: int, steps: int, options, chunk_size=None, offload=False, warmup=1):
@@ -165,7 +177,7 @@ def run(kind: str, batch: int, steps: int, options, chunk_size=None, offload=Fal
                   dataloader_pin_memory=False, use_cpu=not torch.cuda.is_available(), seed=0)
     timer = StepTimer()
     trainer = model = None
-    free_memory()
+    free_memory(reset_peak_stats=True)
     try:
         torch.manual_seed(0)
         with device:  # initialise on the GPU: much faster than on the host for 150M parameters
@@ -182,7 +194,7 @@ def run(kind: str, batch: int, steps: int, options, chunk_size=None, offload=Fal
                                    data_collator=collator, callbacks=[timer])
         trainer.remove_callback(PrinterCallback)
         trainer.train()
-        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+        peak = peak_gib()
     except (torch.OutOfMemoryError, RuntimeError) as error:
         if not is_out_of_memory(error):
             raise
@@ -192,10 +204,8 @@ def run(kind: str, batch: int, steps: int, options, chunk_size=None, offload=Fal
         if trainer is not None:
             trainer.accelerator.free_memory()
         del trainer, model
-        free_memory()
-    timed = timer.ends[warmup - 1:] if warmup >= 1 else timer.ends
-    per_step = (timed[-1] - timed[0]) / (len(timed) - 1) if len(timed) > 1 else float("nan")
-    return per_step, peak
+        free_memory(reset_peak_stats=True)
+    return timer.seconds_per_step(warmup), peak
 
 
 def fits(kind, batch, options, **kwargs):
@@ -317,9 +327,8 @@ def fsdp_trial(options) -> None:
     if not cuda:  # Accelerate enables FSDP on GPUs only: the CPU smoke run checks the rest
         print("no GPU: the smoke run trains without FSDP", flush=True)
     trainer.train()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    timed = timer.ends[options.warmup - 1:] if options.warmup >= 1 else timer.ends
-    per_step = (timed[-1] - timed[0]) / (len(timed) - 1) if len(timed) > 1 else float("nan")
+    peak = peak_gib()
+    per_step = timer.seconds_per_step(options.warmup)
     if int(os.environ.get("RANK", "0")) == 0:
         with open(options.trial_out, "w") as handle:
             json.dump({"seconds_per_step": per_step, "peak_gib": peak}, handle)
@@ -421,11 +430,7 @@ def fsdp_main(options, device_name: str) -> None:
         print(f"  {config}: {rate:.1f} pairs/s", flush=True)
     print(f"\nbench_trainer --fsdp {options.fsdp} ({label}, bf16, {gpus} x {device_name}; "
           f"{time.perf_counter() - started:.0f} s)")
-    print(f"{'measure':<20} {'config':<36} {'batch':>8} {'value':>10}  {'':<8} {'vs':<16} peak GiB/rank")
-    for row in rows:
-        print(f"{row['measure']:<20} {row['config']:<36} {row['batch']:>8} {row['value']:>10}  "
-              f"{row['unit']:<8} {row.get('ratio', ''):<16} {row.get('peak_gib', '')}")
-
+    print_rows(rows, (20, 36, 8, 16), peak="peak GiB/rank")
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -459,8 +464,7 @@ def main(argv=None):
         options.resolution = options.resolution or (4 if options.tiny else 32)
         if options.tiny:
             options.ours_batches = "32"
-        device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        fsdp_main(options, device_name)
+        fsdp_main(options, device_name())
         return
     if options.start_batch is None:
         options.start_batch = 8 if options.tiny else 1024
@@ -468,9 +472,9 @@ def main(argv=None):
         options.max_batch = 32 if options.tiny else 1 << 20
     if options.resolution is None:
         options.resolution = 8 if options.tiny else 256
-    device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
-    print(f"device: {device_name}; {versions}", flush=True)
+    device = device_name(cpu=platform.processor() or "cpu")
+    packages = versions("torch", "transformers")
+    print(f"device: {device}; torch {packages['torch']}, transformers {packages['transformers']}", flush=True)
     started = time.perf_counter()
     rows = []
 
@@ -525,27 +529,16 @@ def main(argv=None):
                          ratio=f"{rate / vanilla_rate:.0%} of vanilla" if vanilla_rate else ""))
 
     elapsed = time.perf_counter() - started
-    common = dict(device=device_name, torch=torch.__version__, transformers=transformers.__version__,
-                  model="tiny" if options.tiny else "CLIP ViT-B/32",
+    common = dict(device=device, **packages, model="tiny" if options.tiny else "CLIP ViT-B/32",
                   precision="fp32" if options.tiny else "bf16")
     fields = ["measure", "config", "batch", "value", "unit", "ratio", "peak_gib", *common]
-    out_path = options.csv
-    if out_path is None and os.environ.get("OUT"):
-        out_path = os.path.join(os.environ["OUT"], "bench_trainer.csv")
+    out_path = csv_path(options.csv, "bench_trainer.csv")
     if out_path:
-        with open(out_path, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=fields)
-            writer.writeheader()
-            for row in rows:
-                writer.writerow({**common, **row})
+        write_csv(out_path, [{**common, **row} for row in rows], fields)
         print(f"CSV: {out_path}")
 
-    print(f"\nbench_trainer ({common['model']}, {common['precision']}, {device_name}; {elapsed:.0f} s)")
-    print(f"{'measure':<18} {'config':<40} {'batch':>8} {'value':>10}  {'':<10} {'vs':<18} peak GiB")
-    for row in rows:
-        print(f"{row['measure']:<18} {row['config']:<40} {row['batch']:>8} {row['value']:>10}  "
-              f"{row['unit']:<10} {row.get('ratio', ''):<18} {row.get('peak_gib', '')}")
-
+    print(f"\nbench_trainer ({common['model']}, {common['precision']}, {device}; {elapsed:.0f} s)")
+    print_rows(rows, (18, 40, 10, 18))
 
 if __name__ == "__main__":
     main()
