@@ -24,6 +24,7 @@ _LAZY = {
     "DualEncoder": ".dual_encoder",
     "DualEncoderConfig": ".dual_encoder",
     "TritonBlocks": ".ops.triton_blocks",
+    "reset_autotuning": ".ops",
     "losses": ".losses",
 }
 
