@@ -39,6 +39,10 @@ from tests.trainer_fixtures import (  # noqa: E402
 
 ROWS_PER_RANK = 8
 CHUNK = 3  # uneven: chunks of 3, 3, 2
+# What big models are trained with, on the decoder DualEncoder: bf16 parameters with fp32
+# gradient reduction, activation checkpointing of every decoder layer, parameters offloaded to
+# the host between uses.
+SETTINGS = ("bf16", "checkpointing", "offload")
 
 
 def build(kind: str, dropout: float):
@@ -82,8 +86,16 @@ def loss_fn(process_group):
     return loss
 
 
-def shard(kind: str, model):
-    from torch.distributed.fsdp import fully_shard
+def shard(kind: str, model, setting: str | None = None):
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    options = {}
+    if setting == "bf16":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif setting == "offload":
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    elif setting == "checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     if kind == "clip":
         layers = [*model.text_model.encoder.layers, *model.vision_model.encoder.layers]
@@ -92,8 +104,8 @@ def shard(kind: str, model):
         layers = [layer for tower in towers
                   for layer in (tower.layers if kind == "decoder" else tower.encoder.layer)]
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
     return model
 
 
@@ -118,8 +130,8 @@ def uncached_step(kind, model, batch, seed):
     loss_fn("auto")(queries, keys, model.logit_scale).backward()
 
 
-def run_variant(kind, variant, dropout, rank):
-    model = shard(kind, build(kind, dropout))
+def run_variant(kind, variant, dropout, rank, setting=None):
+    model = shard(kind, build(kind, dropout), setting)
     batch = batch_of(kind, rank)
     seed = 100 + rank
     if variant == "uncached":
@@ -157,6 +169,10 @@ def main(out_dir: str) -> None:
                 results[(kind, dropout, variant)] = run_variant(kind, variant, dropout, rank)
         if rank == 0:
             results[(kind, 0.0, "one-process")] = one_process_reference(kind, world_size)
+    for setting in SETTINGS:
+        for variant in ("uncached", "cached-per-step", "cached-per-replay"):
+            grads = run_variant("decoder", variant, 0.1, rank, setting)
+            results[(f"decoder-{setting}", 0.1, variant)] = grads
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "grads.pt"))
     dist.barrier()
