@@ -28,10 +28,11 @@ import torch
 from torch import Tensor
 
 from .local import local_backward, local_forward, local_mask
+from .options import BLOCK_BACKENDS, choice_error
 from .spec import StatsSpec, accumulation_dtype, check_values
 from .tiled import TorchTiles
 
-BACKEND_NAMES = ("torch", "triton")
+BACKEND_NAMES = BLOCK_BACKENDS  # the named backends an op can run: what "auto" resolves to
 
 
 def block_ops(backend: str):
@@ -42,7 +43,7 @@ def block_ops(backend: str):
         from .triton_blocks import TritonBlocks
 
         return TritonBlocks()
-    raise ValueError(f"backend must be one of {', '.join(map(repr, BACKEND_NAMES))}, got {backend!r}")
+    raise choice_error("backend", backend, BACKEND_NAMES)
 
 
 @torch.library.custom_op("hf_infcl::logit_stats", mutates_args=())

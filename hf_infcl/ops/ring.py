@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from .local import add_positive_gradients, finish_gradients, positive_logits
+from .options import LOSSES, PRECISIONS, REDUCTIONS, wire_codes
 from .spec import BlockOps, GroupMask, StatsSpec, accumulation_dtype, empty_row_stats, merge_row_stats
 
 # The all_gather at the start carries these fields per rank (as float64: every value is a small
@@ -52,11 +53,13 @@ _LAYOUT_FIELDS = (
     "ok", "rows", "keys", "width", "dtype", "loss", "columns", "precision", "device_type",
     "has_bias", "has_groups", "reduction",
 )
+# The options' codes come from their vocabularies (hf_infcl.ops.options); the dtype and device codes
+# are the ring's own.
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
-_LOSS_CODES = {"softmax": 1, "sigmoid": 2}
-_PRECISION_CODES = {"auto": 1, "tf32": 2, "ieee": 3}
+_LOSS_CODES = wire_codes(LOSSES)
+_PRECISION_CODES = wire_codes(PRECISIONS)
 _DEVICE_CODES = {"cpu": 1, "cuda": 2, "xpu": 3, "mps": 4}
-_REDUCTION_CODES = {"mean": 1, "sum": 2, "none": 3}
+_REDUCTION_CODES = wire_codes(REDUCTIONS)
 
 # The backward's key-gradient accumulators travel in slices of at most this many bytes (fp32):
 # small enough that the one slice in flight besides the block's accumulators costs little, large

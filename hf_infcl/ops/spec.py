@@ -23,12 +23,11 @@ following :class:`BlockOps`; the single-process Function and the ring Function b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
-LossKind = Literal["softmax", "sigmoid"]
-Precision = Literal["auto", "tf32", "ieee"]
+from .options import LossKind, Precision
 
 
 @dataclass(frozen=True)
