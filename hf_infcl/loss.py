@@ -12,13 +12,21 @@ from torch import nn
 
 from .ops import custom_ops, reference, ring
 from .ops.local import LocalLogitStats, local_mask
+from .ops.options import (  # noqa: F401  (the vocabularies, re-exported: hf_infcl.loss.PRECISIONS)
+    BACKENDS,
+    LOSSES,
+    PRECISIONS,
+    REDUCTIONS,
+    BackendName,
+    LossKind,
+    LossOptions,
+    OptionAttribute,
+    Precision,
+    Reduction,
+    check_option,
+)
 from .ops.spec import BlockOps, StatsSpec, accumulation_dtype, resolve_precision
 from .ops.spec import check_values as _check_values
-
-LOSSES = ("softmax", "sigmoid")
-REDUCTIONS = ("mean", "sum", "none")
-BACKENDS = ("auto", "torch", "triton", "reference")
-PRECISIONS = ("auto", "tf32", "ieee")
 
 
 def contrastive_loss(
@@ -27,15 +35,15 @@ def contrastive_loss(
     logit_scale: float | torch.Tensor = 1.0,
     logit_bias: float | torch.Tensor | None = None,
     *,
-    loss: str = "softmax",
+    loss: LossKind = "softmax",
     symmetric: bool = True,
     positives: torch.Tensor | None = None,
     query_groups: torch.Tensor | None = None,
     key_groups: torch.Tensor | None = None,
-    reduction: str = "mean",
+    reduction: Reduction = "mean",
     process_group=None,
-    backend: str | BlockOps = "auto",
-    precision: str = "auto",
+    backend: BackendName | BlockOps = "auto",
+    precision: Precision = "auto",
 ) -> torch.Tensor:
     """Exact InfoNCE (CLIP) or sigmoid (SigLIP) contrastive loss without a b x b matrix.
 
@@ -73,16 +81,25 @@ def contrastive_loss(
         ``(n / M) * sum of its rows' losses``, so that averaging the processes' gradients (what
         DDP does) gives exactly the gradient of the global mean.
     """
+    return _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
+                             process_group, loss, symmetric, reduction, backend, precision,
+                             options_checked=False)
+
+
+def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
+                      process_group, loss, symmetric, reduction, backend, precision, options_checked):
+    """``contrastive_loss`` for every entry point. ``options_checked``: the caller holds the
+    options as a :class:`LossOptions`, checked when it was built, so they are not checked again."""
     group, world_size = _resolve_process_group(process_group)
     if world_size > 1:
         return _ring_loss(group, world_size, queries, keys, logit_scale, logit_bias, loss, symmetric,
-                          positives, query_groups, key_groups, reduction, backend, precision)
+                          positives, query_groups, key_groups, reduction, backend, precision, options_checked)
     # Under torch.compile, the checks that read values (scale > 0, positives in range) would break
     # the graph: the op makes them itself when it runs (see hf_infcl.ops.custom_ops).
     compiling = torch.compiler.is_compiling()
     scale, bias, positives = _check_arguments(
         queries, keys, logit_scale, logit_bias, loss, symmetric, positives, query_groups, key_groups,
-        reduction, backend, precision, check_values=not compiling,
+        reduction, backend, precision, check_values=not compiling, options_checked=options_checked,
     )
     per_row = _local_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, query_groups,
                                   key_groups, backend, precision, validate=compiling)
@@ -126,12 +143,12 @@ def _eager_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, 
 
 @torch.compiler.disable
 def _ring_loss(group, world_size, queries, keys, logit_scale, logit_bias, loss, symmetric, positives,
-               query_groups, key_groups, reduction, backend, precision):
+               query_groups, key_groups, reduction, backend, precision, options_checked):
     """The loss over a process group (the ring); eager, a graph break under torch.compile."""
     try:
         scale, bias, positives = _check_arguments(
             queries, keys, logit_scale, logit_bias, loss, symmetric, positives, query_groups,
-            key_groups, reduction, backend, precision, in_ring=True,
+            key_groups, reduction, backend, precision, in_ring=True, options_checked=options_checked,
         )
     except (TypeError, ValueError):
         # the other ranks wait in the ring's size exchange: tell them, then raise
@@ -223,11 +240,6 @@ def _resolve_process_group(process_group):
 # Argument checks: every one raises before any computation, naming the argument.
 
 
-def _choice(name, value, allowed):
-    if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
-
-
 def _check_features(name: str, tensor) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -268,24 +280,20 @@ def _as_scalar_tensor(name, value, dtype, device, allow_none):
 
 def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, positives,
                      query_groups, key_groups, reduction, backend, precision, in_ring=False,
-                     check_values=True):
+                     check_values=True, options_checked=False):
     """Validate everything; return (scale tensor, bias tensor or None, positives [m] int64).
 
     ``in_ring``: one rank of several, which may hold no rows (the ring checks the group has some).
     ``check_values=False`` leaves out the checks that read values (``spec.check_values``), for
-    callers that have them made later (under torch.compile).
+    callers that have them made later (under torch.compile). ``options_checked``: the options
+    come from a :class:`LossOptions` (checked when it was built).
     """
     _check_features("queries", queries)
     _check_features("keys", keys)
-    _choice("loss", loss, LOSSES)
-    _choice("reduction", reduction, REDUCTIONS)
-    _choice("precision", precision, PRECISIONS)
-    if isinstance(backend, str):
-        _choice("backend", backend, BACKENDS)
-    elif not (hasattr(backend, "forward_block") and hasattr(backend, "backward_block")):
-        raise TypeError(f"backend must be a name or a block-ops object, got {type(backend).__name__}")
-    if not isinstance(symmetric, bool):
-        raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
+    if not options_checked:
+        for field, value in (("loss", loss), ("reduction", reduction), ("precision", precision),
+                             ("backend", backend), ("symmetric", symmetric)):
+            check_option(field, value)
 
     if keys.dtype != queries.dtype:
         raise TypeError(f"keys have dtype {keys.dtype} but queries have {queries.dtype}; they must match")
@@ -338,51 +346,56 @@ class InfCLLoss(nn.Module):
 
     ``logit_scale``/``logit_bias`` given here are the defaults for ``forward``; pass an
     ``nn.Parameter`` to learn them inside this module, or pass the model's own at call time.
+
+    The options are checked once, here, and held as a frozen :class:`LossOptions` (``.options``);
+    ``.loss``, ``.symmetric``, ``.reduction``, ``.backend`` and ``.precision`` read it, and
+    assigning one of them replaces it with a checked copy. (Not to be confused with
+    ``hf_infcl.losses.InfCLLoss``, the sentence-transformers loss, which takes a model.)
     """
+
+    loss = OptionAttribute()
+    symmetric = OptionAttribute()
+    reduction = OptionAttribute()
+    backend = OptionAttribute()
+    precision = OptionAttribute()
 
     def __init__(
         self,
         logit_scale: float | torch.Tensor = 1.0,
         logit_bias: float | torch.Tensor | None = None,
         *,
-        loss: str = "softmax",
+        loss: LossKind = "softmax",
         symmetric: bool = True,
-        reduction: str = "mean",
+        reduction: Reduction = "mean",
         process_group=None,
-        backend: str | BlockOps = "auto",
-        precision: str = "auto",
+        backend: BackendName | BlockOps = "auto",
+        precision: Precision = "auto",
     ):
         super().__init__()
-        _choice("loss", loss, LOSSES)
-        _choice("reduction", reduction, REDUCTIONS)
-        _choice("precision", precision, PRECISIONS)
-        if isinstance(backend, str):
-            _choice("backend", backend, BACKENDS)
+        self.options = LossOptions(loss=loss, symmetric=symmetric, reduction=reduction, backend=backend,
+                                   precision=precision)
         self.logit_scale = logit_scale
         self.logit_bias = logit_bias
-        self.loss = loss
-        self.symmetric = symmetric
-        self.reduction = reduction
         self.process_group = process_group
-        self.backend = backend
-        self.precision = precision
 
     def forward(self, queries, keys, logit_scale=None, logit_bias=None, positives=None,
                 query_groups=None, key_groups=None):
-        return contrastive_loss(
+        options = self.options  # checked when built: not again on every call
+        return _contrastive_loss(
             queries,
             keys,
             self.logit_scale if logit_scale is None else logit_scale,
             self.logit_bias if logit_bias is None else logit_bias,
-            loss=self.loss,
-            symmetric=self.symmetric,
-            positives=positives,
-            query_groups=query_groups,
-            key_groups=key_groups,
-            reduction=self.reduction,
-            process_group=self.process_group,
-            backend=self.backend,
-            precision=self.precision,
+            positives,
+            query_groups,
+            key_groups,
+            self.process_group,
+            options.loss,
+            options.symmetric,
+            options.reduction,
+            options.backend,
+            options.precision,
+            options_checked=True,
         )
 
     def extra_repr(self) -> str:

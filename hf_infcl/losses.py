@@ -15,6 +15,12 @@
 - with several processes the loss runs over every process's rows and keys with the hf_infcl ring
   (instead of an all-gather of the embeddings); ``gather_across_devices=False`` keeps negatives
   local to each process, as sentence-transformers does.
+
+Its arguments keep sentence-transformers' names, mapped here to ``contrastive_loss``'s: ``scale``
+is ``logit_scale``, ``gather_across_devices`` is ``process_group="auto"`` (False: None); the other
+options (``symmetric``, ``backend``, ``precision``) are held as a checked ``LossOptions``
+(docs/contract.md, "Options", has the table for every entry point). Not to be confused with
+``hf_infcl.InfCLLoss``, the module over embedding tensors that this class calls.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .loss import BACKENDS, PRECISIONS, contrastive_loss
+from .loss import contrastive_loss
+from .ops.options import BackendName, LossOptions, OptionAttribute, Precision, check_option
 from .rng import RngState
 
 try:
@@ -207,6 +214,11 @@ def _embed_columns(model, sentence_features):
 
 
 class InfCLLoss(CachedLossMixin, nn.Module):
+    # The loss options, held as a frozen LossOptions (``.options``) checked once, in __init__.
+    symmetric = OptionAttribute()
+    backend = OptionAttribute()
+    precision = OptionAttribute()
+
     def __init__(
         self,
         model,
@@ -216,8 +228,8 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         mini_batch_size: int | None = None,
         show_progress_bar: bool = False,
         gather_across_devices: bool = True,
-        backend: str = "auto",
-        precision: str = "auto",
+        backend: BackendName = "auto",
+        precision: Precision = "auto",
         mini_batch_num_tokens: int | None = None,
     ) -> None:
         """Exact in-batch-negatives contrastive loss (InfoNCE) without a batch x batch matrix (Inf-CL).
@@ -264,8 +276,10 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         if not scale > 0:
             raise ValueError(f"scale must be > 0 (it multiplies the similarities), got {scale}")
         self._similarity_kind = _similarity_kind(similarity_fct)
-        if not isinstance(symmetric, bool):
-            raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
+        # A backend name only, not a block-ops object: get_config_dict saves it as JSON.
+        check_option("backend", backend, block_ops=False)
+        self.options = LossOptions(loss="softmax", symmetric=symmetric, reduction="mean", backend=backend,
+                                   precision=precision)
         if mini_batch_size is not None and (
             isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0
         ):
@@ -281,9 +295,6 @@ class InfCLLoss(CachedLossMixin, nn.Module):
                 raise ValueError(
                     f"mini_batch_num_tokens must be a positive integer, got {mini_batch_num_tokens!r}"
                 )
-        for name, value, allowed in (("backend", backend, BACKENDS), ("precision", precision, PRECISIONS)):
-            if not isinstance(value, str) or value not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
         if mini_batch_size is not None and _has_static_embedding(model):
             raise ValueError(
                 "mini_batch_size (gradient caching) cannot split a StaticEmbedding model's inputs into "
@@ -293,13 +304,10 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         self.model = model
         self.scale = float(scale)
         self.similarity_fct = similarity_fct
-        self.symmetric = symmetric
         self.mini_batch_size = mini_batch_size
         self.mini_batch_num_tokens = mini_batch_num_tokens
         self.show_progress_bar = show_progress_bar
         self.gather_across_devices = gather_across_devices
-        self.backend = backend
-        self.precision = precision
         # Losses that back-propagate from a hook (gradient caching) say so: MatryoshkaLoss and
         # AdaptiveLayerLoss read this to treat them specially.
         self.uses_gradient_cache = mini_batch_size is not None
@@ -348,11 +356,8 @@ class InfCLLoss(CachedLossMixin, nn.Module):
             anchors,
             candidates,
             logit_scale=self.scale,
-            symmetric=self.symmetric,
-            reduction="mean",
             process_group="auto" if self.gather_across_devices else None,
-            backend=self.backend,
-            precision=self.precision,
+            **self.options.as_kwargs(),
         )
 
     def get_config_dict(self) -> dict[str, Any]:

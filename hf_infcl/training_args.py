@@ -9,19 +9,31 @@ checked here once, at parse time. ``hf_infcl.trainer`` re-exports the class.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar, Literal, get_args
 
 from transformers import TrainingArguments
 
-from .loss import BACKENDS, LOSSES, PRECISIONS
+from .ops.options import BackendName, LossKind, Precision, check_choice, check_option
 
 __all__ = ["CHUNK_GRADIENT_SYNCS", "InfCLTrainingArguments"]
 
-CHUNK_GRADIENT_SYNCS = ("step", "chunk")
+ChunkGradientSync = Literal["step", "chunk"]
+CHUNK_GRADIENT_SYNCS: tuple[str, ...] = get_args(ChunkGradientSync)
 
 
 @dataclass
 class InfCLTrainingArguments(TrainingArguments):
-    """``TrainingArguments`` plus the contrastive-loss options of :class:`InfCLTrainer`."""
+    """``TrainingArguments`` plus the contrastive-loss options of :class:`InfCLTrainer`.
+
+    The loss options keep the Trainer's prefixed names: ``loss_backend`` is ``contrastive_loss``'s
+    ``backend`` and the field ``contrastive_loss`` (a string, or None to follow the model) is its
+    ``loss`` (docs/contract.md, "Options"). Their types are the ``Literal`` vocabularies of
+    ``hf_infcl.ops.options``, so ``HfArgumentParser`` lists the choices; ``__post_init__`` checks
+    every option once, naming the field.
+    """
+
+    # Checked by __post_init__ (a command line's own numeric checks need not repeat them).
+    checked_numeric_fields: ClassVar[tuple[str, ...]] = ("chunk_size", "logit_scale_max", "eval_block_rows")
 
     chunk_size: int | None = field(
         default=None,
@@ -33,18 +45,18 @@ class InfCLTrainingArguments(TrainingArguments):
         metadata={"help": "Keep the batch in pinned host memory and move one chunk at a time to the device. "
                           "Needs chunk_size."},
     )
-    loss_backend: str = field(
+    loss_backend: BackendName = field(
         default="auto",
         metadata={"help": "Backend of the loss: 'auto' (Triton on CUDA when available), 'torch', 'triton' "
                           "or 'reference' (materialised, small batches only)."},
     )
-    precision: str = field(
+    precision: Precision = field(
         default="auto",
         metadata={"help": "Matmul precision of the loss for fp32 embeddings: 'auto' (TF32 on CUDA in every "
                           "backend, exact fp32 elsewhere), 'tf32' or 'ieee' (exact fp32). bf16/fp16 "
                           "embeddings are unaffected."},
     )
-    contrastive_loss: str | None = field(
+    contrastive_loss: LossKind | None = field(
         default=None,
         metadata={"help": "'softmax' (InfoNCE/CLIP) or 'sigmoid' (SigLIP). None: 'sigmoid' for models with a "
                           "logit_bias (SigLIP), else 'softmax'."},
@@ -63,7 +75,7 @@ class InfCLTrainingArguments(TrainingArguments):
         metadata={"help": "Batch column of integer group ids: rows and keys of the same group are not "
                           "negatives of each other (duplicate captions, the same document twice)."},
     )
-    chunk_gradient_sync: str = field(
+    chunk_gradient_sync: ChunkGradientSync = field(
         default="step",
         metadata={"help": "With chunk_size under DDP or FSDP2: 'step' reduces the encoders' gradients once "
                           "per step (sync off during the replays; under FSDP2 the replays accumulate "
@@ -83,20 +95,11 @@ class InfCLTrainingArguments(TrainingArguments):
             raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
         if self.offload and self.chunk_size is None:
             raise ValueError("offload=True needs chunk_size: without chunks the whole batch is on the device")
-        if self.loss_backend not in BACKENDS:
-            raise ValueError(f"loss_backend must be one of {', '.join(map(repr, BACKENDS))}; "
-                             f"got {self.loss_backend!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}; "
-                             f"got {self.precision!r}")
-        if self.contrastive_loss is not None and self.contrastive_loss not in LOSSES:
-            raise ValueError(f"contrastive_loss must be one of {', '.join(map(repr, LOSSES))} or None; "
-                             f"got {self.contrastive_loss!r}")
+        check_option("backend", self.loss_backend, "loss_backend", block_ops=False)
+        check_option("precision", self.precision)
+        check_option("loss", self.contrastive_loss, "contrastive_loss", optional=True)
         if self.logit_scale_max is not None and not self.logit_scale_max > 0:
             raise ValueError(f"logit_scale_max must be > 0 or None, got {self.logit_scale_max!r}")
-        if self.chunk_gradient_sync not in CHUNK_GRADIENT_SYNCS:
-            choices = ", ".join(map(repr, CHUNK_GRADIENT_SYNCS))
-            raise ValueError(f"chunk_gradient_sync must be one of {choices}; "
-                             f"got {self.chunk_gradient_sync!r}")
+        check_choice("chunk_gradient_sync", self.chunk_gradient_sync, CHUNK_GRADIENT_SYNCS)
         if self.eval_block_rows <= 0:
             raise ValueError(f"eval_block_rows must be positive, got {self.eval_block_rows!r}")

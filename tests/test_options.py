@@ -1,0 +1,108 @@
+"""The loss options: each vocabulary defined once, checked once per entry point, with one message
+that names the option as the user typed it there (docs/contract.md, "Options at each entry point")."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import hf_infcl
+from hf_infcl.ops import options, ring
+
+
+def test_vocabularies_and_the_ring_codes_are_unchanged():
+    assert options.LOSSES == ("softmax", "sigmoid")
+    assert options.REDUCTIONS == ("mean", "sum", "none")
+    assert options.BACKENDS == ("auto", "torch", "triton", "reference")
+    assert options.PRECISIONS == ("auto", "tf32", "ieee")
+    # the ring's wire protocol: ranks of different versions must keep agreeing
+    assert ring._LOSS_CODES == {"softmax": 1, "sigmoid": 2}
+    assert ring._PRECISION_CODES == {"auto": 1, "tf32": 2, "ieee": 3}
+    assert ring._REDUCTION_CODES == {"mean": 1, "sum": 2, "none": 3}
+    from hf_infcl import loss
+
+    assert (loss.LOSSES, loss.REDUCTIONS, loss.BACKENDS, loss.PRECISIONS) == (
+        options.LOSSES, options.REDUCTIONS, options.BACKENDS, options.PRECISIONS)
+
+
+def test_one_message_naming_the_option_as_typed_at_each_entry_point(tmp_path):
+    q = torch.randn(4, 3)
+    expected = "precision must be one of 'auto', 'tf32', 'ieee'; got 'fp8'"
+    with pytest.raises(ValueError) as raised:
+        hf_infcl.contrastive_loss(q, q, precision="fp8")
+    assert str(raised.value) == expected
+    with pytest.raises(ValueError) as raised:
+        hf_infcl.InfCLLoss(precision="fp8")
+    assert str(raised.value) == expected
+    with pytest.raises(ValueError) as raised:
+        options.LossOptions(precision="fp8")
+    assert str(raised.value) == expected
+
+    from hf_infcl import InfCLTrainingArguments
+
+    with pytest.raises(ValueError) as raised:
+        InfCLTrainingArguments(output_dir=str(tmp_path), use_cpu=True, loss_backend="cuda")
+    assert str(raised.value) == ("loss_backend must be one of 'auto', 'torch', 'triton', 'reference'; "
+                                 "got 'cuda'")
+    with pytest.raises(ValueError) as raised:
+        InfCLTrainingArguments(output_dir=str(tmp_path), use_cpu=True, contrastive_loss="hinge")
+    assert str(raised.value) == "contrastive_loss must be one of 'softmax', 'sigmoid' or None; got 'hinge'"
+
+
+def test_sentence_transformers_loss_takes_backend_names_only():
+    pytest.importorskip("sentence_transformers")
+    from hf_infcl import losses
+
+    model = torch.nn.Linear(2, 2)  # never called: the options fail first
+    with pytest.raises(ValueError, match="^backend must be one of 'auto', 'torch', 'triton', 'reference'; "):
+        losses.InfCLLoss(model, backend=hf_infcl.TorchTiles())
+
+
+def test_module_holds_frozen_checked_options():
+    module = hf_infcl.InfCLLoss(logit_scale=5.0, loss="sigmoid", symmetric=False, backend="torch")
+    assert module.options == options.LossOptions(loss="sigmoid", symmetric=False, backend="torch")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        module.options.loss = "softmax"
+    module.reduction = "sum"  # assigning an option replaces the options with a checked copy
+    assert module.options.reduction == "sum" and module.reduction == "sum"
+    with pytest.raises(ValueError, match="^reduction must be one of 'mean', 'sum', 'none'; got 'max'$"):
+        module.reduction = "max"
+    with pytest.raises(TypeError, match="symmetric must be a bool"):
+        hf_infcl.InfCLLoss(symmetric="yes")
+    q, k = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    expected = hf_infcl.contrastive_loss(q, k, 5.0, loss="sigmoid", symmetric=False, reduction="sum",
+                                         backend="torch")
+    torch.testing.assert_close(module(q, k), expected, rtol=0, atol=0)
+
+
+def test_parser_lists_the_choices_of_the_trainer_options():
+    from transformers import HfArgumentParser
+
+    from hf_infcl import InfCLTrainingArguments
+
+    choices = {action.dest: action.choices for action in HfArgumentParser(InfCLTrainingArguments)._actions}
+    assert tuple(choices["loss_backend"]) == options.BACKENDS
+    assert tuple(choices["precision"]) == options.PRECISIONS
+    assert tuple(choices["contrastive_loss"]) == options.LOSSES
+    assert tuple(choices["chunk_gradient_sync"]) == ("step", "chunk")
+
+
+@pytest.mark.parametrize("name", ["chunk_size", "logit_scale_max", "eval_block_rows"])
+def test_the_numeric_fields_the_trainer_arguments_check_themselves(tmp_path, name):
+    """The examples leave these to InfCLTrainingArguments (its checked_numeric_fields)."""
+    from hf_infcl import InfCLTrainingArguments
+
+    assert name in InfCLTrainingArguments.checked_numeric_fields
+    value = 0.0 if name == "logit_scale_max" else 0
+    with pytest.raises(ValueError, match=name):
+        InfCLTrainingArguments(output_dir=str(tmp_path), use_cpu=True, **{name: value})
+
+
+def test_compiled_module_reads_its_options_without_a_graph_break():
+    torch._dynamo.reset()
+    module = hf_infcl.InfCLLoss(logit_scale=5.0, symmetric=False, backend="torch")
+    q, k = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k), module(q, k), rtol=1e-12, atol=0)
