@@ -61,6 +61,13 @@ first. Two ways to reduce the encoders' gradients, both exact:
   last one reduce-scatters them: one reduction per step, unsharded gradient memory;
 - ``no_sync=None``: every replay's backward reduce-scatters into the sharded gradients: sharded
   gradient memory, one reduce-scatter per chunk.
+
+DeepSpeed ZeRO (stages 1-3): call the engine in the encoder callables, pass
+``no_sync=lambda: deepspeed_no_sync(engine)`` (the replays accumulate; the last one is at the
+engine's accumulation boundary and reduces) and ``backward=lambda t: engine.backward(t,
+scale_wrt_gas=False)`` (the engine's own loss scaling), then ``engine.step()``. Under ZeRO-3 a loss
+parameter must stay whole between forwards, which the default ``stage3_param_persistence_threshold``
+(1e5 elements) gives any scalar scale or bias; the loss sees its gathered value.
 """
 
 from __future__ import annotations
@@ -73,7 +80,7 @@ import torch
 
 from .rng import RngState
 
-__all__ = ["CachedStepOutput", "cached_step", "fsdp_no_sync", "split_batch", "to_device"]
+__all__ = ["CachedStepOutput", "cached_step", "deepspeed_no_sync", "fsdp_no_sync", "split_batch", "to_device"]
 
 
 @dataclass
@@ -103,6 +110,7 @@ def cached_step(
     scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
     forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     no_grad_chunk_size: int | None = None,
+    backward: Callable[[torch.Tensor], object] | None = None,
 ) -> CachedStepOutput:
     """Run one gradient-cached forward/backward; parameter ``.grad`` accumulate as for the full batch.
 
@@ -132,6 +140,10 @@ def cached_step(
             then cannot draw the same random numbers as the first pass: set it only for encoders
             that draw none in training (no dropout, no stochastic depth), where the gradients stay
             exact up to the rounding of different GEMM shapes.
+        backward: how each replay's scalar is backpropagated; default ``tensor.backward()``. A
+            DeepSpeed engine needs its own: ``lambda t: engine.backward(t, scale_wrt_gas=False)``
+            (the loss is scaled by ``scale_loss`` already), with ``no_sync=lambda:
+            deepspeed_no_sync(engine)`` and ``engine.step()`` after the cached step.
 
     Returns:
         :class:`CachedStepOutput` with the detached loss and embeddings.
@@ -147,6 +159,12 @@ def cached_step(
     for param in loss_params:
         if not isinstance(param, torch.Tensor):
             raise TypeError(f"loss_params must hold tensors, got {type(param).__name__}")
+        if _is_zero3_partitioned(param) and not getattr(param, "ds_persist", False):
+            raise ValueError(
+                "a loss parameter is partitioned by DeepSpeed ZeRO-3: keep "
+                "stage3_param_persistence_threshold above its size (the default, 1e5 elements, keeps a "
+                "scalar logit scale or bias whole)"
+            )
     device = torch.device(device) if device is not None else None
     enter = forward_context or contextlib.nullcontext
 
@@ -225,7 +243,11 @@ def cached_step(
                 if last_overall:
                     surrogate.extend((param * grad.to(param.dtype)).sum() for param, grad in plain)
                 if surrogate:
-                    torch.stack([term.float() for term in surrogate]).sum().backward()
+                    total = torch.stack([term.float() for term in surrogate]).sum()
+                    if backward is None:
+                        total.backward()
+                    else:
+                        backward(total)
     for param, grad in sharded:
         _accumulate_sharded_grad(param, grad)
 
@@ -249,16 +271,47 @@ def fsdp_no_sync(module):
         module.set_requires_gradient_sync(True)
 
 
+@contextlib.contextmanager
+def deepspeed_no_sync(engine):
+    """The ``no_sync`` of a DeepSpeed engine (ZeRO stages 1-3): inside, the engine is not at a
+    gradient-accumulation boundary, so a replay's backward only accumulates; the last replay,
+    outside, runs at the boundary state the engine had before (at a boundary, unless you are
+    accumulating several cached steps), which reduces. Pass
+    ``no_sync=lambda: deepspeed_no_sync(engine)`` and
+    ``backward=lambda t: engine.backward(t, scale_wrt_gas=False)`` to :func:`cached_step`, then call
+    ``engine.step()``. Under ZeRO-2 every replay must be inside: a boundary per replay would reduce
+    (and average) the partial gradients of each one."""
+    if not hasattr(engine, "set_gradient_accumulation_boundary"):
+        raise TypeError(f"deepspeed_no_sync needs a DeepSpeed engine, got {type(engine).__name__}")
+    boundary = engine.is_gradient_accumulation_boundary()
+    engine.set_gradient_accumulation_boundary(False)
+    try:
+        yield
+    finally:
+        engine.set_gradient_accumulation_boundary(boundary)
+
+
 def _is_dtensor(tensor) -> bool:
     return type(tensor).__name__ == "DTensor" and hasattr(tensor, "full_tensor")
 
 
+def _is_zero3_partitioned(param) -> bool:
+    return getattr(param, "ds_status", None) is not None
+
+
 def _full_value(param: torch.Tensor) -> torch.Tensor:
-    """The value the loss sees: the tensor itself, or for a DTensor (a parameter sharded by FSDP2)
-    its full value gathered from every rank, as a plain leaf."""
-    if not _is_dtensor(param):
-        return param
-    return param.full_tensor().detach().requires_grad_(param.requires_grad)
+    """The value the loss sees: the tensor itself; for a DTensor (a parameter sharded by FSDP2)
+    its full value gathered from every rank, as a plain leaf; for a ZeRO-3 parameter its gathered
+    value, as a plain leaf (its gradient reaches DeepSpeed through the last replay, where the
+    engine's forward has made the persistent parameter whole)."""
+    if _is_dtensor(param):
+        return param.full_tensor().detach().requires_grad_(param.requires_grad)
+    if _is_zero3_partitioned(param):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param]):
+            return param.detach().clone().requires_grad_(param.requires_grad)
+    return param
 
 
 def _accumulate_sharded_grad(param, grad: torch.Tensor) -> None:

@@ -30,18 +30,18 @@ def offline_env(tmp_path) -> dict:
     return env
 
 
-def run_two_processes(script, *args, timeout: int = 600, cuda: bool = False) -> None:
+def run_two_processes(script, *args, timeout: int = 600, cuda: bool = False, env: dict | None = None) -> None:
     """``torchrun --nproc_per_node 2 script *args`` on a free port with this checkout importable
     and one thread per process; fails the test with the workers' output unless both succeed.
-    ``cuda=False`` hides the GPUs (gloo on CPU)."""
+    ``cuda=False`` hides the GPUs (gloo on CPU); ``env`` adds variables."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(port), str(script), *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {}),
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if not cuda:
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        environment["CUDA_VISIBLE_DEVICES"] = ""
+    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-5000:]

@@ -1,0 +1,92 @@
+"""Worker for the DeepSpeed GradCache tests (``tests/test_deepspeed.py``), on CPU over gloo:
+
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/deepspeed_workers.py OUT
+
+For ZeRO stages 2 and 3 and two models (a tiny CLIP and a Qwen2-style decoder DualEncoder, both
+with dropout, the logit scale a 1-element vector), each rank takes one SGD step (lr 1, so the
+parameters move by minus the gradient) on its own 8 pairs with the ring loss, twice from the same
+start:
+
+* ``uncached``: the chunks embedded with grad through the engine in one graph,
+  ``engine.backward(loss)``, ``engine.step()``;
+* ``cached``: :func:`cached_step` with ``deepspeed_no_sync`` and the engine's backward, then
+  ``engine.step()``.
+
+ZeRO-3 partitions every parameter above 10 elements (the scale stays whole, as the default
+persistence threshold keeps it). Rank 0 writes the full parameters after each step to OUT.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hf_infcl.grad_cache import cached_step, deepspeed_no_sync, split_batch  # noqa: E402
+from tests.fsdp_workers import CHUNK, batch_of, build, encoder, loss_fn  # noqa: E402
+from tests.trainer_fixtures import end_worker_process  # noqa: E402
+
+STAGES = (2, 3)
+KINDS = ("clip", "decoder")
+
+
+def engine_for(kind: str, stage: int):
+    import deepspeed
+
+    model = build(kind, dropout=0.1)
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 1.0}}, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def full_parameters(engine) -> dict[str, torch.Tensor]:
+    import deepspeed
+
+    parameters = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(parameters, enabled=hasattr(parameters[0], "ds_id")):
+        return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+
+
+def step(kind: str, stage: int, cached: bool, rank: int) -> dict[str, torch.Tensor]:
+    engine = engine_for(kind, stage)
+    batch = batch_of(kind, rank)
+    encode = encoder(kind, engine)  # through the engine's forward, which gathers ZeRO-3 shards
+    torch.manual_seed(100 + rank)
+    if cached:
+        cached_step(encode, batch, loss_fn("auto"), CHUNK, loss_params=[engine.module.logit_scale],
+                    no_sync=lambda: deepspeed_no_sync(engine),
+                    backward=lambda total: engine.backward(total, scale_wrt_gas=False))
+    else:
+        outputs = [encode(chunk) for chunk in split_batch(batch, CHUNK)]
+        queries, keys = (torch.cat(parts) for parts in zip(*outputs))
+        engine.backward(loss_fn("auto")(queries, keys, engine.module.logit_scale))
+    engine.step()
+    return full_parameters(engine)
+
+
+def main(out_dir: str) -> None:
+    import deepspeed
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    results = {}
+    for stage in STAGES:
+        for kind in KINDS:
+            for cached in (False, True):
+                results[(stage, kind, "cached" if cached else "uncached")] = step(kind, stage, cached, rank)
+    if rank == 0:
+        for kind in KINDS:
+            results["start", kind] = {n: p.detach().clone() for n, p in build(kind, 0.1).named_parameters()}
+        torch.save(results, os.path.join(out_dir, "parameters.pt"))
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    end_worker_process()

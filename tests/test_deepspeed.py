@@ -1,0 +1,47 @@
+"""GradCache under DeepSpeed ZeRO-2 and ZeRO-3, two processes on CPU over gloo
+(``tests/deepspeed_workers.py``; skipped where DeepSpeed is not installed).
+
+One SGD step (lr 1) of a tiny CLIP and a Qwen2-style decoder DualEncoder, dropout on: the cached
+step through the engine (``deepspeed_no_sync``, the engine's backward, ``engine.step()``) moves
+every parameter as the uncached step does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.offline import run_two_processes
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def deepspeed_parameters(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp("deepspeed")
+    run_two_processes(REPO / "tests" / "deepspeed_workers.py", out, env={"DS_ACCELERATOR": "cpu"})
+    return torch.load(out / "parameters.pt")
+
+
+@pytest.mark.parametrize("kind", ["clip", "decoder"])
+@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
+def test_deepspeed_cached_step_moves_parameters_as_the_uncached_step(deepspeed_parameters, stage, kind):
+    start = deepspeed_parameters["start", kind]
+    uncached = deepspeed_parameters[stage, kind, "uncached"]
+    cached = deepspeed_parameters[stage, kind, "cached"]
+    assert cached.keys() == uncached.keys() == start.keys() and len(start) > 10
+    for name, before in start.items():
+        update = uncached[name].reshape(before.shape) - before
+        difference = float((cached[name].reshape(before.shape) - uncached[name].reshape(before.shape)).norm())
+        assert difference <= 1e-4 * float(update.norm()) + 1e-6, f"{name}: {difference:.2e}"
+    assert float((uncached["logit_scale"] - start["logit_scale"]).abs().max()) > 0  # the scale learned
+
+
+def test_deepspeed_no_sync_rejects_what_is_not_an_engine():
+    from hf_infcl.grad_cache import deepspeed_no_sync
+
+    with pytest.raises(TypeError, match="DeepSpeed engine"), deepspeed_no_sync(torch.nn.Linear(2, 2)):
+        pass
