@@ -1,5 +1,8 @@
 """Command-line handling shared by the examples.
 
+- :func:`argument_parser`: HfArgumentParser whose choice flags (fields typed with a ``Literal``,
+  such as the loss options' vocabularies in ``hf_infcl.ops.options``) fail in hf_infcl's one
+  format: ``--precision must be one of 'auto', 'tf32', 'ieee'; got 'fp8'``.
 - :func:`parse_with_defaults`: HfArgumentParser with example-friendly defaults, set through the
   parser's own defaults, so that any flag given on the command line wins, in any spelling
   (``--learning_rate 3e-4`` or ``--learning_rate=3e-4``).
@@ -61,6 +64,24 @@ def fail(message: str):
     raise ExampleError(message)
 
 
+def argument_parser(dataclass_types, **kwargs):
+    """``HfArgumentParser(dataclass_types, **kwargs)`` whose choice flags end the run with
+    ``--<flag> must be one of 'a', 'b'; got 'x'`` (one line, :func:`fail`), the message every
+    hf_infcl entry point gives for the options it checks, instead of argparse's usage and
+    ``invalid choice`` lines."""
+    from transformers import HfArgumentParser
+
+    from hf_infcl.ops.options import choice_error
+
+    class ArgumentParser(HfArgumentParser):
+        def _check_value(self, action, value):  # argparse's hook for choices
+            if action.choices is not None and value not in action.choices and action.option_strings:
+                fail(str(choice_error(action.option_strings[0], value, action.choices)))
+            super()._check_value(action, value)
+
+    return ArgumentParser(dataclass_types, **kwargs)
+
+
 def parse_with_defaults(parser, argv, default_output_dir: str, defaults: dict[str, object]):
     """``parser.parse_args_into_dataclasses(argv)`` (default: ``sys.argv[1:]``) with ``output_dir`` =
     ``default_output_dir`` and ``defaults`` ({field name: typed value}) as the parser's defaults.
@@ -108,8 +129,9 @@ STEPS = Rule(lambda v: v > 0 or v == -1, "> 0, or -1 (train for num_train_epochs
 SEED = Rule(lambda v: 0 <= v < 2**32, "between 0 and 2**32 - 1")
 RANK = Rule(lambda v: v >= -1, ">= -1")
 
-# Every numeric field of transformers' TrainingArguments (and of sentence-transformers' and
-# hf_infcl's subclasses). None, where a field allows it, always passes: it means "not set".
+# Every numeric field of transformers' TrainingArguments (and of sentence-transformers' subclass;
+# hf_infcl.InfCLTrainingArguments checks its own when it is built, see numeric_fields). None, where a
+# field allows it, always passes: it means "not set".
 TRAINING_ARGUMENT_RULES = {
     "per_device_train_batch_size": POSITIVE,
     "per_device_eval_batch_size": POSITIVE,
@@ -140,10 +162,6 @@ TRAINING_ARGUMENT_RULES = {
     "ddp_bucket_cap_mb": POSITIVE,
     "ddp_timeout": POSITIVE,
     "local_rank": RANK,
-    # InfCLTrainingArguments
-    "chunk_size": POSITIVE,
-    "logit_scale_max": POSITIVE,
-    "eval_block_rows": POSITIVE,
 }
 
 # The text examples' shared data options (text_pairs.TextPairArguments).
@@ -164,9 +182,13 @@ def _is_number_type(annotation) -> bool:
 
 
 def numeric_fields(dataclass_type) -> list[str]:
-    """Names of the fields of ``dataclass_type`` typed int or float (or ``int | None`` ...)."""
+    """Names of the fields of ``dataclass_type`` typed int or float (or ``int | None`` ...), less
+    those the dataclass checks itself when it is built (its ``checked_numeric_fields``, as
+    ``InfCLTrainingArguments`` has): a parse that got that far has them checked."""
     hints = typing.get_type_hints(dataclass_type)
-    return [f.name for f in dataclasses.fields(dataclass_type) if f.init and _is_number_type(hints[f.name])]
+    checked = set(getattr(dataclass_type, "checked_numeric_fields", ()))
+    return [f.name for f in dataclasses.fields(dataclass_type)
+            if f.init and f.name not in checked and _is_number_type(hints[f.name])]
 
 
 def check_numeric_flags(objects, rules: dict[str, Rule]) -> None:

@@ -44,6 +44,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,7 @@ from example_cli import (  # noqa: E402
     POSITIVE,
     RATIO,
     TRAINING_ARGUMENT_RULES,
+    argument_parser,
     check_hub_push,
     check_numeric_flags,
     fail,
@@ -64,7 +66,7 @@ from example_cli import (  # noqa: E402
 )
 from retrieval_metrics import embed_texts, retrieval_metrics, zero_shot_accuracy  # noqa: E402
 
-from hf_infcl.loss import BACKENDS, LOSSES, PRECISIONS  # noqa: E402
+from hf_infcl.loss import PRECISIONS, BackendName, LossKind, Precision  # noqa: E402
 
 
 @dataclass
@@ -136,14 +138,16 @@ class TrainArguments:
             "step; under FSDP2 they then stay sharded (less memory, one reduce-scatter per chunk)."
         },
     )
-    loss: str = field(default="softmax", metadata={"help": "'softmax' (CLIP InfoNCE) or 'sigmoid' (SigLIP)."})
+    loss: LossKind = field(
+        default="softmax", metadata={"help": "'softmax' (CLIP InfoNCE) or 'sigmoid' (SigLIP)."}
+    )
     symmetric: bool = field(default=True, metadata={"help": "Softmax: average image->text and text->image."})
     mask_false_negatives: bool = field(
         default=True,
         metadata={"help": "Do not use pairs of the same class / identical captions as negatives."},
     )
-    backend: str = field(default="auto", metadata={"help": "Loss backend: auto, triton, torch."})
-    precision: str = field(
+    backend: BackendName = field(default="auto", metadata={"help": "Loss backend: auto, triton, torch."})
+    precision: Precision = field(
         default="auto",
         metadata={
             "help": f"Matmul precision of the loss for fp32 embeddings, one of {', '.join(PRECISIONS)}: "
@@ -163,7 +167,7 @@ class TrainArguments:
     )
     seed: int = field(default=42)
     use_cpu: bool = field(default=False, metadata={"help": "Train on CPU even where there is a GPU."})
-    mixed_precision: str | None = field(
+    mixed_precision: Literal["no", "fp16", "bf16"] | None = field(
         default=None, metadata={"help": "no, fp16, bf16 (default: what accelerate launch was told)."}
     )
     logging_steps: int = field(default=10)
@@ -487,6 +491,7 @@ def evaluate(embedder, processor, data, held_out_pixels, device, batch_size, max
 # What every numeric flag must be (checked before any work; a test holds this complete).
 NUMERIC_RULES = {
     **TRAINING_ARGUMENT_RULES,
+    "chunk_size": POSITIVE,
     "image_size": POSITIVE,
     "patch_size": POSITIVE,
     "tiny_width": POSITIVE,
@@ -499,18 +504,10 @@ NUMERIC_RULES = {
     "eval_steps": NON_NEGATIVE,  # 0: only at the end
     "save_steps": NON_NEGATIVE,  # 0: never
 }
-CHOICES = {
-    "loss": LOSSES,
-    "backend": BACKENDS,
-    "precision": PRECISIONS,
-    "mixed_precision": ("no", "fp16", "bf16"),
-}
-
-
 def build_parser():
-    from transformers import HfArgumentParser
-
-    return HfArgumentParser(
+    # Choice flags (--loss, --backend, --precision, --mixed_precision: Literal fields) are checked
+    # by the parser, in hf_infcl's one format.
+    return argument_parser(
         (ModelArguments, DataArguments, TrainArguments),
         epilog="FSDP2 on 2 GPUs: accelerate launch --config_file examples/fsdp2.yaml examples/train_clip.py "
         "--chunk_size 64 (the config says how to change the GPU count and the sharded layer class).",
@@ -522,10 +519,6 @@ def parse_arguments(argv=None):
     ends the run before any work with one line naming the flag."""
     model_args, data_args, args = build_parser().parse_args_into_dataclasses(args=argv)
     check_numeric_flags((model_args, data_args, args), NUMERIC_RULES)
-    for name, allowed in CHOICES.items():
-        value = getattr(args, name)
-        if value is not None and value not in allowed:
-            fail(f"--{name} must be one of {', '.join(allowed)}, got {value!r}")
     if model_args.image_size % model_args.patch_size:
         fail(f"--patch_size {model_args.patch_size} must divide --image_size {model_args.image_size}")
     if args.offload and not args.chunk_size:

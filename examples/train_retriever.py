@@ -56,6 +56,7 @@ from example_cli import (  # noqa: E402
     POSITIVE,
     TEXT_PAIR_RULES,
     TRAINING_ARGUMENT_RULES,
+    argument_parser,
     check_hub_push,
     check_numeric_flags,
     close_process_group,
@@ -196,11 +197,11 @@ def evaluate_retrieval(model, tokenizer, pairs, batch_size=256, max_length=64, d
 
 
 def build_parser():
-    from transformers import HfArgumentParser
-
     from hf_infcl import InfCLTrainingArguments
 
-    return HfArgumentParser((RetrieverArguments, InfCLTrainingArguments))
+    # The loss options (Literal fields of InfCLTrainingArguments) are checked by the parser, in
+    # hf_infcl's one format.
+    return argument_parser((RetrieverArguments, InfCLTrainingArguments))
 
 
 def given_preset(argv) -> str | None:

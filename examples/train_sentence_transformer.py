@@ -33,10 +33,10 @@ from example_cli import (  # noqa: E402
     POSITIVE,
     TEXT_PAIR_RULES,
     TRAINING_ARGUMENT_RULES,
+    argument_parser,
     check_hub_push,
     check_numeric_flags,
     close_process_group,
-    fail,
     is_main_process,
     parse_with_defaults,
     push_output_dir,
@@ -45,7 +45,7 @@ from retrieval_metrics import retrieval_metrics  # noqa: E402
 from text_outputs import save_results_and_card  # noqa: E402
 from text_pairs import TEXT_TRAINING_DEFAULTS, TextPairArguments  # noqa: E402
 
-from hf_infcl.loss import PRECISIONS  # noqa: E402
+from hf_infcl.loss import PRECISIONS, Precision  # noqa: E402
 
 DEFAULT_OUTPUT_DIR = "outputs/sentence-transformer-wordnet"
 
@@ -55,7 +55,7 @@ class ScriptArguments(TextPairArguments):
     scale: float = field(default=20.0, metadata={"help": "1 / temperature, as MultipleNegativesRankingLoss."})
     symmetric: bool = field(default=False, metadata={"help": "Also the passage -> query direction."})
     mini_batch_size: int | None = field(default=None, metadata={"help": "GradCache chunk of texts."})
-    precision: str = field(
+    precision: Precision = field(
         default="auto",
         metadata={
             "help": f"Matmul precision of the loss for fp32 embeddings, one of {', '.join(PRECISIONS)}: "
@@ -98,17 +98,15 @@ def evaluate_retrieval(model, pairs, batch_size=256):
 
 def build_parser():
     from sentence_transformers import SentenceTransformerTrainingArguments
-    from transformers import HfArgumentParser
 
-    return HfArgumentParser((ScriptArguments, SentenceTransformerTrainingArguments))
+    # --precision (a Literal field) is checked by the parser, in hf_infcl's one format.
+    return argument_parser((ScriptArguments, SentenceTransformerTrainingArguments))
 
 
 def parse_arguments(argv=None):
     """(ScriptArguments, SentenceTransformerTrainingArguments) of ``argv``, every flag checked."""
     script_args, args = parse_with_defaults(build_parser(), argv, DEFAULT_OUTPUT_DIR, DEFAULTS)
     check_numeric_flags((script_args, args), NUMERIC_RULES)
-    if script_args.precision not in PRECISIONS:
-        fail(f"--precision must be one of {', '.join(PRECISIONS)}, got {script_args.precision!r}")
     return script_args, args
 
 
