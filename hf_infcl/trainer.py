@@ -24,6 +24,7 @@ batch beyond memory, raise the batch size and set ``chunk_size``.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -32,7 +33,7 @@ from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
 from .callbacks import ClampLogitScale
-from .grad_cache import cached_step
+from .grad_cache import cached_step, deepspeed_no_sync
 from .loss import contrastive_loss
 from .metrics import relevant_ranks, retrieval_metrics, retrieval_recalls
 from .models import (
@@ -73,7 +74,8 @@ class InfCLTrainer(Trainer):
         self.family = model_family(model)  # TypeError for models we cannot take embeddings from
         super().__init__(model, args, *more, **kwargs)
         self._check_combinations()
-        self._flattened_scalars = _prepare_for_fsdp2(self.model, self.optimizer) if self._is_fsdp2() else []
+        sharded = self._is_fsdp2() or self.is_deepspeed_enabled
+        self._flattened_scalars = _prepare_for_sharding(self.model, self.optimizer) if sharded else []
         # Our loss is a per-batch mean: let the Trainer divide it for gradient accumulation.
         self.model_accepts_loss_kwargs = False
         self.loss_is_scaled_for_ga = False
@@ -92,11 +94,18 @@ class InfCLTrainer(Trainer):
                              "process); launch one process per GPU with torchrun or accelerate launch")
         if args.label_smoothing_factor:
             raise ValueError("label_smoothing_factor does not apply to the contrastive loss; leave it at 0")
-        if args.chunk_size is not None and args.deepspeed:
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if self.is_deepspeed_enabled and getattr(plugin, "zero_stage", 0) == 3:
             raise ValueError(
-                "InfCLTrainer does not support chunk_size (gradient caching) with DeepSpeed yet; use FSDP2 "
-                "(fsdp=True, fsdp_config={'version': 2}), which shards parameters, gradients and optimizer "
-                "state like ZeRO-3, or leave chunk_size unset to run DeepSpeed as usual"
+                "InfCLTrainer does not support DeepSpeed ZeRO-3 yet: the loss reads the logit scale outside "
+                "the model's forward, where ZeRO-3 keeps it partitioned. Use ZeRO-2 or FSDP2 "
+                "(fsdp_config={'version': 2}, which shards parameters like ZeRO-3), or, in your own loop, "
+                "hf_infcl.grad_cache.cached_step with deepspeed_no_sync, which handles ZeRO-3"
+            )
+        if args.chunk_size is not None and args.deepspeed and args.chunk_gradient_sync == "chunk":
+            raise ValueError(
+                "chunk_gradient_sync='chunk' does not apply to DeepSpeed, which reduces gradients at its "
+                "accumulation boundary (once per step); leave it at 'step'"
             )
         if args.chunk_size is not None and self.is_fsdp_enabled and not self._is_fsdp2():
             raise ValueError(
@@ -203,13 +212,25 @@ class InfCLTrainer(Trainer):
             # The loss parameters are read sharded (cached_step gathers their full value and
             # reduces their gradient); an evaluation forward may have left the root gathered.
             model.reshard()
-        reduce_once = self.args.chunk_gradient_sync == "step"
+        deepspeed = self.is_deepspeed_enabled
+        if deepspeed:
+            # As Accelerate's DeepSpeed backward: the engine's accumulation boundary follows the
+            # Trainer's, the replays stay off it, and the engine steps at the boundary.
+            model.set_gradient_accumulation_boundary(self.accelerator.sync_gradients)
+            no_sync = functools.partial(deepspeed_no_sync, model)
+            backward = functools.partial(model.backward, scale_wrt_gas=False)
+        else:
+            reduce_once = self.args.chunk_gradient_sync == "step"
+            no_sync = functools.partial(self.accelerator.no_sync, model) if reduce_once else None
+            backward = None
 
         def loss_fn(queries, keys, *params):
             return self._contrastive(queries, keys, groups, *params)
 
         def scale_for_backward(loss):
             # what Trainer.training_step + Accelerator.backward do to the loss before backward
+            if deepspeed:  # the engine's backward applies its own fp16 loss scale
+                return loss / ga_steps
             loss = loss / ga_steps / self.accelerator.gradient_accumulation_steps
             scaler = getattr(self.accelerator, "scaler", None)
             return scaler.scale(loss) if scaler is not None else loss
@@ -222,10 +243,13 @@ class InfCLTrainer(Trainer):
             loss_params=self._loss_params(model),
             offload=self.args.offload,
             device=self.args.device if self.args.offload else None,
-            no_sync=(lambda: self.accelerator.no_sync(model)) if reduce_once else None,
+            no_sync=no_sync,
+            backward=backward,
             scale_loss=scale_for_backward,
             forward_context=self.compute_loss_context_manager,
         )
+        if deepspeed and self.accelerator.sync_gradients:
+            model.step()  # the optimizer and scheduler the Trainer steps are DeepSpeed's no-op wrappers
         self._track(*result.embeddings, model, groups)
         return result.loss.to(self.args.device) / ga_steps
 
@@ -371,12 +395,13 @@ def _is_dtensor(tensor) -> bool:
     return type(tensor).__name__ == "DTensor"
 
 
-def _prepare_for_fsdp2(model: torch.nn.Module, optimizer=None) -> list[str]:
-    """Make a contrastive model acceptable to Accelerate's FSDP2 preparation; return the names of
-    the parameters that ``_save`` must give back their 0-d shape.
+def _prepare_for_sharding(model: torch.nn.Module, optimizer=None) -> list[str]:
+    """Make a contrastive model acceptable to Accelerate's FSDP2 and DeepSpeed preparation; return
+    the names of the parameters that ``_save`` must give back their 0-d shape.
 
-    - ``fully_shard`` refuses 0-d parameters (CLIP's ``logit_scale``): they become 1-element
-      vectors, which the models broadcast the same way (in ``optimizer`` too, if one was given).
+    - ``fully_shard`` refuses 0-d parameters (CLIP's ``logit_scale``), and DeepSpeed cannot
+      broadcast them: they become 1-element vectors, which the models broadcast the same way (in
+      ``optimizer`` too, if one was given).
     - Accelerate shards ``get_input_embeddings()`` as a unit of its own, and transformers raises
       NotImplementedError for two-tower models that have no single input embedding (CLIPModel):
       for those this model answers None, so each tower's embeddings stay with its root.

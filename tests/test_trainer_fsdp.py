@@ -1,9 +1,10 @@
-"""InfCLTrainer under FSDP2, two processes (``pytest -k fsdp``): ``tests/trainer_fsdp_workers.py``.
+"""InfCLTrainer under FSDP2 and DeepSpeed ZeRO-2, two processes: ``tests/trainer_fsdp_workers.py``.
 
 On CPU (gloo) the worker switches the Trainer's Accelerator to FSDP2 (Accelerate enables FSDP on
-GPUs only); the GPU test runs the Trainer's own ``fsdp`` arguments on two CUDA devices. Both check
-that two steps with and without ``chunk_size``, under each ``chunk_gradient_sync``, give the
-parameters of the same run under DDP, and that the saved CLIPModel loads with its 0-d logit scale.
+GPUs only), and runs DeepSpeed through its CPU accelerator; the GPU test runs the Trainer's own
+``fsdp`` arguments on two CUDA devices. Each checks that two steps with and without
+``chunk_size`` (under FSDP2, with each ``chunk_gradient_sync``) give the parameters of the same run
+under DDP, and that the saved CLIPModel loads with its 0-d logit scale.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from tests.offline import run_two_processes
 from tests.test_fsdp import assert_same_grads
 
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = ["fsdp", "fsdp-chunk-step", "fsdp-chunk-chunk"]
+VARIANTS = {"fsdp": ["fsdp", "fsdp-chunk-step", "fsdp-chunk-chunk"], "deepspeed": ["zero2", "zero2-chunk"]}
 
 
-def run_worker(out: Path, cuda: bool) -> dict[str, dict]:
-    run_two_processes(REPO / "tests" / "trainer_fsdp_workers.py", out, cuda=cuda)
-    return {name: torch.load(out / f"{name}.pt") for name in ["ddp", *VARIANTS]}
+def run_worker(out: Path, cuda: bool, engine: str = "fsdp") -> dict[str, dict]:
+    env = {"DS_ACCELERATOR": "cpu"} if engine == "deepspeed" and not cuda else None
+    run_two_processes(REPO / "tests" / "trainer_fsdp_workers.py", out, engine, cuda=cuda, env=env)
+    return {name: torch.load(out / f"{name}.pt") for name in ["ddp", *VARIANTS[engine]]}
 
 
 def check_runs(runs: dict[str, dict], out: Path, tolerance: float) -> None:
@@ -32,7 +34,7 @@ def check_runs(runs: dict[str, dict], out: Path, tolerance: float) -> None:
     reference = runs["ddp"]
     reference_losses = [entry["loss"] for entry in reference["log_history"] if "loss" in entry]
     assert len(reference_losses) == 2
-    for name in VARIANTS:
+    for name in [name for name in runs if name != "ddp"]:
         parameters = runs[name]["parameters"]
         assert parameters["logit_scale"].shape == (1,)  # what fully_shard needs
         assert_same_grads(parameters, reference["parameters"], tolerance)
@@ -48,6 +50,11 @@ def check_runs(runs: dict[str, dict], out: Path, tolerance: float) -> None:
 def test_trainer_under_fsdp2_matches_ddp_with_and_without_chunks(tmp_path):
     pytest.importorskip("torch.distributed.fsdp")
     check_runs(run_worker(tmp_path, cuda=False), tmp_path, tolerance=1e-5)
+
+
+def test_trainer_under_deepspeed_zero2_matches_ddp_with_and_without_chunks(tmp_path):
+    pytest.importorskip("deepspeed")
+    check_runs(run_worker(tmp_path, cuda=False, engine="deepspeed"), tmp_path, tolerance=1e-5)
 
 
 @pytest.mark.gpu
