@@ -160,6 +160,14 @@ CachedLossMixin = _STCachedLossMixin if _STCachedLossMixin is not None else _Fal
 
 def _similarity_kind(similarity_fct) -> str:
     """'cos_sim' or 'dot_score' for the similarity functions the fused path supports."""
+    if isinstance(similarity_fct, nn.Module):
+        # nn.Module.__setattr__ would register it as a submodule (its parameters in the optimizer)
+        # and the fused path could never call it: refuse it by name instead of ignoring it.
+        raise TypeError(
+            "similarity_fct must be sentence_transformers.util.cos_sim or util.dot_score, not an nn.Module: "
+            f"InfCLLoss computes the loss with fused dot products and cannot call a module; got "
+            f"{type(similarity_fct).__name__}. Use MultipleNegativesRankingLoss for a learned similarity."
+        )
     if similarity_fct is _st_util.cos_sim:
         return "cos_sim"
     if similarity_fct is _st_util.dot_score:
@@ -239,7 +247,9 @@ class InfCLLoss(CachedLossMixin, nn.Module):
             scale: multiplies the similarities (``scale = 1 / temperature``), as in
                 MultipleNegativesRankingLoss; ``20.0`` is ``temperature = 0.05``.
             similarity_fct: ``sentence_transformers.util.cos_sim`` (the embeddings are L2-normalised,
-                then dotted) or ``util.dot_score``. Other functions raise ``ValueError``.
+                then dotted) or ``util.dot_score``. Other functions raise ``ValueError`` (an
+                ``nn.Module``: ``TypeError``), here or when assigned later; an assignment
+                (``loss.similarity_fct = util.dot_score``) takes effect at the next forward, as in MNRL.
             symmetric: False gives MultipleNegativesRankingLoss (anchor -> candidates); True adds the
                 positive -> anchors direction and averages the two, as
                 MultipleNegativesSymmetricRankingLoss does.
@@ -275,7 +285,8 @@ class InfCLLoss(CachedLossMixin, nn.Module):
             raise TypeError(f"scale must be a positive float, got {type(scale).__name__}")
         if not scale > 0:
             raise ValueError(f"scale must be > 0 (it multiplies the similarities), got {scale}")
-        self._similarity_kind = _similarity_kind(similarity_fct)
+        # Checked here, first: assigning similarity_fct (__setattr__) sets _similarity_kind.
+        self.similarity_fct = similarity_fct
         # A backend name only, not a block-ops object: get_config_dict saves it as JSON.
         check_option("backend", backend, block_ops=False)
         self.options = LossOptions(loss="softmax", symmetric=symmetric, reduction="mean", backend=backend,
@@ -303,7 +314,6 @@ class InfCLLoss(CachedLossMixin, nn.Module):
 
         self.model = model
         self.scale = float(scale)
-        self.similarity_fct = similarity_fct
         self.mini_batch_size = mini_batch_size
         self.mini_batch_num_tokens = mini_batch_num_tokens
         self.show_progress_bar = show_progress_bar
@@ -311,6 +321,14 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         # Losses that back-propagate from a hook (gradient caching) say so: MatryoshkaLoss and
         # AdaptiveLayerLoss read this to treat them specially.
         self.uses_gradient_cache = mini_batch_size is not None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # MultipleNegativesRankingLoss reads ``self.similarity_fct`` at every forward, so assigning it
+        # after construction takes effect; the fused path reads the kind checked here, so an assignment
+        # is checked (and honoured) here too, before nn.Module.__setattr__ could file a module away.
+        if name == "similarity_fct":
+            super().__setattr__("_similarity_kind", _similarity_kind(value))
+        super().__setattr__(name, value)
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)

@@ -187,6 +187,50 @@ def test_other_similarity_functions_are_rejected_at_construction(tiny_model):
         losses.InfCLLoss(tiny_model, similarity_fct=lambda a, b: a @ b.T)
 
 
+def test_similarity_fct_assigned_after_construction_is_honoured(tiny_model):
+    """MNRL reads self.similarity_fct at every forward: an assignment takes effect, here too."""
+    from sentence_transformers import util
+
+    columns = text_columns(6, 3, seed=47)
+    for mini_batch_size in (None, 4):  # MNRL, then CachedMNRL (which delegates the assignment)
+        reference = st_reference_loss(tiny_model, False, mini_batch_size)
+        reference.scale = 0.5
+        reference.similarity_fct = util.dot_score
+        expected = loss_and_gradients(tiny_model, reference, columns, seed=3)
+        ours = losses.InfCLLoss(tiny_model, scale=0.5, mini_batch_size=mini_batch_size)
+        ours.similarity_fct = util.dot_score
+        assert ours.similarity_fct is util.dot_score
+        assert ours.get_config_dict()["similarity_fct"] == "dot_score"
+        assert_same_step(expected, loss_and_gradients(tiny_model, ours, columns, seed=3))
+    # And back: cos_sim again gives CachedMNRL's default loss.
+    ours.similarity_fct = util.cos_sim
+    reference.similarity_fct = util.cos_sim
+    expected = loss_and_gradients(tiny_model, reference, columns, seed=3)
+    assert_same_step(expected, loss_and_gradients(tiny_model, ours, columns, seed=3))
+
+
+def test_unsupported_similarity_fct_assignment_is_rejected(tiny_model):
+    """Assigning a function the fused path cannot compute fails at once, naming similarity_fct."""
+    from sentence_transformers import util
+
+    loss = losses.InfCLLoss(tiny_model, similarity_fct=util.dot_score)
+    with pytest.raises(ValueError, match="similarity_fct must be.*manhattan_sim"):
+        loss.similarity_fct = util.manhattan_sim
+    # The failed assignment changed nothing.
+    assert loss.similarity_fct is util.dot_score and loss.get_config_dict()["similarity_fct"] == "dot_score"
+
+    class LearnedSimilarity(torch.nn.Module):
+        def forward(self, a, b):
+            return a @ b.T
+
+    with pytest.raises(TypeError, match="similarity_fct must be .* not an nn.Module.*LearnedSimilarity"):
+        loss.similarity_fct = LearnedSimilarity()
+    assert "similarity_fct" not in dict(loss.named_children())
+    assert loss.similarity_fct is util.dot_score
+    with pytest.raises(TypeError, match="similarity_fct must be .* not an nn.Module"):
+        losses.InfCLLoss(tiny_model, similarity_fct=LearnedSimilarity())
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
