@@ -254,7 +254,8 @@ class InfCLLoss(CachedLossMixin, nn.Module):
                 positive -> anchors direction and averages the two, as
                 MultipleNegativesSymmetricRankingLoss does.
             mini_batch_size: None embeds the whole batch with gradients, like
-                MultipleNegativesRankingLoss. An integer embeds it in chunks of that many texts
+                MultipleNegativesRankingLoss (unless ``mini_batch_num_tokens`` is set). An integer
+                embeds it in chunks of that many texts
                 with gradient caching (like CachedMultipleNegativesRankingLoss, dropout replayed),
                 and computes the loss of the whole batch in one fused call.
             show_progress_bar: show the mini-batch progress of gradient caching.
@@ -266,8 +267,10 @@ class InfCLLoss(CachedLossMixin, nn.Module):
             precision: matmul precision of the loss for fp32 embeddings (``hf_infcl.loss.PRECISIONS``):
                 ``"auto"`` (TF32 on CUDA in every backend, exact fp32 elsewhere), ``"tf32"``, or
                 ``"ieee"`` (exact fp32). bf16/fp16 embeddings are unaffected.
-            mini_batch_num_tokens: with gradient caching, pack mini-batches by token count instead
-                (sentence-transformers >= 6 only).
+            mini_batch_num_tokens: gradient caching with mini-batches packed by token count, as in
+                CachedMultipleNegativesRankingLoss: each holds as many consecutive texts as fit in this
+                many non-padding tokens (a longer text alone), whatever ``mini_batch_size`` is; given
+                alone, it turns gradient caching on (sentence-transformers >= 6 only).
 
         Inputs:
             (anchor, positive) pairs, or (anchor, positive, negative_1, ..., negative_n) tuples;
@@ -296,8 +299,8 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         ):
             raise ValueError(f"mini_batch_size must be None or a positive integer, got {mini_batch_size!r}")
         if mini_batch_num_tokens is not None:
-            if mini_batch_size is None:
-                raise ValueError("mini_batch_num_tokens needs gradient caching: set mini_batch_size too")
+            # Alone it turns gradient caching on, as in CachedMNRL, whose mini-batches are then packed by
+            # the token budget only (its mini_batch_size no longer bounds them).
             if _STCachedLossMixin is None:
                 raise ValueError("mini_batch_num_tokens needs sentence-transformers >= 6")
             if isinstance(mini_batch_num_tokens, bool) or not isinstance(mini_batch_num_tokens, int) or (
@@ -306,10 +309,12 @@ class InfCLLoss(CachedLossMixin, nn.Module):
                 raise ValueError(
                     f"mini_batch_num_tokens must be a positive integer, got {mini_batch_num_tokens!r}"
                 )
-        if mini_batch_size is not None and _has_static_embedding(model):
+        caches = mini_batch_size is not None or mini_batch_num_tokens is not None
+        if caches and _has_static_embedding(model):
             raise ValueError(
-                "mini_batch_size (gradient caching) cannot split a StaticEmbedding model's inputs into "
-                "mini-batches; use mini_batch_size=None: InfCLLoss's memory does not grow with batch^2 anyway"
+                "mini_batch_size / mini_batch_num_tokens (gradient caching) cannot split a StaticEmbedding "
+                "model's inputs into mini-batches; leave both None: InfCLLoss's memory does not grow with "
+                "batch^2 anyway"
             )
 
         self.model = model
@@ -320,7 +325,7 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         self.gather_across_devices = gather_across_devices
         # Losses that back-propagate from a hook (gradient caching) say so: MatryoshkaLoss and
         # AdaptiveLayerLoss read this to treat them specially.
-        self.uses_gradient_cache = mini_batch_size is not None
+        self.uses_gradient_cache = caches
 
     def __setattr__(self, name: str, value: Any) -> None:
         # MultipleNegativesRankingLoss reads ``self.similarity_fct`` at every forward, so assigning it
@@ -333,7 +338,7 @@ class InfCLLoss(CachedLossMixin, nn.Module):
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
         _check_columns(sentence_features)
-        if self.mini_batch_size is not None:
+        if self.mini_batch_size is not None or self.mini_batch_num_tokens is not None:
             return self.forward_cached(sentence_features, labels)
         embeddings = _embed_columns(self.model, sentence_features)
         return self.compute_loss_from_embeddings(embeddings, labels)

@@ -116,6 +116,31 @@ def test_token_budget_mini_batches_match_cached_loss(tiny_model):
     assert_same_step(expected, actual)
 
 
+def test_token_budget_alone_matches_cached_loss(tiny_model, monkeypatch):
+    """mini_batch_num_tokens alone caches, as CachedMNRL does: the same token-packed mini-batches
+    (its mini_batch_size, 32, bounds none of them), hence the same step with dropout replayed."""
+    from sentence_transformers import losses as st_losses
+
+    columns = text_columns(9, 3, seed=53)
+    sizes, forward = [], type(tiny_model).forward
+
+    def recording_forward(self, features, *args, **kwargs):
+        sizes.append(len(features["input_ids"]))
+        return forward(self, features, *args, **kwargs)
+
+    monkeypatch.setattr(type(tiny_model), "forward", recording_forward)
+    reference = st_losses.CachedMultipleNegativesRankingLoss(tiny_model, mini_batch_num_tokens=30)
+    expected = loss_and_gradients(tiny_model, reference, columns, seed=17)
+    expected_sizes, sizes[:] = sizes[:], []
+    ours = losses.InfCLLoss(tiny_model, mini_batch_num_tokens=30)
+    assert ours.uses_gradient_cache and ours.mini_batch_size is None
+    actual = loss_and_gradients(tiny_model, ours, columns, seed=17)
+    assert sizes == expected_sizes
+    # Token-packed, not one batch: several uneven mini-batches per column (embed, then replay).
+    assert len(sizes) > 2 * len(columns) and len(set(sizes)) > 1 and sum(sizes) == 2 * 9 * len(columns)
+    assert_same_step(expected, actual)
+
+
 @pytest.mark.parametrize("mini_batch_size", [None, 4], ids=["plain", "cached4"])
 def test_inside_matryoshka_loss(tiny_model, mini_batch_size):
     """MatryoshkaLoss wraps the model's forward (plain) or calculate_loss (cached): both must work."""
@@ -241,7 +266,7 @@ def test_unsupported_similarity_fct_assignment_is_rejected(tiny_model):
         pytest.param({"backend": "cuda"}, ValueError, "backend", id="backend-unknown"),
         pytest.param({"precision": "fp8"}, ValueError, "precision", id="precision-unknown"),
         pytest.param({"precision": None}, ValueError, "precision", id="precision-none"),
-        pytest.param({"mini_batch_num_tokens": 64}, ValueError, "mini_batch_size", id="tokens-without-cache"),
+        pytest.param({"mini_batch_num_tokens": 0}, ValueError, "mini_batch_num_tokens", id="tokens-zero"),
     ],
 )
 def test_bad_options_are_rejected(tiny_model, kwargs, error, match):
