@@ -384,12 +384,22 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         )
 
     def get_config_dict(self) -> dict[str, Any]:
+        """MNRL's keys (and CachedMNRL's), with the values MNRL would report for this loss, plus ours.
+
+        ``symmetric`` is MNRL's ``directions=("query_to_doc", "doc_to_query")``,
+        ``partition_mode="per_direction"`` (MNSRL); without it, MNRL's defaults. No hardness term.
+        """
         return {
             "scale": self.scale,
             "similarity_fct": self._similarity_kind,
-            "symmetric": self.symmetric,
-            "mini_batch_size": self.mini_batch_size,
             "gather_across_devices": self.gather_across_devices,
+            "directions": ("query_to_doc", "doc_to_query") if self.symmetric else ("query_to_doc",),
+            "partition_mode": "per_direction" if self.symmetric else "joint",
+            "hardness_mode": None,
+            "hardness_strength": 0.0,
+            "mini_batch_size": self.mini_batch_size,
+            "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            "symmetric": self.symmetric,
             "backend": self.backend,
             "precision": self.precision,
         }

@@ -316,9 +316,14 @@ def test_config_and_citation(tiny_model):
     assert loss.get_config_dict() == {
         "scale": 10.0,
         "similarity_fct": "cos_sim",
-        "symmetric": True,
-        "mini_batch_size": 8,
         "gather_across_devices": False,
+        "directions": ("query_to_doc", "doc_to_query"),
+        "partition_mode": "per_direction",
+        "hardness_mode": None,
+        "hardness_strength": 0.0,
+        "mini_batch_size": 8,
+        "mini_batch_num_tokens": None,
+        "symmetric": True,
         "backend": "auto",
         "precision": "ieee",
     }
@@ -326,6 +331,31 @@ def test_config_and_citation(tiny_model):
     assert loss.temperature == pytest.approx(0.1)
     assert "2410.17243" in loss.citation and "Breaking the Memory Barrier" in loss.citation
     assert loss.uses_gradient_cache and not losses.InfCLLoss(tiny_model).uses_gradient_cache
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["mnrl", "symmetric"])
+@pytest.mark.parametrize(
+    "cache", [{}, {"mini_batch_size": 8}, {"mini_batch_size": 8, "mini_batch_num_tokens": 64}],
+    ids=["plain", "cached8", "cached8-tokens64"],
+)
+def test_config_keys_are_a_superset_of_sentence_transformers(tiny_model, symmetric, cache):
+    """Every key MNRL / CachedMNRL writes (model card, config) is ours too, with the same value."""
+    from sentence_transformers import util
+
+    mini_batch_size = cache.get("mini_batch_size")
+    reference = st_reference_loss(tiny_model, symmetric, mini_batch_size, gather_across_devices=True)
+    reference.scale = 7.0
+    reference.similarity_fct = util.dot_score
+    if "mini_batch_num_tokens" in cache:
+        reference.mini_batch_num_tokens = cache["mini_batch_num_tokens"]
+    expected = reference.get_config_dict()
+    ours = losses.InfCLLoss(
+        tiny_model, scale=7.0, similarity_fct=util.dot_score, symmetric=symmetric, **cache
+    )
+    config = ours.get_config_dict()
+    assert expected.keys() <= config.keys(), sorted(expected.keys() - config.keys())
+    assert {key: config[key] for key in expected} == expected
+    assert {"symmetric", "backend", "precision"} <= config.keys()
 
 
 # --------------------------------------------------------------------------------------------
