@@ -8,8 +8,10 @@ The Trainer keeps its loop, checkpoints, logging and callbacks. This subclass ch
   ``hf_infcl.grad_cache`` (one gradient reduction per step under DDP or FSDP2, optional data
   offload); under FSDP2, 0-d parameters become 1-element vectors for ``fully_shard`` and are
   saved 0-d again;
-- ``evaluation_loop``: eval loss, recall@1/5/10 and MRR in both directions, block by block,
-  without an n x n similarity matrix (``hf_infcl.metrics``: ties count against the positive);
+- ``evaluation_loop``: ``eval_loss`` as the Trainer means it (the mean over eval batches),
+  ``eval_whole_set_loss`` (the whole eval set as one contrastive batch, comparable across batch
+  sizes), recall@1/5/10 and MRR in both directions, block by block, without an n x n similarity
+  matrix (``hf_infcl.metrics``: ties count against the positive);
 - ``log``: adds the logit scale and the in-batch top-1 accuracy to every training log;
 - a callback clamps the learned logit scale after each optimizer step (CLIP's log(100)).
 
@@ -28,8 +30,10 @@ import functools
 import os
 import warnings
 
+import numpy as np
 import torch
 from transformers import Trainer
+from transformers.trainer_pt_utils import find_batch_size
 from transformers.trainer_utils import EvalLoopOutput
 
 from .callbacks import ClampLogitScale
@@ -357,39 +361,65 @@ class InfCLTrainer(Trainer):
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
+        """The Trainer's loop over the eval batches, with the contrastive metrics.
+
+        - ``{prefix}_loss``: the Trainer's ``eval_loss``, the mean of the per-batch losses, each batch
+          (``per_device_eval_batch_size`` rows of one process, its own rows as negatives) weighted
+          as ``Trainer.evaluation_loop`` weights it (``eval_batch_size`` copies, the remainder of the
+          last batch dropped by ``gather_for_metrics``). It depends on the eval batch size.
+        - ``{prefix}_whole_set_loss``: the loss over the whole eval set taken as one batch (every
+          process's rows), comparable across batch sizes and process counts. The name ends in
+          ``loss``, so ``metric_for_best_model="whole_set_loss"`` minimises it, as for ``eval_loss``.
+        - recall@1/5/10 and MRR in both directions over the whole set, block by block
+          (``hf_infcl.metrics``).
+        """
+        args = self.args
         model = self.model
         model.eval()
-        queries, keys, groups = [], [], []
+        batch_size = args.eval_batch_size
+        params = [p.detach().float() for p in self._loss_params(model)]
+        queries, keys, groups, batch_losses = [], [], [], []
         for batch in dataloader:
+            if batch_size is None:  # a batch sampler: the Trainer takes the first batch's size
+                batch_size = find_batch_size(batch)
             batch = self._prepare_inputs(batch)
             with torch.no_grad(), self.accelerator.autocast():
                 batch_queries = encode_queries(model, batch).float()
                 batch_keys = encode_keys(model, batch).float()
+            batch_groups = self._groups(batch, batch_queries.device)
+            with torch.no_grad():  # this process's batch alone, as the Trainer's prediction_step
+                batch_loss = self._contrastive(batch_queries, batch_keys, batch_groups, *params,
+                                               process_group=None)
+            batch_losses.append(self.accelerator.gather_for_metrics(batch_loss.detach().reshape(1).repeat(
+                batch_size)))
             gathered = [batch_queries, batch_keys]
-            if self.args.group_column is not None:
-                gathered.append(self._groups(batch, batch_queries.device))
+            if batch_groups is not None:
+                gathered.append(batch_groups)
             gathered = self.accelerator.gather_for_metrics(tuple(gathered))
             queries.append(gathered[0])
             keys.append(gathered[1])
-            if self.args.group_column is not None:
+            if batch_groups is not None:
                 groups.append(gathered[2])
         if not queries:
             raise ValueError("the evaluation dataset is empty")
         queries, keys = torch.cat(queries), torch.cat(keys)
         groups = torch.cat(groups) if groups else None
 
-        params = [p.detach().float() for p in self._loss_params(model)]
+        losses = torch.cat(batch_losses).cpu().numpy()
+        finite = np.isfinite(losses)
+        if args.logging_nan_inf_filter and finite.any():
+            losses = losses[finite]
         with torch.no_grad():
-            loss = self._contrastive(queries, keys, groups, *params, process_group=None)
+            whole_set_loss = self._contrastive(queries, keys, groups, *params, process_group=None)
         row, key = self.family.rows, self.family.keys
-        metrics = {f"{metric_key_prefix}_loss": float(loss)}
-        block = self.args.eval_block_rows
+        metrics = {f"{metric_key_prefix}_loss": losses.mean().item(),
+                   f"{metric_key_prefix}_whole_set_loss": float(whole_set_loss)}
+        block = args.eval_block_rows
         directions = {f"{row}_to_{key}": (queries, keys), f"{key}_to_{row}": (keys, queries)}
         for direction, (rows, cols) in directions.items():
             metrics.update(retrieval_metrics(rows, cols, groups, groups, block_rows=block,
                                              prefix=f"{metric_key_prefix}_{direction}_"))
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=queries.shape[0])
-
 
 def _is_dtensor(tensor) -> bool:
     return type(tensor).__name__ == "DTensor"

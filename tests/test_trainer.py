@@ -170,17 +170,110 @@ def test_retrieval_recalls_count_ties_against_the_positive():
     assert retrieval_recalls(rows, keys, torch.tensor([0, 0, 1]), ks=(1,)) == {1: pytest.approx(1 / 3)}
 
 
+def plain_trainer_eval_loss(tmp_path, model, dataset, **settings):
+    """eval_loss of transformers' own Trainer on a CLIP-like model (its loss per eval batch, as
+    run_clip.py evaluates with return_loss=True)."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", disable_tqdm=True,
+                             **settings)
+    trainer = Trainer(model=model, args=args, eval_dataset=dataset,
+                      data_collator=lambda rows: {**default_data_collator(rows), "return_loss": True})
+    return trainer.evaluate()["eval_loss"]
+
+
 def test_evaluate_reports_loss_and_recalls_both_directions(tmp_path):
+    """eval_loss is the Trainer's (the mean over eval batches of 5, 5, 3 rows); the whole set as one
+    batch is eval_whole_set_loss; recalls and MRR in both directions."""
     model = tiny_clip(dropout=0.0)
+    dataset = PairDataset(clip_batch(13, seed=9))
     trainer = InfCLTrainer(model=model, args=trainer_arguments(tmp_path, per_device_eval_batch_size=5),
-                           eval_dataset=PairDataset(clip_batch(13, seed=9)))
+                           eval_dataset=dataset)
     metrics = trainer.evaluate()
     for direction in ("image_to_text", "text_to_image"):
         for k in (1, 5, 10):
             assert 0.0 <= metrics[f"eval_{direction}_recall@{k}"] <= 1.0
+        assert 0.0 < metrics[f"eval_{direction}_mrr"] <= 1.0
     with torch.no_grad():
         reference = model(**clip_batch(13, seed=9), return_loss=True).loss  # CLIP's own n x n loss
-    assert math.isclose(metrics["eval_loss"], float(reference), rel_tol=1e-5)
+    assert math.isclose(metrics["eval_whole_set_loss"], float(reference), rel_tol=1e-5)
+    expected = plain_trainer_eval_loss(tmp_path / "plain", model, dataset, per_device_eval_batch_size=5)
+    assert math.isclose(metrics["eval_loss"], expected, rel_tol=1e-5)
+    assert abs(metrics["eval_loss"] - metrics["eval_whole_set_loss"]) > 0.1  # fewer negatives per batch
+    # one batch holding the whole set: both are the same loss
+    whole = InfCLTrainer(model=model, args=trainer_arguments(tmp_path, per_device_eval_batch_size=13),
+                         eval_dataset=dataset).evaluate()
+    assert math.isclose(whole["eval_loss"], float(reference), rel_tol=1e-5)
+
+
+def test_metric_for_best_model_eval_loss_picks_the_trainers_eval_loss(tmp_path):
+    """load_best_model_at_end with metric_for_best_model="eval_loss" keeps the checkpoint of the
+    lowest per-batch eval_loss, as with the Trainer; "whole_set_loss" is minimised too."""
+    for metric in ("eval_loss", "whole_set_loss"):
+        args = trainer_arguments(tmp_path / metric, per_device_train_batch_size=8,
+                                 per_device_eval_batch_size=4, max_steps=3, learning_rate=0.05, optim="sgd",
+                                 eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+                                 load_best_model_at_end=True, metric_for_best_model=metric)
+        assert args.greater_is_better is False
+        trainer = InfCLTrainer(model=tiny_clip(dropout=0.0), args=args,
+                               train_dataset=PairDataset(clip_batch(8)),
+                               eval_dataset=PairDataset(clip_batch(10, seed=5)))
+        trainer.train()
+        name = metric if metric.startswith("eval_") else f"eval_{metric}"
+        evaluations = {entry["step"]: entry[name] for entry in trainer.state.log_history if name in entry}
+        assert sorted(evaluations) == [1, 2, 3]
+        best_step = min(evaluations, key=evaluations.get)
+        assert trainer.state.best_metric == pytest.approx(evaluations[best_step])
+        assert trainer.state.best_model_checkpoint.endswith(f"checkpoint-{best_step}")
+
+
+EVAL_WORKER = """
+import json, os, sys
+import numpy as np
+import torch
+from transformers import Trainer, TrainingArguments, default_data_collator
+from hf_infcl import InfCLTrainer
+from tests.trainer_fixtures import PairDataset, clip_batch, end_worker_process, tiny_clip, trainer_arguments
+
+torch.set_num_threads(1)
+out = sys.argv[1]
+model, dataset = tiny_clip(dropout=0.0), PairDataset(clip_batch(13, seed=9))
+args = trainer_arguments(os.path.join(out, "infcl"), per_device_eval_batch_size=3)
+trainer = InfCLTrainer(model=model, args=args)
+assert trainer.accelerator.num_processes == 2
+metrics = trainer.evaluate(dataset)
+prediction = trainer.predict(dataset)
+plain = Trainer(model=model, args=TrainingArguments(output_dir=os.path.join(out, "plain"), use_cpu=True,
+                                                    report_to="none", per_device_eval_batch_size=3),
+                data_collator=lambda rows: {**default_data_collator(rows), "return_loss": True})
+plain_loss = plain.evaluate(dataset)["eval_loss"]
+if trainer.accelerator.is_main_process:
+    with open(os.path.join(out, "eval.json"), "w") as handle:
+        json.dump({"metrics": metrics, "plain_loss": plain_loss, "test_metrics": prediction.metrics}, handle)
+    if prediction.predictions is not None:
+        np.save(os.path.join(out, "rows.npy"), prediction.predictions[0])
+        np.save(os.path.join(out, "keys.npy"), prediction.predictions[1])
+end_worker_process()
+"""
+
+
+def test_two_process_evaluation_gathers_every_row_once(tmp_path):
+    """torchrun, 2 ranks, 13 eval rows in batches of 3 (the last batches padded by Accelerate):
+    eval_loss is the plain Trainer's in the same two processes; the whole-set loss and the
+    retrieval metrics are one process's."""
+    script = tmp_path / "eval_worker.py"
+    script.write_text(EVAL_WORKER)
+    run_two_processes(script, tmp_path, timeout=300)
+    with open(tmp_path / "eval.json") as handle:
+        two = json.load(handle)
+    model, dataset = tiny_clip(dropout=0.0), PairDataset(clip_batch(13, seed=9))
+    one = InfCLTrainer(model=model, args=trainer_arguments(tmp_path / "one", per_device_eval_batch_size=3),
+                       eval_dataset=dataset).evaluate()
+    assert math.isclose(two["metrics"]["eval_loss"], two["plain_loss"], rel_tol=1e-5)
+    retrieval = [name for name in one if "recall" in name or "mrr" in name]
+    assert len(retrieval) == 8
+    for name in ["eval_whole_set_loss", *retrieval]:
+        assert math.isclose(two["metrics"][name], one[name], rel_tol=1e-5, abs_tol=1e-7), name
 
 
 def test_evaluate_dual_encoder_names_query_and_doc(tmp_path):
@@ -193,7 +286,10 @@ def test_evaluate_dual_encoder_names_query_and_doc(tmp_path):
     assert metrics["eval_query_to_doc_recall@10"] == 1.0  # 9 documents: the positive is always in the top 10
     with torch.no_grad():
         reference = model.eval()(**batch, return_loss=True).loss
-    assert math.isclose(metrics["eval_loss"], float(reference), rel_tol=1e-5)
+    assert math.isclose(metrics["eval_whole_set_loss"], float(reference), rel_tol=1e-5)
+    expected = plain_trainer_eval_loss(tmp_path / "plain", model, PairDataset(batch),
+                                       per_device_eval_batch_size=4)
+    assert math.isclose(metrics["eval_loss"], expected, rel_tol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["clip", "dual_encoder"])
