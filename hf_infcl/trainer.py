@@ -11,7 +11,8 @@ The Trainer keeps its loop, checkpoints, logging and callbacks. This subclass ch
 - ``evaluation_loop``: ``eval_loss`` as the Trainer means it (the mean over eval batches),
   ``eval_whole_set_loss`` (the whole eval set as one contrastive batch, comparable across batch
   sizes), recall@1/5/10 and MRR in both directions, block by block, without an n x n similarity
-  matrix (``hf_infcl.metrics``: ties count against the positive);
+  matrix (``hf_infcl.metrics``: ties count against the positive); its predictions, which
+  ``predict()`` returns, are the embeddings of both towers ``(rows, keys)``, with the labels;
 - ``log``: adds the logit scale and the in-batch top-1 accuracy to every training log;
 - a callback clamps the learned logit scale after each optimizer step (CLIP's log(100)).
 
@@ -33,7 +34,7 @@ import warnings
 import numpy as np
 import torch
 from transformers import Trainer
-from transformers.trainer_pt_utils import find_batch_size
+from transformers.trainer_pt_utils import EvalLoopContainer, find_batch_size, nested_detach
 from transformers.trainer_utils import EvalLoopOutput
 
 from .callbacks import ClampLogitScale
@@ -372,8 +373,16 @@ class InfCLTrainer(Trainer):
           ``loss``, so ``metric_for_best_model="whole_set_loss"`` minimises it, as for ``eval_loss``.
         - recall@1/5/10 and MRR in both directions over the whole set, block by block
           (``hf_infcl.metrics``).
+
+        Predictions (unless ``prediction_loss_only``) are the embeddings of both towers, a tuple
+        ``(rows, keys)`` of numpy arrays in dataset order (``predict()`` returns them); label ids are
+        the batches' ``label_names`` (default ``labels``) when every batch has them.
         """
         args = self.args
+        if prediction_loss_only is None:
+            prediction_loss_only = args.prediction_loss_only
+        all_preds = EvalLoopContainer(args.eval_do_concat_batches, padding_index=-100)
+        all_labels = EvalLoopContainer(args.eval_do_concat_batches, padding_index=-100)
         model = self.model
         model.eval()
         batch_size = args.eval_batch_size
@@ -400,6 +409,12 @@ class InfCLTrainer(Trainer):
             keys.append(gathered[1])
             if batch_groups is not None:
                 groups.append(gathered[2])
+            if not prediction_loss_only:
+                all_preds.add((gathered[0], gathered[1]))
+                labels = self._label_ids(batch)
+                if labels is not None:  # padded and gathered as the Trainer does
+                    labels = self.accelerator.pad_across_processes(labels, dim=1, pad_index=-100)
+                    all_labels.add(self.accelerator.gather_for_metrics(labels))
         if not queries:
             raise ValueError("the evaluation dataset is empty")
         queries, keys = torch.cat(queries), torch.cat(keys)
@@ -419,7 +434,17 @@ class InfCLTrainer(Trainer):
         for direction, (rows, cols) in directions.items():
             metrics.update(retrieval_metrics(rows, cols, groups, groups, block_rows=block,
                                              prefix=f"{metric_key_prefix}_{direction}_"))
-        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=queries.shape[0])
+        return EvalLoopOutput(predictions=all_preds.get_arrays(), label_ids=all_labels.get_arrays(),
+                              metrics=metrics, num_samples=queries.shape[0])
+
+    def _label_ids(self, batch):
+        """The batch's labels as the Trainer's prediction_step takes them (``label_names``; for
+        contrastive models, which have none, a ``labels`` column), or None."""
+        names = self.label_names or ["labels"]
+        if not all(isinstance(batch.get(name), torch.Tensor) for name in names):
+            return None
+        labels = nested_detach(tuple(batch[name] for name in names))
+        return labels[0] if len(labels) == 1 else labels
 
 def _is_dtensor(tensor) -> bool:
     return type(tensor).__name__ == "DTensor"

@@ -274,6 +274,39 @@ def test_two_process_evaluation_gathers_every_row_once(tmp_path):
     assert len(retrieval) == 8
     for name in ["eval_whole_set_loss", *retrieval]:
         assert math.isclose(two["metrics"][name], one[name], rel_tol=1e-5, abs_tol=1e-7), name
+    # predict(): every row once, in dataset order, as one process predicts them
+    import numpy as np
+
+    single = InfCLTrainer(model=model, args=trainer_arguments(tmp_path / "one", per_device_eval_batch_size=3))
+    rows, keys = single.predict(dataset).predictions
+    np.testing.assert_allclose(np.load(tmp_path / "rows.npy"), rows, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.load(tmp_path / "keys.npy"), keys, rtol=1e-5, atol=1e-6)
+    assert two["test_metrics"]["test_loss"] == pytest.approx(two["metrics"]["eval_loss"])
+
+
+def test_predict_returns_the_embeddings_of_both_towers(tmp_path):
+    """predict(): predictions (image rows, text keys) as numpy in dataset order, the batches'
+    labels as label_ids, evaluate's metrics with the test_ prefix."""
+    import numpy as np
+
+    model = tiny_clip(dropout=0.0).eval()
+    batch = clip_batch(13, seed=9)
+    labels = torch.arange(13) % 4
+    trainer = InfCLTrainer(model=model, args=trainer_arguments(tmp_path, per_device_eval_batch_size=5))
+    output = trainer.predict(PairDataset({**batch, "label": labels}))  # the collator makes it "labels"
+    rows, keys = output.predictions
+    assert isinstance(rows, np.ndarray) and isinstance(keys, np.ndarray)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(rows), encode_queries(model, batch), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.from_numpy(keys), encode_keys(model, batch), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(output.label_ids, labels.numpy())
+    evaluated = trainer.evaluate(PairDataset(batch))
+    assert {"test_loss", "test_whole_set_loss", "test_image_to_text_recall@1", "test_text_to_image_mrr"} <= (
+        output.metrics.keys())
+    for name, value in evaluated.items():
+        if name.startswith("eval_") and not name.endswith(("_runtime", "_per_second")):
+            assert output.metrics["test_" + name[5:]] == pytest.approx(value), name
+    assert trainer.predict(PairDataset(batch)).label_ids is None  # no labels in the batches
 
 
 def test_evaluate_dual_encoder_names_query_and_doc(tmp_path):
