@@ -12,7 +12,8 @@ The Trainer keeps its loop, checkpoints, logging and callbacks. This subclass ch
   ``eval_whole_set_loss`` (the whole eval set as one contrastive batch, comparable across batch
   sizes), recall@1/5/10 and MRR in both directions, block by block, without an n x n similarity
   matrix (``hf_infcl.metrics``: ties count against the positive); its predictions, which
-  ``predict()`` returns, are the embeddings of both towers ``(rows, keys)``, with the labels;
+  ``predict()`` returns, are the embeddings of both towers ``(rows, keys)``, with the labels,
+  and ``compute_metrics`` gets them as an ``EvalPrediction``;
 - ``log``: adds the logit scale and the in-batch top-1 accuracy to every training log;
 - a callback clamps the learned logit scale after each optimizer step (CLIP's log(100)).
 
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 from transformers import Trainer
 from transformers.trainer_pt_utils import EvalLoopContainer, find_batch_size, nested_detach
-from transformers.trainer_utils import EvalLoopOutput
+from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
 from .callbacks import ClampLogitScale
 from .grad_cache import cached_step, deepspeed_no_sync
@@ -377,8 +378,14 @@ class InfCLTrainer(Trainer):
         Predictions (unless ``prediction_loss_only``) are the embeddings of both towers, a tuple
         ``(rows, keys)`` of numpy arrays in dataset order (``predict()`` returns them); label ids are
         the batches' ``label_names`` (default ``labels``) when every batch has them.
+        ``compute_metrics`` is called once with an ``EvalPrediction`` of these (labels None if
+        there are none; ``losses``, the per-batch losses, with ``include_for_metrics=["loss"]``);
+        its results join the metrics with the prefix, as with the Trainer.
         """
         args = self.args
+        if args.batch_eval_metrics and self.compute_metrics is not None:
+            raise ValueError("InfCLTrainer calls compute_metrics once, on the whole eval set (the retrieval "
+                             "metrics need every row); set batch_eval_metrics=False")
         if prediction_loss_only is None:
             prediction_loss_only = args.prediction_loss_only
         all_preds = EvalLoopContainer(args.eval_do_concat_batches, padding_index=-100)
@@ -427,15 +434,24 @@ class InfCLTrainer(Trainer):
         with torch.no_grad():
             whole_set_loss = self._contrastive(queries, keys, groups, *params, process_group=None)
         row, key = self.family.rows, self.family.keys
-        metrics = {f"{metric_key_prefix}_loss": losses.mean().item(),
-                   f"{metric_key_prefix}_whole_set_loss": float(whole_set_loss)}
+        predictions, label_ids = all_preds.get_arrays(), all_labels.get_arrays()
+        metrics = {}
+        if self.compute_metrics is not None and predictions is not None:
+            extra = {"losses": losses} if "loss" in args.include_for_metrics else {}
+            metrics = denumpify_detensorize(self.compute_metrics(
+                EvalPrediction(predictions=predictions, label_ids=label_ids, **extra)))
+            prefix = f"{metric_key_prefix}_"
+            metrics = {name if name.startswith(prefix) else prefix + name: value
+                       for name, value in metrics.items()}
+        metrics[f"{metric_key_prefix}_loss"] = losses.mean().item()
+        metrics[f"{metric_key_prefix}_whole_set_loss"] = float(whole_set_loss)
         block = args.eval_block_rows
         directions = {f"{row}_to_{key}": (queries, keys), f"{key}_to_{row}": (keys, queries)}
         for direction, (rows, cols) in directions.items():
             metrics.update(retrieval_metrics(rows, cols, groups, groups, block_rows=block,
                                              prefix=f"{metric_key_prefix}_{direction}_"))
-        return EvalLoopOutput(predictions=all_preds.get_arrays(), label_ids=all_labels.get_arrays(),
-                              metrics=metrics, num_samples=queries.shape[0])
+        return EvalLoopOutput(predictions=predictions, label_ids=label_ids, metrics=metrics,
+                              num_samples=queries.shape[0])
 
     def _label_ids(self, batch):
         """The batch's labels as the Trainer's prediction_step takes them (``label_names``; for

@@ -309,6 +309,42 @@ def test_predict_returns_the_embeddings_of_both_towers(tmp_path):
     assert trainer.predict(PairDataset(batch)).label_ids is None  # no labels in the batches
 
 
+def test_compute_metrics_gets_the_embeddings_and_labels(tmp_path):
+    """compute_metrics is called once per evaluation with an EvalPrediction of (rows, keys) and the
+    labels; its results join the metrics with the eval_ (or test_) prefix."""
+    import numpy as np
+
+    model = tiny_clip(dropout=0.0).eval()
+    batch = clip_batch(13, seed=9)
+    labels = torch.arange(13) % 4
+    calls = []
+
+    def compute_metrics(prediction):
+        calls.append(prediction)
+        rows, keys = prediction.predictions
+        return {"agreement": float((rows * keys).sum(1).mean()), "rows": np.int64(rows.shape[0])}
+
+    trainer = InfCLTrainer(model=model, args=trainer_arguments(tmp_path, per_device_eval_batch_size=5,
+                                                               include_for_metrics=["loss"]),
+                           compute_metrics=compute_metrics)
+    metrics = trainer.evaluate(PairDataset({**batch, "label": labels}))
+    assert len(calls) == 1
+    with torch.no_grad():
+        rows, keys = encode_queries(model, batch), encode_keys(model, batch)
+    torch.testing.assert_close(torch.from_numpy(calls[0].predictions[0]), rows, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.from_numpy(calls[0].predictions[1]), keys, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(calls[0].label_ids, labels.numpy())
+    assert calls[0].losses.mean() == pytest.approx(metrics["eval_loss"])
+    assert metrics["eval_agreement"] == pytest.approx(float((rows * keys).sum(1).mean()), rel=1e-5)
+    assert metrics["eval_rows"] == 13 and type(metrics["eval_rows"]) is int
+    assert "eval_image_to_text_recall@1" in metrics and "eval_whole_set_loss" in metrics
+    tested = trainer.predict(PairDataset(batch)).metrics
+    assert calls[1].label_ids is None and tested["test_rows"] == 13
+    trainer.args.batch_eval_metrics = True
+    with pytest.raises(ValueError, match="batch_eval_metrics=False"):
+        trainer.evaluate(PairDataset(batch))
+
+
 def test_evaluate_dual_encoder_names_query_and_doc(tmp_path):
     model = tiny_dual_encoder(dropout=0.0, learn_scale=False)
     batch = pair_text_batch(9, seed=8)
