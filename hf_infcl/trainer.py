@@ -18,8 +18,9 @@ The Trainer keeps its loop, checkpoints, logging and callbacks. This subclass ch
 - a callback clamps the learned logit scale after each optimizer step (CLIP's log(100)).
 
 What it reads of the model goes through the model's family adapter (``hf_infcl.models``). Its
-arguments are ``hf_infcl.training_args``, the clamp ``hf_infcl.callbacks``, the ranking
-``hf_infcl.metrics`` and the card ``hf_infcl.model_card``; all four are usable without a Trainer.
+arguments are ``hf_infcl.training_args`` (a plain ``TrainingArguments`` is converted), the
+clamp ``hf_infcl.callbacks``, the ranking ``hf_infcl.metrics`` and the card
+``hf_infcl.model_card``; all four are usable without a Trainer.
 
 The contrastive batch is ``per_device_train_batch_size`` x number of processes. Gradient
 accumulation does not add negatives (each micro-batch is its own contrastive batch); to grow the
@@ -28,13 +29,14 @@ batch beyond memory, raise the batch size and set ``chunk_size``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import warnings
 
 import numpy as np
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import EvalLoopContainer, find_batch_size, nested_detach
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
@@ -66,6 +68,10 @@ class InfCLTrainer(Trainer):
     Batches are dicts with the model's tower inputs (``pixel_values`` + ``input_ids``/
     ``attention_mask``, or ``query_*`` + ``doc_*``); row i of one tower is the positive of row i of
     the other. Everything else is the ``Trainer`` API.
+
+    ``args`` may be a plain ``TrainingArguments``: it is converted to ``InfCLTrainingArguments``
+    with every field as the user set it and the contrastive fields at their defaults (a subclass
+    with fields of its own is refused, naming them).
     """
 
     def __init__(self, model=None, args: InfCLTrainingArguments | None = None, *more, **kwargs):
@@ -74,7 +80,7 @@ class InfCLTrainer(Trainer):
         if args is None:
             args = InfCLTrainingArguments(output_dir="tmp_trainer")
         if not isinstance(args, InfCLTrainingArguments):
-            raise TypeError(f"args must be InfCLTrainingArguments, got {type(args).__name__}")
+            args = _as_infcl_arguments(args)
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError("InfCLTrainer computes the contrastive loss itself; drop compute_loss_func")
         self.family = model_family(model)  # TypeError for models we cannot take embeddings from
@@ -461,6 +467,21 @@ class InfCLTrainer(Trainer):
             return None
         labels = nested_detach(tuple(batch[name] for name in names))
         return labels[0] if len(labels) == 1 else labels
+
+def _as_infcl_arguments(args) -> InfCLTrainingArguments:
+    """``TrainingArguments`` -> ``InfCLTrainingArguments``: the same field values, our defaults for
+    the added fields."""
+    if not isinstance(args, TrainingArguments):
+        raise TypeError("args must be TrainingArguments or InfCLTrainingArguments, got "
+                        f"{type(args).__name__}")
+    ours = {field.name for field in dataclasses.fields(InfCLTrainingArguments) if field.init}
+    given = {field.name: getattr(args, field.name) for field in dataclasses.fields(args) if field.init}
+    unknown = sorted(set(given) - ours)
+    if unknown:
+        raise TypeError(f"args of type {type(args).__name__} has fields InfCLTrainingArguments lacks "
+                        f"({', '.join(unknown)}); pass TrainingArguments or InfCLTrainingArguments")
+    return InfCLTrainingArguments(**given)
+
 
 def _is_dtensor(tensor) -> bool:
     return type(tensor).__name__ == "DTensor"

@@ -466,6 +466,38 @@ def test_precision_reaches_every_loss_call(tmp_path, monkeypatch, chunk_size):
 
 
 
+def test_plain_training_arguments_are_converted(tmp_path):
+    """InfCLTrainer(model, args=TrainingArguments(...)): every field as set, our defaults added."""
+    from dataclasses import dataclass, field, fields
+
+    from transformers import TrainingArguments
+
+    defaults = InfCLTrainingArguments(output_dir=str(tmp_path), use_cpu=True)  # (resets Accelerate)
+    plain = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", learning_rate=0.05,
+                              per_device_train_batch_size=8, per_device_eval_batch_size=3, max_steps=2,
+                              eval_strategy="steps", eval_steps=1, seed=7, optim="sgd", save_strategy="no",
+                              metric_for_best_model="eval_loss", weight_decay=0.25, logging_steps=1)
+    trainer = InfCLTrainer(tiny_clip(dropout=0.0), args=plain, train_dataset=PairDataset(clip_batch(8)),
+                           eval_dataset=PairDataset(clip_batch(6, seed=2)))
+    assert type(trainer.args) is InfCLTrainingArguments
+    for name in (f.name for f in fields(TrainingArguments) if f.init):
+        assert getattr(trainer.args, name) == getattr(plain, name), name
+    for name in ("chunk_size", "offload", "loss_backend", "precision", "contrastive_loss", "symmetric",
+                 "logit_scale_max", "group_column", "chunk_gradient_sync", "eval_block_rows"):
+        assert getattr(trainer.args, name) == getattr(defaults, name), name
+    trainer.train()
+    assert [entry["step"] for entry in trainer.state.log_history if "eval_loss" in entry] == [1, 2]
+
+    @dataclass
+    class WithMore(TrainingArguments):
+        beam_width: int = field(default=4)
+
+    with pytest.raises(TypeError, match="beam_width"):
+        InfCLTrainer(tiny_clip(), args=WithMore(output_dir=str(tmp_path), use_cpu=True, report_to="none"))
+    with pytest.raises(TypeError, match="got dict"):
+        InfCLTrainer(tiny_clip(), args={"output_dir": str(tmp_path)})
+
+
 def test_bad_arguments_and_combinations_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="offload=True needs chunk_size"):
         InfCLTrainingArguments(output_dir=str(tmp_path), offload=True, use_cpu=True)
