@@ -141,6 +141,7 @@ def main(argv=None):
         symmetric=script_args.symmetric,
         mini_batch_size=script_args.mini_batch_size,
         precision=script_args.precision,
+        gather_across_devices=True,  # negatives from every process: the contrastive batch is global
     )
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=loss)
     say = print if trainer.is_world_process_zero() else (lambda *a, **k: None)

@@ -12,9 +12,9 @@
   sentence-transformers' own ``CachedLossMixin`` when the installed version has one (a small
   fallback here otherwise), but computes the loss of the whole batch in ONE fused call instead of
   CachedMNRL's per-chunk Python loop;
-- with several processes the loss runs over every process's rows and keys with the hf_infcl ring
-  (instead of an all-gather of the embeddings); ``gather_across_devices=False`` keeps negatives
-  local to each process, as sentence-transformers does.
+- with several processes and ``gather_across_devices=True`` the loss runs over every process's rows
+  and keys with the hf_infcl ring (instead of an all-gather of the embeddings); the default,
+  False as in sentence-transformers, keeps negatives local to each process.
 
 Its arguments keep sentence-transformers' names, mapped here to ``contrastive_loss``'s: ``scale``
 is ``logit_scale``, ``gather_across_devices`` is ``process_group="auto"`` (False: None); the other
@@ -235,7 +235,7 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         symmetric: bool = False,
         mini_batch_size: int | None = None,
         show_progress_bar: bool = False,
-        gather_across_devices: bool = True,
+        gather_across_devices: bool = False,
         backend: BackendName = "auto",
         precision: Precision = "auto",
         mini_batch_num_tokens: int | None = None,
@@ -260,8 +260,8 @@ class InfCLLoss(CachedLossMixin, nn.Module):
                 and computes the loss of the whole batch in one fused call.
             show_progress_bar: show the mini-batch progress of gradient caching.
             gather_across_devices: with several processes, compute the loss over every process's
-                anchors and candidates (the hf_infcl ring; no embedding is all-gathered). False keeps
-                each process's negatives local.
+                anchors and candidates (the hf_infcl ring; no embedding is all-gathered). False, the
+                default as in MultipleNegativesRankingLoss, keeps each process's negatives local.
             backend: the hf_infcl backend: ``"auto"`` (Triton on CUDA when available, else tiled
                 PyTorch), ``"torch"``, ``"triton"`` or ``"reference"``.
             precision: matmul precision of the loss for fp32 embeddings (``hf_infcl.loss.PRECISIONS``):

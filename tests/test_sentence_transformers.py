@@ -343,7 +343,7 @@ def test_config_keys_are_a_superset_of_sentence_transformers(tiny_model, symmetr
     from sentence_transformers import util
 
     mini_batch_size = cache.get("mini_batch_size")
-    reference = st_reference_loss(tiny_model, symmetric, mini_batch_size, gather_across_devices=True)
+    reference = st_reference_loss(tiny_model, symmetric, mini_batch_size)
     reference.scale = 7.0
     reference.similarity_fct = util.dot_score
     if "mini_batch_num_tokens" in cache:
@@ -356,6 +356,21 @@ def test_config_keys_are_a_superset_of_sentence_transformers(tiny_model, symmetr
     assert expected.keys() <= config.keys(), sorted(expected.keys() - config.keys())
     assert {key: config[key] for key in expected} == expected
     assert {"symmetric", "backend", "precision"} <= config.keys()
+
+
+def test_defaults_are_those_of_multiple_negatives_ranking_loss(tiny_model):
+    """Every argument the two share defaults to MNRL's value (gather_across_devices included:
+    negatives stay local unless asked for)."""
+    import inspect
+
+    from sentence_transformers.losses import MultipleNegativesRankingLoss
+
+    theirs = inspect.signature(MultipleNegativesRankingLoss.__init__).parameters
+    ours = inspect.signature(losses.InfCLLoss.__init__).parameters
+    shared = [name for name in theirs if name in ours and name not in ("self", "model")]
+    assert "gather_across_devices" in shared and "scale" in shared
+    for name in shared:
+        assert ours[name].default == theirs[name].default, name
 
 
 # --------------------------------------------------------------------------------------------
