@@ -67,6 +67,7 @@ from example_cli import (  # noqa: E402
 from retrieval_metrics import embed_texts, retrieval_metrics, zero_shot_accuracy  # noqa: E402
 
 from hf_infcl.loss import PRECISIONS, BackendName, LossKind, Precision  # noqa: E402
+from hf_infcl.sharding import full_value, scalar_state_dict, vectorise_scalar_parameters  # noqa: E402
 
 
 @dataclass
@@ -296,34 +297,13 @@ class ClipEmbedder(torch.nn.Module):
         return [self.clip.logit_scale] + ([self.logit_bias] if self.logit_bias is not None else [])
 
 
-def vectorise_scalar_parameters(module) -> list[str]:
-    """Replace every 0-d parameter of ``module`` by a 1-element one (``fully_shard`` refuses 0-d
-    parameters; CLIP's ``logit_scale.exp()`` broadcasts the same); the names replaced."""
-    names = []
-    for name, param in list(module.named_parameters()):
-        if param.ndim == 0:
-            owner_name, _, attribute = name.rpartition(".")
-            owner = module.get_submodule(owner_name)
-            setattr(owner, attribute, torch.nn.Parameter(param.detach().reshape(1), param.requires_grad))
-            names.append(name)
-    return names
-
-
 def pretrained_state_dict(embedder_state: dict, vectorised: list[str], prefix: str = "clip.") -> dict:
     """The model's state dict for ``save_pretrained`` out of the embedder's: its ``prefix`` keys
     only (not the loop's bias), with the parameters ``vectorise_scalar_parameters`` made 1-element
     0-d again, so that ``from_pretrained`` loads them instead of re-initialising a mismatch."""
-    return {
-        key.removeprefix(prefix): value.reshape(()) if key in vectorised else value
-        for key, value in embedder_state.items()
-        if key.startswith(prefix)
-    }
-
-
-def full_value(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor's full value: a DTensor sharded by FSDP2 is gathered (a collective: every process
-    calls it; with 2 processes a 1-element parameter lives entirely on rank 0)."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    model_state = {key.removeprefix(prefix): value for key, value in embedder_state.items()
+                   if key.startswith(prefix)}
+    return scalar_state_dict(model_state, [name.removeprefix(prefix) for name in vectorised])
 
 
 def clamp_logit_scale(model: ClipEmbedder) -> None:

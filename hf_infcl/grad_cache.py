@@ -79,6 +79,7 @@ from dataclasses import dataclass
 import torch
 
 from .rng import RngState
+from .sharding import is_dtensor
 
 __all__ = ["CachedStepOutput", "cached_step", "deepspeed_no_sync", "fsdp_no_sync", "split_batch", "to_device"]
 
@@ -211,9 +212,9 @@ def cached_step(
     # Plain parameters get their gradient through the last replay's backward, so DDP reduces it
     # with the rest; sharded ones are reduced here, after that backward (FSDP2 never sees them).
     plain = [(param, grad) for (param, _), grad in zip(learned, param_grads)
-             if grad is not None and not _is_dtensor(param)]
+             if grad is not None and not is_dtensor(param)]
     sharded = [(param, grad) for (param, _), grad in zip(learned, param_grads)
-               if grad is not None and _is_dtensor(param)]
+               if grad is not None and is_dtensor(param)]
 
     # Phase 3: replay each chunk with grad under its recorded RNG state; backprop the cached grads.
     offset = 0
@@ -291,10 +292,6 @@ def deepspeed_no_sync(engine):
         engine.set_gradient_accumulation_boundary(boundary)
 
 
-def _is_dtensor(tensor) -> bool:
-    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "full_tensor")
-
-
 def _is_zero3_partitioned(param) -> bool:
     return getattr(param, "ds_status", None) is not None
 
@@ -304,7 +301,7 @@ def _full_value(param: torch.Tensor) -> torch.Tensor:
     its full value gathered from every rank, as a plain leaf; for a ZeRO-3 parameter its gathered
     value, as a plain leaf (its gradient reaches DeepSpeed through the last replay, where the
     engine's forward has made the persistent parameter whole)."""
-    if _is_dtensor(param):
+    if is_dtensor(param):
         return param.full_tensor().detach().requires_grad_(param.requires_grad)
     if _is_zero3_partitioned(param):
         import deepspeed

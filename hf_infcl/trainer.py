@@ -46,12 +46,10 @@ from .loss import contrastive_loss
 from .metrics import relevant_ranks, retrieval_metrics, retrieval_recalls
 from .models import (
     contrastive_loss_kind,
-    encode_keys,
-    encode_queries,
     model_family,
-    pair_embeddings,
     scale_and_bias,
 )
+from .sharding import full_value, scalar_state_dict, vectorise_scalar_parameters
 from .training_args import InfCLTrainingArguments
 
 # InfCLTrainingArguments, retrieval_recalls and ClampLogitScale live in training_args, metrics and
@@ -142,11 +140,7 @@ class InfCLTrainer(Trainer):
             # logit_scale and would re-initialise a [1] one.
             if state_dict is None:
                 state_dict = self.accelerator.unwrap_model(self.model).state_dict()
-            state_dict = dict(state_dict)
-            for name in self._flattened_scalars:
-                value = state_dict.get(name)
-                if isinstance(value, torch.Tensor) and value.numel() == 1 and not _is_dtensor(value):
-                    state_dict[name] = value.reshape(())
+            state_dict = scalar_state_dict(state_dict, self._flattened_scalars)
         super()._save(output_dir, state_dict=state_dict)
 
     # ---- data ----------------------------------------------------------------------------
@@ -198,7 +192,7 @@ class InfCLTrainer(Trainer):
         )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        queries, keys = pair_embeddings(model, inputs)
+        queries, keys = self.family.encode_pairs(model, inputs)
         groups = self._groups(inputs, queries.device)
         loss = self._contrastive(queries, keys, groups, *self._loss_params(model))
         if model.training:
@@ -248,7 +242,7 @@ class InfCLTrainer(Trainer):
             return scaler.scale(loss) if scaler is not None else loss
 
         result = cached_step(
-            lambda chunk: pair_embeddings(model, chunk),
+            functools.partial(self.family.encode_pairs, model),
             encoder_inputs,
             loss_fn,
             self.args.chunk_size,
@@ -309,9 +303,8 @@ class InfCLTrainer(Trainer):
         ranks = relevant_ranks(queries, keys, row_ids, key_ids, block_rows=self.args.eval_block_rows)
         hits = (ranks == 0).sum()
         accuracy = torch.as_tensor(hits, dtype=torch.float32, device=queries.device) / queries.shape[0]
-        log_scale = self.family.log_scale(model).detach()
-        if _is_dtensor(log_scale):  # sharded by FSDP2: every rank takes part in the gather
-            log_scale = log_scale.full_tensor()
+        # sharded by FSDP2 between steps: every rank takes part in the gather
+        log_scale = full_value(self.family.log_scale(model).detach())
         scale = log_scale.float().exp().reshape(()).to(queries.device)
         stats = torch.stack([accuracy, scale, torch.ones_like(scale)])
         previous = self._step_stats
@@ -406,8 +399,8 @@ class InfCLTrainer(Trainer):
                 batch_size = find_batch_size(batch)
             batch = self._prepare_inputs(batch)
             with torch.no_grad(), self.accelerator.autocast():
-                batch_queries = encode_queries(model, batch).float()
-                batch_keys = encode_keys(model, batch).float()
+                batch_queries = self.family.encode_rows(model, batch).float()
+                batch_keys = self.family.encode_keys(model, batch).float()
             batch_groups = self._groups(batch, batch_queries.device)
             with torch.no_grad():  # this process's batch alone, as the Trainer's prediction_step
                 batch_loss = self._contrastive(batch_queries, batch_keys, batch_groups, *params,
@@ -483,10 +476,6 @@ def _as_infcl_arguments(args) -> InfCLTrainingArguments:
     return InfCLTrainingArguments(**given)
 
 
-def _is_dtensor(tensor) -> bool:
-    return type(tensor).__name__ == "DTensor"
-
-
 def _prepare_for_sharding(model: torch.nn.Module, optimizer=None) -> list[str]:
     """Make a contrastive model acceptable to Accelerate's FSDP2 and DeepSpeed preparation; return
     the names of the parameters that ``_save`` must give back their 0-d shape.
@@ -506,23 +495,5 @@ def _prepare_for_sharding(model: torch.nn.Module, optimizer=None) -> list[str]:
             method()
         except NotImplementedError:
             setattr(model, accessor, lambda: None)
-    return _flatten_scalar_parameters(model, optimizer)
-
-
-def _flatten_scalar_parameters(model: torch.nn.Module, optimizer=None) -> list[str]:
-    """Replace every 0-d parameter of ``model`` by a 1-element vector (in ``optimizer`` too, if one
-    was given); return their names."""
-    names = []
-    for name, param in list(model.named_parameters()):
-        if param.ndim != 0:
-            continue
-        owner_name, _, attribute = name.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        vector = torch.nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad)
-        setattr(owner, attribute, vector)
-        if optimizer is not None:
-            for group in optimizer.param_groups:
-                group["params"] = [vector if p is param else p for p in group["params"]]
-        names.append(name)
-    return names
+    return vectorise_scalar_parameters(model, optimizer)
 
