@@ -81,7 +81,10 @@ import torch
 from .rng import RngState
 from .sharding import is_dtensor
 
-__all__ = ["CachedStepOutput", "cached_step", "deepspeed_no_sync", "fsdp_no_sync", "split_batch", "to_device"]
+__all__ = [
+    "CachedStepOutput", "cached_step", "check_chunk_size", "deepspeed_no_sync", "fsdp_no_sync", "split_batch",
+    "to_device",
+]
 
 
 @dataclass
@@ -150,8 +153,8 @@ def cached_step(
         :class:`CachedStepOutput` with the detached loss and embeddings.
     """
     encoder_list, input_list = _normalise_towers(encoders, inputs)
-    _check_chunk_size("chunk_size", chunk_size)
-    _check_chunk_size("no_grad_chunk_size", no_grad_chunk_size)
+    check_chunk_size("chunk_size", chunk_size)
+    check_chunk_size("no_grad_chunk_size", no_grad_chunk_size)
     no_sync_list = _normalise_no_sync(no_sync, len(encoder_list))
     # One factory: a single synchronised replay (the very last). One per encoder: each
     # encoder's last replay synchronises its own DDP module.
@@ -406,7 +409,8 @@ def _pin(inputs: Mapping) -> dict:
     return moved
 
 
-def _check_chunk_size(name: str, value) -> None:
+def check_chunk_size(name: str, value) -> None:
+    """A chunk size is a positive int, or None (one chunk); ValueError naming ``name`` otherwise."""
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 

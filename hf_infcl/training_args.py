@@ -13,6 +13,7 @@ from typing import ClassVar, Literal, get_args
 
 from transformers import TrainingArguments
 
+from .grad_cache import check_chunk_size
 from .ops.options import BackendName, LossKind, Precision, check_choice, check_option
 
 __all__ = ["CHUNK_GRADIENT_SYNCS", "InfCLTrainingArguments"]
@@ -90,9 +91,7 @@ class InfCLTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
-        chunk = self.chunk_size
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
-            raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
+        check_chunk_size("chunk_size", self.chunk_size)
         if self.offload and self.chunk_size is None:
             raise ValueError("offload=True needs chunk_size: without chunks the whole batch is on the device")
         check_option("backend", self.loss_backend, "loss_backend", block_ops=False)
