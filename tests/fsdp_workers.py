@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_infcl import contrastive_loss  # noqa: E402
 from hf_infcl.grad_cache import cached_step, fsdp_no_sync, split_batch  # noqa: E402
+from hf_infcl.sharding import full_value  # noqa: E402
 from tests.trainer_fixtures import (  # noqa: E402
     clip_batch,
     decoder_text_batch,
@@ -113,8 +114,7 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     grads = {}
     for name, param in model.named_parameters():
         if param.grad is not None:
-            grad = param.grad
-            grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
+            grads[name] = full_value(param.grad).detach().clone()
     return grads
 
 

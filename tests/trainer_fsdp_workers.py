@@ -29,6 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_infcl import InfCLTrainer  # noqa: E402
+from hf_infcl.sharding import full_value  # noqa: E402
 from tests.trainer_fixtures import (  # noqa: E402
     PairDataset,
     clip_batch,
@@ -85,8 +86,7 @@ def full_parameters(trainer) -> dict[str, torch.Tensor]:
 
         with deepspeed.zero.GatheredParameters(list(parameters.values())):
             return {key: value.detach().clone().cpu() for key, value in parameters.items()}
-    return {key: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone().cpu()
-            for key, value in parameters.items()}
+    return {key: full_value(value).detach().clone().cpu() for key, value in parameters.items()}
 
 
 def main(out_dir: str, engine: str = "fsdp") -> None:
