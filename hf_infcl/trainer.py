@@ -46,6 +46,8 @@ from .loss import contrastive_loss
 from .metrics import relevant_ranks, retrieval_metrics, retrieval_recalls
 from .models import (
     contrastive_loss_kind,
+    encode_keys,
+    encode_queries,
     model_family,
     scale_and_bias,
 )
@@ -399,8 +401,8 @@ class InfCLTrainer(Trainer):
                 batch_size = find_batch_size(batch)
             batch = self._prepare_inputs(batch)
             with torch.no_grad(), self.accelerator.autocast():
-                batch_queries = self.family.encode_rows(model, batch).float()
-                batch_keys = self.family.encode_keys(model, batch).float()
+                batch_queries = encode_queries(model, batch).float()
+                batch_keys = encode_keys(model, batch).float()
             batch_groups = self._groups(batch, batch_queries.device)
             with torch.no_grad():  # this process's batch alone, as the Trainer's prediction_step
                 batch_loss = self._contrastive(batch_queries, batch_keys, batch_groups, *params,
