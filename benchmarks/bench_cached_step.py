@@ -6,7 +6,9 @@ Times (medians of CUDA-synchronised wall times, after warm-up), at batch ``--bat
   any cached step is about 3/4 of its speed: caching adds one forward without grad);
 - ``no-grad pass, chunk N``: the first phase of the cached step alone;
 - ``fwd+bwd in chunks of N``: the replays alone (each chunk's forward and backward, no loss);
-- ``cached, chunk N`` and ``cached, chunk N, no-grad chunk M``: the whole ``cached_step``.
+- ``cached, chunk N`` and ``cached, chunk N, no-grad chunk M``: the whole ``cached_step``;
+- ``cached, chunk N, CUDA graphs``: the same with ``chunk_graphs`` (CUDA only); ``2 streams``: the
+  text tower on a second stream, concurrent with the image tower (what ``chunk_cuda_graphs`` runs).
 
 The floor of a cached step is "no-grad pass" + "fwd+bwd in chunks": what is left over is the
 cost of the cache itself (loss on the cached embeddings, RNG bookkeeping, surrogate backward).
@@ -29,8 +31,9 @@ from bench_common import Column, device_name, median_seconds, print_table  # noq
 from bench_trainer import IMAGE_SIZE, TEXT_LENGTH, clip_b32_config  # noqa: E402
 
 from hf_infcl import contrastive_loss  # noqa: E402
+from hf_infcl.chunk_graphs import ChunkGraphs  # noqa: E402
 from hf_infcl.grad_cache import cached_step, split_batch  # noqa: E402
-from hf_infcl.models import pair_embeddings  # noqa: E402
+from hf_infcl.models import model_family, pair_embeddings  # noqa: E402
 
 
 def main(argv=None):
@@ -65,6 +68,11 @@ def main(argv=None):
     def encode(chunk):
         return pair_embeddings(model, chunk)
 
+    key_stream = torch.cuda.Stream() if cuda else None
+
+    def two_streams(chunk):
+        return model_family(model).encode_pairs_on_two_streams(model, chunk, key_stream)
+
     def plain():
         with autocast():
             images, texts = encode(batch)
@@ -87,10 +95,10 @@ def main(argv=None):
             model.zero_grad(set_to_none=True)
         return run
 
-    def cached(size, no_grad_size=None):
+    def cached(size, no_grad_size=None, graphs=None, encoder=encode):
         def run():
-            cached_step(encode, batch, loss_fn, size, loss_params=[model.logit_scale],
-                        forward_context=autocast, no_grad_chunk_size=no_grad_size)
+            cached_step(encoder, batch, loss_fn, size, loss_params=[model.logit_scale],
+                        forward_context=autocast, no_grad_chunk_size=no_grad_size, chunk_graphs=graphs)
             model.zero_grad(set_to_none=True)
         return run
 
@@ -113,6 +121,13 @@ def main(argv=None):
             no_grad = min(int(no_grad), batch_size)
             if no_grad != size:
                 measure(f"cached, chunk {size}, no-grad chunk {no_grad}", cached(size, no_grad))
+        if cuda:
+            graphs = ChunkGraphs(model.parameters())
+            measure(f"cached, chunk {size}, CUDA graphs", cached(size, graphs=graphs))
+            graphs = ChunkGraphs(model.parameters())
+            measure(f"cached, chunk {size}, CUDA graphs, 2 streams",
+                    cached(size, graphs=graphs, encoder=two_streams))
+            del graphs
     reference = rows[0][1]
     columns = [Column("step", 44, align="<"), Column("ms", 9, ".1f"), Column("pairs/s", 10, ".0f"),
                Column("vs plain", 9, ".0%")]

@@ -166,7 +166,8 @@ def print_rows(rows, widths, peak: str = "peak GiB") -> None:
                            row.get("ratio", ""), row.get("peak_gib", "")) for row in rows])
 
 
-def run(kind: str, batch: int, steps: int, options, chunk_size=None, offload=False, warmup=1):
+def run(kind: str, batch: int, steps: int, options, chunk_size=None, offload=False, cuda_graphs=False,
+        warmup=1):
     """Train ``steps`` steps; return (seconds per step after ``warmup`` steps, peak GiB), or None
     when the device (or, with offload, pinned host memory) runs out of memory."""
     config = clip_b32_config(options.tiny)
@@ -188,7 +189,8 @@ def run(kind: str, batch: int, steps: int, options, chunk_size=None, offload=Fal
             trainer = Trainer(model=model, args=args, train_dataset=Indices(batch * steps),
                               data_collator=collator, callbacks=[timer])
         else:
-            args = InfCLTrainingArguments(**common, chunk_size=chunk_size, offload=offload)
+            args = InfCLTrainingArguments(**common, chunk_size=chunk_size, offload=offload,
+                                          chunk_cuda_graphs=cuda_graphs)
             collator = SyntheticPairs(config, device, on_host=offload, return_loss=False)
             trainer = InfCLTrainer(model=model, args=args, train_dataset=Indices(batch * steps),
                                    data_collator=collator, callbacks=[timer])
@@ -438,7 +440,10 @@ def main(argv=None):
     parser.add_argument("--start-batch", type=int, default=None)
     parser.add_argument("--max-batch", type=int, default=None, help="stop doubling above this (vanilla)")
     parser.add_argument("--resolution", type=int, default=None, help="bisection step for B_v")
-    parser.add_argument("--ours-factors", default="32", help="comma list of multiples of B_v to try for ours")
+    parser.add_argument("--ours-factors", default="32",
+                        help="comma list of multiples of B_v to try for ours ('' skips step 2)")
+    parser.add_argument("--vanilla-batch", type=int, default=None,
+                        help="take B_v as given instead of searching for it (step 1)")
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5, help="timed steps for samples/s")
@@ -479,7 +484,7 @@ def main(argv=None):
     rows = []
 
     print("1. B_v, the largest batch of the plain Trainer (return_loss=True):", flush=True)
-    b_v = largest_vanilla_batch(options)
+    b_v = options.vanilla_batch or largest_vanilla_batch(options)
     print(f"   B_v = {b_v}", flush=True)
     if b_v == 0:
         sys.exit("the plain Trainer did not fit even --start-batch; lower it")
@@ -488,7 +493,7 @@ def main(argv=None):
     ours_max, host_limited = 0, False
     # the offloaded batch lives in pinned host memory, twice while the next one is collated
     host_cap = int(0.8 * available_host_bytes() / HOST_BYTES_PER_PAIR)
-    for factor in [float(f) for f in options.ours_factors.split(",")]:
+    for factor in [float(f) for f in options.ours_factors.split(",") if f]:
         batch = int(factor * b_v)
         if batch > host_cap:
             print(f"  {factor:g} x B_v = {batch} pairs needs {batch * HOST_BYTES_PER_PAIR / 2**30:.0f} GiB "
@@ -513,6 +518,13 @@ def main(argv=None):
         (f"InfCLTrainer, chunk {options.chunk_size} + offload", "infcl-chunk-offload",
          {"chunk_size": options.chunk_size, "offload": True}),
     ]
+    if torch.cuda.is_available():
+        configs += [
+            (f"InfCLTrainer, chunk {options.chunk_size}, CUDA graphs", "infcl-chunk-graphs",
+             {"chunk_size": options.chunk_size, "cuda_graphs": True}),
+            (f"InfCLTrainer, chunk {options.chunk_size} + offload, CUDA graphs", "infcl-chunk-offload-graphs",
+             {"chunk_size": options.chunk_size, "offload": True, "cuda_graphs": True}),
+        ]
     vanilla_rate = None
     for label, kind, kwargs in configs:
         result = run(kind, b_v, options.warmup + options.steps, options, warmup=max(options.warmup, 1),

@@ -73,11 +73,13 @@ parameter must stay whole between forwards, which the default ``stage3_param_per
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from .chunk_graphs import ChunkGraphs
 from .rng import RngState
 from .sharding import is_dtensor
 
@@ -115,6 +117,7 @@ def cached_step(
     forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     no_grad_chunk_size: int | None = None,
     backward: Callable[[torch.Tensor], object] | None = None,
+    chunk_graphs: ChunkGraphs | None = None,
 ) -> CachedStepOutput:
     """Run one gradient-cached forward/backward; parameter ``.grad`` accumulate as for the full batch.
 
@@ -148,6 +151,10 @@ def cached_step(
             DeepSpeed engine needs its own: ``lambda t: engine.backward(t, scale_wrt_gas=False)``
             (the loss is scaled by ``scale_loss`` already), with ``no_sync=lambda:
             deepspeed_no_sync(engine)`` and ``engine.step()`` after the cached step.
+        chunk_graphs: a :class:`hf_infcl.chunk_graphs.ChunkGraphs` kept across steps: the no-grad
+            pass and every replay but the last run as CUDA graphs, one per chunk shape, which
+            removes the launch overhead that makes small chunks slow. One process only (no
+            ``no_sync``, no ``backward`` hook); the two passes must chunk alike.
 
     Returns:
         :class:`CachedStepOutput` with the detached loss and embeddings.
@@ -171,6 +178,8 @@ def cached_step(
             )
     device = torch.device(device) if device is not None else None
     enter = forward_context or contextlib.nullcontext
+    if chunk_graphs is not None:
+        _check_graphable(chunk_graphs, no_sync, backward, no_grad_chunk_size, chunk_size)
 
     if offload:
         input_list = [_pin(tower_inputs) for tower_inputs in input_list]
@@ -185,12 +194,15 @@ def cached_step(
     rng_states: list[list[RngState]] = []
     tower_outputs: list[list[tuple[torch.Tensor, ...]]] = []
     with torch.no_grad():
-        for encode, tower_chunks in zip(encoder_list, first_pass_chunks):
+        for tower, (encode, tower_chunks) in enumerate(zip(encoder_list, first_pass_chunks)):
             states, outputs = [], []
+            embed = _in_context(encode, enter)
             for chunk in _on_device(tower_chunks, device, offload):
                 states.append(RngState.capture(*chunk.values()))
-                with enter():
-                    outputs.append(_as_tuple(encode(chunk)))
+                if chunk_graphs is None:
+                    outputs.append(_as_tuple(embed(chunk)))
+                else:
+                    outputs.append(chunk_graphs.run(("embed", tower), embed, chunk))
             rng_states.append(states)
             tower_outputs.append(outputs)
 
@@ -231,19 +243,29 @@ def cached_step(
             last_overall = last_of_tower and tower == len(encoder_list) - 1
             synced = last_overall or (last_of_tower and sync_each_tower)
             sync_context = no_sync_list[tower] if (no_sync_list[tower] is not None and not synced) else None
+            rng = rng_states[tower][index].restored() if replay_rng else contextlib.nullcontext()
+            if chunk_graphs is not None and not last_overall:
+                # the rows of each output are those the no-grad pass produced for this chunk
+                grad_slices = []
+                for position, output in enumerate(tower_outputs[tower][index]):
+                    start, rows = row_starts[position], output.shape[0]
+                    row_starts[position] += rows
+                    grad = tower_grads[position]
+                    grad_slices.append(None if grad is None else grad[start: start + rows])
+                with rng:
+                    chunk_graphs.run(("replay", tower), functools.partial(_replay_backward, encode, enter),
+                                     chunk, grad_slices)
+                continue
             with (sync_context() if sync_context else contextlib.nullcontext()):
-                rng = rng_states[tower][index].restored() if replay_rng else contextlib.nullcontext()
                 with rng, enter():
                     replayed = _as_tuple(encode(chunk))
-                surrogate = []
+                grad_slices = []
                 for position, output in enumerate(replayed):
-                    rows = output.shape[0]
-                    grad = tower_grads[position]
-                    start = row_starts[position]
+                    start, rows = row_starts[position], output.shape[0]
                     row_starts[position] += rows
-                    if grad is None or not output.requires_grad:
-                        continue
-                    surrogate.append((output * grad[start: start + rows].to(output.dtype)).sum())
+                    grad = tower_grads[position]
+                    grad_slices.append(None if grad is None else grad[start: start + rows])
+                surrogate = _surrogate_terms(replayed, grad_slices)
                 if last_overall:
                     surrogate.extend((param * grad.to(param.dtype)).sum() for param, grad in plain)
                 if surrogate:
@@ -441,6 +463,48 @@ def _normalise_no_sync(no_sync, n_towers):
     if len(factories) != n_towers:
         raise ValueError(f"no_sync has {len(factories)} factories for {n_towers} encoders")
     return factories
+
+
+def _in_context(encode, enter):
+    """The encoder called inside ``forward_context``."""
+    def call(chunk):
+        with enter():
+            return encode(chunk)
+    return call
+
+
+def _surrogate_terms(outputs, grad_slices) -> list[torch.Tensor]:
+    """sum(output * cached gradient) per output: its backward is the output's share of the loss's."""
+    terms = []
+    for output, grad in zip(outputs, grad_slices):
+        if grad is None or not output.requires_grad:
+            continue
+        if output.shape[0] != grad.shape[0]:
+            raise ValueError(f"a replayed chunk gave {output.shape[0]} rows where the no-grad pass gave "
+                             f"{grad.shape[0]}: the encoder must be deterministic in its shapes")
+        terms.append((output * grad.to(output.dtype)).sum())
+    return terms
+
+
+def _replay_backward(encode, enter, chunk, grad_slices) -> None:
+    """One graphed replay: the chunk's forward with grad, then the backward of its cached gradient."""
+    with enter():
+        replayed = _as_tuple(encode(chunk))
+    terms = _surrogate_terms(replayed, grad_slices)
+    if terms:
+        torch.stack([term.float() for term in terms]).sum().backward()
+
+
+def _check_graphable(chunk_graphs, no_sync, backward, no_grad_chunk_size, chunk_size) -> None:
+    if not isinstance(chunk_graphs, ChunkGraphs):
+        raise TypeError("chunk_graphs must be a hf_infcl.chunk_graphs.ChunkGraphs, "
+                        f"got {type(chunk_graphs).__name__}")
+    if no_sync is not None or backward is not None:
+        raise ValueError("chunk_graphs runs in one process only: it cannot be combined with no_sync or a "
+                         "backward hook (DDP, FSDP and DeepSpeed reduce gradients in hooks a graph skips)")
+    if no_grad_chunk_size is not None and no_grad_chunk_size != chunk_size:
+        raise ValueError("chunk_graphs needs the no-grad pass to chunk like the replays: leave "
+                         "no_grad_chunk_size unset (the graphs remove what larger no-grad chunks save)")
 
 
 def _as_tuple(output) -> tuple[torch.Tensor, ...]:

@@ -132,6 +132,23 @@ class ModelFamily:
         under DDP only a call of the wrapped module's forward prepares the gradient all-reduce)."""
         raise NotImplementedError
 
+    def encode_pairs_on_two_streams(self, model, batch: dict,
+                                    key_stream) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row embeddings, key embeddings), the key tower on the CUDA stream ``key_stream`` while
+        the row tower runs on the current one. Two small towers fill a GPU that each leaves partly
+        idle; inside a CUDA graph the two run concurrently. The key tower runs first (its random
+        numbers are drawn first). This calls the towers' feature methods, not the model's forward,
+        so a DDP wrapper's hooks do not run: for one process."""
+        current = torch.cuda.current_stream()
+        key_stream.wait_stream(current)
+        with torch.cuda.stream(key_stream):
+            keys = self.encode_keys(model, batch)
+        rows = self.encode_rows(model, batch)
+        current.wait_stream(key_stream)
+        # a copy made on the current stream: the caching allocator may hand the key stream's block
+        # out again once the key stream moves on
+        return rows, keys.clone()
+
     def log_scale(self, model) -> torch.Tensor:
         """The learned log of the logit scale: the parameter itself, as the model holds it now."""
         return unwrap_model(model).logit_scale

@@ -41,6 +41,7 @@ from transformers.trainer_pt_utils import EvalLoopContainer, find_batch_size, ne
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
 from .callbacks import ClampLogitScale
+from .chunk_graphs import ChunkGraphs
 from .grad_cache import cached_step, deepspeed_no_sync
 from .loss import contrastive_loss
 from .metrics import relevant_ranks, retrieval_metrics, retrieval_recalls
@@ -98,6 +99,7 @@ class InfCLTrainer(Trainer):
         if args.logit_scale_max is not None:
             self.add_callback(ClampLogitScale(args.logit_scale_max))
         self._step_stats = None  # [sum of top-1 accuracy, sum of logit scale, steps] since the last log
+        self._chunk_graphs = None  # ChunkGraphs of the cached step, made at its first call
 
     def _check_combinations(self):
         args = self.args
@@ -124,6 +126,14 @@ class InfCLTrainer(Trainer):
                 "InfCLTrainer supports chunk_size (gradient caching) under FSDP2 only; set "
                 "fsdp_config={'version': 2} (FSDP1 is deprecated in PyTorch), or leave chunk_size unset"
             )
+        if args.chunk_cuda_graphs:
+            distributed = (self.accelerator.num_processes > 1 or self.is_fsdp_enabled
+                           or self.is_deepspeed_enabled)
+            if distributed or args.device.type != "cuda" or args.torch_compile:
+                raise ValueError(
+                    "chunk_cuda_graphs=True runs in one process on one CUDA GPU without torch_compile: "
+                    "DDP, FSDP and DeepSpeed reduce gradients in hooks a CUDA graph would skip"
+                )
         if args.gradient_accumulation_steps > 1:
             warnings.warn(
                 "gradient accumulation does not add negatives: each micro-batch of "
@@ -231,6 +241,14 @@ class InfCLTrainer(Trainer):
             reduce_once = self.args.chunk_gradient_sync == "step"
             no_sync = functools.partial(self.accelerator.no_sync, model) if reduce_once else None
             backward = None
+        encode = functools.partial(self.family.encode_pairs, model)
+        chunk_graphs = self._graphs_for(model)
+        if chunk_graphs is not None:
+            # one process (checked in __init__): nothing to keep from syncing; the two towers run
+            # on two streams, concurrently inside the graphs
+            no_sync = None
+            encode = functools.partial(self.family.encode_pairs_on_two_streams, model,
+                                       key_stream=self._key_stream)
 
         def loss_fn(queries, keys, *params):
             return self._contrastive(queries, keys, groups, *params)
@@ -244,7 +262,7 @@ class InfCLTrainer(Trainer):
             return scaler.scale(loss) if scaler is not None else loss
 
         result = cached_step(
-            functools.partial(self.family.encode_pairs, model),
+            encode,
             encoder_inputs,
             loss_fn,
             self.args.chunk_size,
@@ -255,11 +273,20 @@ class InfCLTrainer(Trainer):
             backward=backward,
             scale_loss=scale_for_backward,
             forward_context=self.compute_loss_context_manager,
+            chunk_graphs=chunk_graphs,
         )
         if deepspeed and self.accelerator.sync_gradients:
             model.step()  # the optimizer and scheduler the Trainer steps are DeepSpeed's no-op wrappers
         self._track(*result.embeddings, model, groups)
         return result.loss.to(self.args.device) / ga_steps
+
+    def _graphs_for(self, model) -> ChunkGraphs | None:
+        if not self.args.chunk_cuda_graphs:
+            return None
+        if self._chunk_graphs is None:
+            self._chunk_graphs = ChunkGraphs(model.parameters())
+            self._key_stream = torch.cuda.Stream()
+        return self._chunk_graphs
 
     # ---- logging -------------------------------------------------------------------------
 

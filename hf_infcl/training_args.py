@@ -46,6 +46,13 @@ class InfCLTrainingArguments(TrainingArguments):
         metadata={"help": "Keep the batch in pinned host memory and move one chunk at a time to the device. "
                           "Needs chunk_size."},
     )
+    chunk_cuda_graphs: bool = field(
+        default=False,
+        metadata={"help": "Run the chunks of a cached step (chunk_size) as CUDA graphs, one per chunk shape: "
+                          "removes the kernel-launch overhead that makes small chunks of a small model slow. "
+                          "One process, one CUDA GPU, no torch_compile; keeps about one chunk's activations "
+                          "and one gradient buffer allocated between steps. Needs chunk_size."},
+    )
     loss_backend: BackendName = field(
         default="auto",
         metadata={"help": "Backend of the loss: 'auto' (Triton on CUDA when available), 'torch', 'triton' "
@@ -94,6 +101,9 @@ class InfCLTrainingArguments(TrainingArguments):
         check_chunk_size("chunk_size", self.chunk_size)
         if self.offload and self.chunk_size is None:
             raise ValueError("offload=True needs chunk_size: without chunks the whole batch is on the device")
+        if self.chunk_cuda_graphs and self.chunk_size is None:
+            raise ValueError("chunk_cuda_graphs=True needs chunk_size: the graphs replay the chunks of a "
+                             "cached step")
         check_option("backend", self.loss_backend, "loss_backend", block_ops=False)
         check_option("precision", self.precision)
         check_option("loss", self.contrastive_loss, "contrastive_loss", optional=True)

@@ -151,7 +151,7 @@ def run_compile_case(loss_name: str, m=4096, c=256):
     return {"seed": seed, "to_eager": to_eager, "to_float64": to_float64}
 
 
-def run_trainer_case(model_name: str, chunk_size: int | None):
+def run_trainer_case(model_name: str, chunk_size: int | None, cuda_graphs: bool = False):
     from hf_infcl import InfCLTrainer
     from tests.trainer_fixtures import (
         PairDataset,
@@ -171,9 +171,12 @@ def run_trainer_case(model_name: str, chunk_size: int | None):
     assert learned, "the model has no learned scale"
     with tempfile.TemporaryDirectory() as out:
         args = trainer_arguments(out, use_cpu=False, bf16=True, chunk_size=chunk_size,
-                                 per_device_train_batch_size=64, max_steps=3, learning_rate=1e-2)
+                                 chunk_cuda_graphs=cuda_graphs, per_device_train_batch_size=64, max_steps=3,
+                                 learning_rate=1e-2)
         trainer = InfCLTrainer(model=model, args=args, train_dataset=PairDataset(build[1](192)))
         trainer.train()
+    if cuda_graphs:  # 4 chunks of 16 per step: the no-grad chunk and the replay were captured
+        assert trainer._chunk_graphs.captured == 2, trainer._chunk_graphs.captured
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 3 and all(math.isfinite(value) for value in losses), losses
     parameters = dict(model.named_parameters())
@@ -211,6 +214,7 @@ def _cases():
         for chunk_size in (None, 16):
             name = f"trainer-{model_name}-" + ("whole-batch" if chunk_size is None else f"chunk{chunk_size}")
             cases[name] = (run_trainer_case, (model_name, chunk_size))
+        cases[f"trainer-{model_name}-chunk16-cuda-graphs"] = (run_trainer_case, (model_name, 16, True))
     cases["accelerate-example"] = (run_accelerate_example, ())
     return cases
 

@@ -8,11 +8,13 @@ the replay restores each chunk's RNG state.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
 
 from hf_infcl import contrastive_loss
+from hf_infcl.chunk_graphs import ChunkGraphs
 from hf_infcl.grad_cache import cached_step, split_batch
 from tests.trainer_fixtures import (
     clip_batch,
@@ -317,3 +319,111 @@ def test_offload_on_gpu_keeps_one_chunk_on_the_device():
     # freed): about 3 chunks of 1/16 of the batch each, far from the whole batch.
     assert peak_above_baseline < padding.numel() * 4 / 4, peak_above_baseline
     assert_same_grads(parameter_grads(model), reference, rtol=1e-4, atol=1e-5)
+
+
+def test_chunk_graphs_are_refused_where_cuda_graphs_cannot_run():
+    model = tiny_clip(dropout=0.0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            ChunkGraphs(model.parameters())
+    with pytest.raises(TypeError, match="chunk_graphs must be a hf_infcl.chunk_graphs.ChunkGraphs"):
+        cached_step(clip_encoder(model), clip_batch(8), clip_loss, 4, loss_params=[model.logit_scale],
+                    chunk_graphs=object())
+
+
+def float64_clip_on_gpu(dropout: float):
+    model = tiny_clip(dropout=dropout).to("cuda", torch.float64)
+    batch = {name: (value.double() if value.is_floating_point() else value)
+             for name, value in clip_batch(18, seed=15).items()}
+    return model, batch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "offload"])
+def test_cuda_graph_replays_give_the_uncached_gradients_in_float64(offload):
+    """Dropout on: graphed no-grad chunks and replays draw the masks of the eager, uncached
+    reference (same seed, same chunks), step after step, the 2-row remainder chunk included."""
+    model, batch = float64_clip_on_gpu(dropout=0.2)
+    on_device = {name: value.cuda() for name, value in batch.items()}
+    graphs = ChunkGraphs(model.parameters())
+    for step in range(4):
+        reference_loss, reference = uncached_chunked_grads(model, on_device, 4, seed=100 + step)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + step)
+        result = cached_step(clip_encoder(model), batch if offload else on_device, clip_loss, 4,
+                             loss_params=[model.logit_scale], offload=offload,
+                             device="cuda" if offload else None, chunk_graphs=graphs)
+        torch.testing.assert_close(result.loss, reference_loss, rtol=1e-12, atol=1e-12)
+        assert_same_grads(parameter_grads(model), reference, rtol=1e-10, atol=1e-12)
+    # the 4-row chunk's no-grad pass and replay, and (from the third step) the 2-row remainder's
+    # no-grad pass; the last replay of a step always runs eagerly
+    assert graphs.captured == 3
+
+    # without zero_grad, a graphed step adds to the gradients already there
+    before = parameter_grads(model)
+    _, reference = uncached_chunked_grads(model, on_device, 4, seed=7)
+    model.zero_grad(set_to_none=True)
+    for name, param in model.named_parameters():
+        param.grad = before[name].clone()
+    torch.manual_seed(7)
+    cached_step(clip_encoder(model), on_device, clip_loss, 4, loss_params=[model.logit_scale],
+                chunk_graphs=graphs)
+    assert_same_grads(parameter_grads(model), {name: before[name] + reference[name] for name in reference},
+                      rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_chunk_graphs_refuse_distributed_hooks_and_other_chunkings():
+    model, batch = float64_clip_on_gpu(dropout=0.0)
+    graphs = ChunkGraphs(model.parameters())
+    with pytest.raises(ValueError, match="one process only"):
+        cached_step(clip_encoder(model), batch, clip_loss, 4, loss_params=[model.logit_scale],
+                    device="cuda", no_sync=contextlib.nullcontext, chunk_graphs=graphs)
+    with pytest.raises(ValueError, match="no_grad_chunk_size"):
+        cached_step(clip_encoder(model), batch, clip_loss, 4, loss_params=[model.logit_scale],
+                    device="cuda", no_grad_chunk_size=8, chunk_graphs=graphs)
+    with pytest.raises(ValueError, match="warmup"):
+        ChunkGraphs(model.parameters(), warmup=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family_name", ["clip", "dual-encoder"])
+def test_towers_on_two_streams_inside_cuda_graphs_give_the_uncached_gradients_in_float64(family_name):
+    """The Trainer's chunk_cuda_graphs path: the key tower on a second stream, concurrently with
+    the row tower inside the graphs. Against the same towers run one after the other (keys first,
+    as they draw their random numbers first), in one autograd graph, dropout on."""
+    from hf_infcl.models import model_family
+
+    if family_name == "clip":
+        model, batch = float64_clip_on_gpu(dropout=0.2)
+    else:
+        model = tiny_dual_encoder(dropout=0.2, learn_scale=True).to("cuda", torch.float64)
+        batch = pair_text_batch(18, seed=15)
+    batch = {name: value.cuda() for name, value in batch.items()}
+    family = model_family(model)
+    key_stream = torch.cuda.Stream()
+    graphs = ChunkGraphs(model.parameters())
+
+    def loss_fn(rows, keys, log_scale):
+        return contrastive_loss(rows, keys, log_scale.exp())
+
+    for step in range(4):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(200 + step)
+        parts = []
+        for chunk in split_batch(batch, 4):
+            keys = family.encode_keys(model, chunk)
+            parts.append((family.encode_rows(model, chunk), keys))
+        rows, keys = (torch.cat(side) for side in zip(*parts))
+        reference_loss = loss_fn(rows, keys, family.log_scale(model))
+        reference_loss.backward()
+        reference = parameter_grads(model)
+
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(200 + step)
+        encode = functools.partial(family.encode_pairs_on_two_streams, model, key_stream=key_stream)
+        result = cached_step(encode, batch, loss_fn, 4, loss_params=[family.log_scale(model)],
+                             chunk_graphs=graphs)
+        torch.testing.assert_close(result.loss, reference_loss.detach(), rtol=1e-12, atol=1e-12)
+        assert_same_grads(parameter_grads(model), reference, rtol=1e-10, atol=1e-12)
+    assert graphs.captured == 3

@@ -503,6 +503,11 @@ def test_bad_arguments_and_combinations_are_rejected(tmp_path):
         InfCLTrainingArguments(output_dir=str(tmp_path), offload=True, use_cpu=True)
     with pytest.raises(ValueError, match="chunk_size"):
         InfCLTrainingArguments(output_dir=str(tmp_path), chunk_size=0, use_cpu=True)
+    with pytest.raises(ValueError, match="chunk_cuda_graphs=True needs chunk_size"):
+        InfCLTrainingArguments(output_dir=str(tmp_path), chunk_cuda_graphs=True, use_cpu=True)
+    with pytest.raises(ValueError, match="chunk_cuda_graphs=True runs in one process on one CUDA GPU"):
+        graphed = trainer_arguments(tmp_path, chunk_size=4, chunk_cuda_graphs=True)
+        InfCLTrainer(model=tiny_clip(), args=graphed)
     with pytest.raises(ValueError, match="contrastive_loss"):
         InfCLTrainingArguments(output_dir=str(tmp_path), contrastive_loss="triplet", use_cpu=True)
     with pytest.raises(ValueError, match="loss_backend"):
