@@ -242,13 +242,16 @@ class InfCLTrainer(Trainer):
             no_sync = functools.partial(self.accelerator.no_sync, model) if reduce_once else None
             backward = None
         encode = functools.partial(self.family.encode_pairs, model)
+        forward_context = self.compute_loss_context_manager
         chunk_graphs = self._graphs_for(model)
         if chunk_graphs is not None:
-            # one process (checked in __init__): nothing to keep from syncing; the two towers run
-            # on two streams, concurrently inside the graphs
+            # One process (checked in __init__): nothing to keep from syncing. The two towers run
+            # on two streams, concurrently inside the graphs, through their feature methods, so
+            # the mixed-precision autocast Accelerate wraps around forward is entered here.
             no_sync = None
             encode = functools.partial(self.family.encode_pairs_on_two_streams, model,
                                        key_stream=self._key_stream)
+            forward_context = self.accelerator.autocast
 
         def loss_fn(queries, keys, *params):
             return self._contrastive(queries, keys, groups, *params)
@@ -272,7 +275,7 @@ class InfCLTrainer(Trainer):
             no_sync=no_sync,
             backward=backward,
             scale_loss=scale_for_backward,
-            forward_context=self.compute_loss_context_manager,
+            forward_context=forward_context,
             chunk_graphs=chunk_graphs,
         )
         if deepspeed and self.accelerator.sync_gradients:

@@ -169,6 +169,11 @@ def run_trainer_case(model_name: str, chunk_size: int | None, cuda_graphs: bool 
     learned = {name: p.detach().clone() for name, p in model.named_parameters()
                if name.split(".")[-1] in ("logit_scale", "logit_bias")}
     assert learned, "the model has no learned scale"
+    # bf16=True: every Linear of the towers must run under autocast, in every training path
+    linear_dtypes = set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda _m, _i, output: linear_dtypes.add(output.dtype))
     with tempfile.TemporaryDirectory() as out:
         args = trainer_arguments(out, use_cpu=False, bf16=True, chunk_size=chunk_size,
                                  chunk_cuda_graphs=cuda_graphs, per_device_train_batch_size=64, max_steps=3,
@@ -177,6 +182,7 @@ def run_trainer_case(model_name: str, chunk_size: int | None, cuda_graphs: bool 
         trainer.train()
     if cuda_graphs:  # 4 chunks of 16 per step: the no-grad chunk and the replay were captured
         assert trainer._chunk_graphs.captured == 2, trainer._chunk_graphs.captured
+    assert linear_dtypes == {torch.bfloat16}, f"bf16=True but Linear layers gave {linear_dtypes}"
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 3 and all(math.isfinite(value) for value in losses), losses
     parameters = dict(model.named_parameters())

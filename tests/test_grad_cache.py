@@ -407,23 +407,27 @@ def test_towers_on_two_streams_inside_cuda_graphs_give_the_uncached_gradients_in
     def loss_fn(rows, keys, log_scale):
         return contrastive_loss(rows, keys, log_scale.exp())
 
-    for step in range(4):
+    def sequential_reference(seed):
+        # returns nothing that holds the autograd graph: a graph kept alive keeps its
+        # AccumulateGrad nodes, bound to the stream they were made on, which a capture cannot use
         model.zero_grad(set_to_none=True)
-        torch.manual_seed(200 + step)
+        torch.manual_seed(seed)
         parts = []
         for chunk in split_batch(batch, 4):
             keys = family.encode_keys(model, chunk)
             parts.append((family.encode_rows(model, chunk), keys))
         rows, keys = (torch.cat(side) for side in zip(*parts))
-        reference_loss = loss_fn(rows, keys, family.log_scale(model))
-        reference_loss.backward()
-        reference = parameter_grads(model)
+        loss = loss_fn(rows, keys, family.log_scale(model))
+        loss.backward()
+        return loss.detach(), parameter_grads(model)
 
+    for step in range(4):
+        reference_loss, reference = sequential_reference(200 + step)
         model.zero_grad(set_to_none=True)
         torch.manual_seed(200 + step)
         encode = functools.partial(family.encode_pairs_on_two_streams, model, key_stream=key_stream)
         result = cached_step(encode, batch, loss_fn, 4, loss_params=[family.log_scale(model)],
                              chunk_graphs=graphs)
-        torch.testing.assert_close(result.loss, reference_loss.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(result.loss, reference_loss, rtol=1e-12, atol=1e-12)
         assert_same_grads(parameter_grads(model), reference, rtol=1e-10, atol=1e-12)
     assert graphs.captured == 3
