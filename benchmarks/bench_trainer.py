@@ -56,6 +56,7 @@ from torch.utils.data import Dataset
 from transformers import CLIPConfig, CLIPModel, PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
 from hf_infcl import InfCLTrainer, InfCLTrainingArguments
+from hf_infcl.sharding import prepare_for_sharding
 
 IMAGE_SIZE = 224
 TEXT_LENGTH = 77
@@ -319,6 +320,9 @@ def fsdp_trial(options) -> None:
     def collator(features):
         return collate(len(features), vanilla)
     if vanilla:
+        # the plain Trainer cannot shard a CLIPModel as it comes (a 0-d logit_scale, and no single
+        # input embedding for Accelerate to wrap): it gets the preparation InfCLTrainer applies
+        prepare_for_sharding(model)
         trainer = Trainer(model=model, args=TrainingArguments(**common), data_collator=collator,
                           train_dataset=Indices(batch * options.steps * 8), callbacks=[timer])
     else:
@@ -364,7 +368,8 @@ def fsdp_run(options, kind: str, batch: int, steps: int, warmup: int):
     seconds = time.perf_counter() - started
     if finished.returncode != 0:
         log = finished.stdout + finished.stderr
-        if "out of memory" in log or "OutOfMemoryError" in log:
+        # cuBLAS reports a full device as a failed handle allocation
+        if any(sign in log for sign in ("out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED")):
             return None
         raise RuntimeError(f"trial {kind} at {batch}/rank failed:\n{log[-4000:]}")
     with open(out) as handle:

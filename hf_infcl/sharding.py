@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["full_value", "is_dtensor", "scalar_state_dict", "vectorise_scalar_parameters"]
+__all__ = [
+    "full_value", "is_dtensor", "prepare_for_sharding", "scalar_state_dict", "vectorise_scalar_parameters",
+]
 
 
 def is_dtensor(tensor) -> bool:
@@ -56,3 +58,26 @@ def scalar_state_dict(state_dict: dict, names) -> dict:
         if isinstance(value, torch.Tensor) and value.numel() == 1 and not is_dtensor(value):
             restored[name] = value.reshape(())
     return restored
+
+
+def prepare_for_sharding(model: torch.nn.Module, optimizer=None) -> list[str]:
+    """Make a contrastive model acceptable to Accelerate's FSDP2 and DeepSpeed preparation (the
+    plain ``Trainer``'s too); return the names of the parameters that a saved state dict must give
+    back their 0-d shape (:func:`scalar_state_dict`).
+
+    - ``fully_shard`` refuses 0-d parameters (CLIP's ``logit_scale``), and DeepSpeed cannot
+      broadcast them: they become 1-element vectors, which the models broadcast the same way (in
+      ``optimizer`` too, if one was given).
+    - Accelerate shards ``get_input_embeddings()`` as a unit of its own, and transformers raises
+      NotImplementedError for two-tower models that have no single input embedding (CLIPModel):
+      for those this model answers None, so each tower's embeddings stay with its root.
+    """
+    for accessor in ("get_input_embeddings", "get_output_embeddings"):
+        method = getattr(model, accessor, None)
+        if method is None:
+            continue
+        try:
+            method()
+        except NotImplementedError:
+            setattr(model, accessor, lambda: None)
+    return vectorise_scalar_parameters(model, optimizer)

@@ -52,7 +52,7 @@ from .models import (
     model_family,
     scale_and_bias,
 )
-from .sharding import full_value, scalar_state_dict, vectorise_scalar_parameters
+from .sharding import full_value, prepare_for_sharding, scalar_state_dict
 from .training_args import InfCLTrainingArguments
 
 # InfCLTrainingArguments, retrieval_recalls and ClampLogitScale live in training_args, metrics and
@@ -88,7 +88,7 @@ class InfCLTrainer(Trainer):
         super().__init__(model, args, *more, **kwargs)
         self._check_combinations()
         sharded = self._is_fsdp2() or self.is_deepspeed_enabled
-        self._flattened_scalars = _prepare_for_sharding(self.model, self.optimizer) if sharded else []
+        self._flattened_scalars = prepare_for_sharding(self.model, self.optimizer) if sharded else []
         # Our loss is a per-batch mean: let the Trainer divide it for gradient accumulation.
         self.model_accepts_loss_kwargs = False
         self.loss_is_scaled_for_ga = False
@@ -506,26 +506,4 @@ def _as_infcl_arguments(args) -> InfCLTrainingArguments:
         raise TypeError(f"args of type {type(args).__name__} has fields InfCLTrainingArguments lacks "
                         f"({', '.join(unknown)}); pass TrainingArguments or InfCLTrainingArguments")
     return InfCLTrainingArguments(**given)
-
-
-def _prepare_for_sharding(model: torch.nn.Module, optimizer=None) -> list[str]:
-    """Make a contrastive model acceptable to Accelerate's FSDP2 and DeepSpeed preparation; return
-    the names of the parameters that ``_save`` must give back their 0-d shape.
-
-    - ``fully_shard`` refuses 0-d parameters (CLIP's ``logit_scale``), and DeepSpeed cannot
-      broadcast them: they become 1-element vectors, which the models broadcast the same way (in
-      ``optimizer`` too, if one was given).
-    - Accelerate shards ``get_input_embeddings()`` as a unit of its own, and transformers raises
-      NotImplementedError for two-tower models that have no single input embedding (CLIPModel):
-      for those this model answers None, so each tower's embeddings stay with its root.
-    """
-    for accessor in ("get_input_embeddings", "get_output_embeddings"):
-        method = getattr(model, accessor, None)
-        if method is None:
-            continue
-        try:
-            method()
-        except NotImplementedError:
-            setattr(model, accessor, lambda: None)
-    return vectorise_scalar_parameters(model, optimizer)
 
