@@ -9,8 +9,8 @@
 - columns ``(anchor, positive, negative_1, ...)``: every negative column is an extra candidate
   for every anchor, exactly as sentence-transformers concatenates ``docs_all``;
 - ``mini_batch_size=N`` caches the gradients w.r.t. the embeddings (GradCache) through
-  sentence-transformers' own ``CachedLossMixin`` when the installed version has one (a small
-  fallback here otherwise), but computes the loss of the whole batch in ONE fused call instead of
+  sentence-transformers' own ``CachedLossMixin`` (sentence-transformers >= 6), but computes the
+  loss of the whole batch in ONE fused call instead of
   CachedMNRL's per-chunk Python loop;
 - with several processes and ``gather_across_devices=True`` the loss runs over every process's rows
   and keys with the hf_infcl ring (instead of an all-gather of the embeddings); the default,
@@ -26,8 +26,6 @@ options (``symmetric``, ``backend``, ``precision``) are held as a checked ``Loss
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from contextlib import nullcontext
-from functools import partial
 from typing import Any
 
 import torch
@@ -36,24 +34,15 @@ from torch import Tensor, nn
 
 from .loss import contrastive_loss
 from .ops.options import BackendName, LossOptions, OptionAttribute, Precision, check_option
-from .rng import RngState
 
-try:
+try:  # sentence-transformers >= 6: the shared GradCache machinery and the merged column forward
     from sentence_transformers import util as _st_util
+    from sentence_transformers.base.losses.gradcache import CachedLossMixin
+    from sentence_transformers.base.losses.merged_forward import embed_columns as _st_embed_columns
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "hf_infcl.losses needs sentence-transformers: `pip install 'sentence-transformers>=3'`"
+        "hf_infcl.losses needs sentence-transformers 6 or newer: `pip install 'sentence-transformers>=6'`"
     ) from error
-
-try:  # sentence-transformers >= 6: the shared GradCache machinery
-    from sentence_transformers.base.losses.gradcache import CachedLossMixin as _STCachedLossMixin
-except ImportError:  # older releases keep it private to each cached loss
-    _STCachedLossMixin = None
-
-try:  # sentence-transformers >= 6 embeds the candidate columns in one merged forward
-    from sentence_transformers.base.losses.merged_forward import embed_columns as _st_embed_columns
-except ImportError:
-    _st_embed_columns = None
 
 
 INFCL_CITATION = """
@@ -68,91 +57,6 @@ INFCL_CITATION = """
       url={https://arxiv.org/abs/2410.17243},
 }
 """
-
-
-# --------------------------------------------------------------------------------------------
-# GradCache fallback for sentence-transformers releases without ``CachedLossMixin``. Same contract
-# (the subclass provides ``model``, ``mini_batch_size``, ``calculate_loss``; ``forward_cached``
-# does the three steps), minus token-budget mini-batches and the DDP replay subtleties.
-
-
-class _FallbackCachedLossMixin:
-    """Minimal GradCache (embed without grad, loss + cached embedding gradients, replay)."""
-
-    model: Any
-    mini_batch_size: int
-    mini_batch_num_tokens: int | None = None
-    show_progress_bar: bool = False
-    uses_gradient_cache: bool = True
-
-    def embed_minibatch_iter(self, sentence_feature, with_grad, copy_random_state, random_states=None):
-        rows = _column_rows(sentence_feature)
-        for index, begin in enumerate(range(0, rows, self.mini_batch_size)):
-            chunk = _slice_rows(sentence_feature, begin, min(begin + self.mini_batch_size, rows))
-            replay = nullcontext() if random_states is None else random_states[index].restored()
-            with replay, (nullcontext() if with_grad else torch.no_grad()):
-                tensors = [value for value in chunk.values() if isinstance(value, Tensor)]
-                state = RngState.capture(*tensors) if copy_random_state else None
-                embeddings = self.model(chunk)["sentence_embedding"]
-            yield embeddings, state
-
-    def forward_cached(self, sentence_features, labels=None):
-        sentence_features = list(sentence_features)
-        grad_enabled = torch.is_grad_enabled()
-        reps, random_states = [], []
-        for feature in sentence_features:
-            column_reps, column_states = [], []
-            for embeddings, state in self.embed_minibatch_iter(feature, False, grad_enabled):
-                column_reps.append(embeddings.detach().requires_grad_())
-                column_states.append(state)
-            reps.append(column_reps)
-            random_states.append(column_states)
-        if not grad_enabled:
-            return self.calculate_loss(reps, labels)
-        loss = self.calculate_loss(reps, labels, with_backward=True).detach().requires_grad_()
-        cache = [[rep.grad for rep in column] for column in reps]
-        loss.register_hook(
-            partial(_fallback_backward_hook, loss_obj=self, features=sentence_features, cache=cache,
-                    random_states=random_states)
-        )
-        return loss
-
-
-def _slice_rows(features: dict[str, Any], begin: int, end: int) -> dict[str, Any]:
-    """Rows ``begin:end`` of padded features, without the padding columns no row of them uses.
-
-    Trimming saves work on short mini-batches, and is what sentence-transformers >= 6 does, so the
-    dropout masks (drawn per padded position) match its cached losses.
-    """
-    mask = features.get("attention_mask")
-    width = keep = None
-    if isinstance(mask, Tensor) and mask.ndim == 2:
-        width = mask.shape[1]
-        used = mask[begin:end].bool().any(dim=0).nonzero()
-        if len(used):
-            keep = int(used.max()) + 1
-    chunk = {}
-    for key, value in features.items():
-        if not isinstance(value, Tensor) or value.ndim == 0:
-            chunk[key] = value
-        elif keep is not None and value.ndim >= 2 and value.shape[1] == width:
-            chunk[key] = value[begin:end, :keep]
-        else:
-            chunk[key] = value[begin:end]
-    return chunk
-
-
-def _fallback_backward_hook(grad_output, loss_obj, features, cache, random_states):
-    with torch.enable_grad():
-        for feature, column_cache, column_states in zip(features, cache, random_states):
-            chunks = loss_obj.embed_minibatch_iter(feature, True, False, column_states)
-            for (embeddings, _), cached_grad in zip(chunks, column_cache):
-                # d loss / d params = <embeddings, cached grad> back-propagated, times the outer grad
-                surrogate = torch.dot(embeddings.flatten().float(), cached_grad.flatten().float())
-                (surrogate * grad_output).backward()
-
-
-CachedLossMixin = _STCachedLossMixin if _STCachedLossMixin is not None else _FallbackCachedLossMixin
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,9 +120,7 @@ def _check_columns(sentence_features: list[dict[str, Any]]) -> None:
 
 def _embed_columns(model, sentence_features):
     """Embed every column exactly as MultipleNegativesRankingLoss does (same RNG use, so dropout matches)."""
-    if _st_embed_columns is not None:
-        return _st_embed_columns(model, sentence_features)
-    return [model(features)["sentence_embedding"] for features in sentence_features]
+    return _st_embed_columns(model, sentence_features)
 
 
 class InfCLLoss(CachedLossMixin, nn.Module):
@@ -298,17 +200,15 @@ class InfCLLoss(CachedLossMixin, nn.Module):
             isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0
         ):
             raise ValueError(f"mini_batch_size must be None or a positive integer, got {mini_batch_size!r}")
-        if mini_batch_num_tokens is not None:
-            # Alone it turns gradient caching on, as in CachedMNRL, whose mini-batches are then packed by
-            # the token budget only (its mini_batch_size no longer bounds them).
-            if _STCachedLossMixin is None:
-                raise ValueError("mini_batch_num_tokens needs sentence-transformers >= 6")
-            if isinstance(mini_batch_num_tokens, bool) or not isinstance(mini_batch_num_tokens, int) or (
-                mini_batch_num_tokens <= 0
-            ):
-                raise ValueError(
-                    f"mini_batch_num_tokens must be a positive integer, got {mini_batch_num_tokens!r}"
-                )
+        # mini_batch_num_tokens alone turns gradient caching on, as in CachedMNRL, whose mini-batches are
+        # then packed by the token budget only (its mini_batch_size no longer bounds them).
+        if mini_batch_num_tokens is not None and (
+            isinstance(mini_batch_num_tokens, bool) or not isinstance(mini_batch_num_tokens, int)
+            or mini_batch_num_tokens <= 0
+        ):
+            raise ValueError(
+                f"mini_batch_num_tokens must be a positive integer, got {mini_batch_num_tokens!r}"
+            )
         caches = mini_batch_size is not None or mini_batch_num_tokens is not None
         if caches and _has_static_embedding(model):
             raise ValueError(

@@ -90,19 +90,6 @@ def test_parity_with_cached_loss_mini_batch_4(tiny_model, n_columns, symmetric):
     assert_same_step(expected, actual)
 
 
-def test_cached_path_fallback_without_sentence_transformers_mixin(tiny_model):
-    """The GradCache fallback for releases without CachedLossMixin gives CachedMNRL's step too."""
-
-    class FallbackInfCLLoss(losses._FallbackCachedLossMixin, losses.InfCLLoss):
-        pass
-
-    columns = text_columns(7, 3, seed=31)
-    reference = st_reference_loss(tiny_model, False, mini_batch_size=3)
-    expected = loss_and_gradients(tiny_model, reference, columns, seed=5)
-    actual = loss_and_gradients(tiny_model, FallbackInfCLLoss(tiny_model, mini_batch_size=3), columns, seed=5)
-    assert_same_step(expected, actual)
-
-
 def test_token_budget_mini_batches_match_cached_loss(tiny_model):
     from sentence_transformers import losses as st_losses
 
