@@ -152,7 +152,7 @@ def cached_step(
             (the loss is scaled by ``scale_loss`` already), with ``no_sync=lambda:
             deepspeed_no_sync(engine)`` and ``engine.step()`` after the cached step.
         chunk_graphs: a :class:`hf_infcl.chunk_graphs.ChunkGraphs` kept across steps: the no-grad
-            pass and every replay but the last run as CUDA graphs, one per chunk shape, which
+            pass and the replays run as CUDA graphs, one per chunk shape, which
             removes the launch overhead that makes small chunks slow. One process only (no
             ``no_sync``, no ``backward`` hook); the two passes must chunk alike.
 
@@ -244,7 +244,7 @@ def cached_step(
             synced = last_overall or (last_of_tower and sync_each_tower)
             sync_context = no_sync_list[tower] if (no_sync_list[tower] is not None and not synced) else None
             rng = rng_states[tower][index].restored() if replay_rng else contextlib.nullcontext()
-            if chunk_graphs is not None and not last_overall:
+            if chunk_graphs is not None:
                 # the rows of each output are those the no-grad pass produced for this chunk
                 grad_slices = []
                 for position, output in enumerate(tower_outputs[tower][index]):
@@ -274,6 +274,15 @@ def cached_step(
                         total.backward()
                     else:
                         backward(total)
+    if chunk_graphs is not None:
+        # one process (no reduction to ride on): the loss parameters' gradient is added directly,
+        # so that every replay, the last included, can be a graph
+        for param, grad in plain:
+            grad = grad.to(param.dtype)
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad += grad
     for param, grad in sharded:
         _accumulate_sharded_grad(param, grad)
 
