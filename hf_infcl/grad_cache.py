@@ -238,6 +238,7 @@ def cached_step(
         tower_grads = embedding_grads[offset: offset + n_outputs]
         offset += n_outputs
         row_starts = [0] * n_outputs
+        embed = _in_context(encode, enter)
         for index, chunk in enumerate(_on_device(tower_chunks, device, offload)):
             last_of_tower = index == len(tower_chunks) - 1
             last_overall = last_of_tower and tower == len(encoder_list) - 1
@@ -246,26 +247,15 @@ def cached_step(
             rng = rng_states[tower][index].restored() if replay_rng else contextlib.nullcontext()
             if chunk_graphs is not None:
                 # the rows of each output are those the no-grad pass produced for this chunk
-                grad_slices = []
-                for position, output in enumerate(tower_outputs[tower][index]):
-                    start, rows = row_starts[position], output.shape[0]
-                    row_starts[position] += rows
-                    grad = tower_grads[position]
-                    grad_slices.append(None if grad is None else grad[start: start + rows])
+                grad_slices = _grad_slices(tower_outputs[tower][index], tower_grads, row_starts)
                 with rng:
-                    chunk_graphs.run(("replay", tower), functools.partial(_replay_backward, encode, enter),
+                    chunk_graphs.run(("replay", tower), functools.partial(_replay_backward, embed),
                                      chunk, grad_slices)
                 continue
             with (sync_context() if sync_context else contextlib.nullcontext()):
-                with rng, enter():
-                    replayed = _as_tuple(encode(chunk))
-                grad_slices = []
-                for position, output in enumerate(replayed):
-                    start, rows = row_starts[position], output.shape[0]
-                    row_starts[position] += rows
-                    grad = tower_grads[position]
-                    grad_slices.append(None if grad is None else grad[start: start + rows])
-                surrogate = _surrogate_terms(replayed, grad_slices)
+                with rng:
+                    replayed = _as_tuple(embed(chunk))
+                surrogate = _surrogate_terms(replayed, _grad_slices(replayed, tower_grads, row_starts))
                 if last_overall:
                     surrogate.extend((param * grad.to(param.dtype)).sum() for param, grad in plain)
                 if surrogate:
@@ -482,6 +472,17 @@ def _in_context(encode, enter):
     return call
 
 
+def _grad_slices(outputs, tower_grads, row_starts: list[int]) -> list[torch.Tensor | None]:
+    """The cached gradient rows of one chunk's outputs, in order; advances ``row_starts``."""
+    slices = []
+    for position, output in enumerate(outputs):
+        start, rows = row_starts[position], output.shape[0]
+        row_starts[position] += rows
+        grad = tower_grads[position]
+        slices.append(None if grad is None else grad[start: start + rows])
+    return slices
+
+
 def _surrogate_terms(outputs, grad_slices) -> list[torch.Tensor]:
     """sum(output * cached gradient) per output: its backward is the output's share of the loss's."""
     terms = []
@@ -495,10 +496,9 @@ def _surrogate_terms(outputs, grad_slices) -> list[torch.Tensor]:
     return terms
 
 
-def _replay_backward(encode, enter, chunk, grad_slices) -> None:
+def _replay_backward(embed, chunk, grad_slices) -> None:
     """One graphed replay: the chunk's forward with grad, then the backward of its cached gradient."""
-    with enter():
-        replayed = _as_tuple(encode(chunk))
+    replayed = _as_tuple(embed(chunk))
     terms = _surrogate_terms(replayed, grad_slices)
     if terms:
         torch.stack([term.float() for term in terms]).sum().backward()
