@@ -154,7 +154,10 @@ def _leaf_signature(leaf):
     try:
         hash(leaf)
     except TypeError:
-        return ("object", id(leaf))
+        # keyed by identity, a fresh object per call would never reach a capture and would grow
+        # the eager-call counts without bound
+        raise TypeError(f"a graphed chunk call got an unhashable {type(leaf).__name__} among its inputs: "
+                        "pass tensors, or values fixed into the graph that can be hashed") from None
     return ("value", leaf)
 
 

@@ -430,3 +430,13 @@ def test_towers_on_two_streams_inside_cuda_graphs_give_the_uncached_gradients_in
         torch.testing.assert_close(result.loss, reference_loss, rtol=1e-12, atol=1e-12)
         assert_same_grads(parameter_grads(model), reference, rtol=1e-10, atol=1e-12)
     assert graphs.captured == 4
+
+
+def test_graph_signatures_fix_hashable_values_and_refuse_the_rest():
+    from hf_infcl.chunk_graphs import _leaf_signature
+
+    assert _leaf_signature(3) == ("value", 3) and _leaf_signature(None) == ("value", None)
+    with pytest.raises(TypeError, match="unhashable list"):
+        _leaf_signature([1, 2])
+    with pytest.raises(ValueError, match="must be on the GPU"):
+        _leaf_signature(torch.ones(2))
