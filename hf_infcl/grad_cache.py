@@ -62,12 +62,17 @@ first. Two ways to reduce the encoders' gradients, both exact:
 - ``no_sync=None``: every replay's backward reduce-scatters into the sharded gradients: sharded
   gradient memory, one reduce-scatter per chunk.
 
+FSDP2 gathers a unit's parameters for every chunk's forward and again for its backward; inside
+``with fsdp_gather_once(model):`` it gathers them once per step, for the memory of the unsharded
+parameters.
+
 DeepSpeed ZeRO (stages 1-3): call the engine in the encoder callables, pass
 ``no_sync=lambda: deepspeed_no_sync(engine)`` (the replays accumulate; the last one is at the
 engine's accumulation boundary and reduces) and ``backward=lambda t: engine.backward(t,
-scale_wrt_gas=False)`` (the engine's own loss scaling), then ``engine.step()``. Under ZeRO-3 a loss
-parameter must stay whole between forwards, which the default ``stage3_param_persistence_threshold``
-(1e5 elements) gives any scalar scale or bias; the loss sees its gathered value.
+scale_wrt_gas=False)`` (the engine's own loss scaling), then ``engine.step()``. Under ZeRO-3 the
+loss parameters are read outside the model's forward, so register them once after
+``deepspeed.initialize``: ``hf_infcl.sharding.keep_gathered_under_zero3(engine.module, [scale])``
+(``deepspeed.zero.register_external_parameter``); the loss sees their gathered value.
 """
 
 from __future__ import annotations
@@ -81,11 +86,11 @@ import torch
 
 from .chunk_graphs import ChunkGraphs
 from .rng import RngState
-from .sharding import is_dtensor
+from .sharding import is_dtensor, is_zero3_parameter
 
 __all__ = [
-    "CachedStepOutput", "cached_step", "check_chunk_size", "deepspeed_no_sync", "fsdp_no_sync", "split_batch",
-    "to_device",
+    "CachedStepOutput", "cached_step", "check_chunk_size", "deepspeed_no_sync", "fsdp_gather_once",
+    "fsdp_no_sync", "split_batch", "to_device",
 ]
 
 
@@ -170,11 +175,12 @@ def cached_step(
     for param in loss_params:
         if not isinstance(param, torch.Tensor):
             raise TypeError(f"loss_params must hold tensors, got {type(param).__name__}")
-        if _is_zero3_partitioned(param) and not getattr(param, "ds_persist", False):
+        if is_zero3_parameter(param) and not getattr(param, "is_external_param", False):
             raise ValueError(
-                "a loss parameter is partitioned by DeepSpeed ZeRO-3: keep "
-                "stage3_param_persistence_threshold above its size (the default, 1e5 elements, keeps a "
-                "scalar logit scale or bias whole)"
+                "a loss parameter is partitioned by DeepSpeed ZeRO-3 and read outside the model's forward, "
+                "where ZeRO-3 frees it: after deepspeed.initialize, call "
+                "hf_infcl.sharding.keep_gathered_under_zero3(engine.module, loss_params) "
+                "(deepspeed.zero.register_external_parameter)"
             )
     device = torch.device(device) if device is not None else None
     enter = forward_context or contextlib.nullcontext
@@ -226,10 +232,14 @@ def cached_step(
     embedding_grads, param_grads = grads[: len(embeddings)], grads[len(embeddings):]
     # Plain parameters get their gradient through the last replay's backward, so DDP reduces it
     # with the rest; sharded ones are reduced here, after that backward (FSDP2 never sees them).
-    plain = [(param, grad) for (param, _), grad in zip(learned, param_grads)
-             if grad is not None and not is_dtensor(param)]
-    sharded = [(param, grad) for (param, _), grad in zip(learned, param_grads)
-               if grad is not None and is_dtensor(param)]
+    # ZeRO-3 parameters get it through the first replay's: ZeRO-3 overwrites its gradient
+    # partitions in a step's first backward and adds in the later ones, so a gradient that first
+    # arrived in a later backward would be added to the previous step's.
+    with_grads = [(param, grad) for (param, _), grad in zip(learned, param_grads) if grad is not None]
+    sharded = [(param, grad) for param, grad in with_grads if is_dtensor(param)]
+    zero3 = [(param, grad) for param, grad in with_grads if is_zero3_parameter(param)]
+    plain = [(param, grad) for param, grad in with_grads
+             if not is_dtensor(param) and not is_zero3_parameter(param)]
 
     # Phase 3: replay each chunk with grad under its recorded RNG state; backprop the cached grads.
     offset = 0
@@ -256,8 +266,8 @@ def cached_step(
                 with rng:
                     replayed = _as_tuple(embed(chunk))
                 surrogate = _surrogate_terms(replayed, _grad_slices(replayed, tower_grads, row_starts))
-                if last_overall:
-                    surrogate.extend((param * grad.to(param.dtype)).sum() for param, grad in plain)
+                riding = (plain if last_overall else []) + (zero3 if tower == index == 0 else [])
+                surrogate.extend((param * grad.to(param.dtype)).sum() for param, grad in riding)
                 if surrogate:
                     total = torch.stack([term.float() for term in surrogate]).sum()
                     if backward is None:
@@ -297,6 +307,32 @@ def fsdp_no_sync(module):
 
 
 @contextlib.contextmanager
+def fsdp_gather_once(module, reshard_after_forward: bool = True):
+    """FSDP2: inside, each ``fully_shard`` unit of ``module`` keeps its parameters unsharded from
+    their first all-gather to the end, so a cached step gathers them once instead of once per
+    chunk in the no-grad pass and twice per chunk in the replays (forward, then backward). It costs
+    the memory of the unsharded parameters (an unsharded model, in the parameters' dtype) for the
+    step. At the end every unit is resharded and gets back ``reshard_after_forward`` (as given to
+    ``fully_shard``) and resharding after backward.
+
+    Wrap the :func:`cached_step` call in it: ``with fsdp_gather_once(model): cached_step(...)``."""
+    units = [unit for unit in module.modules() if hasattr(unit, "set_reshard_after_backward")]
+    if not units:
+        raise TypeError(f"fsdp_gather_once needs a module wrapped by fully_shard, got "
+                        f"{type(module).__name__}")
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.set_reshard_after_backward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
+            unit.set_reshard_after_backward(True, recurse=False)
+            unit.reshard()
+
+
+@contextlib.contextmanager
 def deepspeed_no_sync(engine):
     """The ``no_sync`` of a DeepSpeed engine (ZeRO stages 1-3): inside, the engine is not at a
     gradient-accumulation boundary, so a replay's backward only accumulates; the last replay,
@@ -316,18 +352,14 @@ def deepspeed_no_sync(engine):
         engine.set_gradient_accumulation_boundary(boundary)
 
 
-def _is_zero3_partitioned(param) -> bool:
-    return getattr(param, "ds_status", None) is not None
-
-
 def _full_value(param: torch.Tensor) -> torch.Tensor:
     """The value the loss sees: the tensor itself; for a DTensor (a parameter sharded by FSDP2)
     its full value gathered from every rank, as a plain leaf; for a ZeRO-3 parameter its gathered
     value, as a plain leaf (its gradient reaches DeepSpeed through the last replay, where the
-    engine's forward has made the persistent parameter whole)."""
+    engine's forward has gathered it and, registered as external, it stays whole)."""
     if is_dtensor(param):
         return param.full_tensor().detach().requires_grad_(param.requires_grad)
-    if _is_zero3_partitioned(param):
+    if is_zero3_parameter(param):
         import deepspeed
 
         with deepspeed.zero.GatheredParameters([param]):

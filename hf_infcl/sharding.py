@@ -10,6 +10,9 @@ own loop:
   (``CLIPModel.from_pretrained`` would re-initialise a ``[1]`` scale instead of loading it);
 - :func:`full_value` / :func:`is_dtensor`: a parameter sharded by FSDP2 is a DTensor between
   steps; its value needs a gather (a collective: every process calls it).
+- :func:`keep_gathered_under_zero3`: DeepSpeed ZeRO-3 frees a parameter's value when the forward
+  of the module that owns it ends; the loss reads the logit scale (and bias) after the model's
+  forward, so they are registered as used outside their module's forward.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "full_value", "is_dtensor", "prepare_for_sharding", "scalar_state_dict", "vectorise_scalar_parameters",
+    "full_value", "is_dtensor", "is_zero3_parameter", "keep_gathered_under_zero3", "prepare_for_sharding",
+    "scalar_state_dict", "vectorise_scalar_parameters",
 ]
 
 
@@ -30,6 +34,35 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's whole value: a DTensor is gathered from every rank (every process must call
     this), any other tensor is returned as it is."""
     return tensor.full_tensor() if is_dtensor(tensor) else tensor
+
+
+def is_zero3_parameter(tensor) -> bool:
+    """Whether ``tensor`` is a parameter partitioned by DeepSpeed ZeRO-3 (between the forwards
+    that gather it, its ``.data`` is an empty placeholder)."""
+    return getattr(tensor, "ds_status", None) is not None
+
+
+def keep_gathered_under_zero3(module: torch.nn.Module, params) -> None:
+    """Keep ZeRO-3 parameters that a loss reads *after* ``module``'s forward whole from that
+    forward to the optimizer step. Call it after ``deepspeed.initialize`` (which resets what this
+    sets); parameters not under ZeRO-3 are left alone.
+
+    ZeRO-3 frees a parameter when the forward of the module that uses it ends, and even those
+    below ``stage3_param_persistence_threshold`` whenever its record of the forward is incomplete,
+    which a cached step (a no-grad pass, then replays) always makes it. Each parameter is registered
+    with ``deepspeed.zero.register_external_parameter(module, param)``, so ``module``'s forward
+    gathers it, and marked as DeepSpeed marks a parameter that a module returns from its forward
+    (``is_external_param``), so that no module's end frees it: the optimizer step does.
+    """
+    zero3 = [param for param in params if is_zero3_parameter(param)]
+    if not zero3:
+        return
+    import deepspeed
+
+    for param in zero3:
+        if not getattr(param, "is_external_param", False):
+            deepspeed.zero.register_external_parameter(module, param)
+            param.is_external_param = True
 
 
 def vectorise_scalar_parameters(module: torch.nn.Module, optimizer=None) -> list[str]:

@@ -29,6 +29,7 @@ batch beyond memory, raise the batch size and set ``chunk_size``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -42,7 +43,7 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify
 
 from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs
-from .grad_cache import cached_step, deepspeed_no_sync
+from .grad_cache import cached_step, deepspeed_no_sync, fsdp_gather_once
 from .loss import contrastive_loss
 from .metrics import relevant_ranks, retrieval_metrics, retrieval_recalls
 from .models import (
@@ -51,8 +52,9 @@ from .models import (
     encode_queries,
     model_family,
     scale_and_bias,
+    unwrap_model,
 )
-from .sharding import full_value, prepare_for_sharding, scalar_state_dict
+from .sharding import full_value, keep_gathered_under_zero3, prepare_for_sharding, scalar_state_dict
 from .training_args import InfCLTrainingArguments
 
 # InfCLTrainingArguments, retrieval_recalls and ClampLogitScale live in training_args, metrics and
@@ -108,14 +110,6 @@ class InfCLTrainer(Trainer):
                              "process); launch one process per GPU with torchrun or accelerate launch")
         if args.label_smoothing_factor:
             raise ValueError("label_smoothing_factor does not apply to the contrastive loss; leave it at 0")
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        if self.is_deepspeed_enabled and getattr(plugin, "zero_stage", 0) == 3:
-            raise ValueError(
-                "InfCLTrainer does not support DeepSpeed ZeRO-3 yet: the loss reads the logit scale outside "
-                "the model's forward, where ZeRO-3 keeps it partitioned. Use ZeRO-2 or FSDP2 "
-                "(fsdp_config={'version': 2}, which shards parameters like ZeRO-3), or, in your own loop, "
-                "hf_infcl.grad_cache.cached_step with deepspeed_no_sync, which handles ZeRO-3"
-            )
         if args.chunk_size is not None and args.deepspeed and args.chunk_gradient_sync == "chunk":
             raise ValueError(
                 "chunk_gradient_sync='chunk' does not apply to DeepSpeed, which reduces gradients at its "
@@ -178,6 +172,12 @@ class InfCLTrainer(Trainer):
         as the model holds them now (the cached step and FSDP2 need the parameter objects)."""
         return self.family.loss_parameters(model, self.loss_kind)
 
+    def _keep_loss_params_gathered(self, model) -> None:
+        """Under DeepSpeed ZeRO-3, before the first forward of the engine: the loss reads the
+        scale and bias after the model's forward, where ZeRO-3 would have freed them."""
+        if self.is_deepspeed_enabled:
+            keep_gathered_under_zero3(unwrap_model(model), self._loss_params(model))
+
     def _groups(self, inputs, device):
         column = self.args.group_column
         if column is None:
@@ -204,6 +204,7 @@ class InfCLTrainer(Trainer):
         )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self._keep_loss_params_gathered(model)
         queries, keys = self.family.encode_pairs(model, inputs)
         groups = self._groups(inputs, queries.device)
         loss = self._contrastive(queries, keys, groups, *self._loss_params(model))
@@ -232,6 +233,7 @@ class InfCLTrainer(Trainer):
             model.reshard()
         deepspeed = self.is_deepspeed_enabled
         if deepspeed:
+            self._keep_loss_params_gathered(model)
             # As Accelerate's DeepSpeed backward: the engine's accumulation boundary follows the
             # Trainer's, the replays stay off it, and the engine steps at the boundary.
             model.set_gradient_accumulation_boundary(self.accelerator.sync_gradients)
@@ -264,24 +266,34 @@ class InfCLTrainer(Trainer):
             scaler = getattr(self.accelerator, "scaler", None)
             return scaler.scale(loss) if scaler is not None else loss
 
-        result = cached_step(
-            encode,
-            encoder_inputs,
-            loss_fn,
-            self.args.chunk_size,
-            loss_params=self._loss_params(model),
-            offload=self.args.offload,
-            device=self.args.device if self.args.offload else None,
-            no_sync=no_sync,
-            backward=backward,
-            scale_loss=scale_for_backward,
-            forward_context=forward_context,
-            chunk_graphs=chunk_graphs,
-        )
+        with self._gather_context(model):
+            result = cached_step(
+                encode,
+                encoder_inputs,
+                loss_fn,
+                self.args.chunk_size,
+                loss_params=self._loss_params(model),
+                offload=self.args.offload,
+                device=self.args.device if self.args.offload else None,
+                no_sync=no_sync,
+                backward=backward,
+                scale_loss=scale_for_backward,
+                forward_context=forward_context,
+                chunk_graphs=chunk_graphs,
+            )
+        # logged before the step, as the scale the loss used (ZeRO-3 frees it at the step)
+        self._track(*result.embeddings, model, groups)
         if deepspeed and self.accelerator.sync_gradients:
             model.step()  # the optimizer and scheduler the Trainer steps are DeepSpeed's no-op wrappers
-        self._track(*result.embeddings, model, groups)
         return result.loss.to(self.args.device) / ga_steps
+
+    def _gather_context(self, model):
+        """Under FSDP2 with chunk_parameter_gather='step': the sharded units' parameters are
+        gathered once for the whole cached step (fsdp_gather_once)."""
+        if not (self._is_fsdp2() and self.args.chunk_parameter_gather == "step"):
+            return contextlib.nullcontext()
+        plugin = self.accelerator.state.fsdp_plugin
+        return fsdp_gather_once(model, reshard_after_forward=bool(plugin.reshard_after_forward))
 
     def _graphs_for(self, model) -> ChunkGraphs | None:
         if not self.args.chunk_cuda_graphs:

@@ -16,10 +16,12 @@ from transformers import TrainingArguments
 from .grad_cache import check_chunk_size
 from .ops.options import BackendName, LossKind, Precision, check_choice, check_option
 
-__all__ = ["CHUNK_GRADIENT_SYNCS", "InfCLTrainingArguments"]
+__all__ = ["CHUNK_GRADIENT_SYNCS", "CHUNK_PARAMETER_GATHERS", "InfCLTrainingArguments"]
 
 ChunkGradientSync = Literal["step", "chunk"]
 CHUNK_GRADIENT_SYNCS: tuple[str, ...] = get_args(ChunkGradientSync)
+ChunkParameterGather = Literal["step", "chunk"]
+CHUNK_PARAMETER_GATHERS: tuple[str, ...] = get_args(ChunkParameterGather)
 
 
 @dataclass
@@ -90,6 +92,13 @@ class InfCLTrainingArguments(TrainingArguments):
                           "unsharded gradients), 'chunk' after every chunk's replay (FSDP2: sharded "
                           "gradient memory, one reduce-scatter per chunk)."},
     )
+    chunk_parameter_gather: ChunkParameterGather = field(
+        default="step",
+        metadata={"help": "With chunk_size under FSDP2: 'step' gathers each sharded unit's parameters once "
+                          "per step and keeps them unsharded through the chunks (the memory of the unsharded "
+                          "parameters), 'chunk' lets FSDP2 gather them for every chunk's forward and again "
+                          "for its backward."},
+    )
     eval_block_rows: int = field(
         default=1024,
         metadata={"help": "Rows per block when evaluation ranks every key for each row (memory "
@@ -110,5 +119,6 @@ class InfCLTrainingArguments(TrainingArguments):
         if self.logit_scale_max is not None and not self.logit_scale_max > 0:
             raise ValueError(f"logit_scale_max must be > 0 or None, got {self.logit_scale_max!r}")
         check_choice("chunk_gradient_sync", self.chunk_gradient_sync, CHUNK_GRADIENT_SYNCS)
+        check_choice("chunk_parameter_gather", self.chunk_parameter_gather, CHUNK_PARAMETER_GATHERS)
         if self.eval_block_rows <= 0:
             raise ValueError(f"eval_block_rows must be positive, got {self.eval_block_rows!r}")

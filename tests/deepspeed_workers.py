@@ -3,17 +3,18 @@
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/deepspeed_workers.py OUT
 
 For ZeRO stages 2 and 3 and two models (a tiny CLIP and a Qwen2-style decoder DualEncoder, both
-with dropout, the logit scale a 1-element vector), each rank takes one SGD step (lr 1, so the
-parameters move by minus the gradient) on its own 8 pairs with the ring loss, twice from the same
-start:
+with dropout, the logit scale a 1-element vector), each rank takes two SGD steps (lr 1, so the
+parameters move by minus the gradient) on its own 8 pairs per step with the ring loss, twice from
+the same start:
 
 * ``uncached``: the chunks embedded with grad through the engine in one graph,
   ``engine.backward(loss)``, ``engine.step()``;
 * ``cached``: :func:`cached_step` with ``deepspeed_no_sync`` and the engine's backward, then
   ``engine.step()``.
 
-ZeRO-3 partitions every parameter above 10 elements (the scale stays whole, as the default
-persistence threshold keeps it). Rank 0 writes the full parameters after each step to OUT.
+ZeRO-3 partitions every parameter, the logit scale included (no persistence threshold), which is
+kept whole from the forward to the step by ``keep_gathered_under_zero3``. The second step catches
+a gradient left over from the first. Rank 0 writes the full parameters at the end to OUT.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_infcl.grad_cache import cached_step, deepspeed_no_sync, split_batch  # noqa: E402
+from hf_infcl.sharding import keep_gathered_under_zero3  # noqa: E402
 from tests.fsdp_workers import CHUNK, batch_of, build, encoder, loss_fn  # noqa: E402
 from tests.trainer_fixtures import end_worker_process  # noqa: E402
 
 STAGES = (2, 3)
+STEPS = 2  # a second step catches gradients left over from the first
 KINDS = ("clip", "decoder")
 
 
@@ -39,8 +42,9 @@ def engine_for(kind: str, stage: int):
     model = build(kind, dropout=0.1)
     config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "SGD", "params": {"lr": 1.0}}, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10}}
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    keep_gathered_under_zero3(engine.module, [engine.module.logit_scale])  # read after the forward
     return engine
 
 
@@ -52,20 +56,21 @@ def full_parameters(engine) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
 
 
-def step(kind: str, stage: int, cached: bool, rank: int) -> dict[str, torch.Tensor]:
+def steps(kind: str, stage: int, cached: bool, rank: int) -> dict[str, torch.Tensor]:
     engine = engine_for(kind, stage)
-    batch = batch_of(kind, rank)
     encode = encoder(kind, engine)  # through the engine's forward, which gathers ZeRO-3 shards
-    torch.manual_seed(100 + rank)
-    if cached:
-        cached_step(encode, batch, loss_fn("auto"), CHUNK, loss_params=[engine.module.logit_scale],
-                    no_sync=lambda: deepspeed_no_sync(engine),
-                    backward=lambda total: engine.backward(total, scale_wrt_gas=False))
-    else:
-        outputs = [encode(chunk) for chunk in split_batch(batch, CHUNK)]
-        queries, keys = (torch.cat(parts) for parts in zip(*outputs))
-        engine.backward(loss_fn("auto")(queries, keys, engine.module.logit_scale))
-    engine.step()
+    for step in range(STEPS):
+        batch = batch_of(kind, rank + 2 * step)
+        torch.manual_seed(100 + rank + 2 * step)
+        if cached:
+            cached_step(encode, batch, loss_fn("auto"), CHUNK, loss_params=[engine.module.logit_scale],
+                        no_sync=lambda: deepspeed_no_sync(engine),
+                        backward=lambda total: engine.backward(total, scale_wrt_gas=False))
+        else:
+            outputs = [encode(chunk) for chunk in split_batch(batch, CHUNK)]
+            queries, keys = (torch.cat(parts) for parts in zip(*outputs))
+            engine.backward(loss_fn("auto")(queries, keys, engine.module.logit_scale))
+        engine.step()
     return full_parameters(engine)
 
 
@@ -79,7 +84,7 @@ def main(out_dir: str) -> None:
     for stage in STAGES:
         for kind in KINDS:
             for cached in (False, True):
-                results[(stage, kind, "cached" if cached else "uncached")] = step(kind, stage, cached, rank)
+                results[(stage, kind, "cached" if cached else "uncached")] = steps(kind, stage, cached, rank)
     if rank == 0:
         for kind in KINDS:
             results["start", kind] = {n: p.detach().clone() for n, p in build(kind, 0.1).named_parameters()}

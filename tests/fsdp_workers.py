@@ -7,7 +7,9 @@ gloo, and takes one step on its own 8 pairs with the ring loss, in several ways:
 * ``uncached``: every chunk embedded with grad in one graph, one backward (the reference; the
   same chunks as the cached step, so that dropout draws the same masks);
 * ``cached-per-step``: :func:`cached_step` with ``fsdp_no_sync``: one reduce-scatter per step;
-* ``cached-per-replay``: :func:`cached_step` without it: a reduce-scatter after every replay.
+* ``cached-per-replay``: :func:`cached_step` without it: a reduce-scatter after every replay;
+* ``...-gather-once``: each of the two inside :func:`fsdp_gather_once`, which must gather each
+  unit's parameters once per step (the all-gathers are counted for every cached variant).
 
 Rank 0 writes the full (unsharded) gradients of every variant to OUT. With dropout off it also
 writes the gradients of one process without FSDP on the concatenation of both ranks' pairs, which
@@ -17,6 +19,7 @@ averaged over ranks like every other gradient).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -26,7 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_infcl import contrastive_loss  # noqa: E402
-from hf_infcl.grad_cache import cached_step, fsdp_no_sync, split_batch  # noqa: E402
+from hf_infcl.grad_cache import cached_step, fsdp_gather_once, fsdp_no_sync, split_batch  # noqa: E402
 from hf_infcl.sharding import full_value  # noqa: E402
 from tests.trainer_fixtures import (  # noqa: E402
     clip_batch,
@@ -44,6 +47,8 @@ CHUNK = 3  # uneven: chunks of 3, 3, 2
 # gradient reduction, activation checkpointing of every decoder layer, parameters offloaded to
 # the host between uses.
 SETTINGS = ("bf16", "checkpointing", "offload")
+CACHED_VARIANTS = ("cached-per-step", "cached-per-replay", "cached-per-step-gather-once",
+                   "cached-per-replay-gather-once")
 
 
 def build(kind: str, dropout: float):
@@ -138,10 +143,30 @@ def run_variant(kind, variant, dropout, rank, setting=None):
         uncached_step(kind, model, batch, seed)
         return full_grads(model)
     torch.manual_seed(seed)
-    no_sync = (lambda: fsdp_no_sync(model)) if variant == "cached-per-step" else None
-    cached_step(encoder(kind, model), batch, loss_fn("auto"), CHUNK, loss_params=[model.logit_scale],
-                no_sync=no_sync)
-    return full_grads(model)
+    no_sync = (lambda: fsdp_no_sync(model)) if variant.startswith("cached-per-step") else None
+    gather = fsdp_gather_once(model) if variant.endswith("gather-once") else contextlib.nullcontext()
+    with gather, counting_all_gathers() as all_gathers:
+        cached_step(encoder(kind, model), batch, loss_fn("auto"), CHUNK, loss_params=[model.logit_scale],
+                    no_sync=no_sync)
+    return {**full_grads(model), "all-gathers": torch.tensor(all_gathers[0])}
+
+
+@contextlib.contextmanager
+def counting_all_gathers():
+    """Count FSDP2's parameter all-gathers (the collective its default all-gather calls:
+    torch.distributed.all_gather_single from torch 2.12, all_gather_into_tensor before)."""
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    original = getattr(dist, name)
+    count = [0]
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+    setattr(dist, name, counted)
+    try:
+        yield count
+    finally:
+        setattr(dist, name, original)
 
 
 def one_process_reference(kind, world_size):
@@ -165,12 +190,12 @@ def main(out_dir: str) -> None:
     results = {}
     for kind in ("clip", "dual-encoder", "decoder"):
         for dropout in (0.1, 0.0):
-            for variant in ("uncached", "cached-per-step", "cached-per-replay"):
+            for variant in ("uncached", *CACHED_VARIANTS):
                 results[(kind, dropout, variant)] = run_variant(kind, variant, dropout, rank)
         if rank == 0:
             results[(kind, 0.0, "one-process")] = one_process_reference(kind, world_size)
     for setting in SETTINGS:
-        for variant in ("uncached", "cached-per-step", "cached-per-replay"):
+        for variant in ("uncached", *CACHED_VARIANTS):
             grads = run_variant("decoder", variant, 0.1, rank, setting)
             results[(f"decoder-{setting}", 0.1, variant)] = grads
     if rank == 0:

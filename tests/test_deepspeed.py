@@ -45,3 +45,21 @@ def test_deepspeed_no_sync_rejects_what_is_not_an_engine():
 
     with pytest.raises(TypeError, match="DeepSpeed engine"), deepspeed_no_sync(torch.nn.Linear(2, 2)):
         pass
+
+
+def test_cached_step_refuses_a_zero3_loss_parameter_that_zero3_would_free():
+    """A ZeRO-3 parameter read after the model's forward must be kept gathered; without it the
+    loss would read an empty placeholder (DeepSpeed's marker of a partitioned parameter, ds_status,
+    is set by hand: this runs without DeepSpeed)."""
+    pytest.importorskip("deepspeed")  # the gathered read of the accepted parameter imports it
+    from hf_infcl.grad_cache import cached_step
+
+    scale = torch.nn.Parameter(torch.ones(1))
+    scale.ds_status = "NOT_AVAILABLE"
+    batch = {"x": torch.randn(4, 3)}
+    refusal = r"loss parameter is partitioned by DeepSpeed ZeRO-3.*keep_gathered_under_zero3"
+    with pytest.raises(ValueError, match=refusal):
+        cached_step(lambda chunk: chunk["x"], batch, lambda rows, s: (rows * s).sum(), 2, loss_params=[scale])
+    scale.is_external_param = True  # what keep_gathered_under_zero3 sets
+    cached_step(lambda chunk: chunk["x"], batch, lambda rows, s: (rows * s).sum(), 2, loss_params=[scale])
+    assert scale.grad is not None

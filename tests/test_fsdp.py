@@ -17,7 +17,8 @@ from tests.offline import run_two_processes
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ["clip", "dual-encoder", "decoder"]  # decoder: a Qwen2-style DualEncoder, last-token pooling
-STRATEGIES = ["cached-per-step", "cached-per-replay"]
+STRATEGIES = ["cached-per-step", "cached-per-replay", "cached-per-step-gather-once",
+              "cached-per-replay-gather-once"]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,8 @@ def assert_same_grads(got, expected, tolerance: float = 1e-5):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_fsdp_cached_step_equals_the_uncached_step(fsdp_grads, kind, strategy, dropout):
-    cached = fsdp_grads[(kind, dropout, strategy)]
+    cached = dict(fsdp_grads[(kind, dropout, strategy)])
+    cached.pop("all-gathers")
     assert_same_grads(cached, fsdp_grads[(kind, dropout, "uncached")])
     assert float(cached["logit_scale"].abs().max()) > 0
 
@@ -57,7 +59,8 @@ def test_fsdp_cached_step_with_what_big_models_use(fsdp_grads, setting, strategy
     logit scale, the cached one its fp32 value), so both are held to the fp32 step: the cached
     step's worst parameter may be at most 1.25 x as far from it as the uncached step's."""
     kind = f"decoder-{setting}"
-    cached, uncached = fsdp_grads[(kind, 0.1, strategy)], fsdp_grads[(kind, 0.1, "uncached")]
+    cached, uncached = dict(fsdp_grads[(kind, 0.1, strategy)]), fsdp_grads[(kind, 0.1, "uncached")]
+    cached.pop("all-gathers")
     assert float(cached["logit_scale"].abs().max()) > 0
     if setting != "bf16":
         assert_same_grads(cached, uncached)
@@ -78,7 +81,24 @@ def test_fsdp_steps_equal_one_process_on_the_concatenated_batch(fsdp_grads, kind
     gradient of one process's mean over every pair."""
     one_process = fsdp_grads[(kind, 0.0, "one-process")]
     for variant in ("uncached", *STRATEGIES):
-        assert_same_grads(fsdp_grads[(kind, 0.0, variant)], one_process)
+        grads = dict(fsdp_grads[(kind, 0.0, variant)])
+        grads.pop("all-gathers", None)
+        assert_same_grads(grads, one_process)
+
+
+# fully_shard units of the worker's models: each encoder/decoder layer, and the root
+UNITS = {"clip": 5, "dual-encoder": 3, "decoder": 3}
+
+
+@pytest.mark.parametrize("strategy", ["cached-per-step", "cached-per-replay"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fsdp_gather_once_gathers_each_unit_once_per_step(fsdp_grads, kind, strategy):
+    """Three chunks: FSDP2 alone gathers every unit for each chunk's forward in both passes and
+    again for each replay's backward; inside fsdp_gather_once each unit is gathered once."""
+    default = int(fsdp_grads[(kind, 0.1, strategy)]["all-gathers"])
+    once = int(fsdp_grads[(kind, 0.1, f"{strategy}-gather-once")]["all-gathers"])
+    assert once == UNITS[kind], (once, default)
+    assert default >= 2 * 3 * UNITS[kind] - 1, default
 
 
 def test_fsdp_no_sync_rejects_a_module_that_is_not_sharded():

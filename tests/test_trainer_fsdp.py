@@ -1,9 +1,10 @@
-"""InfCLTrainer under FSDP2 and DeepSpeed ZeRO-2, two processes: ``tests/trainer_fsdp_workers.py``.
+"""InfCLTrainer under FSDP2 and DeepSpeed ZeRO-2/3, two processes: ``tests/trainer_fsdp_workers.py``.
 
 On CPU (gloo) the worker switches the Trainer's Accelerator to FSDP2 (Accelerate enables FSDP on
 GPUs only), and runs DeepSpeed through its CPU accelerator; the GPU test runs the Trainer's own
-``fsdp`` arguments on two CUDA devices. Each checks that two steps with and without
-``chunk_size`` (under FSDP2, with each ``chunk_gradient_sync``) give the parameters of the same run
+``fsdp`` and ``deepspeed`` arguments on two CUDA devices. Each checks that two steps with and
+without ``chunk_size`` (under FSDP2, with each ``chunk_gradient_sync`` and
+``chunk_parameter_gather``; under ZeRO-2 and ZeRO-3) give the parameters of the same run
 under DDP, and that the saved CLIPModel loads with its 0-d logit scale.
 """
 
@@ -19,7 +20,8 @@ from tests.offline import run_two_processes
 from tests.test_fsdp import assert_same_grads
 
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = {"fsdp": ["fsdp", "fsdp-chunk-step", "fsdp-chunk-chunk"], "deepspeed": ["zero2", "zero2-chunk"]}
+VARIANTS = {"fsdp": ["fsdp", "fsdp-chunk-step", "fsdp-chunk-chunk", "fsdp-chunk-step-gather-chunk"],
+            "deepspeed": ["zero2", "zero2-chunk", "zero3", "zero3-chunk"]}
 
 
 def run_worker(out: Path, cuda: bool, engine: str = "fsdp") -> dict[str, dict]:
@@ -52,7 +54,7 @@ def test_trainer_under_fsdp2_matches_ddp_with_and_without_chunks(tmp_path):
     check_runs(run_worker(tmp_path, cuda=False), tmp_path, tolerance=1e-5)
 
 
-def test_trainer_under_deepspeed_zero2_matches_ddp_with_and_without_chunks(tmp_path):
+def test_trainer_under_deepspeed_zero2_and_zero3_matches_ddp_with_and_without_chunks(tmp_path):
     pytest.importorskip("deepspeed")
     check_runs(run_worker(tmp_path, cuda=False, engine="deepspeed"), tmp_path, tolerance=1e-5)
 
@@ -62,3 +64,11 @@ def test_trainer_under_fsdp2_matches_ddp_on_two_gpus(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     check_runs(run_worker(tmp_path, cuda=True), tmp_path, tolerance=1e-4)
+
+
+@pytest.mark.gpu
+def test_trainer_under_deepspeed_zero2_and_zero3_matches_ddp_on_two_gpus(tmp_path):
+    pytest.importorskip("deepspeed")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    check_runs(run_worker(tmp_path, cuda=True, engine="deepspeed"), tmp_path, tolerance=1e-4)

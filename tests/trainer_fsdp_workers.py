@@ -9,9 +9,13 @@ the saved directory to OUT):
 * ``ddp``: no FSDP (the reference);
 * ``fsdp``: FSDP2 without chunking;
 * ``fsdp-chunk-step`` / ``fsdp-chunk-chunk``: FSDP2 with ``chunk_size=3`` and each
-  ``chunk_gradient_sync``;
-* with ``deepspeed``: ``zero2`` and ``zero2-chunk`` instead of the FSDP2 runs (on CPU through
-  DeepSpeed's CPU accelerator, ``DS_ACCELERATOR=cpu``; the Trainer refuses ZeRO-3).
+  ``chunk_gradient_sync`` (parameters gathered once per step, the default);
+* ``fsdp-chunk-step-gather-chunk``: the same with ``chunk_parameter_gather="chunk"``;
+* with ``deepspeed``: ``zero2``, ``zero2-chunk``, ``zero3`` and ``zero3-chunk`` instead of the
+  FSDP2 runs (on CPU through DeepSpeed's CPU accelerator, ``DS_ACCELERATOR=cpu``).
+
+The logit scale is clamped (``logit_scale_max``) after the first step, which under DeepSpeed
+must reach the optimizer's fp32 master copy.
 
 On CUDA the Trainer's own ``fsdp`` arguments are used. Accelerate enables FSDP only on GPUs, so
 on CPU the worker switches the Trainer's Accelerator to FSDP2 after it is built (the same plugin
@@ -25,6 +29,8 @@ import sys
 
 import torch
 import torch.distributed as dist
+from transformers import CLIPModel
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,8 +44,9 @@ from tests.trainer_fixtures import (  # noqa: E402
     trainer_arguments,
 )
 
+# logit_scale_max: the scale (14.29 at the start) is clamped after the first step
 SETTINGS = dict(max_steps=2, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant",
-                max_grad_norm=1.0, per_device_train_batch_size=8, save_strategy="no")
+                max_grad_norm=1.0, per_device_train_batch_size=8, save_strategy="no", logit_scale_max=14.2)
 FSDP = dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["CLIPEncoderLayer"]})
 # engine -> name -> extra arguments
 VARIANTS = {
@@ -48,14 +55,18 @@ VARIANTS = {
         "fsdp": FSDP,
         "fsdp-chunk-step": {**FSDP, "chunk_size": 3, "chunk_gradient_sync": "step"},
         "fsdp-chunk-chunk": {**FSDP, "chunk_size": 3, "chunk_gradient_sync": "chunk"},
+        "fsdp-chunk-step-gather-chunk": {**FSDP, "chunk_size": 3, "chunk_parameter_gather": "chunk"},
     },
     "deepspeed": {
         "ddp": {},
         **{f"zero{stage}{suffix}": {"chunk_size": chunk, "deepspeed": {
             "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
             "train_batch_size": "auto", "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10}}}
-           for stage in (2,) for suffix, chunk in (("", None), ("-chunk", 3))},
+            # nothing persists under ZeRO-3: the logit scale is freed like every parameter; the
+            # saved model is gathered whole, as transformers needs for save_model under ZeRO-3
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                                  "stage3_gather_16bit_weights_on_model_save": True}}}
+           for stage in (2, 3) for suffix, chunk in (("", None), ("-chunk", 3))},
     },
 }
 
@@ -94,14 +105,30 @@ def main(out_dir: str, engine: str = "fsdp") -> None:
     on_gpu = torch.cuda.is_available()
     trainer_class = InfCLTrainer if on_gpu or engine == "deepspeed" else CpuFsdpTrainer
     rank = int(os.environ["RANK"])
+    # Every run starts from these weights (tiny_clip is seeded: each rank saves the same ones, so no
+    # process waits on another; saved before any process group exists, which would make only
+    # rank 0 write).
+    start = os.path.join(out_dir, f"start-rank{rank}")
+    tiny_clip(dropout=0.0).save_pretrained(start)
+    if engine == "deepspeed":
+        # On CPU, TrainingArguments leaves DeepSpeed's own communication uninitialised, so
+        # DeepSpeed's configuration would count one process.
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     for name, extra in VARIANTS[engine].items():
         output_dir = os.path.join(out_dir, name)
         arguments = {**SETTINGS, **extra}
         if on_gpu:  # fp32 everywhere, so that DDP and FSDP2 agree to rounding
             arguments.update(use_cpu=False, precision="ieee")
+        # Built before its arguments: DeepSpeed's zero.Init, which from_pretrained uses once ZeRO-3
+        # arguments exist, cannot partition CLIP's 0-d logit_scale (the README says so). A
+        # script makes one run; here the previous run's ZeRO-3 arguments are forgotten first.
+        unset_hf_deepspeed_config()
+        model = CLIPModel.from_pretrained(start).train()
         args = trainer_arguments(output_dir, **arguments)
         dataset = PairDataset(clip_batch(16))
-        trainer = trainer_class(model=tiny_clip(dropout=0.0), args=args, train_dataset=dataset)
+        trainer = trainer_class(model=model, args=args, train_dataset=dataset)
         assert trainer.is_fsdp_enabled == ("fsdp" in name), (name, trainer.is_fsdp_enabled)
         assert trainer.is_deepspeed_enabled == ("zero" in name), (name, trainer.is_deepspeed_enabled)
         trainer.train()
