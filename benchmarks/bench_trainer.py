@@ -312,9 +312,15 @@ def fsdp_trial(options) -> None:
     common = dict(output_dir=os.path.join(options.work_dir, "fsdp"), per_device_train_batch_size=batch,
                   max_steps=options.steps, bf16=cuda, report_to="none", save_strategy="no",
                   logging_strategy="no", disable_tqdm=True, remove_unused_columns=False,
-                  dataloader_pin_memory=False, use_cpu=not cuda, seed=0, fsdp=True,
-                  fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [layer_class],
-                               "reshard_after_forward": True})
+                  dataloader_pin_memory=False, use_cpu=not cuda, seed=0)
+    if options.engine == "zero3":
+        common["deepspeed"] = {
+            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+            "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 3}}
+    else:
+        common.update(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [layer_class],
+                                              "reshard_after_forward": True})
     timer = StepTimer()
 
     def collator(features):
@@ -326,7 +332,9 @@ def fsdp_trial(options) -> None:
         trainer = Trainer(model=model, args=TrainingArguments(**common), data_collator=collator,
                           train_dataset=Indices(batch * options.steps * 8), callbacks=[timer])
     else:
-        args = InfCLTrainingArguments(**common, chunk_size=options.chunk_size)
+        args = InfCLTrainingArguments(**common, chunk_size=options.chunk_size,
+                                      chunk_gradient_sync=options.chunk_sync,
+                                      chunk_parameter_gather=options.gather)
         trainer = InfCLTrainer(model=model, args=args, data_collator=collator,
                                train_dataset=Indices(batch * options.steps * 8), callbacks=[timer])
     trainer.remove_callback(PrinterCallback)
@@ -358,7 +366,8 @@ def fsdp_run(options, kind: str, batch: int, steps: int, warmup: int):
                "--master_port", str(port), os.path.abspath(__file__), "--fsdp", options.fsdp,
                "--trial-kind", kind, "--trial-batch", str(batch), "--trial-out", out,
                "--steps", str(steps), "--warmup", str(warmup), "--chunk-size", str(options.chunk_size),
-               "--work-dir", options.work_dir] + (["--tiny"] if options.tiny else [])
+               "--work-dir", options.work_dir, "--engine", options.engine, "--chunk-sync", options.chunk_sync,
+               "--gather", options.gather] + (["--tiny"] if options.tiny else [])
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     python_path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
     environment = {**os.environ, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}
@@ -384,6 +393,9 @@ def fsdp_main(options, device_name: str) -> None:
              "vit-l14": "CLIP ViT-L/14, 224 px"}[options.fsdp]
     started = time.perf_counter()
     rows = []
+    engine = "FSDP2" if options.engine == "fsdp2" else "ZeRO-3"
+    ours_label = f"InfCLTrainer chunk {options.chunk_size}, {engine}, sync {options.chunk_sync}" + (
+        f", gather {options.gather}" if options.engine == "fsdp2" else "")
 
     def fits_fsdp(kind, per_rank):
         result = fsdp_run(options, kind, per_rank, 2 if kind == "vanilla" else 1, warmup=1)
@@ -391,8 +403,10 @@ def fsdp_main(options, device_name: str) -> None:
                                                                      else "OOM"), flush=True)
         return result is not None
 
-    print(f"1. the plain Trainer's largest global batch under FSDP2 on {gpus} GPUs ({label}):", flush=True)
+    print(f"1. the plain Trainer's largest global batch under {engine} on {gpus} GPUs ({label}):", flush=True)
     low, high, per_rank = 0, None, options.start_batch
+    if options.vanilla_batch:  # given: no search
+        low, per_rank = options.vanilla_batch // gpus, options.max_batch + 1
     while high is None and per_rank <= options.max_batch:
         if fits_fsdp("vanilla", per_rank):
             low, per_rank = per_rank, per_rank * 2
@@ -410,24 +424,24 @@ def fsdp_main(options, device_name: str) -> None:
     print(f"   B_v = {b_v}", flush=True)
     if low == 0:
         sys.exit("the plain Trainer did not fit even --start-batch; lower it")
-    rows.append(dict(measure="largest batch", config="plain Trainer, FSDP2", batch=b_v, value=b_v,
+    rows.append(dict(measure="largest batch", config=f"plain Trainer, {engine}", batch=b_v, value=b_v,
                      unit="pairs"))
 
-    print(f"2. InfCLTrainer, chunk {options.chunk_size}, FSDP2:", flush=True)
+    print(f"2. {ours_label}:", flush=True)
     ours = 0
     for global_batch in [int(b) for b in options.ours_batches.split(",") if b]:
         if not fits_fsdp("infcl", global_batch // gpus):
             break
         ours = global_batch
     if ours:
-        config = f"InfCLTrainer chunk {options.chunk_size}, FSDP2"
+        config = ours_label
         rows.append(dict(measure="largest batch tried", config=config, batch=ours, value=ours, unit="pairs",
                          ratio=f"{ours / b_v:.0f} x B_v"))
 
     print(f"3. pairs/s at B_v = {b_v} ({options.warmup} warm-up + {options.steps} timed):", flush=True)
     vanilla_rate = None
-    for config, kind in [] if options.skip_rate else (("plain Trainer, FSDP2", "vanilla"),
-                         (f"InfCLTrainer chunk {options.chunk_size}, FSDP2", "infcl")):
+    measured = [] if options.skip_rate else [(f"plain Trainer, {engine}", "vanilla"), (ours_label, "infcl")]
+    for config, kind in measured[1:] if options.ours_rate_only else measured:
         result = fsdp_run(options, kind, low, options.warmup + options.steps, warmup=max(options.warmup, 1))
         rate = b_v / result[0] if result else float("nan")
         vanilla_rate = rate if kind == "vanilla" else vanilla_rate
@@ -460,6 +474,14 @@ def main(argv=None):
                         help="--fsdp: comma list of global batches to try for ours")
     parser.add_argument("--trial-timeout", type=int, default=900, help="--fsdp: seconds per trial")
     parser.add_argument("--skip-rate", action="store_true", help="--fsdp: skip the pairs/s measurement")
+    parser.add_argument("--ours-rate-only", action="store_true",
+                        help="--fsdp: measure pairs/s of InfCLTrainer only (the plain Trainer's measured before)")
+    parser.add_argument("--engine", choices=["fsdp2", "zero3"], default="fsdp2",
+                        help="--fsdp: shard with FSDP2 or DeepSpeed ZeRO-3 (both trainers)")
+    parser.add_argument("--chunk-sync", choices=["step", "chunk"], default="step",
+                        help="--fsdp: InfCLTrainer's chunk_gradient_sync")
+    parser.add_argument("--gather", choices=["step", "chunk"], default="step",
+                        help="--fsdp: InfCLTrainer's chunk_parameter_gather (FSDP2)")
     for name in ("--trial-kind", "--trial-batch", "--trial-out"):  # internal: one --fsdp trial
         parser.add_argument(name, default=None, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
