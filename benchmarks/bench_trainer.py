@@ -475,7 +475,7 @@ def main(argv=None):
     parser.add_argument("--trial-timeout", type=int, default=900, help="--fsdp: seconds per trial")
     parser.add_argument("--skip-rate", action="store_true", help="--fsdp: skip the pairs/s measurement")
     parser.add_argument("--ours-rate-only", action="store_true",
-                        help="--fsdp: measure pairs/s of InfCLTrainer only (the plain Trainer's measured before)")
+                        help="--fsdp: pairs/s of InfCLTrainer only (the plain Trainer measured before)")
     parser.add_argument("--engine", choices=["fsdp2", "zero3"], default="fsdp2",
                         help="--fsdp: shard with FSDP2 or DeepSpeed ZeRO-3 (both trainers)")
     parser.add_argument("--chunk-sync", choices=["step", "chunk"], default="step",
