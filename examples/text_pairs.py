@@ -17,10 +17,8 @@ treating them as negatives and the evaluation counts as correct.
 
 from __future__ import annotations
 
-import csv
 import importlib
 import inspect
-import json
 import os
 import random
 import re
@@ -298,21 +296,22 @@ def load_stdlib(held_out=300, max_train=None, seed=0) -> TextPairs:
 def load_pair_file(
     path, query_column="query", passage_column="passage", held_out=0.1, max_train=None, seed=0
 ) -> TextPairs:
-    """A CSV/TSV (header row) or JSON-lines file with a query and a passage column."""
+    """A CSV/TSV (header row) or JSON-lines file with a query and a passage column, read with
+    ``datasets.load_dataset``."""
+    import datasets
+
     extension = os.path.splitext(path)[1].lower()
-    with open(path, encoding="utf-8") as handle:
-        if extension in (".csv", ".tsv"):
-            rows = list(csv.DictReader(handle, delimiter="\t" if extension == ".tsv" else ","))
-        elif extension in (".jsonl", ".json"):
-            rows = [json.loads(line) for line in handle if line.strip()]
-        else:
-            raise ValueError(f"the pair file must be .csv, .tsv or .jsonl, got {path!r}")
-    if not rows:
+    kind = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"}.get(extension)
+    if kind is None:
+        raise ValueError(f"the pair file must be .csv, .tsv or .jsonl, got {path!r}")
+    extra = {"delimiter": "\t"} if extension == ".tsv" else {}
+    table = datasets.load_dataset(kind, data_files=path, split="train", **extra)
+    if len(table) == 0:
         raise ValueError(f"{path} has no rows")
     for column in (query_column, passage_column):
-        if column not in rows[0]:
-            raise ValueError(f"column {column!r} not in {path} (it has {sorted(rows[0])})")
-    pairs = [(str(r[query_column]), str(r[passage_column])) for r in rows]
+        if column not in table.column_names:
+            raise ValueError(f"column {column!r} not in {path} (it has {sorted(table.column_names)})")
+    pairs = [(str(query), str(passage)) for query, passage in zip(table[query_column], table[passage_column])]
     train, held = _split(pairs, held_out, max_train, seed)
     return TextPairs(os.path.basename(path), train, held, f"user pairs from {path}")
 

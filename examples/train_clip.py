@@ -49,10 +49,11 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' shared helpers
+from hf_infcl.loss import PRECISIONS, BackendName, LossKind, Precision
+from hf_infcl.sharding import full_value, scalar_state_dict, vectorise_scalar_parameters
 
-from bundled_data import ImageCaptionData, load_image_caption_data  # noqa: E402
-from example_cli import (  # noqa: E402
+from bundled_data import ImageCaptionData, load_image_caption_data
+from example_cli import (
     NON_NEGATIVE,
     POSITIVE,
     RATIO,
@@ -64,10 +65,7 @@ from example_cli import (  # noqa: E402
     is_main_process,
     push_output_dir,
 )
-from retrieval_metrics import embed_texts, retrieval_metrics, zero_shot_accuracy  # noqa: E402
-
-from hf_infcl.loss import PRECISIONS, BackendName, LossKind, Precision  # noqa: E402
-from hf_infcl.sharding import full_value, scalar_state_dict, vectorise_scalar_parameters  # noqa: E402
+from retrieval_metrics import embed_texts, retrieval_metrics, zero_shot_accuracy
 
 
 @dataclass
@@ -824,14 +822,12 @@ def _run_on_cpu(args) -> bool:
 def _resolve_checkpoint(path, output_dir):
     if path != "latest":
         return path
-    candidates = (
-        [d for d in os.listdir(output_dir) if d.startswith("checkpoint-")]
-        if os.path.isdir(output_dir)
-        else []
-    )
-    if not candidates:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    latest = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if latest is None:
         raise ValueError(f"--resume_from_checkpoint latest: no checkpoint-* folder in {output_dir}")
-    return os.path.join(output_dir, max(candidates, key=lambda d: int(d.rsplit("-", 1)[-1])))
+    return latest
 
 
 def _device_description(device):

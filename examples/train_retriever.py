@@ -50,9 +50,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' shared helpers
-
-from example_cli import (  # noqa: E402
+from example_cli import (
     POSITIVE,
     TEXT_PAIR_RULES,
     TRAINING_ARGUMENT_RULES,
@@ -65,9 +63,9 @@ from example_cli import (  # noqa: E402
     parse_with_defaults,
     push_output_dir,
 )
-from retrieval_metrics import embed_texts, retrieval_metrics  # noqa: E402
-from text_outputs import save_results_and_card  # noqa: E402
-from text_pairs import TEXT_TRAINING_DEFAULTS, TextPairArguments, TextPairs  # noqa: E402
+from retrieval_metrics import embed_texts, retrieval_metrics
+from text_outputs import save_results_and_card
+from text_pairs import TEXT_TRAINING_DEFAULTS, TextPairArguments, TextPairs
 
 DEFAULT_OUTPUT_DIR = "outputs/retriever-wordnet"
 

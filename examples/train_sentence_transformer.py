@@ -21,15 +21,14 @@ flags are checked before any work, and so is ``--push_to_hub`` (token, Hub reach
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' shared helpers
+from hf_infcl.loss import PRECISIONS, Precision
 
-from example_cli import (  # noqa: E402
+from example_cli import (
     POSITIVE,
     TEXT_PAIR_RULES,
     TRAINING_ARGUMENT_RULES,
@@ -41,11 +40,9 @@ from example_cli import (  # noqa: E402
     parse_with_defaults,
     push_output_dir,
 )
-from retrieval_metrics import retrieval_metrics  # noqa: E402
-from text_outputs import save_results_and_card  # noqa: E402
-from text_pairs import TEXT_TRAINING_DEFAULTS, TextPairArguments  # noqa: E402
-
-from hf_infcl.loss import PRECISIONS, Precision  # noqa: E402
+from retrieval_metrics import retrieval_metrics
+from text_outputs import save_results_and_card
+from text_pairs import TEXT_TRAINING_DEFAULTS, TextPairArguments
 
 DEFAULT_OUTPUT_DIR = "outputs/sentence-transformer-wordnet"
 

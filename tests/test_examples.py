@@ -42,8 +42,9 @@ def accelerate_launch(tmp_path, *launch_args, script="train_clip.py", script_arg
 def reloaded_zero_shot_accuracy(output_dir):
     """Held-out zero-shot top-1 of the saved checkpoint, computed independently of the script."""
     import torch.nn.functional as F
-    from bundled_data import load_digits
     from transformers import CLIPModel, CLIPProcessor
+
+    from bundled_data import load_digits
 
     model = CLIPModel.from_pretrained(output_dir).eval()
     processor = CLIPProcessor.from_pretrained(output_dir)
@@ -383,6 +384,13 @@ def test_text_pairs_fall_back_to_stdlib_docstrings_and_read_user_files(tmp_path,
     groups = text_pairs.TextPairs.passage_groups(mine.train)
     for (_, a), ga in zip(mine.train, groups):  # equal passages <=> equal group ids
         assert all((a == b) == (ga == gb) for (_, b), gb in zip(mine.train, groups))
+    # a TSV whose passage column holds numbers: read as text; a missing column is named
+    tsv = tmp_path / "pairs.tsv"
+    tsv.write_text("q\tp\n" + "\n".join(f"query {i}\t{i}" for i in range(10)) + "\n")
+    tabbed = text_pairs.load_text_pairs(str(tsv), held_out=2, query_column="q", passage_column="p")
+    assert set(tabbed.train + tabbed.held_out) == {(f"query {i}", str(i)) for i in range(10)}
+    with pytest.raises(ValueError, match=r"column 'query' not in .*pairs.tsv \(it has \['p', 'q'\]\)"):
+        text_pairs.load_text_pairs(str(tsv))
 
 
 @pytest.mark.slow
@@ -404,9 +412,10 @@ def test_train_retriever_default_run_improves_held_out_recall(tmp_path):
     from hf_infcl import DualEncoder
 
     reloaded = DualEncoder.from_pretrained(out)  # the saved model is the trained one
-    import text_pairs
     from train_retriever import evaluate_retrieval
     from transformers import AutoTokenizer
+
+    import text_pairs
 
     held_out = text_pairs.load_text_pairs("wordnet", max_train=1024, seed=42).held_out  # the defaults
     again = evaluate_retrieval(reloaded, AutoTokenizer.from_pretrained(out), held_out, max_length=32)

@@ -77,12 +77,12 @@ def test_bad_input_is_named():
 def test_trainer_and_examples_report_the_same_recall_on_the_same_embeddings(tmp_path, monkeypatch):
     """The Trainer's evaluation (rows paired with keys, a group column) and the examples' metric
     (ids) on one set of embeddings full of ties: the same recall@k and MRR."""
-    import retrieval_metrics as example_metrics
-
     import hf_infcl.trainer
     from hf_infcl import InfCLTrainer
     from hf_infcl.trainer import retrieval_recalls
     from tests.trainer_fixtures import PairDataset, clip_batch, tiny_clip, trainer_arguments
+
+    import retrieval_metrics as example_metrics
 
     n = 17
     generator = torch.Generator().manual_seed(5)
