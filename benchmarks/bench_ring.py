@@ -12,9 +12,10 @@ scale 1/0.07, gradients of queries, keys and scale). Rows of the table, per glob
 
   ring        one step on n GPUs: wall time (slowest rank), peak memory above the inputs (the
               largest over ranks; it includes the returned input gradients).
-  compute     the same ranks' block computations with no communication at all (the forward and
-              backward block calls the ring makes, on local blocks of the same shapes).
-  comm        the ring's transfers alone (the same batches of sends/receives, no compute).
+  compute     the same step with the ring's transfers switched off (``ring.schedule(transfer=
+              False)``): every block computation, on blocks of the same shapes, no communication.
+  comm        the same step with the block computations switched off (``ring.schedule(compute=
+              False)``): the ring's transfers alone, the same batches of sends/receives.
   one-gpu     rank 0 alone on the whole global batch (``process_group=None``), same backend;
               the other ranks wait.
 
@@ -57,7 +58,6 @@ from bench_common import (  # this folder is on sys.path
 from hf_infcl import contrastive_loss  # noqa: E402
 from hf_infcl.loss import select_block_ops  # noqa: E402
 from hf_infcl.ops import ring  # noqa: E402
-from hf_infcl.ops.spec import StatsSpec  # noqa: E402
 
 LOGIT_SCALE = 1 / 0.07
 DEVICE = torch.device("cuda")  # "--cpu" (a dry run of this script over gloo) switches it
@@ -87,50 +87,18 @@ def loss_step(queries, keys, backend, group):
     return loss.detach()
 
 
-def compute_only_step(queries, keys, backend, world_size: int):
-    """The ring's block computations on one rank, with every transfer left out: n forward blocks,
-    then n backward blocks in the ring's key slices, on local blocks of the same shapes."""
-    spec = StatsSpec(loss="softmax", columns=True)
-    ops = select_block_ops(backend, queries.device)
-    scale = torch.tensor(LOGIT_SCALE, device=DEVICE)
-    m, width = queries.shape
-    row_stat = None
-    for _ in range(world_size):
-        partial_row, partial_col = ops.forward_block(spec, queries, keys, scale, None, None)
-        row_stat = partial_row if row_stat is None else torch.logaddexp(row_stat, partial_row)
-    col_stat = partial_col
-    weight = torch.full((m,), 0.5 / m, device=DEVICE)
-    grad_queries = torch.zeros(m, width, device=DEVICE)
-    slices = ring._key_slices(keys.shape[0], width, 4)
-    partial = torch.empty(max(hi - lo for lo, hi in slices), width, device=DEVICE)
-    for _ in range(world_size):
-        for lo, hi in slices:
-            partial[: hi - lo].zero_()
-            ops.backward_block(spec, queries, keys[lo:hi], scale, None, None, row_stat, col_stat[lo:hi],
-                               weight, weight[lo:hi], grad_queries, partial[: hi - lo])
+def compute_only_step(queries, keys, backend, group):
+    """The ring's forward + backward with its transfers left out (``ring.schedule``): every block
+    computation of the real schedule, on blocks of the real shapes."""
+    with ring.schedule(transfer=False):
+        return loss_step(queries, keys, backend, group)
 
 
-def comm_only_step(queries, keys, layout):
-    """The ring's transfers with no compute: forward key blocks and column statistics, backward
-    key blocks with their column statistics, and the key-gradient slices."""
-    n, (m, width) = layout.world_size, queries.shape
-    send_keys, recv_keys = keys.contiguous(), torch.empty_like(keys)
-    col, col_in = torch.zeros(m, device=DEVICE), torch.empty(m, device=DEVICE)
-    info, info_in = torch.zeros(2, m, device=DEVICE), torch.empty(2, m, device=DEVICE)
-    slices = ring._key_slices(m, width, 4)
-    grad = [torch.zeros(hi - lo, width, device=DEVICE) for lo, hi in slices]
-    grad_in = [torch.empty_like(g) for g in grad]
-    works = []
-    for step in range(n):  # forward
-        if step < n - 1:
-            works += ring._exchange(layout, [send_keys], [recv_keys])
-        works += ring._exchange(layout, [col], [col_in])
-    for step in range(n):  # backward
-        if step < n - 1:
-            works += ring._exchange(layout, [send_keys, info], [recv_keys, info_in])
-        for index in range(len(slices)):
-            works += ring._exchange(layout, [grad[index]], [grad_in[index]])
-    ring._wait(works)
+def comm_only_step(queries, keys, backend, group):
+    """The ring's forward + backward with its block computations left out: every transfer of the
+    real schedule, with its sizes and order."""
+    with ring.schedule(compute=False):
+        return loss_step(queries, keys, backend, group)
 
 
 _WARMED_UP = []  # set by the first measure_step of the run
@@ -157,7 +125,6 @@ def measure_step(step, args, group=None) -> tuple[list[float], int, float]:
 
 def measure_ring(queries, keys, args, group, world_size: int, with_compute: bool) -> list[dict]:
     """Rows "ring", "compute" (when ``with_compute``) and "comm" for one global batch."""
-    layout = ring.exchange_layout(group, queries, keys, StatsSpec("softmax", True), False, False)
     times, peak, loss = measure_step(lambda: loss_step(queries, keys, args.backend, group), args, group)
     memory = torch.tensor([peak], device=DEVICE, dtype=torch.float64)
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
@@ -167,10 +134,9 @@ def measure_ring(queries, keys, args, group, world_size: int, with_compute: bool
                  loss=float(ring_loss) / world_size)]
     iters, warmup = (1, 0) if len(times) == 1 else (args.iters, args.warmup)
     if with_compute:
-        compute = timed(lambda: compute_only_step(queries, keys, args.backend, world_size),
-                        iters, warmup, group)
+        compute = timed(lambda: compute_only_step(queries, keys, args.backend, group), iters, warmup, group)
         rows.append(dict(what="compute", ms=1e3 * statistics.median(compute)))
-    comm = timed(lambda: comm_only_step(queries, keys, layout), max(iters, 3), 1, group)
+    comm = timed(lambda: comm_only_step(queries, keys, args.backend, group), max(iters, 3), 1, group)
     rows.append(dict(what="comm", ms=1e3 * statistics.median(comm)))
     return rows
 
@@ -185,7 +151,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--sizes", default="64k,128k,256k", help="global batch sizes b")
+    parser.add_argument("--sizes", default=None,
+                        help="global batch sizes b (default 64k,128k,256k; with --cpu 256,512)")
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--backend", default="auto", help="auto, triton or torch")
@@ -200,6 +167,8 @@ def main() -> int:
     parser.add_argument("--csv", default=None, help="CSV path (default: $OUT/bench_ring.csv when OUT is set)")
     parser.add_argument("--cpu", action="store_true", help="dry run over gloo on CPU (tiny sizes)")
     args = parser.parse_args()
+    if args.sizes is None:
+        args.sizes = "256,512" if args.cpu else "64k,128k,256k"
 
     global DEVICE
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -10,8 +10,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .ops import custom_ops, reference, ring
-from .ops.local import LocalLogitStats, local_mask
+from .ops import reference
+from .ops.logit_stats import (  # noqa: F401  (select_block_ops, backend_name: re-exported)
+    announcing_rejections,
+    backend_name,
+    logit_stats,
+    select_block_ops,
+)
 from .ops.options import (  # noqa: F401  (the vocabularies, re-exported: hf_infcl.loss.PRECISIONS)
     BACKENDS,
     LOSSES,
@@ -88,82 +93,43 @@ def contrastive_loss(
 
 def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
                       process_group, loss, symmetric, reduction, backend, precision, options_checked):
-    """``contrastive_loss`` for every entry point. ``options_checked``: the caller holds the
-    options as a :class:`LossOptions`, checked when it was built, so they are not checked again."""
+    """``contrastive_loss`` for every entry point: validate, one call for the statistics (one
+    process or the ring: :func:`hf_infcl.ops.logit_stats.logit_stats`), assemble, reduce.
+    ``options_checked``: the caller holds the options as a :class:`LossOptions`, checked when it
+    was built, so they are not checked again."""
     group, world_size = _resolve_process_group(process_group)
-    if world_size > 1:
-        return _ring_loss(group, world_size, queries, keys, logit_scale, logit_bias, loss, symmetric,
-                          positives, query_groups, key_groups, reduction, backend, precision, options_checked)
+    in_ring = world_size > 1
     # Under torch.compile, the checks that read values (scale > 0, positives in range) would break
-    # the graph: the op makes them itself when it runs (see hf_infcl.ops.custom_ops).
-    compiling = torch.compiler.is_compiling()
-    scale, bias, positives = _check_arguments(
-        queries, keys, logit_scale, logit_bias, loss, symmetric, positives, query_groups, key_groups,
-        reduction, backend, precision, check_values=not compiling, options_checked=options_checked,
-    )
-    per_row = _local_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, query_groups,
-                                  key_groups, backend, precision, validate=compiling)
-    return _reduce(per_row, reduction, total_rows=queries.shape[0], world_size=world_size)
-
-
-def _local_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, query_groups,
-                        key_groups, backend, precision, validate):
-    """Per-row losses of one process. Named backends run as the custom op (torch.compile keeps it
-    in the graph); the reference and block-ops objects run eagerly."""
-    if backend == "reference" or not isinstance(backend, str):
-        return _eager_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, query_groups,
-                                   key_groups, backend, precision, validate)
+    # the graph: one process's op makes them itself when it runs (see hf_infcl.ops.custom_ops).
+    deferred = not in_ring and torch.compiler.is_compiling()
+    device = queries.device if torch.is_tensor(queries) else None
+    with announcing_rejections(group if in_ring else None, device):
+        scale, bias, positives = _check_arguments(
+            queries, keys, logit_scale, logit_bias, loss, symmetric, positives, query_groups, key_groups,
+            reduction, backend, precision, in_ring=in_ring, check_values=not deferred,
+            options_checked=options_checked,
+        )
+    if backend == "reference":  # the materialised oracle (one process: the checks refuse it in a ring)
+        per_row = _reference_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives,
+                                          query_groups, key_groups, validate=deferred)
+        return _reduce(per_row, reduction, total_rows=queries.shape[0], world_size=1)
     spec = _stats_spec(loss, symmetric, precision, queries)
-    row_stat, col_stat, positive_logit = custom_ops.logit_stats(
-        queries, keys, scale, bias, positives, query_groups, key_groups, spec.loss, spec.columns,
-        spec.precision, backend_name(backend, queries.device), validate,
-    )
-    return assemble_per_row_loss(spec, positives, row_stat, col_stat, positive_logit)
+    stats = logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups, spec, backend,
+                        group=group if in_ring else None, reduction=reduction, validate=deferred)
+    per_row = assemble_per_row_loss(spec, positives, stats.row_stat, stats.col_stat, stats.positive_logit)
+    return _reduce(per_row, reduction, total_rows=stats.total_rows, world_size=world_size)
 
 
 @torch.compiler.disable
-def _eager_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, query_groups, key_groups,
-                        backend, precision, validate):
-    """The reference and block-ops objects (which cannot be custom-op arguments): a graph break
-    under torch.compile."""
+def _reference_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, query_groups,
+                            key_groups, validate):
+    """The materialised loss (a graph break under torch.compile)."""
     if validate:
         _check_values(scale, positives, keys.shape[0])
-    if backend == "reference":
-        return reference.per_row_loss(
-            queries, keys, scale, bias, loss=loss, symmetric=symmetric, positives=positives,
-            query_groups=query_groups, key_groups=key_groups,
-        )
-    spec = _stats_spec(loss, symmetric, precision, queries)
-    mask = local_mask(query_groups, key_groups, positives)
-    row_stat, col_stat, positive_logit = LocalLogitStats.apply(
-        queries, keys, scale, bias, positives, mask, spec, backend
+    return reference.per_row_loss(
+        queries, keys, scale, bias, loss=loss, symmetric=symmetric, positives=positives,
+        query_groups=query_groups, key_groups=key_groups,
     )
-    return assemble_per_row_loss(spec, positives, row_stat, col_stat, positive_logit)
-
-
-@torch.compiler.disable
-def _ring_loss(group, world_size, queries, keys, logit_scale, logit_bias, loss, symmetric, positives,
-               query_groups, key_groups, reduction, backend, precision, options_checked):
-    """The loss over a process group (the ring); eager, a graph break under torch.compile."""
-    try:
-        scale, bias, positives = _check_arguments(
-            queries, keys, logit_scale, logit_bias, loss, symmetric, positives, query_groups,
-            key_groups, reduction, backend, precision, in_ring=True, options_checked=options_checked,
-        )
-    except (TypeError, ValueError):
-        # the other ranks wait in the ring's size exchange: tell them, then raise
-        ring.announce_rejected_arguments(group, queries.device if torch.is_tensor(queries) else None)
-        raise
-    spec = _stats_spec(loss, symmetric, precision, queries)
-    layout = ring.exchange_layout(group, queries, keys, spec, bias is not None, query_groups is not None,
-                                  reduction)
-    ops = select_block_ops(backend, queries.device)
-    positive_keys = positives + layout.key_offset(layout.rank)  # global key ids, for group masking
-    row_stat, col_stat, positive_logit = ring.RingLogitStats.apply(
-        queries, keys, scale, bias, positives, query_groups, key_groups, positive_keys, spec, ops, layout
-    )
-    per_row = assemble_per_row_loss(spec, positives, row_stat, col_stat, positive_logit)
-    return _reduce(per_row, reduction, total_rows=layout.total_rows, world_size=world_size)
 
 
 def _stats_spec(loss, symmetric, precision, queries) -> StatsSpec:
@@ -188,35 +154,6 @@ def _reduce(per_row: torch.Tensor, reduction: str, total_rows: int, world_size: 
     if reduction == "sum":
         return per_row.sum()
     return per_row.sum() * (world_size / total_rows)
-
-
-def select_block_ops(backend, device: torch.device) -> BlockOps:
-    """The block ops for a backend name (or a block-ops object given directly)."""
-    if not isinstance(backend, str):
-        return backend
-    return custom_ops.block_ops(backend_name(backend, device))
-
-
-def backend_name(backend: str, device: torch.device) -> str:
-    """"torch" or "triton" for a backend name: "auto" is Triton on CUDA when it can be imported."""
-    if backend == "torch":
-        return "torch"
-    if backend == "triton":
-        if not _triton_importable():
-            raise ImportError("backend='triton' needs Triton (`pip install triton`, Linux with a CUDA GPU)")
-        return "triton"
-    return "triton" if device.type == "cuda" and _triton_importable() else "torch"
-
-
-@torch.compiler.assume_constant_result
-def _triton_importable() -> bool:
-    # assume_constant_result: torch.compile calls this once while tracing and keeps the answer,
-    # instead of tracing an import.
-    try:
-        from .ops import triton_blocks  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _resolve_process_group(process_group):

@@ -10,6 +10,7 @@ raised. Nothing is asserted here: a failure must reach pytest, not die in a chil
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import traceback
@@ -318,6 +319,50 @@ def run_group_of_one(rank: int):
     return in_group, local
 
 
+class CountingTiles(type(TILES)):
+    """The torch tiles, counting the block computations they are asked for."""
+
+    def __init__(self):
+        super().__init__(tile_rows=TILES.tile_rows, tile_keys=TILES.tile_keys)
+        self.blocks = 0
+
+    def forward_block(self, *args, **kwargs):
+        self.blocks += 1
+        return super().forward_block(*args, **kwargs)
+
+    def backward_block(self, *args, **kwargs):
+        self.blocks += 1
+        return super().backward_block(*args, **kwargs)
+
+
+def run_schedules(rank: int, world_size: int):
+    """Forward + backward under each of ring.schedule's settings, then once more with none: the
+    block computations and point-to-point batches counted, the loss and query gradient kept."""
+    queries, keys = _features(3 + rank, seed=60 + rank), _features(4 + rank, seed=80 + rank)
+    batches = [0]
+    original = dist.batch_isend_irecv
+
+    def counted(ops):
+        batches[0] += 1
+        return original(ops)
+    results = {}
+    dist.batch_isend_irecv = counted
+    try:
+        for name, switches in (("full", {}), ("no-transfer", {"transfer": False}),
+                               ("no-compute", {"compute": False}), ("after", None)):
+            tiles, batches[0] = CountingTiles(), 0
+            q = queries.clone().requires_grad_(True)
+            context = ring.schedule(**switches) if switches is not None else contextlib.nullcontext()
+            with context:
+                value = contrastive_loss(q, keys, 3.0, process_group="auto", backend=tiles)
+                value.backward()
+            results[name] = {"blocks": tiles.blocks, "batches": batches[0], "value": value.detach(),
+                             "queries": q.grad}
+    finally:
+        dist.batch_isend_irecv = original
+    return results
+
+
 def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     """Entry point of one spawned rank; writes its results (or its traceback) under out_dir."""
     try:
@@ -334,6 +379,7 @@ def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         results["reductions"] = run_reductions(rank, world_size)
         results["triton"] = run_triton(rank, world_size)
         results["group_of_one"] = run_group_of_one(rank)
+        results["schedules"] = run_schedules(rank, world_size)
         dist.barrier()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()

@@ -165,6 +165,20 @@ def test_reductions_none_and_sum_without_autograd(ranks):
         torch.testing.assert_close(result["reductions"]["sum"], mine.sum(), **TOLERANCE)
 
 
+def test_ring_schedule_switches_leave_out_the_transfers_or_the_compute(ranks):
+    """ring.schedule(transfer=False) runs every block computation and no transfer;
+    compute=False every transfer and no block computation (through the backward too); outside
+    the context the ring is exact again."""
+    for result in ranks:
+        runs = result["schedules"]
+        full, no_transfer, no_compute = runs["full"], runs["no-transfer"], runs["no-compute"]
+        assert full["blocks"] > 0 and full["batches"] > 0
+        assert (no_transfer["blocks"], no_transfer["batches"]) == (full["blocks"], 0)
+        assert (no_compute["blocks"], no_compute["batches"]) == (0, full["batches"])
+        torch.testing.assert_close(runs["after"]["value"], full["value"], rtol=0, atol=0)
+        torch.testing.assert_close(runs["after"]["queries"], full["queries"], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("loss_name", sorted(ring_workers.TRITON_LOSSES))
 def test_ring_over_triton_block_ops_matches_float64(ranks, loss_name):
     if ranks[0]["triton"] is None:

@@ -27,6 +27,10 @@ exchanged first with one small all_gather, which also carries every option that 
 that a mismatch raises the same ``ValueError`` on every rank instead of a hang. Key blocks travel
 padded to the largest k; each rank computes only on the owner's real keys.
 
+For measurement, :func:`schedule` switches the transfers or the block computations off (the
+loss is then wrong by design): ``benchmarks/bench_ring.py`` times the ring's compute and its
+communication apart with it.
+
 Gradients: each rank's backward returns the gradient of the *sum of every rank's* loss with
 respect to its own queries and keys, and its share of the gradient of the scale and bias (from the
 logits it computed). With the ``mean`` reduction of docs/contract.md ("Reductions"), DDP's average of the
@@ -36,6 +40,8 @@ or the bias.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +75,38 @@ _MAX_SLICES = 8
 
 
 @dataclass(frozen=True)
+class RingSchedule:
+    """What the ring runs: its block computations (``compute``) and its transfers (``transfer``).
+    Both on is the loss; see :func:`schedule`."""
+
+    compute: bool = True
+    transfer: bool = True
+
+
+_FULL_SCHEDULE = RingSchedule()
+_SCHEDULE: contextvars.ContextVar[RingSchedule] = contextvars.ContextVar("hf_infcl_ring_schedule")
+
+
+@contextlib.contextmanager
+def schedule(compute: bool = True, transfer: bool = True):
+    """Inside, the ring (forward and backward) runs only part of its schedule, to time the parts:
+
+    - ``transfer=False``: no point-to-point transfer; each "received" block is a local copy of the
+      one sent, so every step computes on blocks of the real shapes (the compute alone);
+    - ``compute=False``: no block computation; every transfer of the real schedule, with its
+      real sizes and order, still runs (the communication alone).
+
+    With either off the loss and its gradients are wrong: this is for benchmarks only. The size
+    exchange at the start always runs. The switches hold for the backward of a loss computed
+    inside (they travel with the call's layout), wherever autograd runs it."""
+    token = _SCHEDULE.set(RingSchedule(compute=compute, transfer=transfer))
+    try:
+        yield
+    finally:
+        _SCHEDULE.reset(token)
+
+
+@dataclass(frozen=True)
 class RingLayout:
     """Who holds what: the outcome of the size exchange, identical on every rank."""
 
@@ -79,6 +117,7 @@ class RingLayout:
     prev_peer: int  # global rank of (rank - 1) mod n: where they come from
     rows: tuple[int, ...]  # m of every rank
     keys: tuple[int, ...]  # k of every rank
+    schedule: RingSchedule = _FULL_SCHEDULE  # as schedule() set it when the sizes were exchanged
 
     @property
     def total_rows(self) -> int:
@@ -156,6 +195,7 @@ def exchange_layout(group, queries, keys, spec: StatsSpec, has_bias: bool, has_g
         prev_peer=dist.get_global_rank(group, (rank - 1) % world_size),
         rows=tuple(columns["rows"]),
         keys=tuple(columns["keys"]),
+        schedule=_SCHEDULE.get(_FULL_SCHEDULE),
     )
 
 
@@ -203,7 +243,12 @@ def _exchange(layout: RingLayout, outgoing: list[torch.Tensor], incoming: list[t
     """Post one batch: send ``outgoing`` to the next rank, receive ``incoming`` from the previous.
 
     Returns the works to wait on. Every rank posts its batches in the same order, so they match.
+    With the transfers switched off (:func:`schedule`) ``incoming`` gets a copy of ``outgoing``.
     """
+    if not layout.schedule.transfer:
+        for sent, received in zip(outgoing, incoming):
+            received.copy_(sent)
+        return []
     ops = [dist.P2POp(dist.isend, t, layout.next_peer, layout.group) for t in outgoing]
     ops += [dist.P2POp(dist.irecv, t, layout.prev_peer, layout.group) for t in incoming]
     return dist.batch_isend_irecv(ops)
@@ -319,6 +364,7 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, query_groups, k
     m, k_max, n = queries.shape[0], layout.max_keys, layout.world_size
     row_stat = empty_row_stats(spec, m, acc, device)
 
+    compute = layout.schedule.compute
     own = [_padded(keys, k_max, 0.0)]
     if key_groups is not None:
         own.append(_padded(key_groups, k_max, 0))
@@ -334,7 +380,8 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, query_groups, k
         block_keys = blocks.current[0][:k_owner]
         block_groups = blocks.current[1][:k_owner] if key_groups is not None else None
 
-        if m == 0 or k_owner == 0:  # nothing to compute (backends need not handle empty blocks)
+        # nothing to compute (backends need not handle empty blocks), or the compute switched off
+        if m == 0 or k_owner == 0 or not compute:
             partial_row = empty_row_stats(spec, m, acc, device)
             partial_col = torch.full((k_owner,), float("-inf"), dtype=acc, device=device)
         else:
@@ -394,6 +441,7 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, query_groups, 
         own.append(col_info)
     blocks = _TravellingBlocks(layout, own)
 
+    compute = layout.schedule.compute
     slices = _key_slices(k_max, width, torch.finfo(acc).bits // 8)
     # Per slice, the running key gradient of the block this rank computes on next: received from
     # the previous rank, computed into in place, sent on. About one key block per rank.
@@ -433,7 +481,7 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, query_groups, 
                     wait_pending()
                 accumulator = running[index]
             hi_real = min(hi, k_owner)  # rows past the owner's k are padding: never computed
-            if lo < hi_real and m > 0:
+            if lo < hi_real and m > 0 and compute:
                 sliced_groups = block_groups[lo:hi_real] if block_groups is not None else None
                 mask = _block_mask(query_groups, positive_keys, sliced_groups, layout.key_offset(owner) + lo)
                 row_sums += ops.backward_block(

@@ -1,0 +1,134 @@
+"""One entry point for the loss's statistics, for one process or a ring of processes.
+
+:func:`logit_stats` returns the row statistics (row log-sum-exp, or the sigmoid loss's row sums),
+the column statistics of the symmetric softmax loss, and the positive logits z_{i,p(i)}, over
+every row and key of the process group, with the number of rows in the group. The public layer
+(``hf_infcl.loss``) validates, calls it once, assembles the per-row loss and reduces; it knows
+nothing of how the statistics are computed:
+
+- one process: the named backends run as the custom op of :mod:`hf_infcl.ops.custom_ops`
+  (``torch.compile`` keeps it in a graph); a block-ops object given directly runs through
+  :class:`~hf_infcl.ops.local.LocalLogitStats`. No padding, no collective.
+- a group of several: the sizes and options are exchanged (:func:`~hf_infcl.ops.ring.exchange_layout`)
+  and key blocks travel the ring (:class:`~hf_infcl.ops.ring.RingLogitStats`); eager, a graph
+  break under ``torch.compile``.
+
+:func:`announcing_rejections` wraps a rank's argument checks, so that a rank whose arguments fail
+takes part in the size exchange with a rejection, and the other ranks raise instead of waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+
+from . import custom_ops, ring
+from .local import LocalLogitStats, local_mask
+from .spec import BlockOps, StatsSpec
+from .spec import check_values as _check_values
+
+__all__ = ["LogitStats", "announcing_rejections", "backend_name", "logit_stats", "select_block_ops"]
+
+
+class LogitStats(NamedTuple):
+    """What :func:`logit_stats` returns."""
+
+    row_stat: torch.Tensor  # [m] this process's rows
+    col_stat: torch.Tensor  # [k] this process's keys (symmetric softmax), else empty
+    positive_logit: torch.Tensor  # [m] z_{i,p(i)}, in the accumulation dtype
+    total_rows: int  # rows in the whole group (m with one process)
+
+
+def logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups, spec: StatsSpec,
+                backend, *, group=None, reduction: str = "mean", validate: bool = False) -> LogitStats:
+    """The statistics of ``spec`` over this process's rows against every key of ``group``.
+
+    Args:
+        queries, keys, scale, bias, positives, query_groups, key_groups: checked arguments of the
+            loss (``positives`` as local key indices; ``scale``/``bias`` as tensors).
+        spec: which statistics (:class:`~hf_infcl.ops.spec.StatsSpec`), precision resolved.
+        backend: a backend name (``"auto"``, ``"torch"``, ``"triton"``) or a block-ops object.
+        group: a process group of several ranks for the ring, or None for one process.
+        reduction: the loss's reduction; the ring checks that every rank asks for the same.
+        validate: make the checks that read values (scale > 0, positives in range) here, for a
+            caller that could not (under ``torch.compile``).
+    """
+    if group is not None:
+        return _ring_stats(group, queries, keys, scale, bias, positives, query_groups, key_groups, spec,
+                           backend, reduction)
+    if isinstance(backend, str):
+        row_stat, col_stat, positive_logit = custom_ops.logit_stats(
+            queries, keys, scale, bias, positives, query_groups, key_groups, spec.loss, spec.columns,
+            spec.precision, backend_name(backend, queries.device), validate,
+        )
+    else:
+        row_stat, col_stat, positive_logit = _block_ops_stats(
+            queries, keys, scale, bias, positives, query_groups, key_groups, spec, backend, validate
+        )
+    return LogitStats(row_stat, col_stat, positive_logit, queries.shape[0])
+
+
+@torch.compiler.disable
+def _block_ops_stats(queries, keys, scale, bias, positives, query_groups, key_groups, spec, ops, validate):
+    """A block-ops object, which cannot be a custom-op argument: eager, a graph break under
+    torch.compile."""
+    if validate:
+        _check_values(scale, positives, keys.shape[0])
+    mask = local_mask(query_groups, key_groups, positives)
+    return LocalLogitStats.apply(queries, keys, scale, bias, positives, mask, spec, ops)
+
+
+@torch.compiler.disable
+def _ring_stats(group, queries, keys, scale, bias, positives, query_groups, key_groups, spec, backend,
+                reduction) -> LogitStats:
+    layout = ring.exchange_layout(group, queries, keys, spec, bias is not None, query_groups is not None,
+                                  reduction)
+    positive_keys = positives + layout.key_offset(layout.rank)  # global key ids, for group masking
+    row_stat, col_stat, positive_logit = ring.RingLogitStats.apply(
+        queries, keys, scale, bias, positives, query_groups, key_groups, positive_keys, spec,
+        select_block_ops(backend, queries.device), layout,
+    )
+    return LogitStats(row_stat, col_stat, positive_logit, layout.total_rows)
+
+
+@contextlib.contextmanager
+def announcing_rejections(group, device: torch.device | None):
+    """Around a rank's argument checks: if they raise TypeError/ValueError and ``group`` is a ring,
+    tell the other ranks (waiting in the size exchange) first, so that they raise too."""
+    try:
+        yield
+    except (TypeError, ValueError):
+        if group is not None:
+            ring.announce_rejected_arguments(group, device)
+        raise
+
+
+def select_block_ops(backend, device: torch.device) -> BlockOps:
+    """The block ops for a backend name (or a block-ops object given directly)."""
+    if not isinstance(backend, str):
+        return backend
+    return custom_ops.block_ops(backend_name(backend, device))
+
+
+def backend_name(backend: str, device: torch.device) -> str:
+    """"torch" or "triton" for a backend name: "auto" is Triton on CUDA when it can be imported."""
+    if backend == "torch":
+        return "torch"
+    if backend == "triton":
+        if not _triton_importable():
+            raise ImportError("backend='triton' needs Triton (`pip install triton`, Linux with a CUDA GPU)")
+        return "triton"
+    return "triton" if device.type == "cuda" and _triton_importable() else "torch"
+
+
+@torch.compiler.assume_constant_result
+def _triton_importable() -> bool:
+    # assume_constant_result: torch.compile calls this once while tracing and keeps the answer,
+    # instead of tracing an import.
+    try:
+        from . import triton_blocks  # noqa: F401
+    except ImportError:
+        return False
+    return True
