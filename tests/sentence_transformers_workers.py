@@ -65,3 +65,55 @@ def run_rank(rank: int, world_size: int, init_file: str, model_dir: str, out_dir
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+DDP_ROWS_PER_RANK = 5
+DDP_MINI_BATCH = 2  # three mini-batches per rank: three replays
+
+
+def run_ddp_rank(rank: int, world_size: int, init_file: str, model_dir: str, out_dir: str) -> None:
+    """One cached step of ``InfCLLoss`` on a SentenceTransformer wrapped in DDP, as
+    sentence-transformers' Trainer runs it (the loss holds the wrapped model). A DDP communication
+    hook counts the gradient reductions. Dropout is off, so that rank 0 can repeat the step in one
+    process on the concatenated batch."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hf_infcl import losses
+
+    torch.set_num_threads(1)
+    results = {}
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=120),
+        )
+        columns = text_columns(DDP_ROWS_PER_RANK * world_size, 2, seed=7)
+        local = [column[rank * DDP_ROWS_PER_RANK:(rank + 1) * DDP_ROWS_PER_RANK] for column in columns]
+        model = load_tiny_model(Path(model_dir)).eval()
+        # One bucket (the model is tiny): one reduction per synchronised backward. Mean pooling
+        # leaves BERT's pooler unused, as sentence-transformers' Trainer finds it
+        # (ddp_find_unused_parameters).
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=1024, find_unused_parameters=True)
+        reductions = [0]
+
+        def counting_hook(state, bucket):
+            reductions[0] += 1
+            return allreduce_hook(state, bucket)
+        wrapped.register_comm_hook(None, counting_hook)
+        loss = losses.InfCLLoss(model, mini_batch_size=DDP_MINI_BATCH, gather_across_devices=True,
+                                backend="torch")
+        loss.model = wrapped  # what sentence-transformers' Trainer does under DDP
+        value, gradients = loss_and_gradients(model, loss, local, seed=0)
+        results["ddp"] = {"loss": value, "gradients": gradients, "reductions": reductions[0]}
+        if rank == 0:
+            alone = load_tiny_model(Path(model_dir)).eval()
+            reference = losses.InfCLLoss(alone, mini_batch_size=DDP_MINI_BATCH, backend="torch")
+            value, gradients = loss_and_gradients(alone, reference, columns, seed=0)
+            results["one_process"] = {"loss": value, "gradients": gradients}
+    except Exception:
+        results["error"] = traceback.format_exc()
+    finally:
+        torch.save(results, Path(out_dir) / f"ddp-rank{rank}.pt")
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -396,6 +396,36 @@ def test_two_processes_match_all_gather_losses(tiny_model_dir, tmp_path):
                 raise AssertionError(f"rank {rank}, scenario {name}: {error}") from None
 
 
+@pytest.mark.skipif(not _ring_available(), reason="needs the hf_infcl ring (hf_infcl/ops/ring.py)")
+def test_ddp_cached_step_reduces_gradients_once_and_equals_one_process(tiny_model_dir, tmp_path):
+    """Two gloo processes, a SentenceTransformer under DDP, InfCLLoss with three mini-batches per
+    rank: DDP reduces the gradients once per step (sentence-transformers' cached losses used to
+    reduce after every mini-batch: their issue #4027), and the averaged gradients equal one
+    process's on the concatenated batch."""
+    import torch.multiprocessing as mp
+
+    from tests.sentence_transformers_workers import run_ddp_rank
+
+    world_size = 2
+    mp.start_processes(
+        run_ddp_rank, args=(world_size, str(tmp_path / "init"), str(tiny_model_dir), str(tmp_path)),
+        nprocs=world_size, join=True, start_method="fork",
+    )
+    ranks = [torch.load(tmp_path / f"ddp-rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+    for rank, result in enumerate(ranks):
+        assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
+        assert result["ddp"]["reductions"] == 1, result["ddp"]["reductions"]
+    one_process = ranks[0]["one_process"]
+    # each rank returns its share of the global mean: the shares add up to the one-process loss
+    total = sum(float(result["ddp"]["loss"]) for result in ranks) / world_size
+    assert total == pytest.approx(float(one_process["loss"]), rel=1e-5)
+    for result in ranks:  # DDP left the same averaged gradients on every rank
+        gradients = result["ddp"]["gradients"]
+        assert gradients.keys() == one_process["gradients"].keys() and len(gradients) > 10
+        for name, expected in one_process["gradients"].items():
+            torch.testing.assert_close(gradients[name], expected, **TOLERANCE, msg=name)
+
+
 # --------------------------------------------------------------------------------------------
 # A short training run on the packaged MiniLM, and its model card
 
