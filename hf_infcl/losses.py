@@ -104,11 +104,13 @@ def _column_rows(features: dict[str, Any]) -> int:
     raise ValueError(f"cannot tell how many texts a column holds from its features {sorted(features)}")
 
 
-def _check_columns(sentence_features: list[dict[str, Any]]) -> None:
+def _check_columns(sentence_features: list[dict[str, Any]], cached: bool) -> None:
     if len(sentence_features) < 2:
+        # the words of MNRL (which embeds first) and of CachedMNRL, then what the columns are
+        counted = "inputs" if cached else "embeddings"
         raise ValueError(
-            "InfCLLoss needs at least two columns, (anchor, positive[, negative_1, ...]); "
-            f"got {len(sentence_features)} column(s)"
+            f"Expected at least 2 {counted}, got {len(sentence_features)}: InfCLLoss needs the columns "
+            "(anchor, positive[, negative_1, ...])"
         )
     rows = [_column_rows(features) for features in sentence_features]
     if len(set(rows)) != 1:
@@ -189,7 +191,7 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise TypeError(f"scale must be a positive float, got {type(scale).__name__}")
         if not scale > 0:
-            raise ValueError(f"scale must be > 0 (it multiplies the similarities), got {scale}")
+            raise ValueError(f"Scale must be a positive value. Got scale={scale!r}.")  # MNRL's words, then ours
         # Checked here, first: assigning similarity_fct (__setattr__) sets _similarity_kind.
         self.similarity_fct = similarity_fct
         # A backend name only, not a block-ops object: get_config_dict saves it as JSON.
@@ -199,7 +201,8 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         if mini_batch_size is not None and (
             isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0
         ):
-            raise ValueError(f"mini_batch_size must be None or a positive integer, got {mini_batch_size!r}")
+            # (CachedMNRL accepts 0 and fails later; refused here)
+            raise ValueError(f"mini_batch_size must be a positive integer or None. Got {mini_batch_size!r}.")
         # mini_batch_num_tokens alone turns gradient caching on, as in CachedMNRL, whose mini-batches are
         # then packed by the token budget only (its mini_batch_size no longer bounds them).
         if mini_batch_num_tokens is not None and (
@@ -207,7 +210,7 @@ class InfCLLoss(CachedLossMixin, nn.Module):
             or mini_batch_num_tokens <= 0
         ):
             raise ValueError(
-                f"mini_batch_num_tokens must be a positive integer, got {mini_batch_num_tokens!r}"
+                f"mini_batch_num_tokens must be a positive integer or None. Got {mini_batch_num_tokens!r}."
             )
         caches = mini_batch_size is not None or mini_batch_num_tokens is not None
         if caches and _has_static_embedding(model):
@@ -237,8 +240,9 @@ class InfCLLoss(CachedLossMixin, nn.Module):
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
-        _check_columns(sentence_features)
-        if self.mini_batch_size is not None or self.mini_batch_num_tokens is not None:
+        cached = self.mini_batch_size is not None or self.mini_batch_num_tokens is not None
+        _check_columns(sentence_features, cached)
+        if cached:
             return self.forward_cached(sentence_features, labels)
         embeddings = _embed_columns(self.model, sentence_features)
         return self.compute_loss_from_embeddings(embeddings, labels)
@@ -256,7 +260,7 @@ class InfCLLoss(CachedLossMixin, nn.Module):
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
         """The loss from one embedding tensor per column: anchors, positives, then negatives columns."""
         if len(embeddings) < 2:
-            raise ValueError(f"InfCLLoss needs at least two columns of embeddings, got {len(embeddings)}")
+            raise ValueError(f"Expected at least 2 embeddings, got {len(embeddings)}")
         anchors = embeddings[0]
         rows = [len(column) for column in embeddings]
         if len(set(rows)) != 1:

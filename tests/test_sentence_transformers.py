@@ -180,8 +180,39 @@ def test_evaluation_without_gradients(tiny_model):
 
 def test_one_column_is_rejected(tiny_model):
     batch = features(tiny_model, text_columns(3, 1, seed=1))
-    with pytest.raises(ValueError, match="at least two columns"):
+    with pytest.raises(ValueError, match=r"at least 2 embeddings, got 1: .*columns \(anchor, positive"):
         losses.InfCLLoss(tiny_model)(batch, None)
+
+
+@pytest.mark.parametrize(
+    "kwargs, call",
+    [
+        pytest.param({"scale": 0.0}, False, id="scale-zero"),
+        pytest.param({"scale": -1.0, "mini_batch_size": 2}, False, id="cached-scale-negative"),
+        pytest.param({"mini_batch_size": 2, "mini_batch_num_tokens": 0}, False, id="tokens-zero"),
+        pytest.param({}, True, id="one-column"),
+        pytest.param({"mini_batch_size": 2}, True, id="cached-one-column"),
+    ],
+)
+def test_errors_carry_the_words_of_the_replaced_loss(tiny_model, kwargs, call):
+    """Where MNRL / CachedMNRL raise, InfCLLoss raises the same error type with their message in
+    its own (so code matching their messages keeps working), then says more."""
+    from sentence_transformers import losses as st_losses
+
+    cls = (st_losses.CachedMultipleNegativesRankingLoss if "mini_batch_size" in kwargs
+           else st_losses.MultipleNegativesRankingLoss)
+    batch = features(tiny_model, text_columns(3, 1, seed=1))
+
+    def attempt(loss_class):
+        with pytest.raises(Exception) as raised:
+            loss = loss_class(tiny_model, **kwargs)
+            if call:
+                loss(batch, None)
+        return raised.value
+
+    theirs, ours = attempt(cls), attempt(losses.InfCLLoss)
+    assert type(ours) is type(theirs)
+    assert str(theirs) in str(ours) and len(str(ours)) > len(str(theirs))
 
 
 def test_columns_of_different_lengths_are_rejected(tiny_model):
