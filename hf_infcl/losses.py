@@ -191,7 +191,8 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise TypeError(f"scale must be a positive float, got {type(scale).__name__}")
         if not scale > 0:
-            raise ValueError(f"Scale must be a positive value. Got scale={scale!r}.")  # MNRL's words, then ours
+            # MNRL's words, then the value: code matching MNRL's message keeps working
+            raise ValueError(f"Scale must be a positive value. Got scale={scale!r}.")
         # Checked here, first: assigning similarity_fct (__setattr__) sets _similarity_kind.
         self.similarity_fct = similarity_fct
         # A backend name only, not a block-ops object: get_config_dict saves it as JSON.
