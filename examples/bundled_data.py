@@ -20,6 +20,7 @@ model's own image processor.
 
 from __future__ import annotations
 
+import io
 import os
 import random
 from dataclasses import dataclass, field
@@ -195,18 +196,73 @@ def load_openmoji(
     )
 
 
+# file extension -> the datasets builder that reads it
+BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
+            ".tar": "webdataset"}
+
+
+def _table_of(path: str, datasets):
+    """(datasets table, folder that relative image paths start from, builder) of ``--dataset``: a
+    file, a glob of files, a folder of parquet or webdataset ``.tar`` shards, an image folder, or a
+    Hub id."""
+    is_glob = any(char in path for char in "*?[")
+    if os.path.isdir(path):
+        names = sorted(os.listdir(path))
+        for extension in (".parquet", ".tar"):
+            if any(name.endswith(extension) for name in names):
+                files = os.path.join(path, f"*{extension}")
+                builder = BUILDERS[extension]
+                return datasets.load_dataset(builder, data_files=files, split="train"), path, builder
+        return datasets.load_dataset("imagefolder", data_dir=path, split="train"), path, "imagefolder"
+    if is_glob or os.path.isfile(path):
+        extension = os.path.splitext(path)[1].lower()
+        builder = BUILDERS.get(extension)
+        if builder is None:
+            raise ValueError(
+                f"--dataset file must be .csv, .tsv, .json, .jsonl, .parquet or .tar, got {path!r}"
+            )
+        extra = {"delimiter": "\t"} if extension == ".tsv" else {}
+        table = datasets.load_dataset(builder, data_files=path, split="train", **extra)
+        return table, os.path.dirname(os.path.abspath(path)), builder
+    # not a local path: a dataset on the Hugging Face Hub ("user/name")
+    return datasets.load_dataset(path, split="train"), None, "hub"
+
+
+def _decoded_image(value, base: str | None):
+    """A PIL RGB image from a column value: a path (relative to ``base``), a decoded image, the
+    datasets ``{"bytes", "path"}`` form, or raw bytes. Raises on anything that does not decode."""
+    from PIL import Image
+
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        value = Image.open(io.BytesIO(value))
+    elif isinstance(value, str):
+        value = Image.open(value if os.path.isabs(value) or base is None else os.path.join(base, value))
+    if not hasattr(value, "convert"):
+        raise ValueError(f"not an image: {type(value).__name__}")
+    return value.convert("RGB")
+
+
 def load_image_caption_files(
     path: str,
     image_column: str = "image_path",
     caption_column: str = "caption",
     held_out_fraction: float = 0.1,
     seed: int = 0,
+    log=print,
 ) -> ImageCaptionData:
-    """A user's CSV / JSON-lines file of image paths and captions, or an image folder with metadata.
+    """Your own image-caption data, read with ``datasets``.
 
-    Paths in the file are relative to the file's folder unless absolute. An image folder uses
-    the ``datasets`` imagefolder layout: images plus ``metadata.csv``/``metadata.jsonl`` with a
-    ``file_name`` column and the caption column.
+    ``path`` is a CSV / JSON-lines / parquet file, a glob of such files (``shards/*.parquet``), a
+    folder of parquet files or of webdataset ``.tar`` shards, an image folder (the ``datasets``
+    imagefolder layout: images plus ``metadata.csv``/``metadata.jsonl`` with ``file_name`` and
+    the caption column), or a dataset on the Hub. The image column holds paths (relative to the
+    file's folder unless absolute), encoded bytes or images; in webdataset shards columns are named
+    after the files' extensions (``--image_column jpg --caption_column txt``).
+
+    A row whose image does not decode, whose caption is empty or that lacks either value is
+    skipped with a one-line message; ``extra["skipped"]`` counts them by reason.
     """
     try:
         import datasets
@@ -214,34 +270,46 @@ def load_image_caption_files(
         raise ImportError(
             "loading your own image-caption files needs datasets: pip install datasets"
         ) from error
-    from PIL import Image
 
-    if os.path.isdir(path):
-        table = datasets.load_dataset("imagefolder", data_dir=path, split="train")
-        image_column = "image"
-    else:
-        extension = os.path.splitext(path)[1].lower()
-        kind = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"}.get(extension)
-        if kind is None:
-            raise ValueError(f"dataset file must be .csv, .tsv, .json or .jsonl, got {path!r}")
-        extra = {"delimiter": "\t"} if extension == ".tsv" else {}
-        table = datasets.load_dataset(kind, data_files=path, split="train", **extra)
+    table, base, builder = _table_of(path, datasets)
+    if builder == "imagefolder":
+        image_column = "image"  # the layout's own column
     for column in (image_column, caption_column):
         if column not in table.column_names:
-            raise ValueError(f"column {column!r} not in {path} (it has {table.column_names})")
-    base = os.path.dirname(os.path.abspath(path)) if not os.path.isdir(path) else path
-    examples = []
-    for row in table:
-        image = row[image_column]
-        if isinstance(image, str):
-            image = Image.open(image if os.path.isabs(image) else os.path.join(base, image))
-        examples.append(ImageCaptionExample(image.convert("RGB"), (str(row[caption_column]),)))
+            raise ValueError(f"column {column!r} not in {path} (it has {table.column_names}); "
+                             "choose with --image_column / --caption_column")
+    if isinstance(table.features.get(image_column), datasets.Image):
+        # decoded here, row by row, so that one broken image skips its row instead of the run
+        table = table.cast_column(image_column, datasets.Image(decode=False))
+    examples, skipped = [], {}
+
+    def skip(index, reason, detail=""):
+        skipped[reason] = skipped.get(reason, 0) + 1
+        log(f"skipping row {index} of {path}: {reason}{detail}")
+
+    for index, row in enumerate(table):
+        caption, image = row.get(caption_column), row.get(image_column)
+        if image is None or caption is None:
+            skip(index, "missing value")
+            continue
+        if not str(caption).strip():
+            skip(index, "empty caption")
+            continue
+        try:
+            image = _decoded_image(image, base)
+        except Exception as error:  # PIL raises several types for bad files
+            skip(index, "image does not decode", f" ({type(error).__name__})")
+            continue
+        examples.append(ImageCaptionExample(image, (str(caption),)))
+    if not examples:
+        raise ValueError(f"no usable rows in {path} (skipped: {skipped})")
     train, held_out = _split(examples, held_out_fraction, seed, stratify=False)
     return ImageCaptionData(
-        name=os.path.basename(os.path.normpath(path)),
+        name=os.path.basename(os.path.normpath(path.split("*")[0] or path)),
         train=train,
         held_out=held_out,
         description=f"user data from {path}",
+        extra={"skipped": skipped},
     )
 
 
@@ -251,9 +319,14 @@ def load_image_caption_data(dataset: str, seed: int = 0, **options) -> ImageCapt
         return load_digits(seed=seed)
     if dataset == "openmoji":
         return load_openmoji(seed=seed, **options)
-    if os.path.exists(dataset):
+    if os.path.exists(dataset) or any(char in dataset for char in "*?[") or _looks_like_hub_id(dataset):
         return load_image_caption_files(dataset, seed=seed, **options)
     raise ValueError(
-        f"dataset must be 'digits', 'openmoji' or a path to a CSV/JSON-lines file or image "
-        f"folder; {dataset!r} is none of these"
+        f"dataset must be 'digits', 'openmoji', a file, glob or folder of your data, or a Hub dataset "
+        f"id (user/name); {dataset!r} is none of these"
     )
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/"))

