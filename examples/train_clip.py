@@ -669,6 +669,7 @@ def main(argv=None):
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     train_started = time.perf_counter()
+    first_step = step  # of this run (a resumed run starts later)
     epoch = step // steps_per_epoch
     stop = False
     while step < total_steps and not stop:
@@ -716,10 +717,12 @@ def main(argv=None):
                 # of the whole contrastive batch. Every process takes part in this reduce.
                 batch_loss = accelerator.reduce(loss.detach().float().reshape(1), reduction="mean").item()
             if logging_step:
+                elapsed = time.perf_counter() - train_started
                 progress.set_postfix(  # every process gathers the scale (a collective under FSDP2)
                     loss=f"{batch_loss:.3f}",
                     scale=f"{full_value(model.clip.logit_scale).exp().item():.1f}",
                     lr=f"{scheduler.get_last_lr()[0]:.1e}",
+                    pairs_per_s=f"{global_batch * (step - first_step) / elapsed:.0f}",
                 )
             if args.save_steps and step % args.save_steps == 0:
                 accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{step}"))
@@ -786,9 +789,12 @@ def main(argv=None):
         )
         _write_card_and_results(args, facts, history)
     summary = ", ".join(f"{k} {v:.3f}" for k, v in final.items())
+    throughput = f"{global_batch * (step - first_step) / train_seconds:.0f} pairs/s"
+    if peak_gpu_gib is not None:
+        throughput += f", peak GPU memory {peak_gpu_gib:.1f} GiB"
     log(
         f"done: {step} steps in {train_seconds:.1f} s of training "
-        f"({time.perf_counter() - started:.1f} s in all); "
+        f"({time.perf_counter() - started:.1f} s in all; {throughput}); "
         f"held-out {summary}"
     )
     if "zero_shot_top1" in final:
