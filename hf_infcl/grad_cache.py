@@ -355,8 +355,9 @@ def deepspeed_no_sync(engine):
 def _full_value(param: torch.Tensor) -> torch.Tensor:
     """The value the loss sees: the tensor itself; for a DTensor (a parameter sharded by FSDP2)
     its full value gathered from every rank, as a plain leaf; for a ZeRO-3 parameter its gathered
-    value, as a plain leaf (its gradient reaches DeepSpeed through the last replay, where the
-    engine's forward has gathered it and, registered as external, it stays whole)."""
+    value, as a plain leaf (its gradient reaches DeepSpeed through the first replay, where the
+    engine's forward has gathered it and, kept gathered by keep_gathered_under_zero3, it stays
+    whole)."""
     if is_dtensor(param):
         return param.full_tensor().detach().requires_grad_(param.requires_grad)
     if is_zero3_parameter(param):

@@ -9,6 +9,7 @@ process compares them. Nothing is asserted here: a failure must reach pytest, no
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -33,10 +34,10 @@ SCENARIOS = {
 ROWS_PER_RANK = 5
 
 
-def run_rank(rank: int, world_size: int, init_file: str, model_dir: str, out_dir: str) -> None:
-    """Entry point of one rank (``torch.multiprocessing`` passes ``rank`` first)."""
-    from hf_infcl import losses
-
+@contextlib.contextmanager
+def rank_process(rank: int, world_size: int, init_file: str, out_file: Path):
+    """One rank's gloo group around the body; yields the results dict, which is saved to
+    ``out_file`` whatever happens (with the traceback under "error" if the body raised)."""
     torch.set_num_threads(1)
     results = {}
     try:
@@ -44,6 +45,20 @@ def run_rank(rank: int, world_size: int, init_file: str, model_dir: str, out_dir
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=120),
         )
+        yield results
+    except Exception:
+        results["error"] = traceback.format_exc()
+    finally:
+        torch.save(results, out_file)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_rank(rank: int, world_size: int, init_file: str, model_dir: str, out_dir: str) -> None:
+    """Entry point of one rank (``torch.multiprocessing`` passes ``rank`` first)."""
+    from hf_infcl import losses
+
+    with rank_process(rank, world_size, init_file, Path(out_dir) / f"rank{rank}.pt") as results:
         model = load_tiny_model(Path(model_dir))
         for name, (n_columns, symmetric, mini_batch_size, gather) in SCENARIOS.items():
             # The same global batch on every rank; each rank keeps its own contiguous slice.
@@ -59,15 +74,8 @@ def run_rank(rank: int, world_size: int, init_file: str, model_dir: str, out_dir
                 "sentence_transformers": loss_and_gradients(model, reference, local, seed),
                 "infcl": loss_and_gradients(model, ours, local, seed),
             }
-    except Exception:
-        results["error"] = traceback.format_exc()
-    finally:
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
-DDP_ROWS_PER_RANK = 5
 DDP_MINI_BATCH = 2  # three mini-batches per rank: three replays
 
 
@@ -81,15 +89,9 @@ def run_ddp_rank(rank: int, world_size: int, init_file: str, model_dir: str, out
 
     from hf_infcl import losses
 
-    torch.set_num_threads(1)
-    results = {}
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=120),
-        )
-        columns = text_columns(DDP_ROWS_PER_RANK * world_size, 2, seed=7)
-        local = [column[rank * DDP_ROWS_PER_RANK:(rank + 1) * DDP_ROWS_PER_RANK] for column in columns]
+    with rank_process(rank, world_size, init_file, Path(out_dir) / f"ddp-rank{rank}.pt") as results:
+        columns = text_columns(ROWS_PER_RANK * world_size, 2, seed=7)
+        local = [column[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK] for column in columns]
         model = load_tiny_model(Path(model_dir)).eval()
         # One bucket (the model is tiny): one reduction per synchronised backward. Mean pooling
         # leaves BERT's pooler unused, as sentence-transformers' Trainer finds it
@@ -111,9 +113,3 @@ def run_ddp_rank(rank: int, world_size: int, init_file: str, model_dir: str, out
             reference = losses.InfCLLoss(alone, mini_batch_size=DDP_MINI_BATCH, backend="torch")
             value, gradients = loss_and_gradients(alone, reference, columns, seed=0)
             results["one_process"] = {"loss": value, "gradients": gradients}
-    except Exception:
-        results["error"] = traceback.format_exc()
-    finally:
-        torch.save(results, Path(out_dir) / f"ddp-rank{rank}.pt")
-        if dist.is_initialized():
-            dist.destroy_process_group()
