@@ -1,6 +1,6 @@
 """Numerics of the loss, with no Hugging Face imports: the reference, the tiled PyTorch block
-ops, the fused Triton block ops, and the autograd Functions that drive them (one per algorithm:
-single process and ring)."""
+ops, the fused Triton block ops, and the one autograd Function that drives them over a schedule of
+key blocks (one block in one process, travelling blocks in a ring)."""
 
 import sys
 

@@ -13,7 +13,9 @@ too. Each op has a fake (meta) implementation: shapes only, which is all the com
 
 A custom op takes tensors, numbers and strings, not Python objects, so the backend is named
 (``"torch"`` or ``"triton"``) and the group mask is passed as its tensors. Block-ops objects that a
-caller passes directly go through :class:`hf_infcl.ops.local.LocalLogitStats` instead.
+caller passes directly go through :class:`hf_infcl.ops.key_blocks.KeyBlockLogitStats` instead;
+both run the same forward and backward (:func:`~hf_infcl.ops.key_blocks.stats_forward`,
+:func:`~hf_infcl.ops.key_blocks.stats_backward`) over the one-process schedule.
 
 ``validate``: eager callers check argument values (scale > 0, positives in range) before calling,
 which needs the values on the host. Under ``torch.compile`` that read would break the graph, so
@@ -27,7 +29,8 @@ build the op's schema.)
 import torch
 from torch import Tensor
 
-from .local import local_backward, local_forward, local_mask
+from .key_blocks import stats_backward, stats_forward
+from .local import SINGLE_BLOCK
 from .options import BLOCK_BACKENDS, choice_error
 from .spec import StatsSpec, accumulation_dtype, check_values
 from .tiled import TorchTiles
@@ -64,8 +67,8 @@ def logit_stats(
     if validate:
         check_values(scale, positives, keys.shape[0])
     spec = StatsSpec(loss=loss, columns=columns, precision=precision)
-    mask = local_mask(query_groups, key_groups, positives)
-    return local_forward(spec, block_ops(backend), queries, keys, scale, bias, positives, mask)
+    return stats_forward(SINGLE_BLOCK, spec, block_ops(backend), queries, keys, scale, bias, positives,
+                         query_groups, key_groups)
 
 
 @logit_stats.register_fake
@@ -97,10 +100,10 @@ def logit_stats_backward(
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     spec = StatsSpec(loss=loss, columns=columns, precision=precision)
-    mask = local_mask(query_groups, key_groups, positives)
-    grad_q, grad_k, grad_scale, grad_bias = local_backward(
-        spec, block_ops(backend), mask, queries, keys, scale, bias, positives, row_stat, col_stat,
-        grad_row_stat, grad_col_stat, grad_positive_logit, needs=(True, True, True, bias is not None),
+    grad_q, grad_k, grad_scale, grad_bias = stats_backward(
+        SINGLE_BLOCK, spec, block_ops(backend), queries, keys, scale, bias, positives, query_groups,
+        key_groups, row_stat, col_stat, grad_row_stat, grad_col_stat, grad_positive_logit,
+        needs=(True, True, True, bias is not None),
     )
     if grad_bias is None:  # an op returns tensors only; the autograd formula drops this one
         grad_bias = torch.zeros((), dtype=scale.dtype, device=scale.device)

@@ -6,12 +6,14 @@ every row and key of the process group, with the number of rows in the group. Th
 (``hf_infcl.loss``) validates, calls it once, assembles the per-row loss and reduces; it knows
 nothing of how the statistics are computed:
 
-- one process: the named backends run as the custom op of :mod:`hf_infcl.ops.custom_ops`
-  (``torch.compile`` keeps it in a graph); a block-ops object given directly runs through
-  :class:`~hf_infcl.ops.local.LocalLogitStats`. No padding, no collective.
-- a group of several: the sizes and options are exchanged (:func:`~hf_infcl.ops.ring.exchange_layout`)
-  and key blocks travel the ring (:class:`~hf_infcl.ops.ring.RingLogitStats`); eager, a graph
-  break under ``torch.compile``.
+- one process: the schedule is a single key block (:class:`~hf_infcl.ops.local.SingleBlock`):
+  no padding, no collective. The named backends run as the custom op of
+  :mod:`hf_infcl.ops.custom_ops` (``torch.compile`` keeps it in a graph); a block-ops object
+  given directly runs through :class:`~hf_infcl.ops.key_blocks.KeyBlockLogitStats`.
+- a group of several: the sizes and options are exchanged (:func:`~hf_infcl.ops.ring.exchange_layout`),
+  and the resulting layout is the schedule: key blocks travel the ring, through the same
+  :class:`~hf_infcl.ops.key_blocks.KeyBlockLogitStats`; eager, a graph break under
+  ``torch.compile``.
 
 :func:`announcing_rejections` wraps a rank's argument checks, so that a rank whose arguments fail
 takes part in the size exchange with a rejection, and the other ranks raise instead of waiting.
@@ -25,7 +27,8 @@ from typing import NamedTuple
 import torch
 
 from . import custom_ops, ring
-from .local import LocalLogitStats, local_mask
+from .key_blocks import KeyBlockLogitStats
+from .local import SINGLE_BLOCK
 from .spec import BlockOps, StatsSpec
 from .spec import check_values as _check_values
 
@@ -76,8 +79,8 @@ def _block_ops_stats(queries, keys, scale, bias, positives, query_groups, key_gr
     torch.compile."""
     if validate:
         _check_values(scale, positives, keys.shape[0])
-    mask = local_mask(query_groups, key_groups, positives)
-    return LocalLogitStats.apply(queries, keys, scale, bias, positives, mask, spec, ops)
+    return KeyBlockLogitStats.apply(queries, keys, scale, bias, positives, query_groups, key_groups, spec,
+                                    ops, SINGLE_BLOCK)
 
 
 @torch.compiler.disable
@@ -85,9 +88,8 @@ def _ring_stats(group, queries, keys, scale, bias, positives, query_groups, key_
                 reduction) -> LogitStats:
     layout = ring.exchange_layout(group, queries, keys, spec, bias is not None, query_groups is not None,
                                   reduction)
-    positive_keys = positives + layout.key_offset(layout.rank)  # global key ids, for group masking
-    row_stat, col_stat, positive_logit = ring.RingLogitStats.apply(
-        queries, keys, scale, bias, positives, query_groups, key_groups, positive_keys, spec,
+    row_stat, col_stat, positive_logit = KeyBlockLogitStats.apply(
+        queries, keys, scale, bias, positives, query_groups, key_groups, spec,
         select_block_ops(backend, queries.device), layout,
     )
     return LogitStats(row_stat, col_stat, positive_logit, layout.total_rows)

@@ -49,7 +49,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .local import add_positive_gradients, finish_gradients, positive_logits
 from .options import LOSSES, PRECISIONS, REDUCTIONS, wire_codes
 from .spec import BlockOps, GroupMask, StatsSpec, accumulation_dtype, empty_row_stats, merge_row_stats
 
@@ -134,6 +133,18 @@ class RingLayout:
     def owner(self, step: int) -> int:
         """The rank whose key block this rank holds at ``step``."""
         return (self.rank - step) % self.world_size
+
+    # The layout is the ring's schedule of key blocks (hf_infcl.ops.key_blocks.KeyBlockSchedule).
+
+    def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, query_groups,
+                      key_groups, positive_keys):
+        return _ring_forward(self, spec, ops, queries, keys, scale, bias, query_groups, key_groups,
+                             positive_keys)
+
+    def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, query_groups,
+                              key_groups, positive_keys, row_stat, col_stat, grad_row_stat, grad_col_stat):
+        return _ring_backward(self, spec, ops, queries, keys, scale, bias, query_groups, key_groups,
+                              positive_keys, row_stat, col_stat, grad_row_stat, grad_col_stat)
 
 
 def _metadata_device(group, fallback: torch.device) -> torch.device:
@@ -297,59 +308,6 @@ class _TravellingBlocks:
         self.current, self._incoming, self._works = self._incoming, None, None
         if finished is not self._own and keep_spare:
             self._spare = finished
-
-
-# --------------------------------------------------------------------------------------------
-# The autograd Function.
-
-
-class RingLogitStats(torch.autograd.Function):
-    """(queries, keys, scale, bias, positives, groups) -> (row_stat [m_r], col_stat [k_r] or
-    empty, positive_logit [m_r]), the statistics over the whole process group; the ring
-    counterpart of ``LocalLogitStats``.
-
-    ``positives`` are local key indices (a row's positive is always on its own rank);
-    ``positive_keys`` are the same as *global* key indices (this rank's key offset plus the
-    local index), which only group masking needs.
-    """
-
-    @staticmethod
-    def forward(
-        ctx,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        positives: torch.Tensor,
-        query_groups: torch.Tensor | None,
-        key_groups: torch.Tensor | None,
-        positive_keys: torch.Tensor,
-        spec: StatsSpec,
-        ops: BlockOps,
-        layout: RingLayout,
-    ):
-        row_stat, col_stat = _ring_forward(
-            layout, spec, ops, queries, keys, scale, bias, query_groups, key_groups, positive_keys
-        )
-        positive_logit = positive_logits(queries, keys, positives, scale, bias)
-        ctx.save_for_backward(queries, keys, scale, bias, positives, row_stat, col_stat)
-        ctx.groups = (query_groups, key_groups, positive_keys)
-        ctx.spec, ctx.ops, ctx.layout = spec, ops, layout
-        return row_stat, col_stat, positive_logit
-
-    @staticmethod
-    def backward(ctx, grad_row_stat, grad_col_stat, grad_positive_logit):
-        queries, keys, scale, bias, positives, row_stat, col_stat = ctx.saved_tensors
-        query_groups, key_groups, positive_keys = ctx.groups
-        grad_queries, key_slices, row_sums = _ring_backward(
-            ctx.layout, ctx.spec, ctx.ops, queries, keys, scale, bias, query_groups, key_groups,
-            positive_keys, row_stat, col_stat, grad_row_stat, grad_col_stat,
-        )
-        add_positive_gradients(queries, keys, positives, grad_positive_logit, grad_queries, key_slices,
-                               row_sums)
-        grads = finish_gradients(ctx.needs_input_grad[:4], queries, keys, scale, bias, grad_queries,
-                                 key_slices, row_sums)
-        return (*grads, None, None, None, None, None, None, None)
 
 
 def _block_mask(query_groups, positive_keys, block_groups, offset: int) -> GroupMask | None:

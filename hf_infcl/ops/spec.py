@@ -17,7 +17,8 @@ col_stat (``row_weight``, ``col_weight``) and forms, tile by tile,
 
 (zero where masked), from which dQ = s * G K, dK = s * G^T Q, d(scale) = sum G * x and
 d(bias) = sum G. A "block op" is an object with ``forward_block`` and ``backward_block`` methods
-following :class:`BlockOps`; the single-process Function and the ring Function both drive them.
+following :class:`BlockOps`; the one Function of :mod:`hf_infcl.ops.key_blocks` drives them,
+locally and in the ring.
 """
 
 from __future__ import annotations
