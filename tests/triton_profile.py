@@ -20,6 +20,7 @@ def main():
     parser.add_argument("--b", type=int, default=32768)
     parser.add_argument("--c", type=int, default=512)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--loss", choices=["softmax", "sigmoid"], default="softmax")
     parser.add_argument("--tile-rows", type=int, default=None, help="backward super-tile rows")
     parser.add_argument("--tile-keys", type=int, default=None, help="backward super-tile keys")
     parser.add_argument("--no-table", action="store_true", help="timings only")
@@ -27,23 +28,26 @@ def main():
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     q = F.normalize(torch.randn(args.b, args.c, device="cuda"), dim=1).to(dtype).requires_grad_(True)
     k = F.normalize(torch.randn(args.b, args.c, device="cuda"), dim=1).to(dtype).requires_grad_(True)
-    scale = torch.tensor(1 / 0.07, device="cuda", requires_grad=True)
+    sigmoid = args.loss == "sigmoid"
+    scale = torch.tensor(10.0 if sigmoid else 1 / 0.07, device="cuda", requires_grad=True)
+    bias = torch.tensor(-10.0, device="cuda", requires_grad=True) if sigmoid else None
+    parameters = [q, k, scale] + ([bias] if sigmoid else [])
 
     from hf_infcl.ops.triton_blocks import TritonBlocks
 
     blocks = TritonBlocks(tile_rows=args.tile_rows, tile_keys=args.tile_keys)
 
     def forward():
-        return contrastive_loss(q, k, scale, backend=blocks, precision="tf32")
+        return contrastive_loss(q, k, scale, bias, loss=args.loss, backend=blocks, precision="tf32")
 
     def both():
-        return torch.autograd.grad(forward(), [q, k, scale])
+        return torch.autograd.grad(forward(), parameters)
 
     both()  # compile and autotune
     fwd = triton.testing.do_bench(forward, return_mode="median")
     total = triton.testing.do_bench(both, return_mode="median")
     flops = 2 * args.b * args.b * args.c
-    print(f"b={args.b} c={args.c} {args.dtype}: forward {fwd:.2f} ms, fwd+bwd {total:.2f} ms, "
+    print(f"{args.loss} b={args.b} c={args.c} {args.dtype}: forward {fwd:.2f} ms, fwd+bwd {total:.2f} ms, "
           f"backward ~{total - fwd:.2f} ms; one GEMM pass at 700 TFLOP/s = {flops / 700e9:.2f} ms; "
           f"super-tile {args.tile_rows}x{args.tile_keys}")
     if args.no_table:
