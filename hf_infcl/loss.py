@@ -113,7 +113,7 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
         per_row = _reference_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives,
                                           query_groups, key_groups, validate=deferred)
         return _reduce(per_row, reduction, total_rows=queries.shape[0], world_size=1)
-    spec = _stats_spec(loss, symmetric, precision, queries)
+    spec = _stats_spec(loss, symmetric, precision, queries, reduction, (queries, keys, scale, bias))
     stats = logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups, spec, backend,
                         group=group if in_ring else None, reduction=reduction, validate=deferred)
     per_row = assemble_per_row_loss(spec, positives, stats.row_stat, stats.col_stat, stats.positive_logit)
@@ -132,10 +132,19 @@ def _reference_per_row_loss(queries, keys, scale, bias, loss, symmetric, positiv
     )
 
 
-def _stats_spec(loss, symmetric, precision, queries) -> StatsSpec:
-    """The statistics a loss needs, with ``precision="auto"`` resolved (``resolve_precision``)."""
+def _stats_spec(loss, symmetric, precision, queries, reduction, differentiable) -> StatsSpec:
+    """The statistics a loss needs, with ``precision="auto"`` resolved (``resolve_precision``).
+
+    The sigmoid loss takes the one-pass route (``StatsSpec.gradients_in_forward``: its gradients
+    computed in the forward) when a gradient will be wanted and the reduction gives every row's
+    statistic the same gradient; with ``reduction="none"`` the caller's weights are unknown.
+    """
+    wants_gradient = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in differentiable
+    )
     return StatsSpec(loss=loss, columns=loss == "softmax" and symmetric,
-                     precision=resolve_precision(precision, queries.dtype, queries.device))
+                     precision=resolve_precision(precision, queries.dtype, queries.device),
+                     gradients_in_forward=loss == "sigmoid" and reduction != "none" and wants_gradient)
 
 
 def assemble_per_row_loss(spec, positives, row_stat, col_stat, positive_logit):

@@ -57,17 +57,19 @@ def _assert_same(got, expected, rtol):
         torch.testing.assert_close(g, ref, rtol=rtol, atol=rtol * float(ref.abs().max()), msg=name)
 
 
-@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("option", [*OPTIONS, "sigmoid-one-pass"])
 def test_custom_op_passes_opcheck(option):
-    """Schema, fake (meta) implementation, autograd registration and AOT dispatch of the op."""
+    """Schema, fake (meta) implementation, autograd registration and AOT dispatch of the op
+    (for the sigmoid loss also with its gradients computed in the forward)."""
     q, k, log_scale, bias, extra = _inputs(6, 9, 5)
-    options = OPTIONS[option]
+    one_pass = option == "sigmoid-one-pass"
+    options = OPTIONS["sigmoid" if one_pass else option]
     sigmoid = options["loss"] == "sigmoid"
     scale = log_scale.exp().detach().requires_grad_(True)
     bias = bias.requires_grad_(True) if sigmoid else None
     args = (q.requires_grad_(True), k.requires_grad_(True), scale, bias, extra["positives"],
             extra["query_groups"], extra["key_groups"], options["loss"], options["symmetric"] and not sigmoid,
-            "ieee", "torch", False)
+            "ieee", one_pass, "torch", False)
     torch.library.opcheck(torch.ops.hf_infcl.logit_stats.default, args)
 
 

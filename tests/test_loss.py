@@ -306,3 +306,78 @@ def test_precision_auto_has_one_meaning():
     for explicit in ("tf32", "ieee"):
         for device in ("cpu", "cuda"):
             assert resolve_precision(explicit, torch.float32, torch.device(device)) == explicit
+
+
+class _CountingTiles(TorchTiles):
+    """Tiled block ops that count which of their entry points ran."""
+
+    def __init__(self):
+        super().__init__(tile_rows=5, tile_keys=7)
+        calls = {"forward_block": 0, "backward_block": 0, "forward_backward_block": 0}
+        object.__setattr__(self, "calls", calls)  # a frozen dataclass
+
+    def forward_block(self, *args, **kwargs):
+        self.calls["forward_block"] += 1
+        return super().forward_block(*args, **kwargs)
+
+    def backward_block(self, *args, **kwargs):
+        self.calls["backward_block"] += 1
+        return super().backward_block(*args, **kwargs)
+
+    def forward_backward_block(self, *args, **kwargs):
+        self.calls["forward_backward_block"] += 1
+        return super().forward_backward_block(*args, **kwargs)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_sigmoid_loss_computes_its_gradients_in_the_forward(reduction):
+    """Where every row's statistic gets the same gradient (mean, sum) and a gradient is wanted,
+    the sigmoid loss makes one pass over the tiles (statistic and gradients together) and the
+    backward computes no tile; values and gradients still equal the float64 contract, also when
+    the graph is backpropagated twice (the forward's gradients are read, not used up)."""
+    case = make_case(9, 23, 5, groups=True, custom_positives=True, seed=5)
+    ops = _CountingTiles()
+    value, grads = run_backend(case, ops, loss="sigmoid", symmetric=False, reduction=reduction, use_bias=True)
+    assert ops.calls == {"forward_block": 0, "backward_block": 0, "forward_backward_block": 1}
+    expected_value, expected_grads = run_oracle(case, loss="sigmoid", symmetric=False, reduction=reduction,
+                                                use_bias=True)
+    assert relative_error(value.numpy(), expected_value) < 1e-12
+    for name, grad in grads.items():
+        assert relative_error(grad, expected_grads[name]) < 1e-12, name
+
+    q = case["queries"].clone().requires_grad_(True)
+    scale = torch.tensor(case["scale"], dtype=torch.float64, requires_grad=True)
+    loss = contrastive_loss(q, case["keys"], scale, case["bias"], loss="sigmoid", positives=case["positives"],
+                            reduction=reduction, backend="torch")
+    first = torch.autograd.grad(loss, [q, scale], retain_graph=True)
+    second = torch.autograd.grad(3.0 * loss, [q, scale])
+    for a, b in zip(first, second):
+        torch.testing.assert_close(3.0 * a, b, rtol=1e-13, atol=0)
+
+
+def test_sigmoid_loss_without_a_shared_row_gradient_takes_two_passes():
+    """reduction="none" (the caller may weight rows unevenly) and calls without gradients keep the
+    statistics pass, and the gradients of an uneven weighting equal the materialised loss's."""
+    case = make_case(9, 23, 5, groups=True, seed=6)
+    weights = torch.rand(9, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) + 0.1
+
+    def weighted(backend):
+        q = case["queries"].clone().requires_grad_(True)
+        k = case["keys"].clone().requires_grad_(True)
+        scale = torch.tensor(case["scale"], dtype=torch.float64, requires_grad=True)
+        bias = torch.tensor(case["bias"], dtype=torch.float64, requires_grad=True)
+        per_row = contrastive_loss(q, k, scale, bias, loss="sigmoid", reduction="none",
+                                   query_groups=case["query_groups"], key_groups=case["key_groups"],
+                                   backend=backend)
+        return torch.autograd.grad((weights * per_row).sum(), [q, k, scale, bias])
+
+    ops = _CountingTiles()
+    for got, expected in zip(weighted(ops), weighted("reference")):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    assert ops.calls == {"forward_block": 1, "backward_block": 1, "forward_backward_block": 0}
+
+    ops = _CountingTiles()
+    with torch.no_grad():
+        contrastive_loss(case["queries"], case["keys"], case["scale"], case["bias"], loss="sigmoid",
+                         backend=ops)
+    assert ops.calls == {"forward_block": 1, "backward_block": 0, "forward_backward_block": 0}

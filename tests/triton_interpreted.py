@@ -247,7 +247,7 @@ def test_kernels_never_write_into_the_callers_tensors(loss_name, blocks_name, mo
     from hf_infcl.ops import triton_kernels as kernels
 
     written_by_kernel = {kernels._stats_kernel: ("out_ptr", "col_partial_ptr"),
-                         kernels._grad_tile_kernel: ("g_ptr", "row_sums_ptr")}
+                         kernels._grad_tile_kernel: ("g_ptr", "row_sums_ptr", "softplus_sums_ptr")}
     launches = []
     for tuner, written in written_by_kernel.items():
         touched = set(written) | set(tuner.restore_value) | set(tuner.reset_to_zero)
@@ -268,7 +268,8 @@ def test_kernels_never_write_into_the_callers_tensors(loss_name, blocks_name, mo
 
     assert {name: owned[name]._version for name in versions} == versions
     caller_storages = {t.untyped_storage().data_ptr() for t in owned.values() if t is not None}
-    assert len(launches) >= 2
+    # The sigmoid loss computes its gradients in the forward: one launch, no backward kernel.
+    assert len(launches) >= (1 if options["loss"] == "sigmoid" else 2)
     for launch in launches:
         for name, tensor in launch.items():
             assert tensor.untyped_storage().data_ptr() not in caller_storages, (

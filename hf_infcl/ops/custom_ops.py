@@ -4,7 +4,9 @@ one graph (``fullgraph=True``) instead of tracing into Triton launchers or autot
 Two ops, both functional (they allocate their outputs and write nothing the caller owns):
 
 * ``hf_infcl::logit_stats`` -> (row_stat [m], col_stat [k] or [0], positive_logit [m]), the
-  statistics of :mod:`hf_infcl.ops.spec` over one process's rows and keys;
+  statistics of :mod:`hf_infcl.ops.spec` over one process's rows and keys, and three more
+  outputs that carry the sigmoid loss's unit-weight gradients to the backward when the forward
+  computes them (``StatsSpec.gradients_in_forward``; empty otherwise, never differentiable);
 * ``hf_infcl::logit_stats_backward`` -> (d queries, d keys, d scale, d bias), every tile
   recomputed once.
 
@@ -29,7 +31,7 @@ build the op's schema.)
 import torch
 from torch import Tensor
 
-from .key_blocks import stats_backward, stats_forward
+from .key_blocks import UnitGradients, stats_backward, stats_forward
 from .local import SINGLE_BLOCK
 from .options import BLOCK_BACKENDS, choice_error
 from .spec import StatsSpec, accumulation_dtype, check_values
@@ -61,22 +63,39 @@ def logit_stats(
     loss: str,
     columns: bool,
     precision: str,
+    gradients_in_forward: bool,
     backend: str,
     validate: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(row_stat, col_stat, positive_logit) and, with ``gradients_in_forward``, the unit-weight
+    gradients (G K [m, c], G^T Q [k, c], row sums of G [m]) for the backward; else three empty
+    tensors. Only the first three are differentiable outputs."""
     if validate:
         check_values(scale, positives, keys.shape[0])
-    spec = StatsSpec(loss=loss, columns=columns, precision=precision)
-    return stats_forward(SINGLE_BLOCK, spec, block_ops(backend), queries, keys, scale, bias, positives,
-                         query_groups, key_groups)
+    spec = StatsSpec(loss, columns, precision, gradients_in_forward)
+    row_stat, col_stat, positive_logit, unit = stats_forward(
+        SINGLE_BLOCK, spec, block_ops(backend), queries, keys, scale, bias, positives, query_groups,
+        key_groups,
+    )
+    if unit is None:
+        if gradients_in_forward:  # the fake implementation promises the gradients' shapes
+            raise RuntimeError(f"the {backend!r} block ops do not take the one-pass route")
+        empty = row_stat.new_empty(0)
+        return row_stat, col_stat, positive_logit, empty, empty.clone(), empty.clone()
+    (_, unit_keys), = unit.key_slices
+    return row_stat, col_stat, positive_logit, unit.queries, unit_keys, unit.row_sums
 
 
 @logit_stats.register_fake
 def _logit_stats_fake(queries, keys, scale, bias, positives, query_groups, key_groups, loss, columns,
-                      precision, backend, validate):
+                      precision, gradients_in_forward, backend, validate):
     acc = accumulation_dtype(queries.dtype)
-    m, k = queries.shape[0], keys.shape[0]
-    return (queries.new_empty((m,), dtype=acc), queries.new_empty((k if columns else 0,), dtype=acc),
+    (m, c), k = queries.shape, keys.shape[0]
+    stats = (queries.new_empty((m,), dtype=acc), queries.new_empty((k if columns else 0,), dtype=acc),
+             queries.new_empty((m,), dtype=acc))
+    if not gradients_in_forward:
+        return (*stats, *(queries.new_empty((0,), dtype=acc) for _ in range(3)))
+    return (*stats, queries.new_empty((m, c), dtype=acc), queries.new_empty((k, c), dtype=acc),
             queries.new_empty((m,), dtype=acc))
 
 
@@ -94,16 +113,23 @@ def logit_stats_backward(
     key_groups: Tensor | None,
     row_stat: Tensor,
     col_stat: Tensor,
+    unit_queries: Tensor,
+    unit_keys: Tensor,
+    unit_row_sums: Tensor,
     loss: str,
     columns: bool,
     precision: str,
+    gradients_in_forward: bool,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    spec = StatsSpec(loss=loss, columns=columns, precision=precision)
+    spec = StatsSpec(loss, columns, precision, gradients_in_forward)
+    unit = None
+    if gradients_in_forward:
+        unit = UnitGradients(unit_queries, [((0, keys.shape[0]), unit_keys)], unit_row_sums)
     grad_q, grad_k, grad_scale, grad_bias = stats_backward(
         SINGLE_BLOCK, spec, block_ops(backend), queries, keys, scale, bias, positives, query_groups,
         key_groups, row_stat, col_stat, grad_row_stat, grad_col_stat, grad_positive_logit,
-        needs=(True, True, True, bias is not None),
+        needs=(True, True, True, bias is not None), unit=unit,
     )
     if grad_bias is None:  # an op returns tensors only; the autograd formula drops this one
         grad_bias = torch.zeros((), dtype=scale.dtype, device=scale.device)
@@ -112,22 +138,26 @@ def logit_stats_backward(
 
 @logit_stats_backward.register_fake
 def _logit_stats_backward_fake(grad_row_stat, grad_col_stat, grad_positive_logit, queries, keys, scale, bias,
-                               positives, query_groups, key_groups, row_stat, col_stat, loss, columns,
-                               precision, backend):
+                               positives, query_groups, key_groups, row_stat, col_stat, unit_queries,
+                               unit_keys, unit_row_sums, loss, columns, precision, gradients_in_forward,
+                               backend):
     grad_bias = scale.new_empty(()) if bias is None else bias.new_empty(())
     return torch.empty_like(queries), torch.empty_like(keys), scale.new_empty(()), grad_bias
 
 
 def _setup_context(ctx, inputs, output):
-    (queries, keys, scale, bias, positives, query_groups, key_groups, loss, columns, precision, backend,
-     _validate) = inputs
-    row_stat, col_stat, _positive_logit = output
-    ctx.save_for_backward(queries, keys, scale, bias, positives, query_groups, key_groups, row_stat, col_stat)
-    ctx.options = (loss, columns, precision, backend)
+    (queries, keys, scale, bias, positives, query_groups, key_groups, loss, columns, precision,
+     gradients_in_forward, backend, _validate) = inputs
+    row_stat, col_stat, _positive_logit, unit_queries, unit_keys, unit_row_sums = output
+    ctx.mark_non_differentiable(unit_queries, unit_keys, unit_row_sums)
+    ctx.save_for_backward(queries, keys, scale, bias, positives, query_groups, key_groups, row_stat, col_stat,
+                          unit_queries, unit_keys, unit_row_sums)
+    ctx.options = (loss, columns, precision, gradients_in_forward, backend)
 
 
-def _backward(ctx, grad_row_stat, grad_col_stat, grad_positive_logit):
-    queries, keys, scale, bias, positives, query_groups, key_groups, row_stat, col_stat = ctx.saved_tensors
+def _backward(ctx, grad_row_stat, grad_col_stat, grad_positive_logit, *_unit_grads):
+    (queries, keys, scale, bias, positives, query_groups, key_groups, row_stat, col_stat, unit_queries,
+     unit_keys, unit_row_sums) = ctx.saved_tensors
     # Outputs that did not reach the loss get no gradient; the backward op needs tensors.
     grad_row_stat = torch.zeros_like(row_stat) if grad_row_stat is None else grad_row_stat
     grad_col_stat = torch.zeros_like(col_stat) if grad_col_stat is None else grad_col_stat
@@ -135,10 +165,10 @@ def _backward(ctx, grad_row_stat, grad_col_stat, grad_positive_logit):
         grad_positive_logit = torch.zeros_like(row_stat)
     grad_q, grad_k, grad_scale, grad_bias = logit_stats_backward(
         grad_row_stat, grad_col_stat, grad_positive_logit, queries, keys, scale, bias, positives,
-        query_groups, key_groups, row_stat, col_stat, *ctx.options,
+        query_groups, key_groups, row_stat, col_stat, unit_queries, unit_keys, unit_row_sums, *ctx.options,
     )
     return (grad_q, grad_k, grad_scale, grad_bias if bias is not None else None,
-            None, None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None)
 
 
 logit_stats.register_autograd(_backward, setup_context=_setup_context)

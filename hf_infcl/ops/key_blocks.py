@@ -30,11 +30,11 @@ significant bits of dQ and dK.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
-from .spec import BlockOps, StatsSpec, accumulation_dtype
+from .spec import BlockOps, StatsSpec, accumulation_dtype, takes_one_pass
 
 # Row chunks for the O(m c) epilogues, so they allocate no full-size fp32 temporaries.
 _EPILOGUE_ELEMENTS = 2**22
@@ -54,31 +54,64 @@ class KeyBlockSchedule(Protocol):
                               query_groups, key_groups, positive_keys, row_stat, col_stat, grad_row_stat,
                               grad_col_stat): ...
 
+    # Optional: forward_with_gradients(spec, ops, queries, keys, scale, bias, query_groups,
+    # key_groups, positive_keys) -> (row_stat, UnitGradients), the sigmoid loss's one pass.
+
+
+class UnitGradients(NamedTuple):
+    """The one-pass route's gradients, computed in the forward with every row weight 1 (unscaled,
+    accumulation dtype): what ``backward_accumulators`` would return for unit weights."""
+
+    queries: torch.Tensor  # [m, c] G K
+    key_slices: list  # ((start, end), [end - start, c] G^T Q) covering this process's keys
+    row_sums: torch.Tensor  # [m] row sums of G
+
 
 def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
                   positives, query_groups, key_groups):
-    """(row_stat [m], col_stat [k] or empty, positive_logit [m]) of this process's rows and keys
-    over every key and row of the schedule."""
+    """(row_stat [m], col_stat [k] or empty, positive_logit [m], unit gradients or None) of this
+    process's rows and keys over every key and row of the schedule.
+
+    With ``spec.gradients_in_forward`` (and a schedule and block ops that offer it) the same pass
+    also gives the :class:`UnitGradients`, which the backward then only scales."""
     positive_keys = _positive_keys(schedule, positives, query_groups)
-    row_stat, col_stat = schedule.forward_stats(spec, ops, queries, keys, scale, bias, query_groups,
-                                                key_groups, positive_keys)
+    unit = None
+    if one_pass(spec, schedule, ops):
+        row_stat, unit = schedule.forward_with_gradients(spec, ops, queries, keys, scale, bias, query_groups,
+                                                         key_groups, positive_keys)
+        col_stat = None
+    else:
+        row_stat, col_stat = schedule.forward_stats(spec, ops, queries, keys, scale, bias, query_groups,
+                                                    key_groups, positive_keys)
     if col_stat is None:
         col_stat = row_stat.new_empty(0)
-    return row_stat, col_stat, positive_logits(queries, keys, positives, scale, bias)
+    return row_stat, col_stat, positive_logits(queries, keys, positives, scale, bias), unit
+
+
+def one_pass(spec: StatsSpec, schedule: KeyBlockSchedule, ops: BlockOps) -> bool:
+    """Whether the forward computes the gradients too (``StatsSpec.gradients_in_forward``, where
+    the schedule and the block ops offer it)."""
+    return (spec.gradients_in_forward and takes_one_pass(ops)
+            and callable(getattr(schedule, "forward_with_gradients", None)))
 
 
 def stats_backward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
                    positives, query_groups, key_groups, row_stat, col_stat, grad_row_stat, grad_col_stat,
-                   grad_positive_logit, needs=(True, True, True, True)):
+                   grad_positive_logit, needs=(True, True, True, True), unit: UnitGradients | None = None):
     """(d queries, d keys, d scale, d bias) from the statistics' gradients; ``needs`` says which of
-    the four are wanted (None is returned for the others)."""
+    the four are wanted (None is returned for the others). With the forward's ``unit``
+    gradients, no tile is computed again."""
+    if unit is not None:
+        return finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive_logit,
+                                unit.queries, unit.key_slices, unit.row_sums,
+                                row_weight=grad_row_stat.to(unit.queries.dtype))
     positive_keys = _positive_keys(schedule, positives, query_groups)
     grad_queries, key_slices, row_sums = schedule.backward_accumulators(
         spec, ops, queries, keys, scale, bias, query_groups, key_groups, positive_keys, row_stat, col_stat,
         grad_row_stat, grad_col_stat,
     )
-    add_positive_gradients(queries, keys, positives, grad_positive_logit, grad_queries, key_slices, row_sums)
-    return finish_gradients(needs, queries, keys, scale, bias, grad_queries, key_slices, row_sums)
+    return finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive_logit, grad_queries,
+                            key_slices, row_sums)
 
 
 def _positive_keys(schedule: KeyBlockSchedule, positives, query_groups):
@@ -101,11 +134,11 @@ class KeyBlockLogitStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, queries, keys, scale, bias, positives, query_groups, key_groups, spec: StatsSpec,
                 ops: BlockOps, schedule: KeyBlockSchedule):
-        row_stat, col_stat, positive_logit = stats_forward(schedule, spec, ops, queries, keys, scale, bias,
-                                                           positives, query_groups, key_groups)
+        row_stat, col_stat, positive_logit, unit = stats_forward(schedule, spec, ops, queries, keys, scale,
+                                                                 bias, positives, query_groups, key_groups)
         ctx.save_for_backward(queries, keys, scale, bias, positives, query_groups, key_groups, row_stat,
                               col_stat)
-        ctx.spec, ctx.ops, ctx.schedule = spec, ops, schedule
+        ctx.spec, ctx.ops, ctx.schedule, ctx.unit = spec, ops, schedule, unit
         return row_stat, col_stat, positive_logit
 
     @staticmethod
@@ -114,7 +147,7 @@ class KeyBlockLogitStats(torch.autograd.Function):
          col_stat) = ctx.saved_tensors
         grads = stats_backward(ctx.schedule, ctx.spec, ctx.ops, queries, keys, scale, bias, positives,
                                query_groups, key_groups, row_stat, col_stat, grad_row_stat, grad_col_stat,
-                               grad_positive_logit, needs=ctx.needs_input_grad[:4])
+                               grad_positive_logit, needs=ctx.needs_input_grad[:4], unit=ctx.unit)
         return (*grads, None, None, None, None, None, None)
 
 
@@ -134,54 +167,58 @@ def positive_logits(queries, keys, positives, scale, bias) -> torch.Tensor:
     return logits if bias is None else logits + bias.to(acc)
 
 
-def add_positive_gradients(queries, keys, positives, grad_positive, grad_queries, key_slices, row_sums):
-    """Add the positive logits' gradient to the unscaled accumulators, in place.
+def finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive, grad_queries, key_slices,
+                     row_sums, row_weight=None):
+    """(d queries, d keys, d scale, d bias) from the unscaled accumulators of the statistics'
+    gradient, adding the positive logits' gradient ``grad_positive``; ``needs`` (four bools, e.g.
+    ``ctx.needs_input_grad[:4]``) says which are wanted, None for the others.
 
-    ``key_slices`` is a list of ((start, end), accumulator) covering this process's keys (the
-    ring keeps its key gradient in slices). d z_{i,p(i)} / d bias = 1, so the gradient is also
-    added to ``row_sums``; d scale follows from the accumulators in ``finish_gradients``.
-    """
-    acc = grad_queries.dtype
-    weight = grad_positive.to(acc)
-    for rows in _row_chunks(queries.shape[0], queries.shape[1]):
-        grad_queries[rows] += weight[rows, None] * keys[positives[rows]].to(acc)
-        for (start, end), accumulator in key_slices:
-            inside = ((positives[rows] >= start) & (positives[rows] < end)).nonzero().squeeze(1)
-            if inside.numel():
-                chunk_rows = inside + rows.start
-                accumulator.index_add_(
-                    0, positives[chunk_rows] - start, weight[chunk_rows, None] * queries[chunk_rows].to(acc)
-                )
-    row_sums += weight
+    The accumulators are G K [m, c], G^T Q as ((start, end), accumulator) slices of the keys (the
+    ring keeps its key gradient in slices, padded to the largest rank's keys), and the row sums
+    of G. With ``row_weight`` None they hold the gradient itself and are used up (added to in
+    place, and each key slice dropped from the list once copied out). With ``row_weight`` [m]
+    they hold the unit-weight G of the one-pass route (``StatsSpec.gradients_in_forward``) and
+    are only read: row i of G K is scaled by its weight, G^T Q by the rows' common weight.
 
-
-def finish_gradients(needs, queries, keys, scale, bias, grad_queries, key_slices, row_sums):
-    """(d queries, d keys, d scale, d bias) from the unscaled accumulators; ``needs`` (four bools,
-    e.g. ``ctx.needs_input_grad[:4]``) says which are wanted, None for the others.
-
+    The positive logits' gradient is summed into the fp32 accumulators before the single cast,
+    where it nearly cancels G's entry at the positive (see the module docstring).
     d scale = sum_ij G_ij x_ij = sum_i <Q_i, (G K)_i>, so it needs no pass over the tiles;
-    d bias = sum of G. Works in place and in row chunks, so that the end of the backward makes
-    no full-size fp32 temporaries. The key gradient comes as ((start, end), accumulator) slices,
-    freed as they are copied out.
+    d bias = sum of G. Everything runs in row chunks: no full-size fp32 temporaries.
     """
     need_q, need_k, need_scale, need_bias = needs
     acc = grad_queries.dtype
     scale_acc = scale.to(acc)
+    weight = grad_positive.to(acc)
     grad_scale = grad_bias = grad_q = grad_k = None
+    total = torch.zeros((), dtype=acc, device=grad_queries.device)
+    if need_q:
+        grad_q = torch.empty(queries.shape, dtype=queries.dtype, device=queries.device)
+    for rows in _row_chunks(queries.shape[0], queries.shape[1]):
+        block = grad_queries[rows] if row_weight is None else grad_queries[rows] * row_weight[rows, None]
+        block += weight[rows, None] * keys[positives[rows]].to(acc)
+        if need_scale:
+            total += (block * queries[rows].to(acc)).sum()
+        if need_q:
+            grad_q[rows] = (block * scale_acc).to(queries.dtype)
     if need_scale:
-        total = torch.zeros((), dtype=acc, device=grad_queries.device)
-        for rows in _row_chunks(queries.shape[0], queries.shape[1]):
-            total += (grad_queries[rows] * queries[rows].to(acc)).sum()
         grad_scale = total.to(scale.dtype)
     if need_bias and bias is not None:
-        grad_bias = row_sums.sum().to(bias.dtype)
-    if need_q:
-        grad_q = grad_queries.mul_(scale_acc).to(queries.dtype)
+        sums = row_sums if row_weight is None else row_sums * row_weight
+        grad_bias = (sums.sum() + weight.sum()).to(bias.dtype)
     if need_k:
+        # Every row's statistic has the same gradient on the one-pass route (its precondition).
+        key_weight = None if row_weight is None else row_weight[:1]
         grad_k = torch.empty(keys.shape, dtype=keys.dtype, device=keys.device)
         for index, ((start, end), accumulator) in enumerate(key_slices):
-            real_end = min(end, keys.shape[0])  # the ring pads key blocks to the largest rank's
-            if start < real_end:
-                grad_k[start:real_end] = accumulator[: real_end - start].mul_(scale_acc)
-            key_slices[index] = None  # free each slice as soon as it is copied out
+            end = min(end, keys.shape[0])  # the ring pads key blocks to the largest rank's
+            for part in _row_chunks(max(0, end - start), keys.shape[1]):
+                lo, hi = start + part.start, start + part.stop
+                block = accumulator[part] if key_weight is None else accumulator[part] * key_weight
+                inside = ((positives >= lo) & (positives < hi)).nonzero().squeeze(1)
+                if inside.numel():
+                    positive_rows = weight[inside, None] * queries[inside].to(acc)
+                    block.index_add_(0, positives[inside] - lo, positive_rows)
+                grad_k[lo:hi] = (block * scale_acc).to(keys.dtype)
+            if row_weight is None:
+                key_slices[index] = None  # free each slice as soon as it is copied out
     return grad_q, grad_k, grad_scale, grad_bias

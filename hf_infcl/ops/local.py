@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .spec import BlockOps, GroupMask, StatsSpec, accumulation_dtype
+from .key_blocks import UnitGradients
+from .spec import BlockOps, GroupMask, OnePassSigmoidOps, StatsSpec, accumulation_dtype
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,18 @@ class SingleBlock:
             grad_keys,
         )
         return grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums
+
+    def forward_with_gradients(self, spec: StatsSpec, ops: OnePassSigmoidOps, queries, keys, scale, bias,
+                               query_groups, key_groups, positive_keys):
+        """The sigmoid loss's one pass: (row_stat, unit-weight gradients), see
+        :class:`~hf_infcl.ops.key_blocks.UnitGradients`."""
+        acc = accumulation_dtype(queries.dtype)
+        grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
+        grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
+        row_stat, row_sums = ops.forward_backward_block(spec, queries, keys, scale, bias,
+                                                        _mask(query_groups, key_groups, positive_keys),
+                                                        grad_queries, grad_keys)
+        return row_stat, UnitGradients(grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums)
 
 
 SINGLE_BLOCK = SingleBlock()

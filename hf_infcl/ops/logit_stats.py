@@ -62,9 +62,9 @@ def logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups,
         return _ring_stats(group, queries, keys, scale, bias, positives, query_groups, key_groups, spec,
                            backend, reduction)
     if isinstance(backend, str):
-        row_stat, col_stat, positive_logit = custom_ops.logit_stats(
+        row_stat, col_stat, positive_logit, *_unit_gradients = custom_ops.logit_stats(
             queries, keys, scale, bias, positives, query_groups, key_groups, spec.loss, spec.columns,
-            spec.precision, backend_name(backend, queries.device), validate,
+            spec.precision, spec.gradients_in_forward, backend_name(backend, queries.device), validate,
         )
     else:
         row_stat, col_stat, positive_logit = _block_ops_stats(

@@ -42,15 +42,25 @@ class StatsSpec:
         precision: how fp32 inputs are multiplied: ``"tf32"`` (TF32 tensor cores) or ``"ieee"``
             (exact fp32); ``"auto"`` follows :func:`resolve_precision`. Ignored for
             half-precision and float64 inputs.
+        gradients_in_forward: sigmoid only; the caller promises that every row's statistic
+            gets the same gradient (a mean or sum over the rows), so the forward can compute
+            the gradients too, with every row weight 1, in the same pass as the statistic
+            (:meth:`BlockOps.forward_backward_block`), and the backward only scales them:
+            three GEMM passes instead of four. The sigmoid loss's G needs no statistic, so
+            nothing has to be known before the pass.
     """
 
     loss: LossKind
     columns: bool
     precision: Precision = "auto"
+    gradients_in_forward: bool = False
 
     def __post_init__(self):
         if self.loss == "sigmoid" and self.columns:
             raise ValueError("the sigmoid loss has no column statistics")
+        if self.gradients_in_forward and self.loss != "sigmoid":
+            raise ValueError("gradients_in_forward needs the sigmoid loss (the softmax loss's G needs "
+                             "its statistics first)")
 
 
 @dataclass(frozen=True)
@@ -155,3 +165,28 @@ class BlockOps(Protocol):
         ``row_stat`` and ``col_stat`` are the complete statistics (over every key and every row
         of the whole problem), not this block's partial ones.
         """
+
+
+class OnePassSigmoidOps(BlockOps, Protocol):
+    """Block ops that can also take the sigmoid loss's one-pass route
+    (``StatsSpec.gradients_in_forward``); optional for a backend."""
+
+    def forward_backward_block(
+        self,
+        spec: StatsSpec,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        mask: GroupMask | None,
+        grad_queries: torch.Tensor,
+        grad_keys: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sigmoid row statistic [m] of this block and, from the same logits, G K added to
+        ``grad_queries`` and G^T Q to ``grad_keys`` for G_ij = sigmoid(z_ij) (every row weight
+        1; zero where masked), as ``backward_block`` adds them. Returns (row_stat, row sums of G)."""
+
+
+def takes_one_pass(ops) -> bool:
+    """Whether a block-ops object offers the sigmoid loss's one-pass route."""
+    return callable(getattr(ops, "forward_backward_block", None))

@@ -134,3 +134,31 @@ class TorchTiles:
                 grad_keys[k0:k1].addmm_(grad_logits.T, q_tile)
                 row_sums[r0:r1] += grad_logits.sum(dim=1)
         return row_sums
+
+    def forward_backward_block(self, spec, queries, keys, scale, bias, mask: GroupMask | None, grad_queries,
+                               grad_keys):
+        """The sigmoid loss's one pass (``OnePassSigmoidOps``): each tile's logits give its
+        softplus row sums and, with every row weight 1, G = sigmoid(z) and the two products."""
+        acc = accumulation_dtype(queries.dtype)
+        m, k = queries.shape[0], keys.shape[0]
+        scale = scale.to(acc)
+        bias = None if bias is None else bias.to(acc)
+        row_stat = torch.zeros(m, dtype=acc, device=queries.device)
+        row_sums = torch.zeros(m, dtype=acc, device=queries.device)
+
+        with _matmul_precision(spec, queries.dtype, queries.device):
+            for r0, r1, k0, k1 in self._tiles(m, k):
+                q_tile = queries[r0:r1].to(acc)
+                k_tile = keys[k0:k1].to(acc)
+                logits = self._logits(q_tile, k_tile, scale, bias)
+                terms = F.softplus(logits, threshold=_SOFTPLUS_LINEAR_ABOVE)
+                grad_logits = torch.sigmoid(logits)
+                if mask is not None:
+                    allowed = mask.allowed(r0, r1, k0, k1)
+                    terms = terms.masked_fill(~allowed, 0.0)
+                    grad_logits = grad_logits.masked_fill(~allowed, 0.0)
+                row_stat[r0:r1] += terms.sum(dim=1)
+                grad_queries[r0:r1].addmm_(grad_logits, k_tile)
+                grad_keys[k0:k1].addmm_(grad_logits.T, q_tile)
+                row_sums[r0:r1] += grad_logits.sum(dim=1)
+        return row_stat, row_sums

@@ -10,6 +10,10 @@ probabilities, masked) into a bounded scratch buffer; two cuBLAS GEMMs then add 
 query accumulator and G^T Q to the key accumulator. ``hf_infcl.ops.triton_kernels`` explains why
 G goes through that buffer rather than register accumulators for widths of 512-1024.
 
+``forward_backward_block`` is the sigmoid loss's one pass (``StatsSpec.gradients_in_forward``):
+the same super-tiles with every row weight 1, the kernel also summing each row's softplus terms
+(the row statistic) from the logits it computes anyway. No statistics pass at all.
+
 fp32 inputs with TF32 precision ("auto" on CUDA, or "tf32") run the kernels on TF32 tensor
 cores, as docs/contract.md ("Precision") says, after rounding the operands to TF32 to nearest
 (``round_to_tf32``: the dot itself truncates). The backward's two GEMMs then multiply fp16
@@ -110,6 +114,29 @@ class TritonBlocks:
         if queries.dtype == torch.float64:
             return TorchTiles().backward_block(spec, queries, keys, scale, bias, mask, row_stat, col_stat,
                                                row_weight, col_weight, grad_queries, grad_keys)
+        return self._super_tiles(spec, queries, keys, scale, bias, mask, row_stat, col_stat, row_weight,
+                                 col_weight, grad_queries, grad_keys)
+
+    def forward_backward_block(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None,
+                               grad_queries, grad_keys):
+        """The sigmoid loss's one pass (``OnePassSigmoidOps``): the backward's super-tiles with
+        every row weight 1, each tile's softplus row sums taken from the same logits."""
+        if queries.dtype == torch.float64:
+            return TorchTiles().forward_backward_block(spec, queries, keys, scale, bias, mask, grad_queries,
+                                                       grad_keys)
+        if spec.loss != "sigmoid":
+            raise ValueError("the one-pass route is for the sigmoid loss")
+        ones = torch.ones(queries.shape[0], dtype=torch.float32, device=queries.device)
+        row_stat = torch.zeros(queries.shape[0], dtype=torch.float32, device=queries.device)
+        row_sums = self._super_tiles(spec, queries, keys, scale, bias, mask, ones, None, ones, None,
+                                     grad_queries, grad_keys, softplus_sums=row_stat)
+        return row_stat, row_sums
+
+    def _super_tiles(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None, row_stat,
+                     col_stat, row_weight, col_weight, grad_queries, grad_keys, softplus_sums=None):
+        """The backward's walk over super-tiles (see the module docstring); returns the row sums
+        of G. With ``softplus_sums`` [m] (fp32, zeroed) the one-pass route: the gradient-tile
+        kernel adds the sigmoid row statistic into it."""
         self._check(queries, keys)
         spec = _resolved(spec, queries)
         operands = self._operands(spec, queries, keys, scale)
@@ -166,6 +193,7 @@ class TritonBlocks:
         rows = [
             dict(queries=queries[r0:r1], gemm_queries=gemm.queries[r0:r1], grad=grad_queries[r0:r1],
                  row_sums=row_sums[r0:r1], row_stat=row_stat[r0:r1], row_weight=row_weight[r0:r1],
+                 softplus_sums=None if softplus_sums is None else softplus_sums[r0:r1],
                  groups=dict(row_groups=groups["row_groups"][r0:r1],
                              positive_keys=groups["positive_keys"][r0:r1]) if groups else {})
             for r0, r1 in row_bounds
@@ -193,7 +221,7 @@ class TritonBlocks:
                         row["queries"], tile["keys"], g, row["row_sums"], scale, bias, inv_g_scale,
                         row["row_stat"], tile["col_stat"], row["row_weight"], tile["col_weight"],
                         sigmoid=sigmoid, precision=spec.precision, size_class=size_class,
-                        **row["groups"], **tile["groups"],
+                        softplus_sums=row["softplus_sums"], **row["groups"], **tile["groups"],
                     )
                     _add_product(row["grad"], g, tile["gemm_keys"])
                     _add_product(tile["grad"], g.T, row["gemm_queries"])

@@ -173,6 +173,17 @@ def _softplus(z):
 
 
 @triton.jit
+def _sigmoid_and_softplus(z):
+    """(sigmoid(z), softplus(z)) from one exponential u = e^-|z|: sigmoid(z) = 1 / (1 + u) for
+    z >= 0 and u / (1 + u) below; softplus as in ``_softplus``."""
+    u = tl.exp(-tl.abs(z))
+    w = 1.0 + u
+    sigmoid = tl.where(z >= 0.0, 1.0, u) / w
+    log1p_u = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+    return sigmoid, tl.maximum(z, 0.0) + log1p_u
+
+
+@triton.jit
 def _allowed(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
              positive_ptr, key_offset, HAS_MASK: tl.constexpr):
     """Boolean [rows, keys] tile of the contract's masking (positives always allowed)."""
@@ -321,12 +332,12 @@ def _column_probability(logits, p_row, row_stat, col_stat, row_valid, key_valid)
 
 @triton.jit
 def _grad_tile_kernel_body(
-    q_ptr, k_ptr, g_ptr, row_sums_ptr, scale_ptr, bias_ptr, inv_g_scale_ptr,
+    q_ptr, k_ptr, g_ptr, row_sums_ptr, softplus_sums_ptr, scale_ptr, bias_ptr, inv_g_scale_ptr,
     row_stat_ptr, col_stat_ptr, row_weight_ptr, col_weight_ptr,
     row_group_ptr, key_group_ptr, positive_ptr, key_offset,
     n_rows, n_keys, c, stride_q, stride_k, stride_g, size_class,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ONE_PASS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row_index = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -342,10 +353,19 @@ def _grad_tile_kernel_body(
     dots = _dot_tile(q_ptr, k_ptr, row_index, key_index, row_valid, key_valid, c, stride_q, stride_k,
                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
 
-    row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
-    if SIGMOID:
+    allowed = _allowed(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
+                       positive_ptr, key_offset, HAS_MASK)
+    if ONE_PASS:
+        # The sigmoid loss's one pass: unit row weights, and the softplus row sums (the row
+        # statistic) from the same logits and the same exponential.
+        grad, softplus = _sigmoid_and_softplus(dots * scale + bias)
+        tl.atomic_add(softplus_sums_ptr + row_index, tl.sum(tl.where(allowed, softplus, 0.0), axis=1),
+                      mask=row_valid)
+    elif SIGMOID:
+        row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
         grad = row_weight[:, None] * tl.sigmoid(dots * scale + bias)
     else:
+        row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
         logits = dots * scale + bias
         row_stat = tl.load(row_stat_ptr + row_index, mask=row_valid, other=0.0)
         p_row = tl.exp2((logits - row_stat[:, None]) * LOG2E)
@@ -355,8 +375,6 @@ def _grad_tile_kernel_body(
             col_weight = tl.load(col_weight_ptr + key_index, mask=key_valid, other=0.0)
             p_col = _column_probability(logits, p_row, row_stat, col_stat, row_valid, key_valid)
             grad += col_weight[None, :] * p_col
-    allowed = _allowed(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
-                       positive_ptr, key_offset, HAS_MASK)
     # where(), not a product: a masked entry may hold 0 * inf = nan.
     grad = tl.where(allowed, grad, 0.0)
 
@@ -368,7 +386,7 @@ def _grad_tile_kernel_body(
 
 
 _grad_tile_kernel = triton.autotune(
-    configs=_grad_configs(), key=_TUNE_KEY, reset_to_zero=["row_sums_ptr"]
+    configs=_grad_configs(), key=_TUNE_KEY, reset_to_zero=["row_sums_ptr", "softplus_sums_ptr"]
 )(_grad_tile_kernel_body)
 
 
@@ -496,9 +514,14 @@ def grad_tile(
     positive_keys: torch.Tensor | None = None,
     key_offset: int = 0,
     size_class: int | None = None,
+    softplus_sums: torch.Tensor | None = None,
 ) -> None:
     """Write G / g_scale of ``queries`` x ``keys`` into ``g_out`` [rows, keys] (a view whose last
     stride is 1) and add the row sums of G into ``row_sums`` [rows] (fp32, atomically).
+
+    ``softplus_sums`` (sigmoid only; fp32 [rows]): the one-pass route. G is sigmoid(z) with
+    every row weight 1 (``row_weight`` is not read), and the tile's softplus row sums (the
+    sigmoid row statistic) are added into it, atomically.
 
     ``size_class`` (default: from this tile's shape) is part of the autotuning key. Tuning zeroes
     ``row_sums`` before each trial, so callers that launch several tiles into one buffer pass the
@@ -510,13 +533,17 @@ def grad_tile(
     columns = col_stat is not None
     dummy = _unused_pointer(queries.device)
     grid = lambda meta: (triton.cdiv(n_rows, meta["BLOCK_M"]), triton.cdiv(n_keys, meta["BLOCK_N"]))  # noqa: E731
+    one_pass = softplus_sums is not None
+    if one_pass and not sigmoid:
+        raise ValueError("softplus_sums is for the sigmoid loss")
     _grad_tile_kernel[grid](
-        queries, keys, g_out, row_sums, scale, bias if bias is not None else dummy, inv_g_scale,
+        queries, keys, g_out, row_sums, softplus_sums if one_pass else dummy, scale,
+        bias if bias is not None else dummy, inv_g_scale,
         row_stat, col_stat if columns else dummy, row_weight, col_weight if columns else dummy,
         row_groups if has_mask else dummy, key_groups if has_mask else dummy,
         positive_keys if has_mask else dummy, key_offset,
         n_rows, n_keys, c, queries.stride(0), keys.stride(0), g_out.stride(0),
         size_class if size_class is not None else problem_size_class(n_rows, n_keys),
-        HAS_BIAS=bias is not None, HAS_MASK=has_mask, COLUMNS=columns, SIGMOID=sigmoid,
+        HAS_BIAS=bias is not None, HAS_MASK=has_mask, COLUMNS=columns, SIGMOID=sigmoid, ONE_PASS=one_pass,
         PRECISION=dot_precision(queries.dtype, precision), UPCAST=INTERPRET,
     )
