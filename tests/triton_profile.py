@@ -61,6 +61,9 @@ def main():
     for name in ("_stats_kernel", "_grad_tile_kernel"):
         tuner = getattr(triton_kernels, name)
         print(name, {key: str(config) for key, config in getattr(tuner, "cache", {}).items()})
+        timings = getattr(tuner, "configs_timings", None) or {}  # of the last tuning
+        for config, times in sorted(timings.items(), key=lambda item: item[1][0]):
+            print(f"    {times[0]:8.4f} ms  {config}")
 
 
 if __name__ == "__main__":
