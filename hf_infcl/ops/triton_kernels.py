@@ -63,6 +63,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .tuning_store import TuningStore, tuning_key
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # HF_INFCL_TRITON_AUTOTUNE=0 uses one safe config per kernel: GPU tests compile many
 # specialisations (dtype x loss x mask) and need not autotune each of them.
@@ -106,6 +108,9 @@ _GRAD_SHAPES = [
     (128, 128, 128, 8, 2),
     (128, 128, 128, 8, 3),
     (128, 256, 128, 8, 2),
+    # Narrow row blocks: fewer registers per thread for the sigmoid loss's one-pass epilogue.
+    (64, 128, 32, 4, 5),
+    (64, 256, 64, 8, 3),
 ]
 
 
@@ -174,14 +179,18 @@ def _softplus(z):
 
 @triton.jit
 def _sigmoid_and_softplus(z):
-    """(sigmoid(z), softplus(z)) from one exponential u = e^-|z|: sigmoid(z) = 1 / (1 + u) for
-    z >= 0 and u / (1 + u) below; softplus as in ``_softplus``. The divisions are the hardware's
-    fast ones (2 ulp): an IEEE division costs as much as the rest of the tile's elementwise work."""
-    u = tl.exp(-tl.abs(z))
+    """(sigmoid(z), softplus(z)) from one exponential u = e^-|z| and one reciprocal r = 1 / w,
+    w = 1 + u: sigmoid(z) = r for z >= 0 and u r below; softplus(z) = max(z, 0) + log1p(u) with
+    log1p(u) = log(w) - ((w - 1) - u) r. (w - 1) - u is the rounding error of w, exactly: the
+    correction restores the small values of u that 1 + u rounds away (log1p(u) = u when w = 1).
+    Three special-function operations per logit (exp, reciprocal, log), the least for both
+    values; they, not the tile's dot products, bound this kernel."""
+    u = tl.exp2(-tl.abs(z) * LOG2E)
     w = 1.0 + u
-    sigmoid = tl.fdiv(tl.where(z >= 0.0, 1.0, u), w)
-    log1p_u = tl.where(w == 1.0, u, tl.log(w) * tl.fdiv(u, w - 1.0))
-    return sigmoid, tl.maximum(z, 0.0) + log1p_u
+    r = tl.fdiv(1.0, w)
+    sigmoid = r * tl.where(z >= 0.0, 1.0, u)
+    softplus = tl.maximum(z, 0.0) + (tl.log(w) - ((w - 1.0) - u) * r)
+    return sigmoid, softplus
 
 
 @triton.jit
@@ -391,13 +400,35 @@ _grad_tile_kernel = triton.autotune(
 )(_grad_tile_kernel_body)
 
 
+# Tuned configurations persist on disk (hf_infcl.ops.tuning_store): tuning is paid once per machine.
+TUNING_STORE = TuningStore()
+
+
 def reset_autotuning() -> None:
     """Forget the configurations the autotuners chose, so that the next call of each kernel tunes
-    afresh. The tuning keys are coarse (the width and a size class), so without this a benchmark
-    sweeping sizes would time every size of a class with the configs tuned at the first one;
-    after it, each size is tuned for itself, as a training run at that size would be."""
+    afresh (and saves its new choice): also the saved ones, for the rest of this process. The
+    tuning keys are coarse (the width and a size class), so without this a benchmark sweeping
+    sizes would time every size of a class with the configs tuned at the first one; after it,
+    each size is tuned for itself, as a training run at that size would be."""
     for tuner in (_stats_kernel, _grad_tile_kernel):
         tuner.cache.clear()
+    TUNING_STORE.retune()
+
+
+def _launch(tuner, name: str, grid, device: torch.device, *args, **kwargs) -> None:
+    """``tuner[grid](*args, **kwargs)``, with its tuned configuration loaded from, or saved to,
+    the machine's tuning store."""
+    if INTERPRET or not AUTOTUNE:  # one config: nothing is tuned
+        tuner[grid](*args, **kwargs)
+        return
+    key = tuning_key(tuner, args, kwargs)
+    with TUNING_STORE.tuned(tuner, name, key, _device_name(device), triton.__version__, triton.Config):
+        tuner[grid](*args, **kwargs)
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -481,7 +512,8 @@ def logit_stats(
     dummy = _unused_pointer(outer.device)
     grid = lambda meta: (triton.cdiv(n_outer, meta["BLOCK_M"]), splits)  # noqa: E731
     fused = column_partials is not None
-    _stats_kernel[grid](
+    _launch(
+        _stats_kernel, "stats", grid, outer.device,
         outer, inner, out, column_partials if fused else dummy, scale, bias if bias is not None else dummy,
         row_groups if has_mask else dummy, key_groups if has_mask else dummy,
         positive_keys if has_mask else dummy, key_offset,
@@ -537,7 +569,8 @@ def grad_tile(
     one_pass = softplus_sums is not None
     if one_pass and not sigmoid:
         raise ValueError("softplus_sums is for the sigmoid loss")
-    _grad_tile_kernel[grid](
+    _launch(
+        _grad_tile_kernel, "grad_tile", grid, queries.device,
         queries, keys, g_out, row_sums, softplus_sums if one_pass else dummy, scale,
         bias if bias is not None else dummy, inv_g_scale,
         row_stat, col_stat if columns else dummy, row_weight, col_weight if columns else dummy,

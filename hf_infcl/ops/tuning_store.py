@@ -1,0 +1,149 @@
+"""Autotuned kernel configurations kept on disk, so that tuning is paid once per machine.
+
+Triton's autotuner benchmarks every candidate configuration on a kernel's first call for each
+tuning key, in every process: 30 s or more for our kernels, paid again by every run and by every
+rank of a job. This store keeps the chosen configurations in one JSON file per device name and
+Triton version (``<cache>/autotune/<device>--triton-<version>.json``), keyed by kernel and tuning
+key. Before a launch whose key the autotuner has not seen, :meth:`TuningStore.tuned` looks the key
+up on disk; if it is missing, it takes a file lock, looks again (another process of the job may
+have tuned it meanwhile) and only then lets the launch tune, then saves the choice. The processes
+of a job on one machine therefore tune once, the others wait for that and load the result; a
+later run loads it at once.
+
+The cache folder is ``$HF_INFCL_CACHE`` or ``~/.cache/hf_infcl`` (``$XDG_CACHE_HOME/hf_infcl``
+where that is set). If it cannot be written, tuning stays in memory, with one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+
+logger = logging.getLogger("hf_infcl")
+
+
+def default_directory() -> Path:
+    """Where tuned configurations are kept (see the module docstring)."""
+    explicit = os.environ.get("HF_INFCL_CACHE")
+    if explicit:
+        return Path(explicit).expanduser() / "autotune"
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "hf_infcl" / "autotune"
+
+
+def tuning_key(tuner, args: tuple, kwargs: dict) -> tuple:
+    """The key under which Triton's autotuner caches a launch's configuration: the values of its
+    ``key`` arguments, then the dtype of every tensor argument, in argument order (as
+    ``triton.runtime.Autotuner.run`` forms it)."""
+    named = {**dict(zip(tuner.arg_names, args)), **kwargs}
+    named = {name: value for name, value in named.items() if name in tuner.arg_names}
+    key = [named[name] for name in tuner.keys if name in named]
+    key += [str(value.dtype) for value in named.values() if hasattr(value, "dtype")]
+    return tuple(key)
+
+
+class TuningStore:
+    """Tuned configurations of one device, on disk (see the module docstring).
+
+    Args:
+        directory: the folder of the JSON files (default: :func:`default_directory`, read when
+            first needed).
+    """
+
+    def __init__(self, directory: str | os.PathLike | None = None):
+        self._directory = None if directory is None else Path(directory)
+        self._retune = False
+        self._warned = False
+
+    @property
+    def directory(self) -> Path:
+        return self._directory if self._directory is not None else default_directory()
+
+    def path(self, device_name: str, triton_version: str) -> Path:
+        """The file of one device name and Triton version."""
+        slug = re.sub(r"[^A-Za-z0-9.]+", "-", device_name).strip("-") or "device"
+        return self.directory / f"{slug}--triton-{triton_version}.json"
+
+    def retune(self) -> None:
+        """From now on in this process, tune every key again on its first launch (and save the new
+        choice) instead of loading the saved one: what a benchmark that sweeps sizes wants."""
+        self._retune = True
+
+    @contextlib.contextmanager
+    def tuned(self, tuner, kernel: str, key: tuple, device_name: str, triton_version: str, config_type):
+        """Around one launch of ``tuner`` whose tuning key is ``key``: load a saved configuration
+        into the tuner first, or, if there is none, let the launch tune (under a lock shared by
+        the processes of this machine) and save its choice."""
+        if key in tuner.cache:
+            yield
+            return
+        path = self.path(device_name, triton_version)
+        entry = repr(key)
+        if not self._retune and self._load(tuner, kernel, entry, key, path, config_type):
+            yield
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 - held across the yield
+        except OSError as error:
+            self._warn_once(f"cannot write tuned configurations to {path.parent} ({error}); "
+                            "each process tunes for itself")
+            yield
+            return
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not self._retune and self._load(tuner, kernel, entry, key, path, config_type):
+                yield
+                return
+            logger.warning("hf_infcl: autotuning %s for %s on %s (once per machine: the choice is saved "
+                           "to %s)", kernel, key, device_name, path)
+            start = time.perf_counter()
+            yield
+            elapsed = time.perf_counter() - start
+            if key in tuner.cache:
+                self._save(kernel, entry, tuner.cache[key], path)
+                logger.warning("hf_infcl: autotuning %s took %.1f s", kernel, elapsed)
+
+    # ----------------------------------------------------------------------------------------
+
+    def _load(self, tuner, kernel: str, entry: str, key: tuple, path: Path, config_type) -> bool:
+        saved = _read(path).get(kernel, {}).get(entry)
+        if saved is None:
+            return False
+        tuner.cache[key] = config_type(saved["kwargs"], num_warps=saved["num_warps"],
+                                       num_stages=saved["num_stages"], num_ctas=saved.get("num_ctas", 1),
+                                       maxnreg=saved.get("maxnreg"))
+        return True
+
+    def _save(self, kernel: str, entry: str, config, path: Path) -> None:
+        table = _read(path)
+        table.setdefault(kernel, {})[entry] = {
+            "kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages,
+            "num_ctas": getattr(config, "num_ctas", 1), "maxnreg": getattr(config, "maxnreg", None),
+        }
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            partial.write_text(json.dumps(table, indent=1, sort_keys=True))
+            os.replace(partial, path)  # readers never see a half-written file
+        except OSError as error:
+            self._warn_once(f"cannot save tuned configurations to {path} ({error})")
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning("hf_infcl: %s", message)
+
+
+def _read(path: Path) -> dict:
+    """The saved table, or an empty one where there is none or it cannot be read."""
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}

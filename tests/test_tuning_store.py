@@ -1,0 +1,148 @@
+"""The on-disk store of autotuned configurations (hf_infcl.ops.tuning_store): what one process
+tunes, the next loads instead of tuning; the processes of one machine tune a key once; devices
+and Triton versions keep separate files. Autotuner stand-ins replace Triton's, whose tuning
+needs a GPU; the GPU check is ``tests/gpu_smoke.py``'s second-process case."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import time
+
+from hf_infcl.ops.tuning_store import TuningStore, tuning_key
+
+
+class _Config:
+    """Stands in for triton.Config: what the store saves and rebuilds."""
+
+    def __init__(self, kwargs, num_warps=4, num_stages=3, num_ctas=1, maxnreg=None):
+        self.kwargs, self.num_warps, self.num_stages = dict(kwargs), num_warps, num_stages
+        self.num_ctas, self.maxnreg = num_ctas, maxnreg
+
+    def __eq__(self, other):
+        return vars(self) == vars(other)
+
+
+class _Tuner:
+    """Stands in for triton's Autotuner: a cache of chosen configs, and a launch that "tunes"
+    (counts, takes a while, picks a config) when its key is not cached."""
+
+    arg_names = ["x_ptr", "c", "size_class", "FLAG"]
+    keys = ["c", "size_class"]
+
+    def __init__(self, choice=None):
+        self.cache = {}
+        self.tunings = 0
+        self.choice = choice or _Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=4)
+
+    def launch(self, key, seconds=0.0):
+        if key not in self.cache:
+            self.tunings += 1
+            time.sleep(seconds)
+            self.cache[key] = self.choice
+
+
+class _Tensor:
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+
+def _run(store, tuner, key, device="NVIDIA H100 80GB HBM3", version="3.6.0", seconds=0.0):
+    with store.tuned(tuner, "grad_tile", key, device, version, _Config):
+        tuner.launch(key, seconds)
+
+
+def test_tuning_key_is_the_autotuners(tmp_path):
+    """The key arguments' values, then every tensor argument's dtype, in argument order."""
+    tuner = _Tuner()
+    key = tuning_key(tuner, (_Tensor("torch.bfloat16"), 768), {"size_class": 2, "FLAG": True})
+    assert key == (768, 2, "torch.bfloat16")
+
+
+def test_a_second_process_loads_what_the_first_tuned(tmp_path, caplog):
+    key = (768, 2, "torch.bfloat16")
+    first = _Tuner()
+    with caplog.at_level(logging.WARNING, logger="hf_infcl"):
+        _run(TuningStore(tmp_path), first, key)
+    assert first.tunings == 1
+    assert any("autotuning grad_tile" in r.message and "took" not in r.message for r in caplog.records)
+    assert any("took" in r.message for r in caplog.records)
+    saved = json.loads((tmp_path / "NVIDIA-H100-80GB-HBM3--triton-3.6.0.json").read_text())
+    assert saved["grad_tile"][repr(key)]["kwargs"] == {"BLOCK_M": 64, "BLOCK_N": 128}
+
+    caplog.clear()
+    second = _Tuner(choice=_Config({"BLOCK_M": 1}))  # would pick something else if it tuned
+    with caplog.at_level(logging.WARNING, logger="hf_infcl"):
+        _run(TuningStore(tmp_path), second, key)
+    assert second.tunings == 0
+    assert second.cache[key] == first.choice
+    assert not caplog.records  # nothing tuned, nothing said
+
+
+def test_devices_versions_and_keys_tune_apart(tmp_path):
+    store, key = TuningStore(tmp_path), (768, 2, "torch.bfloat16")
+    _run(store, _Tuner(), key)
+    for device, version, other_key in [("NVIDIA H200", "3.6.0", key), ("NVIDIA H100 80GB HBM3", "3.7.0", key),
+                                       ("NVIDIA H100 80GB HBM3", "3.6.0", (512, 2, "torch.bfloat16"))]:
+        tuner = _Tuner()
+        _run(store, tuner, other_key, device=device, version=version)
+        assert tuner.tunings == 1, (device, version, other_key)
+    assert len(list(tmp_path.glob("*.json"))) == 3
+
+
+def test_retune_tunes_again_and_saves_the_new_choice(tmp_path):
+    key = (768, 2, "torch.bfloat16")
+    _run(TuningStore(tmp_path), _Tuner(), key)
+    store = TuningStore(tmp_path)
+    store.retune()
+    tuner = _Tuner(choice=_Config({"BLOCK_M": 256}))
+    _run(store, tuner, key)
+    assert tuner.tunings == 1
+    later = _Tuner()
+    _run(TuningStore(tmp_path), later, key)
+    assert later.tunings == 0 and later.cache[key] == _Config({"BLOCK_M": 256})
+
+
+def test_an_unwritable_folder_warns_once_and_tunes_in_memory(tmp_path, caplog):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    store = TuningStore(blocked / "sub")
+    with caplog.at_level(logging.WARNING, logger="hf_infcl"):
+        for size_class in (1, 2):
+            tuner = _Tuner()
+            _run(store, tuner, (768, size_class, "torch.float32"))
+            assert tuner.tunings == 1
+    assert sum("cannot write" in r.message for r in caplog.records) == 1
+
+
+def test_the_default_folder_follows_hf_infcl_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_INFCL_CACHE", str(tmp_path))
+    expected = tmp_path / "autotune" / "NVIDIA-H100--triton-3.6.0.json"
+    assert TuningStore().path("NVIDIA H100", "3.6.0") == expected
+    monkeypatch.delenv("HF_INFCL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert TuningStore().directory == tmp_path / "xdg" / "hf_infcl" / "autotune"
+
+
+def _rank(directory, key, results):
+    tuner = _Tuner()
+    _run(TuningStore(directory), tuner, key, seconds=1.0)
+    results.put((tuner.tunings, vars(tuner.cache[key])))
+
+
+def test_the_processes_of_one_machine_tune_a_key_once(tmp_path):
+    """Four processes start together (the ranks of one job): one tunes, under the lock; the
+    others wait for it and load its choice."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    key = (768, 2, "torch.bfloat16")
+    processes = [context.Process(target=_rank, args=(tmp_path, key, results)) for _ in range(4)]
+    for process in processes:
+        process.start()
+    outcomes = [results.get(timeout=120) for _ in processes]
+    for process in processes:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    assert sorted(tunings for tunings, _ in outcomes) == [0, 0, 0, 1]
+    assert all(config == outcomes[0][1] for _, config in outcomes)
