@@ -1,7 +1,9 @@
 """The GPU smoke suite (``pytest -m gpu``): every case of ``tests/gpu_smoke.py`` in a fresh
 process, with the defaults users get. ``HF_INFCL_TRITON_AUTOTUNE`` is removed from the case's
-environment, so its first loss call autotunes, as a user's does; a switch that makes tests faster
-must not hide what users hit (it once hid an autograd error on the first sigmoid step)."""
+environment and each case gets an empty tuning store (``HF_INFCL_CACHE``), so its first loss call
+autotunes, as a user's first call on a new machine does; a switch that makes tests faster must
+not hide what users hit (it once hid an autograd error on the first sigmoid step). A second
+process with the same store loads the tuned configurations instead."""
 
 from __future__ import annotations
 
@@ -19,14 +21,29 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(CASES))
-def test_gpu_smoke_case_in_a_fresh_process(case):
+def test_gpu_smoke_case_in_a_fresh_process(case, tmp_path):
+    _run_case(case, tmp_path)
+
+
+@pytest.mark.gpu
+def test_a_second_process_loads_the_tuned_configurations(tmp_path):
+    """What the first process tuned is saved; the next process on the machine loads it and tunes
+    nothing (no tuning log line)."""
+    assert "hf_infcl: autotuning" in _run_case("loss-sigmoid-bf16", tmp_path)
+    assert "hf_infcl: autotuning" not in _run_case("loss-sigmoid-bf16", tmp_path)
+
+
+def _run_case(case: str, store) -> str:
+    """Run one smoke case in a fresh process with the tuning store ``store``; its output."""
     env = {name: value for name, value in os.environ.items() if name != "HF_INFCL_TRITON_AUTOTUNE"}
     env["PYTHONUNBUFFERED"] = "1"
+    env["HF_INFCL_CACHE"] = str(store)
     result = subprocess.run([sys.executable, "-m", "tests.gpu_smoke", case], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 0 and f"SMOKE OK {case}" in result.stdout, output[-8000:]
     print(result.stdout.strip().splitlines()[-1])
+    return output
 
 
 def test_case_list_covers_every_model_family_and_option():

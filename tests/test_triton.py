@@ -152,11 +152,14 @@ def test_gpu_tf32_via_fp16_matches_float64_reference(groups):
 
 
 @pytest.mark.gpu
-def test_gpu_first_call_that_autotunes_is_correct():
+def test_gpu_first_call_that_autotunes_is_correct(tmp_path, monkeypatch):
     """The call that autotunes must already be right: tuning runs every config on the live
     buffers (the column partials, the row sums). A width no other test uses makes this call the
-    first of its tuning key. Meaningful when run without HF_INFCL_TRITON_AUTOTUNE=0."""
+    first of its tuning key in this process, and an empty tuning store (``HF_INFCL_CACHE``) the
+    first on this machine. Meaningful when run without HF_INFCL_TRITON_AUTOTUNE=0."""
     from hf_infcl.ops.triton_blocks import TritonBlocks
+
+    monkeypatch.setenv("HF_INFCL_CACHE", str(tmp_path))
 
     _check_against_float64(6000, 9000, 200, "bf16", "softmax-sym", True, backend=TritonBlocks())
 

@@ -1,0 +1,69 @@
+"""How long a process's first loss call takes, with and without tuned configurations on disk.
+
+Runs the first call (forward + backward, bf16, learnable scale) of a fresh process several times
+against one tuning store (``HF_INFCL_CACHE``, a new empty folder): the first process tunes and
+saves, the later ones load. ``--at-once N`` starts N processes together instead, as the ranks of
+a job do on one machine: one tunes, the others wait for it and load.
+
+    python benchmarks/bench_first_call.py --b 32768 --c 512 --runs 3
+    python benchmarks/bench_first_call.py --at-once 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FIRST_CALL = """
+import sys, time, torch
+from hf_infcl import contrastive_loss
+b, c, loss = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+q = torch.nn.functional.normalize(torch.randn(b, c, device="cuda"), dim=1).bfloat16().requires_grad_(True)
+k = torch.nn.functional.normalize(torch.randn(b, c, device="cuda"), dim=1).bfloat16().requires_grad_(True)
+log_scale = torch.tensor(2.3, device="cuda", requires_grad=True)
+bias = torch.tensor(-10.0, device="cuda", requires_grad=True) if loss == "sigmoid" else None
+torch.cuda.synchronize()
+start = time.perf_counter()
+value = contrastive_loss(q, k, log_scale.exp(), bias, loss=loss)
+value.backward()
+torch.cuda.synchronize()
+print(f"FIRST CALL {time.perf_counter() - start:.2f} s")
+"""
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--b", type=int, default=32768)
+    parser.add_argument("--c", type=int, default=512)
+    parser.add_argument("--loss", choices=["softmax", "sigmoid"], default="softmax")
+    parser.add_argument("--runs", type=int, default=3, help="processes one after the other")
+    parser.add_argument("--at-once", type=int, default=1, help="processes started together, per run")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as store:
+        env = {**os.environ, "HF_INFCL_CACHE": store, "PYTHONPATH": str(ROOT)}
+        env.pop("HF_INFCL_TRITON_AUTOTUNE", None)
+        command = [sys.executable, "-c", FIRST_CALL, str(args.b), str(args.c), args.loss]
+        for run in range(args.runs):
+            start = time.perf_counter()
+            processes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True) for _ in range(args.at_once)]
+            for index, process in enumerate(processes):
+                out, err = process.communicate()
+                if process.returncode:
+                    raise SystemExit(err[-4000:])
+                tuned = "tuned" if "hf_infcl: autotuning" in err else "loaded"
+                first = [line for line in out.splitlines() if line.startswith("FIRST CALL")][-1]
+                print(f"run {run} process {index}: {first} ({tuned}); "
+                      f"process wall {time.perf_counter() - start:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
