@@ -4,7 +4,9 @@ Every combination sentence-transformers' MultipleNegativesRankingLoss accepts, a
 oracle (tests/oracle.py, the formulas of docs/contract.md) on embeddings, and against the installed
 MNRL / CachedMNRL on a tiny BERT with dropout on: the loss and every parameter gradient, pairs and
 hard-negative columns. Then their checks and messages, assignment after construction, the config,
-and the hardness options (refused while not computed). Two processes: tests/test_sentence_transformers.py.
+and the hardness options (refused while not computed). Two processes over gloo: here against the
+oracle, with ranks of different sizes; against MNRL's all-gather in tests/test_sentence_transformers.py
+(its SCENARIOS).
 """
 
 from __future__ import annotations
@@ -256,3 +258,43 @@ def test_hardness_settings_without_effect_give_mnrl_loss(tiny_model, options):
     ours = losses.InfCLLoss(tiny_model, **options)
     assert_same_step(expected, loss_and_gradients(tiny_model, ours, columns, 3))
     assert all(ours.get_config_dict()[key] == value for key, value in options.items())
+
+
+# --------------------------------------------------------------------------------------------
+# Two processes (the parity with MNRL's all-gather: SCENARIOS of test_sentence_transformers.py)
+
+
+def test_two_processes_of_different_sizes_equal_one_process_on_the_concatenated_batch(tmp_path):
+    """query_to_query, doc_to_doc and all four directions, joint, over the gloo ring with 3 and 5
+    examples per rank: the ranks' losses add up to the oracle's on the whole batch and each rank's
+    embedding gradients are its slice of the oracle's (times the world size: DDP averages them).
+    Group ids that collided across ranks would leave out another rank's keys and fail this."""
+    import torch.multiprocessing as mp
+
+    from tests.sentence_transformers_workers import (
+        DIRECTION_SETS,
+        DIRECTIONS_SCALE,
+        UNEQUAL_ROWS,
+        direction_embeddings,
+        run_directions_rank,
+    )
+
+    world_size = len(UNEQUAL_ROWS)
+    mp.start_processes(run_directions_rank, args=(world_size, str(tmp_path / "init"), str(tmp_path)),
+                       nprocs=world_size, join=True, start_method="fork")
+    ranks = [torch.load(tmp_path / f"directions-rank{rank}.pt", weights_only=False)
+             for rank in range(world_size)]
+    for rank, result in enumerate(ranks):
+        assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
+    columns = [column.numpy() for column in direction_embeddings()]
+    for name, directions in DIRECTION_SETS.items():
+        expected, gradients = directions_loss(columns[0], columns[1:], DIRECTIONS_SCALE, directions, "joint")
+        total = sum(result[name][0].item() for result in ranks) / world_size
+        np.testing.assert_allclose(total, expected, rtol=1e-12, err_msg=name)
+        documents = gradients["docs"].reshape(len(columns) - 1, sum(UNEQUAL_ROWS), -1)
+        expected_slices = [gradients["queries"], *documents]
+        for rank, result in enumerate(ranks):
+            rows = slice(sum(UNEQUAL_ROWS[:rank]), sum(UNEQUAL_ROWS[:rank + 1]))
+            for column, (actual, expected_column) in enumerate(zip(result[name][1], expected_slices)):
+                np.testing.assert_allclose(actual.numpy() / world_size, expected_column[rows], rtol=1e-10,
+                                           atol=1e-12, err_msg=f"{name}, rank {rank}, column {column}")
