@@ -2,12 +2,16 @@
 
 ``from hf_infcl import losses; loss = losses.InfCLLoss(model)`` inside a
 ``SentenceTransformerTrainer``. The loss is the one of sentence-transformers'
-``MultipleNegativesRankingLoss`` (``symmetric=False``) or
-``MultipleNegativesSymmetricRankingLoss`` (``symmetric=True``), computed by
-``hf_infcl.contrastive_loss`` without a batch x batch score matrix:
+``MultipleNegativesRankingLoss`` with its ``directions`` and ``partition_mode`` (``symmetric=True``
+is ``MultipleNegativesSymmetricRankingLoss``), computed by ``hf_infcl.contrastive_loss`` without a
+batch x batch score matrix:
 
 - columns ``(anchor, positive, negative_1, ...)``: every negative column is an extra candidate
   for every anchor, exactly as sentence-transformers concatenates ``docs_all``;
+- ``directions`` beyond ``"query_to_doc"`` under ``partition_mode="joint"``: one call over rows
+  ``[anchor, positive]`` and zero-padded key blocks, with group ids leaving out the self pairs
+  (docs/contract.md, "Directions and partition modes"); ``"per_direction"`` with
+  ``"doc_to_query"`` is the symmetric call;
 - ``mini_batch_size=N`` caches the gradients w.r.t. the embeddings (GradCache) through
   sentence-transformers' own ``CachedLossMixin`` (sentence-transformers >= 6), but computes the
   loss of the whole batch in ONE fused call instead of
@@ -17,16 +21,20 @@
   False as in sentence-transformers, keeps negatives local to each process.
 
 Its arguments keep sentence-transformers' names, mapped here to ``contrastive_loss``'s: ``scale``
-is ``logit_scale``, ``gather_across_devices`` is ``process_group="auto"`` (False: None); the other
-options (``symmetric``, ``backend``, ``precision``) are held as a checked ``LossOptions``
+is ``logit_scale``, ``gather_across_devices`` is ``process_group="auto"`` (False: None);
+``directions`` and ``partition_mode`` choose the call's rows, keys, groups and ``symmetric``; the
+other options (``backend``, ``precision``) are held as a checked ``LossOptions``
 (docs/contract.md, "Options", has the table for every entry point). Not to be confused with
 ``hf_infcl.InfCLLoss``, the module over embedding tensors that this class calls.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +42,8 @@ from torch import Tensor, nn
 
 from .loss import contrastive_loss
 from .ops.options import BackendName, LossOptions, OptionAttribute, Precision, check_option
+
+logger = logging.getLogger(__name__)
 
 try:  # sentence-transformers >= 6: the shared GradCache machinery and the merged column forward
     from sentence_transformers import util as _st_util
@@ -57,6 +67,141 @@ INFCL_CITATION = """
       url={https://arxiv.org/abs/2410.17243},
 }
 """
+
+
+# --------------------------------------------------------------------------------------------
+# MNRL's directions and partition modes (docs/contract.md, "Directions and partition modes").
+
+QUERY_TO_DOC, QUERY_TO_QUERY, DOC_TO_QUERY, DOC_TO_DOC = (
+    "query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"
+)
+Direction = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
+PartitionMode = Literal["joint", "per_direction"]
+HardnessMode = Literal["in_batch_negatives", "hard_negatives", "all_negatives"]
+MNRL_DEFAULT = ((QUERY_TO_DOC,), "joint")
+MNSRL = ((QUERY_TO_DOC, DOC_TO_QUERY), "per_direction")  # what symmetric=True stands for
+# Group ids of the joint call: example i of process r is r * _RANK_STRIDE + i, so that ids differ
+# across processes (the ring compares them) whatever the processes' batch sizes; _NOBODY is no
+# example's id, for keys that no row may lose.
+_RANK_STRIDE = 2**32
+_NOBODY = -1
+
+
+def _mnrl_error(message: str, more: str) -> ValueError:
+    """MNRL's message first (code matching it keeps working), then what InfCLLoss adds."""
+    return ValueError(f"{message} {more}")
+
+
+def _checked_directions(directions, partition_mode) -> tuple[str, ...]:
+    """``directions`` as MNRL stores it (a tuple, as given), after MNRL's checks, in its order."""
+    if isinstance(directions, str):  # tuple() would split it into letters
+        raise ValueError(f"directions must be a tuple of direction names, e.g. ({directions!r},); "
+                         "got a string")
+    directions = tuple(directions)
+    # MNRL's set, which its messages print (in an order that varies with the string hashing).
+    valid_directions = {"query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"}
+    if not directions:
+        raise _mnrl_error("At least one direction must be specified.", "(directions of InfCLLoss)")
+    if not set(directions).issubset(valid_directions):
+        raise _mnrl_error(
+            f"Invalid directions: {set(directions) - valid_directions}. Valid: {valid_directions}",
+            "(directions of InfCLLoss)",
+        )
+    if QUERY_TO_DOC not in directions:
+        raise _mnrl_error("'query_to_doc' direction is required (contains the positive pair).",
+                          f"InfCLLoss got directions={directions!r}.")
+    if partition_mode not in ("joint", "per_direction"):
+        raise _mnrl_error(f"partition_mode must be 'joint' or 'per_direction', got {partition_mode}",
+                          "(partition_mode of InfCLLoss)")
+    if partition_mode == "per_direction" and set(directions) & {QUERY_TO_QUERY, DOC_TO_DOC}:
+        raise _mnrl_error(
+            "partition_mode='per_direction' requires every direction's candidate pool to include the "
+            "positive pair. 'query_to_query' and 'doc_to_doc' only contain same-type similarities and never "
+            "include the positive, making the per-direction loss ill-defined. Use partition_mode='joint' "
+            "instead.",
+            f"InfCLLoss got directions={directions!r}.",
+        )
+    return directions
+
+
+def _check_hardness(hardness_mode, hardness_strength) -> None:
+    """MNRL's checks; then refuse the hardness weighting, which InfCLLoss does not compute yet.
+
+    MNRL applies it only for a ``hardness_mode`` with ``hardness_strength > 0``: every other valid
+    setting is MNRL's loss without it, which InfCLLoss computes exactly.
+    """
+    valid_hardness_modes = {None, "in_batch_negatives", "hard_negatives", "all_negatives"}
+    if hardness_mode not in valid_hardness_modes:
+        raise _mnrl_error(f"hardness_mode must be one of {valid_hardness_modes}, got {hardness_mode!r}",
+                          "(hardness_mode of InfCLLoss)")
+    if isinstance(hardness_strength, bool) or not isinstance(hardness_strength, (int, float)):
+        raise TypeError(
+            f"hardness_strength must be a non-negative float, got {type(hardness_strength).__name__}"
+        )
+    if hardness_strength < 0.0:
+        raise _mnrl_error("hardness_strength must be non-negative.", f"Got {hardness_strength!r}.")
+    if hardness_mode is not None and hardness_strength > 0.0:
+        raise NotImplementedError(
+            f"hardness_mode={hardness_mode!r} with hardness_strength={hardness_strength!r} is not supported "
+            "yet by InfCLLoss: its fused loss has no hardness weighting. Leave hardness_mode=None (or "
+            "hardness_strength=0.0), or use sentence-transformers' MultipleNegativesRankingLoss."
+        )
+    if hardness_mode is not None:  # MNRL's warning: the setting changes nothing
+        logger.warning(
+            f"hardness_mode={hardness_mode!r} is set but hardness_strength=0.0, so hardness weighting has no "
+            "effect. Set hardness_strength to a positive value to enable hardness weighting."
+        )
+
+
+def _process_rank() -> int:
+    """This process's rank in the default group ("auto", what the ring runs over); 0 without one."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _loss_operands(anchors, columns, directions, partition_mode, rank):
+    """(queries, keys, group arguments) of the one ``contrastive_loss`` call that computes MNRL's
+    loss for these directions; ``symmetric`` (held in the options) adds the column term of
+    ``per_direction``'s ``doc_to_query``. ``columns``: positives, then each negatives column."""
+    # sentence-transformers' candidate order: all positives, then each negatives column. The
+    # first m candidates are the anchors' positives, which is hf_infcl's default pairing.
+    docs = torch.cat(columns) if len(columns) > 1 else columns[0]
+    if partition_mode == "per_direction" or set(directions) == {QUERY_TO_DOC}:
+        return anchors, docs, {}
+    return _joint_operands(anchors, columns[0], docs, len(columns), set(directions), rank)
+
+
+def _joint_operands(anchors, positives, docs, n_columns, directions, rank):
+    """Rows and keys whose row term is the joint partition (docs/contract.md): each row carries the
+    query and, when a ``doc_*`` direction is selected, its positive ``[q_i, d_i]``; each key block
+    meets one half only (zeros in the other); the groups leave out each query's own
+    ``query_to_query`` key and each example's own documents in ``doc_to_doc``."""
+    doc_half = bool(directions & {DOC_TO_QUERY, DOC_TO_DOC})
+    ids = torch.arange(len(anchors), device=anchors.device) + rank * _RANK_STRIDE
+
+    def nobody(count):
+        return torch.full((count,), _NOBODY, dtype=ids.dtype, device=ids.device)
+
+    blocks = [(docs, False, nobody(len(docs)))]  # (keys, meets the document half, key groups)
+    if QUERY_TO_QUERY in directions:
+        blocks.append((anchors, False, ids))
+    if DOC_TO_QUERY in directions:
+        blocks.append((anchors, True, nobody(len(anchors))))
+    if DOC_TO_DOC in directions:
+        blocks.append((docs, True, ids.repeat(n_columns)))  # a document's group: its example's id
+    rows = torch.cat([anchors, positives], dim=1) if doc_half else anchors
+    keys = torch.cat([_in_half(block, document_half) if doc_half else block
+                      for block, document_half, _ in blocks])
+    if not directions & {QUERY_TO_QUERY, DOC_TO_DOC}:
+        return rows, keys, {}  # nothing to leave out
+    return rows, keys, {"query_groups": ids, "key_groups": torch.cat([groups for *_, groups in blocks])}
+
+
+def _in_half(block: Tensor, document_half: bool) -> Tensor:
+    """``block`` padded with zeros to meet only the query half or only the document half of the rows."""
+    zeros = torch.zeros_like(block)
+    return torch.cat([zeros, block] if document_half else [block, zeros], dim=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,8 +271,8 @@ def _embed_columns(model, sentence_features):
 
 
 class InfCLLoss(CachedLossMixin, nn.Module):
-    # The loss options, held as a frozen LossOptions (``.options``) checked once, in __init__.
-    symmetric = OptionAttribute()
+    # The loss options, held as a frozen LossOptions (``.options``) checked once, in __init__. Its
+    # ``symmetric`` follows directions and partition_mode (the ``symmetric`` property below).
     backend = OptionAttribute()
     precision = OptionAttribute()
 
@@ -143,6 +288,10 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         backend: BackendName = "auto",
         precision: Precision = "auto",
         mini_batch_num_tokens: int | None = None,
+        directions: tuple[Direction, ...] = MNRL_DEFAULT[0],
+        partition_mode: PartitionMode = MNRL_DEFAULT[1],
+        hardness_mode: HardnessMode | None = None,
+        hardness_strength: float = 0.0,
     ) -> None:
         """Exact in-batch-negatives contrastive loss (InfoNCE) without a batch x batch matrix (Inf-CL).
 
@@ -154,9 +303,10 @@ class InfCLLoss(CachedLossMixin, nn.Module):
                 then dotted) or ``util.dot_score``. Other functions raise ``ValueError`` (an
                 ``nn.Module``: ``TypeError``), here or when assigned later; an assignment
                 (``loss.similarity_fct = util.dot_score``) takes effect at the next forward, as in MNRL.
-            symmetric: False gives MultipleNegativesRankingLoss (anchor -> candidates); True adds the
-                positive -> anchors direction and averages the two, as
-                MultipleNegativesSymmetricRankingLoss does.
+            symmetric: True is MultipleNegativesSymmetricRankingLoss, short for
+                ``directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"`` (and
+                cannot be combined with other values of them); False leaves both as given.
+                Assigning it later sets both: True to those, False to MNRL's defaults.
             mini_batch_size: None embeds the whole batch with gradients, like
                 MultipleNegativesRankingLoss (unless ``mini_batch_num_tokens`` is set). An integer
                 embeds it in chunks of that many texts
@@ -175,6 +325,17 @@ class InfCLLoss(CachedLossMixin, nn.Module):
                 CachedMultipleNegativesRankingLoss: each holds as many consecutive texts as fit in this
                 many non-padding tokens (a longer text alone), whatever ``mini_batch_size`` is; given
                 alone, it turns gradient caching on (sentence-transformers >= 6 only).
+            directions: which similarities compete with each (anchor, positive) pair, as in
+                MultipleNegativesRankingLoss: ``"query_to_doc"`` (required: every document),
+                ``"query_to_query"`` (the other anchors), ``"doc_to_query"`` (from the positive: every
+                anchor), ``"doc_to_doc"`` (from the positive: every document of the other examples).
+            partition_mode: ``"joint"``, one softmax over every selected direction, or
+                ``"per_direction"``, one per direction, averaged (``"query_to_doc"`` and
+                ``"doc_to_query"`` only). docs/contract.md has the formulas; both are exact, without
+                a batch x batch matrix, across processes too. Assignable later, as in MNRL (checked).
+            hardness_mode, hardness_strength: MNRL's hardness weighting is not supported yet:
+                ``hardness_mode=None`` (or ``hardness_strength=0.0``, where MNRL applies none either);
+                a mode with a positive strength raises ``NotImplementedError``.
 
         Inputs:
             (anchor, positive) pairs, or (anchor, positive, negative_1, ..., negative_n) tuples;
@@ -199,6 +360,9 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         check_option("backend", backend, block_ops=False)
         self.options = LossOptions(loss="softmax", symmetric=symmetric, reduction="mean", backend=backend,
                                    precision=precision)
+        self._set_partition(*_with_symmetric(symmetric, directions, partition_mode))
+        _check_hardness(hardness_mode, hardness_strength)
+        self._hardness = (hardness_mode, hardness_strength)
         if mini_batch_size is not None and (
             isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0
         ):
@@ -239,6 +403,62 @@ class InfCLLoss(CachedLossMixin, nn.Module):
             super().__setattr__("_similarity_kind", _similarity_kind(value))
         super().__setattr__(name, value)
 
+    # MNRL's hyperparameters, assignable after construction as in MNRL (CachedMNRL delegates the
+    # assignment to its MNRL); here every assignment is checked as in __init__, against the other
+    # attribute of the pair, and takes effect at the next forward.
+
+    @property
+    def directions(self) -> tuple[str, ...]:
+        return self._directions
+
+    @directions.setter
+    def directions(self, value) -> None:
+        self._set_partition(value, self.partition_mode)
+
+    @property
+    def partition_mode(self) -> str:
+        return self._partition_mode
+
+    @partition_mode.setter
+    def partition_mode(self, value) -> None:
+        self._set_partition(self.directions, value)
+
+    @property
+    def symmetric(self) -> bool:
+        """Whether the loss is MNSRL's: both directions, one softmax each, averaged."""
+        return self.options.symmetric
+
+    @symmetric.setter
+    def symmetric(self, value: bool) -> None:
+        check_option("symmetric", value)
+        self._set_partition(*(MNSRL if value else MNRL_DEFAULT))
+
+    def _set_partition(self, directions, partition_mode) -> None:
+        # nn.Module.__setattr__ keeps plain values as plain attributes.
+        self._directions = _checked_directions(directions, partition_mode)
+        self._partition_mode = partition_mode
+        # contrastive_loss's column term is per_direction's doc_to_query term (docs/contract.md).
+        symmetric = partition_mode == "per_direction" and DOC_TO_QUERY in self._directions
+        self.options = dataclasses.replace(self.options, symmetric=symmetric)
+
+    @property
+    def hardness_mode(self) -> str | None:
+        return self._hardness[0]
+
+    @hardness_mode.setter
+    def hardness_mode(self, value) -> None:
+        _check_hardness(value, self.hardness_strength)
+        self._hardness = (value, self.hardness_strength)
+
+    @property
+    def hardness_strength(self) -> float:
+        return self._hardness[1]
+
+    @hardness_strength.setter
+    def hardness_strength(self, value) -> None:
+        _check_hardness(self.hardness_mode, value)
+        self._hardness = (self.hardness_mode, value)
+
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
         cached = self.mini_batch_size is not None or self.mini_batch_num_tokens is not None
@@ -262,46 +482,40 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         """The loss from one embedding tensor per column: anchors, positives, then negatives columns."""
         if len(embeddings) < 2:
             raise ValueError(f"Expected at least 2 embeddings, got {len(embeddings)}")
-        anchors = embeddings[0]
         rows = [len(column) for column in embeddings]
         if len(set(rows)) != 1:
             raise ValueError(f"every column must hold the same number of texts; got {rows} embeddings")
-        # Candidates in sentence-transformers' order: all positives, then each negatives column. The
-        # first m candidates are the anchors' positives, which is hf_infcl's default pairing.
-        candidates = torch.cat(embeddings[1:]) if len(embeddings) > 2 else embeddings[1]
-        if candidates.dtype != anchors.dtype:
-            common = torch.promote_types(anchors.dtype, candidates.dtype)
-            anchors, candidates = anchors.to(common), candidates.to(common)
+        common = functools.reduce(torch.promote_types, [column.dtype for column in embeddings])
+        embeddings = [column.to(common) for column in embeddings]
         if self._similarity_kind == "cos_sim":
             # util.cos_sim normalises with F.normalize(p=2, dim=-1); the same call keeps parity exact.
-            anchors = F.normalize(anchors, p=2, dim=-1)
-            candidates = F.normalize(candidates, p=2, dim=-1)
-        # symmetric=True is MNSRL: (row LSE over all candidates + column LSE of each anchor's
-        # positive over all anchors) / 2 - positive logit. MNSRL's doc_to_query term is
-        # similarity(anchors, positives).T: the positives column only, never the hard negatives,
-        # which is exactly hf_infcl's column term "over positive keys only" (docs/contract.md).
+            embeddings = [F.normalize(column, p=2, dim=-1) for column in embeddings]
+        # per_direction's doc_to_query (symmetric, MNSRL) is similarity(anchors, positives).T: the
+        # positives column only, never the hard negatives, which is exactly hf_infcl's column term
+        # "over positive keys only" (docs/contract.md).
+        queries, keys, groups = _loss_operands(
+            embeddings[0], embeddings[1:], self.directions, self.partition_mode,
+            rank=_process_rank() if self.gather_across_devices else 0,
+        )
         return contrastive_loss(
-            anchors,
-            candidates,
+            queries,
+            keys,
             logit_scale=self.scale,
             process_group="auto" if self.gather_across_devices else None,
+            **groups,
             **self.options.as_kwargs(),
         )
 
     def get_config_dict(self) -> dict[str, Any]:
-        """MNRL's keys (and CachedMNRL's), with the values MNRL would report for this loss, plus ours.
-
-        ``symmetric`` is MNRL's ``directions=("query_to_doc", "doc_to_query")``,
-        ``partition_mode="per_direction"`` (MNSRL); without it, MNRL's defaults. No hardness term.
-        """
+        """MNRL's keys (and CachedMNRL's), with the values MNRL would report for this loss, plus ours."""
         return {
             "scale": self.scale,
             "similarity_fct": self._similarity_kind,
             "gather_across_devices": self.gather_across_devices,
-            "directions": ("query_to_doc", "doc_to_query") if self.symmetric else ("query_to_doc",),
-            "partition_mode": "per_direction" if self.symmetric else "joint",
-            "hardness_mode": None,
-            "hardness_strength": 0.0,
+            "directions": self.directions,
+            "partition_mode": self.partition_mode,
+            "hardness_mode": self.hardness_mode,
+            "hardness_strength": self.hardness_strength,
             "mini_batch_size": self.mini_batch_size,
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
             "symmetric": self.symmetric,
@@ -316,6 +530,21 @@ class InfCLLoss(CachedLossMixin, nn.Module):
     @property
     def citation(self) -> str:
         return INFCL_CITATION
+
+
+def _with_symmetric(symmetric: bool, directions, partition_mode):
+    """(directions, partition_mode) for the constructor's arguments: ``symmetric=True`` stands for
+    MNSRL's pair, and refuses other non-default values of them rather than pick one."""
+    if not symmetric:
+        return directions, partition_mode
+    if (directions, partition_mode) == MNRL_DEFAULT:
+        return MNSRL
+    if partition_mode == MNSRL[1] and not isinstance(directions, str) and set(directions) == set(MNSRL[0]):
+        return directions, partition_mode  # the same loss, spelled out
+    raise ValueError(
+        f"symmetric=True is directions={MNSRL[0]!r}, partition_mode={MNSRL[1]!r}; got also "
+        f"directions={directions!r}, partition_mode={partition_mode!r}: give one or the other"
+    )
 
 
 def _has_static_embedding(model) -> bool:

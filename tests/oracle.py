@@ -95,3 +95,71 @@ def contract_loss(
         "bias": float(np.sum(grad_z)),
     }
     return value, grads
+
+
+# --------------------------------------------------------------------------------------------
+# sentence-transformers' directions and partition modes (docs/contract.md, "Directions and
+# partition modes"), from their definition: each row's candidate logits are listed pair by pair.
+
+
+DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+
+
+def _direction_candidates(direction, i, batch, owners):
+    """The (row vector, key vector) pairs of one direction for example ``i``: vectors are named
+    ("query", index) or ("doc", index into the concatenated document columns)."""
+    docs = range(len(owners))
+    if direction == "query_to_doc":
+        return [(("query", i), ("doc", j)) for j in docs]
+    if direction == "query_to_query":
+        return [(("query", i), ("query", j)) for j in range(batch) if j != i]
+    if direction == "doc_to_query":
+        return [(("doc", i), ("query", j)) for j in range(batch)]
+    if direction == "doc_to_doc":
+        return [(("doc", i), ("doc", j)) for j in docs if owners[j] != i]
+    raise ValueError(direction)
+
+
+def directions_loss(queries, doc_columns, scale, directions, partition_mode):
+    """MNRL's loss over dot products (normalise first for cosine), with its gradients.
+
+    ``queries`` [b, c]; ``doc_columns`` the positives [b, c] then each negatives column. Row ``i``'s
+    positive logit is ``scale * <q_i, d_i>``; its loss is ``LSE(all selected candidates) - positive``
+    (``"joint"``) or the mean over the directions of ``LSE(that direction) - positive``
+    (``"per_direction"``); the loss is the mean over rows. Returns (loss, {"queries": [b, c],
+    "docs": [b * columns, c]}) as float64 NumPy, the gradients in closed form: each candidate
+    logit gets its softmax weight, the positive logit minus one, per row.
+    """
+    vectors = {
+        "query": np.asarray(queries, dtype=np.float64),
+        "doc": np.concatenate([np.asarray(column, dtype=np.float64) for column in doc_columns]),
+    }
+    batch = len(vectors["query"])
+    owners = np.tile(np.arange(batch), len(doc_columns))  # the example each document belongs to
+    grads = {name: np.zeros_like(value) for name, value in vectors.items()}
+
+    def logit(pair):
+        (row_kind, row), (key_kind, key) = pair
+        return scale * vectors[row_kind][row] @ vectors[key_kind][key]
+
+    def add_gradient(pair, weight):
+        (row_kind, row), (key_kind, key) = pair
+        grads[row_kind][row] += weight * scale * vectors[key_kind][key]
+        grads[key_kind][key] += weight * scale * vectors[row_kind][row]
+
+    total = 0.0
+    for i in range(batch):
+        candidates = [_direction_candidates(direction, i, batch, owners)
+                      for direction in DIRECTIONS if direction in directions]
+        partitions = [sum(candidates, [])] if partition_mode == "joint" else candidates
+        positive = (("query", i), ("doc", i))
+        for pairs in partitions:
+            logits = np.array([logit(pair) for pair in pairs])
+            lse = _logsumexp(logits, axis=0)
+            share = 1.0 / (batch * len(partitions))  # this partition's weight in the mean loss
+            total += share * lse
+            for pair, value in zip(pairs, logits):
+                add_gradient(pair, share * np.exp(value - lse))
+        total -= logit(positive) / batch
+        add_gradient(positive, -1.0 / batch)
+    return total, {"queries": grads["query"], "docs": grads["doc"]}

@@ -79,8 +79,11 @@ def loss_and_gradients(model, loss_module, columns, seed: int):
     return loss.detach(), gradients
 
 
-def st_reference_loss(model, symmetric: bool, mini_batch_size: int | None, gather_across_devices=False):
+def st_reference_loss(model, symmetric: bool, mini_batch_size: int | None, gather_across_devices=False,
+                      **options):
     """sentence-transformers' own loss with the semantics InfCLLoss reproduces.
+
+    ``options``: more of MNRL's arguments (``directions``, ``partition_mode``, ...), as given.
 
     symmetric=True is MultipleNegativesSymmetricRankingLoss; sentence-transformers >= 5.x deprecates
     that class in favour of MNRL(directions=("query_to_doc", "doc_to_query"),
@@ -92,7 +95,7 @@ def st_reference_loss(model, symmetric: bool, mini_batch_size: int | None, gathe
 
     cached = mini_batch_size is not None
     cls = st_losses.CachedMultipleNegativesRankingLoss if cached else st_losses.MultipleNegativesRankingLoss
-    kwargs = {"gather_across_devices": gather_across_devices}
+    kwargs = {"gather_across_devices": gather_across_devices, **options}
     if cached:
         kwargs["mini_batch_size"] = mini_batch_size
     if symmetric:

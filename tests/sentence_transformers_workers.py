@@ -4,7 +4,9 @@ Each rank loads the same tiny model, takes its own half of a batch of text colum
 forward/backward with sentence-transformers' loss (``gather_across_devices`` as the scenario says:
 the all-gather of the embeddings) and one with InfCLLoss (the hf_infcl ring), dropout seeded the
 same way for both. Each rank saves both losses and both sets of parameter gradients; the test
-process compares them. Nothing is asserted here: a failure must reach pytest, not die in a child.
+process compares them. ``run_directions_rank`` runs MNRL's directions on fixed embeddings, the
+ranks holding different numbers of examples (which MNRL's all-gather cannot). Nothing is asserted
+here: a failure must reach pytest, not die in a child.
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ from tests.sentence_transformers_fixtures import (
     text_columns,
 )
 
-# name -> (columns per example, symmetric, mini_batch_size, gather_across_devices)
+GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+# name -> (columns per example, InfCLLoss options, mini_batch_size, gather_across_devices)
 SCENARIOS = {
-    "pairs": (2, False, None, True),
-    "hard_negatives-symmetric": (3, True, None, True),
-    "hard_negatives-cached3": (4, False, 3, True),
-    "pairs-local_negatives": (2, False, None, False),
+    "pairs": (2, {}, None, True),
+    "hard_negatives-symmetric": (3, {"symmetric": True}, None, True),
+    "hard_negatives-cached3": (4, {}, 3, True),
+    "pairs-local_negatives": (2, {}, None, False),
+    "pairs-query_to_query": (2, {"directions": ("query_to_doc", "query_to_query")}, None, True),
+    "hard_negatives-doc_to_doc": (3, {"directions": ("query_to_doc", "doc_to_doc")}, None, True),
+    "hard_negatives-all_directions-cached3": (3, {"directions": GTE}, 3, True),
 }
 ROWS_PER_RANK = 5
 
@@ -60,16 +66,16 @@ def run_rank(rank: int, world_size: int, init_file: str, model_dir: str, out_dir
 
     with rank_process(rank, world_size, init_file, Path(out_dir) / f"rank{rank}.pt") as results:
         model = load_tiny_model(Path(model_dir))
-        for name, (n_columns, symmetric, mini_batch_size, gather) in SCENARIOS.items():
+        for name, (n_columns, options, mini_batch_size, gather) in SCENARIOS.items():
             # The same global batch on every rank; each rank keeps its own contiguous slice.
             columns = text_columns(ROWS_PER_RANK * world_size, n_columns, seed=len(name))
             local = [column[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK] for column in columns]
             seed = 1000 + rank  # different dropout per rank, the same for both losses
-            reference = st_reference_loss(model, symmetric, mini_batch_size, gather_across_devices=gather)
-            ours = losses.InfCLLoss(
-                model, symmetric=symmetric, mini_batch_size=mini_batch_size, gather_across_devices=gather,
-                backend="torch",
-            )
+            st_options = {key: value for key, value in options.items() if key != "symmetric"}
+            reference = st_reference_loss(model, options.get("symmetric", False), mini_batch_size,
+                                          gather_across_devices=gather, **st_options)
+            ours = losses.InfCLLoss(model, mini_batch_size=mini_batch_size, gather_across_devices=gather,
+                                    backend="torch", **options)
             results[name] = {
                 "sentence_transformers": loss_and_gradients(model, reference, local, seed),
                 "infcl": loss_and_gradients(model, ours, local, seed),
@@ -113,3 +119,37 @@ def run_ddp_rank(rank: int, world_size: int, init_file: str, model_dir: str, out
             reference = losses.InfCLLoss(alone, mini_batch_size=DDP_MINI_BATCH, backend="torch")
             value, gradients = loss_and_gradients(alone, reference, columns, seed=0)
             results["one_process"] = {"loss": value, "gradients": gradients}
+
+
+# MNRL's joint directions on embeddings, the two ranks holding 3 and 5 examples.
+DIRECTION_SETS = {
+    "query_to_query": ("query_to_doc", "query_to_query"),
+    "doc_to_doc": ("query_to_doc", "doc_to_doc"),
+    "all": GTE,
+}
+UNEQUAL_ROWS = (3, 5)
+DIRECTIONS_SCALE = 0.7
+
+
+def direction_embeddings() -> list[torch.Tensor]:
+    """The whole batch: float64 anchors, positives and one negatives column, the same on every rank."""
+    generator = torch.Generator().manual_seed(16)
+    return [torch.randn(sum(UNEQUAL_ROWS), 6, generator=generator, dtype=torch.float64) for _ in range(3)]
+
+
+def run_directions_rank(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """Each direction set's loss over the ring and the gradients of this rank's embeddings."""
+    from sentence_transformers import util
+
+    from hf_infcl import losses
+
+    with rank_process(rank, world_size, init_file, Path(out_dir) / f"directions-rank{rank}.pt") as results:
+        start = sum(UNEQUAL_ROWS[:rank])
+        local = [column[start:start + UNEQUAL_ROWS[rank]].requires_grad_()
+                 for column in direction_embeddings()]
+        for name, directions in DIRECTION_SETS.items():
+            # compute_loss_from_embeddings never reads the model: none is loaded
+            loss = losses.InfCLLoss(None, scale=DIRECTIONS_SCALE, similarity_fct=util.dot_score,
+                                    directions=directions, gather_across_devices=True, backend="torch")
+            value = loss.compute_loss_from_embeddings(local)
+            results[name] = (value.detach(), torch.autograd.grad(value, local))
