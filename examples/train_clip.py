@@ -199,9 +199,10 @@ class TrainArguments:
     mixed_precision: Literal["no", "fp16", "bf16"] | None = field(
         default=None, metadata={"help": "no, fp16, bf16 (default: what accelerate launch was told)."}
     )
-    dataloader_num_workers: int = field(default=2, metadata={
+    dataloader_num_workers: int | None = field(default=None, metadata={
         "help": "DataLoader worker processes (0: load in the training process). With --streaming they "
-                "decode and transform the images, each reading its own shards."})
+                "decode and transform the images, each reading its own shards (default 2); in memory "
+                "the images are pixel values already (default 0: workers would only add start-up)."})
     logging_steps: int = field(default=10)
     report_to: str = field(default="none", metadata={
         "help": "Trackers to log to, comma-separated, as Accelerate names them (tensorboard, wandb, "
@@ -661,6 +662,8 @@ def parse_arguments(argv=None):
     if data_args.class_names is not None and data_args.eval_dataset is None:
         fail("--class_names names the classes of --eval_dataset: give --eval_dataset too")
     args.report_to = trackers_of(args.report_to)
+    if args.dataloader_num_workers is None:
+        args.dataloader_num_workers = 2 if data_args.streaming else 0
     return model_args, data_args, args
 
 
