@@ -251,8 +251,8 @@ def _require_datasets():
     try:
         import datasets
     except ImportError as error:
-        raise ImportError("loading your own image-caption data needs datasets: pip install datasets") \
-            from error
+        message = "loading your own image-caption data needs datasets: pip install datasets"
+        raise ImportError(message) from error
     return datasets
 
 
