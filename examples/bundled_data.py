@@ -20,6 +20,7 @@ model's own image processor.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import random
@@ -80,6 +81,7 @@ class ImageCaptionData:
     def vocabulary_text(self) -> list[str]:
         """Every caption of both splits and every class prompt (to build a word-level vocabulary)."""
         texts = [c for split in (self.train, self.held_out) for ex in split for c in ex.captions]
+        texts += self.extra.get("vocabulary", [])  # a stream's first captions
         if self.class_names is not None:
             texts += [p for prompts in self.class_prompts() for p in prompts]
         return texts
@@ -201,10 +203,12 @@ BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".p
             ".tar": "webdataset"}
 
 
-def _table_of(path: str, datasets):
+def _table_of(path: str, datasets, streaming: bool = False):
     """(datasets table, folder that relative image paths start from, builder) of ``--dataset``: a
     file, a glob of files, a folder of parquet or webdataset ``.tar`` shards, an image folder, or a
-    Hub id."""
+    Hub id. ``streaming``: an ``IterableDataset`` read shard by shard (one shard per file) instead
+    of a table prepared in the cache."""
+    load = functools.partial(datasets.load_dataset, split="train", streaming=streaming)
     is_glob = any(char in path for char in "*?[")
     if os.path.isdir(path):
         names = sorted(os.listdir(path))
@@ -212,8 +216,8 @@ def _table_of(path: str, datasets):
             if any(name.endswith(extension) for name in names):
                 files = os.path.join(path, f"*{extension}")
                 builder = BUILDERS[extension]
-                return datasets.load_dataset(builder, data_files=files, split="train"), path, builder
-        return datasets.load_dataset("imagefolder", data_dir=path, split="train"), path, "imagefolder"
+                return load(builder, data_files=files), path, builder
+        return load("imagefolder", data_dir=path), path, "imagefolder"
     if is_glob or os.path.isfile(path):
         extension = os.path.splitext(path)[1].lower()
         builder = BUILDERS.get(extension)
@@ -222,10 +226,9 @@ def _table_of(path: str, datasets):
                 f"--dataset file must be .csv, .tsv, .json, .jsonl, .parquet or .tar, got {path!r}"
             )
         extra = {"delimiter": "\t"} if extension == ".tsv" else {}
-        table = datasets.load_dataset(builder, data_files=path, split="train", **extra)
-        return table, os.path.dirname(os.path.abspath(path)), builder
+        return load(builder, data_files=path, **extra), os.path.dirname(os.path.abspath(path)), builder
     # not a local path: a dataset on the Hugging Face Hub ("user/name")
-    return datasets.load_dataset(path, split="train"), None, "hub"
+    return load(path), None, "hub"
 
 
 def _decoded_image(value, base: str | None):
@@ -242,6 +245,65 @@ def _decoded_image(value, base: str | None):
     if not hasattr(value, "convert"):
         raise ValueError(f"not an image: {type(value).__name__}")
     return value.convert("RGB")
+
+
+def _require_datasets():
+    try:
+        import datasets
+    except ImportError as error:
+        message = "loading your own image-caption data needs datasets: pip install datasets"
+        raise ImportError(message) from error
+    return datasets
+
+
+def checked_columns(table, path, builder, image_column, caption_column, datasets,
+                    flags="--image_column / --caption_column"):
+    """(table, image column) ready for :func:`usable_pair`: both columns exist (else one ValueError
+    naming the ``flags`` that choose them), and images are left undecoded, so that one broken
+    image skips its row instead of ending the run. Works on a ``Dataset`` and an
+    ``IterableDataset`` alike."""
+    if builder == "imagefolder":
+        image_column = "image"  # the layout's own column
+    columns = table.column_names
+    if columns is None:  # a stream whose columns are only known from its rows
+        columns = list(next(iter(table)))
+    for column in (image_column, caption_column):
+        if column not in columns:
+            raise ValueError(f"column {column!r} not in {path} (it has {sorted(columns)}); "
+                             f"choose with {flags}")
+    features = table.features or {}
+    if isinstance(features.get(image_column), datasets.Image):
+        table = table.cast_column(image_column, datasets.Image(decode=False))
+    return table, image_column
+
+
+# Why a row of image-caption data is skipped (usable_pair); the counts are kept by these.
+SKIP_REASONS = ("missing value", "empty caption", "image does not decode")
+
+
+@dataclass(frozen=True)
+class SkippedRow:
+    """Why a row is not used: its ``reason`` (what the counts are kept by) and a detail."""
+
+    reason: str
+    detail: str = ""
+
+    def __str__(self):
+        return self.reason + self.detail
+
+
+def usable_pair(row: dict, image_column: str, caption_column: str, base: str | None):
+    """(RGB image, caption) of a row, or a :class:`SkippedRow` saying why it is not usable: a
+    missing value, an empty caption, or an image that does not decode."""
+    caption, image = row.get(caption_column), row.get(image_column)
+    if image is None or caption is None:
+        return SkippedRow("missing value")
+    if not str(caption).strip():
+        return SkippedRow("empty caption")
+    try:
+        return _decoded_image(image, base), str(caption)
+    except Exception as error:  # PIL raises several types for bad files
+        return SkippedRow("image does not decode", f" ({type(error).__name__})")
 
 
 def load_image_caption_files(
@@ -264,43 +326,17 @@ def load_image_caption_files(
     A row whose image does not decode, whose caption is empty or that lacks either value is
     skipped with a one-line message; ``extra["skipped"]`` counts them by reason.
     """
-    try:
-        import datasets
-    except ImportError as error:
-        raise ImportError(
-            "loading your own image-caption files needs datasets: pip install datasets"
-        ) from error
-
+    datasets = _require_datasets()
     table, base, builder = _table_of(path, datasets)
-    if builder == "imagefolder":
-        image_column = "image"  # the layout's own column
-    for column in (image_column, caption_column):
-        if column not in table.column_names:
-            raise ValueError(f"column {column!r} not in {path} (it has {table.column_names}); "
-                             "choose with --image_column / --caption_column")
-    if isinstance(table.features.get(image_column), datasets.Image):
-        # decoded here, row by row, so that one broken image skips its row instead of the run
-        table = table.cast_column(image_column, datasets.Image(decode=False))
+    table, image_column = checked_columns(table, path, builder, image_column, caption_column, datasets)
     examples, skipped = [], {}
-
-    def skip(index, reason, detail=""):
-        skipped[reason] = skipped.get(reason, 0) + 1
-        log(f"skipping row {index} of {path}: {reason}{detail}")
-
     for index, row in enumerate(table):
-        caption, image = row.get(caption_column), row.get(image_column)
-        if image is None or caption is None:
-            skip(index, "missing value")
+        pair = usable_pair(row, image_column, caption_column, base)
+        if isinstance(pair, SkippedRow):
+            skipped[pair.reason] = skipped.get(pair.reason, 0) + 1
+            log(f"skipping row {index} of {path}: {pair}")
             continue
-        if not str(caption).strip():
-            skip(index, "empty caption")
-            continue
-        try:
-            image = _decoded_image(image, base)
-        except Exception as error:  # PIL raises several types for bad files
-            skip(index, "image does not decode", f" ({type(error).__name__})")
-            continue
-        examples.append(ImageCaptionExample(image, (str(caption),)))
+        examples.append(ImageCaptionExample(pair[0], (pair[1],)))
     if not examples:
         raise ValueError(f"no usable rows in {path} (skipped: {skipped})")
     train, held_out = _split(examples, held_out_fraction, seed, stratify=False)
@@ -311,6 +347,58 @@ def load_image_caption_files(
         description=f"user data from {path}",
         extra={"skipped": skipped},
     )
+
+
+def load_classification_set(
+    path: str,
+    image_column: str = "image",
+    label_column: str = "label",
+    class_names: str | None = None,
+    template: str = "a photo of a {name}.",
+    log=print,
+) -> ImageCaptionData:
+    """A held-out classification set for zero-shot accuracy (``--eval_dataset``): every row an
+    image and a label, read as :func:`load_image_caption_files` reads pairs (bad rows skipped and
+    counted the same way). Labels are class indices or class names; the names come from
+    ``class_names`` (a comma-separated list or a file with one name per line), else from the
+    label column's own names (an image folder's sub-folders, a ``ClassLabel``), else, for text
+    labels, from the labels themselves in sorted order."""
+    datasets = _require_datasets()
+    table, base, builder = _table_of(path, datasets)
+    table, image_column = checked_columns(table, path, builder, image_column, label_column, datasets,
+                                          flags="--eval_image_column / --label_column")
+    names = _class_names(class_names, table.features.get(label_column), table[label_column])
+    index_of = {name: index for index, name in enumerate(names)}
+    examples, skipped = [], {}
+    for index, row in enumerate(table):
+        label = row[label_column]
+        pair = usable_pair(row, image_column, label_column, base)
+        if not isinstance(pair, SkippedRow) and (index_of.get(label, label) not in range(len(names))):
+            pair = SkippedRow("label not among the class names", f" ({label!r})")
+        if isinstance(pair, SkippedRow):
+            skipped[pair.reason] = skipped.get(pair.reason, 0) + 1
+            log(f"skipping row {index} of {path}: {pair}")
+            continue
+        examples.append(ImageCaptionExample(pair[0], (), index_of.get(label, label)))
+    if not examples:
+        raise ValueError(f"no usable rows in --eval_dataset {path} (skipped: {skipped})")
+    return ImageCaptionData(name=os.path.basename(os.path.normpath(path.split("*")[0] or path)), train=[],
+                            held_out=examples, class_names=tuple(names), templates=(template,),
+                            description=f"zero-shot classification set {path}", extra={"skipped": skipped})
+
+
+def _class_names(given: str | None, feature, labels) -> list[str]:
+    """The class names of a classification set, in label order (see load_classification_set)."""
+    if given is not None:
+        if os.path.isfile(given):
+            with open(given, encoding="utf-8") as handle:
+                return [line.strip() for line in handle if line.strip()]
+        return [name.strip() for name in given.split(",") if name.strip()]
+    if getattr(feature, "names", None):
+        return list(feature.names)
+    if all(isinstance(label, str) for label in labels if label is not None):
+        return sorted({label for label in labels if label is not None})
+    raise ValueError("the --eval_dataset labels are numbers without names: give --class_names")
 
 
 def load_image_caption_data(dataset: str, seed: int = 0, **options) -> ImageCaptionData:

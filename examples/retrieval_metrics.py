@@ -24,13 +24,14 @@ def zero_shot_accuracy(image_embeds, class_text_embeds, labels) -> float:
 
 
 @torch.no_grad()
-def embed_texts(tokenizer, texts, encode, batch_size, max_length, device) -> torch.Tensor:
-    """fp32 embeddings [len(texts), d] of ``encode(input_ids=..., attention_mask=...)``, in batches."""
+def embed_texts(tokenizer, texts, encode, batch_size, max_length, device, padding="longest") -> torch.Tensor:
+    """fp32 embeddings [len(texts), d] of ``encode(input_ids=..., attention_mask=...)``, in batches
+    (``padding="max_length"`` for SigLIP, as it was trained)."""
     out = []
     for start in range(0, len(texts), batch_size):
         tok = tokenizer(
             texts[start : start + batch_size],
-            padding=True,
+            padding=padding,
             truncation=True,
             max_length=max_length,
             return_tensors="pt",

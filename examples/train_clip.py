@@ -43,6 +43,7 @@ import os
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -50,9 +51,10 @@ import torch
 import torch.nn.functional as F
 
 from hf_infcl.loss import PRECISIONS, BackendName, LossKind, Precision
+from hf_infcl.models import contrastive_loss_kind
 from hf_infcl.sharding import full_value, scalar_state_dict, vectorise_scalar_parameters
 
-from bundled_data import ImageCaptionData, load_image_caption_data
+from bundled_data import SKIP_REASONS, ImageCaptionData, load_classification_set, load_image_caption_data
 from example_cli import (
     NON_NEGATIVE,
     POSITIVE,
@@ -65,7 +67,12 @@ from example_cli import (
     is_main_process,
     push_output_dir,
 )
+from image_text_stream import DecodedPairBatches, endless_batches, load_image_caption_stream
 from retrieval_metrics import embed_texts, retrieval_metrics, zero_shot_accuracy
+from training_curves import check_plotting, save_training_curves
+
+# --dataset values built in memory by bundled_data (not streamable)
+BUNDLED = ("digits", "openmoji")
 
 
 @dataclass
@@ -111,6 +118,23 @@ class DataArguments:
         "help": "Caption column of your data (webdataset: e.g. txt)."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the train split."})
     max_seq_length: int = field(default=32, metadata={"help": "Longest caption in tokens."})
+    streaming: bool = field(default=False, metadata={
+        "help": "Stream --dataset (data larger than memory): shards split between processes and "
+                "dataloader workers, images decoded in the workers; needs --max_steps."})
+    shuffle_buffer_size: int = field(default=10_000, metadata={
+        "help": "--streaming: rows in the shuffle buffer (besides shuffling the shards' order)."})
+    held_out_samples: int = field(default=256, metadata={
+        "help": "--streaming: the stream's first this many rows are held out for image-text recall."})
+    eval_dataset: str | None = field(default=None, metadata={
+        "help": "A classification set for zero-shot accuracy: a CSV / JSON-lines / parquet file, glob or "
+                "folder with image and label columns, or an image folder (one sub-folder per class)."})
+    label_column: str = field(default="label", metadata={"help": "--eval_dataset's label column."})
+    eval_image_column: str = field(default="image", metadata={"help": "--eval_dataset's image column."})
+    class_names: str | None = field(default=None, metadata={
+        "help": "--eval_dataset's class names, in label order: a comma-separated list or a file with one "
+                "per line (default: the dataset's own label names)."})
+    prompt_template: str = field(default="a photo of a {name}.", metadata={
+        "help": "--eval_dataset: the text each class name is put in ({name} is replaced)."})
 
 
 @dataclass
@@ -141,8 +165,10 @@ class TrainArguments:
             "step; under FSDP2 they then stay sharded (less memory, one reduce-scatter per chunk)."
         },
     )
-    loss: LossKind = field(
-        default="softmax", metadata={"help": "'softmax' (CLIP InfoNCE) or 'sigmoid' (SigLIP)."}
+    loss: LossKind | None = field(
+        default=None,
+        metadata={"help": "'softmax' (CLIP InfoNCE) or 'sigmoid' (SigLIP). Default: 'sigmoid' for a model "
+                          "with a logit bias (SigLIP), else 'softmax'."},
     )
     symmetric: bool = field(default=True, metadata={"help": "Softmax: average image->text and text->image."})
     mask_false_negatives: bool = field(
@@ -173,7 +199,14 @@ class TrainArguments:
     mixed_precision: Literal["no", "fp16", "bf16"] | None = field(
         default=None, metadata={"help": "no, fp16, bf16 (default: what accelerate launch was told)."}
     )
+    dataloader_num_workers: int | None = field(default=None, metadata={
+        "help": "DataLoader worker processes (0: load in the training process). With --streaming they "
+                "decode and transform the images, each reading its own shards (default 2); in memory "
+                "the images are pixel values already (default 0: workers would only add start-up)."})
     logging_steps: int = field(default=10)
+    report_to: str = field(default="none", metadata={
+        "help": "Trackers to log to, comma-separated, as Accelerate names them (tensorboard, wandb, "
+                "mlflow, comet_ml, ...), 'all', or 'none'. Logs go to <output_dir>/runs."})
     eval_steps: int = field(default=50, metadata={"help": "Evaluate every this many steps (and at the end)."})
     save_steps: int = field(
         default=0, metadata={"help": "accelerator.save_state every this many steps (0: never)."}
@@ -217,6 +250,38 @@ class PairDataset(torch.utils.data.Dataset):
         return self.pixel_values[index], self.captions[index][choice], self.caption_groups[index][choice]
 
 
+def load_training_data(data_args, seed, log) -> ImageCaptionData:
+    """--dataset: the bundled sets, your files in memory, or (--streaming) a stream whose
+    training rows are read during training (``extra["stream"]``)."""
+    options = {"image_column": data_args.image_column, "caption_column": data_args.caption_column, "log": log}
+    if data_args.streaming:
+        return load_image_caption_stream(data_args.dataset, held_out_rows=data_args.held_out_samples,
+                                         **options)
+    data = load_image_caption_data(data_args.dataset, seed=seed,
+                                   **(options if data_args.dataset not in BUNDLED else {}))
+    if data_args.max_train_samples is not None:
+        data.train = data.train[: data_args.max_train_samples]
+    return data
+
+
+def _data_loader(dataset, args, **options):
+    """A DataLoader with --dataloader_num_workers workers (pinned host memory for a GPU)."""
+    return torch.utils.data.DataLoader(dataset, num_workers=args.dataloader_num_workers,
+                                       pin_memory=torch.cuda.is_available() and not args.use_cpu,
+                                       persistent_workers=False, **options)
+
+
+def epoch_batches(loader, sampler, dataset, step: int = 0):
+    """The batches of ``loader`` epoch after epoch, from optimizer step ``step`` on (a resumed
+    run skips the batches its epoch had already trained on)."""
+    epoch, skip = divmod(step, len(sampler))
+    while True:
+        sampler.set_epoch(epoch, skip_batches=skip)
+        dataset.set_epoch(epoch)
+        yield from loader
+        epoch, skip = epoch + 1, 0
+
+
 def preprocess_images(image_processor, examples, batch_size=512):
     """Pixel values of every example, computed once (the bundled sets are small)."""
     chunks = []
@@ -238,12 +303,20 @@ def group_ids(data: ImageCaptionData, examples):
     return groups
 
 
-def make_collate(tokenizer, max_length):
-    def collate(items):
+class PairCollate:
+    """(pixel values, caption, group) items -> a batch; a class rather than a closure, so that it
+    pickles into DataLoader workers that are spawned rather than forked.
+
+    ``padding="max_length"`` for SigLIP, whose text tower pools the last position and was trained
+    on captions padded to the full length."""
+
+    def __init__(self, tokenizer, max_length, padding="longest"):
+        self.tokenizer, self.max_length, self.padding = tokenizer, max_length, padding
+
+    def __call__(self, items):
         pixel_values, captions, groups = zip(*items)
-        text = tokenizer(
-            list(captions), padding=True, truncation=True, max_length=max_length, return_tensors="pt"
-        )
+        text = self.tokenizer(list(captions), padding=self.padding, truncation=True,
+                              max_length=self.max_length, return_tensors="pt")
         return {
             "pixel_values": torch.stack(pixel_values),
             "input_ids": text["input_ids"],
@@ -251,7 +324,53 @@ def make_collate(tokenizer, max_length):
             "groups": torch.tensor(groups, dtype=torch.long),
         }
 
-    return collate
+
+def make_collate(tokenizer, max_length, padding="longest"):
+    return PairCollate(tokenizer, max_length, padding)
+
+
+class RankBatches(torch.utils.data.Sampler):
+    """This process's share of every contrastive batch of an epoch (a DataLoader ``batch_sampler``).
+
+    An epoch is one permutation of the rows, drawn from (seed, epoch) so that a resumed run sees
+    the same order, cut into global batches of ``per_device * world`` rows, each split between the
+    processes. Nothing is dropped or repeated: the last, shorter batch is split as evenly as it
+    goes (shares differ by at most one row; the loss's ring takes uneven shares), and when it has
+    fewer rows than there are processes it joins the batch before it, so that every process has
+    rows. ``equal_shares`` (FSDP2 or --reduce_every_chunk with chunks, where every process must
+    run as many chunks as the others) cuts that last batch to a multiple of ``world`` instead:
+    at most ``world - 1`` rows, different ones every epoch, are left out of an epoch.
+    """
+
+    def __init__(self, rows: int, per_device: int, rank: int, world: int, seed: int, equal_shares=False):
+        if rows < per_device * world:
+            raise ValueError(f"the train split ({rows} pairs) is smaller than one global batch "
+                             f"({per_device * world})")
+        self.rows, self.per_device, self.rank, self.world = rows, per_device, rank, world
+        self.seed, self.equal_shares = seed, equal_shares
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        self.epoch, self.skip = epoch, skip_batches
+
+    def _global_batches(self) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.rows, generator=generator)
+        if self.equal_shares:
+            order = order[: self.rows - self.rows % self.world]
+        batches = list(order.split(self.per_device * self.world))
+        if len(batches[-1]) < self.world:  # too few to give every process a row
+            batches[-2:] = [torch.cat(batches[-2:])]
+        return batches
+
+    def __iter__(self):
+        for batch in self._global_batches()[self.skip:]:
+            yield batch.tensor_split(self.world)[self.rank].tolist()
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.rows - (self.rows % self.world if self.equal_shares else 0),
+                            self.per_device * self.world)
+        return full + (rest >= self.world)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,15 +387,18 @@ class ClipEmbedder(torch.nn.Module):
     """The two towers as one module returning normalised embeddings (what DDP / FSDP2 wrap).
 
     Calling the model's ``forward`` would build CLIP's b x b logits matrix, which is what the
-    Inf-CL loss exists to avoid. SigLIP's learned bias (CLIPModel has none) is a parameter of this
-    module rather than of the loop: DDP and FSDP2 then average its gradient over the processes
-    like the logit scale's, Accelerate's FSDP2 ``prepare`` finds it in the model (it remaps every
-    optimizer parameter to the model's sharded one), and ``save_state`` checkpoints it.
+    Inf-CL loss exists to avoid. The sigmoid loss's learned bias is SigLIP's own ``logit_bias``
+    (``model_bias``); a CLIPModel trained with the sigmoid loss has none, and ``logit_bias`` makes
+    it a parameter of this module rather than of the loop: DDP and FSDP2 then average its gradient
+    over the processes like the logit scale's, Accelerate's FSDP2 ``prepare`` finds it in the model
+    (it remaps every optimizer parameter to the model's sharded one), and ``save_state``
+    checkpoints it.
     """
 
-    def __init__(self, clip, logit_bias: float | None = None):
+    def __init__(self, clip, logit_bias: float | None = None, model_bias: bool = False):
         super().__init__()
         self.clip = clip
+        self.model_bias = model_bias
         self.logit_bias = None if logit_bias is None else torch.nn.Parameter(torch.tensor(float(logit_bias)))
 
     def forward(self, pixel_values=None, input_ids=None, attention_mask=None):
@@ -296,7 +418,8 @@ class ClipEmbedder(torch.nn.Module):
     def loss_parameters(self) -> list[torch.Tensor]:
         """The parameters the loss uses directly, read now: under FSDP2 the module holds sharded
         DTensors between steps and the gathered tensors after a forward."""
-        return [self.clip.logit_scale] + ([self.logit_bias] if self.logit_bias is not None else [])
+        bias = self.clip.logit_bias if self.model_bias else self.logit_bias
+        return [self.clip.logit_scale] + ([bias] if bias is not None else [])
 
 
 def pretrained_state_dict(embedder_state: dict, vectorised: list[str], prefix: str = "clip.") -> dict:
@@ -308,13 +431,14 @@ def pretrained_state_dict(embedder_state: dict, vectorised: list[str], prefix: s
     return scalar_state_dict(model_state, [name.removeprefix(prefix) for name in vectorised])
 
 
-def clamp_logit_scale(model: ClipEmbedder) -> None:
-    """CLIP caps the scale at 100; this loop also keeps it at or above 1 (log-scale >= 0). Done
-    after the optimizer step, on the parameter the optimizer updates (under FSDP2 the sharded one),
-    by the library's clamp (the one ``InfCLTrainer`` uses, here with a lower bound too)."""
+def clamp_logit_scale(model: ClipEmbedder, loss: str = "softmax") -> None:
+    """CLIP caps the scale at 100 (SigLIP does not: its pretrained scale is above 100); this loop
+    also keeps it at or above 1 (log-scale >= 0). Done after the optimizer step, on the parameter
+    the optimizer updates (under FSDP2 the sharded one), by the library's clamp (the one
+    ``InfCLTrainer`` uses, here with a lower bound too)."""
     from hf_infcl.callbacks import clamp_logit_scale as clamp
 
-    clamp(model.clip.logit_scale, maximum=100.0, minimum=1.0)
+    clamp(model.clip.logit_scale, maximum=100.0 if loss == "softmax" else math.inf, minimum=1.0)
 
 
 def clip_loss(args, groups, process_group="auto"):
@@ -371,6 +495,17 @@ def training_step(embedder, model, batch, loss_fn, chunk_size=None, *, offload=F
     return loss.detach()
 
 
+def freeze_towers(model, vision=False, text=False) -> None:
+    """--freeze_vision_model (LiT: a locked image tower, its projection included) and
+    --freeze_text_model."""
+    for frozen, tower, projection in ((vision, "vision_model", "visual_projection"),
+                                      (text, "text_model", "text_projection")):
+        if frozen:
+            for part in (tower, projection):
+                if getattr(model, part, None) is not None:
+                    getattr(model, part).requires_grad_(False)
+
+
 def load_model_and_processor(model_args, data_args, data, seed):
     from transformers import AutoModel, AutoProcessor, CLIPConfig, CLIPModel
 
@@ -420,11 +555,14 @@ def load_model_and_processor(model_args, data_args, data, seed):
 
 
 @torch.no_grad()
-def evaluate(embedder, processor, data, held_out_pixels, device, batch_size, max_length):
-    """Zero-shot top-1 over the class prompts (where there are classes) and image<->text recall.
+def evaluate(embedder, processor, data, held_out_pixels, device, batch_size, max_length, classification=None,
+             padding="longest"):
+    """Zero-shot top-1 over the class prompts and image<->text recall over the held-out pairs.
 
-    ``embedder`` is the :class:`ClipEmbedder` (under FSDP2 the sharded root, through its forward);
-    every process calls this with the same data, as FSDP2's gathers need."""
+    Zero-shot runs on ``classification`` (``(ImageCaptionData, pixel values)`` of --eval_dataset)
+    when given, else on the held-out pairs where the data has classes. ``embedder`` is the
+    :class:`ClipEmbedder` (under FSDP2 the sharded root, through its forward); every process
+    calls this with the same data, as FSDP2's gathers need."""
     was_training = embedder.training
     embedder.eval()
     tokenizer = processor.tokenizer
@@ -433,25 +571,27 @@ def evaluate(embedder, processor, data, held_out_pixels, device, batch_size, max
         def encode(**tokens):
             return embedder(**tokens)[1]
 
-        return F.normalize(embed_texts(tokenizer, texts, encode, batch_size, max_length, device), dim=-1)
+        embeds = embed_texts(tokenizer, texts, encode, batch_size, max_length, device, padding=padding)
+        return F.normalize(embeds, dim=-1)
 
-    image_embeds = F.normalize(
-        torch.cat(
-            [
-                embedder(pixel_values=held_out_pixels[s : s + batch_size].to(device))[0].float()
-                for s in range(0, len(held_out_pixels), batch_size)
-            ]
-        ),
-        dim=-1,
-    )
+    def embed_images(pixels):
+        return F.normalize(torch.cat([embedder(pixel_values=pixels[s : s + batch_size].to(device))[0].float()
+                                      for s in range(0, len(pixels), batch_size)]), dim=-1)
+
+    image_embeds = embed_images(held_out_pixels)
     metrics = {}
-    if data.class_names is not None:
-        prompts = data.class_prompts()
+    if classification is None and data.class_names is not None:
+        classification = (data, image_embeds)
+    elif classification is not None:
+        classification = (classification[0], embed_images(classification[1]))
+    if classification is not None:
+        classes, class_images = classification
+        prompts = classes.class_prompts()
         flat = embed_text([p for class_prompts in prompts for p in class_prompts])
         # Prompt ensemble: a class is the normalised mean of its templates' embeddings.
         class_embeds = F.normalize(flat.view(len(prompts), len(prompts[0]), -1).mean(dim=1), dim=-1)
-        labels = torch.tensor([ex.label for ex in data.held_out], device=device)
-        metrics["zero_shot_top1"] = zero_shot_accuracy(image_embeds, class_embeds, labels)
+        labels = torch.tensor([ex.label for ex in classes.held_out], device=device)
+        metrics["zero_shot_top1"] = zero_shot_accuracy(class_images, class_embeds, labels)
     # Retrieval over the distinct held-out captions (templated data repeats them). A caption
     # answers an image when it describes it: same class where there are classes, else the
     # same text.
@@ -484,6 +624,8 @@ NUMERIC_RULES = {
     "warmup_ratio": RATIO,
     "max_train_seconds": POSITIVE,
     "eval_steps": NON_NEGATIVE,  # 0: only at the end
+    "shuffle_buffer_size": POSITIVE,
+    "held_out_samples": POSITIVE,
     "save_steps": NON_NEGATIVE,  # 0: never
 }
 def build_parser():
@@ -507,7 +649,47 @@ def parse_arguments(argv=None):
         fail("--offload needs --chunk_size: without chunks the whole batch is on the device")
     if args.reduce_every_chunk and not args.chunk_size:
         fail("--reduce_every_chunk needs --chunk_size: without chunks there is one backward per step")
+    if data_args.streaming:
+        if args.max_steps <= 0:
+            fail("--streaming needs --max_steps: a stream has no length to count epochs in")
+        if data_args.dataset in BUNDLED:
+            fail(f"--streaming reads your data (files, folders, a Hub id); --dataset {data_args.dataset} "
+                 "is built in memory: drop --streaming")
+        if data_args.max_train_samples is not None:
+            fail("--max_train_samples does not apply with --streaming: the length is --max_steps")
+    if "{name}" not in data_args.prompt_template:
+        fail(f"--prompt_template must contain {{name}}, got {data_args.prompt_template!r}")
+    if data_args.class_names is not None and data_args.eval_dataset is None:
+        fail("--class_names names the classes of --eval_dataset: give --eval_dataset too")
+    args.report_to = trackers_of(args.report_to)
+    if args.dataloader_num_workers is None:
+        args.dataloader_num_workers = 2 if data_args.streaming else 0
     return model_args, data_args, args
+
+
+def trackers_of(report_to: str) -> list[str]:
+    """--report_to as Accelerate's ``log_with``: [] for 'none', else the named trackers, each one
+    installed (Accelerate would silently drop one that is not)."""
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    names = [name.strip() for name in report_to.split(",") if name.strip()]
+    if names in ([], ["none"]):
+        return []
+    known = [str(kind) for kind in LoggerType]
+    available = [str(kind) for kind in get_available_trackers()]
+    for name in names:
+        if name not in known:
+            fail(f"--report_to must name trackers among {', '.join(known)} or 'none'; got {name!r}")
+        if name != "all" and name not in available:
+            fail(f"--report_to {name}: {name} is not installed (pip install {name})")
+    return names
+
+
+def _tracker_config(*argument_groups) -> dict:
+    """The run's flags for the trackers' hyperparameter tables (numbers, text and booleans only)."""
+    return {name: value for group in argument_groups for name, value in asdict(group).items()
+            if isinstance(value, (int, float, str, bool))}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -516,7 +698,7 @@ def parse_arguments(argv=None):
 
 def main(argv=None):
     from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
+    from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
     from tqdm.auto import tqdm
     from transformers import get_scheduler
 
@@ -524,13 +706,15 @@ def main(argv=None):
     if args.push_to_hub and is_main_process():  # checked now, not after training
         args.hub_model_id = check_hub_push(args.hub_model_id, args.output_dir, args.hub_token,
                                            args.hub_private_repo)
+    check_plotting(print if is_main_process() else lambda message: None)
     started = time.perf_counter()
 
-    # A seedable sampler draws each epoch's order from (seed, epoch), so resuming is exact.
     accelerator = Accelerator(
         mixed_precision=args.mixed_precision,
         cpu=_run_on_cpu(args),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        log_with=args.report_to or None,
+        project_config=ProjectConfiguration(project_dir=args.output_dir,
+                                            logging_dir=os.path.join(args.output_dir, "runs")),
     )
     world = accelerator.num_processes
     fsdp2 = accelerator.is_fsdp2
@@ -550,52 +734,37 @@ def main(argv=None):
     set_seed(args.seed)
     log = accelerator.print
 
-    data = load_image_caption_data(
-        data_args.dataset,
-        seed=args.seed,
-        **(
-            {"image_column": data_args.image_column, "caption_column": data_args.caption_column, "log": log}
-            if data_args.dataset not in ("digits", "openmoji")
-            else {}
-        ),
-    )
-    if data_args.max_train_samples is not None:
-        data.train = data.train[: data_args.max_train_samples]
+    data = load_training_data(data_args, args.seed, log)
+    classification = None
+    if data_args.eval_dataset is not None:
+        classification = load_classification_set(
+            data_args.eval_dataset, data_args.eval_image_column, data_args.label_column,
+            data_args.class_names, data_args.prompt_template, log=log)
+        # the tiny default model's word vocabulary must know the prompts' words
+        data.extra.setdefault("vocabulary", []).extend(classification.vocabulary_text())
     model, processor, base_model = load_model_and_processor(model_args, data_args, data, args.seed)
-    if model_args.freeze_vision_model:
-        model.vision_model.requires_grad_(False)
-    if model_args.freeze_text_model:
-        model.text_model.requires_grad_(False)
+    freeze_towers(model, vision=model_args.freeze_vision_model, text=model_args.freeze_text_model)
 
-    # Loss parameters: CLIP's learned temperature (and, for SigLIP, a learned bias).
+    # Loss parameters: the learned temperature and, for the sigmoid loss, a learned bias: the
+    # model's own for SigLIP (pretrained, kept as it is), else a fresh one held by ClipEmbedder.
+    args.loss = args.loss or contrastive_loss_kind(model)
+    model_bias = args.loss == "sigmoid" and getattr(model, "logit_bias", None) is not None
     logit_bias = None
-    if args.loss == "sigmoid":
+    if args.loss == "sigmoid" and not model_bias:
         # SigLIP's initialisation, t = 10 and b = -10, puts the prior probability of a pair being
         # positive at about 1 / (its batch of 32k); b = -log(batch) does the same for ours.
-        # CLIPModel has no bias: ClipEmbedder holds it.
         with torch.no_grad():
             model.logit_scale.fill_(math.log(10.0))
         logit_bias = -math.log(global_batch)
-
-    train_pixels = preprocess_images(processor.image_processor, data.train)
+    # SigLIP's text tower pools the last position: captions padded to the length it was trained on.
+    padding = "max_length" if getattr(model.config, "model_type", "") == "siglip" else "longest"
+    collate = make_collate(processor.tokenizer, data_args.max_seq_length, padding)
     held_out_pixels = preprocess_images(processor.image_processor, data.held_out)
-    dataset = PairDataset(
-        train_pixels,
-        [ex.captions for ex in data.train],
-        group_ids(data, data.train),
-        seed=args.seed,
-    )
-    # Every process draws a full per-device batch each step (drop_last), so all rows of the
-    # global batch exist on every step.
-    loader = torch.utils.data.DataLoader(
-        dataset,
-        batch_size=args.per_device_train_batch_size,
-        shuffle=True,
-        drop_last=True,
-        collate_fn=make_collate(processor.tokenizer, data_args.max_seq_length),
-        generator=torch.Generator().manual_seed(args.seed),
-    )
-    embedder = ClipEmbedder(model, logit_bias)
+    if classification is not None:
+        classification = (classification,
+                          preprocess_images(processor.image_processor, classification.held_out))
+
+    embedder = ClipEmbedder(model, logit_bias, model_bias=model_bias)
     # fully_shard refuses 0-d parameters; the saved model gets these names' 0-d shapes back.
     vectorised = vectorise_scalar_parameters(embedder) if fsdp2 else []
     decay, no_decay = [], []
@@ -604,13 +773,37 @@ def main(argv=None):
             (no_decay if param.ndim < 2 or "logit_scale" in name else decay).append(param)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, args.adam_beta2))
+    # The loaders are this script's own (not Accelerate's): each process already reads only its
+    # share, and batches are moved to the device below.
+    embedder, optimizer = accelerator.prepare(embedder, optimizer)
 
-    embedder, optimizer, loader = accelerator.prepare(embedder, optimizer, loader)
-    steps_per_epoch = len(loader)
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"the train split ({len(dataset)} pairs) is smaller than one global batch ({global_batch})"
-        )
+    step = 0
+    if args.resume_from_checkpoint:
+        path = _resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+        step = int(path.rstrip("/").rsplit("-", 1)[-1])
+    # Rows skipped as unusable: those met while loading (the same on every process: counted by
+    # the main one) and, streaming, those the DataLoader workers meet ({digest: reason}).
+    skipped = Counter(data.extra.get("skipped", {}) if accelerator.is_main_process else {})
+    streamed_skips = {}
+    if data_args.streaming:
+        stream = DecodedPairBatches(
+            data.extra["stream"], rank=accelerator.process_index, world_size=world, seed=args.seed,
+            shuffle_buffer_size=data_args.shuffle_buffer_size, batch_size=args.per_device_train_batch_size,
+            image_processor=processor.image_processor, collate=collate)
+        loader = _data_loader(stream, args, batch_size=None)
+        batches = endless_batches(loader, stream, streamed_skips)
+        steps_per_epoch, train_rows = None, "streamed"
+    else:
+        dataset = PairDataset(preprocess_images(processor.image_processor, data.train),
+                              [ex.captions for ex in data.train], group_ids(data, data.train), seed=args.seed)
+        # FSDP2 gathers, and --reduce_every_chunk reduces, once per chunk: every process must run
+        # as many chunks as the others, so their shares must be equal.
+        equal_shares = bool(args.chunk_size) and (fsdp2 or args.reduce_every_chunk)
+        sampler = RankBatches(len(dataset), args.per_device_train_batch_size, accelerator.process_index,
+                              world, args.seed, equal_shares=equal_shares)
+        loader = _data_loader(dataset, args, batch_sampler=sampler, collate_fn=collate)
+        batches = epoch_batches(loader, sampler, dataset, step)
+        steps_per_epoch, train_rows = len(sampler), len(dataset)
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
     scheduler = get_scheduler(
         args.lr_scheduler_type,
@@ -619,25 +812,27 @@ def main(argv=None):
         num_training_steps=total_steps,
     )
     accelerator.register_for_checkpointing(scheduler)
-
-    step = 0
     if args.resume_from_checkpoint:
-        path = _resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
         accelerator.load_state(path)
-        step = int(path.rstrip("/").rsplit("-", 1)[-1])
-        log(f"resumed from {path} at step {step}")
+        log(f"resumed from {path} at step {step}"
+            + (" (the stream starts again from its beginning)" if data_args.streaming else ""))
+    if args.report_to:
+        accelerator.init_trackers("train_clip", config=_tracker_config(model_args, data_args, args))
 
     # The ClipEmbedder (under FSDP2 the sharded module itself). fully_shard replaced its
     # parameters: read them from it when needed, never from references taken before prepare.
     model = accelerator.unwrap_model(embedder)
     device = accelerator.device
 
+    length = (f"{args.max_steps} steps" if data_args.streaming
+              else f"{train_rows} pairs x {args.num_train_epochs:g} epochs = {total_steps} steps")
     log(
-        f"train: {len(dataset)} pairs x {args.num_train_epochs:g} epochs = {total_steps} steps of a global "
-        f"contrastive batch of {global_batch} ({world} process{'es' if world > 1 else ''} on {device.type}"
+        f"train: {length} of a global contrastive batch of {global_batch} ({world} "
+        f"process{'es' if world > 1 else ''} on {device.type}"
         f"{', chunks of ' + str(args.chunk_size) if args.chunk_size else ''}); held out: {len(data.held_out)}"
+        f"{'; zero-shot on ' + str(len(classification[0].held_out)) + ' images' if classification else ''}"
     )
-    history, final = [], {}
+    history, curves, final = [], [], {}
 
     def run_evaluation(at_step, train_loss):
         metrics = evaluate(
@@ -648,12 +843,15 @@ def main(argv=None):
             device,
             args.per_device_eval_batch_size,
             data_args.max_seq_length,
+            classification=classification,
+            padding=padding,
         )
         if fsdp2:
             # FSDP2 keeps the root's parameters gathered after a forward without grad: shard them
             # again, so that the next step and the clamp see the sharded parameters.
             model.reshard()
         history.append({"step": at_step, "train_loss": train_loss, **metrics})
+        accelerator.log({f"eval/{name}": value for name, value in metrics.items()}, step=at_step)
         if accelerator.is_main_process:  # every process evaluates; one prints
             progress.write(f"step {at_step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
         return metrics
@@ -662,6 +860,7 @@ def main(argv=None):
         total=total_steps,
         initial=step,
         desc="train",
+        unit="step",
         disable=not accelerator.is_local_main_process,
         dynamic_ncols=True,
         mininterval=1.0,
@@ -670,78 +869,77 @@ def main(argv=None):
         torch.cuda.reset_peak_memory_stats()
     train_started = time.perf_counter()
     first_step = step  # of this run (a resumed run starts later)
-    epoch = step // steps_per_epoch
-    stop = False
-    while step < total_steps and not stop:
-        dataset.set_epoch(epoch)
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        batches = loader
-        if step % steps_per_epoch and epoch == step // steps_per_epoch:
-            batches = accelerator.skip_first_batches(loader, step % steps_per_epoch)
-        for batch in batches:
-            pair_groups = batch.pop("groups")
-            loss = training_step(
-                embedder,
-                model,
-                batch,
-                clip_loss(args, pair_groups),
-                args.chunk_size,
-                offload=args.offload,
-                device=device,
-                # One reduction per step (DDP all-reduce, FSDP2 reduce-scatter); None: every chunk.
-                no_sync=None if args.reduce_every_chunk else lambda: accelerator.no_sync(embedder),
-                forward_context=accelerator.autocast,
-                scale_loss=accelerator.scaler.scale if accelerator.scaler is not None else None,
-                backward=accelerator.backward,
-            )
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            clamp_logit_scale(model)
-            step += 1
-            progress.update(1)
-            out_of_time = False
-            if args.max_train_seconds is not None:
-                # Every process must stop at the same step: stop when any one is out of time.
-                late = float(time.perf_counter() - train_started > args.max_train_seconds)
-                out_of_time = (
-                    accelerator.reduce(torch.tensor([late], device=device), reduction="sum").item() > 0
-                )
-            logging_step = step % args.logging_steps == 0 or step == total_steps
-            evaluation_step = (
-                step == total_steps or out_of_time or (args.eval_steps and step % args.eval_steps == 0)
-            )
-            if logging_step or evaluation_step:
-                # Each process holds its share (n/M)·Σ of the mean loss; their average is the loss
-                # of the whole contrastive batch. Every process takes part in this reduce.
-                batch_loss = accelerator.reduce(loss.detach().float().reshape(1), reduction="mean").item()
-            if logging_step:
-                elapsed = time.perf_counter() - train_started
-                progress.set_postfix(  # every process gathers the scale (a collective under FSDP2)
-                    loss=f"{batch_loss:.3f}",
-                    scale=f"{full_value(model.clip.logit_scale).exp().item():.1f}",
-                    lr=f"{scheduler.get_last_lr()[0]:.1e}",
-                    pairs_per_s=f"{global_batch * (step - first_step) / elapsed:.0f}",
-                )
-            if args.save_steps and step % args.save_steps == 0:
-                accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{step}"))
-            if evaluation_step:
-                final = run_evaluation(step, batch_loss)
-            if step >= total_steps or out_of_time:
-                stop = True
-                break
-        epoch += 1
+    while step < total_steps:
+        batch = next(batches)
+        pair_groups = batch.pop("groups").to(device)
+        if not args.chunk_size:  # GradCache moves (or, offloaded, keeps) the chunks itself
+            batch = {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
+        loss = training_step(
+            embedder,
+            model,
+            batch,
+            clip_loss(args, pair_groups),
+            args.chunk_size,
+            offload=args.offload,
+            device=device,
+            # One reduction per step (DDP all-reduce, FSDP2 reduce-scatter); None: every chunk.
+            no_sync=None if args.reduce_every_chunk else lambda: accelerator.no_sync(embedder),
+            forward_context=accelerator.autocast,
+            scale_loss=accelerator.scaler.scale if accelerator.scaler is not None else None,
+            backward=accelerator.backward,
+        )
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        clamp_logit_scale(model, args.loss)
+        step += 1
+        progress.update(1)
+        out_of_time = False
+        if args.max_train_seconds is not None:
+            # Every process must stop at the same step: stop when any one is out of time.
+            late = float(time.perf_counter() - train_started > args.max_train_seconds)
+            out_of_time = accelerator.reduce(torch.tensor([late], device=device), reduction="sum").item() > 0
+        logging_step = step % args.logging_steps == 0 or step == total_steps or out_of_time
+        evaluation_step = (step == total_steps or out_of_time
+                           or (args.eval_steps and step % args.eval_steps == 0))
+        if logging_step or evaluation_step:
+            # Each process holds its share (n/M)·Σ of the mean loss; their average is the loss
+            # of the whole contrastive batch. Every process takes part in this reduce.
+            batch_loss = accelerator.reduce(loss.detach().float().reshape(1), reduction="mean").item()
+        if logging_step:
+            # every process gathers the scale (a collective under FSDP2)
+            elapsed = time.perf_counter() - train_started
+            point = {"step": step, "loss": batch_loss,
+                     "logit_scale": full_value(model.clip.logit_scale).exp().item(),
+                     "learning_rate": scheduler.get_last_lr()[0],
+                     "pairs_per_second": global_batch * (step - first_step) / elapsed}
+            curves.append(point)
+            accelerator.log({f"train/{name}": value for name, value in point.items() if name != "step"},
+                            step=step)
+            progress.set_postfix(loss=f"{batch_loss:.3f}", scale=f"{point['logit_scale']:.1f}",
+                                 lr=f"{point['learning_rate']:.1e}",
+                                 pairs_per_s=f"{point['pairs_per_second']:.0f}")
+        if args.save_steps and step % args.save_steps == 0:
+            accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{step}"))
+        if evaluation_step:
+            final = run_evaluation(step, batch_loss)
+        if out_of_time:
+            break
     if not history or history[-1]["step"] != step:  # e.g. resumed from the last checkpoint
         final = run_evaluation(step, None)
     progress.close()
     train_seconds = time.perf_counter() - train_started
+    skipped.update(streamed_skips.values())
+    skipped = dict(zip(SKIP_REASONS, accelerator.reduce(
+        torch.tensor([skipped[reason] for reason in SKIP_REASONS], device=device), reduction="sum").tolist()))
+    skipped = {reason: count for reason, count in skipped.items() if count}
 
     accelerator.wait_for_everyone()
     peak_gpu_gib = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     # Gathered on every process (collectives under FSDP2), written by the main one.
     final_scale = float(full_value(model.clip.logit_scale.detach()).exp())
-    final_bias = float(full_value(model.logit_bias.detach())) if model.logit_bias is not None else None
+    bias = model.loss_parameters()[1:]
+    final_bias = float(full_value(bias[0].detach())) if bias else None
     state = accelerator.get_state_dict(embedder) if fsdp2 else None
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
@@ -750,6 +948,7 @@ def main(argv=None):
         else:
             model.clip.save_pretrained(args.output_dir)
         processor.save_pretrained(args.output_dir)
+        classes = classification[0] if classification else data if data.class_names else None
         facts = dict(
             base_model=base_model if model_args.model_name_or_path else None,
             model_description=base_model,
@@ -757,7 +956,7 @@ def main(argv=None):
             dataset_description=data.description,
             dataset_license=data.license,
             attribution=data.attribution,
-            train_pairs=len(dataset),
+            train_pairs=train_rows,
             held_out_pairs=len(data.held_out),
             global_batch_size=global_batch,
             per_device_batch_size=args.per_device_train_batch_size,
@@ -773,21 +972,22 @@ def main(argv=None):
             mixed_precision=accelerator.mixed_precision,
             peak_gpu_memory_gib=peak_gpu_gib,
             steps=step,
-            epochs=step / steps_per_epoch,
+            epochs=step / steps_per_epoch if steps_per_epoch else None,
             learning_rate=args.learning_rate,
             train_seconds=train_seconds,
+            pairs_per_second=global_batch * (step - first_step) / train_seconds,
             eval_results=final,
-            class_names=list(data.class_names) if data.class_names else None,
-            example_prompts=data.class_prompts()[0][:1] + data.class_prompts()[1][:1]
-            if data.class_names
-            else None,
+            class_names=list(classes.class_names) if classes else None,
+            example_prompts=[prompts[0] for prompts in classes.class_prompts()[:2]] if classes else None,
+            skipped_rows=skipped or None,
+            curves_image=save_training_curves(curves, history, args.output_dir, log),
             hub_model_id=args.hub_model_id,
             model_name=args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir)),
             repo_id=args.hub_model_id or os.path.abspath(args.output_dir),
             # The OpenMoji artwork is share-alike: so is a model trained on it.
             license="cc-by-sa-4.0" if data.name == "openmoji" else None,
         )
-        _write_card_and_results(args, facts, history)
+        _write_card_and_results(args, facts, history, curves)
     summary = ", ".join(f"{k} {v:.3f}" for k, v in final.items())
     throughput = f"{global_batch * (step - first_step) / train_seconds:.0f} pairs/s"
     if peak_gpu_gib is not None:
@@ -800,10 +1000,11 @@ def main(argv=None):
     if "zero_shot_top1" in final:
         log(f"held-out zero-shot accuracy: {final['zero_shot_top1']:.1%}")
     log(f"saved to {os.path.abspath(args.output_dir)}")
-    skipped = data.extra.get("skipped")
     if skipped:
         log(f"skipped {sum(skipped.values())} rows of the data: "
             + ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items())))
+    if classification and classification[0].extra["skipped"]:
+        log(f"skipped rows of --eval_dataset: {classification[0].extra['skipped']}")
     if args.push_to_hub and accelerator.is_main_process:  # after the results are out
         push_output_dir(args.output_dir, args.hub_model_id, args.hub_token, args.hub_private_repo)
     accelerator.end_training()
@@ -850,9 +1051,10 @@ def _device_description(device):
     return f"{device.type} ({os.cpu_count()} cores)"
 
 
-def _write_card_and_results(args, facts, history):
+def _write_card_and_results(args, facts, history, curves):
     with open(os.path.join(args.output_dir, "eval_results.json"), "w") as handle:
-        json.dump({"final": facts["eval_results"], "history": history}, handle, indent=2)
+        json.dump({"final": facts["eval_results"], "history": history, "train": curves,
+                   "skipped_rows": facts["skipped_rows"] or {}}, handle, indent=2)
     with open(os.path.join(args.output_dir, "training_args.json"), "w") as handle:
         json.dump(asdict(args), handle, indent=2)
     from hf_infcl.model_card import save_model_card

@@ -3,7 +3,8 @@
 The cards are the ``model_cards/*.md`` Jinja templates (``clip`` for CLIP-style image-text
 models, ``dual_encoder`` for text retrievers), filled from the facts of a run: base model and
 data, global batch, chunk size, loss settings, processes and devices, peak GPU memory,
-evaluation results, and how to load the model. Their YAML header is a
+evaluation results, the training-curves image where the run drew one (``curves_image``, a path
+relative to the card), and how to load the model. Their YAML header is a
 ``huggingface_hub.ModelCardData`` (library_name, tags including ``inf-cl``, datasets, metrics,
 a model-index of the evaluation results), so the Hub reads them like any other card.
 
@@ -48,6 +49,7 @@ SETTING_LABELS = {
     "steps": "optimizer steps",
     "epochs": "epochs",
     "train_seconds": "training time (s)",
+    "pairs_per_second": "throughput (pairs/s)",
 }
 OTHER_FACTS = (
     "model_name",
@@ -72,6 +74,8 @@ OTHER_FACTS = (
     "command",
     "tags",
     "language",
+    "curves_image",
+    "skipped_rows",
 )
 KNOWN_FACTS = frozenset(SETTING_LABELS) | frozenset(OTHER_FACTS)
 
@@ -234,6 +238,9 @@ def render_model_card(kind: str, *, template_path: str | os.PathLike | None = No
         usage=facts.get("usage") or _default_usage(kind, card_data.library_name, repo_id),
         hf_infcl_version=installed_version(),
         command=facts.get("command"),
+        curves_image=facts.get("curves_image"),
+        skipped_rows=", ".join(f"{count} {reason}"
+                               for reason, count in sorted((facts.get("skipped_rows") or {}).items())),
     )
     card = hub.ModelCard.from_template(card_data, template_str=path.read_text(encoding="utf-8"), **variables)
     return str(card)

@@ -187,6 +187,17 @@ BAD_NUMBERS = [
      "--backend must be one of 'auto', 'torch', 'triton', 'reference'; got 'cuda'"),
     ("train_clip", ["--mixed_precision", "fp32"],
      "--mixed_precision must be one of 'no', 'fp16', 'bf16'; got 'fp32'"),
+    ("train_clip", ["--dataset", "shards/", "--streaming"],
+     "--streaming needs --max_steps: a stream has no length to count epochs in"),
+    ("train_clip", ["--streaming", "--max_steps", "10"],
+     "--dataset digits is built in memory: drop --streaming"),
+    ("train_clip", ["--dataset", "x.parquet", "--streaming", "--max_steps", "10", "--max_train_samples", "5"],
+     "--max_train_samples does not apply with --streaming"),
+    ("train_clip", ["--shuffle_buffer_size", "0"], "--shuffle_buffer_size must be > 0, got 0"),
+    ("train_clip", ["--dataloader_num_workers", "-1"], "--dataloader_num_workers must be >= 0, got -1"),
+    ("train_clip", ["--report_to", "tensorbored"], "--report_to must name trackers among"),
+    ("train_clip", ["--prompt_template", "a photo"], "--prompt_template must contain {name}"),
+    ("train_clip", ["--class_names", "a,b"], "--class_names names the classes of --eval_dataset"),
     ("train_retriever", ["--per_device_train_batch_size", "0"], "--per_device_train_batch_size must be > 0"),
     ("train_retriever", ["--per_device_train_batch_size", "-4"], "--per_device_train_batch_size must be > 0"),
     ("train_retriever", ["--max_train_pairs", "0"], "--max_train_pairs must be > 0"),
@@ -609,7 +620,8 @@ def test_train_clip_on_a_user_csv_pushes_model_processor_and_card(tmp_path, monk
 
 
 def _digit_shards(folder, rows_per_shard=30, shards=2):
-    """Parquet shards and webdataset .tar shards of the bundled digits (PNG bytes and captions),
+    """Parquet shards and webdataset .tar shards of the bundled digits (PNG bytes, captions that
+    end in the row's number so that every row's caption is its own, and the digit as ``label``),
     one row with bytes that are not an image and one with an empty caption in the first shard."""
     import io
     import tarfile
@@ -623,23 +635,26 @@ def _digit_shards(folder, rows_per_shard=30, shards=2):
     parquet.mkdir()
     tars.mkdir()
     for shard in range(shards):
-        rows = {"image": [], "caption": []}
+        rows = {"image": [], "caption": [], "label": []}
         with tarfile.open(tars / f"shard-{shard:05d}.tar", "w") as tar:
             for index, example in enumerate(examples[shard * rows_per_shard:(shard + 1) * rows_per_shard]):
                 buffer = io.BytesIO()
                 example.image.save(buffer, format="PNG")
-                image, caption = buffer.getvalue(), example.captions[0]
+                image = buffer.getvalue()
+                caption = f"{example.captions[0]}, row {shard * rows_per_shard + index}"
                 if shard == 0 and index == 3:
                     image = b"not an image"
                 if shard == 0 and index == 5:
                     caption = "  "
                 rows["image"].append({"bytes": image, "path": None})
                 rows["caption"].append(caption)
+                rows["label"].append(example.label)
                 for extension, payload in (("png", image), ("txt", caption.encode())):
                     info = tarfile.TarInfo(f"{shard}-{index:04d}.{extension}")
                     info.size = len(payload)
                     tar.addfile(info, io.BytesIO(payload))
-        features = datasets.Features({"image": datasets.Image(), "caption": datasets.Value("string")})
+        features = datasets.Features({"image": datasets.Image(), "caption": datasets.Value("string"),
+                                      "label": datasets.Value("int64")})
         table = datasets.Dataset.from_dict(rows, features=features)
         table.to_parquet(str(parquet / f"shard-{shard:05d}.parquet"))
     return parquet, tars

@@ -1,0 +1,192 @@
+"""Image-caption data streamed through ``datasets`` (``train_clip.py --streaming``): data larger
+than memory, read shard by shard, decoded in the DataLoader's workers.
+
+- :func:`load_image_caption_stream` opens ``--dataset`` as an ``IterableDataset`` (the same forms
+  as without ``--streaming``: parquet and webdataset ``.tar`` shards, CSV / JSON-lines files, an
+  image folder, a Hub id). It reads only the first rows: ``held_out_rows`` of them become the
+  held-out split (decoded here: they are few), and the first captions give the tiny default
+  model its word vocabulary. The training rows are the whole stream less the held-out ones,
+  recognised by a digest of their caption and image bytes (so that sharding cannot let them
+  leak into training, as ``skip(n)`` would: it skips ``n`` rows spread over the shards).
+- :class:`DecodedPairBatches` is this process's share of the training rows as batches: the
+  stream is shuffled (shard order and a buffer of ``--shuffle_buffer_size`` rows, the same seed
+  on every process) and split between processes with ``split_dataset_by_node`` (whole shards
+  when their number is a multiple of the processes, else every ``world``-th row); ``datasets``
+  splits a process's shards again between the DataLoader workers. Each worker decodes, checks,
+  transforms (the model's image processor) and tokenizes full batches of good rows.
+
+Bad rows are skipped with one line each (in the first pass), in the worker that meets them. The
+training process learns of them through the batches: every batch carries the rows its worker
+skipped while filling it (``"skipped"``: {row digest: reason}), and a worker whose shard ends
+with skipped rows after its last full batch sends one last item with those alone.
+:func:`endless_batches` collects them by digest, so that a bad row met again in a later pass is
+counted once (and each row belongs to one process: the processes' counts add up), and restarts
+the stream (next epoch, reshuffled) when it ends; training length is ``--max_steps``. Rows left
+over after a worker's last full batch are not trained on in that pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from bundled_data import (
+    ImageCaptionData,
+    ImageCaptionExample,
+    SkippedRow,
+    _require_datasets,
+    _table_of,
+    checked_columns,
+    usable_pair,
+)
+
+# The tiny default model's word vocabulary comes from this many first captions (a pretrained
+# model, --model_name_or_path, brings its own tokenizer).
+VOCABULARY_ROWS = 10_000
+
+
+def pair_key(row: dict, image_column: str, caption_column: str) -> bytes:
+    """A digest of a row's caption and (undecoded) image: the same row gives the same key in any
+    process or worker."""
+    image = row.get(image_column)
+    if isinstance(image, dict):
+        image = image.get("bytes") or image.get("path")
+    digest = hashlib.blake2b(str(row.get(caption_column)).encode(), digest_size=16)
+    digest.update(image if isinstance(image, (bytes, bytearray)) else repr(image).encode())
+    return digest.digest()
+
+
+def caption_group(caption: str) -> int:
+    """A 63-bit id of a caption's text, equal in every process, so that identical captions in two
+    processes' rows are masked as false negatives across the ring."""
+    return int.from_bytes(hashlib.blake2b(caption.encode(), digest_size=8).digest(), "little") >> 1
+
+
+@dataclass
+class PairStream:
+    """The training rows of a stream and how to read them (picklable: it travels to the workers)."""
+
+    rows: object  # datasets.IterableDataset
+    path: str
+    image_column: str
+    caption_column: str
+    base: str | None  # folder that relative image paths start from
+    held_out_keys: frozenset
+
+
+def load_image_caption_stream(
+    path: str,
+    image_column: str = "image_path",
+    caption_column: str = "caption",
+    held_out_rows: int = 256,
+    log=print,
+) -> ImageCaptionData:
+    """``path`` as a stream: an :class:`ImageCaptionData` with no ``train`` list, the held-out
+    examples (the first ``held_out_rows`` rows, less bad ones), ``extra["stream"]`` (a
+    :class:`PairStream` of the rest), ``extra["vocabulary"]`` (the first captions) and
+    ``extra["skipped"]`` (the held-out rows skipped, by reason)."""
+    datasets = _require_datasets()
+    stream, base, builder = _table_of(path, datasets, streaming=True)
+    stream, image_column = checked_columns(stream, path, builder, image_column, caption_column, datasets)
+    held_out, keys, skipped = [], set(), Counter()
+    for index, row in enumerate(stream.take(held_out_rows)):
+        keys.add(pair_key(row, image_column, caption_column))
+        pair = usable_pair(row, image_column, caption_column, base)
+        if isinstance(pair, SkippedRow):
+            skipped[pair.reason] += 1
+            log(f"skipping row {index} of {path}: {pair}")
+            continue
+        held_out.append(ImageCaptionExample(pair[0], (pair[1],)))
+    if not held_out:
+        raise ValueError(f"no usable rows among the first {held_out_rows} of {path} "
+                         f"(skipped: {dict(skipped)})")
+    captions = stream.select_columns([caption_column]).take(VOCABULARY_ROWS)
+    vocabulary = [str(row[caption_column]) for row in captions if row[caption_column] is not None]
+    return ImageCaptionData(
+        name=os.path.basename(os.path.normpath(path.split("*")[0] or path)),
+        train=[],
+        held_out=held_out,
+        description=f"user data streamed from {path}",
+        extra={
+            "skipped": dict(skipped),
+            "vocabulary": vocabulary,
+            "stream": PairStream(stream, path, image_column, caption_column, base, frozenset(keys)),
+        },
+    )
+
+
+class DecodedPairBatches(torch.utils.data.IterableDataset):
+    """This process's batches of ``batch_size`` good training pairs, made in the DataLoader's
+    workers (load it with ``batch_size=None``): pixel values, input ids, attention mask, caption
+    groups, and ``"skipped"``, {digest: reason} of the rows skipped while filling the batch."""
+
+    def __init__(self, pairs: PairStream, *, rank: int, world_size: int, seed: int, shuffle_buffer_size: int,
+                 batch_size: int, image_processor, collate):
+        from datasets.distributed import split_dataset_by_node
+
+        super().__init__()
+        # The same seed on every process: they agree on the shard order, so that each process
+        # gets different shards (datasets' own advice for distributed shuffling).
+        rows = pairs.rows.shuffle(seed=seed, buffer_size=shuffle_buffer_size)
+        self.rows = split_dataset_by_node(rows, rank=rank, world_size=world_size)
+        self.pairs = pairs
+        self.batch_size = batch_size
+        self.image_processor = image_processor
+        self.collate = collate
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle for pass ``epoch`` (call before iterating: workers get a copy of this object)."""
+        self.rows.set_epoch(epoch)
+
+    def _batch(self, images, captions, skipped):
+        pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        batch = self.collate(list(zip(pixels, captions, map(caption_group, captions))))
+        batch["skipped"] = skipped
+        return batch
+
+    def __iter__(self):
+        pairs = self.pairs
+        images, captions, skipped = [], [], {}
+        for row in self.rows:  # in a worker, datasets reads only that worker's shards
+            key = pair_key(row, pairs.image_column, pairs.caption_column)
+            if key in pairs.held_out_keys:
+                continue
+            pair = usable_pair(row, pairs.image_column, pairs.caption_column, pairs.base)
+            if isinstance(pair, SkippedRow):
+                skipped[key] = pair.reason
+                if self.rows.epoch == 0:  # once, not in every pass
+                    where = f" (key {row['__key__']})" if "__key__" in row else ""
+                    print(f"skipping a row of {pairs.path}{where}: {pair}", flush=True)
+                continue
+            images.append(pair[0])
+            captions.append(pair[1])
+            if len(images) == self.batch_size:
+                yield self._batch(images, captions, skipped)
+                images, captions, skipped = [], [], {}
+        if skipped:  # rows skipped after the last full batch
+            yield {"skipped": skipped}
+
+
+def endless_batches(loader, dataset: DecodedPairBatches, skipped: dict, start_epoch: int = 0):
+    """The batches of ``loader`` pass after pass (each pass reshuffled), collecting every item's
+    skipped rows into ``skipped`` ({digest: reason}); items that only carry those are not yielded."""
+    epoch = start_epoch
+    while True:
+        dataset.set_epoch(epoch)
+        full_batches = 0
+        for item in loader:
+            skipped.update(item.pop("skipped"))
+            if item:
+                full_batches += 1
+                yield item
+        if not full_batches:
+            raise ValueError(
+                f"a whole pass over this process's share of {dataset.pairs.path} gave no batch of "
+                f"{dataset.batch_size} usable pairs: lower --per_device_train_batch_size or "
+                "--dataloader_num_workers (each worker fills its own batches)"
+            )
+        epoch += 1
