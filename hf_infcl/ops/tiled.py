@@ -65,33 +65,41 @@ class TorchTiles:
             logits = logits + bias
         return logits
 
+    def _logit_tiles(self, spec, queries, keys, scale, bias):
+        """(r0, r1, k0, k1, query tile, key tile, logits) of every tile, in the accumulation
+        dtype; the caller's loop body runs under ``spec``'s matmul precision too."""
+        acc = accumulation_dtype(queries.dtype)
+        scale = scale.to(acc)
+        bias = None if bias is None else bias.to(acc)
+        with _matmul_precision(spec, queries.dtype, queries.device):
+            for r0, r1, k0, k1 in self._tiles(queries.shape[0], keys.shape[0]):
+                q_tile = queries[r0:r1].to(acc)
+                k_tile = keys[k0:k1].to(acc)
+                yield r0, r1, k0, k1, q_tile, k_tile, self._logits(q_tile, k_tile, scale, bias)
+
     def forward_block(self, spec, queries, keys, scale, bias, mask: GroupMask | None):
         acc = accumulation_dtype(queries.dtype)
         m, k = queries.shape[0], keys.shape[0]
         device = queries.device
-        scale = scale.to(acc)
-        bias = None if bias is None else bias.to(acc)
         if spec.loss == "softmax":
             row_stat = torch.full((m,), float("-inf"), dtype=acc, device=device)
         else:
             row_stat = torch.zeros(m, dtype=acc, device=device)
         col_stat = torch.full((k,), float("-inf"), dtype=acc, device=device) if spec.columns else None
 
-        with _matmul_precision(spec, queries.dtype, device):
-            for r0, r1, k0, k1 in self._tiles(m, k):
-                logits = self._logits(queries[r0:r1].to(acc), keys[k0:k1].to(acc), scale, bias)
-                allowed = None if mask is None else mask.allowed(r0, r1, k0, k1)
-                if spec.loss == "sigmoid":
-                    terms = F.softplus(logits, threshold=_SOFTPLUS_LINEAR_ABOVE)
-                    if allowed is not None:
-                        terms = terms.masked_fill(~allowed, 0.0)
-                    row_stat[r0:r1] += terms.sum(dim=1)
-                    continue
+        for r0, r1, k0, k1, _, _, logits in self._logit_tiles(spec, queries, keys, scale, bias):
+            allowed = None if mask is None else mask.allowed(r0, r1, k0, k1)
+            if spec.loss == "sigmoid":
+                terms = F.softplus(logits, threshold=_SOFTPLUS_LINEAR_ABOVE)
                 if allowed is not None:
-                    logits = logits.masked_fill(~allowed, float("-inf"))
-                row_stat[r0:r1] = torch.logaddexp(row_stat[r0:r1], torch.logsumexp(logits, dim=1))
-                if col_stat is not None:
-                    col_stat[k0:k1] = torch.logaddexp(col_stat[k0:k1], torch.logsumexp(logits, dim=0))
+                    terms = terms.masked_fill(~allowed, 0.0)
+                row_stat[r0:r1] += terms.sum(dim=1)
+                continue
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed, float("-inf"))
+            row_stat[r0:r1] = torch.logaddexp(row_stat[r0:r1], torch.logsumexp(logits, dim=1))
+            if col_stat is not None:
+                col_stat[k0:k1] = torch.logaddexp(col_stat[k0:k1], torch.logsumexp(logits, dim=0))
         return row_stat, col_stat
 
     def backward_block(
@@ -110,29 +118,19 @@ class TorchTiles:
         grad_keys,
     ):
         acc = accumulation_dtype(queries.dtype)
-        m, k = queries.shape[0], keys.shape[0]
-        scale = scale.to(acc)
-        bias = None if bias is None else bias.to(acc)
-        row_sums = torch.zeros(m, dtype=acc, device=queries.device)
-
-        with _matmul_precision(spec, queries.dtype, queries.device):
-            for r0, r1, k0, k1 in self._tiles(m, k):
-                q_tile = queries[r0:r1].to(acc)
-                k_tile = keys[k0:k1].to(acc)
-                logits = self._logits(q_tile, k_tile, scale, bias)
-                if spec.loss == "sigmoid":
-                    grad_logits = row_weight[r0:r1, None] * torch.sigmoid(logits)
-                else:
-                    grad_logits = row_weight[r0:r1, None] * torch.exp(logits - row_stat[r0:r1, None])
-                    if col_weight is not None:
-                        grad_logits += col_weight[None, k0:k1] * torch.exp(logits - col_stat[None, k0:k1])
-                if mask is not None:
-                    # where(), not a product: a masked entry may hold inf * 0 = nan.
-                    allowed = mask.allowed(r0, r1, k0, k1)
-                    grad_logits = torch.where(allowed, grad_logits, torch.zeros_like(grad_logits))
-                grad_queries[r0:r1].addmm_(grad_logits, k_tile)
-                grad_keys[k0:k1].addmm_(grad_logits.T, q_tile)
-                row_sums[r0:r1] += grad_logits.sum(dim=1)
+        row_sums = torch.zeros(queries.shape[0], dtype=acc, device=queries.device)
+        for r0, r1, k0, k1, q_tile, k_tile, logits in self._logit_tiles(spec, queries, keys, scale, bias):
+            if spec.loss == "sigmoid":
+                grad_logits = row_weight[r0:r1, None] * torch.sigmoid(logits)
+            else:
+                grad_logits = row_weight[r0:r1, None] * torch.exp(logits - row_stat[r0:r1, None])
+                if col_weight is not None:
+                    grad_logits += col_weight[None, k0:k1] * torch.exp(logits - col_stat[None, k0:k1])
+            if mask is not None:
+                # where(), not a product: a masked entry may hold inf * 0 = nan.
+                allowed = mask.allowed(r0, r1, k0, k1)
+                grad_logits = torch.where(allowed, grad_logits, torch.zeros_like(grad_logits))
+            _add_products(grad_logits, q_tile, k_tile, grad_queries[r0:r1], grad_keys[k0:k1], row_sums[r0:r1])
         return row_sums
 
     def forward_backward_block(self, spec, queries, keys, scale, bias, mask: GroupMask | None, grad_queries,
@@ -140,25 +138,22 @@ class TorchTiles:
         """The sigmoid loss's one pass (``OnePassSigmoidOps``): each tile's logits give its
         softplus row sums and, with every row weight 1, G = sigmoid(z) and the two products."""
         acc = accumulation_dtype(queries.dtype)
-        m, k = queries.shape[0], keys.shape[0]
-        scale = scale.to(acc)
-        bias = None if bias is None else bias.to(acc)
-        row_stat = torch.zeros(m, dtype=acc, device=queries.device)
-        row_sums = torch.zeros(m, dtype=acc, device=queries.device)
-
-        with _matmul_precision(spec, queries.dtype, queries.device):
-            for r0, r1, k0, k1 in self._tiles(m, k):
-                q_tile = queries[r0:r1].to(acc)
-                k_tile = keys[k0:k1].to(acc)
-                logits = self._logits(q_tile, k_tile, scale, bias)
-                terms = F.softplus(logits, threshold=_SOFTPLUS_LINEAR_ABOVE)
-                grad_logits = torch.sigmoid(logits)
-                if mask is not None:
-                    allowed = mask.allowed(r0, r1, k0, k1)
-                    terms = terms.masked_fill(~allowed, 0.0)
-                    grad_logits = grad_logits.masked_fill(~allowed, 0.0)
-                row_stat[r0:r1] += terms.sum(dim=1)
-                grad_queries[r0:r1].addmm_(grad_logits, k_tile)
-                grad_keys[k0:k1].addmm_(grad_logits.T, q_tile)
-                row_sums[r0:r1] += grad_logits.sum(dim=1)
+        row_stat = torch.zeros(queries.shape[0], dtype=acc, device=queries.device)
+        row_sums = torch.zeros(queries.shape[0], dtype=acc, device=queries.device)
+        for r0, r1, k0, k1, q_tile, k_tile, logits in self._logit_tiles(spec, queries, keys, scale, bias):
+            terms = F.softplus(logits, threshold=_SOFTPLUS_LINEAR_ABOVE)
+            grad_logits = torch.sigmoid(logits)
+            if mask is not None:
+                allowed = mask.allowed(r0, r1, k0, k1)
+                terms = terms.masked_fill(~allowed, 0.0)
+                grad_logits = grad_logits.masked_fill(~allowed, 0.0)
+            row_stat[r0:r1] += terms.sum(dim=1)
+            _add_products(grad_logits, q_tile, k_tile, grad_queries[r0:r1], grad_keys[k0:k1], row_sums[r0:r1])
         return row_stat, row_sums
+
+
+def _add_products(grad_logits, q_tile, k_tile, grad_queries, grad_keys, row_sums) -> None:
+    """Add one tile's G K, G^T Q and row sums of G into the (sliced) accumulators, in place."""
+    grad_queries.addmm_(grad_logits, k_tile)
+    grad_keys.addmm_(grad_logits.T, q_tile)
+    row_sums += grad_logits.sum(dim=1)
