@@ -14,8 +14,9 @@ templates used for zero-shot evaluation):
   or an image folder with a ``metadata.csv``/``metadata.jsonl`` (the ``datasets`` "imagefolder"
   layout), loaded with ``datasets``.
 
-Images are kept as PIL images; the training script turns them into pixel values with the
-model's own image processor.
+The bundled sets' images are PIL images; a user's training images are kept as read (bytes or
+paths), for the training script's DataLoader workers to decode. The workers turn them into pixel
+values with the model's own image processor.
 """
 
 from __future__ import annotations
@@ -292,18 +293,34 @@ class SkippedRow:
         return self.reason + self.detail
 
 
-def usable_pair(row: dict, image_column: str, caption_column: str, base: str | None):
-    """(RGB image, caption) of a row, or a :class:`SkippedRow` saying why it is not usable: a
-    missing value, an empty caption, or an image that does not decode."""
-    caption, image = row.get(caption_column), row.get(image_column)
+def missing_or_empty(image, caption) -> SkippedRow | None:
+    """Why a row cannot be used that shows without decoding its image: a missing value or an empty
+    caption (None: neither)."""
     if image is None or caption is None:
         return SkippedRow("missing value")
     if not str(caption).strip():
         return SkippedRow("empty caption")
+    return None
+
+
+def decoded_or_skipped(image, base: str | None):
+    """A column value as an RGB image (:func:`_decoded_image`), or a :class:`SkippedRow` if it does
+    not decode."""
     try:
-        return _decoded_image(image, base), str(caption)
+        return _decoded_image(image, base)
     except Exception as error:  # PIL raises several types for bad files
         return SkippedRow("image does not decode", f" ({type(error).__name__})")
+
+
+def usable_pair(row: dict, image_column: str, caption_column: str, base: str | None):
+    """(RGB image, caption) of a row, or a :class:`SkippedRow` saying why it is not usable: a
+    missing value, an empty caption, or an image that does not decode."""
+    caption, image = row.get(caption_column), row.get(image_column)
+    problem = missing_or_empty(image, caption)
+    if problem is not None:
+        return problem
+    image = decoded_or_skipped(image, base)
+    return image if isinstance(image, SkippedRow) else (image, str(caption))
 
 
 def load_image_caption_files(
@@ -313,6 +330,7 @@ def load_image_caption_files(
     held_out_fraction: float = 0.1,
     seed: int = 0,
     log=print,
+    max_held_out: int | None = None,
 ) -> ImageCaptionData:
     """Your own image-caption data, read with ``datasets``.
 
@@ -323,29 +341,45 @@ def load_image_caption_files(
     file's folder unless absolute), encoded bytes or images; in webdataset shards columns are named
     after the files' extensions (``--image_column jpg --caption_column txt``).
 
-    A row whose image does not decode, whose caption is empty or that lacks either value is
-    skipped with a one-line message; ``extra["skipped"]`` counts them by reason.
+    ``held_out_fraction`` of the rows (at most ``max_held_out``) are held out and decoded here. The
+    training examples keep their images as read (bytes, a path or datasets' ``{"bytes", "path"}``;
+    relative paths start from ``extra["base"]``): the training script decodes them in its
+    DataLoader workers, not in the training process.
+
+    A row that lacks a value or whose caption is empty is skipped here, as is a held-out row whose
+    image does not decode, each with a one-line message; ``extra["skipped"]`` counts them by
+    reason. A training row whose image does not decode is skipped where it is decoded.
     """
     datasets = _require_datasets()
     table, base, builder = _table_of(path, datasets)
     table, image_column = checked_columns(table, path, builder, image_column, caption_column, datasets)
-    examples, skipped = [], {}
-    for index, row in enumerate(table):
-        pair = usable_pair(row, image_column, caption_column, base)
-        if isinstance(pair, SkippedRow):
-            skipped[pair.reason] = skipped.get(pair.reason, 0) + 1
-            log(f"skipping row {index} of {path}: {pair}")
+    rows, skipped = {}, {}
+    for index, (image, caption) in enumerate(zip(table[image_column], table[caption_column])):
+        problem = missing_or_empty(image, caption)
+        if problem is not None:
+            skipped[problem.reason] = skipped.get(problem.reason, 0) + 1
+            log(f"skipping row {index} of {path}: {problem}")
             continue
-        examples.append(ImageCaptionExample(pair[0], (pair[1],)))
-    if not examples:
+        rows[index] = ImageCaptionExample(image, (str(caption),))
+    if not rows:
         raise ValueError(f"no usable rows in {path} (skipped: {skipped})")
-    train, held_out = _split(examples, held_out_fraction, seed, stratify=False)
+    train, held_out = _split(list(rows), held_out_fraction, seed, stratify=False)
+    if max_held_out is not None:  # the held-out split is decoded and evaluated in every process
+        train, held_out = train + held_out[max_held_out:], held_out[:max_held_out]
+    decoded = []
+    for index in held_out:
+        image = decoded_or_skipped(rows[index].image, base)
+        if isinstance(image, SkippedRow):
+            skipped[image.reason] = skipped.get(image.reason, 0) + 1
+            log(f"skipping row {index} of {path}: {image}")
+            continue
+        decoded.append(ImageCaptionExample(image, rows[index].captions))
     return ImageCaptionData(
         name=os.path.basename(os.path.normpath(path.split("*")[0] or path)),
-        train=train,
-        held_out=held_out,
+        train=[rows[index] for index in train],
+        held_out=decoded,
         description=f"user data from {path}",
-        extra={"skipped": skipped},
+        extra={"skipped": skipped, "base": base},
     )
 
 

@@ -13,16 +13,17 @@ than memory, read shard by shard, decoded in the DataLoader's workers.
   on every process) and split between processes with ``split_dataset_by_node`` (whole shards
   when their number is a multiple of the processes, else every ``world``-th row); ``datasets``
   splits a process's shards again between the DataLoader workers. Each worker decodes, checks,
-  transforms (the model's image processor) and tokenizes full batches of good rows.
+  transforms (the model's image processor) and tokenizes full batches of good rows; the rows
+  after its last full batch it sends transformed but not batched (``"rest"``).
+- :func:`endless_batches` gives the batches pass after pass (each pass reshuffled; training
+  length is ``--max_steps``). It joins the workers' rest rows into full batches, so that no row
+  is lost: those that do not fill one at the end of a pass open the next pass's rest batches.
+  A resumed run replays the stream up to where it stopped (its batches read and dropped).
 
 Bad rows are skipped with one line each (in the first pass), in the worker that meets them. The
-training process learns of them through the batches: every batch carries the rows its worker
-skipped while filling it (``"skipped"``: {row digest: reason}), and a worker whose shard ends
-with skipped rows after its last full batch sends one last item with those alone.
-:func:`endless_batches` collects them by digest, so that a bad row met again in a later pass is
-counted once (and each row belongs to one process: the processes' counts add up), and restarts
-the stream (next epoch, reshuffled) when it ends; training length is ``--max_steps``. Rows left
-over after a worker's last full batch are not trained on in that pass.
+training process learns of them through the batches: every item carries the rows its worker
+skipped while filling it (``"skipped"``: {row digest: reason}). :func:`endless_batches` collects
+them by digest, so that a bad row met again in a later pass is counted once.
 """
 
 from __future__ import annotations
@@ -119,10 +120,19 @@ def load_image_caption_stream(
     )
 
 
+def transformed_items(image_processor, images, captions, groups) -> list[tuple]:
+    """(pixel values, caption, group) of each pair, the images transformed in one call of the
+    model's image processor (what a collate function takes)."""
+    pixels = image_processor(images=images, return_tensors="pt")["pixel_values"]
+    return list(zip(pixels, captions, groups))
+
+
 class DecodedPairBatches(torch.utils.data.IterableDataset):
     """This process's batches of ``batch_size`` good training pairs, made in the DataLoader's
     workers (load it with ``batch_size=None``): pixel values, input ids, attention mask, caption
-    groups, and ``"skipped"``, {digest: reason} of the rows skipped while filling the batch."""
+    groups, and ``"skipped"``, {digest: reason} of the rows skipped while filling the batch. A
+    worker's last item holds the rows after its last full batch as ``"rest"`` (a list of
+    :func:`transformed_items`), for :func:`endless_batches` to join with other workers' rest."""
 
     def __init__(self, pairs: PairStream, *, rank: int, world_size: int, seed: int, shuffle_buffer_size: int,
                  batch_size: int, image_processor, collate):
@@ -142,11 +152,8 @@ class DecodedPairBatches(torch.utils.data.IterableDataset):
         """Reshuffle for pass ``epoch`` (call before iterating: workers get a copy of this object)."""
         self.rows.set_epoch(epoch)
 
-    def _batch(self, images, captions, skipped):
-        pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
-        batch = self.collate(list(zip(pixels, captions, map(caption_group, captions))))
-        batch["skipped"] = skipped
-        return batch
+    def _items(self, images, captions) -> list[tuple]:
+        return transformed_items(self.image_processor, images, captions, [caption_group(c) for c in captions])
 
     def __iter__(self):
         pairs = self.pairs
@@ -165,28 +172,43 @@ class DecodedPairBatches(torch.utils.data.IterableDataset):
             images.append(pair[0])
             captions.append(pair[1])
             if len(images) == self.batch_size:
-                yield self._batch(images, captions, skipped)
+                yield {**self.collate(self._items(images, captions)), "skipped": skipped}
                 images, captions, skipped = [], [], {}
-        if skipped:  # rows skipped after the last full batch
-            yield {"skipped": skipped}
+        if images or skipped:
+            yield {"rest": self._items(images, captions) if images else [], "skipped": skipped}
 
 
-def endless_batches(loader, dataset: DecodedPairBatches, skipped: dict, start_epoch: int = 0):
+def endless_batches(loader, dataset: DecodedPairBatches, skipped: dict, skip_batches: int = 0):
     """The batches of ``loader`` pass after pass (each pass reshuffled), collecting every item's
-    skipped rows into ``skipped`` ({digest: reason}); items that only carry those are not yielded."""
-    epoch = start_epoch
+    skipped rows into ``skipped`` ({digest: reason}).
+
+    The workers' rest rows are collated here into full batches as they arrive; those that do not
+    fill one wait for the next pass's (at most ``batch_size - 1`` rows: no row of a pass is lost,
+    a few are trained on at the end of the next pass's share instead).
+
+    ``skip_batches``: a resumed run's optimizer step. The stream is replayed from its start and
+    that many batches are read (decoded in the workers) and dropped, so that the run goes on with
+    the batch the uninterrupted run would have trained on next, at the cost of reading them again
+    (``datasets`` can restore a stream's position, but not one split between DataLoader workers
+    without torchdata's StatefulDataLoader)."""
+    epoch, rest, given = 0, [], 0
     while True:
         dataset.set_epoch(epoch)
-        full_batches = 0
+        given_before = given
         for item in loader:
             skipped.update(item.pop("skipped"))
-            if item:
-                full_batches += 1
-                yield item
-        if not full_batches:
+            rest += item.pop("rest", [])
+            ready = [item] if item else []
+            while len(rest) >= dataset.batch_size:
+                ready.append(dataset.collate(rest[: dataset.batch_size]))
+                rest = rest[dataset.batch_size :]
+            for batch in ready:
+                given += 1
+                if given > skip_batches:
+                    yield batch
+        if given == given_before:  # fewer usable rows in a pass than one batch
             raise ValueError(
-                f"a whole pass over this process's share of {dataset.pairs.path} gave no batch of "
-                f"{dataset.batch_size} usable pairs: lower --per_device_train_batch_size or "
-                "--dataloader_num_workers (each worker fills its own batches)"
+                f"a whole pass over this process's share of {dataset.pairs.path} gave fewer than "
+                f"{dataset.batch_size} usable pairs: lower --per_device_train_batch_size"
             )
         epoch += 1

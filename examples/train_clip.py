@@ -41,6 +41,7 @@ import json
 import math
 import os
 import random
+import resource
 import sys
 import time
 from collections import Counter
@@ -54,7 +55,14 @@ from hf_infcl.loss import PRECISIONS, BackendName, LossKind, Precision
 from hf_infcl.models import contrastive_loss_kind
 from hf_infcl.sharding import full_value, scalar_state_dict, vectorise_scalar_parameters
 
-from bundled_data import SKIP_REASONS, ImageCaptionData, load_classification_set, load_image_caption_data
+from bundled_data import (
+    SKIP_REASONS,
+    ImageCaptionData,
+    SkippedRow,
+    decoded_or_skipped,
+    load_classification_set,
+    load_image_caption_data,
+)
 from example_cli import (
     NON_NEGATIVE,
     POSITIVE,
@@ -67,7 +75,12 @@ from example_cli import (
     is_main_process,
     push_output_dir,
 )
-from image_text_stream import DecodedPairBatches, endless_batches, load_image_caption_stream
+from image_text_stream import (
+    DecodedPairBatches,
+    endless_batches,
+    load_image_caption_stream,
+    transformed_items,
+)
 from retrieval_metrics import embed_texts, retrieval_metrics, zero_shot_accuracy
 from training_curves import check_plotting, save_training_curves
 
@@ -117,14 +130,20 @@ class DataArguments:
     caption_column: str = field(default="caption", metadata={
         "help": "Caption column of your data (webdataset: e.g. txt)."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the train split."})
-    max_seq_length: int = field(default=32, metadata={"help": "Longest caption in tokens."})
+    max_seq_length: int | None = field(default=None, metadata={
+        "help": "Longest caption in tokens. Default: the model's text length (its text config's "
+                "max_position_embeddings: 77 for CLIP, 64 for SigLIP; 32 for the tiny default model)."})
     streaming: bool = field(default=False, metadata={
         "help": "Stream --dataset (data larger than memory): shards split between processes and "
-                "dataloader workers, images decoded in the workers; needs --max_steps."})
+                "dataloader workers, images decoded in the workers; needs --max_steps. The rows "
+                "after a worker's last full batch are joined with other workers' into full batches "
+                "(those left at the end of a pass go into the next pass's). A resumed run reads the "
+                "stream again up to where it stopped."})
     shuffle_buffer_size: int = field(default=10_000, metadata={
         "help": "--streaming: rows in the shuffle buffer (besides shuffling the shards' order)."})
     held_out_samples: int = field(default=256, metadata={
-        "help": "--streaming: the stream's first this many rows are held out for image-text recall."})
+        "help": "Your data's rows held out for image-text recall: with --streaming the stream's first "
+                "this many, else 10%% of the rows, at most this many."})
     eval_dataset: str | None = field(default=None, metadata={
         "help": "A classification set for zero-shot accuracy: a CSV / JSON-lines / parquet file, glob or "
                 "folder with image and label columns, or an image folder (one sub-folder per class)."})
@@ -199,10 +218,10 @@ class TrainArguments:
     mixed_precision: Literal["no", "fp16", "bf16"] | None = field(
         default=None, metadata={"help": "no, fp16, bf16 (default: what accelerate launch was told)."}
     )
-    dataloader_num_workers: int | None = field(default=None, metadata={
-        "help": "DataLoader worker processes (0: load in the training process). With --streaming they "
-                "decode and transform the images, each reading its own shards (default 2); in memory "
-                "the images are pixel values already (default 0: workers would only add start-up)."})
+    dataloader_num_workers: int = field(default=2, metadata={
+        "help": "DataLoader worker processes, which decode and transform the training images and "
+                "tokenize the captions (0: do it in the training process). With --streaming each "
+                "reads its own shards."})
     logging_steps: int = field(default=10)
     report_to: str = field(default="none", metadata={
         "help": "Trackers to log to, comma-separated, as Accelerate names them (tensorboard, wandb, "
@@ -225,29 +244,55 @@ class TrainArguments:
 
 
 class PairDataset(torch.utils.data.Dataset):
-    """Preprocessed pixel values with their captions; one caption is drawn per visit.
+    """Image-caption examples made into batches where a batch is fetched: in a DataLoader worker
+    (--dataloader_num_workers > 0), so that the training process never decodes an image.
 
-    The draw is a function of (seed, epoch, index), not of a running generator, so a run resumed
-    from a checkpoint sees exactly the captions the uninterrupted run would have seen.
+    Load it with ``batch_sampler=EpochBatches(RankBatches(...))`` and ``collate_fn=batch_as_is``:
+    the DataLoader hands each (epoch, indices) batch to ``__getitems__``, which decodes the
+    images, transforms them in one image-processor call, draws one caption per row and collates.
+    A row whose image does not decode is left out of its batch (one row shorter) and named in the
+    batch's ``"skipped"`` ({index: reason}).
+
+    The caption draw is a function of (seed, epoch, index), not of a running generator, so a run
+    resumed from a checkpoint sees exactly the captions the uninterrupted run would have seen.
     """
 
-    def __init__(self, pixel_values, captions, caption_groups, seed):
-        self.pixel_values = pixel_values
-        self.captions = captions
+    def __init__(self, examples, caption_groups, image_processor, collate, seed, base=None):
+        self.examples = examples
         self.caption_groups = caption_groups
+        self.image_processor = image_processor
+        self.collate = collate
         self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
+        self.base = base  # folder that relative image paths start from
 
     def __len__(self):
-        return len(self.captions)
+        return len(self.examples)
 
-    def __getitem__(self, index):
-        draw = random.Random((self.seed * 1_000_003 + self.epoch) * 1_000_003 + index)
-        choice = draw.randrange(len(self.captions[index]))
-        return self.pixel_values[index], self.captions[index][choice], self.caption_groups[index][choice]
+    def __getitems__(self, batch):
+        epoch, indices = batch
+        images, captions, groups, skipped = [], [], [], {}
+        for index in indices:
+            example = self.examples[index]
+            image = decoded_or_skipped(example.image, self.base)
+            if isinstance(image, SkippedRow):
+                skipped[index] = image.reason
+                if epoch == 0:  # once, not in every epoch
+                    print(f"skipping a training row ({example.captions[0]!r}): {image}", flush=True)
+                continue
+            draw = random.Random((self.seed * 1_000_003 + epoch) * 1_000_003 + index)
+            choice = draw.randrange(len(example.captions))
+            images.append(image)
+            captions.append(example.captions[choice])
+            groups.append(self.caption_groups[index][choice])
+        if not images:
+            raise ValueError(f"no image of this process's batch decodes (training rows {list(indices)})")
+        items = transformed_items(self.image_processor, images, captions, groups)
+        return {**self.collate(items), "skipped": skipped}
+
+
+def batch_as_is(batch):
+    """The DataLoader's ``collate_fn`` for :class:`PairDataset`, whose batches come collated."""
+    return batch
 
 
 def load_training_data(data_args, seed, log) -> ImageCaptionData:
@@ -257,6 +302,7 @@ def load_training_data(data_args, seed, log) -> ImageCaptionData:
     if data_args.streaming:
         return load_image_caption_stream(data_args.dataset, held_out_rows=data_args.held_out_samples,
                                          **options)
+    options["max_held_out"] = data_args.held_out_samples
     data = load_image_caption_data(data_args.dataset, seed=seed,
                                    **(options if data_args.dataset not in BUNDLED else {}))
     if data_args.max_train_samples is not None:
@@ -264,26 +310,29 @@ def load_training_data(data_args, seed, log) -> ImageCaptionData:
     return data
 
 
-def _data_loader(dataset, args, **options):
+def _data_loader(dataset, args, persistent_workers=False, **options):
     """A DataLoader with --dataloader_num_workers workers (pinned host memory for a GPU)."""
-    return torch.utils.data.DataLoader(dataset, num_workers=args.dataloader_num_workers,
+    workers = args.dataloader_num_workers
+    return torch.utils.data.DataLoader(dataset, num_workers=workers,
                                        pin_memory=torch.cuda.is_available() and not args.use_cpu,
-                                       persistent_workers=False, **options)
+                                       persistent_workers=persistent_workers and workers > 0, **options)
 
 
-def epoch_batches(loader, sampler, dataset, step: int = 0):
+def epoch_batches(loader, sampler, skipped: dict, step: int = 0):
     """The batches of ``loader`` epoch after epoch, from optimizer step ``step`` on (a resumed
-    run skips the batches its epoch had already trained on)."""
+    run skips the batches its epoch had already trained on, without reading them), collecting
+    each batch's skipped rows into ``skipped`` ({index: reason})."""
     epoch, skip = divmod(step, len(sampler))
     while True:
         sampler.set_epoch(epoch, skip_batches=skip)
-        dataset.set_epoch(epoch)
-        yield from loader
+        for batch in loader:
+            skipped.update(batch.pop("skipped"))
+            yield batch
         epoch, skip = epoch + 1, 0
 
 
 def preprocess_images(image_processor, examples, batch_size=512):
-    """Pixel values of every example, computed once (the bundled sets are small)."""
+    """Pixel values of every (decoded) example: the held-out and zero-shot sets, computed once."""
     chunks = []
     for start in range(0, len(examples), batch_size):
         images = [ex.image for ex in examples[start : start + batch_size]]
@@ -371,6 +420,21 @@ class RankBatches(torch.utils.data.Sampler):
         full, rest = divmod(self.rows - (self.rows % self.world if self.equal_shares else 0),
                             self.per_device * self.world)
         return full + (rest >= self.world)
+
+
+class EpochBatches(torch.utils.data.Sampler):
+    """``sampler``'s batches as (epoch, indices): the epoch travels with each batch to the
+    DataLoader workers, which can then live from epoch to epoch (their copy of the dataset would
+    not see a ``set_epoch``), instead of starting anew every epoch."""
+
+    def __init__(self, sampler: RankBatches):
+        self.sampler = sampler
+
+    def __iter__(self):
+        return ((self.sampler.epoch, batch) for batch in self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -506,6 +570,17 @@ def freeze_towers(model, vision=False, text=False) -> None:
                     getattr(model, part).requires_grad_(False)
 
 
+# Caption length of the tiny default model (the digits' and most captions' words fit).
+TINY_TEXT_LENGTH = 32
+
+
+def caption_length(model, given: int | None) -> int:
+    """--max_seq_length, by default the text length the model was built or pretrained with: its
+    text config's ``max_position_embeddings`` (77 for CLIP, 64 for SigLIP, which must see its
+    captions padded to that length)."""
+    return given or model.config.text_config.max_position_embeddings
+
+
 def load_model_and_processor(model_args, data_args, data, seed):
     from transformers import AutoModel, AutoProcessor, CLIPConfig, CLIPModel
 
@@ -545,7 +620,7 @@ def load_model_and_processor(model_args, data_args, data, seed):
         seed=seed,
         width=model_args.tiny_width,
         layers=model_args.tiny_layers,
-        max_text_length=data_args.max_seq_length,
+        max_text_length=data_args.max_seq_length or TINY_TEXT_LENGTH,
     )
     return model, processor, "tiny CLIPModel built from a config (random init)"
 
@@ -662,8 +737,6 @@ def parse_arguments(argv=None):
     if data_args.class_names is not None and data_args.eval_dataset is None:
         fail("--class_names names the classes of --eval_dataset: give --eval_dataset too")
     args.report_to = trackers_of(args.report_to)
-    if args.dataloader_num_workers is None:
-        args.dataloader_num_workers = 2 if data_args.streaming else 0
     return model_args, data_args, args
 
 
@@ -743,6 +816,7 @@ def main(argv=None):
         # the tiny default model's word vocabulary must know the prompts' words
         data.extra.setdefault("vocabulary", []).extend(classification.vocabulary_text())
     model, processor, base_model = load_model_and_processor(model_args, data_args, data, args.seed)
+    data_args.max_seq_length = caption_length(model, data_args.max_seq_length)
     freeze_towers(model, vision=model_args.freeze_vision_model, text=model_args.freeze_text_model)
 
     # Loss parameters: the learned temperature and, for the sigmoid loss, a learned bias: the
@@ -756,8 +830,9 @@ def main(argv=None):
         with torch.no_grad():
             model.logit_scale.fill_(math.log(10.0))
         logit_bias = -math.log(global_batch)
-    # SigLIP's text tower pools the last position: captions padded to the length it was trained on.
-    padding = "max_length" if getattr(model.config, "model_type", "") == "siglip" else "longest"
+    # SigLIP's text tower pools the last position: captions padded to the length it was trained on
+    # (transformers' SigLIP docs: padding="max_length", as the model was trained).
+    padding = "max_length" if getattr(model.config, "model_type", "") in ("siglip", "siglip2") else "longest"
     collate = make_collate(processor.tokenizer, data_args.max_seq_length, padding)
     held_out_pixels = preprocess_images(processor.image_processor, data.held_out)
     if classification is not None:
@@ -781,28 +856,28 @@ def main(argv=None):
     if args.resume_from_checkpoint:
         path = _resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
         step = int(path.rstrip("/").rsplit("-", 1)[-1])
-    # Rows skipped as unusable: those met while loading (the same on every process: counted by
-    # the main one) and, streaming, those the DataLoader workers meet ({digest: reason}).
-    skipped = Counter(data.extra.get("skipped", {}) if accelerator.is_main_process else {})
-    streamed_skips = {}
+    # Training rows the DataLoader workers skip as unusable ({row key: reason}), added at the end
+    # to those skipped while loading.
+    worker_skips = {}
     if data_args.streaming:
         stream = DecodedPairBatches(
             data.extra["stream"], rank=accelerator.process_index, world_size=world, seed=args.seed,
             shuffle_buffer_size=data_args.shuffle_buffer_size, batch_size=args.per_device_train_batch_size,
             image_processor=processor.image_processor, collate=collate)
         loader = _data_loader(stream, args, batch_size=None)
-        batches = endless_batches(loader, stream, streamed_skips)
+        batches = endless_batches(loader, stream, worker_skips, skip_batches=step)
         steps_per_epoch, train_rows = None, "streamed"
     else:
-        dataset = PairDataset(preprocess_images(processor.image_processor, data.train),
-                              [ex.captions for ex in data.train], group_ids(data, data.train), seed=args.seed)
+        dataset = PairDataset(data.train, group_ids(data, data.train), processor.image_processor, collate,
+                              seed=args.seed, base=data.extra.get("base"))
         # FSDP2 gathers, and --reduce_every_chunk reduces, once per chunk: every process must run
         # as many chunks as the others, so their shares must be equal.
         equal_shares = bool(args.chunk_size) and (fsdp2 or args.reduce_every_chunk)
         sampler = RankBatches(len(dataset), args.per_device_train_batch_size, accelerator.process_index,
                               world, args.seed, equal_shares=equal_shares)
-        loader = _data_loader(dataset, args, batch_sampler=sampler, collate_fn=collate)
-        batches = epoch_batches(loader, sampler, dataset, step)
+        loader = _data_loader(dataset, args, persistent_workers=True, batch_sampler=EpochBatches(sampler),
+                              collate_fn=batch_as_is)
+        batches = epoch_batches(loader, sampler, worker_skips, step)
         steps_per_epoch, train_rows = len(sampler), len(dataset)
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
     scheduler = get_scheduler(
@@ -815,7 +890,8 @@ def main(argv=None):
     if args.resume_from_checkpoint:
         accelerator.load_state(path)
         log(f"resumed from {path} at step {step}"
-            + (" (the stream starts again from its beginning)" if data_args.streaming else ""))
+            + (f" (the stream is read again from its start: its first {step} batches are dropped)"
+               if data_args.streaming else ""))
     if args.report_to:
         accelerator.init_trackers("train_clip", config=_tracker_config(model_args, data_args, args))
 
@@ -929,13 +1005,11 @@ def main(argv=None):
         final = run_evaluation(step, None)
     progress.close()
     train_seconds = time.perf_counter() - train_started
-    skipped.update(streamed_skips.values())
-    skipped = dict(zip(SKIP_REASONS, accelerator.reduce(
-        torch.tensor([skipped[reason] for reason in SKIP_REASONS], device=device), reduction="sum").tolist()))
-    skipped = {reason: count for reason, count in skipped.items() if count}
+    skipped = skipped_rows(data.extra.get("skipped", {}), worker_skips)
 
     accelerator.wait_for_everyone()
     peak_gpu_gib = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    peak_host_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
     # Gathered on every process (collectives under FSDP2), written by the main one.
     final_scale = float(full_value(model.clip.logit_scale.detach()).exp())
     bias = model.loss_parameters()[1:]
@@ -992,6 +1066,7 @@ def main(argv=None):
     throughput = f"{global_batch * (step - first_step) / train_seconds:.0f} pairs/s"
     if peak_gpu_gib is not None:
         throughput += f", peak GPU memory {peak_gpu_gib:.1f} GiB"
+    throughput += f", peak host memory {peak_host_gib:.1f} GiB"
     log(
         f"done: {step} steps in {train_seconds:.1f} s of training "
         f"({time.perf_counter() - started:.1f} s in all; {throughput}); "
@@ -1009,6 +1084,20 @@ def main(argv=None):
         push_output_dir(args.output_dir, args.hub_model_id, args.hub_token, args.hub_private_repo)
     accelerator.end_training()
     return final
+
+
+def skipped_rows(loading: dict, met: dict) -> dict:
+    """{reason: count} of the rows the run skipped: ``loading``, those skipped while loading
+    ({reason: count}, the same in every process), and ``met``, those this process's DataLoader
+    workers met ({row key: reason}), gathered from every process so that a row met by several
+    (in memory, a row goes to another process next epoch) or in several passes counts once."""
+    from accelerate.utils import gather_object
+
+    met_anywhere = {}
+    for part in gather_object([met]):
+        met_anywhere.update(part)
+    counts = Counter(loading) + Counter(met_anywhere.values())
+    return {reason: counts[reason] for reason in SKIP_REASONS if counts[reason]}
 
 
 def _run_on_cpu(args) -> bool:

@@ -1,10 +1,11 @@
 """``examples/train_clip.py`` run as usual (one process, or one of torchrun's), recording the
-training rows it reads into ``$CLIP_ROWS_DIR/rows-<rank>-<pid>.jsonl``, one line per row:
+training rows it reads into ``$CLIP_ROWS_DIR/rows-<rank>-<pid>.jsonl``, one line per row, where
+the row is decoded (``"pid"``: a DataLoader worker's, unless there are none):
 
-- streaming: ``{"rank", "epoch", "caption"}`` of every row that went into a batch, recorded in the
-  DataLoader worker that decoded it;
-- in memory: ``{"rank", "epoch", "index"}`` of every row a batch was made of (its index in the
-  train split), recorded where the DataLoader fetched it.
+- streaming: ``{"rank", "epoch", "caption", "pid"}`` of every row that went into a batch (or into
+  a worker's rest after its last full batch);
+- in memory: ``{"rank", "epoch", "index", "pid"}`` of every row a batch was made of (its index in
+  the train split, a row whose image does not decode included).
 
 The patches are made before ``main`` starts the DataLoader workers, which inherit them (fork).
 """
@@ -26,26 +27,28 @@ import image_text_stream  # noqa: E402
 def record(**row) -> None:
     path = Path(os.environ["CLIP_ROWS_DIR"]) / f"rows-{os.environ.get('RANK', '0')}-{os.getpid()}.jsonl"
     with path.open("a") as handle:
-        handle.write(json.dumps({"rank": int(os.environ.get("RANK", "0")), **row}) + "\n")
+        handle.write(json.dumps({"rank": int(os.environ.get("RANK", "0")), "pid": os.getpid(), **row}) + "\n")
 
 
 def install(set_attribute=setattr) -> None:
     """Patch the two classes (a test passes ``monkeypatch.setattr`` to have them undone)."""
-    batch = image_text_stream.DecodedPairBatches._batch
+    items = image_text_stream.DecodedPairBatches._items
 
-    def recording_batch(self, images, captions, skipped):
+    def recording_items(self, images, captions):
         for caption in captions:
             record(epoch=self.rows.epoch, caption=caption)
-        return batch(self, images, captions, skipped)
+        return items(self, images, captions)
 
-    item = train_clip.PairDataset.__getitem__
+    getitems = train_clip.PairDataset.__getitems__
 
-    def recording_item(self, index):
-        record(epoch=self.epoch, index=index)
-        return item(self, index)
+    def recording_getitems(self, batch):
+        epoch, indices = batch
+        for index in indices:
+            record(epoch=epoch, index=index)
+        return getitems(self, batch)
 
-    set_attribute(image_text_stream.DecodedPairBatches, "_batch", recording_batch)
-    set_attribute(train_clip.PairDataset, "__getitem__", recording_item)
+    set_attribute(image_text_stream.DecodedPairBatches, "_items", recording_items)
+    set_attribute(train_clip.PairDataset, "__getitems__", recording_getitems)
 
 
 def read_rows(folder) -> list[dict]:

@@ -662,7 +662,8 @@ def _digit_shards(folder, rows_per_shard=30, shards=2):
 
 def test_parquet_and_webdataset_shards_load_with_bad_rows_skipped(tmp_path):
     """A folder of parquet shards, a glob of them, and a folder of webdataset .tar shards give the
-    same pairs; the row whose image does not decode and the empty caption are skipped and counted."""
+    same pairs; the empty caption is skipped and counted, the held-out images decoded, and the
+    training images left as read (for train_clip's DataLoader workers to decode)."""
     pytest.importorskip("datasets")
     from bundled_data import load_image_caption_data
 
@@ -676,12 +677,15 @@ def test_parquet_and_webdataset_shards_load_with_bad_rows_skipped(tmp_path):
                                                      log=messages.append),
     }
     for name, data in loads.items():
-        assert len(data.train) + len(data.held_out) == 58, name
-        assert data.extra["skipped"] == {"image does not decode": 1, "empty caption": 1}, name
-        assert data.train[0].image.mode == "RGB"
+        assert len(data.train) + len(data.held_out) == 59, name  # the bad image is a training row
+        assert data.extra["skipped"] == {"empty caption": 1}, name
+        assert len(data.held_out) == 6 and all(ex.image.mode == "RGB" for ex in data.held_out)
+        assert isinstance(data.train[0].image, (bytes, dict)), type(data.train[0].image)  # undecoded
     captions = [sorted(c for ex in d.train + d.held_out for c in ex.captions) for d in loads.values()]
     assert captions[0] == captions[1] == captions[2]
-    assert sum("image does not decode" in message for message in messages) == 3
+    assert sum("empty caption" in message for message in messages) == 3
+    few = load_image_caption_data(str(parquet), image_column="image", max_held_out=2, log=messages.append)
+    assert len(few.held_out) == 2 and len(few.train) == 57
     with pytest.raises(ValueError, match=r"column 'image_path' not in .*choose with --image_column"):
         load_image_caption_data(str(parquet))
 
@@ -693,7 +697,9 @@ def test_train_clip_on_parquet_shards_reports_skipped_rows(tmp_path, capsys):
     parquet, _ = _digit_shards(tmp_path)
     out = str(tmp_path / "out")
     train_clip.main(["--dataset", str(parquet), "--image_column", "image", "--output_dir", out,
-                     "--max_steps", "2", "--global_batch_size", "16", "--save_steps", "100"])
+                     "--max_steps", "4", "--global_batch_size", "16", "--save_steps", "100"])
     output = capsys.readouterr().out
-    assert "done: 2 steps" in output and re.search(r"in all; \d+ pairs/s\)", output)
+    # a whole epoch (53 training rows, batches of 16), so that the worker meets the bad image
+    assert "done: 4 steps" in output
+    assert re.search(r"in all; \d+ pairs/s, peak host memory [\d.]+ GiB\)", output)
     assert "skipped 2 rows of the data: 1 empty caption, 1 image does not decode" in output
