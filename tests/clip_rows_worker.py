@@ -58,4 +58,5 @@ def read_rows(folder) -> list[dict]:
 
 if __name__ == "__main__":
     install()
+    record(training_process=True)
     train_clip.main(sys.argv[1:])

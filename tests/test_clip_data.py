@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -57,22 +58,40 @@ def test_rank_batches_give_every_row_once_per_epoch(rows, world, equal_shares):
     assert list(resumed) == list(samplers[0])[1:]
 
 
-def test_two_processes_in_memory_train_on_every_row_once_per_epoch(tmp_path):
-    """Parquet shards in memory, 2 gloo processes, 2 epochs: within each epoch the processes' rows
-    are disjoint and together the whole train split; the last step's shares are uneven (51 rows,
-    batches of 16: 3 + 3 rows split 2 + 1)."""
+@pytest.mark.parametrize("world", [1, 2])
+def test_in_memory_rows_are_decoded_in_workers_once_per_epoch(tmp_path, world, monkeypatch):
+    """Parquet shards in memory, 2 DataLoader workers per process, 1 process or 2 (gloo), 2 epochs:
+    every row is decoded in a worker, never in a training process; within each epoch the
+    processes' rows are disjoint and together the whole train split (the last step's shares are
+    uneven with 2 processes: 51 rows, batches of 16, 3 + 3 rows split 2 + 1); the bad image, met by
+    a worker of one process or the other in each epoch, is counted once."""
     parquet, _ = _digit_shards(tmp_path)
     rows_dir, out = tmp_path / "rows", tmp_path / "out"
     rows_dir.mkdir()
-    run_two_processes(WORKER, "--dataset", parquet, "--image_column", "image", "--output_dir", out,
-                      "--max_train_samples", "51", "--global_batch_size", "16", "--max_steps", "8",
-                      "--eval_steps", "0", env={"CLIP_ROWS_DIR": str(rows_dir)}, timeout=300)
-    recorded = read_rows(rows_dir)
+    arguments = ["--dataset", str(parquet), "--image_column", "image", "--output_dir", str(out),
+                 "--max_train_samples", "51", "--global_batch_size", "16", "--max_steps", "8",
+                 "--eval_steps", "0", "--dataloader_num_workers", "2"]
+    if world == 1:
+        import train_clip
+
+        from tests.clip_rows_worker import install
+
+        monkeypatch.setenv("CLIP_ROWS_DIR", str(rows_dir))
+        install(monkeypatch.setattr)  # DataLoader workers fork from this process: they record too
+        train_clip.main(arguments)
+        training_pids = {os.getpid()}
+    else:
+        run_two_processes(WORKER, *arguments, env={"CLIP_ROWS_DIR": str(rows_dir)}, timeout=300)
+        training_pids = {r["pid"] for r in read_rows(rows_dir) if r.get("training_process")}
+        assert len(training_pids) == 2
+    recorded = [r for r in read_rows(rows_dir) if "index" in r]
+    decoding_pids = {r["pid"] for r in recorded}
+    assert len(decoding_pids) == 2 * world and not decoding_pids & training_pids
     for epoch in (0, 1):
         by_rank = [[r["index"] for r in recorded if (r["epoch"], r["rank"]) == (epoch, rank)]
-                   for rank in (0, 1)]
-        assert not set(by_rank[0]) & set(by_rank[1])
-        together = by_rank[0] + by_rank[1]
+                   for rank in range(world)]
+        assert world == 1 or not set(by_rank[0]) & set(by_rank[1])
+        together = [index for rank_rows in by_rank for index in rank_rows]
         assert sorted(together) == list(range(51)), epoch
     results = json.loads((out / "eval_results.json").read_text())
     assert results["skipped_rows"] == BAD_ROWS
@@ -103,12 +122,15 @@ def test_streaming_one_process_reads_each_row_once_per_pass_and_counts_bad_rows(
     rows_dir.mkdir()
     monkeypatch.setenv("CLIP_ROWS_DIR", str(rows_dir))
     install(monkeypatch.setattr)  # DataLoader workers fork from this process: they record too
-    # 2 shards of 30 rows, 2 held out, 2 bad: 56 good rows in 2 workers' batches of 4 = 13 full
-    # batches a pass (each worker's last 2 rows wait for the next pass); 14 steps end in pass 2.
+    # 2 shards of 30 rows, 2 held out, 2 bad: 56 good rows, one shard per worker (26 and 30): 6 and
+    # 7 full batches of 4, and each worker's last 2 rows joined into a 14th batch: 14 steps are
+    # exactly one pass, over every good row.
     train_clip.main(stream_args(source, out, (layout, 14)))
     recorded = read_rows(rows_dir)
     first_pass = [r["caption"] for r in recorded if r["epoch"] == 0]
-    assert len(first_pass) == 13 * 4 and len(set(first_pass)) == len(first_pass)
+    assert len(first_pass) == 56 and len(set(first_pass)) == len(first_pass)
+    assert not any(r["epoch"] > 0 for r in recorded)
+    assert os.getpid() not in {r["pid"] for r in recorded}  # decoded in the workers
     assert not any(caption.endswith((", row 0", ", row 1")) for caption in first_pass)  # held out
     results = json.loads((out / "eval_results.json").read_text())
     assert results["skipped_rows"] == BAD_ROWS
@@ -139,22 +161,25 @@ DIGITS = "zero,one,two,three,four,five,six,seven,eight,nine"
 TEMPLATE = "a photo of a {name}."
 
 
-def save_tiny_checkpoint(kind, folder, texts):
-    """A tiny CLIPModel or SiglipModel with its processor, saved as a Hub checkpoint would be."""
+def save_tiny_checkpoint(kind, folder, texts, text_length=32):
+    """A tiny CLIPModel or SiglipModel with its processor, saved as a Hub checkpoint would be;
+    ``text_length``: its text tower's max_position_embeddings."""
     import torch
     from transformers import CLIPProcessor, SiglipConfig, SiglipImageProcessor, SiglipModel, SiglipProcessor
 
     from tiny_clip import build_image_processor, build_tiny_clip, build_word_tokenizer
 
-    tokenizer = build_word_tokenizer(texts, max_length=32)
+    tokenizer = build_word_tokenizer(texts, max_length=text_length)
     if kind == "clip":
-        model = build_tiny_clip(tokenizer, image_size=8, patch_size=4, width=32, layers=1)
+        model = build_tiny_clip(tokenizer, image_size=8, patch_size=4, width=32, layers=1,
+                                max_text_length=text_length)
         processor = CLIPProcessor(image_processor=build_image_processor(8), tokenizer=tokenizer)
     else:
         tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
         torch.manual_seed(0)
         model = SiglipModel(SiglipConfig(
-            text_config=dict(tower, vocab_size=len(tokenizer), max_position_embeddings=32, pad_token_id=0),
+            text_config=dict(tower, vocab_size=len(tokenizer), max_position_embeddings=text_length,
+                             pad_token_id=0),
             vision_config=dict(tower, image_size=8, patch_size=4)))
         image_processor = SiglipImageProcessor(size={"height": 8, "width": 8}, image_mean=[0.5] * 3,
                                                image_std=[0.5] * 3)
@@ -198,13 +223,11 @@ def test_pretrained_start_lit_zero_shot_and_curves(tmp_path, kind):
     import train_clip
     from safetensors.torch import load_file
 
-    from bundled_data import DIGIT_NAMES, load_classification_set, load_digits
+    from bundled_data import load_classification_set
 
     parquet, _ = _digit_shards(tmp_path)
-    texts = load_digits().vocabulary_text() + [TEMPLATE.format(name=n) for n in DIGIT_NAMES] + ["row"]
-    texts += [str(i) for i in range(60)]
     start, out = tmp_path / "start", tmp_path / "out"
-    before = save_tiny_checkpoint(kind, start, texts)
+    before = save_tiny_checkpoint(kind, start, digit_texts())
     tensorboard = importlib.util.find_spec("tensorboard") is not None  # else that one check is left out
     final = train_clip.main([
         "--model_name_or_path", str(start), "--freeze_vision_model", "--dataset", str(parquet),
@@ -245,3 +268,68 @@ def test_pretrained_start_lit_zero_shot_and_curves(tmp_path, kind):
     assert [point["step"] for point in results["history"]] == [2, 4]
     if tensorboard:
         assert list((out / "runs").rglob("events.out.tfevents.*"))
+
+
+def digit_texts():
+    from bundled_data import DIGIT_NAMES, load_digits
+
+    texts = load_digits().vocabulary_text() + [TEMPLATE.format(name=n) for n in DIGIT_NAMES] + ["row"]
+    return texts + [str(i) for i in range(60)]
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_caption_length_defaults_to_the_pretrained_models_text_length(tmp_path, kind, monkeypatch):
+    """Without --max_seq_length, a pretrained model's captions are cut at its text length (its text
+    config's max_position_embeddings, 24 here: a real SigLIP's 64 needs no flag); SigLIP's are
+    padded to that length, as SigLIP was trained (transformers' SigLIP docs: padding="max_length"),
+    CLIP's to the batch's longest caption."""
+    import train_clip
+
+    parquet, _ = _digit_shards(tmp_path)
+    start = tmp_path / "start"
+    save_tiny_checkpoint(kind, start, digit_texts(), text_length=24)
+    widths = []
+    training_step = train_clip.training_step
+
+    def recording_step(embedder, model, batch, *args, **kwargs):
+        widths.append(batch["input_ids"].shape[1])
+        return training_step(embedder, model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(train_clip, "training_step", recording_step)
+    train_clip.main(["--model_name_or_path", str(start), "--dataset", str(parquet), "--image_column", "image",
+                     "--max_steps", "2", "--global_batch_size", "8", "--eval_steps", "0",
+                     "--output_dir", str(tmp_path / "out")])
+    if kind == "siglip":
+        assert widths == [24, 24]
+    else:
+        assert len(widths) == 2 and max(widths) < 24  # digit captions are about 12 tokens
+
+
+def test_streaming_resume_trains_on_the_batches_the_whole_run_would_have(tmp_path):
+    """--streaming --save_steps 15: a run resumed from step 15 (one step into the stream's second
+    pass, after the first pass's rest rows made its 14th batch) trains at steps 16 to 18 on the
+    batches the uninterrupted run trained on: the same losses and the same final weights."""
+    import torch
+    import train_clip
+    from safetensors.torch import load_file
+
+    source = _digit_shards(tmp_path)
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    logging = ["--logging_steps", "1"]
+    train_clip.main([*stream_args(source, whole, ("parquet", 18)), "--save_steps", "15", *logging])
+    resumed.mkdir()
+    os.rename(whole / "checkpoint-15", resumed / "checkpoint-15")
+    train_clip.main([*stream_args(source, resumed, ("parquet", 18)), "--resume_from_checkpoint", "latest",
+                     *logging])
+
+    def losses(out):
+        train = json.loads((out / "eval_results.json").read_text())["train"]
+        return {point["step"]: point["loss"] for point in train if point["step"] > 15}
+
+    assert list(losses(resumed)) == [16, 17, 18]
+    assert losses(resumed) == pytest.approx(losses(whole), rel=1e-5)
+    expected, got = load_file(str(whole / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    results = json.loads((resumed / "eval_results.json").read_text())
+    assert results["skipped_rows"] == BAD_ROWS  # the replayed batches' bad rows are counted too
