@@ -137,8 +137,8 @@ class DataArguments:
         "help": "Stream --dataset (data larger than memory): shards split between processes and "
                 "dataloader workers, images decoded in the workers; needs --max_steps. The rows "
                 "after a worker's last full batch are joined with other workers' into full batches "
-                "(those left at the end of a pass go into the next pass's). A resumed run reads the "
-                "stream again up to where it stopped."})
+                "(those left at the end of a pass go into the next pass's). A resumed run reads and "
+                "decodes the stream again up to where it stopped, then trains on."})
     shuffle_buffer_size: int = field(default=10_000, metadata={
         "help": "--streaming: rows in the shuffle buffer (besides shuffling the shards' order)."})
     held_out_samples: int = field(default=256, metadata={
