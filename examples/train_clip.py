@@ -41,7 +41,6 @@ import json
 import math
 import os
 import random
-import resource
 import sys
 import time
 from collections import Counter
@@ -832,7 +831,7 @@ def main(argv=None):
         logit_bias = -math.log(global_batch)
     # SigLIP's text tower pools the last position: captions padded to the length it was trained on
     # (transformers' SigLIP docs: padding="max_length", as the model was trained).
-    padding = "max_length" if getattr(model.config, "model_type", "") in ("siglip", "siglip2") else "longest"
+    padding = "max_length" if getattr(model.config, "model_type", "") == "siglip" else "longest"
     collate = make_collate(processor.tokenizer, data_args.max_seq_length, padding)
     held_out_pixels = preprocess_images(processor.image_processor, data.held_out)
     if classification is not None:
@@ -1009,7 +1008,7 @@ def main(argv=None):
 
     accelerator.wait_for_everyone()
     peak_gpu_gib = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-    peak_host_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+    peak_host_gib = peak_host_memory_gib()
     # Gathered on every process (collectives under FSDP2), written by the main one.
     final_scale = float(full_value(model.clip.logit_scale.detach()).exp())
     bias = model.loss_parameters()[1:]
@@ -1066,7 +1065,8 @@ def main(argv=None):
     throughput = f"{global_batch * (step - first_step) / train_seconds:.0f} pairs/s"
     if peak_gpu_gib is not None:
         throughput += f", peak GPU memory {peak_gpu_gib:.1f} GiB"
-    throughput += f", peak host memory {peak_host_gib:.1f} GiB"
+    if peak_host_gib is not None:
+        throughput += f", peak host memory {peak_host_gib:.1f} GiB"
     log(
         f"done: {step} steps in {train_seconds:.1f} s of training "
         f"({time.perf_counter() - started:.1f} s in all; {throughput}); "
@@ -1098,6 +1098,17 @@ def skipped_rows(loading: dict, met: dict) -> dict:
         met_anywhere.update(part)
     counts = Counter(loading) + Counter(met_anywhere.values())
     return {reason: counts[reason] for reason in SKIP_REASONS if counts[reason]}
+
+
+def peak_host_memory_gib() -> float | None:
+    """The training process's peak resident memory (its DataLoader workers not included); None
+    where Python has no ``resource`` module (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**30 if sys.platform == "darwin" else peak / 2**20  # bytes on macOS, KiB on Linux
 
 
 def _run_on_cpu(args) -> bool:
