@@ -37,6 +37,10 @@ def contract_loss(
     query_groups=None,
     key_groups=None,
     reduction="mean",
+    hardness_mode=None,
+    hardness_strength=0.0,
+    query_ids=None,
+    key_owners=None,
 ):
     """Return (loss, dict of gradients 'queries', 'keys', 'scale', 'bias') as float64 NumPy."""
     q = np.asarray(queries, dtype=np.float64)
@@ -53,6 +57,9 @@ def contract_loss(
         same = np.asarray(query_groups)[:, None] == np.asarray(key_groups)[None, :]
         allowed = ~same | positive
 
+    # The row term's logits: the hardness offset, a constant (no gradient flows through it).
+    z_row = z + hardness_strength * _hardness_selection(hardness_mode, query_ids, key_owners, positive) * x
+
     # weight of each row's loss in the reduced loss
     if reduction == "mean":
         weight = np.full(m, 1.0 / m)
@@ -66,11 +73,12 @@ def contract_loss(
         grad_z = np.where(allowed, -y * _sigmoid(-y * z), 0.0) * weight[:, None]
     else:
         masked = np.where(allowed, z, -np.inf)
-        row_lse = _logsumexp(masked, axis=1)
+        masked_row = np.where(allowed, z_row, -np.inf)
+        row_lse = _logsumexp(masked_row, axis=1)
         col_lse = _logsumexp(masked, axis=0)
         row_term = row_lse - z_pos
         half = 0.5 if symmetric else 1.0
-        prob_row = np.where(allowed, np.exp(masked - row_lse[:, None]), 0.0)
+        prob_row = np.where(allowed, np.exp(masked_row - row_lse[:, None]), 0.0)
         # dL/dz = w(P+ + [j positive key] P-) - w(1 + [symmetric]) [j = p(i)], w = half * weight
         grad_z = half * weight[:, None] * prob_row
         grad_z[np.arange(m), p] -= half * weight * (2.0 if symmetric else 1.0)
@@ -95,6 +103,16 @@ def contract_loss(
         "bias": float(np.sum(grad_z)),
     }
     return value, grads
+
+
+def _hardness_selection(mode, query_ids, key_owners, positive):
+    """h_ij of docs/contract.md ("Hardness offset"): 1.0 where the offset applies."""
+    if mode is None:
+        return np.zeros(positive.shape)
+    owner = np.asarray(key_owners)[None, :]
+    owned = owner == np.asarray(query_ids)[:, None]
+    selected = {"in_batch_negatives": ~owned, "hard_negatives": owned, "all_negatives": np.ones_like(owned)}[mode]
+    return (selected & (owner >= 0) & ~positive).astype(np.float64)
 
 
 # --------------------------------------------------------------------------------------------
