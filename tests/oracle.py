@@ -111,7 +111,8 @@ def _hardness_selection(mode, query_ids, key_owners, positive):
         return np.zeros(positive.shape)
     owner = np.asarray(key_owners)[None, :]
     owned = owner == np.asarray(query_ids)[:, None]
-    selected = {"in_batch_negatives": ~owned, "hard_negatives": owned, "all_negatives": np.ones_like(owned)}[mode]
+    selected = {"in_batch_negatives": ~owned, "hard_negatives": owned,
+                "all_negatives": np.ones_like(owned)}[mode]
     return (selected & (owner >= 0) & ~positive).astype(np.float64)
 
 
