@@ -139,7 +139,8 @@ def _direction_candidates(direction, i, batch, owners):
     raise ValueError(direction)
 
 
-def directions_loss(queries, doc_columns, scale, directions, partition_mode):
+def directions_loss(queries, doc_columns, scale, directions, partition_mode, hardness_mode=None,
+                    hardness_strength=0.0):
     """MNRL's loss over dot products (normalise first for cosine), with its gradients.
 
     ``queries`` [b, c]; ``doc_columns`` the positives [b, c] then each negatives column. Row ``i``'s
@@ -148,6 +149,9 @@ def directions_loss(queries, doc_columns, scale, directions, partition_mode):
     (``"per_direction"``); the loss is the mean over rows. Returns (loss, {"queries": [b, c],
     "docs": [b * columns, c]}) as float64 NumPy, the gradients in closed form: each candidate
     logit gets its softmax weight, the positive logit minus one, per row.
+
+    ``hardness_mode``: MNRL's hardness weighting adds ``hardness_strength * <q_i, D_j>`` (unscaled,
+    no gradient) to the ``query_to_doc`` candidates it selects by the documents' owners.
     """
     vectors = {
         "query": np.asarray(queries, dtype=np.float64),
@@ -161,6 +165,14 @@ def directions_loss(queries, doc_columns, scale, directions, partition_mode):
         (row_kind, row), (key_kind, key) = pair
         return scale * vectors[row_kind][row] @ vectors[key_kind][key]
 
+    def hardness_offset(pair):
+        (row_kind, row), (key_kind, key) = pair
+        if hardness_mode is None or (row_kind, key_kind) != ("query", "doc") or key == row:
+            return 0.0  # only query_to_doc negatives (document ``row`` is the positive)
+        selected = {"in_batch_negatives": owners[key] != row, "hard_negatives": owners[key] == row,
+                    "all_negatives": True}[hardness_mode]
+        return hardness_strength * vectors["query"][row] @ vectors["doc"][key] if selected else 0.0
+
     def add_gradient(pair, weight):
         (row_kind, row), (key_kind, key) = pair
         grads[row_kind][row] += weight * scale * vectors[key_kind][key]
@@ -173,7 +185,7 @@ def directions_loss(queries, doc_columns, scale, directions, partition_mode):
         partitions = [sum(candidates, [])] if partition_mode == "joint" else candidates
         positive = (("query", i), ("doc", i))
         for pairs in partitions:
-            logits = np.array([logit(pair) for pair in pairs])
+            logits = np.array([logit(pair) + hardness_offset(pair) for pair in pairs])
             lse = _logsumexp(logits, axis=0)
             share = 1.0 / (batch * len(partitions))  # this partition's weight in the mean loss
             total += share * lse
