@@ -58,7 +58,7 @@ def contract_loss(
         allowed = ~same | positive
 
     # The row term's logits: the hardness offset, a constant (no gradient flows through it).
-    z_row = z + hardness_strength * _hardness_selection(hardness_mode, query_ids, key_owners, positive) * x
+    z_row = z + hardness_strength * hardness_selection(hardness_mode, query_ids, key_owners, positive) * x
 
     # weight of each row's loss in the reduced loss
     if reduction == "mean":
@@ -105,7 +105,7 @@ def contract_loss(
     return value, grads
 
 
-def _hardness_selection(mode, query_ids, key_owners, positive):
+def hardness_selection(mode, query_ids, key_owners, positive):
     """h_ij of docs/contract.md ("Hardness offset"): 1.0 where the offset applies."""
     if mode is None:
         return np.zeros(positive.shape)
