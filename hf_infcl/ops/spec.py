@@ -9,7 +9,11 @@ exempt it from group masking:
     sigmoid:  row_stat_i = sum_{j allowed for i} softplus(z_ij)
 
 and the per-row loss is assembled from these and the positive logit z_{i,p(i)} with ordinary
-autograd ops (``hf_infcl.loss``). A backend's backward receives the gradients of row_stat and
+autograd ops (``hf_infcl.loss``). With a hardness offset (:class:`HardnessOffset`) the softmax
+row_stat is over z_ij + alpha * x_ij where the offset selects (the column statistic and the
+positive logit are not offset), and the row probabilities below are of those logits.
+
+A backend's backward receives the gradients of row_stat and
 col_stat (``row_weight``, ``col_weight``) and forms, tile by tile,
 
     softmax:  G_ij = row_weight_i * exp(z_ij - row_stat_i) + col_weight_j * exp(z_ij - col_stat_j)
