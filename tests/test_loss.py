@@ -12,6 +12,7 @@ import torch
 
 import hf_infcl
 from hf_infcl import TorchTiles, contrastive_loss
+from tests.hardness_cases import with_hardness
 from tests.oracle import contract_loss, hardness_selection
 
 # Small tiles so that every test crosses several tile boundaries in both directions.
@@ -41,19 +42,6 @@ def make_case(m, k, c, *, groups=False, custom_positives=False, seed=None, dtype
         case["query_groups"] = torch.randint(0, n_groups, (m,), generator=gen)
         case["key_groups"] = torch.randint(0, n_groups, (k,), generator=gen)
     return case
-
-
-def with_hardness(case, mode, strength, seed):
-    """``case`` with a hardness offset: row ids 0..m-1, each positive owned by its row, the other
-    keys by random rows, by rows that are not here (ids m, m + 1: another process's) or by
-    nobody (-1)."""
-    gen = torch.Generator().manual_seed(seed)
-    m, k = case["queries"].shape[0], case["keys"].shape[0]
-    owners = torch.randint(-1, m + 2, (k,), generator=gen)
-    positives = case["positives"] if case["positives"] is not None else torch.arange(m)
-    owners[positives] = torch.arange(m)
-    return dict(case, hardness=dict(hardness_mode=mode, hardness_strength=strength, query_ids=torch.arange(m),
-                                    key_owners=owners))
 
 
 def run_backend(case, backend, *, loss, symmetric, reduction, use_bias):

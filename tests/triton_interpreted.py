@@ -17,6 +17,7 @@ import torch
 from hf_infcl import contrastive_loss
 from hf_infcl.ops.spec import GroupMask, HardnessOffset, StatsSpec
 from hf_infcl.ops.tiled import TorchTiles
+from tests.hardness_cases import with_hardness
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 (run through tests/test_triton.py)", allow_module_level=True)
@@ -131,18 +132,6 @@ HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
 HARDNESS_SHAPES = [(1, 6, 40), (7, 19, 40), (33, 71, 3)]
 
 
-def with_hardness(case, mode, seed, strength=4.0):
-    """``case`` with a hardness offset: row ids 0..m-1, each positive owned by its row, the other
-    keys by random rows, rows of another process (ids m, m + 1) or nobody (-1)."""
-    gen = torch.Generator().manual_seed(seed)
-    m, k = case["queries"].shape[0], case["keys"].shape[0]
-    owners = torch.randint(-1, m + 2, (k,), generator=gen)
-    positives = case["positives"] if case["positives"] is not None else torch.arange(m)
-    owners[positives] = torch.arange(m)
-    return dict(case, hardness=dict(hardness_mode=mode, hardness_strength=strength, query_ids=torch.arange(m),
-                                    key_owners=owners))
-
-
 @pytest.mark.parametrize("groups", [False, True], ids=["nogroups", "groups"])
 @pytest.mark.parametrize("loss_name", ["softmax-sym", "softmax-asym"])
 @pytest.mark.parametrize("shape", HARDNESS_SHAPES, ids=[f"m{m}-k{k}-c{c}" for m, k, c in HARDNESS_SHAPES])
@@ -157,7 +146,7 @@ def test_hardness_offset_matches_float64_reference(hardness_mode, shape, loss_na
     dtype, precision, blocks = MODES[mode]
     seed = random.randrange(2**31)
     case = random_case(*shape, groups=groups, custom_positives=shape[1] > shape[0] > 1, seed=seed)
-    case = with_hardness(case, hardness_mode, seed)
+    case = with_hardness(case, hardness_mode, 4.0, seed)
     options = LOSSES[loss_name]
     rounded = dict(case, queries=case["queries"].to(dtype).double(), keys=case["keys"].to(dtype).double())
     expected = loss_and_grads(rounded, torch.float64, "reference", **options)
@@ -172,7 +161,7 @@ def test_two_pass_forward_with_hardness_matches_reference(shape, groups):
     """The column-major column pass (fused_columns=False) must not offset the columns."""
     seed = random.randrange(2**31)
     case = random_case(*shape, groups=groups, custom_positives=True, seed=seed)
-    case = with_hardness(case, "all_negatives", seed)
+    case = with_hardness(case, "all_negatives", 4.0, seed)
     expected = loss_and_grads(case, torch.float64, "reference", **LOSSES["softmax-sym"])
     got = loss_and_grads(case, torch.float32, TWO_PASS, **LOSSES["softmax-sym"])
     errors = {name: relative_error(got[name], expected[name]) for name in expected}
