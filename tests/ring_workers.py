@@ -241,6 +241,7 @@ def _features(m, width=FEATURE_WIDTH, dtype=torch.float64, seed=0):
 
 def disagreement_cases(rank: int, world_size: int):
     last = world_size - 1
+    ids = dict(query_ids=torch.arange(3) + 3 * rank, key_owners=torch.arange(3) + 3 * rank)  # hardness
     return {
         "width": lambda: contrastive_loss(_features(3, 4 + (rank == 0)), _features(3, 4 + (rank == 0)),
                                           process_group="auto"),
@@ -259,6 +260,12 @@ def disagreement_cases(rank: int, world_size: int):
             key_groups=torch.zeros(3, dtype=torch.long) if rank == 0 else None, process_group="auto"),
         "reduction": lambda: contrastive_loss(
             _features(3), _features(3), reduction="sum" if rank == last else "mean", process_group="auto"),
+        "hardness_mode": lambda: contrastive_loss(
+            _features(3), _features(3), hardness_mode="all_negatives" if rank == 0 else "hard_negatives",
+            hardness_strength=2.0, **ids, process_group="auto"),
+        "hardness_strength": lambda: contrastive_loss(
+            _features(3), _features(3), hardness_mode="all_negatives", hardness_strength=2.0 + (rank == last),
+            **ids, process_group="auto"),
         # One rank's own argument check fails: it raises its own error, the others are told.
         "bad_positives_on_one_rank": lambda: contrastive_loss(
             _features(3), _features(3), positives=torch.tensor([0, 1, 7 if rank == 1 else 2]),

@@ -115,6 +115,8 @@ SAME_ERROR_EVERYWHERE = {
     "bias_given": "logit_bias",
     "groups_given": "query_groups/key_groups",
     "reduction": "disagree on reduction",
+    "hardness_mode": "disagree on hardness_mode",
+    "hardness_strength": "disagree on hardness_strength",
     "no_rows_anywhere": "no rank of the process group has any rows",
 }
 
