@@ -19,15 +19,18 @@ from .ops.logit_stats import (  # noqa: F401  (select_block_ops, backend_name: r
 )
 from .ops.options import (  # noqa: F401  (the vocabularies, re-exported: hf_infcl.loss.PRECISIONS)
     BACKENDS,
+    HARDNESS_MODES,
     LOSSES,
     PRECISIONS,
     REDUCTIONS,
     BackendName,
+    HardnessMode,
     LossKind,
     LossOptions,
     OptionAttribute,
     Precision,
     Reduction,
+    check_choice,
     check_option,
 )
 from .ops.spec import BlockOps, StatsSpec, accumulation_dtype, resolve_precision
@@ -49,6 +52,10 @@ def contrastive_loss(
     process_group=None,
     backend: BackendName | BlockOps = "auto",
     precision: Precision = "auto",
+    hardness_mode: HardnessMode | None = None,
+    hardness_strength: float = 0.0,
+    query_ids: torch.Tensor | None = None,
+    key_owners: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact InfoNCE (CLIP) or sigmoid (SigLIP) contrastive loss without a b x b matrix.
 
@@ -79,6 +86,15 @@ def contrastive_loss(
             (tile-wise PyTorch, any device), ``"triton"``, ``"reference"`` (materialised;
             small inputs only), or a block-ops object such as ``TorchTiles(256, 256)``.
         precision: fp32 inputs on GPU: ``"auto"``/``"tf32"`` use TF32, ``"ieee"`` exact fp32.
+        hardness_mode, hardness_strength: softmax only; sentence-transformers' hardness weighting
+            (docs/contract.md, "Hardness offset"): the row term's logit of a selected negative
+            gets ``+ hardness_strength * x_ij`` (the unscaled dot product, no gradient through
+            it). ``"in_batch_negatives"`` selects the keys other rows own, ``"hard_negatives"``
+            the row's own keys, ``"all_negatives"`` every owned key; never a row's positive.
+            ``hardness_strength=0.0`` (or no mode) is the plain loss.
+        query_ids, key_owners: ``[m]`` and ``[k]`` integer ids, given with ``hardness_mode``:
+            key j is owned by row i when ``key_owners[j] == query_ids[i]``; a negative owner is
+            nobody's (never offset). Across processes they must be unique in the whole group.
 
     Returns:
         The reduced loss (a scalar), or the per-row losses ``[m]`` for ``reduction="none"``.
@@ -88,15 +104,18 @@ def contrastive_loss(
     """
     return _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
                              process_group, loss, symmetric, reduction, backend, precision,
-                             options_checked=False)
+                             options_checked=False, hardness=(hardness_mode, hardness_strength, query_ids,
+                                                              key_owners))
 
 
 def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
-                      process_group, loss, symmetric, reduction, backend, precision, options_checked):
+                      process_group, loss, symmetric, reduction, backend, precision, options_checked,
+                      hardness=(None, 0.0, None, None)):
     """``contrastive_loss`` for every entry point: validate, one call for the statistics (one
     process or the ring: :func:`hf_infcl.ops.logit_stats.logit_stats`), assemble, reduce.
     ``options_checked``: the caller holds the options as a :class:`LossOptions`, checked when it
-    was built, so they are not checked again."""
+    was built, so they are not checked again. ``hardness``: (hardness_mode, hardness_strength,
+    query_ids, key_owners) as ``contrastive_loss`` takes them."""
     group, world_size = _resolve_process_group(process_group)
     in_ring = world_size > 1
     # Under torch.compile, the checks that read values (scale > 0, positives in range) would break
@@ -109,30 +128,38 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
             reduction, backend, precision, in_ring=in_ring, check_values=not deferred,
             options_checked=options_checked,
         )
+        hardness_mode, hardness_strength, query_ids, key_owners = _check_hardness(loss, queries, keys,
+                                                                                  *hardness)
     if backend == "reference":  # the materialised oracle (one process: the checks refuse it in a ring)
         per_row = _reference_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives,
-                                          query_groups, key_groups, validate=deferred)
+                                          query_groups, key_groups, validate=deferred,
+                                          hardness=(hardness_mode, hardness_strength, query_ids, key_owners))
         return _reduce(per_row, reduction, total_rows=queries.shape[0], world_size=1)
-    spec = _stats_spec(loss, symmetric, precision, queries, reduction, (queries, keys, scale, bias))
+    spec = _stats_spec(loss, symmetric, precision, queries, reduction, (queries, keys, scale, bias),
+                       hardness_mode, hardness_strength)
     stats = logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups, spec, backend,
-                        group=group if in_ring else None, reduction=reduction, validate=deferred)
+                        group=group if in_ring else None, reduction=reduction, validate=deferred,
+                        query_ids=query_ids, key_owners=key_owners)
     per_row = assemble_per_row_loss(spec, positives, stats.row_stat, stats.col_stat, stats.positive_logit)
     return _reduce(per_row, reduction, total_rows=stats.total_rows, world_size=world_size)
 
 
 @torch.compiler.disable
 def _reference_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, query_groups,
-                            key_groups, validate):
+                            key_groups, validate, hardness):
     """The materialised loss (a graph break under torch.compile)."""
     if validate:
         _check_values(scale, positives, keys.shape[0])
+    hardness_mode, hardness_strength, query_ids, key_owners = hardness
     return reference.per_row_loss(
         queries, keys, scale, bias, loss=loss, symmetric=symmetric, positives=positives,
-        query_groups=query_groups, key_groups=key_groups,
+        query_groups=query_groups, key_groups=key_groups, hardness_mode=hardness_mode,
+        hardness_strength=hardness_strength, query_ids=query_ids, key_owners=key_owners,
     )
 
 
-def _stats_spec(loss, symmetric, precision, queries, reduction, differentiable) -> StatsSpec:
+def _stats_spec(loss, symmetric, precision, queries, reduction, differentiable, hardness_mode=None,
+                hardness_strength=0.0) -> StatsSpec:
     """The statistics a loss needs, with ``precision="auto"`` resolved (``resolve_precision``).
 
     The sigmoid loss takes the one-pass route (``StatsSpec.gradients_in_forward``: its gradients
@@ -144,7 +171,8 @@ def _stats_spec(loss, symmetric, precision, queries, reduction, differentiable) 
     )
     return StatsSpec(loss=loss, columns=loss == "softmax" and symmetric,
                      precision=resolve_precision(precision, queries.dtype, queries.device),
-                     gradients_in_forward=loss == "sigmoid" and reduction != "none" and wants_gradient)
+                     gradients_in_forward=loss == "sigmoid" and reduction != "none" and wants_gradient,
+                     hardness=hardness_mode, hardness_strength=hardness_strength)
 
 
 def assemble_per_row_loss(spec, positives, row_stat, col_stat, positive_logit):
@@ -285,6 +313,34 @@ def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, po
     if check_values:
         _check_values(scale, positives, n_keys)
     return scale, bias, positives
+
+
+def _check_hardness(loss, queries, keys, hardness_mode, hardness_strength, query_ids, key_owners):
+    """Validate the hardness arguments; return (mode, strength, query_ids, key_owners), the mode
+    None when the strength is 0 (no offset: the plain loss, whatever ids were given)."""
+    check_choice("hardness_mode", hardness_mode, HARDNESS_MODES, optional=True)
+    if isinstance(hardness_strength, bool) or not isinstance(hardness_strength, (int, float)):
+        raise TypeError("hardness_strength must be a non-negative float, got "
+                        f"{type(hardness_strength).__name__}")
+    if not hardness_strength >= 0.0:
+        raise ValueError(f"hardness_strength must be non-negative, got {hardness_strength!r}")
+    if hardness_mode is None:
+        if hardness_strength > 0.0:
+            raise ValueError(f"hardness_strength={hardness_strength!r} needs a hardness_mode")
+        if query_ids is not None or key_owners is not None:
+            raise ValueError("query_ids/key_owners were given without hardness_mode; they only say which "
+                             "keys the hardness offset selects")
+        return None, 0.0, None, None
+    if loss != "softmax":
+        raise ValueError(f"hardness_mode needs loss='softmax' (it offsets softmax logits), got loss={loss!r}")
+    if query_ids is None or key_owners is None:
+        raise ValueError(f"hardness_mode={hardness_mode!r} needs query_ids and key_owners (which keys each "
+                         "row owns)")
+    _check_index_vector("query_ids", query_ids, queries.shape[0], queries.device)
+    _check_index_vector("key_owners", key_owners, keys.shape[0], queries.device)
+    if hardness_strength == 0.0:
+        return None, 0.0, None, None
+    return hardness_mode, float(hardness_strength), query_ids.long(), key_owners.long()
 
 
 class InfCLLoss(nn.Module):

@@ -16,6 +16,9 @@ batch x batch score matrix:
   sentence-transformers' own ``CachedLossMixin`` (sentence-transformers >= 6), but computes the
   loss of the whole batch in ONE fused call instead of
   CachedMNRL's per-chunk Python loop;
+- ``hardness_mode`` with ``hardness_strength > 0``: MNRL's detached offset on the selected
+  ``query_to_doc`` negatives, computed inside the same call (``contrastive_loss``'s
+  ``hardness_mode``, with each example's id and each document's owner);
 - with several processes and ``gather_across_devices=True`` the loss runs over every process's rows
   and keys with the hf_infcl ring (instead of an all-gather of the embeddings); the default,
   False as in sentence-transformers, keeps negatives local to each process.
@@ -125,10 +128,10 @@ def _checked_directions(directions, partition_mode) -> tuple[str, ...]:
 
 
 def _check_hardness(hardness_mode, hardness_strength) -> None:
-    """MNRL's checks; then refuse the hardness weighting, which InfCLLoss does not compute yet.
+    """MNRL's checks and warning (as its words); the type check is ours.
 
-    MNRL applies it only for a ``hardness_mode`` with ``hardness_strength > 0``: every other valid
-    setting is MNRL's loss without it, which InfCLLoss computes exactly.
+    MNRL applies the weighting only for a ``hardness_mode`` with ``hardness_strength > 0``: every
+    other valid setting is MNRL's loss without it.
     """
     valid_hardness_modes = {None, "in_batch_negatives", "hard_negatives", "all_negatives"}
     if hardness_mode not in valid_hardness_modes:
@@ -140,13 +143,7 @@ def _check_hardness(hardness_mode, hardness_strength) -> None:
         )
     if hardness_strength < 0.0:
         raise _mnrl_error("hardness_strength must be non-negative.", f"Got {hardness_strength!r}.")
-    if hardness_mode is not None and hardness_strength > 0.0:
-        raise NotImplementedError(
-            f"hardness_mode={hardness_mode!r} with hardness_strength={hardness_strength!r} is not supported "
-            "yet by InfCLLoss: its fused loss has no hardness weighting. Leave hardness_mode=None (or "
-            "hardness_strength=0.0), or use sentence-transformers' MultipleNegativesRankingLoss."
-        )
-    if hardness_mode is not None:  # MNRL's warning: the setting changes nothing
+    if hardness_mode is not None and hardness_strength == 0.0:  # MNRL's warning: it changes nothing
         logger.warning(
             f"hardness_mode={hardness_mode!r} is set but hardness_strength=0.0, so hardness weighting has no "
             "effect. Set hardness_strength to a positive value to enable hardness weighting."
@@ -160,25 +157,39 @@ def _process_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _loss_operands(anchors, columns, directions, partition_mode, rank):
-    """(queries, keys, group arguments) of the one ``contrastive_loss`` call that computes MNRL's
+def _loss_operands(anchors, columns, directions, partition_mode, rank, hardness=False):
+    """(queries, keys, label arguments) of the one ``contrastive_loss`` call that computes MNRL's
     loss for these directions; ``symmetric`` (held in the options) adds the column term of
-    ``per_direction``'s ``doc_to_query``. ``columns``: positives, then each negatives column."""
+    ``per_direction``'s ``doc_to_query``. ``columns``: positives, then each negatives column.
+    ``hardness``: add the ids the hardness offset selects its negatives by (docs/contract.md)."""
     # sentence-transformers' candidate order: all positives, then each negatives column. The
     # first m candidates are the anchors' positives, which is hf_infcl's default pairing.
     docs = torch.cat(columns) if len(columns) > 1 else columns[0]
+    ids = _example_ids(anchors, rank)
     if partition_mode == "per_direction" or set(directions) == {QUERY_TO_DOC}:
-        return anchors, docs, {}
-    return _joint_operands(anchors, columns[0], docs, len(columns), set(directions), rank)
+        queries, keys, labels = anchors, docs, {}
+    else:
+        queries, keys, labels = _joint_operands(anchors, columns[0], docs, len(columns), set(directions), ids)
+    if hardness:
+        # Every layout starts with the query_to_doc block, the only one offset: a document's
+        # owner is its example; every later key is nobody's.
+        owners = torch.full((len(keys),), _NOBODY, dtype=ids.dtype, device=ids.device)
+        owners[: len(docs)] = ids.repeat(len(columns))
+        labels = dict(labels, query_ids=ids, key_owners=owners)
+    return queries, keys, labels
 
 
-def _joint_operands(anchors, positives, docs, n_columns, directions, rank):
+def _example_ids(anchors, rank):
+    """Example i of process ``rank``: ``rank * _RANK_STRIDE + i``, unique across processes."""
+    return torch.arange(len(anchors), device=anchors.device) + rank * _RANK_STRIDE
+
+
+def _joint_operands(anchors, positives, docs, n_columns, directions, ids):
     """Rows and keys whose row term is the joint partition (docs/contract.md): each row carries the
     query and, when a ``doc_*`` direction is selected, its positive ``[q_i, d_i]``; each key block
     meets one half only (zeros in the other); the groups leave out each query's own
     ``query_to_query`` key and each example's own documents in ``doc_to_doc``."""
     doc_half = bool(directions & {DOC_TO_QUERY, DOC_TO_DOC})
-    ids = torch.arange(len(anchors), device=anchors.device) + rank * _RANK_STRIDE
 
     def nobody(count):
         return torch.full((count,), _NOBODY, dtype=ids.dtype, device=ids.device)
@@ -333,9 +344,14 @@ class InfCLLoss(CachedLossMixin, nn.Module):
                 ``"per_direction"``, one per direction, averaged (``"query_to_doc"`` and
                 ``"doc_to_query"`` only). docs/contract.md has the formulas; both are exact, without
                 a batch x batch matrix, across processes too. Assignable later, as in MNRL (checked).
-            hardness_mode, hardness_strength: MNRL's hardness weighting is not supported yet:
-                ``hardness_mode=None`` (or ``hardness_strength=0.0``, where MNRL applies none either);
-                a mode with a positive strength raises ``NotImplementedError``.
+            hardness_mode, hardness_strength: MNRL's hardness weighting: with a mode and a positive
+                strength ``alpha``, ``alpha * similarity`` (unscaled, no gradient through it) is added
+                to the ``query_to_doc`` logits of the negatives the mode selects:
+                ``"in_batch_negatives"`` (the other examples' documents), ``"hard_negatives"`` (the
+                example's own negative columns) or ``"all_negatives"`` (every document but the
+                positive). The other directions (``per_direction``'s ``doc_to_query`` included) keep
+                their plain logits. Computed inside the fused kernels, across processes too; both are
+                assignable later, as in MNRL (checked; a mode with strength 0 warns, as in MNRL).
 
         Inputs:
             (anchor, positive) pairs, or (anchor, positive, negative_1, ..., negative_n) tuples;
@@ -493,16 +509,20 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         # per_direction's doc_to_query (symmetric, MNSRL) is similarity(anchors, positives).T: the
         # positives column only, never the hard negatives, which is exactly hf_infcl's column term
         # "over positive keys only" (docs/contract.md).
-        queries, keys, groups = _loss_operands(
+        hardness_mode, hardness_strength = self._hardness
+        hardness = hardness_mode is not None and hardness_strength > 0.0  # as MNRL applies it
+        queries, keys, labels = _loss_operands(
             embeddings[0], embeddings[1:], self.directions, self.partition_mode,
-            rank=_process_rank() if self.gather_across_devices else 0,
+            rank=_process_rank() if self.gather_across_devices else 0, hardness=hardness,
         )
+        if hardness:
+            labels.update(hardness_mode=hardness_mode, hardness_strength=float(hardness_strength))
         return contrastive_loss(
             queries,
             keys,
             logit_scale=self.scale,
             process_group="auto" if self.gather_across_devices else None,
-            **groups,
+            **labels,
             **self.options.as_kwargs(),
         )
 

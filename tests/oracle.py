@@ -37,6 +37,10 @@ def contract_loss(
     query_groups=None,
     key_groups=None,
     reduction="mean",
+    hardness_mode=None,
+    hardness_strength=0.0,
+    query_ids=None,
+    key_owners=None,
 ):
     """Return (loss, dict of gradients 'queries', 'keys', 'scale', 'bias') as float64 NumPy."""
     q = np.asarray(queries, dtype=np.float64)
@@ -53,6 +57,9 @@ def contract_loss(
         same = np.asarray(query_groups)[:, None] == np.asarray(key_groups)[None, :]
         allowed = ~same | positive
 
+    # The row term's logits: the hardness offset, a constant (no gradient flows through it).
+    z_row = z + hardness_strength * hardness_selection(hardness_mode, query_ids, key_owners, positive) * x
+
     # weight of each row's loss in the reduced loss
     if reduction == "mean":
         weight = np.full(m, 1.0 / m)
@@ -66,11 +73,12 @@ def contract_loss(
         grad_z = np.where(allowed, -y * _sigmoid(-y * z), 0.0) * weight[:, None]
     else:
         masked = np.where(allowed, z, -np.inf)
-        row_lse = _logsumexp(masked, axis=1)
+        masked_row = np.where(allowed, z_row, -np.inf)
+        row_lse = _logsumexp(masked_row, axis=1)
         col_lse = _logsumexp(masked, axis=0)
         row_term = row_lse - z_pos
         half = 0.5 if symmetric else 1.0
-        prob_row = np.where(allowed, np.exp(masked - row_lse[:, None]), 0.0)
+        prob_row = np.where(allowed, np.exp(masked_row - row_lse[:, None]), 0.0)
         # dL/dz = w(P+ + [j positive key] P-) - w(1 + [symmetric]) [j = p(i)], w = half * weight
         grad_z = half * weight[:, None] * prob_row
         grad_z[np.arange(m), p] -= half * weight * (2.0 if symmetric else 1.0)
@@ -97,6 +105,17 @@ def contract_loss(
     return value, grads
 
 
+def hardness_selection(mode, query_ids, key_owners, positive):
+    """h_ij of docs/contract.md ("Hardness offset"): 1.0 where the offset applies."""
+    if mode is None:
+        return np.zeros(positive.shape)
+    owner = np.asarray(key_owners)[None, :]
+    owned = owner == np.asarray(query_ids)[:, None]
+    selected = {"in_batch_negatives": ~owned, "hard_negatives": owned,
+                "all_negatives": np.ones_like(owned)}[mode]
+    return (selected & (owner >= 0) & ~positive).astype(np.float64)
+
+
 # --------------------------------------------------------------------------------------------
 # sentence-transformers' directions and partition modes (docs/contract.md, "Directions and
 # partition modes"), from their definition: each row's candidate logits are listed pair by pair.
@@ -120,7 +139,8 @@ def _direction_candidates(direction, i, batch, owners):
     raise ValueError(direction)
 
 
-def directions_loss(queries, doc_columns, scale, directions, partition_mode):
+def directions_loss(queries, doc_columns, scale, directions, partition_mode, hardness_mode=None,
+                    hardness_strength=0.0):
     """MNRL's loss over dot products (normalise first for cosine), with its gradients.
 
     ``queries`` [b, c]; ``doc_columns`` the positives [b, c] then each negatives column. Row ``i``'s
@@ -129,6 +149,9 @@ def directions_loss(queries, doc_columns, scale, directions, partition_mode):
     (``"per_direction"``); the loss is the mean over rows. Returns (loss, {"queries": [b, c],
     "docs": [b * columns, c]}) as float64 NumPy, the gradients in closed form: each candidate
     logit gets its softmax weight, the positive logit minus one, per row.
+
+    ``hardness_mode``: MNRL's hardness weighting adds ``hardness_strength * <q_i, D_j>`` (unscaled,
+    no gradient) to the ``query_to_doc`` candidates it selects by the documents' owners.
     """
     vectors = {
         "query": np.asarray(queries, dtype=np.float64),
@@ -142,6 +165,14 @@ def directions_loss(queries, doc_columns, scale, directions, partition_mode):
         (row_kind, row), (key_kind, key) = pair
         return scale * vectors[row_kind][row] @ vectors[key_kind][key]
 
+    def hardness_offset(pair):
+        (row_kind, row), (key_kind, key) = pair
+        if hardness_mode is None or (row_kind, key_kind) != ("query", "doc") or key == row:
+            return 0.0  # only query_to_doc negatives (document ``row`` is the positive)
+        selected = {"in_batch_negatives": owners[key] != row, "hard_negatives": owners[key] == row,
+                    "all_negatives": True}[hardness_mode]
+        return hardness_strength * vectors["query"][row] @ vectors["doc"][key] if selected else 0.0
+
     def add_gradient(pair, weight):
         (row_kind, row), (key_kind, key) = pair
         grads[row_kind][row] += weight * scale * vectors[key_kind][key]
@@ -154,7 +185,7 @@ def directions_loss(queries, doc_columns, scale, directions, partition_mode):
         partitions = [sum(candidates, [])] if partition_mode == "joint" else candidates
         positive = (("query", i), ("doc", i))
         for pairs in partitions:
-            logits = np.array([logit(pair) for pair in pairs])
+            logits = np.array([logit(pair) + hardness_offset(pair) for pair in pairs])
             lse = _logsumexp(logits, axis=0)
             share = 1.0 / (batch * len(partitions))  # this partition's weight in the mean loss
             total += share * lse

@@ -45,6 +45,7 @@ class Scenario:
     backend: object = TILES
     process_group: str = "auto"  # "auto", or "world" for dist.group.WORLD passed explicitly
     slice_bytes: int | None = None  # force the backward's key gradients to travel in many slices
+    hardness: str | None = None  # a hardness_mode, with strength HARDNESS_STRENGTH
 
 
 SCENARIOS = {
@@ -72,7 +73,20 @@ SCENARIOS = {
         loss="sigmoid", bias=True, groups=True,
         rows={2: (3, 3), 3: (2, 2, 2)}, keys={2: (4, 3), 3: (2, 3, 2)},
     ),
+    # Key owners spanning ranks travel with their key blocks (in slices in the backward).
+    "hardness_in_batch_groups": Scenario(
+        groups=True, custom_positives=True, hardness="in_batch_negatives",
+        rows={2: (4, 2), 3: (3, 0, 2)}, keys={2: (6, 4), 3: (4, 3, 3)}, slice_bytes=2 * FEATURE_WIDTH * 8,
+    ),
+    "hardness_hard_negatives_one_direction": Scenario(
+        symmetric=False, hardness="hard_negatives", backend="torch",
+        rows={2: (3, 2), 3: (2, 1, 3)}, keys={2: (6, 5), 3: (4, 3, 6)},
+    ),
+    "hardness_all_negatives": Scenario(
+        hardness="all_negatives", rows={2: (2, 4), 3: (2, 2, 1)}, keys={2: (5, 6), 3: (3, 4, 2)},
+    ),
 }
+HARDNESS_STRENGTH = 3.0
 
 
 class TinyDualEncoder(nn.Module):
@@ -108,7 +122,28 @@ def global_batch(scenario: Scenario, world_size: int, seed: int):
         positives = part["positives"] if part["positives"] is not None else torch.arange(m)
         part["key_inputs"][positives] += part["query_inputs"]
         parts.append(part)
+    if scenario.hardness is not None:
+        add_hardness_ids(parts, rows, keys, gen)
     return parts
+
+
+def add_hardness_ids(parts, rows, keys, gen):
+    """Each part's ``query_ids`` (unique across ranks) and ``key_owners``: a row's positive is its
+    own, the other keys belong to random rows of any rank, or to nobody (-1)."""
+    starts = [sum(rows[:rank]) for rank in range(len(rows))]
+    for part, m, k, start in zip(parts, rows, keys, starts):
+        part["query_ids"] = torch.arange(start, start + m)
+        part["key_owners"] = torch.randint(-1, max(1, sum(rows)), (k,), generator=gen)
+        positives = part["positives"] if part["positives"] is not None else torch.arange(m)
+        part["key_owners"][positives] = part["query_ids"]
+
+
+def hardness_arguments(hardness, batch):
+    """The hardness keyword arguments of ``contrastive_loss`` for a batch (none without a mode)."""
+    if hardness is None:
+        return {}
+    return dict(hardness_mode=hardness, hardness_strength=HARDNESS_STRENGTH, query_ids=batch["query_ids"],
+                key_owners=batch["key_owners"])
 
 
 def concatenated(parts):
@@ -123,13 +158,17 @@ def concatenated(parts):
             local = torch.arange(part["query_inputs"].shape[0])
         positives.append(local + offset)
     groups = parts[0]["query_groups"] is not None
-    return {
+    batch = {
         "query_inputs": torch.cat([p["query_inputs"] for p in parts]),
         "key_inputs": torch.cat([p["key_inputs"] for p in parts]),
         "positives": torch.cat(positives),
         "query_groups": torch.cat([p["query_groups"] for p in parts]) if groups else None,
         "key_groups": torch.cat([p["key_groups"] for p in parts]) if groups else None,
     }
+    if "query_ids" in parts[0]:
+        batch.update(query_ids=torch.cat([p["query_ids"] for p in parts]),
+                     key_owners=torch.cat([p["key_owners"] for p in parts]))
+    return batch
 
 
 def train_step(model, batch, scenario, backend, process_group):
@@ -140,6 +179,7 @@ def train_step(model, batch, scenario, backend, process_group):
         queries, keys, scale, bias, loss=scenario.loss, symmetric=scenario.symmetric,
         positives=batch["positives"], query_groups=batch["query_groups"], key_groups=batch["key_groups"],
         reduction="mean", process_group=process_group, backend=backend,
+        **hardness_arguments(scenario.hardness, batch),
     )
     loss.backward()
     module = getattr(model, "module", model)  # DDP wraps the encoder
@@ -201,6 +241,7 @@ def _features(m, width=FEATURE_WIDTH, dtype=torch.float64, seed=0):
 
 def disagreement_cases(rank: int, world_size: int):
     last = world_size - 1
+    ids = dict(query_ids=torch.arange(3) + 3 * rank, key_owners=torch.arange(3) + 3 * rank)  # hardness
     return {
         "width": lambda: contrastive_loss(_features(3, 4 + (rank == 0)), _features(3, 4 + (rank == 0)),
                                           process_group="auto"),
@@ -219,6 +260,12 @@ def disagreement_cases(rank: int, world_size: int):
             key_groups=torch.zeros(3, dtype=torch.long) if rank == 0 else None, process_group="auto"),
         "reduction": lambda: contrastive_loss(
             _features(3), _features(3), reduction="sum" if rank == last else "mean", process_group="auto"),
+        "hardness_mode": lambda: contrastive_loss(
+            _features(3), _features(3), hardness_mode="all_negatives" if rank == 0 else "hard_negatives",
+            hardness_strength=2.0, **ids, process_group="auto"),
+        "hardness_strength": lambda: contrastive_loss(
+            _features(3), _features(3), hardness_mode="all_negatives", hardness_strength=2.0 + (rank == last),
+            **ids, process_group="auto"),
         # One rank's own argument check fails: it raises its own error, the others are told.
         "bad_positives_on_one_rank": lambda: contrastive_loss(
             _features(3), _features(3), positives=torch.tensor([0, 1, 7 if rank == 1 else 2]),
@@ -261,7 +308,9 @@ def run_reductions(rank: int, world_size: int):
         }
 
 
-TRITON_LOSSES = {"softmax_symmetric": ("softmax", None), "sigmoid_with_bias": ("sigmoid", -1.5)}
+# name: (loss, bias or None, hardness_mode or None)
+TRITON_LOSSES = {"softmax_symmetric": ("softmax", None, None), "sigmoid_with_bias": ("sigmoid", -1.5, None),
+                 "softmax_hard_negatives": ("softmax", None, "hard_negatives")}
 
 
 def triton_inputs(world_size: int):
@@ -279,6 +328,7 @@ def triton_inputs(world_size: int):
             "query_groups": torch.randint(0, 3, (m,), generator=gen),
             "key_groups": torch.randint(0, 3, (k,), generator=gen),
         })
+    add_hardness_ids(parts, rows, keys, gen)
     return parts
 
 
@@ -291,7 +341,7 @@ def run_triton(rank: int, world_size: int):
         return None
     part = triton_inputs(world_size)[rank]
     results = {}
-    for name, (loss, bias_value) in TRITON_LOSSES.items():
+    for name, (loss, bias_value, hardness) in TRITON_LOSSES.items():
         queries = part["queries"].clone().requires_grad_(True)
         keys = part["keys"].clone().requires_grad_(True)
         scale = torch.tensor(4.0, requires_grad=True)
@@ -301,6 +351,7 @@ def run_triton(rank: int, world_size: int):
             query_groups=part["query_groups"], key_groups=part["key_groups"], process_group="auto",
             backend=TritonBlocks(tile_rows=2, tile_keys=4, poison=True),
             precision="ieee",  # exact fp32: this checks the ring's plumbing, not TF32 rounding
+            **hardness_arguments(hardness, part),
         )
         value.backward()
         results[name] = {"value": value.detach(), "queries": queries.grad, "keys": keys.grad,

@@ -121,11 +121,19 @@ def run_ddp_rank(rank: int, world_size: int, init_file: str, model_dir: str, out
             results["one_process"] = {"loss": value, "gradients": gradients}
 
 
-# MNRL's joint directions on embeddings, the two ranks holding 3 and 5 examples.
+# MNRL's joint directions (and its hardness modes) on embeddings, the two ranks holding 3 and 5
+# examples: the options of InfCLLoss, which are also the oracle's (tests/oracle.py).
 DIRECTION_SETS = {
-    "query_to_query": ("query_to_doc", "query_to_query"),
-    "doc_to_doc": ("query_to_doc", "doc_to_doc"),
-    "all": GTE,
+    "query_to_query": dict(directions=("query_to_doc", "query_to_query"), partition_mode="joint"),
+    "doc_to_doc": dict(directions=("query_to_doc", "doc_to_doc"), partition_mode="joint"),
+    "all": dict(directions=GTE, partition_mode="joint"),
+    "all_in_batch_hardness": dict(directions=GTE, partition_mode="joint", hardness_mode="in_batch_negatives",
+                                  hardness_strength=2.0),
+    "mnsrl_hard_negatives_hardness": dict(directions=("query_to_doc", "doc_to_query"),
+                                          partition_mode="per_direction", hardness_mode="hard_negatives",
+                                          hardness_strength=5.0),
+    "all_negatives_hardness": dict(directions=("query_to_doc",), partition_mode="joint",
+                                   hardness_mode="all_negatives", hardness_strength=1.5),
 }
 UNEQUAL_ROWS = (3, 5)
 DIRECTIONS_SCALE = 0.7
@@ -147,9 +155,9 @@ def run_directions_rank(rank: int, world_size: int, init_file: str, out_dir: str
         start = sum(UNEQUAL_ROWS[:rank])
         local = [column[start:start + UNEQUAL_ROWS[rank]].requires_grad_()
                  for column in direction_embeddings()]
-        for name, directions in DIRECTION_SETS.items():
+        for name, options in DIRECTION_SETS.items():
             # compute_loss_from_embeddings never reads the model: none is loaded
             loss = losses.InfCLLoss(None, scale=DIRECTIONS_SCALE, similarity_fct=util.dot_score,
-                                    directions=directions, gather_across_devices=True, backend="torch")
+                                    gather_across_devices=True, backend="torch", **options)
             value = loss.compute_loss_from_embeddings(local)
             results[name] = (value.detach(), torch.autograd.grad(value, local))

@@ -27,6 +27,14 @@ def _with(**changes):
     return build
 
 
+# A valid hardness setting, which the cases below break one argument at a time.
+HARDNESS = dict(hardness_mode="in_batch_negatives", hardness_strength=2.0, query_ids=torch.arange(4),
+                key_owners=torch.arange(6) - 1)
+
+
+def _hardness_with(**changes):
+    return _with(**{**HARDNESS, **changes})
+
 BAD_INPUTS = {
     "queries-not-tensor": (_with(queries=[[1.0, 2.0]]), TypeError, "queries"),
     "queries-1d": (_with(queries=torch.randn(8)), ValueError, "queries"),
@@ -62,6 +70,20 @@ BAD_INPUTS = {
     "triton-on-cpu": (_with(backend="triton"), ValueError, "triton"),
     "symmetric-not-bool": (_with(symmetric="yes"), TypeError, "symmetric"),
     "process-group-unknown-string": (_with(process_group="world"), ValueError, "process_group"),
+    "hardness-mode-unknown": (_hardness_with(hardness_mode="hardest"), ValueError, "hardness_mode"),
+    "hardness-strength-negative": (_hardness_with(hardness_strength=-1.0), ValueError,
+                                   "hardness_strength"),
+    "hardness-strength-nan": (_hardness_with(hardness_strength=float("nan")), ValueError,
+                              "hardness_strength"),
+    "hardness-strength-string": (_hardness_with(hardness_strength="2"), TypeError, "hardness_strength"),
+    "hardness-strength-without-mode": (_with(hardness_strength=2.0), ValueError, "hardness_mode"),
+    "hardness-without-ids": (_with(hardness_mode="hard_negatives", hardness_strength=2.0), ValueError,
+                             "query_ids and key_owners"),
+    "hardness-ids-without-mode": (_with(query_ids=torch.arange(4), key_owners=torch.arange(6)), ValueError,
+                                  "query_ids/key_owners"),
+    "query-ids-wrong-length": (_hardness_with(query_ids=torch.arange(3)), ValueError, "query_ids"),
+    "key-owners-float": (_hardness_with(key_owners=torch.zeros(6)), TypeError, "key_owners"),
+    "hardness-with-sigmoid": (_hardness_with(loss="sigmoid"), ValueError, "hardness_mode"),
 }
 
 
@@ -101,3 +123,4 @@ def test_module_checks_options_at_construction():
 
 def test_good_arguments_run():
     assert torch.isfinite(contrastive_loss(**good_arguments()))
+    assert torch.isfinite(contrastive_loss(**good_arguments(), **HARDNESS))

@@ -73,6 +73,32 @@ def test_custom_op_passes_opcheck(option):
     torch.library.opcheck(torch.ops.hf_infcl.logit_stats.default, args)
 
 
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_custom_op_with_hardness_passes_opcheck(symmetric):
+    """The hardness offset's ids, mode and strength as the op's trailing arguments."""
+    q, k, log_scale, _, extra = _inputs(6, 9, 5)
+    owners = torch.randint(-1, 8, (9,), generator=torch.Generator().manual_seed(1))
+    owners[extra["positives"]] = torch.arange(6)
+    scale = log_scale.exp().detach().requires_grad_(True)
+    args = (q.requires_grad_(True), k.requires_grad_(True), scale, None, extra["positives"],
+            extra["query_groups"], extra["key_groups"], "softmax", symmetric, "ieee", False, "torch", False,
+            torch.arange(6), owners, "in_batch_negatives", 2.5)
+    torch.library.opcheck(torch.ops.hf_infcl.logit_stats.default, args)
+
+
+def test_fullgraph_compile_with_hardness_equals_eager():
+    torch._dynamo.reset()
+    q, k, log_scale, bias, extra = _inputs()
+    owners = torch.randint(-1, 14, (20,), generator=torch.Generator().manual_seed(2))
+    owners[extra["positives"]] = torch.arange(12)
+    hardness = dict(hardness_mode="all_negatives", hardness_strength=3.0, query_ids=torch.arange(12),
+                    key_owners=owners)
+    fn = _loss_fn(OPTIONS["softmax-sym"], {**extra, **hardness})
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    inputs = (q, k, log_scale, bias)
+    _assert_same(_value_and_grads(compiled, *inputs), _value_and_grads(fn, *inputs), rtol=1e-12)
+
+
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_fullgraph_compile_equals_eager(option):
     """aot_eager: Dynamo and AOTAutograd see the op and its backward, nothing else runs differently."""

@@ -12,7 +12,8 @@ import torch
 
 import hf_infcl
 from hf_infcl import TorchTiles, contrastive_loss
-from tests.oracle import contract_loss
+from tests.hardness_cases import with_hardness
+from tests.oracle import contract_loss, hardness_selection
 
 # Small tiles so that every test crosses several tile boundaries in both directions.
 SMALL_TILES = TorchTiles(tile_rows=5, tile_keys=7)
@@ -52,7 +53,7 @@ def run_backend(case, backend, *, loss, symmetric, reduction, use_bias):
     value = contrastive_loss(
         q, k, scale, bias, loss=loss, symmetric=symmetric, positives=case["positives"],
         query_groups=case["query_groups"], key_groups=case["key_groups"], reduction=reduction,
-        backend=backend,
+        backend=backend, **case.get("hardness", {}),
     )
     total = value.sum() if reduction == "none" else value
     leaves = [q, k, scale] + ([bias] if use_bias else [])
@@ -69,6 +70,8 @@ def run_oracle(case, *, loss, symmetric, reduction, use_bias):
         positives=as_np(case["positives"]), query_groups=as_np(case["query_groups"]),
         key_groups=as_np(case["key_groups"]),
         reduction=reduction,
+        **{name: as_np(value) if torch.is_tensor(value) else value
+           for name, value in case.get("hardness", {}).items()},
     )
 
 
@@ -115,6 +118,56 @@ def test_float64_matches_contract(backend, loss, symmetric, shape, groups):
         case, BACKENDS[backend], 1e-10, loss=loss, symmetric=symmetric, reduction="mean",
         use_bias=loss == "sigmoid",
     )
+
+
+HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
+HARDNESS_SHAPES = [(1, 6, 3), (7, 19, 96), (33, 70, 3)]
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS), ids=lambda b: f"backend-{b}")
+@pytest.mark.parametrize("mode", HARDNESS_MODES)
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("shape", HARDNESS_SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("groups", [False, True], ids=["nogroups", "groups"])
+def test_hardness_offset_matches_contract(backend, mode, symmetric, shape, groups):
+    """The hardness offset (docs/contract.md) with masks, custom positives and hard negatives,
+    every gradient through the scaled logits only; and it changes the loss."""
+    m, k, c = shape
+    seed = m * 1000 + k * 10 + c + HARDNESS_MODES.index(mode)
+    case = with_hardness(make_case(m, k, c, groups=groups, custom_positives=True, seed=seed), mode, 3.5, seed)
+    options = dict(loss="softmax", symmetric=symmetric, reduction="mean", use_bias=False)
+    assert_matches_oracle(case, BACKENDS[backend], 1e-10, **options)
+    plain, _ = run_oracle({**case, "hardness": {}}, **options)
+    offset, _ = run_oracle(case, **options)
+    assert (plain != offset) == offsets_an_allowed_key(case)
+    if not groups and m > 1:
+        assert plain != offset  # these cases always hold keys to offset
+
+
+def offsets_an_allowed_key(case) -> bool:
+    """Whether the hardness offset selects a key that some row's loss keeps (group masking may
+    leave out every selected key of a small case)."""
+    hardness = case["hardness"]
+    m, k = case["queries"].shape[0], case["keys"].shape[0]
+    positive = np.zeros((m, k), dtype=bool)
+    positive[np.arange(m), case["positives"].numpy()] = True
+    selected = hardness_selection(hardness["hardness_mode"], hardness["query_ids"].numpy(),
+                                   hardness["key_owners"].numpy(), positive) > 0
+    if case["query_groups"] is not None:
+        same_group = case["query_groups"].numpy()[:, None] == case["key_groups"].numpy()[None, :]
+        selected &= ~same_group | positive
+    return bool(selected.any())
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS), ids=lambda b: f"backend-{b}")
+def test_hardness_strength_zero_is_the_plain_loss(backend):
+    case = make_case(9, 20, 4, groups=True, custom_positives=True, seed=5)
+    options = dict(loss="softmax", symmetric=True, reduction="none", use_bias=False)
+    plain, plain_grads = run_backend(case, BACKENDS[backend], **options)
+    zero_case = with_hardness(case, "all_negatives", 0.0, seed=5)
+    zero, zero_grads = run_backend(zero_case, BACKENDS[backend], **options)
+    assert torch.equal(plain, zero)
+    assert all(np.array_equal(plain_grads[name], zero_grads[name]) for name in plain_grads)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

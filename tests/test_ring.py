@@ -115,6 +115,8 @@ SAME_ERROR_EVERYWHERE = {
     "bias_given": "logit_bias",
     "groups_given": "query_groups/key_groups",
     "reduction": "disagree on reduction",
+    "hardness_mode": "disagree on hardness_mode",
+    "hardness_strength": "disagree on hardness_strength",
     "no_rows_anywhere": "no rank of the process group has any rows",
 }
 
@@ -184,7 +186,7 @@ def test_ring_over_triton_block_ops_matches_float64(ranks, loss_name):
     if ranks[0]["triton"] is None:
         pytest.skip("Triton is not importable here")
     world_size = len(ranks)
-    loss, bias_value = ring_workers.TRITON_LOSSES[loss_name]
+    loss, bias_value, hardness = ring_workers.TRITON_LOSSES[loss_name]
     parts = ring_workers.triton_inputs(world_size)
     queries = torch.cat([p["queries"] for p in parts]).double().requires_grad_(True)
     keys = torch.cat([p["keys"] for p in parts]).double().requires_grad_(True)
@@ -200,6 +202,8 @@ def test_ring_over_triton_block_ops_matches_float64(ranks, loss_name):
         queries, keys, scale, bias, loss=loss, positives=positives, reduction="sum", backend="reference",
         query_groups=torch.cat([p["query_groups"] for p in parts]),
         key_groups=torch.cat([p["key_groups"] for p in parts]),
+        **ring_workers.hardness_arguments(hardness, {name: torch.cat([p[name] for p in parts])
+                                                     for name in ("query_ids", "key_owners")}),
     ) * (world_size / queries.shape[0])
     total.backward()
     fp32 = {"rtol": 1e-5, "atol": 1e-6}

@@ -3,16 +3,17 @@
 Every combination sentence-transformers' MultipleNegativesRankingLoss accepts, against the float64
 oracle (tests/oracle.py, the formulas of docs/contract.md) on embeddings, and against the installed
 MNRL / CachedMNRL on a tiny BERT with dropout on: the loss and every parameter gradient, pairs and
-hard-negative columns. Then their checks and messages, assignment after construction, the config,
-and the hardness options (refused while not computed). Two processes over gloo: here against the
-oracle, with ranks of different sizes; against MNRL's all-gather in tests/test_sentence_transformers.py
-(its SCENARIOS).
+hard-negative columns. The same with every hardness_mode, and with their checks, warning and
+assignment. Then their checks and messages, assignment after construction and the config. Two
+processes over gloo: here against the oracle, with ranks of different sizes (hardness too);
+against MNRL's all-gather in tests/test_sentence_transformers.py (its SCENARIOS).
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import re
 
 import numpy as np
@@ -199,9 +200,11 @@ def test_assignment_is_checked_and_a_refused_one_changes_nothing(tiny_model):
         loss.directions = ("doc_to_query",)
     assert (loss.directions, loss.partition_mode, loss.symmetric) == (GTE, "joint", False)
     loss.hardness_mode = "hard_negatives"  # no effect (MNRL warns) while the strength is 0
-    with pytest.raises(NotImplementedError, match="hardness_strength=5.0 is not supported yet"):
-        loss.hardness_strength = 5.0
-    assert loss.hardness_strength == 0.0
+    with pytest.raises(ValueError, match="hardness_strength must be non-negative"):
+        loss.hardness_strength = -5.0
+    with pytest.raises(ValueError, match="hardness_mode must be one of"):
+        loss.hardness_mode = "hardest"
+    assert (loss.hardness_mode, loss.hardness_strength) == ("hard_negatives", 0.0)
 
 
 def test_symmetric_stands_for_the_directions_of_mnsrl(tiny_model):
@@ -233,16 +236,102 @@ def test_config_keys_are_a_superset_of_sentence_transformers(tiny_model, directi
     assert {"symmetric", "backend", "precision"} <= config.keys()
 
 
-@pytest.mark.parametrize(
-    "hardness_mode", ["in_batch_negatives", "hard_negatives", "all_negatives"]
-)
-def test_hardness_weighting_is_refused_until_computed(tiny_model, hardness_mode):
-    with pytest.raises(NotImplementedError, match=f"hardness_mode='{hardness_mode}'.*not supported yet"):
-        losses.InfCLLoss(tiny_model, hardness_mode=hardness_mode, hardness_strength=5.0)
-    loss = losses.InfCLLoss(tiny_model, hardness_strength=5.0)  # MNRL ignores it without a mode
-    with pytest.raises(NotImplementedError, match="hardness_mode=.*not supported yet"):
-        loss.hardness_mode = hardness_mode
-    assert loss.hardness_mode is None
+# --------------------------------------------------------------------------------------------
+# Hardness (MNRL's hardness_mode / hardness_strength)
+
+HARDNESS_MODES = ["in_batch_negatives", "hard_negatives", "all_negatives"]
+
+
+@pytest.mark.parametrize("hardness_mode", HARDNESS_MODES)
+@pytest.mark.parametrize("n_columns", COLUMNS)
+@pytest.mark.parametrize("directions, partition_mode", COMBINATIONS)
+def test_hardness_matches_the_float64_oracle(tiny_model, directions, partition_mode, n_columns,
+                                             hardness_mode):
+    """On embeddings (dot products): the loss and the gradient of every embedding, the offset
+    added pair by pair in the oracle (never through a gradient), and different from the loss
+    without it wherever the mode selects anything."""
+    generator = torch.Generator().manual_seed(3 * len(directions) + n_columns)
+    embeddings = [torch.randn(6, 5, generator=generator, dtype=torch.float64) for _ in range(n_columns)]
+    loss = losses.InfCLLoss(tiny_model, scale=0.7, similarity_fct=util.dot_score, directions=directions,
+                            partition_mode=partition_mode, hardness_mode=hardness_mode, hardness_strength=1.3,
+                            backend="torch")
+    inputs = [embedding.clone().requires_grad_() for embedding in embeddings]
+    value = loss.compute_loss_from_embeddings(inputs)
+    value.backward()
+
+    numpy_columns = [e.numpy() for e in embeddings[1:]]
+    expected, gradients = directions_loss(embeddings[0].numpy(), numpy_columns, 0.7, directions,
+                                          partition_mode, hardness_mode, 1.3)
+    np.testing.assert_allclose(value.item(), expected, rtol=1e-12)
+    np.testing.assert_allclose(inputs[0].grad.numpy(), gradients["queries"], rtol=1e-10, atol=1e-12)
+    documents = torch.cat([tensor.grad for tensor in inputs[1:]]).numpy()
+    np.testing.assert_allclose(documents, gradients["docs"], rtol=1e-10, atol=1e-12)
+    plain, _ = directions_loss(embeddings[0].numpy(), numpy_columns, 0.7, directions, partition_mode)
+    selects_nothing = hardness_mode == "hard_negatives" and n_columns == 2  # pairs: no own negatives
+    assert (plain == expected) == selects_nothing
+
+
+@pytest.mark.parametrize("mini_batch_size", [None, 4], ids=["mnrl", "cached4"])
+@pytest.mark.parametrize("hardness_mode", HARDNESS_MODES)
+@pytest.mark.parametrize("directions, partition_mode", COMBINATIONS)
+def test_hardness_parity_with_sentence_transformers(tiny_model, directions, partition_mode, hardness_mode,
+                                                    mini_batch_size):
+    """The same step as MNRL / CachedMNRL with the hardness weighting, two hard-negative columns
+    (10 rows: mini-batches of 4, 4 and 2 when cached)."""
+    columns = text_columns(10, 4, seed=len(directions) * 5 + HARDNESS_MODES.index(hardness_mode))
+    options = {"directions": directions, "partition_mode": partition_mode, "hardness_mode": hardness_mode,
+               "hardness_strength": 5.0}
+    reference = st_reference_loss(tiny_model, False, mini_batch_size, **options)
+    expected = loss_and_gradients(tiny_model, reference, columns, seed=7)
+    ours = losses.InfCLLoss(tiny_model, mini_batch_size=mini_batch_size, **options)
+    assert_same_step(expected, loss_and_gradients(tiny_model, ours, columns, seed=7))
+
+
+@pytest.mark.parametrize("mini_batch_size", [None, 4], ids=["mnrl", "cached4"])
+@pytest.mark.parametrize("hardness_mode", HARDNESS_MODES)
+def test_hardness_parity_on_pairs(tiny_model, hardness_mode, mini_batch_size):
+    """(anchor, positive) pairs: the in-batch negatives are the other examples' positives."""
+    columns = text_columns(10, 2, seed=29)
+    options = {"hardness_mode": hardness_mode, "hardness_strength": 9.0}
+    reference = st_reference_loss(tiny_model, False, mini_batch_size, **options)
+    expected = loss_and_gradients(tiny_model, reference, columns, seed=4)
+    ours = losses.InfCLLoss(tiny_model, mini_batch_size=mini_batch_size, **options)
+    assert_same_step(expected, loss_and_gradients(tiny_model, ours, columns, seed=4))
+
+
+@pytest.mark.parametrize("mini_batch_size", [None, 4], ids=["mnrl", "cached4"])
+def test_hardness_assignment_after_construction_takes_effect(tiny_model, mini_batch_size):
+    """MNRL's hardness_mode and hardness_strength are plain attributes (CachedMNRL delegates
+    them): ``loss.hardness_strength = 5.0`` changes the next step's loss, here too."""
+    columns = text_columns(8, 3, seed=71)
+    reference = st_reference_loss(tiny_model, False, mini_batch_size)
+    ours = losses.InfCLLoss(tiny_model, mini_batch_size=mini_batch_size)
+    settings = [("hard_negatives", 5.0), ("in_batch_negatives", 9.0), (None, 9.0), ("all_negatives", 2.0)]
+    for mode, strength in settings:
+        for loss in (reference, ours):
+            loss.hardness_mode = mode
+            loss.hardness_strength = strength
+        assert (ours.hardness_mode, ours.hardness_strength) == (mode, strength)
+        assert_same_step(loss_and_gradients(tiny_model, reference, columns, seed=3),
+                         loss_and_gradients(tiny_model, ours, columns, seed=3))
+
+
+def test_hardness_mode_without_strength_warns_as_mnrl(tiny_model, caplog):
+    """MNRL logs one warning when a mode is set with strength 0 (no effect): the same words here."""
+    messages = {}
+    for name, cls in (("theirs", st_losses.MultipleNegativesRankingLoss), ("ours", losses.InfCLLoss)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            cls(tiny_model, hardness_mode="hard_negatives")
+            cls(tiny_model, hardness_mode="hard_negatives", hardness_strength=5.0)  # no warning
+            cls(tiny_model, hardness_strength=5.0)  # no mode: no warning either (and no effect)
+        messages[name] = [record.getMessage() for record in caplog.records
+                          if record.levelno == logging.WARNING]
+    assert len(messages["theirs"]) == 1
+    assert messages["ours"] == messages["theirs"]
+
+
+def test_hardness_strength_of_the_wrong_type_is_refused(tiny_model):
     with pytest.raises(TypeError, match="hardness_strength must be a non-negative float"):
         losses.InfCLLoss(tiny_model, hardness_strength="5")
 
@@ -265,10 +354,12 @@ def test_hardness_settings_without_effect_give_mnrl_loss(tiny_model, options):
 
 
 def test_two_processes_of_different_sizes_equal_one_process_on_the_concatenated_batch(tmp_path):
-    """query_to_query, doc_to_doc and all four directions, joint, over the gloo ring with 3 and 5
-    examples per rank: the ranks' losses add up to the oracle's on the whole batch and each rank's
-    embedding gradients are its slice of the oracle's (times the world size: DDP averages them).
-    Group ids that collided across ranks would leave out another rank's keys and fail this."""
+    """query_to_query, doc_to_doc and all four directions, joint (and the hardness modes, on
+    joint and per_direction sets), over the gloo ring with 3 and 5 examples per rank: the ranks'
+    losses add up to the oracle's on the whole batch and each rank's embedding gradients are its
+    slice of the oracle's (times the world size: DDP averages them). Group ids (or document
+    owners) that collided across ranks would leave out (or offset) another rank's keys and fail
+    this."""
     import torch.multiprocessing as mp
 
     from tests.sentence_transformers_workers import (
@@ -287,8 +378,8 @@ def test_two_processes_of_different_sizes_equal_one_process_on_the_concatenated_
     for rank, result in enumerate(ranks):
         assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
     columns = [column.numpy() for column in direction_embeddings()]
-    for name, directions in DIRECTION_SETS.items():
-        expected, gradients = directions_loss(columns[0], columns[1:], DIRECTIONS_SCALE, directions, "joint")
+    for name, options in DIRECTION_SETS.items():
+        expected, gradients = directions_loss(columns[0], columns[1:], DIRECTIONS_SCALE, **options)
         total = sum(result[name][0].item() for result in ranks) / world_size
         np.testing.assert_allclose(total, expected, rtol=1e-12, err_msg=name)
         documents = gradients["docs"].reshape(len(columns) - 1, sum(UNEQUAL_ROWS), -1)

@@ -65,7 +65,7 @@ def _case_id(case):
     return f"m{m}-k{k}-c{c}-{dtype}-{loss}" + ("-groups" if groups else "")
 
 
-def _gpu_case(m, k, c, groups, seed):
+def _gpu_case(m, k, c, groups, seed, hardness_mode=None):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.nn.functional.normalize(torch.randn(m, c, generator=gen, device="cuda"), dim=1)
     keys = torch.nn.functional.normalize(torch.randn(k, c, generator=gen, device="cuda"), dim=1)
@@ -77,6 +77,14 @@ def _gpu_case(m, k, c, groups, seed):
     if groups:
         case["query_groups"] = torch.randint(0, m // 3, (m,), generator=gen, device="cuda")
         case["key_groups"] = torch.randint(0, m // 3, (k,), generator=gen, device="cuda")
+    if hardness_mode is not None:
+        # MNRL's layout: key j belongs to example j mod m (its positive, then one per negatives
+        # column), with some keys nobody's (-1, e.g. the joint layout's other blocks).
+        owners = torch.arange(k, device="cuda") % m
+        owners[torch.rand(k, generator=gen, device="cuda") < 0.1] = -1
+        owners[:m] = torch.arange(m, device="cuda")
+        case["hardness"] = dict(hardness_mode=hardness_mode, hardness_strength=5.0,
+                                query_ids=torch.arange(m, device="cuda"), key_owners=owners)
     return case
 
 
@@ -88,7 +96,7 @@ def _loss_and_grads(case, dtype, backend, precision, loss, symmetric, use_bias):
     bias = torch.tensor(case["bias"], dtype=acc, device="cuda", requires_grad=True) if use_bias else None
     per_row = contrastive_loss(q, k, scale, bias, loss=loss, symmetric=symmetric, reduction="none",
                                query_groups=case["query_groups"], key_groups=case["key_groups"],
-                               backend=backend, precision=precision)
+                               backend=backend, precision=precision, **case.get("hardness", {}))
     total = (per_row.double() * case["row_weights"]).sum()
     leaves = [q, k, scale] + ([bias] if use_bias else [])
     grads = torch.autograd.grad(total, leaves)
@@ -102,10 +110,10 @@ def _errors(got, expected):
     return {n: float((got[n] - expected[n]).norm() / expected[n].norm().clamp_min(1e-30)) for n in expected}
 
 
-def _check_against_float64(m, k, c, dtype_name, loss_name, groups, backend):
+def _check_against_float64(m, k, c, dtype_name, loss_name, groups, backend, hardness_mode=None):
     dtype, precision = DTYPES[dtype_name]
     seed = int(torch.randint(0, 2**31, ()).item())
-    case = _gpu_case(m, k, c, groups, seed)
+    case = _gpu_case(m, k, c, groups, seed, hardness_mode)
     options = LOSSES[loss_name]
     rounded = dict(case, queries=case["queries"].to(dtype).double(), keys=case["keys"].to(dtype).double())
     expected = _loss_and_grads(rounded, torch.float64, TorchTiles(4096, 4096), "ieee", **options)
@@ -124,6 +132,38 @@ def test_gpu_matches_float64_reference(case):
     # the fused forward per problem, so the accumulation across them is exercised.
     blocks = TritonBlocks(tile_rows=1536, tile_keys=2560, poison=True, column_buffer_entries=2**15)
     _check_against_float64(*case, backend=blocks)
+
+
+# (m, k, c, dtype, loss, groups, hardness_mode): the hardness offset in every dtype, both
+# directions, with and without groups; softmax only (it offsets softmax logits).
+HARDNESS_CASES = [
+    (1000, 3000, 1, "bf16", "softmax-sym", True, "in_batch_negatives"),
+    (777, 2331, 96, "fp16", "softmax-asym", False, "hard_negatives"),
+    (1000, 3000, 257, "tf32", "softmax-sym", False, "all_negatives"),
+    (1024, 3072, 512, "bf16", "softmax-asym", True, "hard_negatives"),
+    (600, 1800, 768, "ieee", "softmax-sym", True, "in_batch_negatives"),
+    (2048, 6144, 1024, "fp16", "softmax-sym", False, "all_negatives"),
+    (513, 1539, 512, "tf32", "softmax-asym", True, "in_batch_negatives"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", HARDNESS_CASES,
+                         ids=[_case_id(c[:6]) + f"-{c[6]}" for c in HARDNESS_CASES])
+def test_gpu_hardness_offset_matches_float64_reference(case):
+    """The in-kernel hardness offset (HARDNESS specialisations of both kernels) against the tiled
+    float64 backend, fused and two-pass forwards and the TF32 emulation through scaled fp16."""
+    from hf_infcl.ops.triton_blocks import TritonBlocks
+
+    *problem, hardness_mode = case
+    blocks = TritonBlocks(tile_rows=1536, tile_keys=2560, poison=True, column_buffer_entries=2**15)
+    _check_against_float64(*problem, backend=blocks, hardness_mode=hardness_mode)
+    if problem[3] == "tf32":
+        _check_against_float64(*problem, backend=TritonBlocks(poison=True, tf32_via_fp16=True),
+                               hardness_mode=hardness_mode)
+    if problem[4] == "softmax-sym":
+        _check_against_float64(*problem, backend=TritonBlocks(poison=True, fused_columns=False),
+                               hardness_mode=hardness_mode)
 
 
 TWO_PASS_CASES = [

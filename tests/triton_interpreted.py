@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from hf_infcl import contrastive_loss
-from hf_infcl.ops.spec import GroupMask, StatsSpec
+from hf_infcl.ops.spec import GroupMask, HardnessOffset, StatsSpec
 from hf_infcl.ops.tiled import TorchTiles
+from tests.hardness_cases import with_hardness
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 (run through tests/test_triton.py)", allow_module_level=True)
@@ -77,7 +78,7 @@ def loss_and_grads(case, dtype, backend, *, loss, symmetric, use_bias, precision
     per_row = contrastive_loss(
         q, k, scale, bias, loss=loss, symmetric=symmetric, positives=case["positives"],
         query_groups=case["query_groups"], key_groups=case["key_groups"], reduction="none",
-        backend=backend, precision=precision,
+        backend=backend, precision=precision, **case.get("hardness", {}),
     )
     total = (per_row.double() * case["row_weights"]).sum()
     leaves = [q, k, scale] + ([bias] if use_bias else [])
@@ -127,6 +128,46 @@ def test_loss_and_gradients_match_float64_reference(shape, loss_name, groups, mo
     assert max(errors.values()) < TOLERANCE[mode], (seed, errors)
 
 
+HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
+HARDNESS_SHAPES = [(1, 6, 40), (7, 19, 40), (33, 71, 3)]
+
+
+@pytest.mark.parametrize("groups", [False, True], ids=["nogroups", "groups"])
+@pytest.mark.parametrize("loss_name", ["softmax-sym", "softmax-asym"])
+@pytest.mark.parametrize("shape", HARDNESS_SHAPES, ids=[f"m{m}-k{k}-c{c}" for m, k, c in HARDNESS_SHAPES])
+@pytest.mark.parametrize("hardness_mode", HARDNESS_MODES)
+def test_hardness_offset_matches_float64_reference(hardness_mode, shape, loss_name, groups):
+    """The kernels' in-kernel hardness offset (row statistic only; the column statistic and G's
+    column part of the plain logits) against the materialised reference. Each case runs in one of
+    the precision modes, in turn, so that every mode meets every hardness mode."""
+    index = (HARDNESS_MODES.index(hardness_mode) + HARDNESS_SHAPES.index(shape) + 2 * groups
+             + (loss_name == "softmax-sym"))
+    mode = list(MODES)[index % len(MODES)]
+    dtype, precision, blocks = MODES[mode]
+    seed = random.randrange(2**31)
+    case = random_case(*shape, groups=groups, custom_positives=shape[1] > shape[0] > 1, seed=seed)
+    case = with_hardness(case, hardness_mode, 4.0, seed)
+    options = LOSSES[loss_name]
+    rounded = dict(case, queries=case["queries"].to(dtype).double(), keys=case["keys"].to(dtype).double())
+    expected = loss_and_grads(rounded, torch.float64, "reference", **options)
+    got = loss_and_grads(case, dtype, blocks, precision=precision, **options)
+    errors = {name: relative_error(got[name], expected[name]) for name in expected}
+    assert max(errors.values()) < TOLERANCE[mode], (seed, mode, errors)
+
+
+@pytest.mark.parametrize("groups", [False, True], ids=["nogroups", "groups"])
+@pytest.mark.parametrize("shape", [(7, 19, 40), (33, 71, 3)], ids=["m7-k19-c40", "m33-k71-c3"])
+def test_two_pass_forward_with_hardness_matches_reference(shape, groups):
+    """The column-major column pass (fused_columns=False) must not offset the columns."""
+    seed = random.randrange(2**31)
+    case = random_case(*shape, groups=groups, custom_positives=True, seed=seed)
+    case = with_hardness(case, "all_negatives", 4.0, seed)
+    expected = loss_and_grads(case, torch.float64, "reference", **LOSSES["softmax-sym"])
+    got = loss_and_grads(case, torch.float32, TWO_PASS, **LOSSES["softmax-sym"])
+    errors = {name: relative_error(got[name], expected[name]) for name in expected}
+    assert max(errors.values()) < TOLERANCE["fp32-ieee"], (seed, errors)
+
+
 @pytest.mark.parametrize("groups", [False, True], ids=["nogroups", "groups"])
 @pytest.mark.parametrize("shape", [(7, 19, 40), (33, 71, 3)], ids=["m7-k19-c40", "m33-k71-c3"])
 def test_two_pass_forward_matches_reference(shape, groups):
@@ -139,9 +180,11 @@ def test_two_pass_forward_matches_reference(shape, groups):
     assert max(errors.values()) < TOLERANCE["fp32-ieee"], (seed, errors)
 
 
-def test_block_ops_with_key_offset_add_into_accumulators():
+@pytest.mark.parametrize("hardness_mode", [None, *HARDNESS_MODES])
+def test_block_ops_with_key_offset_add_into_accumulators(hardness_mode):
     """The ring's use: a key block at a global offset, complete statistics, accumulators that
-    already hold other blocks' sums. Compared with TorchTiles in float64."""
+    already hold other blocks' sums (with the hardness offset, its owners those of the block).
+    Compared with TorchTiles in float64."""
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     m, k, c, offset = 9, 21, 17, 30
     q = torch.nn.functional.normalize(torch.randn(m, c, generator=gen, dtype=torch.float64), dim=1)
@@ -152,10 +195,16 @@ def test_block_ops_with_key_offset_add_into_accumulators():
                      positives, key_offset=offset)
     scale = torch.tensor(7.5, dtype=torch.float64)
     spec = StatsSpec("softmax", columns=True, precision="ieee")
+    hardness = None
+    if hardness_mode is not None:
+        owners = torch.randint(-1, m + 2, (k,), generator=gen)
+        owners[positives[positives >= offset] - offset] = torch.arange(m)[positives >= offset]
+        hardness = HardnessOffset(hardness_mode, 2.5, torch.arange(m), owners, positives, key_offset=offset)
 
-    ref_row, ref_col = TorchTiles(4, 5).forward_block(spec, q, keys, scale, None, mask)
+    ref_row, ref_col = TorchTiles(4, 5).forward_block(spec, q, keys, scale, None, mask, hardness=hardness)
     for blocks in (BLOCKS, TWO_PASS):
-        row, col = blocks.forward_block(spec, q.float(), keys.float(), scale.float(), None, mask)
+        row, col = blocks.forward_block(spec, q.float(), keys.float(), scale.float(), None, mask,
+                                        hardness=hardness)
         assert relative_error(row.double(), ref_row) < 1e-6
         assert relative_error(col.double(), ref_col) < 1e-6
 
@@ -167,7 +216,7 @@ def test_block_ops_with_key_offset_add_into_accumulators():
     start_k = torch.randn(k, c, generator=gen, dtype=torch.float64)
     ref_dq, ref_dk = start_q.clone(), start_k.clone()
     ref_sums = TorchTiles(4, 5).backward_block(spec, q, keys, scale, None, mask, full_row, full_col,
-                                               row_w, col_w, ref_dq, ref_dk)
+                                               row_w, col_w, ref_dq, ref_dk, hardness=hardness)
     # Exact fp32; fp32 with TF32 (fp16 GEMMs) and fully as scaled fp16 copies; fp16. All but the
     # first divide and re-multiply the accumulators, which must leave the sums already there intact.
     for name, precision, dtype, blocks, tolerance in (
@@ -179,7 +228,8 @@ def test_block_ops_with_key_offset_add_into_accumulators():
         block_spec = StatsSpec("softmax", columns=True, precision=precision)
         dq, dk = start_q.float(), start_k.float()
         sums = blocks.backward_block(block_spec, q.to(dtype), keys.to(dtype), scale.float(), None, mask,
-                                     full_row.float(), full_col.float(), row_w.float(), col_w.float(), dq, dk)
+                                     full_row.float(), full_col.float(), row_w.float(), col_w.float(), dq, dk,
+                                     hardness=hardness)
         assert relative_error(dq.double() - start_q, ref_dq - start_q) < tolerance, name
         assert relative_error(dk.double() - start_k, ref_dk - start_k) < tolerance, name
         assert relative_error(sums.double(), ref_sums) < tolerance, name

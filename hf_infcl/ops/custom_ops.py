@@ -14,9 +14,11 @@ The first op's autograd formula calls the second, so the compiled backward holds
 too. Each op has a fake (meta) implementation: shapes only, which is all the compiler needs.
 
 A custom op takes tensors, numbers and strings, not Python objects, so the backend is named
-(``"torch"`` or ``"triton"``) and the group mask is passed as its tensors. Block-ops objects that a
-caller passes directly go through :class:`hf_infcl.ops.key_blocks.KeyBlockLogitStats` instead;
-both run the same forward and backward (:func:`~hf_infcl.ops.key_blocks.stats_forward`,
+(``"torch"`` or ``"triton"``), the group mask and the hardness offset are passed as their
+tensors, and the hardness offset's mode and strength as a string and a float (last, with
+defaults: none). Block-ops objects that a caller passes directly go through
+:class:`hf_infcl.ops.key_blocks.KeyBlockLogitStats` instead; both run the same forward and
+backward (:func:`~hf_infcl.ops.key_blocks.stats_forward`,
 :func:`~hf_infcl.ops.key_blocks.stats_backward`) over the one-process schedule.
 
 ``validate``: eager callers check argument values (scale > 0, positives in range) before calling,
@@ -34,7 +36,7 @@ from torch import Tensor
 from .key_blocks import UnitGradients, stats_backward, stats_forward
 from .local import SINGLE_BLOCK
 from .options import BLOCK_BACKENDS, choice_error
-from .spec import StatsSpec, accumulation_dtype, check_values
+from .spec import PairLabels, StatsSpec, accumulation_dtype, check_values
 from .tiled import TorchTiles
 
 BACKEND_NAMES = BLOCK_BACKENDS  # the named backends an op can run: what "auto" resolves to
@@ -66,16 +68,20 @@ def logit_stats(
     gradients_in_forward: bool,
     backend: str,
     validate: bool,
+    query_ids: Tensor | None = None,
+    key_owners: Tensor | None = None,
+    hardness: str | None = None,
+    hardness_strength: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(row_stat, col_stat, positive_logit) and, with ``gradients_in_forward``, the unit-weight
     gradients (G K [m, c], G^T Q [k, c], row sums of G [m]) for the backward; else three empty
     tensors. Only the first three are differentiable outputs."""
     if validate:
         check_values(scale, positives, keys.shape[0])
-    spec = StatsSpec(loss, columns, precision, gradients_in_forward)
+    spec = StatsSpec(loss, columns, precision, gradients_in_forward, hardness, hardness_strength)
     row_stat, col_stat, positive_logit, unit = stats_forward(
-        SINGLE_BLOCK, spec, block_ops(backend), queries, keys, scale, bias, positives, query_groups,
-        key_groups,
+        SINGLE_BLOCK, spec, block_ops(backend), queries, keys, scale, bias, positives,
+        PairLabels(query_groups, key_groups, query_ids, key_owners),
     )
     if unit is None:
         if gradients_in_forward:  # the fake implementation promises the gradients' shapes
@@ -88,7 +94,8 @@ def logit_stats(
 
 @logit_stats.register_fake
 def _logit_stats_fake(queries, keys, scale, bias, positives, query_groups, key_groups, loss, columns,
-                      precision, gradients_in_forward, backend, validate):
+                      precision, gradients_in_forward, backend, validate, query_ids=None, key_owners=None,
+                      hardness=None, hardness_strength=0.0):
     acc = accumulation_dtype(queries.dtype)
     (m, c), k = queries.shape, keys.shape[0]
     stats = (queries.new_empty((m,), dtype=acc), queries.new_empty((k if columns else 0,), dtype=acc),
@@ -121,14 +128,19 @@ def logit_stats_backward(
     precision: str,
     gradients_in_forward: bool,
     backend: str,
+    query_ids: Tensor | None = None,
+    key_owners: Tensor | None = None,
+    hardness: str | None = None,
+    hardness_strength: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    spec = StatsSpec(loss, columns, precision, gradients_in_forward)
+    spec = StatsSpec(loss, columns, precision, gradients_in_forward, hardness, hardness_strength)
     unit = None
     if gradients_in_forward:
         unit = UnitGradients(unit_queries, [((0, keys.shape[0]), unit_keys)], unit_row_sums)
     grad_q, grad_k, grad_scale, grad_bias = stats_backward(
-        SINGLE_BLOCK, spec, block_ops(backend), queries, keys, scale, bias, positives, query_groups,
-        key_groups, row_stat, col_stat, grad_row_stat, grad_col_stat, grad_positive_logit,
+        SINGLE_BLOCK, spec, block_ops(backend), queries, keys, scale, bias, positives,
+        PairLabels(query_groups, key_groups, query_ids, key_owners), row_stat, col_stat, grad_row_stat,
+        grad_col_stat, grad_positive_logit,
         needs=(True, True, True, bias is not None), unit=unit,
     )
     if grad_bias is None:  # an op returns tensors only; the autograd formula drops this one
@@ -140,24 +152,26 @@ def logit_stats_backward(
 def _logit_stats_backward_fake(grad_row_stat, grad_col_stat, grad_positive_logit, queries, keys, scale, bias,
                                positives, query_groups, key_groups, row_stat, col_stat, unit_queries,
                                unit_keys, unit_row_sums, loss, columns, precision, gradients_in_forward,
-                               backend):
+                               backend, query_ids=None, key_owners=None, hardness=None,
+                               hardness_strength=0.0):
     grad_bias = scale.new_empty(()) if bias is None else bias.new_empty(())
     return torch.empty_like(queries), torch.empty_like(keys), scale.new_empty(()), grad_bias
 
 
 def _setup_context(ctx, inputs, output):
     (queries, keys, scale, bias, positives, query_groups, key_groups, loss, columns, precision,
-     gradients_in_forward, backend, _validate) = inputs
+     gradients_in_forward, backend, _validate, query_ids, key_owners, hardness, hardness_strength) = inputs
     row_stat, col_stat, _positive_logit, unit_queries, unit_keys, unit_row_sums = output
     ctx.mark_non_differentiable(unit_queries, unit_keys, unit_row_sums)
     ctx.save_for_backward(queries, keys, scale, bias, positives, query_groups, key_groups, row_stat, col_stat,
-                          unit_queries, unit_keys, unit_row_sums)
+                          unit_queries, unit_keys, unit_row_sums, query_ids, key_owners)
     ctx.options = (loss, columns, precision, gradients_in_forward, backend)
+    ctx.hardness = (hardness, hardness_strength)
 
 
 def _backward(ctx, grad_row_stat, grad_col_stat, grad_positive_logit, *_unit_grads):
     (queries, keys, scale, bias, positives, query_groups, key_groups, row_stat, col_stat, unit_queries,
-     unit_keys, unit_row_sums) = ctx.saved_tensors
+     unit_keys, unit_row_sums, query_ids, key_owners) = ctx.saved_tensors
     # Outputs that did not reach the loss get no gradient; the backward op needs tensors.
     grad_row_stat = torch.zeros_like(row_stat) if grad_row_stat is None else grad_row_stat
     grad_col_stat = torch.zeros_like(col_stat) if grad_col_stat is None else grad_col_stat
@@ -166,9 +180,10 @@ def _backward(ctx, grad_row_stat, grad_col_stat, grad_positive_logit, *_unit_gra
     grad_q, grad_k, grad_scale, grad_bias = logit_stats_backward(
         grad_row_stat, grad_col_stat, grad_positive_logit, queries, keys, scale, bias, positives,
         query_groups, key_groups, row_stat, col_stat, unit_queries, unit_keys, unit_row_sums, *ctx.options,
+        query_ids, key_owners, *ctx.hardness,
     )
     return (grad_q, grad_k, grad_scale, grad_bias if bias is not None else None,
-            None, None, None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 logit_stats.register_autograd(_backward, setup_context=_setup_context)

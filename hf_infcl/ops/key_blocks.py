@@ -9,10 +9,10 @@ from is the schedule's job; *what* is done with them is the same everywhere:
 
 A schedule provides ``rank``, ``key_offset(rank)`` and two methods:
 
-- ``forward_stats(spec, ops, queries, keys, scale, bias, query_groups, key_groups,
-  positive_keys)`` -> (row_stat [m], col_stat [k] or None), the statistics over every key and
-  row of the group;
-- ``backward_accumulators(..., row_stat, col_stat, grad_row_stat, grad_col_stat)`` ->
+- ``forward_stats(spec, ops, queries, keys, scale, bias, labels)`` -> (row_stat [m], col_stat
+  [k] or None), the statistics over every key and row of the group, ``labels`` the
+  :class:`~hf_infcl.ops.spec.PairLabels` (groups, hardness ids, global positive indices);
+- ``backward_accumulators(..., labels, row_stat, col_stat, grad_row_stat, grad_col_stat)`` ->
   (G K [m, c], G^T Q as ((start, end), accumulator) slices of this process's keys, row sums of
   G [m]), unscaled, in the accumulation dtype.
 
@@ -34,7 +34,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from .spec import BlockOps, StatsSpec, accumulation_dtype, takes_one_pass
+from .spec import BlockOps, PairLabels, StatsSpec, accumulation_dtype, takes_one_pass
 
 # Row chunks for the O(m c) epilogues, so they allocate no full-size fp32 temporaries.
 _EPILOGUE_ELEMENTS = 2**22
@@ -47,15 +47,14 @@ class KeyBlockSchedule(Protocol):
 
     def key_offset(self, rank: int) -> int: ...
 
-    def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, query_groups,
-                      key_groups, positive_keys): ...
+    def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
+                      labels: PairLabels): ...
 
     def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
-                              query_groups, key_groups, positive_keys, row_stat, col_stat, grad_row_stat,
-                              grad_col_stat): ...
+                              labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat): ...
 
-    # Optional: forward_with_gradients(spec, ops, queries, keys, scale, bias, query_groups,
-    # key_groups, positive_keys) -> (row_stat, UnitGradients), the sigmoid loss's one pass.
+    # Optional: forward_with_gradients(spec, ops, queries, keys, scale, bias, labels) ->
+    # (row_stat, UnitGradients), the sigmoid loss's one pass.
 
 
 class UnitGradients(NamedTuple):
@@ -68,21 +67,20 @@ class UnitGradients(NamedTuple):
 
 
 def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
-                  positives, query_groups, key_groups):
+                  positives, labels: PairLabels):
     """(row_stat [m], col_stat [k] or empty, positive_logit [m], unit gradients or None) of this
-    process's rows and keys over every key and row of the schedule.
+    process's rows and keys over every key and row of the schedule; ``labels`` without the
+    positives' global indices, which are added here.
 
     With ``spec.gradients_in_forward`` (and a schedule and block ops that offer it) the same pass
     also gives the :class:`UnitGradients`, which the backward then only scales."""
-    positive_keys = _positive_keys(schedule, positives, query_groups)
+    labels = _with_positive_keys(schedule, positives, labels)
     unit = None
     if one_pass(spec, schedule, ops):
-        row_stat, unit = schedule.forward_with_gradients(spec, ops, queries, keys, scale, bias, query_groups,
-                                                         key_groups, positive_keys)
+        row_stat, unit = schedule.forward_with_gradients(spec, ops, queries, keys, scale, bias, labels)
         col_stat = None
     else:
-        row_stat, col_stat = schedule.forward_stats(spec, ops, queries, keys, scale, bias, query_groups,
-                                                    key_groups, positive_keys)
+        row_stat, col_stat = schedule.forward_stats(spec, ops, queries, keys, scale, bias, labels)
     if col_stat is None:
         col_stat = row_stat.new_empty(0)
     return row_stat, col_stat, positive_logits(queries, keys, positives, scale, bias), unit
@@ -96,7 +94,7 @@ def one_pass(spec: StatsSpec, schedule: KeyBlockSchedule, ops: BlockOps) -> bool
 
 
 def stats_backward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
-                   positives, query_groups, key_groups, row_stat, col_stat, grad_row_stat, grad_col_stat,
+                   positives, labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat,
                    grad_positive_logit, needs=(True, True, True, True), unit: UnitGradients | None = None):
     """(d queries, d keys, d scale, d bias) from the statistics' gradients; ``needs`` says which of
     the four are wanted (None is returned for the others). With the forward's ``unit``
@@ -105,26 +103,25 @@ def stats_backward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, q
         return finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive_logit,
                                 unit.queries, unit.key_slices, unit.row_sums,
                                 row_weight=grad_row_stat.to(unit.queries.dtype))
-    positive_keys = _positive_keys(schedule, positives, query_groups)
     grad_queries, key_slices, row_sums = schedule.backward_accumulators(
-        spec, ops, queries, keys, scale, bias, query_groups, key_groups, positive_keys, row_stat, col_stat,
-        grad_row_stat, grad_col_stat,
+        spec, ops, queries, keys, scale, bias, _with_positive_keys(schedule, positives, labels), row_stat,
+        col_stat, grad_row_stat, grad_col_stat,
     )
     return finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive_logit, grad_queries,
                             key_slices, row_sums)
 
 
-def _positive_keys(schedule: KeyBlockSchedule, positives, query_groups):
-    """The rows' positives as global key indices (keys numbered in rank order), which only group
-    masking needs."""
-    if query_groups is None:
-        return None
+def _with_positive_keys(schedule: KeyBlockSchedule, positives, labels: PairLabels) -> PairLabels:
+    """``labels`` with the rows' positives as global key indices (keys numbered in rank order),
+    which only group masking and the hardness offset need."""
+    if labels.query_groups is None and labels.query_ids is None:
+        return labels
     offset = schedule.key_offset(schedule.rank)
-    return positives + offset if offset else positives
+    return labels._replace(positive_keys=positives + offset if offset else positives)
 
 
 class KeyBlockLogitStats(torch.autograd.Function):
-    """(queries, keys, scale, bias, positives, query_groups, key_groups) ->
+    """(queries, keys, scale, bias, positives, query_groups, key_groups, query_ids, key_owners) ->
     (row_stat [m], col_stat [k] or empty, positive_logit [m]) over ``schedule``'s key blocks,
     with any block-ops object.
 
@@ -132,23 +129,25 @@ class KeyBlockLogitStats(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, queries, keys, scale, bias, positives, query_groups, key_groups, spec: StatsSpec,
-                ops: BlockOps, schedule: KeyBlockSchedule):
+    def forward(ctx, queries, keys, scale, bias, positives, query_groups, key_groups, query_ids, key_owners,
+                spec: StatsSpec, ops: BlockOps, schedule: KeyBlockSchedule):
+        labels = PairLabels(query_groups, key_groups, query_ids, key_owners)
         row_stat, col_stat, positive_logit, unit = stats_forward(schedule, spec, ops, queries, keys, scale,
-                                                                 bias, positives, query_groups, key_groups)
-        ctx.save_for_backward(queries, keys, scale, bias, positives, query_groups, key_groups, row_stat,
-                              col_stat)
+                                                                 bias, positives, labels)
+        ctx.save_for_backward(queries, keys, scale, bias, positives, query_groups, key_groups, query_ids,
+                              key_owners, row_stat, col_stat)
         ctx.spec, ctx.ops, ctx.schedule, ctx.unit = spec, ops, schedule, unit
         return row_stat, col_stat, positive_logit
 
     @staticmethod
     def backward(ctx, grad_row_stat, grad_col_stat, grad_positive_logit):
-        (queries, keys, scale, bias, positives, query_groups, key_groups, row_stat,
+        (queries, keys, scale, bias, positives, query_groups, key_groups, query_ids, key_owners, row_stat,
          col_stat) = ctx.saved_tensors
-        grads = stats_backward(ctx.schedule, ctx.spec, ctx.ops, queries, keys, scale, bias, positives,
-                               query_groups, key_groups, row_stat, col_stat, grad_row_stat, grad_col_stat,
-                               grad_positive_logit, needs=ctx.needs_input_grad[:4], unit=ctx.unit)
-        return (*grads, None, None, None, None, None, None)
+        labels = PairLabels(query_groups, key_groups, query_ids, key_owners)
+        grads = stats_backward(ctx.schedule, ctx.spec, ctx.ops, queries, keys, scale, bias, positives, labels,
+                               row_stat, col_stat, grad_row_stat, grad_col_stat, grad_positive_logit,
+                               needs=ctx.needs_input_grad[:4], unit=ctx.unit)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def _row_chunks(rows: int, width: int):

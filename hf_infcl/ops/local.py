@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .key_blocks import UnitGradients
-from .spec import BlockOps, GroupMask, OnePassSigmoidOps, StatsSpec, accumulation_dtype
+from .spec import BlockOps, OnePassSigmoidOps, PairLabels, StatsSpec, accumulation_dtype
 
 
 @dataclass(frozen=True)
@@ -24,49 +24,49 @@ class SingleBlock:
     def key_offset(self, rank: int) -> int:
         return 0
 
-    def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, query_groups,
-                      key_groups, positive_keys):
-        mask = _mask(query_groups, key_groups, positive_keys)
-        return ops.forward_block(spec, queries, keys, scale, bias, mask)
+    def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels):
+        mask, hardness = _own_block(spec, labels)
+        return ops.forward_block(spec, queries, keys, scale, bias, mask, hardness=hardness)
 
-    def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, query_groups,
-                              key_groups, positive_keys, row_stat, col_stat, grad_row_stat, grad_col_stat):
+    def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
+                              labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat):
         acc = accumulation_dtype(queries.dtype)
         grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
         grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
+        mask, hardness = _own_block(spec, labels)
         row_sums = ops.backward_block(
             spec,
             queries,
             keys,
             scale,
             bias,
-            _mask(query_groups, key_groups, positive_keys),
+            mask,
             row_stat,
             col_stat if spec.columns else None,
             grad_row_stat.to(acc),
             grad_col_stat.to(acc) if spec.columns else None,
             grad_queries,
             grad_keys,
+            hardness=hardness,
         )
         return grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums
 
     def forward_with_gradients(self, spec: StatsSpec, ops: OnePassSigmoidOps, queries, keys, scale, bias,
-                               query_groups, key_groups, positive_keys):
+                               labels: PairLabels):
         """The sigmoid loss's one pass: (row_stat, unit-weight gradients), see
         :class:`~hf_infcl.ops.key_blocks.UnitGradients`."""
         acc = accumulation_dtype(queries.dtype)
         grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
         grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
         row_stat, row_sums = ops.forward_backward_block(spec, queries, keys, scale, bias,
-                                                        _mask(query_groups, key_groups, positive_keys),
-                                                        grad_queries, grad_keys)
+                                                        labels.mask(labels.key_groups, 0), grad_queries,
+                                                        grad_keys)
         return row_stat, UnitGradients(grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums)
 
 
 SINGLE_BLOCK = SingleBlock()
 
 
-def _mask(query_groups, key_groups, positive_keys) -> GroupMask | None:
-    if query_groups is None:
-        return None
-    return GroupMask(query_groups, key_groups, positive_keys, key_offset=0)
+def _own_block(spec: StatsSpec, labels: PairLabels):
+    """(group mask, hardness offset) of the rows against this process's own keys, the only block."""
+    return labels.mask(labels.key_groups, 0), labels.hardness(spec, labels.key_owners, 0)

@@ -45,7 +45,8 @@ class LogitStats(NamedTuple):
 
 
 def logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups, spec: StatsSpec,
-                backend, *, group=None, reduction: str = "mean", validate: bool = False) -> LogitStats:
+                backend, *, group=None, reduction: str = "mean", validate: bool = False, query_ids=None,
+                key_owners=None) -> LogitStats:
     """The statistics of ``spec`` over this process's rows against every key of ``group``.
 
     Args:
@@ -57,40 +58,42 @@ def logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups,
         reduction: the loss's reduction; the ring checks that every rank asks for the same.
         validate: make the checks that read values (scale > 0, positives in range) here, for a
             caller that could not (under ``torch.compile``).
+        query_ids, key_owners: the hardness offset's ids (``spec.hardness``), or None.
     """
+    labels = (query_groups, key_groups, query_ids, key_owners)
     if group is not None:
-        return _ring_stats(group, queries, keys, scale, bias, positives, query_groups, key_groups, spec,
-                           backend, reduction)
+        return _ring_stats(group, queries, keys, scale, bias, positives, labels, spec, backend, reduction)
     if isinstance(backend, str):
         row_stat, col_stat, positive_logit, *_unit_gradients = custom_ops.logit_stats(
             queries, keys, scale, bias, positives, query_groups, key_groups, spec.loss, spec.columns,
             spec.precision, spec.gradients_in_forward, backend_name(backend, queries.device), validate,
+            query_ids, key_owners, spec.hardness, spec.hardness_strength,
         )
     else:
         row_stat, col_stat, positive_logit = _block_ops_stats(
-            queries, keys, scale, bias, positives, query_groups, key_groups, spec, backend, validate
+            queries, keys, scale, bias, positives, labels, spec, backend, validate
         )
     return LogitStats(row_stat, col_stat, positive_logit, queries.shape[0])
 
 
 @torch.compiler.disable
-def _block_ops_stats(queries, keys, scale, bias, positives, query_groups, key_groups, spec, ops, validate):
+def _block_ops_stats(queries, keys, scale, bias, positives, labels, spec, ops, validate):
     """A block-ops object, which cannot be a custom-op argument: eager, a graph break under
-    torch.compile."""
+    torch.compile. ``labels``: (query_groups, key_groups, query_ids, key_owners)."""
     if validate:
         _check_values(scale, positives, keys.shape[0])
-    return KeyBlockLogitStats.apply(queries, keys, scale, bias, positives, query_groups, key_groups, spec,
-                                    ops, SINGLE_BLOCK)
+    return KeyBlockLogitStats.apply(queries, keys, scale, bias, positives, *labels, spec, ops, SINGLE_BLOCK)
 
 
 @torch.compiler.disable
-def _ring_stats(group, queries, keys, scale, bias, positives, query_groups, key_groups, spec, backend,
+def _ring_stats(group, queries, keys, scale, bias, positives, labels, spec, backend,
                 reduction) -> LogitStats:
+    query_groups = labels[0]
     layout = ring.exchange_layout(group, queries, keys, spec, bias is not None, query_groups is not None,
                                   reduction)
     row_stat, col_stat, positive_logit = KeyBlockLogitStats.apply(
-        queries, keys, scale, bias, positives, query_groups, key_groups, spec,
-        select_block_ops(backend, queries.device), layout,
+        queries, keys, scale, bias, positives, *labels, spec, select_block_ops(backend, queries.device),
+        layout,
     )
     return LogitStats(row_stat, col_stat, positive_logit, layout.total_rows)
 

@@ -26,12 +26,14 @@ Reduction = Literal["mean", "sum", "none"]
 BlockBackend = Literal["torch", "triton"]  # the backends that compute (what "auto" resolves to)
 BackendName = Literal["auto", BlockBackend, "reference"]
 Precision = Literal["auto", "tf32", "ieee"]
+HardnessMode = Literal["in_batch_negatives", "hard_negatives", "all_negatives"]  # docs/contract.md
 
 LOSSES: tuple[str, ...] = get_args(LossKind)
 REDUCTIONS: tuple[str, ...] = get_args(Reduction)
 BLOCK_BACKENDS: tuple[str, ...] = get_args(BlockBackend)
 BACKENDS: tuple[str, ...] = get_args(BackendName)  # ("auto", "torch", "triton", "reference")
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+HARDNESS_MODES: tuple[str, ...] = get_args(HardnessMode)
 
 _VOCABULARIES = {"loss": LOSSES, "reduction": REDUCTIONS, "backend": BACKENDS, "precision": PRECISIONS}
 
@@ -121,7 +123,7 @@ class OptionAttribute:
 
 
 __all__ = [
-    "BACKENDS", "BLOCK_BACKENDS", "LOSSES", "PRECISIONS", "REDUCTIONS", "BackendName", "BlockBackend",
-    "LossKind", "LossOptions", "OptionAttribute", "Precision", "Reduction", "check_choice", "check_option",
-    "choice_error", "wire_codes",
+    "BACKENDS", "BLOCK_BACKENDS", "HARDNESS_MODES", "LOSSES", "PRECISIONS", "REDUCTIONS", "BackendName",
+    "BlockBackend", "HardnessMode", "LossKind", "LossOptions", "OptionAttribute", "Precision", "Reduction",
+    "check_choice", "check_option", "choice_error", "wire_codes",
 ]

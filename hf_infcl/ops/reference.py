@@ -21,6 +21,10 @@ def per_row_loss(
     positives: torch.Tensor | None = None,
     query_groups: torch.Tensor | None = None,
     key_groups: torch.Tensor | None = None,
+    hardness_mode: str | None = None,
+    hardness_strength: float = 0.0,
+    query_ids: torch.Tensor | None = None,
+    key_owners: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-row loss l_i [m] of one process's rows against its keys.
 
@@ -35,7 +39,8 @@ def per_row_loss(
     if positives is None:
         positives = rows
 
-    z = logit_scale.to(compute_dtype) * (q @ k.T)
+    dots = q @ k.T
+    z = logit_scale.to(compute_dtype) * dots
     if logit_bias is not None:
         z = z + logit_bias.to(compute_dtype)
 
@@ -56,9 +61,27 @@ def per_row_loss(
         return torch.where(allowed, pair_loss, torch.zeros_like(pair_loss)).sum(dim=1)
 
     masked = z.masked_fill(~allowed, float("-inf"))
-    row_term = torch.logsumexp(masked, dim=1) - positive_logit
+    row_logits = masked
+    if hardness_mode is not None:  # the offset of docs/contract.md, a constant: no gradient
+        offset = hardness_strength * dots.detach()
+        selected = _hardness_selection(hardness_mode, query_ids, key_owners, is_positive)
+        row_logits = masked + torch.where(selected, offset, torch.zeros_like(offset))
+    row_term = torch.logsumexp(row_logits, dim=1) - positive_logit
     if not symmetric:
         return row_term
     column_lse = torch.logsumexp(masked, dim=0)  # over the rows allowed for each key
     column_term = column_lse[positives] - positive_logit
     return (row_term + column_term) / 2
+
+
+def _hardness_selection(mode, query_ids, key_owners, is_positive):
+    """[m, k] True where the hardness offset applies (docs/contract.md, "Hardness offset")."""
+    owner = key_owners[None, :]
+    same_owner = query_ids[:, None] == owner
+    if mode == "in_batch_negatives":
+        by_mode = ~same_owner
+    elif mode == "hard_negatives":
+        by_mode = same_owner
+    else:  # all_negatives
+        by_mode = torch.ones_like(same_owner)
+    return by_mode & (owner >= 0) & ~is_positive

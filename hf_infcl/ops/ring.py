@@ -49,15 +49,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .options import LOSSES, PRECISIONS, REDUCTIONS, wire_codes
-from .spec import BlockOps, GroupMask, StatsSpec, accumulation_dtype, empty_row_stats, merge_row_stats
+from .options import HARDNESS_MODES, LOSSES, PRECISIONS, REDUCTIONS, wire_codes
+from .spec import BlockOps, PairLabels, StatsSpec, accumulation_dtype, empty_row_stats, merge_row_stats
 
 # The all_gather at the start carries these fields per rank (as float64: every value is a small
 # integer, exact in a double).
 _LAYOUT_FIELDS = (
     "ok", "rows", "keys", "width", "dtype", "loss", "columns", "precision", "device_type",
-    "has_bias", "has_groups", "reduction",
+    "has_bias", "has_groups", "reduction", "hardness", "hardness_strength",
 )
+_FLOAT_FIELDS = ("hardness_strength",)  # the others are small integers
 # The options' codes come from their vocabularies (hf_infcl.ops.options); the dtype and device codes
 # are the ring's own.
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -65,6 +66,7 @@ _LOSS_CODES = wire_codes(LOSSES)
 _PRECISION_CODES = wire_codes(PRECISIONS)
 _DEVICE_CODES = {"cpu": 1, "cuda": 2, "xpu": 3, "mps": 4}
 _REDUCTION_CODES = wire_codes(REDUCTIONS)
+_HARDNESS_CODES = {None: 0, **wire_codes(HARDNESS_MODES)}
 
 # The backward's key-gradient accumulators travel in slices of at most this many bytes (fp32):
 # small enough that the one slice in flight besides the block's accumulators costs little, large
@@ -136,15 +138,13 @@ class RingLayout:
 
     # The layout is the ring's schedule of key blocks (hf_infcl.ops.key_blocks.KeyBlockSchedule).
 
-    def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, query_groups,
-                      key_groups, positive_keys):
-        return _ring_forward(self, spec, ops, queries, keys, scale, bias, query_groups, key_groups,
-                             positive_keys)
+    def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels):
+        return _ring_forward(self, spec, ops, queries, keys, scale, bias, labels)
 
-    def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, query_groups,
-                              key_groups, positive_keys, row_stat, col_stat, grad_row_stat, grad_col_stat):
-        return _ring_backward(self, spec, ops, queries, keys, scale, bias, query_groups, key_groups,
-                              positive_keys, row_stat, col_stat, grad_row_stat, grad_col_stat)
+    def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
+                              labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat):
+        return _ring_backward(self, spec, ops, queries, keys, scale, bias, labels, row_stat, col_stat,
+                              grad_row_stat, grad_col_stat)
 
 
 def _metadata_device(group, fallback: torch.device) -> torch.device:
@@ -190,11 +190,14 @@ def exchange_layout(group, queries, keys, spec: StatsSpec, has_bias: bool, has_g
         "has_bias": int(has_bias),
         "has_groups": int(has_groups),
         "reduction": _REDUCTION_CODES.get(reduction, 99),
+        "hardness": _HARDNESS_CODES[spec.hardness if spec.offsets else None],
+        "hardness_strength": spec.hardness_strength if spec.offsets else 0.0,
     }
     table = _all_gather_layout(
         group, [float(values[name]) for name in _LAYOUT_FIELDS], _metadata_device(group, queries.device)
     )
-    columns = {name: [int(v) for v in table[:, i].tolist()] for i, name in enumerate(_LAYOUT_FIELDS)}
+    columns = {name: [v if name in _FLOAT_FIELDS else int(v) for v in table[:, i].tolist()]
+               for i, name in enumerate(_LAYOUT_FIELDS)}
     _check_agreement(columns)
 
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -233,6 +236,8 @@ def _check_agreement(columns: dict[str, list[int]]) -> None:
         "has_bias": ("whether logit_bias is given", lambda v: str(bool(v))),
         "has_groups": ("whether query_groups/key_groups are given", lambda v: str(bool(v))),
         "reduction": ("reduction", _decoder(_REDUCTION_CODES)),
+        "hardness": ("hardness_mode", _decoder(_HARDNESS_CODES)),
+        "hardness_strength": ("hardness_strength", str),
     }
     for field, (what, decode) in names.items():
         if len(set(columns[field])) > 1:
@@ -310,23 +315,32 @@ class _TravellingBlocks:
             self._spare = finished
 
 
-def _block_mask(query_groups, positive_keys, block_groups, offset: int) -> GroupMask | None:
-    if query_groups is None:
-        return None
-    return GroupMask(query_groups, block_groups, positive_keys, key_offset=offset)
+def _travelling_key_labels(labels: PairLabels, k_max: int) -> list[torch.Tensor]:
+    """The per-key labels that travel with this rank's key block, padded: its groups and its
+    hardness owners, whichever are given (-1 pads the owners: nobody's keys)."""
+    given = ((labels.key_groups, 0), (labels.key_owners, -1))
+    return [_padded(tensor, k_max, fill) for tensor, fill in given if tensor is not None]
 
 
-def _ring_forward(layout, spec, ops, queries, keys, scale, bias, query_groups, key_groups, positive_keys):
+def _block_labels(spec: StatsSpec, labels: PairLabels, travelled: list[torch.Tensor], lo: int, hi: int,
+                  key_offset: int):
+    """(group mask, hardness offset) of this rank's rows against keys ``lo:hi`` of a visiting key
+    block whose first key has global index ``key_offset``; ``travelled`` are the block's labels
+    as :func:`_travelling_key_labels` packed them."""
+    travelled = iter(travelled)
+    groups = next(travelled)[lo:hi] if labels.key_groups is not None else None
+    owners = next(travelled)[lo:hi] if labels.key_owners is not None else None
+    return labels.mask(groups, key_offset + lo), labels.hardness(spec, owners, key_offset + lo)
+
+
+def _ring_forward(layout, spec, ops, queries, keys, scale, bias, labels: PairLabels):
     acc = accumulation_dtype(queries.dtype)
     device = queries.device
     m, k_max, n = queries.shape[0], layout.max_keys, layout.world_size
     row_stat = empty_row_stats(spec, m, acc, device)
 
     compute = layout.schedule.compute
-    own = [_padded(keys, k_max, 0.0)]
-    if key_groups is not None:
-        own.append(_padded(key_groups, k_max, 0))
-    blocks = _TravellingBlocks(layout, own)
+    blocks = _TravellingBlocks(layout, [_padded(keys, k_max, 0.0), *_travelling_key_labels(labels, k_max)])
 
     # The running column statistic of the block computed last step, one step behind its keys.
     col_works, col_arrived = None, None
@@ -336,15 +350,16 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, query_groups, k
         if step < n - 1:
             blocks.post_next()  # before the compute, so that the transfer overlaps it
         block_keys = blocks.current[0][:k_owner]
-        block_groups = blocks.current[1][:k_owner] if key_groups is not None else None
 
         # nothing to compute (backends need not handle empty blocks), or the compute switched off
         if m == 0 or k_owner == 0 or not compute:
             partial_row = empty_row_stats(spec, m, acc, device)
             partial_col = torch.full((k_owner,), float("-inf"), dtype=acc, device=device)
         else:
-            mask = _block_mask(query_groups, positive_keys, block_groups, layout.key_offset(owner))
-            partial_row, partial_col = ops.forward_block(spec, queries, block_keys, scale, bias, mask)
+            mask, hardness = _block_labels(spec, labels, blocks.current[1:], 0, k_owner,
+                                           layout.key_offset(owner))
+            partial_row, partial_col = ops.forward_block(spec, queries, block_keys, scale, bias, mask,
+                                                         hardness=hardness)
         row_stat = merge_row_stats(spec, row_stat, partial_row)
 
         if spec.columns:
@@ -377,8 +392,8 @@ def _key_slices(k_max: int, width: int, element_bytes: int) -> list[tuple[int, i
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _ring_backward(layout, spec, ops, queries, keys, scale, bias, query_groups, key_groups,
-                   positive_keys, row_stat, col_stat, grad_row_stat, grad_col_stat):
+def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLabels, row_stat, col_stat,
+                   grad_row_stat, grad_col_stat):
     """Returns (unscaled G K for this rank's rows, this rank's unscaled G^T Q as a list of
     (row range, accumulator) slices, row sums of G)."""
     acc = accumulation_dtype(queries.dtype)
@@ -388,9 +403,7 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, query_groups, 
     grad_queries = torch.zeros(m, width, dtype=acc, device=device)
     row_sums = torch.zeros(m, dtype=acc, device=device)
 
-    own = [_padded(keys, k_max, 0.0)]
-    if key_groups is not None:
-        own.append(_padded(key_groups, k_max, 0))
+    own = [_padded(keys, k_max, 0.0), *_travelling_key_labels(labels, k_max)]
     if spec.columns:
         # The owner's complete column statistic and its gradient travel with the keys.
         col_info = torch.zeros(2, k_max, dtype=acc, device=device)
@@ -426,7 +439,6 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, query_groups, 
         if step < n - 1:
             blocks.post_next()  # before the compute, so that the transfer overlaps it
         block_keys = blocks.current[0]
-        block_groups = blocks.current[1] if key_groups is not None else None
         block_cols = blocks.current[-1] if spec.columns else None
 
         for index, (lo, hi) in enumerate(slices):
@@ -440,14 +452,14 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, query_groups, 
                 accumulator = running[index]
             hi_real = min(hi, k_owner)  # rows past the owner's k are padding: never computed
             if lo < hi_real and m > 0 and compute:
-                sliced_groups = block_groups[lo:hi_real] if block_groups is not None else None
-                mask = _block_mask(query_groups, positive_keys, sliced_groups, layout.key_offset(owner) + lo)
+                mask, hardness = _block_labels(spec, labels, blocks.current[1:], lo, hi_real,
+                                               layout.key_offset(owner))
                 row_sums += ops.backward_block(
                     spec, queries, block_keys[lo:hi_real], scale, bias, mask, row_stat,
                     block_cols[0, lo:hi_real] if spec.columns else None,
                     row_weight,
                     block_cols[1, lo:hi_real] if spec.columns else None,
-                    grad_queries, accumulator[: hi_real - lo],
+                    grad_queries, accumulator[: hi_real - lo], hardness=hardness,
                 )
             # The previous batch had this slice's compute to finish in.
             wait_pending()

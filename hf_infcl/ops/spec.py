@@ -9,7 +9,11 @@ exempt it from group masking:
     sigmoid:  row_stat_i = sum_{j allowed for i} softplus(z_ij)
 
 and the per-row loss is assembled from these and the positive logit z_{i,p(i)} with ordinary
-autograd ops (``hf_infcl.loss``). A backend's backward receives the gradients of row_stat and
+autograd ops (``hf_infcl.loss``). With a hardness offset (:class:`HardnessOffset`) the softmax
+row_stat is over z_ij + alpha * x_ij where the offset selects (the column statistic and the
+positive logit are not offset), and the row probabilities below are of those logits.
+
+A backend's backward receives the gradients of row_stat and
 col_stat (``row_weight``, ``col_weight``) and forms, tile by tile,
 
     softmax:  G_ij = row_weight_i * exp(z_ij - row_stat_i) + col_weight_j * exp(z_ij - col_stat_j)
@@ -24,11 +28,11 @@ locally and in the ring.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
-from .options import LossKind, Precision
+from .options import HARDNESS_MODES, HardnessMode, LossKind, Precision
 
 
 @dataclass(frozen=True)
@@ -48,12 +52,18 @@ class StatsSpec:
             (:meth:`BlockOps.forward_backward_block`), and the backward only scales them:
             three GEMM passes instead of four. The sigmoid loss's G needs no statistic, so
             nothing has to be known before the pass.
+        hardness, hardness_strength: softmax only; the row statistic is taken over the offset
+            logits z + strength * x where :class:`HardnessOffset` selects (docs/contract.md,
+            "Hardness offset"); the column statistic keeps the plain logits. None (or strength
+            0): no offset.
     """
 
     loss: LossKind
     columns: bool
     precision: Precision = "auto"
     gradients_in_forward: bool = False
+    hardness: HardnessMode | None = None
+    hardness_strength: float = 0.0
 
     def __post_init__(self):
         if self.loss == "sigmoid" and self.columns:
@@ -61,6 +71,13 @@ class StatsSpec:
         if self.gradients_in_forward and self.loss != "sigmoid":
             raise ValueError("gradients_in_forward needs the sigmoid loss (the softmax loss's G needs "
                              "its statistics first)")
+        if self.hardness is not None and (self.loss != "softmax" or self.hardness not in HARDNESS_MODES):
+            raise ValueError(f"hardness {self.hardness!r} needs the softmax loss and one of {HARDNESS_MODES}")
+
+    @property
+    def offsets(self) -> bool:
+        """Whether the row statistic is taken over hardness-offset logits."""
+        return self.hardness is not None and self.hardness_strength != 0.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +107,73 @@ class GroupMask:
         )
         is_positive = self.positive_keys[row_start:row_end, None] == key_index[None, :]
         return (qg != kg) | is_positive
+
+
+@dataclass(frozen=True)
+class HardnessOffset:
+    """The hardness offset of one (row block, key block) pair (docs/contract.md, "Hardness
+    offset"): row i's row-statistic logit of key j is z_ij + strength * x_ij where
+    :meth:`selected` is True; the column statistic and the gradient's flow (through s * x only)
+    are unchanged.
+
+    Key indices are global, as in :class:`GroupMask`; a negative owner is nobody's.
+    """
+
+    mode: HardnessMode
+    strength: float
+    query_ids: torch.Tensor  # [m] int64
+    key_owners: torch.Tensor  # [k_block] int64, negative: never offset
+    positive_keys: torch.Tensor  # [m] int64, global key indices
+    key_offset: int = 0
+
+    @property
+    def mode_code(self) -> int:
+        """1, 2, 3 for the modes in :data:`HARDNESS_MODES` order (0 is "no offset" in kernels)."""
+        return HARDNESS_MODES.index(self.mode) + 1
+
+    def selected(self, row_start: int, row_end: int, key_start: int, key_end: int) -> torch.Tensor:
+        """Boolean [rows, keys] tile: True where the logit gets the offset."""
+        owner = self.key_owners[None, key_start:key_end]
+        key_index = torch.arange(self.key_offset + key_start, self.key_offset + key_end, device=owner.device)
+        is_positive = self.positive_keys[row_start:row_end, None] == key_index[None, :]
+        same_owner = self.query_ids[row_start:row_end, None] == owner
+        by_mode = {"in_batch_negatives": ~same_owner, "hard_negatives": same_owner,
+                   "all_negatives": torch.ones_like(same_owner)}[self.mode]
+        return by_mode & (owner >= 0) & ~is_positive
+
+    def offset_logits(self, logits: torch.Tensor, dots: torch.Tensor, row_start: int, row_end: int,
+                      key_start: int, key_end: int) -> torch.Tensor:
+        """The row statistic's logits of one tile: ``logits`` plus the offset where selected."""
+        selected = self.selected(row_start, row_end, key_start, key_end)
+        return logits + torch.where(selected, self.strength * dots, torch.zeros_like(dots))
+
+
+class PairLabels(NamedTuple):
+    """The per-row and per-key tensors that say which (row, key) pairs are masked
+    (:class:`GroupMask`) or offset (:class:`HardnessOffset`): this process's rows and its own
+    keys, None where not given. A schedule hands them to every key block, the key tensors
+    travelling with their keys."""
+
+    query_groups: torch.Tensor | None = None  # [m]
+    key_groups: torch.Tensor | None = None  # [k]
+    query_ids: torch.Tensor | None = None  # [m]
+    key_owners: torch.Tensor | None = None  # [k]
+    positive_keys: torch.Tensor | None = None  # [m] global key indices, when either is given
+
+    def mask(self, key_groups: torch.Tensor | None, key_offset: int) -> GroupMask | None:
+        """The group mask of these rows against a key block (its groups and global offset)."""
+        if self.query_groups is None:
+            return None
+        return GroupMask(self.query_groups, key_groups, self.positive_keys, key_offset)
+
+    def hardness(self, spec: StatsSpec, key_owners: torch.Tensor | None,
+                 key_offset: int) -> HardnessOffset | None:
+        """The hardness offset of these rows against a key block, or None when ``spec`` asks for
+        none."""
+        if not spec.offsets:
+            return None
+        return HardnessOffset(spec.hardness, spec.hardness_strength, self.query_ids, key_owners,
+                              self.positive_keys, key_offset)
 
 
 def resolve_precision(precision: str, dtype: torch.dtype, device: torch.device) -> Precision:
@@ -141,8 +225,10 @@ class BlockOps(Protocol):
         scale: torch.Tensor,
         bias: torch.Tensor | None,
         mask: GroupMask | None,
+        hardness: HardnessOffset | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Return (row_stat [m], col_stat [k] or None) in the accumulation dtype."""
+        """Return (row_stat [m], col_stat [k] or None) in the accumulation dtype; with
+        ``hardness``, row_stat is over the offset logits, col_stat over the plain ones."""
 
     def backward_block(
         self,
@@ -158,9 +244,11 @@ class BlockOps(Protocol):
         col_weight: torch.Tensor | None,
         grad_queries: torch.Tensor,
         grad_keys: torch.Tensor,
+        hardness: HardnessOffset | None = None,
     ) -> torch.Tensor:
         """Add G K to ``grad_queries`` [m, c] and G^T Q to ``grad_keys`` [k, c] (both unscaled,
-        accumulation dtype, in place) and return the row sums of G [m].
+        accumulation dtype, in place) and return the row sums of G [m]. With ``hardness``, the
+        row probabilities exp(z - row_stat) are of the offset logits (the column ones are not).
 
         ``row_stat`` and ``col_stat`` are the complete statistics (over every key and every row
         of the whole problem), not this block's partial ones.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .spec import GroupMask, StatsSpec, accumulation_dtype, resolve_precision
+from .spec import GroupMask, HardnessOffset, StatsSpec, accumulation_dtype, resolve_precision
 
 # Above this, softplus(z) == z to well under float64 resolution of the row sums we form.
 _SOFTPLUS_LINEAR_ABOVE = 40.0
@@ -63,11 +63,12 @@ class TorchTiles:
         logits = scale * dots
         if bias is not None:
             logits = logits + bias
-        return logits
+        return logits, dots
 
-    def _logit_tiles(self, spec, queries, keys, scale, bias):
-        """(r0, r1, k0, k1, query tile, key tile, logits) of every tile, in the accumulation
-        dtype; the caller's loop body runs under ``spec``'s matmul precision too."""
+    def _logit_tiles(self, spec, queries, keys, scale, bias, hardness: HardnessOffset | None = None):
+        """(r0, r1, k0, k1, query tile, key tile, logits, row logits) of every tile, in the
+        accumulation dtype; the row logits are the logits with the hardness offset (the same
+        tensor without one). The caller's loop body runs under ``spec``'s matmul precision too."""
         acc = accumulation_dtype(queries.dtype)
         scale = scale.to(acc)
         bias = None if bias is None else bias.to(acc)
@@ -75,9 +76,14 @@ class TorchTiles:
             for r0, r1, k0, k1 in self._tiles(queries.shape[0], keys.shape[0]):
                 q_tile = queries[r0:r1].to(acc)
                 k_tile = keys[k0:k1].to(acc)
-                yield r0, r1, k0, k1, q_tile, k_tile, self._logits(q_tile, k_tile, scale, bias)
+                logits, dots = self._logits(q_tile, k_tile, scale, bias)
+                row_logits = logits
+                if hardness is not None:
+                    row_logits = hardness.offset_logits(logits, dots, r0, r1, k0, k1)
+                yield r0, r1, k0, k1, q_tile, k_tile, logits, row_logits
 
-    def forward_block(self, spec, queries, keys, scale, bias, mask: GroupMask | None):
+    def forward_block(self, spec, queries, keys, scale, bias, mask: GroupMask | None,
+                      hardness: HardnessOffset | None = None):
         acc = accumulation_dtype(queries.dtype)
         m, k = queries.shape[0], keys.shape[0]
         device = queries.device
@@ -87,7 +93,8 @@ class TorchTiles:
             row_stat = torch.zeros(m, dtype=acc, device=device)
         col_stat = torch.full((k,), float("-inf"), dtype=acc, device=device) if spec.columns else None
 
-        for r0, r1, k0, k1, _, _, logits in self._logit_tiles(spec, queries, keys, scale, bias):
+        tiles = self._logit_tiles(spec, queries, keys, scale, bias, hardness)
+        for r0, r1, k0, k1, _, _, logits, row_logits in tiles:
             allowed = None if mask is None else mask.allowed(r0, r1, k0, k1)
             if spec.loss == "sigmoid":
                 terms = F.softplus(logits, threshold=_SOFTPLUS_LINEAR_ABOVE)
@@ -97,7 +104,8 @@ class TorchTiles:
                 continue
             if allowed is not None:
                 logits = logits.masked_fill(~allowed, float("-inf"))
-            row_stat[r0:r1] = torch.logaddexp(row_stat[r0:r1], torch.logsumexp(logits, dim=1))
+                row_logits = row_logits.masked_fill(~allowed, float("-inf"))
+            row_stat[r0:r1] = torch.logaddexp(row_stat[r0:r1], torch.logsumexp(row_logits, dim=1))
             if col_stat is not None:
                 col_stat[k0:k1] = torch.logaddexp(col_stat[k0:k1], torch.logsumexp(logits, dim=0))
         return row_stat, col_stat
@@ -116,14 +124,16 @@ class TorchTiles:
         col_weight,
         grad_queries,
         grad_keys,
+        hardness: HardnessOffset | None = None,
     ):
         acc = accumulation_dtype(queries.dtype)
         row_sums = torch.zeros(queries.shape[0], dtype=acc, device=queries.device)
-        for r0, r1, k0, k1, q_tile, k_tile, logits in self._logit_tiles(spec, queries, keys, scale, bias):
+        tiles = self._logit_tiles(spec, queries, keys, scale, bias, hardness)
+        for r0, r1, k0, k1, q_tile, k_tile, logits, row_logits in tiles:
             if spec.loss == "sigmoid":
                 grad_logits = row_weight[r0:r1, None] * torch.sigmoid(logits)
             else:
-                grad_logits = row_weight[r0:r1, None] * torch.exp(logits - row_stat[r0:r1, None])
+                grad_logits = row_weight[r0:r1, None] * torch.exp(row_logits - row_stat[r0:r1, None])
                 if col_weight is not None:
                     grad_logits += col_weight[None, k0:k1] * torch.exp(logits - col_stat[None, k0:k1])
             if mask is not None:
@@ -140,7 +150,7 @@ class TorchTiles:
         acc = accumulation_dtype(queries.dtype)
         row_stat = torch.zeros(queries.shape[0], dtype=acc, device=queries.device)
         row_sums = torch.zeros(queries.shape[0], dtype=acc, device=queries.device)
-        for r0, r1, k0, k1, q_tile, k_tile, logits in self._logit_tiles(spec, queries, keys, scale, bias):
+        for r0, r1, k0, k1, q_tile, k_tile, logits, _ in self._logit_tiles(spec, queries, keys, scale, bias):
             terms = F.softplus(logits, threshold=_SOFTPLUS_LINEAR_ABOVE)
             grad_logits = torch.sigmoid(logits)
             if mask is not None:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from . import triton_kernels as kernels
-from .spec import GroupMask, StatsSpec, resolve_precision
+from .spec import GroupMask, HardnessOffset, StatsSpec, resolve_precision
 from .tiled import TorchTiles
 
 _HALF_TYPES = (torch.float16, torch.bfloat16)
@@ -85,21 +85,23 @@ class TritonBlocks:
 
     # ----------------------------------------------------------------------------------------
 
-    def forward_block(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None):
+    def forward_block(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None,
+                      hardness: HardnessOffset | None = None):
         if queries.dtype == torch.float64:
-            return TorchTiles().forward_block(spec, queries, keys, scale, bias, mask)
+            return TorchTiles().forward_block(spec, queries, keys, scale, bias, mask, hardness=hardness)
         self._check(queries, keys)
         spec = _resolved(spec, queries)
         operands = self._operands(spec, queries, keys, scale)
         queries, keys, scale = operands.queries, operands.keys, operands.scale
         bias = None if bias is None else _scalar(bias)
         groups = _mask_arguments(mask)
+        labels = _label_arguments(mask, hardness, operands)  # the row statistic's: groups and offset
         if spec.columns and self.fused_columns:
-            return self._rows_and_columns_in_one_pass(spec, queries, keys, scale, bias, groups)
+            return self._rows_and_columns_in_one_pass(spec, queries, keys, scale, bias, labels)
         row_stat = kernels.logit_stats(
             queries, keys, scale, bias, sigmoid=spec.loss == "sigmoid", columns=False,
             precision=spec.precision, splits=self.stat_splits, out=self._stat_buffer(queries, keys),
-            **groups,
+            **labels,
         )
         col_stat = None
         if spec.columns:
@@ -110,12 +112,14 @@ class TritonBlocks:
         return row_stat, col_stat
 
     def backward_block(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None,
-                       row_stat, col_stat, row_weight, col_weight, grad_queries, grad_keys):
+                       row_stat, col_stat, row_weight, col_weight, grad_queries, grad_keys,
+                       hardness: HardnessOffset | None = None):
         if queries.dtype == torch.float64:
             return TorchTiles().backward_block(spec, queries, keys, scale, bias, mask, row_stat, col_stat,
-                                               row_weight, col_weight, grad_queries, grad_keys)
+                                               row_weight, col_weight, grad_queries, grad_keys,
+                                               hardness=hardness)
         return self._super_tiles(spec, queries, keys, scale, bias, mask, row_stat, col_stat, row_weight,
-                                 col_weight, grad_queries, grad_keys)
+                                 col_weight, grad_queries, grad_keys, hardness=hardness)
 
     def forward_backward_block(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None,
                                grad_queries, grad_keys):
@@ -133,7 +137,8 @@ class TritonBlocks:
         return row_stat, row_sums
 
     def _super_tiles(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None, row_stat,
-                     col_stat, row_weight, col_weight, grad_queries, grad_keys, softplus_sums=None):
+                     col_stat, row_weight, col_weight, grad_queries, grad_keys, softplus_sums=None,
+                     hardness: HardnessOffset | None = None):
         """The backward's walk over super-tiles (see the module docstring); returns the row sums
         of G. With ``softplus_sums`` [m] (fp32, zeroed) the one-pass route: the gradient-tile
         kernel adds the sigmoid row statistic into it."""
@@ -178,8 +183,9 @@ class TritonBlocks:
         ld = -(-tile_keys // 8) * 8
         scratch = torch.empty((tile_rows, ld), dtype=gemm.queries.dtype, device=device)
         row_sums = torch.zeros(m, **f32)
-        groups = _mask_arguments(mask)
-        base_offset = groups.pop("key_offset", 0)
+        labels = _label_arguments(mask, hardness, operands)
+        base_offset = labels.pop("key_offset", 0)
+        offset = {name: labels.pop(name) for name in ("hardness", "hardness_strength") if name in labels}
         sigmoid = spec.loss == "sigmoid"
         # One autotuning key for every super-tile of this call, so that tuning (which zeroes the
         # row-sum buffer it benchmarks on) can only happen on the first super-tile.
@@ -194,16 +200,15 @@ class TritonBlocks:
             dict(queries=queries[r0:r1], gemm_queries=gemm.queries[r0:r1], grad=grad_queries[r0:r1],
                  row_sums=row_sums[r0:r1], row_stat=row_stat[r0:r1], row_weight=row_weight[r0:r1],
                  softplus_sums=None if softplus_sums is None else softplus_sums[r0:r1],
-                 groups=dict(row_groups=groups["row_groups"][r0:r1],
-                             positive_keys=groups["positive_keys"][r0:r1]) if groups else {})
+                 labels=_sliced(labels, _ROW_LABELS, r0, r1))
             for r0, r1 in row_bounds
         ]
         key_tiles = [
             dict(keys=keys[k0:k1], gemm_keys=gemm.keys[k0:k1], grad=grad_keys[k0:k1],
                  col_stat=None if col_stat is None else col_stat[k0:k1],
                  col_weight=None if col_weight is None else col_weight[k0:k1],
-                 groups=dict(key_groups=groups["key_groups"][k0:k1], key_offset=base_offset + k0)
-                 if groups else {})
+                 labels=dict(_sliced(labels, _KEY_LABELS, k0, k1), key_offset=base_offset + k0)
+                 if labels else {})
             for k0, k1 in key_bounds
         ]
         g_views = {}  # at most four shapes: full, last row panel, last key tile, both
@@ -221,7 +226,7 @@ class TritonBlocks:
                         row["queries"], tile["keys"], g, row["row_sums"], scale, bias, inv_g_scale,
                         row["row_stat"], tile["col_stat"], row["row_weight"], tile["col_weight"],
                         sigmoid=sigmoid, precision=spec.precision, size_class=size_class,
-                        softplus_sums=row["softplus_sums"], **row["groups"], **tile["groups"],
+                        softplus_sums=row["softplus_sums"], **row["labels"], **tile["labels"], **offset,
                     )
                     _add_product(row["grad"], g, tile["gemm_keys"])
                     _add_product(tile["grad"], g.T, row["gemm_queries"])
@@ -262,8 +267,9 @@ class TritonBlocks:
         fp16 = _scaled_fp16(queries, keys)
         return _Operands(fp16.queries, fp16.keys, kernel_operands.scale, fp16.queries_max, fp16.keys_max)
 
-    def _rows_and_columns_in_one_pass(self, spec, queries, keys, scale, bias, groups):
-        """Row and column log-sum-exp from one pass over the tiles.
+    def _rows_and_columns_in_one_pass(self, spec, queries, keys, scale, bias, labels):
+        """Row and column log-sum-exp from one pass over the tiles (``labels``: the launcher's
+        group and hardness arguments).
 
         Rows go in chunks small enough that the column partials (one fp32 per row block and
         key) fit in ``column_buffer_entries``; each chunk's partials are merged into the column
@@ -281,14 +287,11 @@ class TritonBlocks:
             r1 = min(r0 + chunk_rows, m)
             # Row blocks a config with larger blocks leaves unwritten must not count: -inf.
             partials.fill_(float("-inf"))
-            chunk_groups = groups
-            if groups:
-                chunk_groups = dict(groups, row_groups=groups["row_groups"][r0:r1],
-                                    positive_keys=groups["positive_keys"][r0:r1])
+            chunk_labels = dict(labels, **_sliced(labels, _ROW_LABELS, r0, r1))
             row_stat[r0:r1] = kernels.logit_stats(
                 queries[r0:r1], keys, scale, bias, sigmoid=False, columns=False,
                 precision=spec.precision, splits=self.stat_splits,
-                out=self._stat_buffer(queries[r0:r1], keys), column_partials=partials, **chunk_groups,
+                out=self._stat_buffer(queries[r0:r1], keys), column_partials=partials, **chunk_labels,
             )
             col_stat = torch.logaddexp(col_stat, torch.logsumexp(partials, dim=0))
         return row_stat, col_stat
@@ -422,4 +425,35 @@ def _mask_arguments(mask: GroupMask | None) -> dict:
         key_groups=mask.key_groups.to(torch.int64).contiguous(),
         positive_keys=mask.positive_keys.to(torch.int64).contiguous(),
         key_offset=int(mask.key_offset),
+    )
+
+
+# The launchers' per-row and per-key label arguments (what a super-tile or row chunk slices).
+_ROW_LABELS = ("row_groups", "positive_keys", "query_ids")
+_KEY_LABELS = ("key_groups", "key_owners")
+
+
+def _sliced(arguments: dict, names: tuple[str, ...], start: int, end: int) -> dict:
+    """The ``names`` among ``arguments`` (those given), sliced to ``start:end``."""
+    return {name: arguments[name][start:end] for name in names if name in arguments}
+
+
+def _label_arguments(mask: GroupMask | None, hardness: HardnessOffset | None, operands: _Operands) -> dict:
+    """The launchers' arguments of the group mask and of the hardness offset (the row
+    statistic's, and the backward's). The offset's strength multiplies the kernels' dot products,
+    which are those of the fp16 copies when fp32 runs as scaled fp16: it takes their factors."""
+    arguments = _mask_arguments(mask)
+    if hardness is None:
+        return arguments
+    device = hardness.query_ids.device
+    strength = torch.tensor(hardness.strength, dtype=torch.float32, device=device)
+    factor = _product(operands.queries_max, operands.keys_max)
+    return dict(
+        arguments,
+        query_ids=hardness.query_ids.to(torch.int64).contiguous(),
+        key_owners=hardness.key_owners.to(torch.int64).contiguous(),
+        positive_keys=hardness.positive_keys.to(torch.int64).contiguous(),
+        key_offset=int(hardness.key_offset),
+        hardness=hardness.mode_code,
+        hardness_strength=strength if factor is None else strength * factor,
     )

@@ -208,6 +208,32 @@ def _allowed(row_index, key_index, row_valid, key_valid, row_group_ptr, key_grou
 
 
 @triton.jit
+def _hardness_offset(logits, dots, row_index, key_index, row_valid, key_valid, query_id_ptr, key_owner_ptr,
+                     positive_ptr, key_offset, strength, HARDNESS: tl.constexpr):
+    """The row statistic's logits of a [rows, keys] tile: ``logits`` + strength * dots where the
+    contract's hardness offset selects (HARDNESS: 1 in-batch, 2 hard, 3 all negatives; a negative
+    owner is nobody's, a row's positive is never offset). The offset is a constant of the loss,
+    so the backward's G keeps flowing through the scaled dots only."""
+    query_id = tl.load(query_id_ptr + row_index, mask=row_valid, other=-1)
+    owner = tl.load(key_owner_ptr + key_index, mask=key_valid, other=-1)
+    positive = tl.load(positive_ptr + row_index, mask=row_valid, other=-1)
+    selected = (owner[None, :] >= 0) & (positive[:, None] != (key_offset + key_index)[None, :])
+    if HARDNESS == 1:
+        selected = selected & (owner[None, :] != query_id[:, None])
+    elif HARDNESS == 2:
+        selected = selected & (owner[None, :] == query_id[:, None])
+    return logits + tl.where(selected, strength * dots, 0.0)
+
+
+@triton.jit
+def _exact_column_lse(logits):
+    """Log-sum-exp of each column of a tile of logits, each column shifted by its own maximum."""
+    col_max = tl.max(logits, axis=0)
+    col_shift = tl.where(col_max == float("-inf"), 0.0, col_max)
+    return col_shift + tl.log(tl.sum(tl.exp2((logits - col_shift[None, :]) * LOG2E), axis=0))
+
+
+@triton.jit
 def _column_lse(logits, p, tile_max, inner_valid):
     """Log-sum-exp of each column of a tile of logits, reusing p = exp(logits - tile_max) (per row).
 
@@ -226,9 +252,7 @@ def _column_lse(logits, p, tile_max, inner_valid):
     # with nothing allowed (sum 0) also takes the exact path, which gives it -inf just the same.
     doubtful = inner_valid & (col_sum < 9.094947017729282e-13)
     if tl.max(doubtful.to(tl.int32), axis=0) > 0:
-        col_max = tl.max(logits, axis=0)
-        col_shift = tl.where(col_max == float("-inf"), 0.0, col_max)
-        col_lse = col_shift + tl.log(tl.sum(tl.exp2((logits - col_shift[None, :]) * LOG2E), axis=0))
+        col_lse = _exact_column_lse(logits)
     else:
         col_lse = shift + tl.log(col_sum)
     return col_lse
@@ -241,10 +265,10 @@ def _column_lse(logits, p, tile_max, inner_valid):
 @triton.jit
 def _stats_kernel_body(
     outer_ptr, inner_ptr, out_ptr, col_partial_ptr, scale_ptr, bias_ptr,
-    row_group_ptr, key_group_ptr, positive_ptr, key_offset,
+    row_group_ptr, key_group_ptr, positive_ptr, key_offset, query_id_ptr, key_owner_ptr, hardness_ptr,
     n_outer, n_inner, c, stride_outer, stride_inner, inner_per_split, size_class,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
-    FUSED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    FUSED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, HARDNESS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -259,6 +283,8 @@ def _stats_kernel_body(
         bias = tl.load(bias_ptr).to(tl.float32)
     else:
         bias = 0.0
+    if HARDNESS != 0:  # rows outer only: the column statistic is of the plain logits
+        strength = tl.load(hardness_ptr).to(tl.float32)
 
     running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -278,6 +304,12 @@ def _stats_kernel_body(
         if SIGMOID:
             running_sum += tl.sum(tl.where(allowed, _softplus(logits), 0.0), axis=1)
         else:
+            if HARDNESS != 0:
+                # The columns' logits, kept before the rows' offset replaces them.
+                plain_logits = tl.where(allowed, logits, float("-inf"))
+                logits = _hardness_offset(logits, dots, outer_index, inner_index, outer_valid, inner_valid,
+                                          query_id_ptr, key_owner_ptr, positive_ptr, key_offset, strength,
+                                          HARDNESS)
             logits = tl.where(allowed, logits, float("-inf"))
             # The tile's own row maxima shift its exponentials, so the same values serve the
             # column partials below. A row with nothing allowed has max -inf: shift by 0 there.
@@ -293,7 +325,10 @@ def _stats_kernel_body(
             if FUSED_COLUMNS:
                 # The same tile's column log-sum-exp over this program's rows: one partial per
                 # (row block, key), merged by the launcher. Saves the second forward pass.
-                col_lse = _column_lse(logits, p, tile_max, inner_valid)
+                if HARDNESS != 0:  # p holds the offset logits' exponentials: not the columns'
+                    col_lse = _exact_column_lse(plain_logits)
+                else:
+                    col_lse = _column_lse(logits, p, tile_max, inner_valid)
                 tl.store(col_partial_ptr + pid * n_inner + inner_index, col_lse, mask=inner_valid)
 
     if SIGMOID:
@@ -344,10 +379,10 @@ def _column_probability(logits, p_row, row_stat, col_stat, row_valid, key_valid)
 def _grad_tile_kernel_body(
     q_ptr, k_ptr, g_ptr, row_sums_ptr, softplus_sums_ptr, scale_ptr, bias_ptr, inv_g_scale_ptr,
     row_stat_ptr, col_stat_ptr, row_weight_ptr, col_weight_ptr,
-    row_group_ptr, key_group_ptr, positive_ptr, key_offset,
+    row_group_ptr, key_group_ptr, positive_ptr, key_offset, query_id_ptr, key_owner_ptr, hardness_ptr,
     n_rows, n_keys, c, stride_q, stride_k, stride_g, size_class,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
-    ONE_PASS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ONE_PASS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, HARDNESS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row_index = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -378,12 +413,21 @@ def _grad_tile_kernel_body(
         row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
         logits = dots * scale + bias
         row_stat = tl.load(row_stat_ptr + row_index, mask=row_valid, other=0.0)
-        p_row = tl.exp2((logits - row_stat[:, None]) * LOG2E)
+        if HARDNESS != 0:
+            row_logits = _hardness_offset(logits, dots, row_index, key_index, row_valid, key_valid,
+                                          query_id_ptr, key_owner_ptr, positive_ptr, key_offset,
+                                          tl.load(hardness_ptr).to(tl.float32), HARDNESS)
+        else:
+            row_logits = logits
+        p_row = tl.exp2((row_logits - row_stat[:, None]) * LOG2E)
         grad = row_weight[:, None] * p_row
         if COLUMNS:
             col_stat = tl.load(col_stat_ptr + key_index, mask=key_valid, other=0.0)
             col_weight = tl.load(col_weight_ptr + key_index, mask=key_valid, other=0.0)
-            p_col = _column_probability(logits, p_row, row_stat, col_stat, row_valid, key_valid)
+            if HARDNESS != 0:  # p_row is of the offset logits: the columns' needs its own exponential
+                p_col = tl.exp2((logits - col_stat[None, :]) * LOG2E)
+            else:
+                p_col = _column_probability(logits, p_row, row_stat, col_stat, row_valid, key_valid)
             grad += col_weight[None, :] * p_col
     # where(), not a product: a masked entry may hold 0 * inf = nan.
     grad = tl.where(allowed, grad, 0.0)
@@ -487,6 +531,10 @@ def logit_stats(
     splits: int | None = None,
     out: torch.Tensor | None = None,
     column_partials: torch.Tensor | None = None,
+    query_ids: torch.Tensor | None = None,
+    key_owners: torch.Tensor | None = None,
+    hardness: int = 0,
+    hardness_strength: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row statistic of ``outer`` against ``inner`` (queries, keys), or with ``columns=True`` the
     column log-sum-exp (outer = keys, inner = queries). fp32 [n_outer].
@@ -498,6 +546,12 @@ def logit_stats(
     with -inf by the caller) also receives, per row block of the launch, the column log-sum-exp
     of the tiles it computed: ``logsumexp(column_partials, 0)`` is then the column statistic of
     these rows, and the forward needs one pass over the tiles instead of two.
+
+    ``hardness`` (rows outer only; 0: none, else 1-3 in ``HARDNESS_MODES`` order) offsets the
+    row statistic's logits by ``hardness_strength`` (a 0-d fp32 tensor, in the units of these
+    operands' dot products) times the dots where ``query_ids`` [n_outer] and ``key_owners``
+    [n_inner] select (docs/contract.md, "Hardness offset"); ``positive_keys`` must be given.
+    The column partials stay of the plain logits.
     """
     n_outer, c = outer.shape
     n_inner = inner.shape[0]
@@ -516,11 +570,13 @@ def logit_stats(
         _stats_kernel, "stats", grid, outer.device,
         outer, inner, out, column_partials if fused else dummy, scale, bias if bias is not None else dummy,
         row_groups if has_mask else dummy, key_groups if has_mask else dummy,
-        positive_keys if has_mask else dummy, key_offset,
+        *_pair_pointers(has_mask, hardness, positive_keys, key_offset, query_ids, key_owners,
+                        hardness_strength, dummy),
         n_outer, n_inner, c, outer.stride(0), inner.stride(0), inner_per_split,
         problem_size_class(n_outer, n_inner),
         HAS_BIAS=bias is not None, HAS_MASK=has_mask, COLUMNS=columns, SIGMOID=sigmoid,
         FUSED_COLUMNS=fused, PRECISION=dot_precision(outer.dtype, precision), UPCAST=INTERPRET,
+        HARDNESS=hardness,
     )
     if splits == 1:
         return out[0]
@@ -548,6 +604,10 @@ def grad_tile(
     key_offset: int = 0,
     size_class: int | None = None,
     softplus_sums: torch.Tensor | None = None,
+    query_ids: torch.Tensor | None = None,
+    key_owners: torch.Tensor | None = None,
+    hardness: int = 0,
+    hardness_strength: torch.Tensor | None = None,
 ) -> None:
     """Write G / g_scale of ``queries`` x ``keys`` into ``g_out`` [rows, keys] (a view whose last
     stride is 1) and add the row sums of G into ``row_sums`` [rows] (fp32, atomically).
@@ -559,6 +619,9 @@ def grad_tile(
     ``size_class`` (default: from this tile's shape) is part of the autotuning key. Tuning zeroes
     ``row_sums`` before each trial, so callers that launch several tiles into one buffer pass the
     class of the whole problem: then only their first launch can trigger tuning.
+
+    ``hardness``, ``hardness_strength``, ``query_ids``, ``key_owners``: the row probabilities are
+    of the offset logits, as in :func:`logit_stats`; the column ones are not.
     """
     n_rows, c = queries.shape
     n_keys = keys.shape[0]
@@ -575,9 +638,19 @@ def grad_tile(
         bias if bias is not None else dummy, inv_g_scale,
         row_stat, col_stat if columns else dummy, row_weight, col_weight if columns else dummy,
         row_groups if has_mask else dummy, key_groups if has_mask else dummy,
-        positive_keys if has_mask else dummy, key_offset,
+        *_pair_pointers(has_mask, hardness, positive_keys, key_offset, query_ids, key_owners,
+                        hardness_strength, dummy),
         n_rows, n_keys, c, queries.stride(0), keys.stride(0), g_out.stride(0),
         size_class if size_class is not None else problem_size_class(n_rows, n_keys),
         HAS_BIAS=bias is not None, HAS_MASK=has_mask, COLUMNS=columns, SIGMOID=sigmoid, ONE_PASS=one_pass,
-        PRECISION=dot_precision(queries.dtype, precision), UPCAST=INTERPRET,
+        PRECISION=dot_precision(queries.dtype, precision), UPCAST=INTERPRET, HARDNESS=hardness,
     )
+
+
+def _pair_pointers(has_mask: bool, hardness: int, positive_keys, key_offset: int, query_ids, key_owners,
+                   hardness_strength, dummy) -> tuple:
+    """(positive_ptr, key_offset, query_id_ptr, key_owner_ptr, hardness_ptr) of a launch: the
+    positives serve the group mask and the hardness offset alike; ``dummy`` where nothing reads."""
+    if not hardness:
+        return positive_keys if has_mask else dummy, key_offset, dummy, dummy, dummy
+    return positive_keys, key_offset, query_ids, key_owners, hardness_strength
