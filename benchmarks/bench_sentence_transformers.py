@@ -25,6 +25,11 @@ config (the timings do not depend on the weights) and noted in the output.
 
     python benchmarks/bench_sentence_transformers.py                  # both parts, about 5 min on H100
     python benchmarks/bench_sentence_transformers.py --sizes 4k --static-max 64k   # quick look
+    python benchmarks/bench_sentence_transformers.py --parts minilm --sizes 4k,16k --rounds 2 --profile
+
+``--rounds`` measures the two losses in turn that many times (medians over every timed step), so
+that a drift of the machine does not favour the loss measured first; ``--profile`` adds a table of
+one step's GPU time by kernel for each loss at the first size.
 
 Writes ``bench_sentence_transformers.csv`` under $OUT when that is set (or to --csv).
 """
@@ -218,7 +223,7 @@ def train_step(model, loss_module, columns, optimizer):
 
 
 def measure_steps(model, loss_module, columns, repeats: int):
-    """(median step seconds, step peak above the pre-step allocation, timer) after one warm-up step."""
+    """(each step's seconds, step peak above the pre-step allocation, timer) after one warm-up step."""
     timer = LossPartTimer(loss_module) if getattr(loss_module, "mini_batch_size", None) else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     train_step(model, loss_module, columns, optimizer)  # warm-up: kernels, autotuning, AdamW state
@@ -237,7 +242,25 @@ def measure_steps(model, loss_module, columns, repeats: int):
             peak = max(peak, timer.outer_peak, before + timer.peak_bytes[-1])
         peaks.append(peak - before)
     del optimizer
-    return statistics.median(step_seconds), max(peaks), timer
+    return step_seconds, max(peaks), timer
+
+
+def profile_step(model, loss_module, columns, name: str, batch: int) -> None:
+    """One more training step under torch.profiler: where its GPU time goes, by kernel (the
+    encoder's kernels are the same for both losses; the loss's are not)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    train_step(model, loss_module, columns, optimizer)  # warm-up, AdamW state
+    synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        train_step(model, loss_module, columns, optimizer)
+        synchronize()
+    events = prof.key_averages()
+    gpu_total = sum(event.self_device_time_total for event in events) / 1e6
+    print(f"\n# profile: {name}, batch {format_count(batch)}: {gpu_total:.3f} s of GPU kernel time in one step")
+    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    del optimizer
 
 
 def free_memory(model=None):
@@ -249,7 +272,7 @@ def free_memory(model=None):
 # ----------------------------------------------------------------------------------------------
 
 
-def run_minilm(sizes, repeats, device, record, meta):
+def run_minilm(sizes, repeats, device, record, meta, rounds=1, profile=False):
     from sentence_transformers import losses as st_losses
 
     from hf_infcl import losses
@@ -264,23 +287,41 @@ def run_minilm(sizes, repeats, device, record, meta):
         loss_classes = {
             "CachedMNRL": st_losses.CachedMultipleNegativesRankingLoss, "InfCLLoss": losses.InfCLLoss,
         }
-        for name, loss_class in loss_classes.items():
-            loss_module = loss_class(model, mini_batch_size=MINI_BATCH_SIZE)
+        # Rounds alternate the losses, so that a drift of the machine (clocks, memory) during
+        # the run does not favour the loss measured first.
+        results = {name: {"steps": [], "peaks": [], "timers": []} for name in loss_classes}
+        for _ in range(rounds):
+            for name, loss_class in loss_classes.items():
+                if "status" in results[name]:
+                    continue
+                loss_module = loss_class(model, mini_batch_size=MINI_BATCH_SIZE)
+                try:
+                    step_seconds, peak, timer = measure_steps(model, loss_module, columns, repeats)
+                except Exception as error:  # noqa: BLE001 - an OOM is a result, anything else is reported
+                    status = "OOM" if is_out_of_memory(error) else f"error: {type(error).__name__}: {error}"
+                    results[name]["status"] = status
+                else:
+                    results[name]["steps"] += step_seconds
+                    results[name]["peaks"].append(peak)
+                    results[name]["timers"].append(timer)
+                del loss_module
+                free_memory(model)
+        for name, result in results.items():
             row = {"part": "minilm", "loss": name, "batch": batch, "mini_batch_size": MINI_BATCH_SIZE}
-            try:
-                step_s, peak, timer = measure_steps(model, loss_module, columns, repeats)
-            except Exception as error:  # noqa: BLE001 - an OOM is a result, anything else is reported
-                status = "OOM" if is_out_of_memory(error) else f"error: {type(error).__name__}: {error}"
-                record({**row, "status": status})
-            else:
-                loss_part = timer.seconds[1:] or timer.seconds
-                record({
-                    **row, "status": "ok", "step_s": round(step_s, 4),
-                    "loss_part_s": round(statistics.median(loss_part), 5),
-                    "peak_gib": gib(peak), "loss_part_peak_gib": gib(max(timer.peak_bytes)),
-                })
-            del loss_module
-            free_memory(model)
+            if "status" in result:
+                record({**row, "status": result["status"]})
+                continue
+            loss_part = [s for timer in result["timers"] for s in (timer.seconds[1:] or timer.seconds)]
+            loss_part_peak = max(p for timer in result["timers"] for p in timer.peak_bytes)
+            record({
+                **row, "status": "ok", "step_s": round(statistics.median(result["steps"]), 4),
+                "steps": len(result["steps"]), "loss_part_s": round(statistics.median(loss_part), 5),
+                "peak_gib": gib(max(result["peaks"])), "loss_part_peak_gib": gib(loss_part_peak),
+            })
+        if profile and batch == sizes[0]:
+            for name, loss_class in loss_classes.items():
+                profile_step(model, loss_class(model, mini_batch_size=MINI_BATCH_SIZE), columns, name, batch)
+                free_memory(model)
         del columns
         free_memory()
     del model
@@ -381,7 +422,11 @@ def print_results(rows, meta):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4k,16k,64k", help="MiniLM batch sizes")
-    parser.add_argument("--repeats", type=int, default=2, help="timed steps per MiniLM configuration")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per MiniLM configuration and round")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="MiniLM: measure the two losses this many times each, alternating")
+    parser.add_argument("--profile", action="store_true",
+                        help="MiniLM: profile one more step of each loss at the first size (GPU time by kernel)")
     parser.add_argument("--static-start", default="16k", help="first StaticEmbedding batch size")
     parser.add_argument("--static-max", default="512k", help="largest StaticEmbedding batch size tried")
     parser.add_argument("--parts", default="minilm,static", help="which parts to run")
@@ -400,7 +445,7 @@ def main(argv=None):
         "hf_infcl_backend": type(select_block_ops("auto", device)).__name__,
     }
 
-    fields = ["part", "loss", "batch", "mini_batch_size", "status", "step_s", "loss_part_s", "peak_gib",
+    fields = ["part", "loss", "batch", "mini_batch_size", "status", "step_s", "steps", "loss_part_s", "peak_gib",
               "loss_part_peak_gib", "device", "torch", "triton", "sentence_transformers", "hf_infcl",
               "hf_infcl_backend"]
     rows = []
@@ -416,7 +461,8 @@ def main(argv=None):
         started = time.perf_counter()
         parts = set(args.parts.split(","))
         if "minilm" in parts:
-            run_minilm([parse_count(s) for s in args.sizes.split(",")], args.repeats, device, record, meta)
+            run_minilm([parse_count(s) for s in args.sizes.split(",")], args.repeats, device, record, meta,
+                       rounds=args.rounds, profile=args.profile)
         if "static" in parts:
             run_static(parse_count(args.static_max), parse_count(args.static_start), device, record, meta)
     print(f"\n(total {time.perf_counter() - started:.0f} s)")
