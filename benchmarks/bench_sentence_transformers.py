@@ -258,7 +258,8 @@ def profile_step(model, loss_module, columns, name: str, batch: int) -> None:
         synchronize()
     events = prof.key_averages()
     gpu_total = sum(event.self_device_time_total for event in events) / 1e6
-    print(f"\n# profile: {name}, batch {format_count(batch)}: {gpu_total:.3f} s of GPU kernel time in one step")
+    print(f"\n# profile: {name}, batch {format_count(batch)}: "
+          f"{gpu_total:.3f} s of GPU kernel time in one step")
     print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
     del optimizer
 
@@ -315,7 +316,8 @@ def run_minilm(sizes, repeats, device, record, meta, rounds=1, profile=False):
             loss_part_peak = max(p for timer in result["timers"] for p in timer.peak_bytes)
             record({
                 **row, "status": "ok", "step_s": round(statistics.median(result["steps"]), 4),
-                "steps": len(result["steps"]), "loss_part_s": round(statistics.median(loss_part), 5),
+                "steps": len(result["steps"]), "step_times": " ".join(f"{t:.3f}" for t in result["steps"]),
+                "loss_part_s": round(statistics.median(loss_part), 5),
                 "peak_gib": gib(max(result["peaks"])), "loss_part_peak_gib": gib(loss_part_peak),
             })
         if profile and batch == sizes[0]:
@@ -422,11 +424,13 @@ def print_results(rows, meta):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4k,16k,64k", help="MiniLM batch sizes")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per MiniLM configuration and round")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed steps per MiniLM configuration and round")
     parser.add_argument("--rounds", type=int, default=1,
                         help="MiniLM: measure the two losses this many times each, alternating")
     parser.add_argument("--profile", action="store_true",
-                        help="MiniLM: profile one more step of each loss at the first size (GPU time by kernel)")
+                        help="MiniLM: profile one more step of each loss at the first size "
+                        "(GPU time by kernel)")
     parser.add_argument("--static-start", default="16k", help="first StaticEmbedding batch size")
     parser.add_argument("--static-max", default="512k", help="largest StaticEmbedding batch size tried")
     parser.add_argument("--parts", default="minilm,static", help="which parts to run")
@@ -445,9 +449,9 @@ def main(argv=None):
         "hf_infcl_backend": type(select_block_ops("auto", device)).__name__,
     }
 
-    fields = ["part", "loss", "batch", "mini_batch_size", "status", "step_s", "steps", "loss_part_s", "peak_gib",
-              "loss_part_peak_gib", "device", "torch", "triton", "sentence_transformers", "hf_infcl",
-              "hf_infcl_backend"]
+    fields = ["part", "loss", "batch", "mini_batch_size", "status", "step_s", "steps", "step_times",
+              "loss_part_s", "peak_gib", "loss_part_peak_gib", "device", "torch", "triton",
+              "sentence_transformers", "hf_infcl", "hf_infcl_backend"]
     rows = []
     path = csv_path(args.csv, "bench_sentence_transformers.csv")
     with CsvLog(path, fields, extrasaction="ignore") as log:
