@@ -1037,9 +1037,12 @@ def main(argv=None):
         torch.cuda.reset_peak_memory_stats()
     train_started = time.perf_counter()
     first_step = step  # of this run (a resumed run starts later)
+    data_wait = 0.0  # host seconds the loop waited for its next batch
     try:
         while step < total_steps:
+            waiting_since = time.perf_counter()
             batch = next(batches)
+            data_wait += time.perf_counter() - waiting_since
             pair_groups = batch.pop("groups").to(device)
             if not args.chunk_size:  # GradCache moves (or, offloaded, keeps) the chunks itself
                 batch = {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
@@ -1082,7 +1085,8 @@ def main(argv=None):
                 point = {"step": step, "loss": batch_loss,
                          "logit_scale": full_value(model.clip.logit_scale).exp().item(),
                          "learning_rate": scheduler.get_last_lr()[0],
-                         "pairs_per_second": global_batch * (step - first_step) / elapsed}
+                         "pairs_per_second": global_batch * (step - first_step) / elapsed,
+                         "data_wait_seconds": data_wait}
                 curves.append(point)
                 accelerator.log({f"train/{name}": value for name, value in point.items() if name != "step"},
                                 step=step)
@@ -1159,7 +1163,8 @@ def main(argv=None):
         )
         _write_card_and_results(args, facts, history, curves)
     summary = ", ".join(f"{k} {v:.3f}" for k, v in final.items())
-    throughput = f"{global_batch * (step - first_step) / train_seconds:.0f} pairs/s"
+    throughput = (f"{global_batch * (step - first_step) / train_seconds:.0f} pairs/s, "
+                  f"waited {data_wait:.1f} s for data, {data_wait / train_seconds:.0%} of training")
     if peak_gpu_gib is not None:
         throughput += f", peak GPU memory {peak_gpu_gib:.1f} GiB"
     if peak_host_gib is not None:
