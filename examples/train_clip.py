@@ -136,9 +136,9 @@ class DataArguments:
                 "max_position_embeddings: 77 for CLIP, 64 for SigLIP; 32 for the tiny default model)."})
     streaming: bool = field(default=False, metadata={
         "help": "Stream --dataset (data larger than memory): shards split between processes and "
-                "dataloader workers, images decoded in the workers; needs --max_steps. The rows "
-                "after a worker's last full batch are joined with other workers' into full batches "
-                "(those left at the end of a pass go into the next pass's). A resumed run reads and "
+                "dataloader workers, images decoded in the workers; needs --max_steps. The workers' "
+                "pieces are joined into batches in the order they come; the rows that do not fill a "
+                "batch at the end of a pass open the next pass's first batch. A resumed run reads and "
                 "decodes the stream again up to where it stopped, then trains on."})
     shuffle_buffer_size: int = field(default=10_000, metadata={
         "help": "--streaming: rows in the shuffle buffer (besides shuffling the shards' order)."})
@@ -220,9 +220,11 @@ class TrainArguments:
         default=None, metadata={"help": "no, fp16, bf16 (default: what accelerate launch was told)."}
     )
     dataloader_num_workers: int = field(default=2, metadata={
-        "help": "DataLoader worker processes, which decode and transform the training images and "
-                "tokenize the captions (0: do it in the training process). With --streaming each "
-                "reads its own shards."})
+        "help": "DataLoader worker processes, which decode and transform the training images in "
+                "pieces of at most 256 rows, so that many workers make one batch together (0: the "
+                "training process does it); a background thread of the training process joins the "
+                "pieces and tokenizes the captions. For big batches use many: one per CPU core less "
+                "one or two. With --streaming each reads its own shards."})
     logging_steps: int = field(default=10)
     report_to: str = field(default="none", metadata={
         "help": "Trackers to log to, comma-separated, as Accelerate names them (tensorboard, wandb, "
