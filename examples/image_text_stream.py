@@ -8,20 +8,22 @@ than memory, read shard by shard, decoded in the DataLoader's workers.
   model its word vocabulary. The training rows are the whole stream less the held-out ones,
   recognised by a digest of their caption and image bytes (so that sharding cannot let them
   leak into training, as ``skip(n)`` would: it skips ``n`` rows spread over the shards).
-- :class:`DecodedPairBatches` is this process's share of the training rows as batches: the
-  stream is shuffled (shard order and a buffer of ``--shuffle_buffer_size`` rows, the same seed
-  on every process) and split between processes with ``split_dataset_by_node`` (whole shards
+- :class:`DecodedPairPieces` is this process's share of the training rows as pieces of batches:
+  the stream is shuffled (shard order and a buffer of ``--shuffle_buffer_size`` rows, the same
+  seed on every process) and split between processes with ``split_dataset_by_node`` (whole shards
   when their number is a multiple of the processes, else every ``world``-th row); ``datasets``
-  splits a process's shards again between the DataLoader workers. Each worker decodes, checks,
-  transforms (the model's image processor) and tokenizes full batches of good rows; the rows
-  after its last full batch it sends transformed but not batched (``"rest"``).
-- :func:`endless_batches` gives the batches pass after pass (each pass reshuffled; training
-  length is ``--max_steps``). It joins the workers' rest rows into full batches, so that no row
-  is lost: those that do not fill one at the end of a pass open the next pass's rest batches.
-  A resumed run replays the stream up to where it stopped (its batches read and dropped).
+  splits a process's shards again between the DataLoader workers. Each worker decodes, checks and
+  transforms (the model's image processor) pieces of ``piece_rows`` good rows (and, at the end of
+  its shards, the rows left): pieces rather than whole batches, so that many workers make one big
+  batch together and none holds a whole batch.
+- :func:`endless_batches` joins the pieces, in the order they come, into batches of exactly
+  ``batch_size`` rows (cutting a piece where a batch ends), pass after pass (each pass reshuffled;
+  training length is ``--max_steps``). The rows that do not fill a batch at the end of a pass open
+  the next pass's first batch, so that no row is lost. A resumed run replays the stream up to
+  where it stopped (its batches read and dropped).
 
 Bad rows are skipped with one line each (in the first pass), in the worker that meets them. The
-training process learns of them through the batches: every item carries the rows its worker
+training process learns of them through the pieces: every piece carries the rows its worker
 skipped while filling it (``"skipped"``: {row digest: reason}). :func:`endless_batches` collects
 them by digest, so that a bad row met again in a later pass is counted once.
 """
@@ -120,22 +122,41 @@ def load_image_caption_stream(
     )
 
 
-def transformed_items(image_processor, images, captions, groups) -> list[tuple]:
-    """(pixel values, caption, group) of each pair, the images transformed in one call of the
-    model's image processor (what a collate function takes)."""
+def transformed_piece(image_processor, images, captions, groups, pixel_dtype=torch.float32) -> dict:
+    """A piece of a batch, made in a DataLoader worker: ``pixel_values`` (the images transformed in
+    one call of the model's image processor, in ``pixel_dtype``), ``captions`` (text: the training
+    process tokenizes a whole batch's at once, padded as one batch) and ``groups`` (a tensor)."""
     pixels = image_processor(images=images, return_tensors="pt")["pixel_values"]
-    return list(zip(pixels, captions, groups))
+    return {"pixel_values": pixels.to(pixel_dtype), "captions": list(captions),
+            "groups": torch.tensor(groups, dtype=torch.long)}
 
 
-class DecodedPairBatches(torch.utils.data.IterableDataset):
-    """This process's batches of ``batch_size`` good training pairs, made in the DataLoader's
-    workers (load it with ``batch_size=None``): pixel values, input ids, attention mask, caption
-    groups, and ``"skipped"``, {digest: reason} of the rows skipped while filling the batch. A
-    worker's last item holds the rows after its last full batch as ``"rest"`` (a list of
-    :func:`transformed_items`), for :func:`endless_batches` to join with other workers' rest."""
+def piece_length(piece: dict) -> int:
+    return len(piece["captions"])
+
+
+def cut_pieces(pieces: list[dict], rows: int) -> tuple[list[dict], list[dict]]:
+    """``pieces`` cut after their first ``rows`` rows: (the pieces of those rows, the rest), a
+    piece that straddles the cut split in two (its pixel values as views, not copies)."""
+    head, rest = [], list(pieces)
+    while rows > 0:
+        piece = rest.pop(0)
+        if piece_length(piece) > rows:
+            rest.insert(0, {name: value[rows:] for name, value in piece.items()})
+            piece = {name: value[:rows] for name, value in piece.items()}
+        head.append(piece)
+        rows -= piece_length(piece)
+    return head, rest
+
+
+class DecodedPairPieces(torch.utils.data.IterableDataset):
+    """This process's training pairs as pieces of at most ``piece_rows`` good pairs, made in the
+    DataLoader's workers (load it with ``batch_size=None``): :func:`transformed_piece` and
+    ``"skipped"``, {digest: reason} of the rows skipped while filling the piece. A worker's last
+    piece holds the rows after its last full one (maybe none, only skipped rows)."""
 
     def __init__(self, pairs: PairStream, *, rank: int, world_size: int, seed: int, shuffle_buffer_size: int,
-                 batch_size: int, image_processor, collate):
+                 batch_size: int, piece_rows: int, image_processor, collate, pixel_dtype=torch.float32):
         from datasets.distributed import split_dataset_by_node
 
         super().__init__()
@@ -144,16 +165,19 @@ class DecodedPairBatches(torch.utils.data.IterableDataset):
         rows = pairs.rows.shuffle(seed=seed, buffer_size=shuffle_buffer_size)
         self.rows = split_dataset_by_node(rows, rank=rank, world_size=world_size)
         self.pairs = pairs
-        self.batch_size = batch_size
-        self.image_processor = image_processor
-        self.collate = collate
+        self.batch_size, self.piece_rows = batch_size, piece_rows
+        self.image_processor, self.pixel_dtype = image_processor, pixel_dtype
+        self.collate = collate  # joins pieces into a batch, in the training process
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle for pass ``epoch`` (call before iterating: workers get a copy of this object)."""
         self.rows.set_epoch(epoch)
 
-    def _items(self, images, captions) -> list[tuple]:
-        return transformed_items(self.image_processor, images, captions, [caption_group(c) for c in captions])
+    def _piece(self, images, captions, skipped) -> dict:
+        groups = [caption_group(c) for c in captions]
+        piece = (transformed_piece(self.image_processor, images, captions, groups, self.pixel_dtype) if images
+                 else {"captions": []})
+        return {**piece, "skipped": skipped}
 
     def __iter__(self):
         pairs = self.pairs
@@ -171,41 +195,39 @@ class DecodedPairBatches(torch.utils.data.IterableDataset):
                 continue
             images.append(pair[0])
             captions.append(pair[1])
-            if len(images) == self.batch_size:
-                yield {**self.collate(self._items(images, captions)), "skipped": skipped}
+            if len(images) == self.piece_rows:
+                yield self._piece(images, captions, skipped)
                 images, captions, skipped = [], [], {}
         if images or skipped:
-            yield {"rest": self._items(images, captions) if images else [], "skipped": skipped}
+            yield self._piece(images, captions, skipped)
 
 
-def endless_batches(loader, dataset: DecodedPairBatches, skipped: dict, skip_batches: int = 0):
-    """The batches of ``loader`` pass after pass (each pass reshuffled), collecting every item's
-    skipped rows into ``skipped`` ({digest: reason}).
+def endless_batches(loader, dataset: DecodedPairPieces, skipped: dict, skip_batches: int = 0):
+    """The batches of ``batch_size`` rows joined from ``loader``'s pieces, pass after pass (each
+    pass reshuffled), collecting every piece's skipped rows into ``skipped`` ({digest: reason}).
 
-    The workers' rest rows are collated here into full batches as they arrive; those that do not
-    fill one wait for the next pass's (at most ``batch_size - 1`` rows: no row of a pass is lost,
-    a few are trained on at the end of the next pass's share instead).
+    The pieces wait in arrival order until they hold a batch's rows; the rows left at the end of
+    a pass (at most ``batch_size - 1``) wait for the next pass's: no row of a pass is lost, a few
+    are trained on at the start of the next pass instead.
 
     ``skip_batches``: a resumed run's optimizer step. The stream is replayed from its start and
-    that many batches are read (decoded in the workers) and dropped, so that the run goes on with
-    the batch the uninterrupted run would have trained on next, at the cost of reading them again
-    (``datasets`` can restore a stream's position, but not one split between DataLoader workers
-    without torchdata's StatefulDataLoader)."""
-    epoch, rest, given = 0, [], 0
+    that many batches are read (decoded in the workers) and dropped unjoined, so that the run goes
+    on with the batch the uninterrupted run would have trained on next, at the cost of reading
+    them again (``datasets`` can restore a stream's position, but not one split between
+    DataLoader workers without torchdata's StatefulDataLoader)."""
+    epoch, waiting, given = 0, [], 0
     while True:
         dataset.set_epoch(epoch)
         given_before = given
-        for item in loader:
-            skipped.update(item.pop("skipped"))
-            rest += item.pop("rest", [])
-            ready = [item] if item else []
-            while len(rest) >= dataset.batch_size:
-                ready.append(dataset.collate(rest[: dataset.batch_size]))
-                rest = rest[dataset.batch_size :]
-            for batch in ready:
+        for piece in loader:
+            skipped.update(piece.pop("skipped"))
+            if piece_length(piece):
+                waiting.append(piece)
+            while sum(map(piece_length, waiting)) >= dataset.batch_size:
+                batch, waiting = cut_pieces(waiting, dataset.batch_size)
                 given += 1
                 if given > skip_batches:
-                    yield batch
+                    yield dataset.collate(batch)
         if given == given_before:  # fewer usable rows in a pass than one batch
             raise ValueError(
                 f"a whole pass over this process's share of {dataset.pairs.path} gave fewer than "

@@ -37,6 +37,7 @@ is trained as a 1-element vector and saved back as CLIP's scalar; ``save_steps``
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -75,10 +76,11 @@ from example_cli import (
     push_output_dir,
 )
 from image_text_stream import (
-    DecodedPairBatches,
+    DecodedPairPieces,
     endless_batches,
     load_image_caption_stream,
-    transformed_items,
+    piece_length,
+    transformed_piece,
 )
 from retrieval_metrics import embed_texts, retrieval_metrics, zero_shot_accuracy
 from training_curves import check_plotting, save_training_curves
@@ -134,9 +136,9 @@ class DataArguments:
                 "max_position_embeddings: 77 for CLIP, 64 for SigLIP; 32 for the tiny default model)."})
     streaming: bool = field(default=False, metadata={
         "help": "Stream --dataset (data larger than memory): shards split between processes and "
-                "dataloader workers, images decoded in the workers; needs --max_steps. The rows "
-                "after a worker's last full batch are joined with other workers' into full batches "
-                "(those left at the end of a pass go into the next pass's). A resumed run reads and "
+                "dataloader workers, images decoded in the workers; needs --max_steps. The workers' "
+                "pieces are joined into batches in the order they come; the rows that do not fill a "
+                "batch at the end of a pass open the next pass's first batch. A resumed run reads and "
                 "decodes the stream again up to where it stopped, then trains on."})
     shuffle_buffer_size: int = field(default=10_000, metadata={
         "help": "--streaming: rows in the shuffle buffer (besides shuffling the shards' order)."})
@@ -218,9 +220,11 @@ class TrainArguments:
         default=None, metadata={"help": "no, fp16, bf16 (default: what accelerate launch was told)."}
     )
     dataloader_num_workers: int = field(default=2, metadata={
-        "help": "DataLoader worker processes, which decode and transform the training images and "
-                "tokenize the captions (0: do it in the training process). With --streaming each "
-                "reads its own shards."})
+        "help": "DataLoader worker processes, which decode and transform the training images in "
+                "pieces of at most 256 rows, so that many workers make one batch together (0: the "
+                "training process does it); a background thread of the training process joins the "
+                "pieces and tokenizes the captions. For big batches use many: one per CPU core less "
+                "one or two. With --streaming each reads its own shards."})
     logging_steps: int = field(default=10)
     report_to: str = field(default="none", metadata={
         "help": "Trackers to log to, comma-separated, as Accelerate names them (tensorboard, wandb, "
@@ -242,33 +246,43 @@ class TrainArguments:
 # Data
 
 
-class PairDataset(torch.utils.data.Dataset):
-    """Image-caption examples made into batches where a batch is fetched: in a DataLoader worker
-    (--dataloader_num_workers > 0), so that the training process never decodes an image.
+# Rows of a piece of a batch, what one DataLoader worker makes at a time: pieces rather than whole
+# batches, so that many workers decode one big batch together and each holds little memory (256
+# rows of 224 px images: 77 MB of bf16 pixel values); large enough that a piece's costs (one image
+# processor call, one transfer between processes) are small beside its decoding.
+PIECE_ROWS = 256
 
-    Load it with ``batch_sampler=EpochBatches(RankBatches(...))`` and ``collate_fn=batch_as_is``:
-    the DataLoader hands each (epoch, indices) batch to ``__getitems__``, which decodes the
-    images, transforms them in one image-processor call, draws one caption per row and collates.
-    A row whose image does not decode is left out of its batch (one row shorter) and named in the
-    batch's ``"skipped"`` ({index: reason}).
+
+class PairDataset(torch.utils.data.Dataset):
+    """Image-caption examples made into pieces of batches where a piece is fetched: in a
+    DataLoader worker (--dataloader_num_workers > 0), so that the training process never decodes
+    an image.
+
+    Load it with ``batch_sampler=EpochBatches(RankBatches(...), piece_rows)`` and
+    ``collate_fn=batch_as_is``: the DataLoader hands each piece, (epoch, batch number, last piece
+    of its batch?, indices), to ``__getitems__``, which decodes the images, transforms them in one
+    image-processor call (pixel values in ``pixel_dtype``) and draws one caption per row:
+    :func:`transformed_piece`, with ``"batch"`` (the piece's first three fields) and ``"skipped"``
+    ({index: reason}: a row whose image does not decode is left out of its piece).
+    :func:`epoch_batches` joins a batch's pieces.
 
     The caption draw is a function of (seed, epoch, index), not of a running generator, so a run
     resumed from a checkpoint sees exactly the captions the uninterrupted run would have seen.
     """
 
-    def __init__(self, examples, caption_groups, image_processor, collate, seed, base=None):
+    def __init__(self, examples, caption_groups, image_processor, seed, base=None, pixel_dtype=torch.float32):
         self.examples = examples
         self.caption_groups = caption_groups
         self.image_processor = image_processor
-        self.collate = collate
         self.seed = seed
         self.base = base  # folder that relative image paths start from
+        self.pixel_dtype = pixel_dtype
 
     def __len__(self):
         return len(self.examples)
 
-    def __getitems__(self, batch):
-        epoch, indices = batch
+    def __getitems__(self, piece):
+        epoch, number, last, indices = piece
         images, captions, groups, skipped = [], [], [], {}
         for index in indices:
             example = self.examples[index]
@@ -283,14 +297,13 @@ class PairDataset(torch.utils.data.Dataset):
             images.append(image)
             captions.append(example.captions[choice])
             groups.append(self.caption_groups[index][choice])
-        if not images:
-            raise ValueError(f"no image of this process's batch decodes (training rows {list(indices)})")
-        items = transformed_items(self.image_processor, images, captions, groups)
-        return {**self.collate(items), "skipped": skipped}
+        made = (transformed_piece(self.image_processor, images, captions, groups, self.pixel_dtype) if images
+                else {"captions": []})
+        return {**made, "batch": (epoch, number, last), "skipped": skipped}
 
 
 def batch_as_is(batch):
-    """The DataLoader's ``collate_fn`` for :class:`PairDataset`, whose batches come collated."""
+    """The DataLoader's ``collate_fn`` for :class:`PairDataset`, whose pieces come made."""
     return batch
 
 
@@ -309,25 +322,97 @@ def load_training_data(data_args, seed, log) -> ImageCaptionData:
     return data
 
 
+def _pins_memory(args) -> bool:
+    """Whether batches go to a GPU, from pinned host memory (faster copies that overlap work)."""
+    return torch.cuda.is_available() and not args.use_cpu
+
+
 def _data_loader(dataset, args, persistent_workers=False, **options):
-    """A DataLoader with --dataloader_num_workers workers (pinned host memory for a GPU)."""
+    """A DataLoader with --dataloader_num_workers workers. Its pieces are not pinned: they are
+    copied once more, into the batch, which :class:`PairCollate` allocates pinned (pinned pieces
+    would hold a second pinned copy of the batch's rows, and a batch joined from them would not
+    be pinned)."""
     workers = args.dataloader_num_workers
     return torch.utils.data.DataLoader(dataset, num_workers=workers,
-                                       pin_memory=torch.cuda.is_available() and not args.use_cpu,
                                        persistent_workers=persistent_workers and workers > 0, **options)
 
 
-def epoch_batches(loader, sampler, skipped: dict, step: int = 0):
-    """The batches of ``loader`` epoch after epoch, from optimizer step ``step`` on (a resumed
-    run skips the batches its epoch had already trained on, without reading them), collecting
-    each batch's skipped rows into ``skipped`` ({index: reason})."""
+def epoch_batches(loader, sampler, skipped: dict, collate, step: int = 0):
+    """The batches of ``loader`` epoch after epoch, each joined from its pieces by ``collate``,
+    from optimizer step ``step`` on (a resumed run skips the batches its epoch had already
+    trained on, without reading them), collecting each piece's skipped rows into ``skipped``
+    ({index: reason}). The DataLoader gives the pieces in the sampler's order, whichever workers
+    made them, so a batch's pieces come one after the other."""
     epoch, skip = divmod(step, len(sampler))
     while True:
         sampler.set_epoch(epoch, skip_batches=skip)
-        for batch in loader:
-            skipped.update(batch.pop("skipped"))
-            yield batch
+        pieces = []
+        for piece in loader:
+            skipped.update(piece.pop("skipped"))
+            if pieces and pieces[-1]["batch"][:2] != piece["batch"][:2]:
+                raise RuntimeError(f"a piece of batch {piece['batch'][:2]} (epoch, number) came before "
+                                   f"batch {pieces[-1]['batch'][:2]} was complete")
+            pieces.append(piece)
+            if piece["batch"][2]:  # the batch's last piece
+                yield joined_batch(pieces, collate)
+                pieces = []
         epoch, skip = epoch + 1, 0
+
+
+def joined_batch(pieces, collate):
+    """One batch of its ``pieces`` (tagged with the batch's (epoch, number)), those with rows."""
+    with_rows = [piece for piece in pieces if piece_length(piece)]
+    if not with_rows:
+        epoch, number, _ = pieces[-1]["batch"]
+        raise ValueError(f"no image of this process's batch {number} of epoch {epoch} decodes")
+    return collate(with_rows)
+
+
+class Prefetched:
+    """The batches of the generator ``batches`` made one ahead in a background thread, so that
+    joining a batch's pieces (copying gigabytes of pixel values) and tokenizing its captions
+    overlap the training step instead of stalling the GPU: ``torch.cat`` and the Rust tokenizers
+    release the GIL (a Python loop in the training thread ran as fast during a join as alone).
+    Two batches are in host memory: the one training and the next, made while it trains.
+    An exception of the thread is raised again by ``next`` (the same exception, with its
+    message); :meth:`close` ends the thread and the generator (and so its DataLoader iterator).
+
+    A plain ``threading.Thread``, not a ``ThreadPoolExecutor``: the DataLoader forks its workers
+    from this thread, and a process forked from an executor's thread exits with code 1 (Python
+    3.11), which the DataLoader reports as a worker that died."""
+
+    def __init__(self, batches):
+        import queue
+        import threading
+
+        self._batches = batches
+        self._wanted, self._made = queue.Queue(), queue.Queue()  # True: make one more; False: stop
+        self._thread = threading.Thread(target=self._make, name="join-batches", daemon=True)
+        self._thread.start()
+        self._wanted.put(True)
+
+    def _make(self):
+        while self._wanted.get():
+            try:
+                self._made.put((next(self._batches), None))
+            except BaseException as error:  # for the training thread to raise
+                self._made.put((None, error))
+                return
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch, error = self._made.get()
+        if error is not None:
+            raise error
+        self._wanted.put(True)
+        return batch
+
+    def close(self):
+        self._wanted.put(False)  # after the batch being made, if any
+        self._thread.join()
+        self._batches.close()
 
 
 def preprocess_images(image_processor, examples, batch_size=512):
@@ -352,29 +437,41 @@ def group_ids(data: ImageCaptionData, examples):
 
 
 class PairCollate:
-    """(pixel values, caption, group) items -> a batch; a class rather than a closure, so that it
-    pickles into DataLoader workers that are spawned rather than forked.
+    """Pieces of a batch (:func:`transformed_piece`) -> the batch, in the training process (in
+    :class:`Prefetched`'s thread): the pixel values copied into one tensor (allocated pinned
+    when ``pin_memory``, so that the copies to the GPU are fast and asynchronous: 44 GiB/s against
+    5.6 from pageable memory on an H100 machine; pinning a 9 GiB batch the first time takes
+    seconds, after which PyTorch's host allocator hands the same block to later batches), the
+    captions tokenized together, padded as one batch whatever the pieces.
 
     ``padding="max_length"`` for SigLIP, whose text tower pools the last position and was trained
-    on captions padded to the full length."""
+    on captions padded to the full length. The tokenizer is a copy of the one given: this one
+    tokenizes in a background thread while evaluation tokenizes in the training thread, and a fast
+    tokenizer's padding and truncation settings are shared state."""
 
-    def __init__(self, tokenizer, max_length, padding="longest"):
-        self.tokenizer, self.max_length, self.padding = tokenizer, max_length, padding
+    def __init__(self, tokenizer, max_length, padding="longest", pin_memory=False):
+        self.tokenizer, self.max_length, self.padding = copy.deepcopy(tokenizer), max_length, padding
+        self.pin_memory = pin_memory
 
-    def __call__(self, items):
-        pixel_values, captions, groups = zip(*items)
-        text = self.tokenizer(list(captions), padding=self.padding, truncation=True,
-                              max_length=self.max_length, return_tensors="pt")
+    def __call__(self, pieces):
+        pixel_values = [piece["pixel_values"] for piece in pieces]
+        first = pixel_values[0]
+        joined = torch.empty((sum(map(len, pixel_values)), *first.shape[1:]), dtype=first.dtype,
+                             pin_memory=self.pin_memory)
+        torch.cat(pixel_values, out=joined)
+        captions = [caption for piece in pieces for caption in piece["captions"]]
+        text = self.tokenizer(captions, padding=self.padding, truncation=True, max_length=self.max_length,
+                              return_tensors="pt")
         return {
-            "pixel_values": torch.stack(pixel_values),
+            "pixel_values": joined,
             "input_ids": text["input_ids"],
             "attention_mask": text["attention_mask"],
-            "groups": torch.tensor(groups, dtype=torch.long),
+            "groups": torch.cat([piece["groups"] for piece in pieces]),
         }
 
 
-def make_collate(tokenizer, max_length, padding="longest"):
-    return PairCollate(tokenizer, max_length, padding)
+def make_collate(tokenizer, max_length, padding="longest", pin_memory=False):
+    return PairCollate(tokenizer, max_length, padding, pin_memory)
 
 
 class RankBatches(torch.utils.data.Sampler):
@@ -422,18 +519,24 @@ class RankBatches(torch.utils.data.Sampler):
 
 
 class EpochBatches(torch.utils.data.Sampler):
-    """``sampler``'s batches as (epoch, indices): the epoch travels with each batch to the
-    DataLoader workers, which can then live from epoch to epoch (their copy of the dataset would
-    not see a ``set_epoch``), instead of starting anew every epoch."""
+    """``sampler``'s batches cut into pieces of at most ``piece_rows`` rows, each as (epoch, batch
+    number, last piece of its batch?, indices): the DataLoader's workers make the pieces, several
+    workers one batch, and :func:`epoch_batches` joins them. The epoch travels with each piece to
+    the workers, which can then live from epoch to epoch (their copy of the dataset would not see
+    a ``set_epoch``), instead of starting anew every epoch."""
 
-    def __init__(self, sampler: RankBatches):
-        self.sampler = sampler
+    def __init__(self, sampler: RankBatches, piece_rows: int):
+        self.sampler, self.piece_rows = sampler, piece_rows
 
     def __iter__(self):
-        return ((self.sampler.epoch, batch) for batch in self.sampler)
+        epoch = self.sampler.epoch
+        for number, batch in enumerate(self.sampler, start=self.sampler.skip):
+            for start in range(0, len(batch), self.piece_rows):
+                end = start + self.piece_rows
+                yield epoch, number, end >= len(batch), batch[start:end]
 
     def __len__(self) -> int:
-        return len(self.sampler)
+        return sum(math.ceil(len(batch) / self.piece_rows) for batch in self.sampler)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -832,7 +935,14 @@ def main(argv=None):
     # SigLIP's text tower pools the last position: captions padded to the length it was trained on
     # (transformers' SigLIP docs: padding="max_length", as the model was trained).
     padding = "max_length" if getattr(model.config, "model_type", "") == "siglip" else "longest"
-    collate = make_collate(processor.tokenizer, data_args.max_seq_length, padding)
+    collate = make_collate(processor.tokenizer, data_args.max_seq_length, padding,
+                           pin_memory=_pins_memory(args))
+    # Under --mixed_precision bf16 / fp16 the vision tower's first layer runs in that dtype under
+    # autocast whatever the pixels' dtype (CLIP and SigLIP cast the pixels to the weights' dtype,
+    # which autocast rounds to bf16 / fp16 again: the same values), so the workers make the
+    # pixel values in it: half the bytes to make, send between processes, join and copy.
+    pixel_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision,
+                                                                      torch.float32)
     held_out_pixels = preprocess_images(processor.image_processor, data.held_out)
     if classification is not None:
         classification = (classification,
@@ -858,26 +968,29 @@ def main(argv=None):
     # Training rows the DataLoader workers skip as unusable ({row key: reason}), added at the end
     # to those skipped while loading.
     worker_skips = {}
+    piece_rows = min(PIECE_ROWS, args.per_device_train_batch_size)
     if data_args.streaming:
-        stream = DecodedPairBatches(
+        stream = DecodedPairPieces(
             data.extra["stream"], rank=accelerator.process_index, world_size=world, seed=args.seed,
             shuffle_buffer_size=data_args.shuffle_buffer_size, batch_size=args.per_device_train_batch_size,
-            image_processor=processor.image_processor, collate=collate)
+            piece_rows=piece_rows, image_processor=processor.image_processor, collate=collate,
+            pixel_dtype=pixel_dtype)
         loader = _data_loader(stream, args, batch_size=None)
         batches = endless_batches(loader, stream, worker_skips, skip_batches=step)
         steps_per_epoch, train_rows = None, "streamed"
     else:
-        dataset = PairDataset(data.train, group_ids(data, data.train), processor.image_processor, collate,
-                              seed=args.seed, base=data.extra.get("base"))
+        dataset = PairDataset(data.train, group_ids(data, data.train), processor.image_processor,
+                              seed=args.seed, base=data.extra.get("base"), pixel_dtype=pixel_dtype)
         # FSDP2 gathers, and --reduce_every_chunk reduces, once per chunk: every process must run
         # as many chunks as the others, so their shares must be equal.
         equal_shares = bool(args.chunk_size) and (fsdp2 or args.reduce_every_chunk)
         sampler = RankBatches(len(dataset), args.per_device_train_batch_size, accelerator.process_index,
                               world, args.seed, equal_shares=equal_shares)
-        loader = _data_loader(dataset, args, persistent_workers=True, batch_sampler=EpochBatches(sampler),
-                              collate_fn=batch_as_is)
-        batches = epoch_batches(loader, sampler, worker_skips, step)
+        loader = _data_loader(dataset, args, persistent_workers=True,
+                              batch_sampler=EpochBatches(sampler, piece_rows), collate_fn=batch_as_is)
+        batches = epoch_batches(loader, sampler, worker_skips, collate, step)
         steps_per_epoch, train_rows = len(sampler), len(dataset)
+    batches = Prefetched(batches)
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
     scheduler = get_scheduler(
         args.lr_scheduler_type,
@@ -944,62 +1057,70 @@ def main(argv=None):
         torch.cuda.reset_peak_memory_stats()
     train_started = time.perf_counter()
     first_step = step  # of this run (a resumed run starts later)
-    while step < total_steps:
-        batch = next(batches)
-        pair_groups = batch.pop("groups").to(device)
-        if not args.chunk_size:  # GradCache moves (or, offloaded, keeps) the chunks itself
-            batch = {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
-        loss = training_step(
-            embedder,
-            model,
-            batch,
-            clip_loss(args, pair_groups),
-            args.chunk_size,
-            offload=args.offload,
-            device=device,
-            # One reduction per step (DDP all-reduce, FSDP2 reduce-scatter); None: every chunk.
-            no_sync=None if args.reduce_every_chunk else lambda: accelerator.no_sync(embedder),
-            forward_context=accelerator.autocast,
-            scale_loss=accelerator.scaler.scale if accelerator.scaler is not None else None,
-            backward=accelerator.backward,
-        )
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        clamp_logit_scale(model, args.loss)
-        step += 1
-        progress.update(1)
-        out_of_time = False
-        if args.max_train_seconds is not None:
-            # Every process must stop at the same step: stop when any one is out of time.
-            late = float(time.perf_counter() - train_started > args.max_train_seconds)
-            out_of_time = accelerator.reduce(torch.tensor([late], device=device), reduction="sum").item() > 0
-        logging_step = step % args.logging_steps == 0 or step == total_steps or out_of_time
-        evaluation_step = (step == total_steps or out_of_time
-                           or (args.eval_steps and step % args.eval_steps == 0))
-        if logging_step or evaluation_step:
-            # Each process holds its share (n/M)·Σ of the mean loss; their average is the loss
-            # of the whole contrastive batch. Every process takes part in this reduce.
-            batch_loss = accelerator.reduce(loss.detach().float().reshape(1), reduction="mean").item()
-        if logging_step:
-            # every process gathers the scale (a collective under FSDP2)
-            elapsed = time.perf_counter() - train_started
-            point = {"step": step, "loss": batch_loss,
-                     "logit_scale": full_value(model.clip.logit_scale).exp().item(),
-                     "learning_rate": scheduler.get_last_lr()[0],
-                     "pairs_per_second": global_batch * (step - first_step) / elapsed}
-            curves.append(point)
-            accelerator.log({f"train/{name}": value for name, value in point.items() if name != "step"},
-                            step=step)
-            progress.set_postfix(loss=f"{batch_loss:.3f}", scale=f"{point['logit_scale']:.1f}",
-                                 lr=f"{point['learning_rate']:.1e}",
-                                 pairs_per_s=f"{point['pairs_per_second']:.0f}")
-        if args.save_steps and step % args.save_steps == 0:
-            accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{step}"))
-        if evaluation_step:
-            final = run_evaluation(step, batch_loss)
-        if out_of_time:
-            break
+    data_wait = 0.0  # host seconds the loop waited for its next batch
+    try:
+        while step < total_steps:
+            waiting_since = time.perf_counter()
+            batch = next(batches)
+            data_wait += time.perf_counter() - waiting_since
+            pair_groups = batch.pop("groups").to(device)
+            if not args.chunk_size:  # GradCache moves (or, offloaded, keeps) the chunks itself
+                batch = {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
+            loss = training_step(
+                embedder,
+                model,
+                batch,
+                clip_loss(args, pair_groups),
+                args.chunk_size,
+                offload=args.offload,
+                device=device,
+                # One reduction per step (DDP all-reduce, FSDP2 reduce-scatter); None: every chunk.
+                no_sync=None if args.reduce_every_chunk else lambda: accelerator.no_sync(embedder),
+                forward_context=accelerator.autocast,
+                scale_loss=accelerator.scaler.scale if accelerator.scaler is not None else None,
+                backward=accelerator.backward,
+            )
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            clamp_logit_scale(model, args.loss)
+            step += 1
+            progress.update(1)
+            out_of_time = False
+            if args.max_train_seconds is not None:
+                # Every process must stop at the same step: stop when any one is out of time.
+                late = float(time.perf_counter() - train_started > args.max_train_seconds)
+                late = accelerator.reduce(torch.tensor([late], device=device), reduction="sum")
+                out_of_time = late.item() > 0
+            logging_step = step % args.logging_steps == 0 or step == total_steps or out_of_time
+            evaluation_step = (step == total_steps or out_of_time
+                               or (args.eval_steps and step % args.eval_steps == 0))
+            if logging_step or evaluation_step:
+                # Each process holds its share (n/M)·Σ of the mean loss; their average is the loss
+                # of the whole contrastive batch. Every process takes part in this reduce.
+                batch_loss = accelerator.reduce(loss.detach().float().reshape(1), reduction="mean").item()
+            if logging_step:
+                # every process gathers the scale (a collective under FSDP2)
+                elapsed = time.perf_counter() - train_started
+                point = {"step": step, "loss": batch_loss,
+                         "logit_scale": full_value(model.clip.logit_scale).exp().item(),
+                         "learning_rate": scheduler.get_last_lr()[0],
+                         "pairs_per_second": global_batch * (step - first_step) / elapsed,
+                         "data_wait_seconds": data_wait}
+                curves.append(point)
+                accelerator.log({f"train/{name}": value for name, value in point.items() if name != "step"},
+                                step=step)
+                progress.set_postfix(loss=f"{batch_loss:.3f}", scale=f"{point['logit_scale']:.1f}",
+                                     lr=f"{point['learning_rate']:.1e}",
+                                     pairs_per_s=f"{point['pairs_per_second']:.0f}")
+            if args.save_steps and step % args.save_steps == 0:
+                accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{step}"))
+            if evaluation_step:
+                final = run_evaluation(step, batch_loss)
+            if out_of_time:
+                break
+    finally:
+        batches.close()  # the join thread, and its DataLoader iterator
     if not history or history[-1]["step"] != step:  # e.g. resumed from the last checkpoint
         final = run_evaluation(step, None)
     progress.close()
@@ -1062,7 +1183,8 @@ def main(argv=None):
         )
         _write_card_and_results(args, facts, history, curves)
     summary = ", ".join(f"{k} {v:.3f}" for k, v in final.items())
-    throughput = f"{global_batch * (step - first_step) / train_seconds:.0f} pairs/s"
+    throughput = (f"{global_batch * (step - first_step) / train_seconds:.0f} pairs/s, "
+                  f"waited {data_wait:.1f} s for data, {data_wait / train_seconds:.0%} of training")
     if peak_gpu_gib is not None:
         throughput += f", peak GPU memory {peak_gpu_gib:.1f} GiB"
     if peak_host_gib is not None:

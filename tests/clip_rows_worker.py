@@ -2,11 +2,12 @@
 training rows it reads into ``$CLIP_ROWS_DIR/rows-<rank>-<pid>.jsonl``, one line per row, where
 the row is decoded (``"pid"``: a DataLoader worker's, unless there are none):
 
-- streaming: ``{"rank", "epoch", "caption", "pid"}`` of every row that went into a batch (or into
-  a worker's rest after its last full batch);
-- in memory: ``{"rank", "epoch", "index", "pid"}`` of every row a batch was made of (its index in
-  the train split, a row whose image does not decode included).
+- streaming: ``{"rank", "epoch", "caption", "pid"}`` of every row that went into a piece of a batch;
+- in memory: ``{"rank", "epoch", "batch", "index", "pid"}`` of every row a piece of a batch was
+  made of (its index in the train split, a row whose image does not decode included; ``"batch"``:
+  the batch's number in its epoch).
 
+``$CLIP_PIECE_ROWS``, where set, is the rows of a piece (``train_clip.PIECE_ROWS``).
 The patches are made before ``main`` starts the DataLoader workers, which inherit them (fork).
 """
 
@@ -31,24 +32,27 @@ def record(**row) -> None:
 
 
 def install(set_attribute=setattr) -> None:
-    """Patch the two classes (a test passes ``monkeypatch.setattr`` to have them undone)."""
-    items = image_text_stream.DecodedPairBatches._items
+    """Patch the two classes and the piece size (a test passes ``monkeypatch.setattr`` to have them
+    undone)."""
+    piece = image_text_stream.DecodedPairPieces._piece
 
-    def recording_items(self, images, captions):
+    def recording_piece(self, images, captions, skipped):
         for caption in captions:
             record(epoch=self.rows.epoch, caption=caption)
-        return items(self, images, captions)
+        return piece(self, images, captions, skipped)
 
     getitems = train_clip.PairDataset.__getitems__
 
-    def recording_getitems(self, batch):
-        epoch, indices = batch
+    def recording_getitems(self, piece):
+        epoch, number, _, indices = piece
         for index in indices:
-            record(epoch=epoch, index=index)
-        return getitems(self, batch)
+            record(epoch=epoch, batch=number, index=index)
+        return getitems(self, piece)
 
-    set_attribute(image_text_stream.DecodedPairBatches, "_items", recording_items)
+    set_attribute(image_text_stream.DecodedPairPieces, "_piece", recording_piece)
     set_attribute(train_clip.PairDataset, "__getitems__", recording_getitems)
+    if "CLIP_PIECE_ROWS" in os.environ:
+        set_attribute(train_clip, "PIECE_ROWS", int(os.environ["CLIP_PIECE_ROWS"]))
 
 
 def read_rows(folder) -> list[dict]:

@@ -60,41 +60,182 @@ def test_rank_batches_give_every_row_once_per_epoch(rows, world, equal_shares):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_in_memory_rows_are_decoded_in_workers_once_per_epoch(tmp_path, world, monkeypatch):
-    """Parquet shards in memory, 2 DataLoader workers per process, 1 process or 2 (gloo), 2 epochs:
-    every row is decoded in a worker, never in a training process; within each epoch the
-    processes' rows are disjoint and together the whole train split (the last step's shares are
-    uneven with 2 processes: 51 rows, batches of 16, 3 + 3 rows split 2 + 1); the bad image, met by
-    a worker of one process or the other in each epoch, is counted once."""
+    """Parquet shards in memory, 2 DataLoader workers per process making pieces of 5 rows (a
+    process's batch of 16 or 8 rows is 4 or 2 pieces), 1 process or 2 (gloo), 2 epochs: every row
+    is decoded in a worker, never in a training process, and both workers decode parts of each
+    batch of several pieces; within each epoch the processes' rows are disjoint and together the
+    whole train split (the last step's shares are uneven with 2 processes: 51 rows, batches of 16,
+    3 + 3 rows split 2 + 1); the bad image, met by a worker of one process or the other in each
+    epoch, is counted once."""
     parquet, _ = _digit_shards(tmp_path)
     rows_dir, out = tmp_path / "rows", tmp_path / "out"
     rows_dir.mkdir()
     arguments = ["--dataset", str(parquet), "--image_column", "image", "--output_dir", str(out),
                  "--max_train_samples", "51", "--global_batch_size", "16", "--max_steps", "8",
                  "--eval_steps", "0", "--dataloader_num_workers", "2"]
+    env = {"CLIP_ROWS_DIR": str(rows_dir), "CLIP_PIECE_ROWS": "5"}
     if world == 1:
         import train_clip
 
         from tests.clip_rows_worker import install
 
-        monkeypatch.setenv("CLIP_ROWS_DIR", str(rows_dir))
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
         install(monkeypatch.setattr)  # DataLoader workers fork from this process: they record too
         train_clip.main(arguments)
         training_pids = {os.getpid()}
     else:
-        run_two_processes(WORKER, *arguments, env={"CLIP_ROWS_DIR": str(rows_dir)}, timeout=300)
+        run_two_processes(WORKER, *arguments, env=env, timeout=300)
         training_pids = {r["pid"] for r in read_rows(rows_dir) if r.get("training_process")}
         assert len(training_pids) == 2
     recorded = [r for r in read_rows(rows_dir) if "index" in r]
     decoding_pids = {r["pid"] for r in recorded}
     assert len(decoding_pids) == 2 * world and not decoding_pids & training_pids
-    for epoch in (0, 1):
+    for epoch in (0, 1):  # (the join thread's prefetching may have begun epoch 2)
         by_rank = [[r["index"] for r in recorded if (r["epoch"], r["rank"]) == (epoch, rank)]
                    for rank in range(world)]
         assert world == 1 or not set(by_rank[0]) & set(by_rank[1])
         together = [index for rank_rows in by_rank for index in rank_rows]
         assert sorted(together) == list(range(51)), epoch
+        for rank in range(world):
+            for number in range(3):  # the full batches: 16 // world rows, more than one piece
+                batch = [r for r in recorded if (r["epoch"], r["rank"], r["batch"]) == (epoch, rank, number)]
+                assert len(batch) == 16 // world and len({r["pid"] for r in batch}) == 2, batch
     results = json.loads((out / "eval_results.json").read_text())
     assert results["skipped_rows"] == BAD_ROWS
+
+
+def _digits_pieces_setup(rows=48):
+    """The example's default processor and a :class:`PairDataset` of ``rows`` digits, as main
+    builds them, and its join (a :class:`PairCollate`)."""
+    import train_clip
+
+    from bundled_data import load_image_caption_data
+
+    model_args, data_args, _ = train_clip.parse_arguments([])
+    data = load_image_caption_data("digits", seed=42)
+    clip, processor, _ = train_clip.load_model_and_processor(model_args, data_args, data, seed=42)
+    examples = data.train[:rows]
+    dataset = train_clip.PairDataset(examples, train_clip.group_ids(data, examples),
+                                     processor.image_processor, seed=42)
+    collate = train_clip.make_collate(processor.tokenizer, train_clip.caption_length(clip, None))
+    return dataset, collate
+
+
+class _WorkerTaggedPairs:
+    """A :class:`PairDataset` whose pieces say which DataLoader worker made them."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitems__(self, piece):
+        import torch
+
+        return {**self.dataset.__getitems__(piece), "worker": torch.utils.data.get_worker_info().id}
+
+
+def test_pieces_from_several_workers_make_one_batch_in_order():
+    """Batches of 16 rows cut into pieces of 5 (5 + 5 + 5 + 1), made by 2 DataLoader workers in
+    turn: the pieces arrive in the sampler's order, and each batch joined from them equals the
+    batch made in one piece (the same rows, pixel values, captions and their padding, groups)."""
+    import torch
+    import train_clip
+
+    dataset, collate = _digits_pieces_setup()
+    sampler = train_clip.RankBatches(len(dataset), 16, 0, 1, seed=7)
+    loader = torch.utils.data.DataLoader(_WorkerTaggedPairs(dataset), num_workers=2,
+                                         batch_sampler=train_clip.EpochBatches(sampler, 5),
+                                         collate_fn=train_clip.batch_as_is)
+    assert len(loader) == 3 * 4
+    pieces = list(loader)
+    assert [piece["batch"] for piece in pieces] == [(0, n, i == 3) for n in range(3) for i in range(4)]
+    assert [piece["worker"] for piece in pieces] == [0, 1] * 6  # the workers take turns
+    assert [len(piece["captions"]) for piece in pieces] == [5, 5, 5, 1] * 3
+    assert all(piece["pixel_values"].dtype == torch.float32 for piece in pieces)
+
+    batches = train_clip.epoch_batches(loader, sampler, {}, collate)
+    for number, indices in enumerate(list(sampler)):
+        joined = next(batches)
+        whole = collate([dataset.__getitems__((0, number, True, indices))])
+        assert joined.keys() == whole.keys()
+        for name in whole:
+            torch.testing.assert_close(joined[name], whole[name], rtol=0, atol=0, msg=name)
+    resumed = train_clip.epoch_batches(loader, sampler, {}, collate, step=2)  # skips 2 batches
+    torch.testing.assert_close(next(resumed)["pixel_values"], whole["pixel_values"], rtol=0, atol=0)
+    # their DataLoader iterators and workers end now, not whenever they are garbage collected
+    batches.close()
+    resumed.close()
+
+
+def test_pieces_carry_pixel_values_in_the_mixed_precision_dtype():
+    """--mixed_precision bf16: the workers' pixel values are bf16, the fp32 ones rounded; the
+    vision tower's patch embedding, under autocast, computes the same from either."""
+    import torch
+
+    dataset, collate = _digits_pieces_setup(rows=8)
+    piece = (0, 0, True, list(range(8)))
+    fp32 = dataset.__getitems__(piece)["pixel_values"]
+    dataset.pixel_dtype = torch.bfloat16
+    bf16 = collate([dataset.__getitems__(piece)])["pixel_values"]
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16, fp32.to(torch.bfloat16), rtol=0, atol=0)
+    convolution = torch.nn.Conv2d(3, 4, 4, stride=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        # what CLIP's and SigLIP's embeddings do: the pixels cast to the weights' dtype first
+        torch.testing.assert_close(convolution(bf16.to(torch.float32)), convolution(fp32), rtol=0, atol=0)
+
+
+def test_an_error_in_the_join_thread_reaches_the_training_loop_with_its_message(tmp_path, monkeypatch):
+    """Joining a batch fails (in Prefetched's thread): the run ends with that exception and its
+    message, and the thread has ended."""
+    import threading
+
+    import train_clip
+
+    def failing_join(self, pieces):
+        raise RuntimeError(f"cannot join {len(pieces)} pieces")
+
+    monkeypatch.setattr(train_clip, "PIECE_ROWS", 5)
+    monkeypatch.setattr(train_clip.PairCollate, "__call__", failing_join)
+    with pytest.raises(RuntimeError, match=r"^cannot join 4 pieces$"):
+        # no DataLoader workers: the traceback pytest keeps would keep them alive after the test
+        train_clip.main(["--max_steps", "2", "--global_batch_size", "16", "--eval_steps", "0",
+                         "--dataloader_num_workers", "0", "--output_dir", str(tmp_path / "out")])
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("join-batches")]
+
+
+def test_prefetched_makes_the_next_batch_ahead_and_ends_cleanly():
+    import threading
+    import time
+
+    import train_clip
+
+    made = []
+
+    def batches():
+        for number in range(3):
+            made.append(number)
+            yield number
+        raise ValueError("the data ran out after 3 batches")
+
+    ahead = train_clip.Prefetched(batches())
+    assert next(ahead) == 0
+    for _ in range(100):  # the thread makes batch 1 while batch 0 is in use
+        if made == [0, 1]:
+            break
+        time.sleep(0.05)
+    assert made == [0, 1]
+    assert [next(ahead), next(ahead)] == [1, 2]
+    with pytest.raises(ValueError, match="the data ran out after 3 batches"):
+        next(ahead)
+    ahead.close()
+    ended = train_clip.Prefetched(n for n in range(5))  # closed with a batch made ahead
+    assert next(ended) == 0
+    ended.close()
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("join-batches")]
 
 
 # ---- streaming -------------------------------------------------------------------------------
@@ -110,6 +251,63 @@ def stream_args(source, out, steps):
             "--dataloader_num_workers", "2", "--output_dir", str(out)]
 
 
+def test_streaming_batches_join_pieces_in_order_and_carry_a_pass_rest_into_the_next():
+    """Two workers' pieces of 3 rows (and a last piece of 2 or 1) in the DataLoader's turn order:
+    batches of 4 rows are the rows in arrival order, a piece cut where a batch ends; the 2 rows
+    left after a pass open the next pass's first batch; a resumed run drops its first batches
+    unjoined and goes on with the same ones; each piece's skipped rows are collected."""
+    import torch
+
+    from image_text_stream import endless_batches
+
+    def piece(rows, skipped=None):
+        return {"pixel_values": torch.tensor(rows, dtype=torch.float32).reshape(-1, 1),
+                "captions": [str(row) for row in rows], "groups": torch.tensor(rows),
+                "skipped": skipped or {}}
+
+    class Pieces:
+        batch_size, pairs, epoch = 4, type("Pairs", (), {"path": "shards"}), 0
+        joined = []
+
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+        def collate(self, pieces):
+            self.joined.append(len(pieces))
+            return {"rows": [int(v) for p in pieces for v in p["pixel_values"].flatten()],
+                    "captions": [c for p in pieces for c in p["captions"]]}
+
+    def loader():  # a pass: worker 0 has rows 0-6, worker 1 rows 100-104 (+ the pass number)
+        base, bad = 1000 * dataset.epoch, {"bad": "image does not decode"}
+        return [piece([base + r for r in (0, 1, 2)]), piece([base + r for r in (100, 101, 102)]),
+                piece([base + r for r in (3, 4, 5)], bad), piece([base + 103, base + 104]),
+                piece([base + 6]), piece([], bad)]
+
+    class Loader:
+        def __iter__(self):
+            return iter(loader())
+
+    dataset, skipped = Pieces(), {}
+    batches = endless_batches(Loader(), dataset, skipped)
+    pass_rows = [0, 1, 2, 100, 101, 102, 3, 4, 5, 103, 104, 6]  # 12 rows: 3 batches, nothing left
+    got = [next(batches)["rows"] for _ in range(3)]
+    assert got == [pass_rows[:4], pass_rows[4:8], pass_rows[8:]]
+    assert skipped == {"bad": "image does not decode"}
+    dataset.batch_size = 5  # 12 rows a pass: 2 batches and 2 rows left, which open the next pass's
+    dataset.joined.clear()
+    whole = endless_batches(Loader(), dataset, {})
+    made = [next(whole) for _ in range(5)]
+    got = [batch["rows"] for batch in made]
+    second = [1000 + row for row in pass_rows]
+    assert got == [pass_rows[:5], pass_rows[5:10], pass_rows[10:] + second[:3], second[3:8],
+                   second[8:] + [2000]]  # the third pass's first row ends the fifth batch
+    assert all(batch["captions"] == [str(row) for row in batch["rows"]] for batch in made)  # cut alike
+    resumed = endless_batches(Loader(), dataset, {}, skip_batches=3)
+    dataset.joined.clear()
+    assert [next(resumed)["rows"] for _ in range(2)] == got[3:]
+    assert len(dataset.joined) == 2  # the 3 dropped batches were not joined
+
+
 @pytest.mark.parametrize("layout", ["parquet", "webdataset"])
 def test_streaming_one_process_reads_each_row_once_per_pass_and_counts_bad_rows(tmp_path, layout,
                                                                                monkeypatch):
@@ -121,16 +319,17 @@ def test_streaming_one_process_reads_each_row_once_per_pass_and_counts_bad_rows(
     rows_dir, out = tmp_path / "rows", tmp_path / "out"
     rows_dir.mkdir()
     monkeypatch.setenv("CLIP_ROWS_DIR", str(rows_dir))
+    monkeypatch.setenv("CLIP_PIECE_ROWS", "3")
     install(monkeypatch.setattr)  # DataLoader workers fork from this process: they record too
-    # 2 shards of 30 rows, 2 held out, 2 bad: 56 good rows, one shard per worker (26 and 30): 6 and
-    # 7 full batches of 4, and each worker's last 2 rows joined into a 14th batch: 14 steps are
-    # exactly one pass, over every good row.
+    # 2 shards of 30 rows, 2 held out, 2 bad: 56 good rows, one shard per worker (26 and 30), in
+    # pieces of 3 (and a last one of 2) joined into batches of 4: 14 steps are exactly one pass,
+    # over every good row (the join thread's prefetching may then begin the next pass).
     train_clip.main(stream_args(source, out, (layout, 14)))
     recorded = read_rows(rows_dir)
     first_pass = [r["caption"] for r in recorded if r["epoch"] == 0]
     assert len(first_pass) == 56 and len(set(first_pass)) == len(first_pass)
-    assert not any(r["epoch"] > 0 for r in recorded)
     assert os.getpid() not in {r["pid"] for r in recorded}  # decoded in the workers
+    assert len({r["pid"] for r in recorded if r["epoch"] == 0}) == 2
     assert not any(caption.endswith((", row 0", ", row 1")) for caption in first_pass)  # held out
     results = json.loads((out / "eval_results.json").read_text())
     assert results["skipped_rows"] == BAD_ROWS
@@ -143,10 +342,10 @@ def test_streaming_two_processes_read_different_rows_and_count_bad_rows_once(tmp
     source = _digit_shards(tmp_path)
     rows_dir, out = tmp_path / "rows", tmp_path / "out"
     rows_dir.mkdir()
-    # one shard per process: 28 (26 good) and 30 rows, batches of 4 (6 and 7 full ones, and each
-    # process's 2 rest rows wait for its next pass), 8 steps cover a pass each
-    run_two_processes(WORKER, *stream_args(source, out, (layout, 8)), env={"CLIP_ROWS_DIR": str(rows_dir)},
-                      timeout=300)
+    # one shard per process: 28 (26 good) and 30 rows, pieces of 3, batches of 4 (6 and 7 full
+    # ones, and each process's 2 rows left wait for its next pass), 8 steps cover a pass each
+    run_two_processes(WORKER, *stream_args(source, out, (layout, 8)),
+                      env={"CLIP_ROWS_DIR": str(rows_dir), "CLIP_PIECE_ROWS": "3"}, timeout=300)
     recorded = [r for r in read_rows(rows_dir) if "caption" in r]
     by_rank = [{r["caption"] for r in recorded if r["rank"] == rank} for rank in (0, 1)]
     assert by_rank[0] and by_rank[1] and not by_rank[0] & by_rank[1]

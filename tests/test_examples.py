@@ -701,5 +701,9 @@ def test_train_clip_on_parquet_shards_reports_skipped_rows(tmp_path, capsys):
     output = capsys.readouterr().out
     # a whole epoch (53 training rows, batches of 16), so that the worker meets the bad image
     assert "done: 4 steps" in output
-    assert re.search(r"in all; \d+ pairs/s, peak host memory [\d.]+ GiB\)", output)
+    assert re.search(r"in all; \d+ pairs/s, waited [\d.]+ s for data, \d+% of training, "
+                     r"peak host memory [\d.]+ GiB\)", output)
+    curves = json.loads(Path(out, "eval_results.json").read_text())["train"]
+    waits = [point["data_wait_seconds"] for point in curves]
+    assert waits == sorted(waits) and waits[0] >= 0  # cumulative
     assert "skipped 2 rows of the data: 1 empty caption, 1 image does not decode" in output

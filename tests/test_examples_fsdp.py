@@ -174,7 +174,8 @@ def test_training_step_with_chunks_equals_the_step_without(loss):
 
 
 def _example_setup():
-    """The example's default model (two layers per tower), data and dataset, as main builds them."""
+    """The example's default model (two layers per tower), data and a maker of its batches, as main
+    builds them."""
     from bundled_data import load_image_caption_data
 
     model_args, data_args, _ = train_clip.parse_arguments(["--tiny_layers", "2"])
@@ -186,16 +187,14 @@ def _example_setup():
     length = train_clip.caption_length(clip, data_args.max_seq_length)
     collate = train_clip.make_collate(processor.tokenizer, length)
     dataset = train_clip.PairDataset(data.train[:rows], train_clip.group_ids(data, data.train[:rows]),
-                                     processor.image_processor, collate, seed=42)
+                                     processor.image_processor, seed=42)
     held_out = train_clip.preprocess_images(processor.image_processor, data.held_out)
-    return clip, processor, data, dataset, held_out
 
+    def batch_of(indices):
+        """The batch of these train rows (epoch 0) as one piece, made and joined as in training."""
+        return train_clip.joined_batch([dataset.__getitems__((0, 0, True, list(indices)))], collate)
 
-def _batch(dataset, rows):
-    """The collated batch of ``dataset``'s ``rows`` (epoch 0), as a DataLoader worker makes it."""
-    batch = dataset.__getitems__((0, list(rows)))
-    del batch["skipped"]
-    return batch
+    return clip, processor, data, batch_of, held_out
 
 
 def _one_step(embedder, model, batch, loss, chunk, no_sync, process_group):
@@ -228,9 +227,9 @@ def _fsdp_worker(out_dir: str) -> None:
     for loss in LOSSES:
         bias = -math.log(2 * ROWS_PER_RANK) if loss == "sigmoid" else None
         if rank == 0:  # one process without FSDP on both ranks' pairs
-            clip, processor, data, dataset, held_out = _example_setup()
+            clip, processor, data, batch_of, held_out = _example_setup()
             model = ClipEmbedder(clip, bias)
-            both_ranks = _batch(dataset, range(len(dataset)))
+            both_ranks = batch_of(range(2 * ROWS_PER_RANK))
             step_loss, grads = _one_step(model, model, both_ranks, loss, None, None, None)
             with torch.no_grad():
                 for param in model.parameters():
@@ -244,7 +243,7 @@ def _fsdp_worker(out_dir: str) -> None:
                 weights={n: p.detach().clone() for n, p in model.clip.state_dict().items()},
             )
         for variant in VARIANTS:
-            clip, processor, data, dataset, held_out = _example_setup()
+            clip, processor, data, batch_of, held_out = _example_setup()
             model = ClipEmbedder(clip, bias)
             vectorised = vectorise_scalar_parameters(model)
             for layer in [m for m in model.modules() if isinstance(m, CLIPEncoderLayer)]:
@@ -257,7 +256,7 @@ def _fsdp_worker(out_dir: str) -> None:
                 model(pixel_values=held_out[:4])
             model.reshard()
             assert all(hasattr(p, "full_tensor") for p in model.loss_parameters()), "not resharded"
-            batch = _batch(dataset, range(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK))
+            batch = batch_of(range(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK))
             chunk = None if variant == "uncached" else CHUNK
             no_sync = (lambda m=model: fsdp_no_sync(m)) if variant == "cached-per-step" else None
             step_loss, grads = _one_step(model, model, batch, loss, chunk, no_sync, "auto")
