@@ -115,7 +115,7 @@ def main(argv=None):
     parser.add_argument("--csv", default=None)
     args = parser.parse_args(argv)
     if args.tiny:
-        args.batch, args.chunk_size, args.steps, args.unique_rows, args.copies = "64", 16, 3, "256", 2
+        args.batch, args.chunk_size, args.steps, args.unique_rows, args.copies = "64", 16, 3, "1024", 2
         args.image_size, args.workers = 40, 2
     batch, unique_rows = parse_count(args.batch), parse_count(args.unique_rows)
     if unique_rows * args.copies < batch * (args.steps + 1):
@@ -149,6 +149,7 @@ def main(argv=None):
     run = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log_text = run.stdout
     if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "bench_clip_stream_run.log").write_text(log_text)
     print(log_text[-6000:])
     if run.returncode != 0:
