@@ -130,18 +130,23 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
         )
         hardness_mode, hardness_strength, query_ids, key_owners = _check_hardness(loss, queries, keys,
                                                                                   *hardness)
-    if backend == "reference":  # the materialised oracle (one process: the checks refuse it in a ring)
-        per_row = _reference_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives,
-                                          query_groups, key_groups, validate=deferred,
-                                          hardness=(hardness_mode, hardness_strength, query_ids, key_owners))
-        return _reduce(per_row, reduction, total_rows=queries.shape[0], world_size=1)
-    spec = _stats_spec(loss, symmetric, precision, queries, reduction, (queries, keys, scale, bias),
-                       hardness_mode, hardness_strength)
-    stats = logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups, spec, backend,
-                        group=group if in_ring else None, reduction=reduction, validate=deferred,
-                        query_ids=query_ids, key_owners=key_owners)
-    per_row = assemble_per_row_loss(spec, positives, stats.row_stat, stats.col_stat, stats.positive_logit)
-    return _reduce(per_row, reduction, total_rows=stats.total_rows, world_size=world_size)
+    # The loss computes in its inputs' dtype under its own precision policy (``precision``), with
+    # autocast on or off: the Triton kernels never see autocast, and the torch and reference backends
+    # must not either, or a bf16 autocast would round their logits (|z| up to the scale) to bf16.
+    with torch.autocast(queries.device.type, enabled=False):
+        if backend == "reference":  # the materialised oracle (one process: the checks refuse it in a ring)
+            per_row = _reference_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives,
+                                              query_groups, key_groups, validate=deferred,
+                                              hardness=(hardness_mode, hardness_strength, query_ids,
+                                                        key_owners))
+            return _reduce(per_row, reduction, total_rows=queries.shape[0], world_size=1)
+        spec = _stats_spec(loss, symmetric, precision, queries, reduction, (queries, keys, scale, bias),
+                           hardness_mode, hardness_strength)
+        stats = logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups, spec, backend,
+                            group=group if in_ring else None, reduction=reduction, validate=deferred,
+                            query_ids=query_ids, key_owners=key_owners)
+        per_row = assemble_per_row_loss(spec, positives, stats.row_stat, stats.col_stat, stats.positive_logit)
+        return _reduce(per_row, reduction, total_rows=stats.total_rows, world_size=world_size)
 
 
 @torch.compiler.disable

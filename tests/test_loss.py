@@ -434,3 +434,40 @@ def test_sigmoid_loss_without_a_shared_row_gradient_takes_two_passes():
         contrastive_loss(case["queries"], case["keys"], case["scale"], case["bias"], loss="sigmoid",
                          backend=ops)
     assert ops.calls == {"forward_block": 1, "backward_block": 0, "forward_backward_block": 0}
+
+
+@pytest.mark.parametrize("backend, backward_inside",
+                         [("torch", False), ("torch", True), ("reference", False)],
+                         ids=["torch", "torch-backward-inside", "reference"])
+@pytest.mark.parametrize("loss, symmetric", [("softmax", True), ("softmax", False), ("sigmoid", False)])
+def test_autocast_does_not_change_the_loss_or_its_gradients(backend, backward_inside, loss, symmetric):
+    """Under a bf16 autocast (as the Trainers run a model's forward, and often the loss with it) the
+    loss still computes in its inputs' dtype: fp32 embeddings give the fp32 loss and gradients.
+    The backward usually runs after the autocast region; the fused backends' backward also keeps
+    its precision inside it (on the CPU the backward runs in the caller's thread, under its
+    autocast). The materialised reference is plain autograd there, so it is checked outside."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    q = torch.nn.functional.normalize(torch.randn(70, 24, generator=gen), dim=1)
+    k = torch.nn.functional.normalize(torch.randn(90, 24, generator=gen), dim=1)
+    bias = torch.tensor(-3.0) if loss == "sigmoid" else None
+
+    def loss_and_grads(autocast: bool):
+        qq, kk = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+        scale = torch.tensor(30.0, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            value = contrastive_loss(qq, kk, scale, bias, loss=loss, symmetric=symmetric, backend=backend)
+            if backward_inside:
+                value.backward()
+        if not backward_inside:
+            value.backward()
+        return value.detach(), qq.grad, kk.grad, scale.grad
+
+    plain, under_autocast = loss_and_grads(False), loss_and_grads(True)
+    assert under_autocast[0].dtype == torch.float32
+    for expected, got in zip(plain, under_autocast):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    # The comparison can fail: the same logits computed under the autocast (a bf16 matmul) are off
+    # by far more than its tolerance.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast_logits = 30.0 * (q @ k.T)
+    assert (autocast_logits.float() - 30.0 * (q @ k.T)).abs().max() > 1e-3

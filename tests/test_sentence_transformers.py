@@ -146,6 +146,43 @@ def test_inside_matryoshka_loss(tiny_model, mini_batch_size):
     assert_same_step(expected, actual)
 
 
+def test_under_bf16_autocast_the_loss_keeps_fp32_accuracy(tiny_model):
+    """sentence-transformers' Trainer with ``bf16=True`` runs the loss inside the model's autocast.
+    There MNRL's similarity matmul runs in bf16, while InfCLLoss computes in the embeddings' dtype
+    (fp32): its loss is fp32 and its loss and gradients stay at fp32 accuracy, far closer to the
+    float64 loss of the same embeddings than MNRL's."""
+    from sentence_transformers import losses as st_losses
+
+    tiny_model.eval()
+    try:
+        with torch.no_grad():
+            embeddings = [tiny_model(f)["sentence_embedding"].float()
+                          for f in features(tiny_model, text_columns(48, 3, seed=7))]
+    finally:
+        tiny_model.train()
+
+    def loss_and_grads(loss_module, dtype, autocast):
+        leaves = [e.to(dtype).requires_grad_(True) for e in embeddings]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            value = loss_module.compute_loss_from_embeddings(leaves, None)
+        value.backward()
+        return value, torch.cat([leaf.grad for leaf in leaves]).double()
+
+    mnrl = st_losses.MultipleNegativesRankingLoss(tiny_model)
+    exact, exact_grads = loss_and_grads(mnrl, torch.float64, False)
+    ours, our_grads = loss_and_grads(losses.InfCLLoss(tiny_model), torch.float32, True)
+    theirs, their_grads = loss_and_grads(mnrl, torch.float32, True)
+
+    def error(grads):
+        return float((grads - exact_grads).norm() / exact_grads.norm())
+
+    assert ours.dtype == torch.float32
+    assert abs(float(ours) - float(exact)) < 1e-5
+    assert error(our_grads) < 1e-5
+    # What the test guards against: MNRL's bf16 logits are far off the same float64 loss.
+    assert abs(float(theirs) - float(exact)) > 1e-4 and error(their_grads) > 1e-3
+
+
 def test_dot_score_and_scale(tiny_model):
     from sentence_transformers import losses as st_losses
     from sentence_transformers import util

@@ -177,11 +177,12 @@ def _backward(ctx, grad_row_stat, grad_col_stat, grad_positive_logit, *_unit_gra
     grad_col_stat = torch.zeros_like(col_stat) if grad_col_stat is None else grad_col_stat
     if grad_positive_logit is None:
         grad_positive_logit = torch.zeros_like(row_stat)
-    grad_q, grad_k, grad_scale, grad_bias = logit_stats_backward(
-        grad_row_stat, grad_col_stat, grad_positive_logit, queries, keys, scale, bias, positives,
-        query_groups, key_groups, row_stat, col_stat, unit_queries, unit_keys, unit_row_sums, *ctx.options,
-        query_ids, key_owners, *ctx.hardness,
-    )
+    with torch.autocast(queries.device.type, enabled=False):  # as KeyBlockLogitStats.backward
+        grad_q, grad_k, grad_scale, grad_bias = logit_stats_backward(
+            grad_row_stat, grad_col_stat, grad_positive_logit, queries, keys, scale, bias, positives,
+            query_groups, key_groups, row_stat, col_stat, unit_queries, unit_keys, unit_row_sums,
+            *ctx.options, query_ids, key_owners, *ctx.hardness,
+        )
     return (grad_q, grad_k, grad_scale, grad_bias if bias is not None else None,
             None, None, None, None, None, None, None, None, None, None, None, None, None)
 

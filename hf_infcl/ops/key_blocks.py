@@ -144,9 +144,12 @@ class KeyBlockLogitStats(torch.autograd.Function):
         (queries, keys, scale, bias, positives, query_groups, key_groups, query_ids, key_owners, row_stat,
          col_stat) = ctx.saved_tensors
         labels = PairLabels(query_groups, key_groups, query_ids, key_owners)
-        grads = stats_backward(ctx.schedule, ctx.spec, ctx.ops, queries, keys, scale, bias, positives, labels,
-                               row_stat, col_stat, grad_row_stat, grad_col_stat, grad_positive_logit,
-                               needs=ctx.needs_input_grad[:4], unit=ctx.unit)
+        # On the CPU the backward runs in the caller's thread, under its autocast if it is on: the
+        # gradients keep the forward's precision (hf_infcl.loss turns autocast off for the forward).
+        with torch.autocast(queries.device.type, enabled=False):
+            grads = stats_backward(ctx.schedule, ctx.spec, ctx.ops, queries, keys, scale, bias, positives,
+                                   labels, row_stat, col_stat, grad_row_stat, grad_col_stat,
+                                   grad_positive_logit, needs=ctx.needs_input_grad[:4], unit=ctx.unit)
         return (*grads, None, None, None, None, None, None, None, None)
 
 
