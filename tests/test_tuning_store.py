@@ -146,3 +146,41 @@ def test_the_processes_of_one_machine_tune_a_key_once(tmp_path):
         assert process.exitcode == 0
     assert sorted(tunings for tunings, _ in outcomes) == [0, 0, 0, 1]
     assert all(config == outcomes[0][1] for _, config in outcomes)
+
+
+def _tune_until_released(directory, key, started, release, results):
+    tuner = _Tuner()
+    with TuningStore(directory).tuned(tuner, "grad_tile", key, "NVIDIA H100 80GB HBM3", "3.6.0", _Config):
+        started.set()
+        released = release.wait(timeout=30)  # still tuning, holding this key's lock
+        tuner.launch(key)
+    results.put(("first", released, tuner.tunings))
+
+
+def _tune_another_key(directory, key, started, release, results):
+    started.wait(timeout=30)
+    tuner = _Tuner()
+    _run(TuningStore(directory), tuner, key)
+    release.set()
+    results.put(("second", True, tuner.tunings))
+
+
+def test_processes_tune_different_keys_side_by_side_and_both_are_saved(tmp_path):
+    """Independent jobs on one machine (or test workers) need different keys: one process's
+    tuning must not hold up another's, and saving both must keep both. The first process tunes
+    until the second has tuned and saved its own key: with one lock for the whole store the
+    second would wait for the first, and the first would wait in vain."""
+    context = multiprocessing.get_context("spawn")
+    results, started, release = context.Queue(), context.Event(), context.Event()
+    keys = [(768, 2, "torch.bfloat16"), (512, 1, "torch.float32")]
+    processes = [context.Process(target=target, args=(tmp_path, key, started, release, results))
+                 for target, key in zip((_tune_until_released, _tune_another_key), keys)]
+    for process in processes:
+        process.start()
+    outcomes = sorted(results.get(timeout=120) for _ in processes)
+    for process in processes:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    assert outcomes == [("first", True, 1), ("second", True, 1)]
+    saved = json.loads(TuningStore(tmp_path).path("NVIDIA H100 80GB HBM3", "3.6.0").read_text())
+    assert sorted(saved["grad_tile"]) == sorted(repr(key) for key in keys)

@@ -5,10 +5,12 @@ tuning key, in every process: 30 s or more for our kernels, paid again by every 
 rank of a job. This store keeps the chosen configurations in one JSON file per device name and
 Triton version (``<cache>/autotune/<device>--triton-<version>.json``), keyed by kernel and tuning
 key. Before a launch whose key the autotuner has not seen, :meth:`TuningStore.tuned` looks the key
-up on disk; if it is missing, it takes a file lock, looks again (another process of the job may
-have tuned it meanwhile) and only then lets the launch tune, then saves the choice. The processes
-of a job on one machine therefore tune once, the others wait for that and load the result; a
-later run loads it at once.
+up on disk; if it is missing, it takes that key's file lock, looks again (another process of the
+job may have tuned it meanwhile) and only then lets the launch tune, then saves the choice. The
+processes of a job on one machine therefore tune a key once, the others wait for that and load
+the result; a later run loads it at once. Processes that need different keys (independent jobs
+on the GPUs of one machine, test workers) tune them side by side: the lock is per key, and only
+the file's read-modify-write is serialised.
 
 The cache folder is ``$HF_INFCL_CACHE`` or ``~/.cache/hf_infcl`` (``$XDG_CACHE_HOME/hf_infcl``
 where that is set). If it cannot be written, tuning stays in memory, with one warning.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -89,15 +92,13 @@ class TuningStore:
             yield
             return
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            lock = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 - held across the yield
+            lock = _locked(_key_lock_path(path, kernel, entry))  # held across the yield
         except OSError as error:
             self._warn_once(f"cannot write tuned configurations to {path.parent} ({error}); "
                             "each process tunes for itself")
             yield
             return
         with lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
             if not self._retune and self._load(tuner, kernel, entry, key, path, config_type):
                 yield
                 return
@@ -122,15 +123,18 @@ class TuningStore:
         return True
 
     def _save(self, kernel: str, entry: str, config, path: Path) -> None:
-        table = _read(path)
-        table.setdefault(kernel, {})[entry] = {
+        saved = {
             "kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages,
             "num_ctas": getattr(config, "num_ctas", 1), "maxnreg": getattr(config, "maxnreg", None),
         }
         partial = path.with_suffix(f".{os.getpid()}.tmp")
         try:
-            partial.write_text(json.dumps(table, indent=1, sort_keys=True))
-            os.replace(partial, path)  # readers never see a half-written file
+            # Other keys may be saved at the same time: the read-modify-write holds the file's lock.
+            with _locked(path.with_suffix(".lock")):
+                table = _read(path)
+                table.setdefault(kernel, {})[entry] = saved
+                partial.write_text(json.dumps(table, indent=1, sort_keys=True))
+                os.replace(partial, path)  # readers never see a half-written file
         except OSError as error:
             self._warn_once(f"cannot save tuned configurations to {path} ({error})")
 
@@ -138,6 +142,26 @@ class TuningStore:
         if not self._warned:
             self._warned = True
             logger.warning("hf_infcl: %s", message)
+
+
+def _key_lock_path(path: Path, kernel: str, entry: str) -> Path:
+    """The lock file of one kernel and tuning key, beside the store's file."""
+    digest = hashlib.sha1(f"{kernel} {entry}".encode()).hexdigest()[:16]
+    return path.parent / f"{path.stem}.locks" / f"{digest}.lock"
+
+
+def _locked(lock_path: Path):
+    """``lock_path`` opened and exclusively locked (creating its folder): use it as a context
+    manager; the lock goes when the file closes. flock, not POSIX record locks: those would be
+    dropped when any other descriptor of the process closes the same file."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(lock_path, "a")  # noqa: SIM115 - returned open, closed by the caller's with
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+    except OSError:
+        handle.close()
+        raise
+    return handle
 
 
 def _read(path: Path) -> dict:
