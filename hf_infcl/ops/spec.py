@@ -136,10 +136,11 @@ class HardnessOffset:
         owner = self.key_owners[None, key_start:key_end]
         key_index = torch.arange(self.key_offset + key_start, self.key_offset + key_end, device=owner.device)
         is_positive = self.positive_keys[row_start:row_end, None] == key_index[None, :]
+        selected = (owner >= 0) & ~is_positive
+        if self.mode == "all_negatives":
+            return selected
         same_owner = self.query_ids[row_start:row_end, None] == owner
-        by_mode = {"in_batch_negatives": ~same_owner, "hard_negatives": same_owner,
-                   "all_negatives": torch.ones_like(same_owner)}[self.mode]
-        return by_mode & (owner >= 0) & ~is_positive
+        return selected & (same_owner if self.mode == "hard_negatives" else ~same_owner)
 
     def offset_logits(self, logits: torch.Tensor, dots: torch.Tensor, row_start: int, row_end: int,
                       key_start: int, key_end: int) -> torch.Tensor:

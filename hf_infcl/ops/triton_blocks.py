@@ -95,7 +95,7 @@ class TritonBlocks:
         queries, keys, scale = operands.queries, operands.keys, operands.scale
         bias = None if bias is None else _scalar(bias)
         groups = _mask_arguments(mask)
-        labels = _label_arguments(mask, hardness, operands)  # the row statistic's: groups and offset
+        labels = _label_arguments(groups, hardness, operands)  # the row statistic's: groups and offset
         if spec.columns and self.fused_columns:
             return self._rows_and_columns_in_one_pass(spec, queries, keys, scale, bias, labels)
         row_stat = kernels.logit_stats(
@@ -183,7 +183,7 @@ class TritonBlocks:
         ld = -(-tile_keys // 8) * 8
         scratch = torch.empty((tile_rows, ld), dtype=gemm.queries.dtype, device=device)
         row_sums = torch.zeros(m, **f32)
-        labels = _label_arguments(mask, hardness, operands)
+        labels = _label_arguments(_mask_arguments(mask), hardness, operands)
         base_offset = labels.pop("key_offset", 0)
         offset = {name: labels.pop(name) for name in ("hardness", "hardness_strength") if name in labels}
         sigmoid = spec.loss == "sigmoid"
@@ -438,18 +438,18 @@ def _sliced(arguments: dict, names: tuple[str, ...], start: int, end: int) -> di
     return {name: arguments[name][start:end] for name in names if name in arguments}
 
 
-def _label_arguments(mask: GroupMask | None, hardness: HardnessOffset | None, operands: _Operands) -> dict:
-    """The launchers' arguments of the group mask and of the hardness offset (the row
-    statistic's, and the backward's). The offset's strength multiplies the kernels' dot products,
-    which are those of the fp16 copies when fp32 runs as scaled fp16: it takes their factors."""
-    arguments = _mask_arguments(mask)
+def _label_arguments(mask_arguments: dict, hardness: HardnessOffset | None, operands: _Operands) -> dict:
+    """The launchers' arguments of the group mask (``mask_arguments``, :func:`_mask_arguments`)
+    and of the hardness offset (the row statistic's, and the backward's). The offset's strength
+    multiplies the kernels' dot products, which are those of the fp16 copies when fp32 runs as
+    scaled fp16: it takes their factors."""
     if hardness is None:
-        return arguments
+        return mask_arguments
     device = hardness.query_ids.device
     strength = torch.tensor(hardness.strength, dtype=torch.float32, device=device)
     factor = _product(operands.queries_max, operands.keys_max)
     return dict(
-        arguments,
+        mask_arguments,
         query_ids=hardness.query_ids.to(torch.int64).contiguous(),
         key_owners=hardness.key_owners.to(torch.int64).contiguous(),
         positive_keys=hardness.positive_keys.to(torch.int64).contiguous(),
