@@ -125,7 +125,10 @@ def load_image_caption_stream(
 def transformed_piece(image_processor, images, captions, groups, pixel_dtype=torch.float32) -> dict:
     """A piece of a batch, made in a DataLoader worker: ``pixel_values`` (the images transformed in
     one call of the model's image processor, in ``pixel_dtype``), ``captions`` (text: the training
-    process tokenizes a whole batch's at once, padded as one batch) and ``groups`` (a tensor)."""
+    process tokenizes a whole batch's at once, padded as one batch) and ``groups`` (a tensor).
+    Without images (every row of the piece skipped) the piece is empty: ``{"captions": []}``."""
+    if not images:
+        return {"captions": []}
     pixels = image_processor(images=images, return_tensors="pt")["pixel_values"]
     return {"pixel_values": pixels.to(pixel_dtype), "captions": list(captions),
             "groups": torch.tensor(groups, dtype=torch.long)}
@@ -175,8 +178,7 @@ class DecodedPairPieces(torch.utils.data.IterableDataset):
 
     def _piece(self, images, captions, skipped) -> dict:
         groups = [caption_group(c) for c in captions]
-        piece = (transformed_piece(self.image_processor, images, captions, groups, self.pixel_dtype) if images
-                 else {"captions": []})
+        piece = transformed_piece(self.image_processor, images, captions, groups, self.pixel_dtype)
         return {**piece, "skipped": skipped}
 
     def __iter__(self):

@@ -297,8 +297,7 @@ class PairDataset(torch.utils.data.Dataset):
             images.append(image)
             captions.append(example.captions[choice])
             groups.append(self.caption_groups[index][choice])
-        made = (transformed_piece(self.image_processor, images, captions, groups, self.pixel_dtype) if images
-                else {"captions": []})
+        made = transformed_piece(self.image_processor, images, captions, groups, self.pixel_dtype)
         return {**made, "batch": (epoch, number, last), "skipped": skipped}
 
 
