@@ -88,16 +88,21 @@ def _gpu_case(m, k, c, groups, seed, hardness_mode=None):
     return case
 
 
-def _loss_and_grads(case, dtype, backend, precision, loss, symmetric, use_bias):
+def _loss_and_grads(case, dtype, backend, precision, loss, symmetric, use_bias, reduction="none"):
+    """The per-row losses weighted by random row weights, or with ``reduction`` "mean" / "sum"
+    (the sigmoid loss's one pass) that reduction times a random weight; and the gradients."""
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     q = case["queries"].to(dtype).requires_grad_(True)
     k = case["keys"].to(dtype).requires_grad_(True)
     scale = torch.tensor(case["scale"], dtype=acc, device="cuda", requires_grad=True)
     bias = torch.tensor(case["bias"], dtype=acc, device="cuda", requires_grad=True) if use_bias else None
-    per_row = contrastive_loss(q, k, scale, bias, loss=loss, symmetric=symmetric, reduction="none",
+    per_row = contrastive_loss(q, k, scale, bias, loss=loss, symmetric=symmetric, reduction=reduction,
                                query_groups=case["query_groups"], key_groups=case["key_groups"],
                                backend=backend, precision=precision, **case.get("hardness", {}))
-    total = (per_row.double() * case["row_weights"]).sum()
+    if reduction == "none":
+        total = (per_row.double() * case["row_weights"]).sum()
+    else:
+        total = per_row.double() * case["row_weights"][0] * case["row_weights"].numel()
     leaves = [q, k, scale] + ([bias] if use_bias else [])
     grads = torch.autograd.grad(total, leaves)
     named = {n: g.double() for n, g in zip(["dq", "dk", "dscale", "dbias"], grads)}
@@ -110,11 +115,12 @@ def _errors(got, expected):
     return {n: float((got[n] - expected[n]).norm() / expected[n].norm().clamp_min(1e-30)) for n in expected}
 
 
-def _check_against_float64(m, k, c, dtype_name, loss_name, groups, backend, hardness_mode=None):
+def _check_against_float64(m, k, c, dtype_name, loss_name, groups, backend, hardness_mode=None,
+                           reduction="none"):
     dtype, precision = DTYPES[dtype_name]
     seed = int(torch.randint(0, 2**31, ()).item())
     case = _gpu_case(m, k, c, groups, seed, hardness_mode)
-    options = LOSSES[loss_name]
+    options = dict(LOSSES[loss_name], reduction=reduction)
     rounded = dict(case, queries=case["queries"].to(dtype).double(), keys=case["keys"].to(dtype).double())
     expected = _loss_and_grads(rounded, torch.float64, TorchTiles(4096, 4096), "ieee", **options)
     got = _loss_and_grads(case, dtype, backend, precision, **options)
@@ -132,6 +138,22 @@ def test_gpu_matches_float64_reference(case):
     # the fused forward per problem, so the accumulation across them is exercised.
     blocks = TritonBlocks(tile_rows=1536, tile_keys=2560, poison=True, column_buffer_entries=2**15)
     _check_against_float64(*case, backend=blocks)
+
+
+SIGMOID_CASES = [case for case in GPU_CASES if case[4] == "sigmoid"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["gemm", "fused"])
+@pytest.mark.parametrize("case", SIGMOID_CASES, ids=[_case_id(c) for c in SIGMOID_CASES])
+def test_gpu_sigmoid_one_pass_matches_float64_reference(case, route):
+    """The sigmoid loss's one pass (a mean: gradients computed in the forward) by both routes to
+    the dot products: cuBLAS and the elementwise kernel (the default), or the fused kernel."""
+    from hf_infcl.ops.triton_blocks import TritonBlocks
+
+    blocks = TritonBlocks(tile_rows=1536, tile_keys=2560, poison=True, sigmoid_logits=route)
+    for reduction in ("mean", "sum"):
+        _check_against_float64(*case, backend=blocks, reduction=reduction)
 
 
 # (m, k, c, dtype, loss, groups, hardness_mode): the hardness offset in every dtype, both

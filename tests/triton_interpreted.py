@@ -8,6 +8,7 @@ defined and must not leak into the rest of the suite. Run it by hand with
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -31,7 +32,9 @@ BLOCKS = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=2, poison=True, co
 # tf32_via_fp16: fp32 inputs multiplied as scaled fp16 copies in the kernels too (opt-in).
 BLOCKS_VIA_FP16 = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=2, poison=True,
                                column_buffer_entries=80, tf32_via_fp16=True)
-TWO_PASS = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=3, poison=True, fused_columns=False)
+# Every other route: the two-pass softmax forward, and the sigmoid loss's fused one pass.
+TWO_PASS = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=3, poison=True, fused_columns=False,
+                        sigmoid_logits="fused")
 
 # Norm-wise relative tolerance per mode. The interpreter multiplies in fp32; for fp16 the
 # error is G rounded to fp16 (2^-11) plus the fp16 output of the G K / G^T Q products, which
@@ -68,8 +71,10 @@ def random_case(m, k, c, *, groups, custom_positives, seed):
     return case
 
 
-def loss_and_grads(case, dtype, backend, *, loss, symmetric, use_bias, precision="ieee"):
-    """Weighted sum of per-row losses (arbitrary row weights) and its gradients."""
+def loss_and_grads(case, dtype, backend, *, loss, symmetric, use_bias, precision="ieee", reduction="none"):
+    """Weighted sum of per-row losses (arbitrary row weights) and its gradients; with reduction
+    "mean" or "sum", that reduction times a random weight (the sigmoid loss's one-pass route:
+    gradients computed in the forward, scaled by the upstream gradient in the backward)."""
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     q = case["queries"].to(dtype).requires_grad_(True)
     k = case["keys"].to(dtype).requires_grad_(True)
@@ -77,10 +82,13 @@ def loss_and_grads(case, dtype, backend, *, loss, symmetric, use_bias, precision
     bias = torch.tensor(case["bias"], dtype=acc, requires_grad=True) if use_bias else None
     per_row = contrastive_loss(
         q, k, scale, bias, loss=loss, symmetric=symmetric, positives=case["positives"],
-        query_groups=case["query_groups"], key_groups=case["key_groups"], reduction="none",
+        query_groups=case["query_groups"], key_groups=case["key_groups"], reduction=reduction,
         backend=backend, precision=precision, **case.get("hardness", {}),
     )
-    total = (per_row.double() * case["row_weights"]).sum()
+    if reduction == "none":
+        total = (per_row.double() * case["row_weights"]).sum()
+    else:
+        total = per_row.double() * case["row_weights"][0]
     leaves = [q, k, scale] + ([bias] if use_bias else [])
     grads = torch.autograd.grad(total, leaves)
     named = {n: g.double() for n, g in zip(["dq", "dk", "dscale", "dbias"], grads)}
@@ -126,6 +134,43 @@ def test_loss_and_gradients_match_float64_reference(shape, loss_name, groups, mo
     assert set(got) == set(expected)
     errors = {name: relative_error(got[name], expected[name]) for name in expected}
     assert max(errors.values()) < TOLERANCE[mode], (seed, errors)
+
+
+# The sigmoid loss's one pass (a mean or sum: gradients computed in the forward) by both routes
+# to the dot products: cuBLAS GEMMs and an elementwise kernel (the default), or the fused kernel.
+SIGMOID_ROUTES = {"gemm": BLOCKS, "fused": dataclasses.replace(BLOCKS, sigmoid_logits="fused")}
+ONE_PASS_SHAPES = [(1, 6, 40), (7, 19, 3), (33, 71, 40)]
+
+
+@pytest.mark.parametrize("route", list(SIGMOID_ROUTES))
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("groups", [False, True], ids=["nogroups", "groups"])
+@pytest.mark.parametrize("shape", ONE_PASS_SHAPES, ids=[f"m{m}-k{k}-c{c}" for m, k, c in ONE_PASS_SHAPES])
+def test_sigmoid_one_pass_matches_float64_reference(shape, groups, reduction, route):
+    """Every precision mode in turn, so that each meets both routes (the interpreter's dots are
+    exact fp32; what differs between the routes is who computes them)."""
+    m, k, c = shape
+    if groups and m == 1:
+        pytest.skip("a single row has no false negatives to mask")
+    index = ONE_PASS_SHAPES.index(shape) + 2 * groups + (reduction == "sum")
+    mode = list(MODES)[index % len(MODES)]
+    dtype, precision, _ = MODES[mode]
+    blocks = SIGMOID_ROUTES[route]
+    if mode == "fp32-tf32-fp16":
+        blocks = dataclasses.replace(blocks, tf32_via_fp16=True)
+    seed = random.randrange(2**31)
+    case = random_case(m, k, c, groups=groups, custom_positives=k > m > 1, seed=seed)
+    rounded = dict(case, queries=case["queries"].to(dtype).double(), keys=case["keys"].to(dtype).double())
+    options = dict(LOSSES["sigmoid-bias"], reduction=reduction)
+    expected = loss_and_grads(rounded, torch.float64, "reference", **options)
+    got = loss_and_grads(case, dtype, blocks, precision=precision, **options)
+    errors = {name: relative_error(got[name], expected[name]) for name in expected}
+    assert max(errors.values()) < TOLERANCE[mode], (seed, mode, errors)
+
+
+def test_sigmoid_logits_is_checked():
+    with pytest.raises(ValueError, match="sigmoid_logits"):
+        TritonBlocks(sigmoid_logits="cublas")
 
 
 HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
@@ -297,10 +342,13 @@ def test_kernels_never_write_into_the_callers_tensors(loss_name, blocks_name, mo
     from hf_infcl.ops import triton_kernels as kernels
 
     written_by_kernel = {kernels._stats_kernel: ("out_ptr", "col_partial_ptr"),
-                         kernels._grad_tile_kernel: ("g_ptr", "row_sums_ptr", "softplus_sums_ptr")}
+                         kernels._grad_tile_kernel: ("g_ptr", "row_sums_ptr", "softplus_sums_ptr"),
+                         kernels._sigmoid_from_dots_kernel: ("g_ptr", "row_sums_ptr", "softplus_sums_ptr")}
     launches = []
     for tuner, written in written_by_kernel.items():
-        touched = set(written) | set(tuner.restore_value) | set(tuner.reset_to_zero)
+        # The plain JIT kernel has no autotuner, so nothing restored or zeroed.
+        around_trials = (*getattr(tuner, "restore_value", ()), *getattr(tuner, "reset_to_zero", ()))
+        touched = set(written) | set(around_trials)
 
         def run(*args, _tuner=tuner, _touched=touched, _run=tuner.run, **kwargs):
             named = {**dict(zip(_tuner.arg_names, args)), **kwargs}

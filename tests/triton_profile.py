@@ -23,7 +23,11 @@ def main():
     parser.add_argument("--loss", choices=["softmax", "sigmoid"], default="softmax")
     parser.add_argument("--tile-rows", type=int, default=None, help="backward super-tile rows")
     parser.add_argument("--tile-keys", type=int, default=None, help="backward super-tile keys")
+    parser.add_argument("--sigmoid-logits", choices=["gemm", "fused"], default="gemm",
+                        help="the sigmoid one pass's dot products: cuBLAS, or the fused kernel")
     parser.add_argument("--no-table", action="store_true", help="timings only")
+    parser.add_argument("--gaps", action="store_true",
+                        help="also the GPU's idle time in one fwd+bwd, and its largest gaps")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     q = F.normalize(torch.randn(args.b, args.c, device="cuda"), dim=1).to(dtype).requires_grad_(True)
@@ -35,7 +39,8 @@ def main():
 
     from hf_infcl.ops.triton_blocks import TritonBlocks
 
-    blocks = TritonBlocks(tile_rows=args.tile_rows, tile_keys=args.tile_keys)
+    blocks = TritonBlocks(tile_rows=args.tile_rows, tile_keys=args.tile_keys,
+                          sigmoid_logits=args.sigmoid_logits)
 
     def forward():
         return contrastive_loss(q, k, scale, bias, loss=args.loss, backend=blocks, precision="tf32")
@@ -49,13 +54,16 @@ def main():
     flops = 2 * args.b * args.b * args.c
     print(f"{args.loss} b={args.b} c={args.c} {args.dtype}: forward {fwd:.2f} ms, fwd+bwd {total:.2f} ms, "
           f"backward ~{total - fwd:.2f} ms; one GEMM pass at 700 TFLOP/s = {flops / 700e9:.2f} ms; "
-          f"super-tile {args.tile_rows}x{args.tile_keys}")
+          f"super-tile {args.tile_rows}x{args.tile_keys}"
+          + (f", sigmoid dot products: {args.sigmoid_logits}" if sigmoid else ""))
     if args.no_table:
         return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         both()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+    if args.gaps:
+        print_gaps(both)
     from hf_infcl.ops import triton_kernels
 
     for name in ("_stats_kernel", "_grad_tile_kernel"):
@@ -64,6 +72,43 @@ def main():
         timings = getattr(tuner, "configs_timings", None) or {}  # of the last tuning
         for config, times in sorted(timings.items(), key=lambda item: item[1][0]):
             print(f"    {times[0]:8.4f} ms  {config}")
+
+
+def print_gaps(step, top: int = 12) -> None:
+    """Where the GPU waits in one call of ``step``: the sum of the idle intervals between its
+    kernels and the largest of them, each with the kernels on either side (a host-bound loop shows
+    many small gaps; a host synchronisation, one gap after the kernel it waited for)."""
+    import json
+    import tempfile
+
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        with open(trace.name) as handle:
+            events = json.load(handle)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
+    if not kernels:
+        print("no GPU events recorded")
+        return
+    gaps = []
+    end = kernels[0]["ts"] + kernels[0]["dur"]
+    for before, after in zip(kernels, kernels[1:]):
+        if after["ts"] > end:
+            gaps.append((after["ts"] - end, before["name"][:50], after["name"][:50]))
+        end = max(end, after["ts"] + after["dur"])
+    span = end - kernels[0]["ts"]
+    busy = span - sum(g[0] for g in gaps)
+    small = sum(g[0] for g in gaps if g[0] < 20)
+    print(f"GPU span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms in "
+          f"{len(gaps)} gaps ({small / 1e3:.2f} ms in gaps under 20 us); {len(kernels)} GPU events")
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"  {gap:9.1f} us  after {before}  before {after}")
 
 
 if __name__ == "__main__":

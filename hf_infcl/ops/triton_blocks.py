@@ -44,6 +44,7 @@ from .spec import GroupMask, HardnessOffset, StatsSpec, resolve_precision
 from .tiled import TorchTiles
 
 _HALF_TYPES = (torch.float16, torch.bfloat16)
+SIGMOID_LOGITS = ("gemm", "fused")
 _TINY = torch.finfo(torch.float32).tiny
 
 
@@ -67,6 +68,11 @@ class TritonBlocks:
         tf32_via_fp16: multiply fp32 inputs with TF32 precision as scaled fp16 copies in the
             kernels too (faster; see the module docstring for its accuracy); False (the
             default) runs the kernels on TF32 tensor cores and only the GEMMs in fp16.
+        sigmoid_logits: where the sigmoid loss's one pass gets each super-tile's dot products:
+            ``"gemm"`` (the default) from a cuBLAS GEMM into an fp32 buffer, read by an
+            elementwise kernel that writes G; ``"fused"`` from the gradient-tile kernel itself,
+            which computes them and G in one kernel (no dot-product buffer, but its tensor-core
+            work and its elementwise work run one after the other).
     """
 
     tile_rows: int | None = None
@@ -76,8 +82,11 @@ class TritonBlocks:
     fused_columns: bool = True
     column_buffer_entries: int = 16 * 2**20
     tf32_via_fp16: bool = False
+    sigmoid_logits: str = "gemm"
 
     def __post_init__(self):
+        if self.sigmoid_logits not in SIGMOID_LOGITS:
+            raise ValueError(f"sigmoid_logits must be one of {SIGMOID_LOGITS}, got {self.sigmoid_logits!r}")
         for name in ("tile_rows", "tile_keys", "stat_splits", "column_buffer_entries"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -150,6 +159,10 @@ class TritonBlocks:
         bias = None if bias is None else _scalar(bias)
         m, k = queries.shape[0], keys.shape[0]
         device = queries.device
+        # The one pass with cuBLAS dot products (see _dot_operands).
+        gemm_dots = softplus_sums is not None and self.sigmoid_logits == "gemm"
+        if gemm_dots:
+            dot_q, dot_k, dots_scale = _dot_operands(gemm, operands, scale)
         f32 = dict(dtype=torch.float32, device=device)
         row_stat, row_weight = row_stat.to(**f32).contiguous(), row_weight.to(**f32).contiguous()
         if col_stat is not None:
@@ -178,10 +191,15 @@ class TritonBlocks:
         if factor_k is not None:
             grad_keys.div_(factor_k)
 
-        tile_rows, tile_keys = self._super_tile(gemm.queries.dtype, m, k)
+        tile_rows, tile_keys = self._super_tile(gemm.queries.dtype, m, k, gemm_dots)
         # Row stride padded to 8 elements so that cuBLAS sees aligned leading dimensions.
         ld = -(-tile_keys // 8) * 8
         scratch = torch.empty((tile_rows, ld), dtype=gemm.queries.dtype, device=device)
+        if gemm_dots:
+            dots_dtype = torch.float16 if queries.dtype in _HALF_TYPES else torch.float32
+            dots = torch.empty((tile_rows, ld), dtype=dots_dtype, device=device)
+        else:
+            dots = None
         row_sums = torch.zeros(m, **f32)
         labels = _label_arguments(_mask_arguments(mask), hardness, operands)
         base_offset = labels.pop("key_offset", 0)
@@ -200,7 +218,7 @@ class TritonBlocks:
             dict(queries=queries[r0:r1], gemm_queries=gemm.queries[r0:r1], grad=grad_queries[r0:r1],
                  row_sums=row_sums[r0:r1], row_stat=row_stat[r0:r1], row_weight=row_weight[r0:r1],
                  softplus_sums=None if softplus_sums is None else softplus_sums[r0:r1],
-                 labels=_sliced(labels, _ROW_LABELS, r0, r1))
+                 labels=_sliced(labels, _ROW_LABELS, r0, r1), dot_queries=dot_q[r0:r1] if gemm_dots else None)
             for r0, r1 in row_bounds
         ]
         key_tiles = [
@@ -208,10 +226,10 @@ class TritonBlocks:
                  col_stat=None if col_stat is None else col_stat[k0:k1],
                  col_weight=None if col_weight is None else col_weight[k0:k1],
                  labels=dict(_sliced(labels, _KEY_LABELS, k0, k1), key_offset=base_offset + k0)
-                 if labels else {})
+                 if labels else {}, dot_keys=dot_k[k0:k1] if gemm_dots else None)
             for k0, k1 in key_bounds
         ]
-        g_views = {}  # at most four shapes: full, last row panel, last key tile, both
+        g_views, dot_views = {}, {}  # at most four shapes each: full, last row panel, last key tile, both
 
         with _cublas_precision(gemm.queries.dtype, spec.precision, device):
             for row in rows:
@@ -222,12 +240,22 @@ class TritonBlocks:
                         g = g_views[shape] = scratch[: shape[0], : shape[1]]
                     if self.poison:
                         scratch.fill_(float("nan"))
-                    kernels.grad_tile(
-                        row["queries"], tile["keys"], g, row["row_sums"], scale, bias, inv_g_scale,
-                        row["row_stat"], tile["col_stat"], row["row_weight"], tile["col_weight"],
-                        sigmoid=sigmoid, precision=spec.precision, size_class=size_class,
-                        softplus_sums=row["softplus_sums"], **row["labels"], **tile["labels"], **offset,
-                    )
+                    if gemm_dots:
+                        d = dot_views.get(shape)
+                        if d is None:
+                            d = dot_views[shape] = dots[: shape[0], : shape[1]]
+                        if self.poison:
+                            dots.fill_(float("nan"))
+                        _set_product(d, row["dot_queries"], tile["dot_keys"].T)
+                        kernels.sigmoid_from_dots(d, g, row["row_sums"], row["softplus_sums"], dots_scale,
+                                                  bias, inv_g_scale, **row["labels"], **tile["labels"])
+                    else:
+                        kernels.grad_tile(
+                            row["queries"], tile["keys"], g, row["row_sums"], scale, bias, inv_g_scale,
+                            row["row_stat"], tile["col_stat"], row["row_weight"], tile["col_weight"],
+                            sigmoid=sigmoid, precision=spec.precision, size_class=size_class,
+                            softplus_sums=row["softplus_sums"], **row["labels"], **tile["labels"], **offset,
+                        )
                     _add_product(row["grad"], g, tile["gemm_keys"])
                     _add_product(tile["grad"], g.T, row["gemm_queries"])
 
@@ -296,7 +324,7 @@ class TritonBlocks:
             col_stat = torch.logaddexp(col_stat, torch.logsumexp(partials, dim=0))
         return row_stat, col_stat
 
-    def _super_tile(self, dtype: torch.dtype, m: int, k: int) -> tuple[int, int]:
+    def _super_tile(self, dtype: torch.dtype, m: int, k: int, gemm_dots: bool) -> tuple[int, int]:
         # 64 MiB of G: each super-tile then carries enough GPU work to hide the host time of its
         # three launches; smaller tiles left the GPU waiting on the host (benchmarks/triton_notes.md).
         default_keys = 4096
@@ -332,6 +360,30 @@ class _Operands:
     keys_max: torch.Tensor | None
 
 
+def _dot_operands(gemm: _Operands, operands: _Operands, scale: torch.Tensor):
+    """(queries, keys, scale) whose cuBLAS product gives the sigmoid one pass's dot products.
+
+    Half-precision inputs: fp16 copies divided by a power of two at least their largest entry
+    (exact, no rounding), so that every dot product lies within +-c and its fp16 result cannot
+    overflow; the elementwise kernel then reads 2 bytes per logit instead of 4 (what bounds
+    it). Rounding a dot product to fp16 (2^-11 relative) is 4x finer than the rounding the
+    half-precision inputs themselves carry. fp32 inputs: the backward GEMMs' operands (the
+    scaled fp16 copies of TF32 precision, or the fp32 inputs of "ieee"), with fp32 dot
+    products. The scale takes every factor the operands were divided by."""
+    if gemm is not operands:  # fp32 inputs with TF32 precision: fp16 copies divided by their maxima
+        return gemm.queries, gemm.keys, scale * _product(gemm.queries_max, gemm.keys_max)
+    if gemm.queries.dtype not in _HALF_TYPES:
+        return gemm.queries, gemm.keys, scale
+    queries_max, keys_max = _power_of_two_at_least(gemm.queries), _power_of_two_at_least(gemm.keys)
+    return ((gemm.queries / queries_max.to(gemm.queries.dtype)).to(torch.float16),
+            (gemm.keys / keys_max.to(gemm.keys.dtype)).to(torch.float16), scale * queries_max * keys_max)
+
+
+def _power_of_two_at_least(tensor: torch.Tensor) -> torch.Tensor:
+    """0-d fp32: the smallest power of two >= max |tensor| (dividing by it is exact)."""
+    return torch.exp2(torch.ceil(torch.log2(tensor.detach().abs().amax().float().clamp_min(_TINY))))
+
+
 def _resolved(spec: StatsSpec, queries: torch.Tensor) -> StatsSpec:
     """``spec`` with ``"auto"`` precision replaced by what it means here (:func:`resolve_precision`),
     so that the kernels, the GEMMs and the operand preparation below all see "tf32" or "ieee"."""
@@ -362,23 +414,32 @@ def _product(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | N
     return (a * b).clamp_min(_TINY)
 
 
-def _add_product(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """accumulator (fp32) += a @ b, with a and b in the operand dtype and no rounded intermediate.
+def _add_product(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1) -> None:
+    """accumulator (fp32) = beta * accumulator + a @ b, with a and b in the operand dtype and no
+    rounded intermediate (beta = 0: overwritten, whatever it held, NaN included).
 
     fp32 operands: one in-place addmm. Half operands on CUDA: cuBLAS accumulates into the fp32
     buffer directly (``out_dtype``). Elsewhere (CPU under the interpreter, or a torch without
     ``out_dtype``): the product of fp32 copies.
     """
     if a.dtype == accumulator.dtype:
-        accumulator.addmm_(a, b)
+        accumulator.addmm_(a, b, beta=beta)
         return
     if a.is_cuda and _HAS_OUT_DTYPE[0]:
         try:
-            torch.addmm(accumulator, a, b, out_dtype=accumulator.dtype, out=accumulator)
+            torch.addmm(accumulator, a, b, out_dtype=accumulator.dtype, beta=beta, out=accumulator)
             return
         except (RuntimeError, TypeError):
             _HAS_OUT_DTYPE[0] = False  # an older torch: use the general path from now on
-    accumulator.addmm_(a.to(accumulator.dtype), b.to(accumulator.dtype))
+    accumulator.addmm_(a.to(accumulator.dtype), b.to(accumulator.dtype), beta=beta)
+
+
+def _set_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out = a @ b (fp32 or, for fp16 operands, fp16 ``out``) without reading what ``out`` held."""
+    if out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        _add_product(out, a, b, beta=0)
 
 
 # Whether torch.addmm(..., out_dtype=) works here; cleared at the first failure.

@@ -177,19 +177,46 @@ def _softplus(z):
     return tl.maximum(z, 0.0) + log1p_u
 
 
+# PTX approximate instructions (one special-function operation each) where the kernels run on a
+# GPU; the interpreter has no inline assembly and divides.
+_PTX = tl.constexpr(not INTERPRET)
+
+
+@triton.jit
+def _reciprocal(x):
+    """1 / x to 1 ulp (rcp.approx: one special-function operation; IEEE division costs several)."""
+    if _PTX:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 1.0 / x
+
+
 @triton.jit
 def _sigmoid_and_softplus(z):
-    """(sigmoid(z), softplus(z)) from one exponential u = e^-|z| and one reciprocal r = 1 / w,
-    w = 1 + u: sigmoid(z) = r for z >= 0 and u r below; softplus(z) = max(z, 0) + log1p(u) with
-    log1p(u) = log(w) - ((w - 1) - u) r. (w - 1) - u is the rounding error of w, exactly: the
-    correction restores the small values of u that 1 + u rounds away (log1p(u) = u when w = 1).
-    Three special-function operations per logit (exp, reciprocal, log), the least for both
-    values; they, not the tile's dot products, bound this kernel."""
+    """(sigmoid(z), softplus(z)) from one exponential u = e^-|z| and two reciprocals.
+
+    sigmoid(z) = r for z >= 0 and u r below, r = 1 / (1 + u). softplus(z) = max(z, 0) + log1p(u)
+    with log1p(u) = 2 atanh(t) = 2 t (1 + t^2/3 + ... + t^14/15), t = u / (2 + u) <= 1/3: the
+    truncated series is below fp32's rounding (the next term is < 4e-9 relative), relative
+    accuracy holds for the tiny u of very negative logits (no 1 + u that rounds), and it costs
+    eight fused multiply-adds where a library logarithm cost about 25 instructions. This
+    elementwise work, not memory, bounds the sigmoid loss's elementwise pass
+    (``benchmarks/triton_notes.md``)."""
     u = tl.exp2(-tl.abs(z) * LOG2E)
-    w = 1.0 + u
-    r = tl.fdiv(1.0, w)
+    r = _reciprocal(1.0 + u)
     sigmoid = r * tl.where(z >= 0.0, 1.0, u)
-    softplus = tl.maximum(z, 0.0) + (tl.log(w) - ((w - 1.0) - u) * r)
+    t = u * _reciprocal(2.0 + u)
+    t2 = t * t
+    series = 1.0 / 15.0
+    series = series * t2 + 1.0 / 13.0
+    series = series * t2 + 1.0 / 11.0
+    series = series * t2 + 1.0 / 9.0
+    series = series * t2 + 1.0 / 7.0
+    series = series * t2 + 1.0 / 5.0
+    series = series * t2 + 1.0 / 3.0
+    two_t = 2.0 * t
+    softplus = tl.maximum(z, 0.0) + (two_t + two_t * (t2 * series))
     return sigmoid, softplus
 
 
@@ -444,6 +471,57 @@ _grad_tile_kernel = triton.autotune(
 )(_grad_tile_kernel_body)
 
 
+# --------------------------------------------------------------------------------------------
+# The sigmoid loss's one pass from dot products that cuBLAS computed
+
+# (BLOCK_M, BLOCK_N, warps, key blocks per program): wide along the keys (16-byte loads and stores
+# per thread), a few rows, and several key blocks per program so that the row sums are reduced
+# across threads (shuffles) and added atomically once per program, not once per block. The
+# interpreter runs small blocks.
+_SIGMOID_DOTS_SHAPE = (16, 32, 1, 2) if INTERPRET else (8, 512, 4, 4)
+
+
+@triton.jit
+def _sigmoid_from_dots_kernel(
+    dots_ptr, g_ptr, row_sums_ptr, softplus_sums_ptr, scale_ptr, bias_ptr, inv_g_scale_ptr,
+    row_group_ptr, key_group_ptr, positive_ptr, key_offset,
+    n_rows, n_keys, stride_dots, stride_g,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    KEY_BLOCKS: tl.constexpr,
+):
+    """G = sigmoid(z) (masked) of fp32 or fp16 dot products, z = scale * dots + bias, with the row
+    sums of G and of softplus(z) added atomically: what ``_grad_tile_kernel`` does in its
+    one-pass mode, minus the dot products. A program takes BLOCK_M rows x KEY_BLOCKS * BLOCK_N
+    keys."""
+    row_index = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    row_valid = row_index < n_rows
+    scale = tl.load(scale_ptr).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr).to(tl.float32)
+    else:
+        bias = 0.0
+    inv_g_scale = tl.load(inv_g_scale_ptr)
+    grad_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    softplus_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    key_start = tl.program_id(1).to(tl.int64) * (KEY_BLOCKS * BLOCK_N)
+    for block in range(KEY_BLOCKS):
+        key_index = key_start + block * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        key_valid = key_index < n_keys
+        in_tile = row_valid[:, None] & key_valid[None, :]
+        dots = tl.load(dots_ptr + row_index[:, None] * stride_dots + key_index[None, :], mask=in_tile,
+                       other=0.0)
+        sigmoid, softplus = _sigmoid_and_softplus(dots.to(tl.float32) * scale + bias)
+        allowed = _allowed(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
+                           positive_ptr, key_offset, HAS_MASK)
+        grad = tl.where(allowed, sigmoid, 0.0)
+        grad_sum += grad
+        softplus_sum += tl.where(allowed, softplus, 0.0)
+        tl.store(g_ptr + row_index[:, None] * stride_g + key_index[None, :],
+                 (grad * inv_g_scale).to(g_ptr.dtype.element_ty), mask=in_tile)
+    tl.atomic_add(softplus_sums_ptr + row_index, tl.sum(softplus_sum, axis=1), mask=row_valid)
+    tl.atomic_add(row_sums_ptr + row_index, tl.sum(grad_sum, axis=1), mask=row_valid)
+
+
 # Tuned configurations persist on disk (hf_infcl.ops.tuning_store): tuning is paid once per machine.
 TUNING_STORE = TuningStore()
 
@@ -646,6 +724,41 @@ def grad_tile(
         PRECISION=dot_precision(queries.dtype, precision), UPCAST=INTERPRET, HARDNESS=hardness,
     )
 
+
+
+def sigmoid_from_dots(
+    dots: torch.Tensor,
+    g_out: torch.Tensor,
+    row_sums: torch.Tensor,
+    softplus_sums: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    inv_g_scale: torch.Tensor,
+    *,
+    row_groups: torch.Tensor | None = None,
+    key_groups: torch.Tensor | None = None,
+    positive_keys: torch.Tensor | None = None,
+    key_offset: int = 0,
+) -> None:
+    """The sigmoid loss's one pass over a super-tile whose dot products ``dots`` [rows, keys]
+    (fp32, last stride 1) are already computed: write sigmoid(scale * dots + bias) / g_scale,
+    masked, into ``g_out`` (same shape; it may not overlap ``dots``) and add the row sums of G
+    and of the softplus terms into ``row_sums`` and ``softplus_sums`` (fp32 [rows], atomically).
+    The result equals :func:`grad_tile` with ``softplus_sums`` given, up to the rounding of the
+    dot products."""
+    n_rows, n_keys = dots.shape
+    has_mask = row_groups is not None
+    dummy = _unused_pointer(dots.device)
+    block_m, block_n, warps, key_blocks = _SIGMOID_DOTS_SHAPE
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_keys, block_n * key_blocks))
+    _sigmoid_from_dots_kernel[grid](
+        dots, g_out, row_sums, softplus_sums, scale, bias if bias is not None else dummy, inv_g_scale,
+        row_groups if has_mask else dummy, key_groups if has_mask else dummy,
+        positive_keys if has_mask else dummy, key_offset,
+        n_rows, n_keys, dots.stride(0), g_out.stride(0),
+        HAS_BIAS=bias is not None, HAS_MASK=has_mask, BLOCK_M=block_m, BLOCK_N=block_n,
+        KEY_BLOCKS=key_blocks, num_warps=warps,
+    )
 
 def _pair_pointers(has_mask: bool, hardness: int, positive_keys, key_offset: int, query_ids, key_owners,
                    hardness_strength, dummy) -> tuple:
