@@ -11,8 +11,11 @@ query accumulator and G^T Q to the key accumulator. ``hf_infcl.ops.triton_kernel
 G goes through that buffer rather than register accumulators for widths of 512-1024.
 
 ``forward_backward_block`` is the sigmoid loss's one pass (``StatsSpec.gradients_in_forward``):
-the same super-tiles with every row weight 1, the kernel also summing each row's softplus terms
-(the row statistic) from the logits it computes anyway. No statistics pass at all.
+the same super-tiles with every row weight 1, each row's softplus terms (the row statistic) summed
+from the same logits. No statistics pass at all. By default (``sigmoid_logits="gemm"``) a cuBLAS
+GEMM computes each super-tile's dot products (fp16 for half-precision inputs, see
+``_dot_operands``) and an elementwise kernel forms G and the sums; ``"fused"`` has the
+gradient-tile kernel compute the dot products itself.
 
 fp32 inputs with TF32 precision ("auto" on CUDA, or "tf32") run the kernels on TF32 tensor
 cores, as docs/contract.md ("Precision") says, after rounding the operands to TF32 to nearest
@@ -133,7 +136,8 @@ class TritonBlocks:
     def forward_backward_block(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None,
                                grad_queries, grad_keys):
         """The sigmoid loss's one pass (``OnePassSigmoidOps``): the backward's super-tiles with
-        every row weight 1, each tile's softplus row sums taken from the same logits."""
+        every row weight 1, each tile's softplus row sums taken from the same logits (whose dot
+        products ``sigmoid_logits`` says who computes)."""
         if queries.dtype == torch.float64:
             return TorchTiles().forward_backward_block(spec, queries, keys, scale, bias, mask, grad_queries,
                                                        grad_keys)
@@ -149,8 +153,9 @@ class TritonBlocks:
                      col_stat, row_weight, col_weight, grad_queries, grad_keys, softplus_sums=None,
                      hardness: HardnessOffset | None = None):
         """The backward's walk over super-tiles (see the module docstring); returns the row sums
-        of G. With ``softplus_sums`` [m] (fp32, zeroed) the one-pass route: the gradient-tile
-        kernel adds the sigmoid row statistic into it."""
+        of G. With ``softplus_sums`` [m] (fp32, zeroed) the one-pass route: the sigmoid row
+        statistic is added into it, by the elementwise kernel over cuBLAS dot products
+        (``sigmoid_logits="gemm"``) or by the gradient-tile kernel."""
         self._check(queries, keys)
         spec = _resolved(spec, queries)
         operands = self._operands(spec, queries, keys, scale)

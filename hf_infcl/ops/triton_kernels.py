@@ -1,6 +1,6 @@
 """Fused Triton kernels for the logit statistics of :mod:`hf_infcl.ops.spec`, and their launchers.
 
-Three kernels, none of which ever holds more than one ``BLOCK_M x BLOCK_N`` tile of logits:
+Four kernels, none of which ever holds more than one ``BLOCK_M x BLOCK_N`` tile of logits:
 
 * ``_stats_kernel`` (forward): one program owns a block of "outer" vectors and streams every
   "inner" vector past it, keeping an online log-sum-exp (softmax) or a running sum of softplus
@@ -27,6 +27,11 @@ scaling the logits themselves by log2(e) first saves a multiply but triples the 
 of those differences, which the fp32 tests at c = 1 caught.
 
 * The two products dQ += G K and dK += G^T Q of that super-tile are then plain cuBLAS GEMMs.
+
+* ``_sigmoid_from_dots_kernel`` (the sigmoid loss's one pass, by default): the same G and the
+  softplus row sums from dot products that a cuBLAS GEMM already computed into a buffer, so that
+  the tensor-core work runs at cuBLAS speed and this kernel does only the elementwise work (which
+  is what bounds it; ``_sigmoid_and_softplus`` keeps it short).
 
 Why G goes through a bounded scratch buffer instead of register accumulators (the question the
 design leaves open for c = 512..1024): a row block's dQ accumulator is BLOCK_M x c fp32, i.e.
