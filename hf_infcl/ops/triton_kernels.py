@@ -170,6 +170,17 @@ def _dot_tile(a_ptr, b_ptr, a_index, b_index, a_valid, b_valid, c, stride_a, str
 
 
 @triton.jit
+def _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS: tl.constexpr):
+    """The logit scale and bias (0 without one) as fp32, read on the device."""
+    scale = tl.load(scale_ptr).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr).to(tl.float32)
+    else:
+        bias = 0.0
+    return scale, bias
+
+
+@triton.jit
 def _softplus(z):
     """log(1 + e^z) without overflow and without losing the small values of very negative z.
 
@@ -310,11 +321,7 @@ def _stats_kernel_body(
     inner_start = split * inner_per_split
     inner_end = tl.minimum(inner_start + inner_per_split, n_inner)
 
-    scale = tl.load(scale_ptr).to(tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr).to(tl.float32)
-    else:
-        bias = 0.0
+    scale, bias = _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS)
     if HARDNESS != 0:  # rows outer only: the column statistic is of the plain logits
         strength = tl.load(hardness_ptr).to(tl.float32)
 
@@ -422,11 +429,7 @@ def _grad_tile_kernel_body(
     row_valid = row_index < n_rows
     key_valid = key_index < n_keys
 
-    scale = tl.load(scale_ptr).to(tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr).to(tl.float32)
-    else:
-        bias = 0.0
+    scale, bias = _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS)
     dots = _dot_tile(q_ptr, k_ptr, row_index, key_index, row_valid, key_valid, c, stride_q, stride_k,
                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
 
@@ -500,11 +503,7 @@ def _sigmoid_from_dots_kernel(
     keys."""
     row_index = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     row_valid = row_index < n_rows
-    scale = tl.load(scale_ptr).to(tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr).to(tl.float32)
-    else:
-        bias = 0.0
+    scale, bias = _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS)
     inv_g_scale = tl.load(inv_g_scale_ptr)
     grad_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     softplus_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
