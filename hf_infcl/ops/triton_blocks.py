@@ -72,10 +72,11 @@ class TritonBlocks:
             kernels too (faster; see the module docstring for its accuracy); False (the
             default) runs the kernels on TF32 tensor cores and only the GEMMs in fp16.
         sigmoid_logits: where the sigmoid loss's one pass gets each super-tile's dot products:
-            ``"gemm"`` (the default) from a cuBLAS GEMM into an fp32 buffer, read by an
-            elementwise kernel that writes G; ``"fused"`` from the gradient-tile kernel itself,
-            which computes them and G in one kernel (no dot-product buffer, but its tensor-core
-            work and its elementwise work run one after the other).
+            ``"gemm"`` (the default) from a cuBLAS GEMM into a buffer (fp16 for half-precision
+            inputs, fp32 for fp32 inputs), read by an elementwise kernel that writes G;
+            ``"fused"`` from the gradient-tile kernel itself, which computes them and G in one
+            kernel (no dot-product buffer, but its tensor-core work and its elementwise work
+            run one after the other).
     """
 
     tile_rows: int | None = None
@@ -167,7 +168,7 @@ class TritonBlocks:
         # The one pass with cuBLAS dot products (see _dot_operands).
         gemm_dots = softplus_sums is not None and self.sigmoid_logits == "gemm"
         if gemm_dots:
-            dot_q, dot_k, dots_scale = _dot_operands(gemm, operands, scale)
+            dot_q, dot_k, dots_scale, dots_dtype = _dot_operands(gemm, operands, scale)
         f32 = dict(dtype=torch.float32, device=device)
         row_stat, row_weight = row_stat.to(**f32).contiguous(), row_weight.to(**f32).contiguous()
         if col_stat is not None:
@@ -196,15 +197,11 @@ class TritonBlocks:
         if factor_k is not None:
             grad_keys.div_(factor_k)
 
-        tile_rows, tile_keys = self._super_tile(gemm.queries.dtype, m, k, gemm_dots)
+        tile_rows, tile_keys = self._super_tile(gemm.queries.dtype, m, k)
         # Row stride padded to 8 elements so that cuBLAS sees aligned leading dimensions.
         ld = -(-tile_keys // 8) * 8
         scratch = torch.empty((tile_rows, ld), dtype=gemm.queries.dtype, device=device)
-        if gemm_dots:
-            dots_dtype = torch.float16 if queries.dtype in _HALF_TYPES else torch.float32
-            dots = torch.empty((tile_rows, ld), dtype=dots_dtype, device=device)
-        else:
-            dots = None
+        dots = torch.empty((tile_rows, ld), dtype=dots_dtype, device=device) if gemm_dots else None
         row_sums = torch.zeros(m, **f32)
         labels = _label_arguments(_mask_arguments(mask), hardness, operands)
         base_offset = labels.pop("key_offset", 0)
@@ -251,7 +248,7 @@ class TritonBlocks:
                             d = dot_views[shape] = dots[: shape[0], : shape[1]]
                         if self.poison:
                             dots.fill_(float("nan"))
-                        _set_product(d, row["dot_queries"], tile["dot_keys"].T)
+                        _add_product(d, row["dot_queries"], tile["dot_keys"].T, beta=0)
                         kernels.sigmoid_from_dots(d, g, row["row_sums"], row["softplus_sums"], dots_scale,
                                                   bias, inv_g_scale, **row["labels"], **tile["labels"])
                     else:
@@ -329,7 +326,7 @@ class TritonBlocks:
             col_stat = torch.logaddexp(col_stat, torch.logsumexp(partials, dim=0))
         return row_stat, col_stat
 
-    def _super_tile(self, dtype: torch.dtype, m: int, k: int, gemm_dots: bool) -> tuple[int, int]:
+    def _super_tile(self, dtype: torch.dtype, m: int, k: int) -> tuple[int, int]:
         # 64 MiB of G: each super-tile then carries enough GPU work to hide the host time of its
         # three launches; smaller tiles left the GPU waiting on the host (benchmarks/triton_notes.md).
         default_keys = 4096
@@ -366,7 +363,8 @@ class _Operands:
 
 
 def _dot_operands(gemm: _Operands, operands: _Operands, scale: torch.Tensor):
-    """(queries, keys, scale) whose cuBLAS product gives the sigmoid one pass's dot products.
+    """(queries, keys, scale, dtype of the product) whose cuBLAS product gives the sigmoid one
+    pass's dot products.
 
     Half-precision inputs: fp16 copies divided by a power of two at least their largest entry
     (exact, no rounding), so that every dot product lies within +-c and its fp16 result cannot
@@ -376,12 +374,13 @@ def _dot_operands(gemm: _Operands, operands: _Operands, scale: torch.Tensor):
     scaled fp16 copies of TF32 precision, or the fp32 inputs of "ieee"), with fp32 dot
     products. The scale takes every factor the operands were divided by."""
     if gemm is not operands:  # fp32 inputs with TF32 precision: fp16 copies divided by their maxima
-        return gemm.queries, gemm.keys, scale * _product(gemm.queries_max, gemm.keys_max)
+        return gemm.queries, gemm.keys, scale * _product(gemm.queries_max, gemm.keys_max), torch.float32
     if gemm.queries.dtype not in _HALF_TYPES:
-        return gemm.queries, gemm.keys, scale
+        return gemm.queries, gemm.keys, scale, torch.float32
     queries_max, keys_max = _power_of_two_at_least(gemm.queries), _power_of_two_at_least(gemm.keys)
     return ((gemm.queries / queries_max.to(gemm.queries.dtype)).to(torch.float16),
-            (gemm.keys / keys_max.to(gemm.keys.dtype)).to(torch.float16), scale * queries_max * keys_max)
+            (gemm.keys / keys_max.to(gemm.keys.dtype)).to(torch.float16), scale * queries_max * keys_max,
+            torch.float16)
 
 
 def _power_of_two_at_least(tensor: torch.Tensor) -> torch.Tensor:
@@ -420,12 +419,12 @@ def _product(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | N
 
 
 def _add_product(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1) -> None:
-    """accumulator (fp32) = beta * accumulator + a @ b, with a and b in the operand dtype and no
-    rounded intermediate (beta = 0: overwritten, whatever it held, NaN included).
+    """accumulator (fp32, or the operands' dtype) = beta * accumulator + a @ b, with no rounded
+    intermediate (beta = 0: overwritten, whatever it held, NaN included).
 
-    fp32 operands: one in-place addmm. Half operands on CUDA: cuBLAS accumulates into the fp32
-    buffer directly (``out_dtype``). Elsewhere (CPU under the interpreter, or a torch without
-    ``out_dtype``): the product of fp32 copies.
+    Operands of the accumulator's dtype: one in-place addmm. Half operands on CUDA: cuBLAS
+    accumulates into the fp32 buffer directly (``out_dtype``). Elsewhere (CPU under the
+    interpreter, or a torch without ``out_dtype``): the product of fp32 copies.
     """
     if a.dtype == accumulator.dtype:
         accumulator.addmm_(a, b, beta=beta)
@@ -437,14 +436,6 @@ def _add_product(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor, be
         except (RuntimeError, TypeError):
             _HAS_OUT_DTYPE[0] = False  # an older torch: use the general path from now on
     accumulator.addmm_(a.to(accumulator.dtype), b.to(accumulator.dtype), beta=beta)
-
-
-def _set_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """out = a @ b (fp32 or, for fp16 operands, fp16 ``out``) without reading what ``out`` held."""
-    if out.dtype == a.dtype:
-        torch.mm(a, b, out=out)
-    else:
-        _add_product(out, a, b, beta=0)
 
 
 # Whether torch.addmm(..., out_dtype=) works here; cleared at the first failure.

@@ -729,7 +729,6 @@ def grad_tile(
     )
 
 
-
 def sigmoid_from_dots(
     dots: torch.Tensor,
     g_out: torch.Tensor,
@@ -745,7 +744,7 @@ def sigmoid_from_dots(
     key_offset: int = 0,
 ) -> None:
     """The sigmoid loss's one pass over a super-tile whose dot products ``dots`` [rows, keys]
-    (fp32, last stride 1) are already computed: write sigmoid(scale * dots + bias) / g_scale,
+    (fp32 or fp16, last stride 1) are already computed: write sigmoid(scale * dots + bias) / g_scale,
     masked, into ``g_out`` (same shape; it may not overlap ``dots``) and add the row sums of G
     and of the softplus terms into ``row_sums`` and ``softplus_sums`` (fp32 [rows], atomically).
     The result equals :func:`grad_tile` with ``softplus_sums`` given, up to the rounding of the
@@ -763,6 +762,7 @@ def sigmoid_from_dots(
         HAS_BIAS=bias is not None, HAS_MASK=has_mask, BLOCK_M=block_m, BLOCK_N=block_n,
         KEY_BLOCKS=key_blocks, num_warps=warps,
     )
+
 
 def _pair_pointers(has_mask: bool, hardness: int, positive_keys, key_offset: int, query_ids, key_owners,
                    hardness_strength, dummy) -> tuple:
