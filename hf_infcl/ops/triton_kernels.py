@@ -180,19 +180,6 @@ def _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS: tl.constexpr):
     return scale, bias
 
 
-@triton.jit
-def _softplus(z):
-    """log(1 + e^z) without overflow and without losing the small values of very negative z.
-
-    log1p(u) for u = e^-|z| uses log(w) * u / (w - 1), w = 1 + u, which is exact to rounding
-    even where 1 + u rounds (the naive log(1 + u) loses everything below 1e-7 relative).
-    """
-    u = tl.exp(-tl.abs(z))
-    w = 1.0 + u
-    log1p_u = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
-    return tl.maximum(z, 0.0) + log1p_u
-
-
 # PTX approximate instructions (one special-function operation each) where the kernels run on a
 # GPU; the interpreter has no inline assembly and divides.
 _PTX = tl.constexpr(not INTERPRET)
@@ -209,19 +196,15 @@ def _reciprocal(x):
 
 
 @triton.jit
-def _sigmoid_and_softplus(z):
-    """(sigmoid(z), softplus(z)) from one exponential u = e^-|z| and two reciprocals.
+def _log1p(u):
+    """log(1 + u) for 0 <= u <= 1, to fp32 accuracy relative to the result.
 
-    sigmoid(z) = r for z >= 0 and u r below, r = 1 / (1 + u). softplus(z) = max(z, 0) + log1p(u)
-    with log1p(u) = 2 atanh(t) = 2 t (1 + t^2/3 + ... + t^14/15), t = u / (2 + u) <= 1/3: the
-    truncated series is below fp32's rounding (the next term is < 4e-9 relative), relative
-    accuracy holds for the tiny u of very negative logits (no 1 + u that rounds), and it costs
-    eight fused multiply-adds where a library logarithm cost about 25 instructions. This
-    elementwise work, not memory, bounds the sigmoid loss's elementwise pass
+    log1p(u) = 2 atanh(t) = 2 t (1 + t^2/3 + ... + t^14/15), t = u / (2 + u) <= 1/3: the
+    truncated series is below fp32's rounding (the next term is < 4e-9 relative); relative
+    accuracy holds for the tiny u of very negative logits (no 1 + u that rounds away u); and it
+    costs one reciprocal and eight fused multiply-adds where a library logarithm cost about 25
+    instructions. This elementwise work, not memory, bounds the sigmoid loss's elementwise pass
     (``benchmarks/triton_notes.md``)."""
-    u = tl.exp2(-tl.abs(z) * LOG2E)
-    r = _reciprocal(1.0 + u)
-    sigmoid = r * tl.where(z >= 0.0, 1.0, u)
     t = u * _reciprocal(2.0 + u)
     t2 = t * t
     series = 1.0 / 15.0
@@ -232,8 +215,24 @@ def _sigmoid_and_softplus(z):
     series = series * t2 + 1.0 / 5.0
     series = series * t2 + 1.0 / 3.0
     two_t = 2.0 * t
-    softplus = tl.maximum(z, 0.0) + (two_t + two_t * (t2 * series))
-    return sigmoid, softplus
+    return two_t + two_t * (t2 * series)
+
+
+@triton.jit
+def _softplus(z):
+    """log(1 + e^z) = max(z, 0) + log1p(e^-|z|): no overflow, and the small values of very
+    negative z kept."""
+    return tl.maximum(z, 0.0) + _log1p(tl.exp2(-tl.abs(z) * LOG2E))
+
+
+@triton.jit
+def _sigmoid_and_softplus(z):
+    """(sigmoid(z), softplus(z)) sharing one exponential u = e^-|z|: sigmoid(z) = r for z >= 0 and
+    u r below, r = 1 / (1 + u); softplus(z) = max(z, 0) + log1p(u)."""
+    u = tl.exp2(-tl.abs(z) * LOG2E)
+    r = _reciprocal(1.0 + u)
+    sigmoid = r * tl.where(z >= 0.0, 1.0, u)
+    return sigmoid, tl.maximum(z, 0.0) + _log1p(u)
 
 
 @triton.jit
