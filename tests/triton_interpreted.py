@@ -343,7 +343,8 @@ def test_kernels_never_write_into_the_callers_tensors(loss_name, blocks_name, mo
 
     written_by_kernel = {kernels._stats_kernel: ("out_ptr", "col_partial_ptr"),
                          kernels._grad_tile_kernel: ("g_ptr", "row_sums_ptr", "softplus_sums_ptr"),
-                         kernels._sigmoid_from_dots_kernel: ("g_ptr", "row_sums_ptr", "softplus_sums_ptr")}
+                         kernels._sigmoid_from_dots_kernel: ("g_ptr", "row_sums_ptr", "softplus_sums_ptr"),
+                         kernels._combine_rows_kernel: ("out_ptr", "dots_ptr")}
     launches = []
     for tuner, written in written_by_kernel.items():
         # The plain JIT kernel has no autotuner, so nothing restored or zeroed.
@@ -372,6 +373,110 @@ def test_kernels_never_write_into_the_callers_tensors(loss_name, blocks_name, mo
         for name, tensor in launch.items():
             assert tensor.untyped_storage().data_ptr() not in caller_storages, (
                 f"{name} of a kernel launch is a tensor the caller owns")
+
+
+COMBINE_CASES = {
+    # rows, width, one entry per row (else sorted entry rows, some outside [0, rows)), accumulator,
+    # weight ("row", "common" or None), source weights, output, dot products
+    "rows-r37-c50": (37, 50, True, True, "row", True, True, True),
+    "logits-r23-c130": (23, 130, True, False, None, False, False, True),
+    "keys-r41-c3": (41, 3, False, True, "common", True, True, False),
+    "keys-noweight-r9-c70": (9, 70, False, True, None, True, True, True),
+    "keys-noacc-r5-c16": (5, 16, False, False, None, False, True, False),
+    # The row weights a mean's backward hands in: one value expanded (stride 0).
+    "rows-expanded-r12-c33": (12, 33, True, True, "expanded", True, True, True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", list(COMBINE_CASES))
+def test_combine_rows_kernel_matches_float64(case, dtype):
+    """The epilogues' row kernel (``TritonBlocks.combine_rows``) against the same sum in float64,
+    and against the torch version it replaces: rows with no entry, several entries, entries
+    outside the rows (the ring's key slices), every optional operand absent in some case."""
+    from hf_infcl.ops.key_blocks import combine_rows
+
+    rows, width, one_per_row, has_acc, weight_kind, has_source_weight, has_out, has_dots = COMBINE_CASES[case]
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    n_sources = rows + 13
+    sources = torch.randn(n_sources, width, generator=gen).to(dtype)
+    if one_per_row:
+        entries = rows
+        entry_rows = None
+        target = torch.arange(rows)
+    else:
+        entries = 3 * rows
+        entry_rows = torch.sort(torch.randint(-2, rows + 3, (entries,), generator=gen)).values
+        target = entry_rows
+    source_index = torch.randint(0, n_sources, (entries,), generator=gen)
+    source_weight = torch.randn(entries, generator=gen) if has_source_weight else None
+    accumulator = torch.randn(rows, width, generator=gen) if has_acc else None
+    weight = {"row": torch.randn(rows, generator=gen), "common": torch.randn((), generator=gen),
+              "expanded": torch.randn((), generator=gen).expand(rows), None: None}[weight_kind]
+    scale = torch.rand((), generator=gen) + 0.5
+    dot_with = torch.randn(rows, width, generator=gen).to(dtype) if has_dots else None
+
+    expected = torch.zeros(rows, width, dtype=torch.float64)
+    if accumulator is not None:
+        factor = 1.0 if weight is None else (weight.double() if weight.dim() == 0 else weight.double()[:, None])
+        expected += accumulator.double() * factor
+    added = sources.double()[source_index]
+    if source_weight is not None:
+        added = added * source_weight.double()[:, None]
+    inside = (target >= 0) & (target < rows)
+    expected.index_add_(0, target[inside], added[inside])
+
+    results = {}
+    for name, combine in (("triton", BLOCKS.combine_rows), ("torch", combine_rows)):
+        out = torch.full((rows, width), float("nan"), dtype=dtype) if has_out else None
+        dots = combine(rows=rows, sources=sources, source_index=source_index, source_weight=source_weight,
+                       entry_rows=entry_rows, accumulator=accumulator, weight=weight, out=out, scale=scale,
+                       dot_with=dot_with)
+        results[name] = (out, dots)
+        tolerance = dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else dict(rtol=1e-5, atol=1e-5)
+        if has_out:
+            torch.testing.assert_close(out.double(), expected * scale.double(), **tolerance, msg=name)
+        if has_dots:
+            torch.testing.assert_close(dots.double(), (expected * dot_with.double()).sum(1), rtol=1e-5,
+                                       atol=1e-4, msg=name)
+        else:
+            assert dots is None
+
+
+@pytest.mark.parametrize("bias", [-3.0, -45.0], ids=["bias-3", "bias-45"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["separate", "in-place"])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("shape", [(32, 128), (19, 75)], ids=["full-r32-k128", "ragged-r19-k75"])
+def test_sigmoid_from_dots_kernel_matches_float64(shape, masked, in_place, bias):
+    """The elementwise kernel of the sigmoid one pass on its own: G, its row sums and the
+    softplus row sums against float64. Logits from -43 to 37 reach every branch of sigmoid and
+    softplus; from -85 to -5, the softplus sums are sums of small e^z whose relative accuracy
+    needs the rounding error of 1 + e^z. Full blocks take the kernel's unmasked path, ragged
+    ones its masked one; in place, G overwrites the fp16 dot products it reads."""
+    from hf_infcl.ops import triton_kernels as kernels
+
+    rows, keys = shape
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    dots = (torch.rand(rows, keys, generator=gen) * 2 - 1).to(torch.float16)
+    scale, bias = torch.tensor(40.0), torch.tensor(bias)
+    groups = {}
+    allowed = torch.ones(rows, keys, dtype=torch.bool)
+    if masked:
+        positive = torch.randint(0, keys, (rows,), generator=gen)
+        row_groups, key_groups = torch.randint(0, 3, (rows,), generator=gen), torch.randint(0, 3, (keys,), generator=gen)
+        groups = dict(row_groups=row_groups, key_groups=key_groups, positive_keys=positive)
+        allowed = (row_groups[:, None] != key_groups[None, :]) | (positive[:, None] == torch.arange(keys)[None, :])
+    z = dots.double() * 40.0 + bias.double()
+    expected_g = torch.where(allowed, torch.sigmoid(z), 0.0)
+    expected_softplus = torch.where(allowed, torch.nn.functional.softplus(z), 0.0).sum(1)
+
+    g = dots.view(torch.float16) if in_place else torch.full((rows, keys), float("nan"), dtype=torch.float16)
+    dots_read = dots if in_place else dots.clone()
+    row_sums, softplus_sums = torch.zeros(rows), torch.zeros(rows)
+    kernels.sigmoid_from_dots(dots_read, g, row_sums, softplus_sums, scale, bias, None, **groups)
+    torch.testing.assert_close(g.double(), expected_g, rtol=2e-3, atol=1e-7)
+    torch.testing.assert_close(row_sums.double(), expected_g.sum(1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(softplus_sums.double(), expected_softplus, rtol=2e-6, atol=0.0)
 
 
 def test_reset_autotuning_clears_every_autotuner_and_the_loss_still_matches(monkeypatch):

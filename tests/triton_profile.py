@@ -26,6 +26,7 @@ def main():
     parser.add_argument("--sigmoid-logits", choices=["gemm", "fused"], default="gemm",
                         help="the sigmoid one pass's dot products: cuBLAS, or the fused kernel")
     parser.add_argument("--no-table", action="store_true", help="timings only")
+    parser.add_argument("--rows", type=int, default=12, help="kernels listed in the table")
     parser.add_argument("--gaps", action="store_true",
                         help="also the GPU's idle time in one fwd+bwd, and its largest gaps")
     args = parser.parse_args()
@@ -61,7 +62,7 @@ def main():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         both()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
     if args.gaps:
         print_gaps(both)
     from hf_infcl.ops import triton_kernels

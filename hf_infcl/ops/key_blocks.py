@@ -83,7 +83,7 @@ def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, qu
         row_stat, col_stat = schedule.forward_stats(spec, ops, queries, keys, scale, bias, labels)
     if col_stat is None:
         col_stat = row_stat.new_empty(0)
-    return row_stat, col_stat, positive_logits(queries, keys, positives, scale, bias), unit
+    return row_stat, col_stat, positive_logits(queries, keys, positives, scale, bias, row_combiner(ops)), unit
 
 
 def one_pass(spec: StatsSpec, schedule: KeyBlockSchedule, ops: BlockOps) -> bool:
@@ -102,13 +102,13 @@ def stats_backward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, q
     if unit is not None:
         return finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive_logit,
                                 unit.queries, unit.key_slices, unit.row_sums,
-                                row_weight=grad_row_stat.to(unit.queries.dtype))
+                                row_weight=grad_row_stat.to(unit.queries.dtype), combine=row_combiner(ops))
     grad_queries, key_slices, row_sums = schedule.backward_accumulators(
         spec, ops, queries, keys, scale, bias, _with_positive_keys(schedule, positives, labels), row_stat,
         col_stat, grad_row_stat, grad_col_stat,
     )
     return finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive_logit, grad_queries,
-                            key_slices, row_sums)
+                            key_slices, row_sums, combine=row_combiner(ops))
 
 
 def _with_positive_keys(schedule: KeyBlockSchedule, positives, labels: PairLabels) -> PairLabels:
@@ -159,68 +159,130 @@ def _row_chunks(rows: int, width: int):
         yield slice(start, min(start + step, rows))
 
 
-def positive_logits(queries, keys, positives, scale, bias) -> torch.Tensor:
+class RowCombiner(Protocol):
+    """The O(m c) epilogues' one primitive (:func:`combine_rows` says what it computes). Block ops
+    may offer a faster one as a ``combine_rows`` method (the Triton backend: one kernel launch)."""
+
+    def __call__(self, *, rows: int, sources, source_index, source_weight=None, entry_rows=None,
+                 accumulator=None, weight=None, out=None, scale=None, dot_with=None): ...
+
+
+def row_combiner(ops) -> RowCombiner:
+    """``ops.combine_rows`` where the block ops offer one, else :func:`combine_rows`."""
+    return getattr(ops, "combine_rows", combine_rows)
+
+
+def combine_rows(*, rows: int, sources, source_index, source_weight=None, entry_rows=None, accumulator=None,
+                 weight=None, out=None, scale=None, dot_with=None):
+    """For each row r < ``rows``, in the accumulation dtype of ``sources``:
+
+        v_r = weight_r * accumulator[r] + sum over the entries t of row r of
+              source_weight[t] * sources[source_index[t]]
+
+    Entry t belongs to row t (``entry_rows`` None: one entry per row) or to row
+    ``entry_rows[t]`` (non-decreasing; entries outside [0, rows) are ignored). ``accumulator``
+    None counts as zeros, ``weight`` None as 1 (a 0-d ``weight`` is every row's, a [rows] one
+    each row's own), ``source_weight`` None as 1. Writes ``out[r] = scale * v_r`` in ``out``'s
+    dtype (if ``out`` is given) and returns the dot products ``<v_r, dot_with[r]>`` [rows] (if
+    ``dot_with`` is given, else None).
+
+    The epilogues' uses: dQ_i = s (w_i (G K)_i + a_i K_p(i)) with d scale from <., Q_i> (one entry
+    per row); dK_j = s (w (G^T Q)_j + sum_{i: p(i) = j} a_i Q_i) (entries sorted by positive);
+    the positive logits <Q_i, K_p(i)> (no accumulator, no output). This version runs in row chunks
+    of torch ops (no full-size fp32 temporaries) and reads the chunks' entry ranges with one host
+    synchronisation.
+    """
+    acc = accumulation_dtype(sources.dtype)
+    width = sources.shape[1]
+    chunks = list(_row_chunks(rows, width))
+    dots = None if dot_with is None else torch.empty(rows, dtype=acc, device=sources.device)
+    if entry_rows is not None:
+        starts = torch.tensor([part.start for part in chunks] + [rows], device=entry_rows.device)
+        bounds = torch.searchsorted(entry_rows, starts).tolist()
+    for index, part in enumerate(chunks):
+        if accumulator is None:
+            block = torch.zeros((part.stop - part.start, width), dtype=acc, device=sources.device)
+        elif weight is None:
+            block = accumulator[part].to(acc, copy=True)
+        else:
+            block = accumulator[part] * (weight if weight.dim() == 0 else weight[part, None]).to(acc)
+        if entry_rows is None:
+            entries, targets = part, None
+        else:
+            entries = slice(bounds[index], bounds[index + 1])
+            targets = entry_rows[entries] - part.start
+        if entries.stop > entries.start:
+            added = sources[source_index[entries]].to(acc)
+            if source_weight is not None:
+                added = added * source_weight[entries, None].to(acc)
+            if targets is None:
+                block += added
+            else:
+                block.index_add_(0, targets, added)
+        if dots is not None:
+            dots[part] = (block * dot_with[part].to(acc)).sum(dim=1)
+        if out is not None:
+            out[part] = (block * scale.to(acc)).to(out.dtype)
+    return dots
+
+
+def positive_logits(queries, keys, positives, scale, bias, combine: RowCombiner = combine_rows) -> torch.Tensor:
     """z_{i,p(i)} = s <Q_i, K_{p(i)}> + b in the accumulation dtype, [m]."""
     acc = accumulation_dtype(queries.dtype)
-    dots = torch.empty(queries.shape[0], dtype=acc, device=queries.device)
-    for rows in _row_chunks(queries.shape[0], queries.shape[1]):
-        dots[rows] = (queries[rows].to(acc) * keys[positives[rows]].to(acc)).sum(dim=1)
+    dots = combine(rows=queries.shape[0], sources=keys, source_index=positives, dot_with=queries)
     logits = scale.to(acc) * dots
     return logits if bias is None else logits + bias.to(acc)
 
 
 def finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive, grad_queries, key_slices,
-                     row_sums, row_weight=None):
+                     row_sums, row_weight=None, combine: RowCombiner = combine_rows):
     """(d queries, d keys, d scale, d bias) from the unscaled accumulators of the statistics'
     gradient, adding the positive logits' gradient ``grad_positive``; ``needs`` (four bools, e.g.
     ``ctx.needs_input_grad[:4]``) says which are wanted, None for the others.
 
     The accumulators are G K [m, c], G^T Q as ((start, end), accumulator) slices of the keys (the
     ring keeps its key gradient in slices, padded to the largest rank's keys), and the row sums
-    of G. With ``row_weight`` None they hold the gradient itself and are used up (added to in
-    place, and each key slice dropped from the list once copied out). With ``row_weight`` [m]
-    they hold the unit-weight G of the one-pass route (``StatsSpec.gradients_in_forward``) and
-    are only read: row i of G K is scaled by its weight, G^T Q by the rows' common weight.
+    of G. With ``row_weight`` None they hold the gradient itself, and each key slice is dropped
+    from the list once used (its memory freed). With ``row_weight`` [m] they hold the unit-weight
+    G of the one-pass route (``StatsSpec.gradients_in_forward``) and are kept: row i of G K is
+    scaled by its weight, G^T Q by the rows' common weight. They are only ever read (a second
+    backward of the one-pass route reads them again).
 
-    The positive logits' gradient is summed into the fp32 accumulators before the single cast,
+    The positive logits' gradient is summed with the fp32 accumulators before the single cast,
     where it nearly cancels G's entry at the positive (see the module docstring).
     d scale = sum_ij G_ij x_ij = sum_i <Q_i, (G K)_i>, so it needs no pass over the tiles;
-    d bias = sum of G. Everything runs in row chunks: no full-size fp32 temporaries.
+    d bias = sum of G. Every [m, c] product goes through ``combine`` (:func:`combine_rows`).
     """
     need_q, need_k, need_scale, need_bias = needs
     acc = grad_queries.dtype
     scale_acc = scale.to(acc)
     weight = grad_positive.to(acc)
     grad_scale = grad_bias = grad_q = grad_k = None
-    total = torch.zeros((), dtype=acc, device=grad_queries.device)
     if need_q:
         grad_q = torch.empty(queries.shape, dtype=queries.dtype, device=queries.device)
-    for rows in _row_chunks(queries.shape[0], queries.shape[1]):
-        block = grad_queries[rows] if row_weight is None else grad_queries[rows] * row_weight[rows, None]
-        block += weight[rows, None] * keys[positives[rows]].to(acc)
+    if need_q or need_scale:
+        dots = combine(rows=queries.shape[0], sources=keys, source_index=positives, source_weight=weight,
+                       accumulator=grad_queries, weight=row_weight, out=grad_q, scale=scale_acc,
+                       dot_with=queries if need_scale else None)
         if need_scale:
-            total += (block * queries[rows].to(acc)).sum()
-        if need_q:
-            grad_q[rows] = (block * scale_acc).to(queries.dtype)
-    if need_scale:
-        grad_scale = total.to(scale.dtype)
+            grad_scale = dots.sum().to(scale.dtype)
     if need_bias and bias is not None:
         sums = row_sums if row_weight is None else row_sums * row_weight
         grad_bias = (sums.sum() + weight.sum()).to(bias.dtype)
     if need_k:
         # Every row's statistic has the same gradient on the one-pass route (its precondition).
-        key_weight = None if row_weight is None else row_weight[:1]
+        key_weight = None if row_weight is None else row_weight[0]
+        # Key j takes the rows whose positive it is: the rows sorted by positive, so that each
+        # key's rows are one contiguous range of entries.
+        sorted_positives, by_positive = torch.sort(positives, stable=True)
+        entry_weight = weight[by_positive]
         grad_k = torch.empty(keys.shape, dtype=keys.dtype, device=keys.device)
         for index, ((start, end), accumulator) in enumerate(key_slices):
             end = min(end, keys.shape[0])  # the ring pads key blocks to the largest rank's
-            for part in _row_chunks(max(0, end - start), keys.shape[1]):
-                lo, hi = start + part.start, start + part.stop
-                block = accumulator[part] if key_weight is None else accumulator[part] * key_weight
-                inside = ((positives >= lo) & (positives < hi)).nonzero().squeeze(1)
-                if inside.numel():
-                    positive_rows = weight[inside, None] * queries[inside].to(acc)
-                    block.index_add_(0, positives[inside] - lo, positive_rows)
-                grad_k[lo:hi] = (block * scale_acc).to(keys.dtype)
+            if end > start:
+                combine(rows=end - start, sources=queries, source_index=by_positive, source_weight=entry_weight,
+                        entry_rows=sorted_positives - start, accumulator=accumulator, weight=key_weight,
+                        out=grad_k[start:end], scale=scale_acc)
             if row_weight is None:
-                key_slices[index] = None  # free each slice as soon as it is copied out
+                key_slices[index] = None  # free each slice as soon as it is used
     return grad_q, grad_k, grad_scale, grad_bias

@@ -193,9 +193,14 @@ def resolve_precision(precision: str, dtype: torch.dtype, device: torch.device) 
 def check_values(scale: torch.Tensor, positives: torch.Tensor, n_keys: int) -> None:
     """The argument checks that read values (one host synchronisation): ``logit_scale`` > 0 and
     every positive index inside ``[0, n_keys)``."""
-    if bool(scale.detach() <= 0):
-        raise ValueError(f"logit_scale must be > 0 (it multiplies the logits), got {float(scale)}")
-    if positives.numel() and (n_keys == 0 or int(positives.min()) < 0 or int(positives.max()) >= n_keys):
+    scale = scale.detach().reshape(())
+    readings = [scale.to(torch.float64)]  # what the checks read, fetched together
+    if positives.numel():
+        readings += [positives.min().to(torch.float64), positives.max().to(torch.float64)]
+    scale_value, *positive_range = torch.stack(readings).tolist()
+    if scale_value <= 0:  # a NaN scale passes: non-finite inputs give a NaN loss
+        raise ValueError(f"logit_scale must be > 0 (it multiplies the logits), got {scale_value}")
+    if positive_range and (n_keys == 0 or positive_range[0] < 0 or positive_range[1] >= n_keys):
         raise ValueError(f"positives must index keys, i.e. lie in [0, {n_keys}); got values outside")
 
 

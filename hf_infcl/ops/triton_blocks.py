@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from . import triton_kernels as kernels
+from .key_blocks import combine_rows
 from .spec import GroupMask, HardnessOffset, StatsSpec, resolve_precision
 from .tiled import TorchTiles
 
@@ -59,7 +60,8 @@ class TritonBlocks:
         tile_rows, tile_keys: the backward's super-tile; its G buffer holds
             ``tile_rows * tile_keys`` entries of the GEMM operand dtype. None picks 8192 x 4096
             for half-precision G (every mode but ``precision="ieee"``) and 4096 x 4096 for fp32
-            G (64 MiB either way).
+            G (64 MiB either way); the sigmoid one pass over fp16 dot products (half-precision
+            inputs) writes G over them and takes 8192 x 8192 (128 MiB for both).
         stat_splits: programs sharing one outer block's inner range in the forward (None: enough
             to fill the GPU). Tests set it to exercise the merge of partial statistics.
         poison: fill every buffer the kernels must write completely with NaN first (tests use it
@@ -197,11 +199,17 @@ class TritonBlocks:
         if factor_k is not None:
             grad_keys.div_(factor_k)
 
-        tile_rows, tile_keys = self._super_tile(gemm.queries.dtype, m, k)
+        # G over dot products of its own element size (fp16 dots, half-precision G) overwrites
+        # them in place: each entry is read and written by the same thread.
+        g_over_dots = gemm_dots and dots_dtype.itemsize == gemm.queries.dtype.itemsize
+        tile_rows, tile_keys = self._super_tile(gemm.queries.dtype, m, k, g_over_dots)
         # Row stride padded to 8 elements so that cuBLAS sees aligned leading dimensions.
         ld = -(-tile_keys // 8) * 8
-        scratch = torch.empty((tile_rows, ld), dtype=gemm.queries.dtype, device=device)
         dots = torch.empty((tile_rows, ld), dtype=dots_dtype, device=device) if gemm_dots else None
+        if g_over_dots:
+            scratch = dots.view(gemm.queries.dtype)
+        else:
+            scratch = torch.empty((tile_rows, ld), dtype=gemm.queries.dtype, device=device)
         row_sums = torch.zeros(m, **f32)
         labels = _label_arguments(_mask_arguments(mask), hardness, operands)
         base_offset = labels.pop("key_offset", 0)
@@ -250,7 +258,7 @@ class TritonBlocks:
                             dots.fill_(float("nan"))
                         _add_product(d, row["dot_queries"], tile["dot_keys"].T, beta=0)
                         kernels.sigmoid_from_dots(d, g, row["row_sums"], row["softplus_sums"], dots_scale,
-                                                  bias, inv_g_scale, **row["labels"], **tile["labels"])
+                                                  bias, None if g_scale is None else inv_g_scale, **row["labels"], **tile["labels"])
                     else:
                         kernels.grad_tile(
                             row["queries"], tile["keys"], g, row["row_sums"], scale, bias, inv_g_scale,
@@ -266,6 +274,14 @@ class TritonBlocks:
         if factor_k is not None:
             grad_keys.mul_(factor_k)
         return row_sums
+
+    def combine_rows(self, **arguments):
+        """The epilogues' row primitive (:func:`hf_infcl.ops.key_blocks.combine_rows`) in one
+        kernel launch instead of a dozen torch ops per row chunk, and with no host
+        synchronisation. Float64 goes to the torch version."""
+        if arguments["sources"].dtype == torch.float64:
+            return combine_rows(**arguments)
+        return kernels.combine_rows(**arguments)
 
     # ----------------------------------------------------------------------------------------
 
@@ -326,10 +342,11 @@ class TritonBlocks:
             col_stat = torch.logaddexp(col_stat, torch.logsumexp(partials, dim=0))
         return row_stat, col_stat
 
-    def _super_tile(self, dtype: torch.dtype, m: int, k: int) -> tuple[int, int]:
+    def _super_tile(self, dtype: torch.dtype, m: int, k: int, g_over_dots: bool = False) -> tuple[int, int]:
         # 64 MiB of G: each super-tile then carries enough GPU work to hide the host time of its
         # three launches; smaller tiles left the GPU waiting on the host (benchmarks/triton_notes.md).
-        default_keys = 4096
+        # G written over the dot products: twice the keys in the same memory as G beside them.
+        default_keys = 8192 if g_over_dots else 4096
         rows = self.tile_rows if self.tile_rows is not None else (8192 if dtype in _HALF_TYPES else 4096)
         keys = self.tile_keys if self.tile_keys is not None else default_keys
         return min(rows, m), min(keys, k)

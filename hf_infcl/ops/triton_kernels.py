@@ -197,10 +197,10 @@ def _reciprocal(x):
 
 @triton.jit
 def _log1p(u):
-    """log(1 + u) for 0 <= u <= 1, to fp32 accuracy relative to the result.
+    """log(1 + u) for -1/4 <= u <= 1, to fp32 accuracy relative to the result.
 
-    log1p(u) = 2 atanh(t) = 2 t (1 + t^2/3 + ... + t^14/15), t = u / (2 + u) <= 1/3: the
-    truncated series is below fp32's rounding (the next term is < 4e-9 relative); relative
+    log1p(u) = 2 atanh(t) = 2 t (1 + t^2/3 + ... + t^14/15), t = u / (2 + u), -1/7 <= t <= 1/3:
+    the truncated series is below fp32's rounding (the next term is < 4e-9 relative); relative
     accuracy holds for the tiny u of very negative logits (no 1 + u that rounds away u); and it
     costs one reciprocal and eight fused multiply-adds where a library logarithm cost about 25
     instructions. This elementwise work, not memory, bounds the sigmoid loss's elementwise pass
@@ -485,7 +485,28 @@ _grad_tile_kernel = triton.autotune(
 # per thread), a few rows, and several key blocks per program so that the row sums are reduced
 # across threads (shuffles) and added atomically once per program, not once per block. The
 # interpreter runs small blocks.
-_SIGMOID_DOTS_SHAPE = (16, 32, 1, 2) if INTERPRET else (8, 512, 4, 4)
+_SIGMOID_DOTS_SHAPE = (16, 32, 1, 2) if INTERPRET else (8, 512, 4, 8)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _product_minus_one(a, b):
+    """(1 + a)(1 + b) - 1, never forming 1 + a: for positive a, b every rounding is relative to
+    the result, so small products keep their relative accuracy."""
+    return a + b + a * b
+
+
+@triton.jit
+def _log1p_of_positive(x):
+    """log(1 + x) for 0 <= x < 2^100, to a few ulps relative: w = 1 + x = 2^e m with m in
+    [0.75, 1.5) (e and 2^-e from w's exponent bits, exact), log(m) = _log1p(m - 1) (m - 1 is
+    exact), and (x - (w - 1)) / w restores what rounding w lost (tiny x keep their relative
+    accuracy). About 20 instructions; the kernels' logarithms are approximate (lg2.approx) to
+    2^-22 absolute, i.e. useless for small x."""
+    w = 1.0 + x
+    exponent = ((w * (4.0 / 3.0)).to(tl.int32, bitcast=True) >> 23) - 127
+    m = w * ((127 - exponent) << 23).to(tl.float32, bitcast=True)
+    return exponent.to(tl.float32) * _LN2 + _log1p(m - 1.0) + (x - (w - 1.0)) * _reciprocal(w)
 
 
 @triton.jit
@@ -493,36 +514,125 @@ def _sigmoid_from_dots_kernel(
     dots_ptr, g_ptr, row_sums_ptr, softplus_sums_ptr, scale_ptr, bias_ptr, inv_g_scale_ptr,
     row_group_ptr, key_group_ptr, positive_ptr, key_offset,
     n_rows, n_keys, stride_dots, stride_g,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    KEY_BLOCKS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, SCALED_G: tl.constexpr, FULL_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_BLOCKS: tl.constexpr,
 ):
     """G = sigmoid(z) (masked) of fp32 or fp16 dot products, z = scale * dots + bias, with the row
     sums of G and of softplus(z) added atomically: what ``_grad_tile_kernel`` does in its
     one-pass mode, minus the dot products. A program takes BLOCK_M rows x KEY_BLOCKS * BLOCK_N
-    keys."""
-    row_index = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    row_valid = row_index < n_rows
-    scale, bias = _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS)
-    inv_g_scale = tl.load(inv_g_scale_ptr)
-    grad_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    softplus_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    keys; FULL_BLOCKS: every program's block lies inside the tile (no bounds masks).
+
+    Elementwise work, not memory, bounded this kernel, so each logit costs few instructions:
+    u = e^-|z| (one exponential), r = 1 / (1 + u) (one approximate reciprocal); sigmoid(z) = r,
+    or u r for z < 0; softplus(z) = max(z, 0) + log1p(u), and the log1p terms are summed as
+    log1p of prod (1 + u) - 1 over the KEY_BLOCKS logits that one thread sees at one tile
+    position (``_product_minus_one``: two operations per logit, and one log1p per KEY_BLOCKS
+    logits where a log1p of each cost a dozen). Every operand is positive, so each rounding is
+    relative to the partial result: the sums keep fp32's relative accuracy however small the
+    u, and the product stays below 2^KEY_BLOCKS."""
+    row_start = tl.program_id(0).to(tl.int64) * BLOCK_M
     key_start = tl.program_id(1).to(tl.int64) * (KEY_BLOCKS * BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    row_index = row_start + rows
+    row_valid = row_index < n_rows
+    # In-program offsets are int32 (a program spans BLOCK_M rows of the tile); the int64 base
+    # goes into the pointers once.
+    dots_base = dots_ptr + row_start * stride_dots + key_start
+    g_base = g_ptr + row_start * stride_g + key_start
+    scale, bias = _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS)
+    grad_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    linear_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    excess = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # prod (1 + u) - 1 over the key blocks
     for block in range(KEY_BLOCKS):
-        key_index = key_start + block * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-        key_valid = key_index < n_keys
-        in_tile = row_valid[:, None] & key_valid[None, :]
-        dots = tl.load(dots_ptr + row_index[:, None] * stride_dots + key_index[None, :], mask=in_tile,
-                       other=0.0)
-        sigmoid, softplus = _sigmoid_and_softplus(dots.to(tl.float32) * scale + bias)
-        allowed = _allowed(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
-                           positive_ptr, key_offset, HAS_MASK)
-        grad = tl.where(allowed, sigmoid, 0.0)
+        keys = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        dots_offsets = rows[:, None] * stride_dots + keys[None, :]
+        g_offsets = rows[:, None] * stride_g + keys[None, :]
+        if FULL_BLOCKS:
+            dots = tl.load(dots_base + dots_offsets)
+        else:
+            key_valid = key_start + keys < n_keys
+            in_tile = row_valid[:, None] & key_valid[None, :]
+            dots = tl.load(dots_base + dots_offsets, mask=in_tile, other=0.0)
+        z = dots.to(tl.float32) * scale + bias
+        u = tl.exp2(-tl.abs(z) * LOG2E)
+        grad = _reciprocal(1.0 + u) * tl.where(z >= 0.0, 1.0, u)
+        linear = tl.maximum(z, 0.0)
+        if HAS_MASK or not FULL_BLOCKS:
+            key_index = key_start + keys
+            allowed = _allowed(row_index, key_index, row_valid, key_index < n_keys, row_group_ptr,
+                               key_group_ptr, positive_ptr, key_offset, HAS_MASK)
+            grad = tl.where(allowed, grad, 0.0)
+            linear = tl.where(allowed, linear, 0.0)
+            u = tl.where(allowed, u, 0.0)
         grad_sum += grad
-        softplus_sum += tl.where(allowed, softplus, 0.0)
-        tl.store(g_ptr + row_index[:, None] * stride_g + key_index[None, :],
-                 (grad * inv_g_scale).to(g_ptr.dtype.element_ty), mask=in_tile)
-    tl.atomic_add(softplus_sums_ptr + row_index, tl.sum(softplus_sum, axis=1), mask=row_valid)
+        linear_sum += linear
+        excess = _product_minus_one(excess, u)
+        if SCALED_G:
+            grad = grad * tl.load(inv_g_scale_ptr)
+        if FULL_BLOCKS:
+            tl.store(g_base + g_offsets, grad.to(g_ptr.dtype.element_ty))
+        else:
+            tl.store(g_base + g_offsets, grad.to(g_ptr.dtype.element_ty), mask=in_tile)
+    softplus_rows = tl.sum(linear_sum, axis=1) + tl.sum(_log1p_of_positive(excess), axis=1)
+    tl.atomic_add(softplus_sums_ptr + row_index, softplus_rows, mask=row_valid)
     tl.atomic_add(row_sums_ptr + row_index, tl.sum(grad_sum, axis=1), mask=row_valid)
+
+
+# --------------------------------------------------------------------------------------------
+# The O(m c) epilogues (hf_infcl.ops.key_blocks.combine_rows) in one launch
+
+# Columns per step of a row: up to 1024 (c = 768 takes one masked step).
+_COMBINE_MAX_BLOCK = 64 if INTERPRET else 1024
+
+
+@triton.jit
+def _combine_rows_kernel(
+    out_ptr, accumulator_ptr, weight_ptr, sources_ptr, source_index_ptr, source_weight_ptr, offsets_ptr,
+    scale_ptr, dot_with_ptr, dots_ptr, width, stride_out, stride_accumulator, stride_sources, stride_dot_with,
+    HAS_OUT: tl.constexpr, HAS_ACCUMULATOR: tl.constexpr, WEIGHT: tl.constexpr,
+    HAS_SOURCE_WEIGHT: tl.constexpr, ONE_ENTRY_PER_ROW: tl.constexpr, HAS_DOTS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """One program per row r: v = w * accumulator[r] + sum_t source_weight[t] * sources[source_index[t]]
+    over the row's entries t in [offsets[r], offsets[r + 1]) (t = r with ONE_ENTRY_PER_ROW), in
+    fp32; stores scale * v into out[r] and <v, dot_with[r]> into dots[r]. WEIGHT: 0 none, 1 one
+    per row, 2 one for all rows."""
+    row = tl.program_id(0).to(tl.int64)
+    if ONE_ENTRY_PER_ROW:
+        first = row
+        last = row + 1
+    else:
+        first = tl.load(offsets_ptr + row)
+        last = tl.load(offsets_ptr + row + 1)
+    if WEIGHT == 1:
+        weight = tl.load(weight_ptr + row).to(tl.float32)
+    elif WEIGHT == 2:
+        weight = tl.load(weight_ptr).to(tl.float32)
+    else:
+        weight = 1.0
+    dot = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for column_start in range(0, width, BLOCK_C):
+        columns = column_start + tl.arange(0, BLOCK_C)
+        valid = columns < width
+        value = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        if HAS_ACCUMULATOR:
+            value = tl.load(accumulator_ptr + row * stride_accumulator + columns, mask=valid,
+                            other=0.0).to(tl.float32) * weight
+        for entry in range(first, last):
+            source = tl.load(source_index_ptr + entry).to(tl.int64)
+            added = tl.load(sources_ptr + source * stride_sources + columns, mask=valid, other=0.0).to(tl.float32)
+            if HAS_SOURCE_WEIGHT:
+                added = added * tl.load(source_weight_ptr + entry).to(tl.float32)
+            value += added
+        if HAS_DOTS:
+            dot += value * tl.load(dot_with_ptr + row * stride_dot_with + columns, mask=valid,
+                                   other=0.0).to(tl.float32)
+        if HAS_OUT:
+            scale = tl.load(scale_ptr).to(tl.float32)
+            tl.store(out_ptr + row * stride_out + columns, (value * scale).to(out_ptr.dtype.element_ty),
+                     mask=valid)
+    if HAS_DOTS:
+        tl.store(dots_ptr + row, tl.sum(dot, axis=0))
 
 
 # Tuned configurations persist on disk (hf_infcl.ops.tuning_store): tuning is paid once per machine.
@@ -735,7 +845,7 @@ def sigmoid_from_dots(
     softplus_sums: torch.Tensor,
     scale: torch.Tensor,
     bias: torch.Tensor | None,
-    inv_g_scale: torch.Tensor,
+    inv_g_scale: torch.Tensor | None,
     *,
     row_groups: torch.Tensor | None = None,
     key_groups: torch.Tensor | None = None,
@@ -743,8 +853,10 @@ def sigmoid_from_dots(
     key_offset: int = 0,
 ) -> None:
     """The sigmoid loss's one pass over a super-tile whose dot products ``dots`` [rows, keys]
-    (fp32 or fp16, last stride 1) are already computed: write sigmoid(scale * dots + bias) / g_scale,
-    masked, into ``g_out`` (same shape; it may not overlap ``dots``) and add the row sums of G
+    (fp32 or fp16, last stride 1) are already computed: write sigmoid(scale * dots + bias) / g_scale
+    (``inv_g_scale`` 0-d, or None for 1),
+    masked, into ``g_out`` (same shape: ``dots`` itself reinterpreted, when the element sizes
+    match, or a separate buffer; no partial overlap) and add the row sums of G
     and of the softplus terms into ``row_sums`` and ``softplus_sums`` (fp32 [rows], atomically).
     The result equals :func:`grad_tile` with ``softplus_sums`` given, up to the rounding of the
     dot products."""
@@ -753,14 +865,59 @@ def sigmoid_from_dots(
     dummy = _unused_pointer(dots.device)
     block_m, block_n, warps, key_blocks = _SIGMOID_DOTS_SHAPE
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_keys, block_n * key_blocks))
+    if block_m * max(dots.stride(0), g_out.stride(0)) >= 2**31:
+        raise ValueError("a super-tile row block too large for the kernel's int32 offsets")
     _sigmoid_from_dots_kernel[grid](
-        dots, g_out, row_sums, softplus_sums, scale, bias if bias is not None else dummy, inv_g_scale,
+        dots, g_out, row_sums, softplus_sums, scale, bias if bias is not None else dummy,
+        inv_g_scale if inv_g_scale is not None else dummy,
         row_groups if has_mask else dummy, key_groups if has_mask else dummy,
         positive_keys if has_mask else dummy, key_offset,
         n_rows, n_keys, dots.stride(0), g_out.stride(0),
-        HAS_BIAS=bias is not None, HAS_MASK=has_mask, BLOCK_M=block_m, BLOCK_N=block_n,
-        KEY_BLOCKS=key_blocks, num_warps=warps,
+        HAS_BIAS=bias is not None, HAS_MASK=has_mask, SCALED_G=inv_g_scale is not None,
+        FULL_BLOCKS=n_rows % block_m == 0 and n_keys % (block_n * key_blocks) == 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, KEY_BLOCKS=key_blocks, num_warps=warps,
     )
+
+
+def combine_rows(*, rows: int, sources, source_index, source_weight=None, entry_rows=None, accumulator=None,
+                 weight=None, out=None, scale=None, dot_with=None):
+    """:func:`hf_infcl.ops.key_blocks.combine_rows` in one launch (fp32 arithmetic; sources of
+    fp32, fp16 or bf16, an fp32 accumulator). No host synchronisation: the rows' entry ranges
+    are found on the device."""
+    device = sources.device
+    dummy = _unused_pointer(device)
+    dots = torch.empty(rows, dtype=torch.float32, device=device) if dot_with is not None else None
+    if rows == 0:
+        return dots
+    offsets = None
+    if entry_rows is not None:
+        offsets = torch.searchsorted(entry_rows, torch.arange(rows + 1, device=device, dtype=entry_rows.dtype))
+    width = sources.shape[1]
+    weight_kind = 0 if weight is None else (2 if weight.dim() == 0 else 1)
+    # The kernel reads the per-row and per-entry vectors densely; a loss's backward hands in
+    # expanded ones (stride 0) as the row weights.
+    weight, source_index, source_weight = (None if t is None else t.contiguous()
+                                           for t in (weight, source_index, source_weight))
+
+    def pointer(tensor):
+        return dummy if tensor is None else tensor
+
+    def stride(tensor):
+        return 0 if tensor is None else tensor.stride(0)
+
+    for tensor in (sources, accumulator, out, dot_with):
+        if tensor is not None and tensor.stride(-1) != 1:
+            raise ValueError("combine_rows needs rows with unit column stride")
+    _combine_rows_kernel[(rows,)](
+        pointer(out), pointer(accumulator), pointer(weight), sources, source_index, pointer(source_weight),
+        pointer(offsets), pointer(scale), pointer(dot_with), pointer(dots), width,
+        stride(out), stride(accumulator), sources.stride(0), stride(dot_with),
+        HAS_OUT=out is not None, HAS_ACCUMULATOR=accumulator is not None, WEIGHT=weight_kind,
+        HAS_SOURCE_WEIGHT=source_weight is not None, ONE_ENTRY_PER_ROW=entry_rows is None,
+        HAS_DOTS=dot_with is not None,
+        BLOCK_C=min(_COMBINE_MAX_BLOCK, triton.next_power_of_2(width)), num_warps=4,
+    )
+    return dots
 
 
 def _pair_pointers(has_mask: bool, hardness: int, positive_keys, key_offset: int, query_ids, key_owners,
