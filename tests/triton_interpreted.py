@@ -418,7 +418,7 @@ def test_combine_rows_kernel_matches_float64(case, dtype):
 
     expected = torch.zeros(rows, width, dtype=torch.float64)
     if accumulator is not None:
-        factor = 1.0 if weight is None else (weight.double() if weight.dim() == 0 else weight.double()[:, None])
+        factor = 1.0 if weight is None else weight.double() if weight.dim() == 0 else weight.double()[:, None]
         expected += accumulator.double() * factor
     added = sources.double()[source_index]
     if source_weight is not None:
@@ -463,9 +463,11 @@ def test_sigmoid_from_dots_kernel_matches_float64(shape, masked, in_place, bias)
     allowed = torch.ones(rows, keys, dtype=torch.bool)
     if masked:
         positive = torch.randint(0, keys, (rows,), generator=gen)
-        row_groups, key_groups = torch.randint(0, 3, (rows,), generator=gen), torch.randint(0, 3, (keys,), generator=gen)
+        row_groups = torch.randint(0, 3, (rows,), generator=gen)
+        key_groups = torch.randint(0, 3, (keys,), generator=gen)
         groups = dict(row_groups=row_groups, key_groups=key_groups, positive_keys=positive)
-        allowed = (row_groups[:, None] != key_groups[None, :]) | (positive[:, None] == torch.arange(keys)[None, :])
+        is_positive = positive[:, None] == torch.arange(keys)[None, :]
+        allowed = (row_groups[:, None] != key_groups[None, :]) | is_positive
     z = dots.double() * 40.0 + bias.double()
     expected_g = torch.where(allowed, torch.sigmoid(z), 0.0)
     expected_softplus = torch.where(allowed, torch.nn.functional.softplus(z), 0.0).sum(1)

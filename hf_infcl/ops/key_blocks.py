@@ -226,7 +226,8 @@ def combine_rows(*, rows: int, sources, source_index, source_weight=None, entry_
     return dots
 
 
-def positive_logits(queries, keys, positives, scale, bias, combine: RowCombiner = combine_rows) -> torch.Tensor:
+def positive_logits(queries, keys, positives, scale, bias,
+                    combine: RowCombiner = combine_rows) -> torch.Tensor:
     """z_{i,p(i)} = s <Q_i, K_{p(i)}> + b in the accumulation dtype, [m]."""
     acc = accumulation_dtype(queries.dtype)
     dots = combine(rows=queries.shape[0], sources=keys, source_index=positives, dot_with=queries)
@@ -280,8 +281,8 @@ def finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive
         for index, ((start, end), accumulator) in enumerate(key_slices):
             end = min(end, keys.shape[0])  # the ring pads key blocks to the largest rank's
             if end > start:
-                combine(rows=end - start, sources=queries, source_index=by_positive, source_weight=entry_weight,
-                        entry_rows=sorted_positives - start, accumulator=accumulator, weight=key_weight,
+                combine(rows=end - start, sources=queries, source_index=by_positive,
+                        source_weight=entry_weight, entry_rows=sorted_positives - start, accumulator=accumulator, weight=key_weight,
                         out=grad_k[start:end], scale=scale_acc)
             if row_weight is None:
                 key_slices[index] = None  # free each slice as soon as it is used

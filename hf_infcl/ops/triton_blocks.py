@@ -258,7 +258,8 @@ class TritonBlocks:
                             dots.fill_(float("nan"))
                         _add_product(d, row["dot_queries"], tile["dot_keys"].T, beta=0)
                         kernels.sigmoid_from_dots(d, g, row["row_sums"], row["softplus_sums"], dots_scale,
-                                                  bias, None if g_scale is None else inv_g_scale, **row["labels"], **tile["labels"])
+                                                  bias, None if g_scale is None else inv_g_scale,
+                                                  **row["labels"], **tile["labels"])
                     else:
                         kernels.grad_tile(
                             row["queries"], tile["keys"], g, row["row_sums"], scale, bias, inv_g_scale,

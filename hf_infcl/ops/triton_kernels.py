@@ -620,7 +620,8 @@ def _combine_rows_kernel(
                             other=0.0).to(tl.float32) * weight
         for entry in range(first, last):
             source = tl.load(source_index_ptr + entry).to(tl.int64)
-            added = tl.load(sources_ptr + source * stride_sources + columns, mask=valid, other=0.0).to(tl.float32)
+            added = tl.load(sources_ptr + source * stride_sources + columns, mask=valid,
+                            other=0.0).to(tl.float32)
             if HAS_SOURCE_WEIGHT:
                 added = added * tl.load(source_weight_ptr + entry).to(tl.float32)
             value += added
@@ -891,7 +892,8 @@ def combine_rows(*, rows: int, sources, source_index, source_weight=None, entry_
         return dots
     offsets = None
     if entry_rows is not None:
-        offsets = torch.searchsorted(entry_rows, torch.arange(rows + 1, device=device, dtype=entry_rows.dtype))
+        row_starts = torch.arange(rows + 1, device=device, dtype=entry_rows.dtype)
+        offsets = torch.searchsorted(entry_rows, row_starts)
     width = sources.shape[1]
     weight_kind = 0 if weight is None else (2 if weight.dim() == 0 else 1)
     # The kernel reads the per-row and per-entry vectors densely; a loss's backward hands in
