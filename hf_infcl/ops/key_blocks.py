@@ -282,8 +282,8 @@ def finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive
             end = min(end, keys.shape[0])  # the ring pads key blocks to the largest rank's
             if end > start:
                 combine(rows=end - start, sources=queries, source_index=by_positive,
-                        source_weight=entry_weight, entry_rows=sorted_positives - start, accumulator=accumulator, weight=key_weight,
-                        out=grad_k[start:end], scale=scale_acc)
+                        source_weight=entry_weight, entry_rows=sorted_positives - start,
+                        accumulator=accumulator, weight=key_weight, out=grad_k[start:end], scale=scale_acc)
             if row_weight is None:
                 key_slices[index] = None  # free each slice as soon as it is used
     return grad_q, grad_k, grad_scale, grad_bias
