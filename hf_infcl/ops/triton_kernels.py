@@ -485,7 +485,8 @@ _grad_tile_kernel = triton.autotune(
 # per thread), a few rows, and several key blocks per program so that the row sums are reduced
 # across threads (shuffles) and added atomically once per program, not once per block. The
 # interpreter runs small blocks.
-_SIGMOID_DOTS_SHAPE = (16, 32, 1, 2) if INTERPRET else (8, 512, 4, 8)
+# (16, 256, 4, 8) measured best of eight shapes at 64k x 768 on an H100 (benchmarks/triton_notes.md).
+_SIGMOID_DOTS_SHAPE = (16, 32, 1, 2) if INTERPRET else (16, 256, 4, 8)
 _LN2 = tl.constexpr(0.6931471805599453)
 
 
