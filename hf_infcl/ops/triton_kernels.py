@@ -1,6 +1,6 @@
 """Fused Triton kernels for the logit statistics of :mod:`hf_infcl.ops.spec`, and their launchers.
 
-Four kernels, none of which ever holds more than one ``BLOCK_M x BLOCK_N`` tile of logits:
+The kernels, none of which ever holds more than one ``BLOCK_M x BLOCK_N`` tile of logits:
 
 * ``_stats_kernel`` (forward): one program owns a block of "outer" vectors and streams every
   "inner" vector past it, keeping an online log-sum-exp (softmax) or a running sum of softplus
@@ -31,7 +31,11 @@ of those differences, which the fp32 tests at c = 1 caught.
 * ``_sigmoid_from_dots_kernel`` (the sigmoid loss's one pass, by default): the same G and the
   softplus row sums from dot products that a cuBLAS GEMM already computed into a buffer, so that
   the tensor-core work runs at cuBLAS speed and this kernel does only the elementwise work (which
-  is what bounds it; ``_sigmoid_and_softplus`` keeps it short).
+  is what bounds it; it is kept to ~18 instructions per logit).
+
+* ``_combine_rows_kernel``: the O(m c) epilogues (:func:`hf_infcl.ops.key_blocks.combine_rows`:
+  the positive logits, and the accumulators turned into the returned gradients) in one launch,
+  one program per row.
 
 Why G goes through a bounded scratch buffer instead of register accumulators (the question the
 design leaves open for c = 512..1024): a row block's dQ accumulator is BLOCK_M x c fp32, i.e.
