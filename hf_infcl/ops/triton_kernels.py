@@ -230,12 +230,17 @@ def _softplus(z):
 
 
 @triton.jit
-def _sigmoid_and_softplus(z):
-    """(sigmoid(z), softplus(z)) sharing one exponential u = e^-|z|: sigmoid(z) = r for z >= 0 and
-    u r below, r = 1 / (1 + u); softplus(z) = max(z, 0) + log1p(u)."""
+def _sigmoid_and_exponential(z):
+    """(sigmoid(z), u = e^-|z|): sigmoid(z) = r for z >= 0 and u r below, r = 1 / (1 + u) (one
+    exponential, one approximate reciprocal); u is what softplus(z) = max(z, 0) + log1p(u) needs."""
     u = tl.exp2(-tl.abs(z) * LOG2E)
-    r = _reciprocal(1.0 + u)
-    sigmoid = r * tl.where(z >= 0.0, 1.0, u)
+    return _reciprocal(1.0 + u) * tl.where(z >= 0.0, 1.0, u), u
+
+
+@triton.jit
+def _sigmoid_and_softplus(z):
+    """(sigmoid(z), softplus(z)) sharing one exponential (``_sigmoid_and_exponential``)."""
+    sigmoid, u = _sigmoid_and_exponential(z)
     return sigmoid, tl.maximum(z, 0.0) + _log1p(u)
 
 
@@ -545,6 +550,7 @@ def _sigmoid_from_dots_kernel(
     dots_base = dots_ptr + row_start * stride_dots + key_start
     g_base = g_ptr + row_start * stride_g + key_start
     scale, bias = _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS)
+    inv_g_scale = tl.load(inv_g_scale_ptr) if SCALED_G else 1.0
     grad_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     linear_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     excess = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # prod (1 + u) - 1 over the key blocks
@@ -559,8 +565,7 @@ def _sigmoid_from_dots_kernel(
             in_tile = row_valid[:, None] & key_valid[None, :]
             dots = tl.load(dots_base + dots_offsets, mask=in_tile, other=0.0)
         z = dots.to(tl.float32) * scale + bias
-        u = tl.exp2(-tl.abs(z) * LOG2E)
-        grad = _reciprocal(1.0 + u) * tl.where(z >= 0.0, 1.0, u)
+        grad, u = _sigmoid_and_exponential(z)
         linear = tl.maximum(z, 0.0)
         if HAS_MASK or not FULL_BLOCKS:
             key_index = key_start + keys
@@ -573,7 +578,7 @@ def _sigmoid_from_dots_kernel(
         linear_sum += linear
         excess = _product_minus_one(excess, u)
         if SCALED_G:
-            grad = grad * tl.load(inv_g_scale_ptr)
+            grad = grad * inv_g_scale
         if FULL_BLOCKS:
             tl.store(g_base + g_offsets, grad.to(g_ptr.dtype.element_ty))
         else:
@@ -615,6 +620,7 @@ def _combine_rows_kernel(
         weight = tl.load(weight_ptr).to(tl.float32)
     else:
         weight = 1.0
+    scale = tl.load(scale_ptr).to(tl.float32) if HAS_OUT else 1.0
     dot = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for column_start in range(0, width, BLOCK_C):
         columns = column_start + tl.arange(0, BLOCK_C)
@@ -634,7 +640,6 @@ def _combine_rows_kernel(
             dot += value * tl.load(dot_with_ptr + row * stride_dot_with + columns, mask=valid,
                                    other=0.0).to(tl.float32)
         if HAS_OUT:
-            scale = tl.load(scale_ptr).to(tl.float32)
             tl.store(out_ptr + row * stride_out + columns, (value * scale).to(out_ptr.dtype.element_ty),
                      mask=valid)
     if HAS_DOTS:
