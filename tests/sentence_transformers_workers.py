@@ -114,6 +114,9 @@ def run_ddp_rank(rank: int, world_size: int, init_file: str, model_dir: str, out
         loss.model = wrapped  # what sentence-transformers' Trainer does under DDP
         value, gradients = loss_and_gradients(model, loss, local, seed=0)
         results["ddp"] = {"loss": value, "gradients": gradients, "reductions": reductions[0]}
+        # DDP's reducer goes while its process group is alive: left to the end of the function,
+        # it was destroyed after destroy_process_group, and once (of many runs) a rank hung there.
+        del loss, wrapped
         if rank == 0:
             alone = load_tiny_model(Path(model_dir)).eval()
             reference = losses.InfCLLoss(alone, mini_batch_size=DDP_MINI_BATCH, backend="torch")
