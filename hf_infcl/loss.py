@@ -181,13 +181,15 @@ def _stats_spec(loss, symmetric, precision, queries, reduction, differentiable, 
 
 
 def assemble_per_row_loss(spec, positives, row_stat, col_stat, positive_logit):
-    """Per-row loss from the statistics and the positive logits z_{i,p(i)} (docs/contract.md)."""
+    """Per-row loss from the statistics and the positive logits z_{i,p(i)} (docs/contract.md);
+    ``positives`` None: ``keys[:m]``."""
     if spec.loss == "sigmoid":
         # -log sigmoid(z) = softplus(z) - z for the positive, softplus(z) for each negative.
         return row_stat - positive_logit
     if not spec.columns:
         return row_stat - positive_logit
-    return (row_stat + col_stat[positives]) / 2 - positive_logit
+    positive_col_stat = col_stat[: row_stat.shape[0]] if positives is None else col_stat[positives]
+    return (row_stat + positive_col_stat) / 2 - positive_logit
 
 
 def _reduce(per_row: torch.Tensor, reduction: str, total_rows: int, world_size: int) -> torch.Tensor:
@@ -260,7 +262,10 @@ def _as_scalar_tensor(name, value, dtype, device, allow_none):
 def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, positives,
                      query_groups, key_groups, reduction, backend, precision, in_ring=False,
                      check_values=True, options_checked=False):
-    """Validate everything; return (scale tensor, bias tensor or None, positives [m] int64).
+    """Validate everything; return (scale tensor, bias tensor or None, positives [m] int64 or None).
+
+    ``positives`` None stays None: the rows' positives are ``keys[:m]`` in order, which every
+    backend takes without an index tensor (no range to check, no sort of the positives).
 
     ``in_ring``: one rank of several, which may hold no rows (the ring checks the group has some).
     ``check_values=False`` leaves out the checks that read values (``spec.check_values``), for
@@ -299,7 +304,6 @@ def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, po
                 f"keys has {n_keys} rows but queries has {m}: keys[:m] must be the rows' positives "
                 "(pass positives= to pair them otherwise)"
             )
-        positives = torch.arange(m, device=device)
     else:
         _check_index_vector("positives", positives, m, device)
         positives = positives.long()

@@ -180,6 +180,23 @@ def test_reductions_and_positives(reduction, custom_positives, loss, symmetric):
     )
 
 
+@pytest.mark.parametrize("backend", ["torch", "torch-op"])
+@pytest.mark.parametrize("groups", [False, True], ids=["nogroups", "groups"])
+@pytest.mark.parametrize("loss,symmetric", OPTIONS, ids=["softmax-sym", "softmax-asym", "sigmoid"])
+def test_default_positives_equal_explicit_arange(backend, groups, loss, symmetric):
+    """``positives=None`` (keys[:m], taken without an index tensor: no range check, no sort in
+    the backward) and the same pairing spelt out as ``arange(m)`` (the indexed route) give the
+    same loss and gradients, with hard negatives beyond the m positives."""
+    case = make_case(11, 26, 6, groups=groups, seed=random.randrange(2**31))
+    default = run_backend(case, BACKENDS[backend], loss=loss, symmetric=symmetric, reduction="mean",
+                          use_bias=True)
+    explicit = run_backend(dict(case, positives=torch.arange(11)), BACKENDS[backend], loss=loss,
+                           symmetric=symmetric, reduction="mean", use_bias=True)
+    np.testing.assert_allclose(default[0].numpy(), explicit[0].numpy(), rtol=1e-12, atol=1e-12)
+    for name in default[1]:
+        np.testing.assert_allclose(default[1][name], explicit[1][name], rtol=1e-12, atol=1e-12, err_msg=name)
+
+
 @pytest.mark.parametrize("shape", [(33, 100, 40), (64, 64, 257)], ids=_shape_id)
 @pytest.mark.parametrize("loss", ["softmax", "sigmoid"])
 def test_float32_inputs_within_1e_5(shape, loss):

@@ -385,6 +385,12 @@ COMBINE_CASES = {
     "keys-noacc-r5-c16": (5, 16, False, False, None, False, True, False),
     # The row weights a mean's backward hands in: one value expanded (stride 0).
     "rows-expanded-r12-c33": (12, 33, True, True, "expanded", True, True, True),
+    # No source index (positives=None: row i takes source i): more sources than rows (dQ, the
+    # positive logits), fewer (a key slice reaching past the last row: rows without an entry),
+    # none (a slice of hard negatives only), and source weights expanded (stride 0).
+    "identity-more-r19-c40": (19, 40, True, True, "row", True, True, True, 25),
+    "identity-fewer-r21-c24": (21, 24, True, True, "common", "expanded", True, False, 8),
+    "identity-none-r6-c16": (6, 16, True, True, None, True, True, True, 0),
 }
 
 
@@ -396,11 +402,16 @@ def test_combine_rows_kernel_matches_float64(case, dtype):
     outside the rows (the ring's key slices), every optional operand absent in some case."""
     from hf_infcl.ops.key_blocks import combine_rows
 
-    rows, width, one_per_row, has_acc, weight_kind, has_source_weight, has_out, has_dots = COMBINE_CASES[case]
+    (rows, width, one_per_row, has_acc, weight_kind, has_source_weight, has_out, has_dots,
+     *identity_sources) = COMBINE_CASES[case]
     gen = torch.Generator().manual_seed(random.randrange(2**31))
-    n_sources = rows + 13
+    n_sources = identity_sources[0] if identity_sources else rows + 13
     sources = torch.randn(n_sources, width, generator=gen).to(dtype)
-    if one_per_row:
+    if identity_sources:
+        entries = min(rows, n_sources)
+        entry_rows = None
+        target = torch.arange(entries)
+    elif one_per_row:
         entries = rows
         entry_rows = None
         target = torch.arange(rows)
@@ -408,8 +419,13 @@ def test_combine_rows_kernel_matches_float64(case, dtype):
         entries = 3 * rows
         entry_rows = torch.sort(torch.randint(-2, rows + 3, (entries,), generator=gen)).values
         target = entry_rows
-    source_index = torch.randint(0, n_sources, (entries,), generator=gen)
+    if identity_sources:
+        source_index, picked = None, torch.arange(entries)
+    else:
+        source_index = picked = torch.randint(0, n_sources, (entries,), generator=gen)
     source_weight = torch.randn(entries, generator=gen) if has_source_weight else None
+    if has_source_weight == "expanded":
+        source_weight = torch.randn((), generator=gen).expand(n_sources)  # read for t < entries
     accumulator = torch.randn(rows, width, generator=gen) if has_acc else None
     weight = {"row": torch.randn(rows, generator=gen), "common": torch.randn((), generator=gen),
               "expanded": torch.randn((), generator=gen).expand(rows), None: None}[weight_kind]
@@ -420,9 +436,9 @@ def test_combine_rows_kernel_matches_float64(case, dtype):
     if accumulator is not None:
         factor = 1.0 if weight is None else weight.double() if weight.dim() == 0 else weight.double()[:, None]
         expected += accumulator.double() * factor
-    added = sources.double()[source_index]
+    added = sources.double()[picked]
     if source_weight is not None:
-        added = added * source_weight.double()[:, None]
+        added = added * source_weight.double()[:entries, None]
     inside = (target >= 0) & (target < rows)
     expected.index_add_(0, target[inside], added[inside])
 
@@ -479,6 +495,51 @@ def test_sigmoid_from_dots_kernel_matches_float64(shape, masked, in_place, bias)
     torch.testing.assert_close(g.double(), expected_g, rtol=2e-3, atol=1e-7)
     torch.testing.assert_close(row_sums.double(), expected_g.sum(1), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(softplus_sums.double(), expected_softplus, rtol=2e-6, atol=0.0)
+
+
+@pytest.mark.parametrize("previous", [False, True], ids=["alone", "with-previous"])
+@pytest.mark.parametrize("log_sum_exp", [True, False], ids=["lse", "sum"])
+@pytest.mark.parametrize("shape", [(1, 7), (9, 40), (37, 5)], ids=["p1-n7", "p9-n40", "p37-n5"])
+def test_merge_partials_kernel_matches_float64(shape, log_sum_exp, previous):
+    """The forward's merge of partial statistics on its own, against float64: parts that are not
+    a multiple of the kernel's block, columns of -inf only (no row reached them), -inf among
+    finite values, partials 60 apart (exp underflows but must not turn into NaN), a previous
+    value of -inf (with a column of -inf too), and a strided view (the statistics kernel's split buffer)."""
+    from hf_infcl.ops import triton_kernels as kernels
+
+    parts, n = shape
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    buffer = torch.randn(parts, n + 3, generator=gen) * 30
+    partials = buffer[:, 1 : n + 1]  # row stride n + 3
+    if log_sum_exp:
+        partials[:, 0] = float("-inf")  # a column no row block wrote
+        partials[torch.rand(parts, n, generator=gen) < 0.3] = float("-inf")
+    before = torch.randn(n, generator=gen) * 30
+    if log_sum_exp:
+        before[-1] = float("-inf")
+        partials[:, -1] = float("-inf")  # -inf merged with -inf: -inf, not NaN
+    expected = partials.double().logsumexp(0) if log_sum_exp else partials.double().sum(0)
+    if previous:
+        expected = torch.logaddexp(expected, before.double()) if log_sum_exp else expected + before.double()
+    out = before.clone() if previous else None
+    result = kernels.merge_partials(partials, log_sum_exp=log_sum_exp, previous=out, out=out)
+    assert result.shape == (n,) and (out is None or result is out)
+    # fp32 sums of up to 37 terms of size ~30: a few 1e-5 of rounding.
+    torch.testing.assert_close(result.double(), expected, rtol=1e-6, atol=2e-4)
+
+
+def test_merge_partials_kernel_propagates_nan():
+    """A NaN partial (from a NaN input) gives a NaN statistic, in the partials and in ``previous``,
+    never a finite number."""
+    from hf_infcl.ops import triton_kernels as kernels
+
+    partials = torch.randn(6, 4)
+    partials[2, 1] = float("nan")
+    previous = torch.randn(4)
+    previous[3] = float("nan")
+    result = kernels.merge_partials(partials, log_sum_exp=True, previous=previous)
+    assert result[1].isnan() and result[3].isnan()
+    assert result[[0, 2]].isfinite().all()
 
 
 def test_reset_autotuning_clears_every_autotuner_and_the_loss_still_matches(monkeypatch):

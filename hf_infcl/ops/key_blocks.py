@@ -113,9 +113,12 @@ def stats_backward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, q
 
 def _with_positive_keys(schedule: KeyBlockSchedule, positives, labels: PairLabels) -> PairLabels:
     """``labels`` with the rows' positives as global key indices (keys numbered in rank order),
-    which only group masking and the hardness offset need."""
+    which only group masking and the hardness offset need (``positives`` None: ``keys[:m]``)."""
     if labels.query_groups is None and labels.query_ids is None:
         return labels
+    if positives is None:
+        rows = labels.query_groups if labels.query_groups is not None else labels.query_ids
+        positives = torch.arange(rows.shape[0], device=rows.device)
     offset = schedule.key_offset(schedule.rank)
     return labels._replace(positive_keys=positives + offset if offset else positives)
 
@@ -125,7 +128,8 @@ class KeyBlockLogitStats(torch.autograd.Function):
     (row_stat [m], col_stat [k] or empty, positive_logit [m]) over ``schedule``'s key blocks,
     with any block-ops object.
 
-    ``positives`` are local key indices: a row's positive is always among its own process's keys.
+    ``positives`` are local key indices: a row's positive is always among its own process's keys
+    (None: ``keys[:m]``, row i's positive is key i).
     """
 
     @staticmethod
@@ -180,7 +184,9 @@ def combine_rows(*, rows: int, sources, source_index, source_weight=None, entry_
               source_weight[t] * sources[source_index[t]]
 
     Entry t belongs to row t (``entry_rows`` None: one entry per row) or to row
-    ``entry_rows[t]`` (non-decreasing; entries outside [0, rows) are ignored). ``accumulator``
+    ``entry_rows[t]`` (non-decreasing; entries outside [0, rows) are ignored). ``source_index``
+    None is the identity: entry t takes ``sources[t]``, and with ``entry_rows`` None the rows
+    from ``len(sources)`` on have no entry. ``accumulator``
     None counts as zeros, ``weight`` None as 1 (a 0-d ``weight`` is every row's, a [rows] one
     each row's own), ``source_weight`` None as 1. Writes ``out[r] = scale * v_r`` in ``out``'s
     dtype (if ``out`` is given) and returns the dot products ``<v_r, dot_with[r]>`` [rows] (if
@@ -207,16 +213,18 @@ def combine_rows(*, rows: int, sources, source_index, source_weight=None, entry_
         else:
             block = accumulator[part] * (weight if weight.dim() == 0 else weight[part, None]).to(acc)
         if entry_rows is None:
-            entries, targets = part, None
+            stop = part.stop if source_index is not None else min(part.stop, sources.shape[0])
+            entries, targets = slice(part.start, max(part.start, stop)), None
         else:
             entries = slice(bounds[index], bounds[index + 1])
             targets = entry_rows[entries] - part.start
         if entries.stop > entries.start:
-            added = sources[source_index[entries]].to(acc)
+            picked = sources[entries] if source_index is None else sources[source_index[entries]]
+            added = picked.to(acc)
             if source_weight is not None:
                 added = added * source_weight[entries, None].to(acc)
             if targets is None:
-                block += added
+                block[: added.shape[0]] += added
             else:
                 block.index_add_(0, targets, added)
         if dots is not None:
@@ -228,7 +236,8 @@ def combine_rows(*, rows: int, sources, source_index, source_weight=None, entry_
 
 def positive_logits(queries, keys, positives, scale, bias,
                     combine: RowCombiner = combine_rows) -> torch.Tensor:
-    """z_{i,p(i)} = s <Q_i, K_{p(i)}> + b in the accumulation dtype, [m]."""
+    """z_{i,p(i)} = s <Q_i, K_{p(i)}> + b in the accumulation dtype, [m] (``positives`` None:
+    p(i) = i)."""
     acc = accumulation_dtype(queries.dtype)
     dots = combine(rows=queries.shape[0], sources=keys, source_index=positives, dot_with=queries)
     logits = scale.to(acc) * dots
@@ -273,14 +282,21 @@ def finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive
     if need_k:
         # Every row's statistic has the same gradient on the one-pass route (its precondition).
         key_weight = None if row_weight is None else row_weight[0]
-        # Key j takes the rows whose positive it is: the rows sorted by positive, so that each
-        # key's rows are one contiguous range of entries.
-        sorted_positives, by_positive = torch.sort(positives, stable=True)
-        entry_weight = weight[by_positive]
+        if positives is not None:
+            # Key j takes the rows whose positive it is: the rows sorted by positive, so that
+            # each key's rows are one contiguous range of entries.
+            sorted_positives, by_positive = torch.sort(positives, stable=True)
+            entry_weight = weight[by_positive]
         grad_k = torch.empty(keys.shape, dtype=keys.dtype, device=keys.device)
+        rows = queries.shape[0]
         for index, ((start, end), accumulator) in enumerate(key_slices):
             end = min(end, keys.shape[0])  # the ring pads key blocks to the largest rank's
-            if end > start:
+            if end > start and positives is None:  # key j < m takes row j: rows start.. of the slice
+                first, last = min(start, rows), min(end, rows)
+                combine(rows=end - start, sources=queries[first:last], source_index=None,
+                        source_weight=weight[first:last], accumulator=accumulator, weight=key_weight,
+                        out=grad_k[start:end], scale=scale_acc)
+            elif end > start:
                 combine(rows=end - start, sources=queries, source_index=by_positive,
                         source_weight=entry_weight, entry_rows=sorted_positives - start,
                         accumulator=accumulator, weight=key_weight, out=grad_k[start:end], scale=scale_acc)

@@ -190,14 +190,17 @@ def resolve_precision(precision: str, dtype: torch.dtype, device: torch.device) 
     return "tf32" if dtype == torch.float32 and torch.device(device).type == "cuda" else "ieee"
 
 
-def check_values(scale: torch.Tensor, positives: torch.Tensor, n_keys: int) -> None:
+def check_values(scale: torch.Tensor, positives: torch.Tensor | None, n_keys: int) -> None:
     """The argument checks that read values (one host synchronisation): ``logit_scale`` > 0 and
-    every positive index inside ``[0, n_keys)``."""
+    every positive index inside ``[0, n_keys)`` (``positives`` None: ``keys[:m]``, in range by
+    construction, so only the scale is read)."""
     scale = scale.detach().reshape(())
-    readings = [scale.to(torch.float64)]  # what the checks read, fetched together
-    if positives.numel():
-        readings += [positives.min().to(torch.float64), positives.max().to(torch.float64)]
-    scale_value, *positive_range = torch.stack(readings).tolist()
+    if positives is None or not positives.numel():
+        scale_value, positive_range = scale.item(), ()
+    else:
+        readings = [scale.to(torch.float64), positives.min().to(torch.float64),
+                    positives.max().to(torch.float64)]  # what the checks read, fetched together
+        scale_value, *positive_range = torch.stack(readings).tolist()
     if scale_value <= 0:  # a NaN scale passes: non-finite inputs give a NaN loss
         raise ValueError(f"logit_scale must be > 0 (it multiplies the logits), got {scale_value}")
     if positive_range and (n_keys == 0 or positive_range[0] < 0 or positive_range[1] >= n_keys):

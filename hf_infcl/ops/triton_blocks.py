@@ -186,7 +186,7 @@ class TritonBlocks:
             if col_weight is not None:
                 g_scale = g_scale + col_weight.abs().amax()
             g_scale = g_scale.clamp_min(_TINY)
-        inv_g_scale = torch.ones((), **f32) if g_scale is None else 1.0 / g_scale
+        inv_g_scale = kernels.unit_scalar(device) if g_scale is None else 1.0 / g_scale
 
         # The GEMMs add (G / g_scale) @ (K / k_max) into grad_queries, whose true increment is
         # that times g_scale * k_max. Dividing the accumulator by the factor first and
@@ -324,23 +324,29 @@ class TritonBlocks:
         """
         m, k = queries.shape[0], keys.shape[0]
         device = queries.device
+        if m == 0:  # no rows: no tile, and every column's log-sum-exp is over nothing
+            return queries.new_empty(0, dtype=torch.float32), torch.full((k,), float("-inf"), device=device)
         blocks_per_chunk = max(1, self.column_buffer_entries // k)
         chunk_rows = min(m, blocks_per_chunk * kernels.MIN_BLOCK_M)
         partials = torch.empty((_cdiv(chunk_rows, kernels.MIN_BLOCK_M), k), dtype=torch.float32,
                                device=device)
-        row_stat = torch.empty(m, dtype=torch.float32, device=device)
-        col_stat = torch.full((k,), float("-inf"), dtype=torch.float32, device=device)
+        row_stat = torch.empty(m, dtype=torch.float32, device=device) if chunk_rows < m else None
+        col_stat = None
         for r0 in range(0, m, chunk_rows):
             r1 = min(r0 + chunk_rows, m)
             # Row blocks a config with larger blocks leaves unwritten must not count: -inf.
             partials.fill_(float("-inf"))
             chunk_labels = dict(labels, **_sliced(labels, _ROW_LABELS, r0, r1))
-            row_stat[r0:r1] = kernels.logit_stats(
+            rows = kernels.logit_stats(
                 queries[r0:r1], keys, scale, bias, sigmoid=False, columns=False,
                 precision=spec.precision, splits=self.stat_splits,
                 out=self._stat_buffer(queries[r0:r1], keys), column_partials=partials, **chunk_labels,
             )
-            col_stat = torch.logaddexp(col_stat, torch.logsumexp(partials, dim=0))
+            if row_stat is None:  # one chunk: its rows are all the rows
+                row_stat = rows
+            else:
+                row_stat[r0:r1] = rows
+            col_stat = kernels.merge_partials(partials, log_sum_exp=True, previous=col_stat, out=col_stat)
         return row_stat, col_stat
 
     def _super_tile(self, dtype: torch.dtype, m: int, k: int, g_over_dots: bool = False) -> tuple[int, int]:
@@ -395,15 +401,13 @@ def _dot_operands(gemm: _Operands, operands: _Operands, scale: torch.Tensor):
         return gemm.queries, gemm.keys, scale * _product(gemm.queries_max, gemm.keys_max), torch.float32
     if gemm.queries.dtype not in _HALF_TYPES:
         return gemm.queries, gemm.keys, scale, torch.float32
-    queries_max, keys_max = _power_of_two_at_least(gemm.queries), _power_of_two_at_least(gemm.keys)
-    return ((gemm.queries / queries_max.to(gemm.queries.dtype)).to(torch.float16),
-            (gemm.keys / keys_max.to(gemm.keys.dtype)).to(torch.float16), scale * queries_max * keys_max,
-            torch.float16)
-
-
-def _power_of_two_at_least(tensor: torch.Tensor) -> torch.Tensor:
-    """0-d fp32: the smallest power of two >= max |tensor| (dividing by it is exact)."""
-    return torch.exp2(torch.ceil(torch.log2(tensor.detach().abs().amax().float().clamp_min(_TINY))))
+    # Both factors from one small tensor, and each copy in one op that divides and converts
+    # (a dozen host launches instead of twenty: they run before the first GEMM, the GPU idle).
+    maxima = _largest_magnitudes(gemm.queries, gemm.keys)
+    inverse = torch.exp2(-torch.ceil(torch.log2(maxima)))  # 1 / (powers of two >= maxima)
+    copies = [torch.mul(t.detach(), factor, out=torch.empty(t.shape, dtype=torch.float16, device=t.device))
+              for t, factor in zip((gemm.queries, gemm.keys), inverse)]
+    return copies[0], copies[1], scale / inverse.prod(), torch.float16
 
 
 def _resolved(spec: StatsSpec, queries: torch.Tensor) -> StatsSpec:
@@ -421,10 +425,17 @@ def _tf32(spec: StatsSpec, queries: torch.Tensor) -> bool:
 def _scaled_fp16(queries: torch.Tensor, keys: torch.Tensor) -> _Operands:
     """fp16 copies of fp32 operands divided by their largest magnitude (per tensor), so that
     every value is in fp16's range; ``scale`` is left unset (None)."""
-    queries_max = queries.detach().abs().amax().float().clamp_min(_TINY)
-    keys_max = keys.detach().abs().amax().float().clamp_min(_TINY)
-    return _Operands((queries.detach() / queries_max).to(torch.float16),
-                     (keys.detach() / keys_max).to(torch.float16), None, queries_max, keys_max)
+    maxima = _largest_magnitudes(queries, keys)
+    copies = [torch.div(t.detach(), factor, out=torch.empty(t.shape, dtype=torch.float16, device=t.device))
+              for t, factor in zip((queries, keys), maxima)]  # divided and converted in one op each
+    return _Operands(copies[0], copies[1], None, maxima[0], maxima[1])
+
+
+def _largest_magnitudes(*tensors: torch.Tensor) -> torch.Tensor:
+    """fp32 [len(tensors)]: each tensor's largest |entry| (at least the smallest normal float, so
+    that it can divide), in one small tensor: a few launches for all of them."""
+    return torch.stack([torch.linalg.vector_norm(t.detach(), ord=float("inf")) for t in tensors]
+                       ).float().clamp_min(_TINY)
 
 
 def _product(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:

@@ -33,6 +33,9 @@ of those differences, which the fp32 tests at c = 1 caught.
   the tensor-core work runs at cuBLAS speed and this kernel does only the elementwise work (which
   is what bounds it; it is kept to ~18 instructions per logit).
 
+* ``_merge_partials_kernel``: the partial statistics of the forward (splits of the inner range,
+  the symmetric loss's column partials) merged by an online log-sum-exp, one launch.
+
 * ``_combine_rows_kernel``: the O(m c) epilogues (:func:`hf_infcl.ops.key_blocks.combine_rows`:
   the positive logits, and the accumulators turned into the returned gradients) in one launch,
   one program per row.
@@ -598,24 +601,29 @@ _COMBINE_MAX_BLOCK = 64 if INTERPRET else 1024
 @triton.jit
 def _combine_rows_kernel(
     out_ptr, accumulator_ptr, weight_ptr, sources_ptr, source_index_ptr, source_weight_ptr, offsets_ptr,
-    scale_ptr, dot_with_ptr, dots_ptr, width, stride_out, stride_accumulator, stride_sources, stride_dot_with,
+    scale_ptr, dot_with_ptr, dots_ptr, width, n_sources, stride_out, stride_accumulator, stride_sources,
+    stride_dot_with, stride_weight, stride_source_weight,
     HAS_OUT: tl.constexpr, HAS_ACCUMULATOR: tl.constexpr, WEIGHT: tl.constexpr,
-    HAS_SOURCE_WEIGHT: tl.constexpr, ONE_ENTRY_PER_ROW: tl.constexpr, HAS_DOTS: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    HAS_SOURCE_WEIGHT: tl.constexpr, ONE_ENTRY_PER_ROW: tl.constexpr, INDEXED: tl.constexpr,
+    HAS_DOTS: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """One program per row r: v = w * accumulator[r] + sum_t source_weight[t] * sources[source_index[t]]
     over the row's entries t in [offsets[r], offsets[r + 1]) (t = r with ONE_ENTRY_PER_ROW), in
     fp32; stores scale * v into out[r] and <v, dot_with[r]> into dots[r]. WEIGHT: 0 none, 1 one
-    per row, 2 one for all rows."""
+    per row, 2 one for all rows. Without INDEXED, entry t takes sources[t], and (one entry per
+    row) rows from n_sources on have none."""
     row = tl.program_id(0).to(tl.int64)
     if ONE_ENTRY_PER_ROW:
         first = row
-        last = row + 1
+        if INDEXED:
+            last = row + 1
+        else:
+            last = tl.where(row < n_sources, row + 1, row)
     else:
         first = tl.load(offsets_ptr + row)
         last = tl.load(offsets_ptr + row + 1)
     if WEIGHT == 1:
-        weight = tl.load(weight_ptr + row).to(tl.float32)
+        weight = tl.load(weight_ptr + row * stride_weight).to(tl.float32)
     elif WEIGHT == 2:
         weight = tl.load(weight_ptr).to(tl.float32)
     else:
@@ -630,11 +638,14 @@ def _combine_rows_kernel(
             value = tl.load(accumulator_ptr + row * stride_accumulator + columns, mask=valid,
                             other=0.0).to(tl.float32) * weight
         for entry in range(first, last):
-            source = tl.load(source_index_ptr + entry).to(tl.int64)
+            if INDEXED:
+                source = tl.load(source_index_ptr + entry).to(tl.int64)
+            else:
+                source = entry
             added = tl.load(sources_ptr + source * stride_sources + columns, mask=valid,
                             other=0.0).to(tl.float32)
             if HAS_SOURCE_WEIGHT:
-                added = added * tl.load(source_weight_ptr + entry).to(tl.float32)
+                added = added * tl.load(source_weight_ptr + entry * stride_source_weight).to(tl.float32)
             value += added
         if HAS_DOTS:
             dot += value * tl.load(dot_with_ptr + row * stride_dot_with + columns, mask=valid,
@@ -644,6 +655,58 @@ def _combine_rows_kernel(
                      mask=valid)
     if HAS_DOTS:
         tl.store(dots_ptr + row, tl.sum(dot, axis=0))
+
+
+# --------------------------------------------------------------------------------------------
+# Partial statistics merged (the statistics kernel's splits and column partials) in one launch
+
+_MERGE_BLOCK_PARTS = 4 if INTERPRET else 16
+_MERGE_BLOCK_N = 16 if INTERPRET else 128
+
+
+@triton.jit
+def _merge_partials_kernel(
+    partials_ptr, previous_ptr, out_ptr, n_parts, n, stride_parts,
+    LOG_SUM_EXP: tl.constexpr, HAS_PREVIOUS: tl.constexpr, BLOCK_PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """out[j] = logsumexp over p of partials[p, j] (or the plain sum), merged with previous[j]
+    (logaddexp, or +) when given. An online log-sum-exp per column: a column of -inf gives -inf,
+    a NaN anywhere gives NaN."""
+    columns = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = columns < n
+    top = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for first in range(0, n_parts, BLOCK_PARTS):
+        parts = first + tl.arange(0, BLOCK_PARTS).to(tl.int64)
+        inside = (parts[:, None] < n_parts) & valid[None, :]
+        default = float("-inf") if LOG_SUM_EXP else 0.0
+        block = tl.load(partials_ptr + parts[:, None] * stride_parts + columns[None, :], mask=inside,
+                        other=default)
+        if LOG_SUM_EXP:
+            new_top = tl.maximum(top, tl.max(block, axis=0))
+            # Measured from 0 while every value so far is -inf, so that no -inf - -inf appears.
+            base = tl.where(new_top == float("-inf"), 0.0, new_top)
+            total = total * tl.exp(top - base) + tl.sum(tl.exp(block - base[None, :]), axis=0)
+            top = new_top
+        else:
+            total += tl.sum(block, axis=0)
+    if LOG_SUM_EXP:
+        result = top + tl.log(total)
+        # A NaN partial must give NaN even where tl.maximum dropped it from the running top.
+        result = tl.where(total != total, total, result)
+    else:
+        result = total
+    if HAS_PREVIOUS:
+        previous = tl.load(previous_ptr + columns, mask=valid, other=0.0)
+        if LOG_SUM_EXP:
+            high = tl.maximum(previous, result)
+            low = tl.minimum(previous, result)
+            merged = high + tl.log(1.0 + tl.exp(low - high))
+            merged = tl.where(low == float("-inf"), high, merged)
+            result = tl.where((previous != previous) | (result != result), previous + result, merged)
+        else:
+            result = previous + result
+    tl.store(out_ptr + columns, result, mask=valid)
 
 
 # Tuned configurations persist on disk (hf_infcl.ops.tuning_store): tuning is paid once per machine.
@@ -717,6 +780,13 @@ def _unused_pointer(device: torch.device) -> torch.Tensor:
     return torch.empty(1, dtype=torch.float32, device=device)
 
 
+@functools.cache
+def unit_scalar(device: torch.device) -> torch.Tensor:
+    """A 0-d fp32 1.0 of this module's own (one per device), for a scale argument that is 1: made
+    once instead of once per call. The kernels only read it."""
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
 def logit_stats(
     outer: torch.Tensor,
     inner: torch.Tensor,
@@ -782,7 +852,27 @@ def logit_stats(
     )
     if splits == 1:
         return out[0]
-    return out.sum(dim=0) if sigmoid else torch.logsumexp(out, dim=0)
+    return merge_partials(out, log_sum_exp=not sigmoid)
+
+
+def merge_partials(partials: torch.Tensor, *, log_sum_exp: bool, previous: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [n]: ``logsumexp(partials, 0)`` (or ``partials.sum(0)``) of fp32 [parts, n] partial
+    statistics, merged with ``previous`` [n] (``logaddexp``, or +) when given, in one launch
+    instead of torch's eight or so. ``out`` may be ``previous`` itself."""
+    n_parts, n = partials.shape
+    if partials.stride(1) != 1:
+        raise ValueError("merge_partials needs partials with unit column stride")
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32, device=partials.device)
+    if n == 0:
+        return out
+    _merge_partials_kernel[(triton.cdiv(n, _MERGE_BLOCK_N),)](
+        partials, previous if previous is not None else out, out, n_parts, n, partials.stride(0),
+        LOG_SUM_EXP=log_sum_exp, HAS_PREVIOUS=previous is not None, BLOCK_PARTS=_MERGE_BLOCK_PARTS,
+        BLOCK_N=_MERGE_BLOCK_N, num_warps=4,
+    )
+    return out
 
 
 def grad_tile(
@@ -894,7 +984,7 @@ def combine_rows(*, rows: int, sources, source_index, source_weight=None, entry_
                  weight=None, out=None, scale=None, dot_with=None):
     """:func:`hf_infcl.ops.key_blocks.combine_rows` in one launch (fp32 arithmetic; sources of
     fp32, fp16 or bf16, an fp32 accumulator). No host synchronisation: the rows' entry ranges
-    are found on the device."""
+    are found on the device, and ``source_index`` None (the identity) needs none."""
     device = sources.device
     dummy = _unused_pointer(device)
     dots = torch.empty(rows, dtype=torch.float32, device=device) if dot_with is not None else None
@@ -906,13 +996,12 @@ def combine_rows(*, rows: int, sources, source_index, source_weight=None, entry_
         offsets = torch.searchsorted(entry_rows, row_starts)
     width = sources.shape[1]
     weight_kind = 0 if weight is None else (2 if weight.dim() == 0 else 1)
-    # The kernel reads the per-row and per-entry vectors densely; a loss's backward hands in
-    # expanded ones (stride 0) as the row weights.
-    weight, source_index, source_weight = (None if t is None else t.contiguous()
-                                           for t in (weight, source_index, source_weight))
+    # The weights are read through their strides: a loss's backward hands in expanded ones
+    # (stride 0), which need no copy.
+    source_index = None if source_index is None else source_index.contiguous()
 
-    def pointer(tensor):
-        return dummy if tensor is None else tensor
+    def pointer(tensor):  # an empty slice's address may lie past its allocation: never passed
+        return dummy if tensor is None or tensor.numel() == 0 else tensor
 
     def stride(tensor):
         return 0 if tensor is None else tensor.stride(0)
@@ -921,12 +1010,13 @@ def combine_rows(*, rows: int, sources, source_index, source_weight=None, entry_
         if tensor is not None and tensor.stride(-1) != 1:
             raise ValueError("combine_rows needs rows with unit column stride")
     _combine_rows_kernel[(rows,)](
-        pointer(out), pointer(accumulator), pointer(weight), sources, source_index, pointer(source_weight),
-        pointer(offsets), pointer(scale), pointer(dot_with), pointer(dots), width,
-        stride(out), stride(accumulator), sources.stride(0), stride(dot_with),
+        pointer(out), pointer(accumulator), pointer(weight), pointer(sources), pointer(source_index),
+        pointer(source_weight), pointer(offsets), pointer(scale), pointer(dot_with), pointer(dots), width,
+        sources.shape[0], stride(out), stride(accumulator), sources.stride(0), stride(dot_with),
+        stride(weight) if weight_kind == 1 else 0, stride(source_weight),
         HAS_OUT=out is not None, HAS_ACCUMULATOR=accumulator is not None, WEIGHT=weight_kind,
         HAS_SOURCE_WEIGHT=source_weight is not None, ONE_ENTRY_PER_ROW=entry_rows is None,
-        HAS_DOTS=dot_with is not None,
+        INDEXED=source_index is not None, HAS_DOTS=dot_with is not None,
         BLOCK_C=min(_COMBINE_MAX_BLOCK, triton.next_power_of_2(width)), num_warps=4,
     )
     return dots
