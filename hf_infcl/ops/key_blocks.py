@@ -291,15 +291,16 @@ def finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive
         rows = queries.shape[0]
         for index, ((start, end), accumulator) in enumerate(key_slices):
             end = min(end, keys.shape[0])  # the ring pads key blocks to the largest rank's
-            if end > start and positives is None:  # key j < m takes row j: rows start.. of the slice
-                first, last = min(start, rows), min(end, rows)
-                combine(rows=end - start, sources=queries[first:last], source_index=None,
-                        source_weight=weight[first:last], accumulator=accumulator, weight=key_weight,
+            if end > start:
+                if positives is None:  # key j < m takes row j: the slice's rows start..
+                    first, last = min(start, rows), min(end, rows)
+                    entries = dict(sources=queries[first:last], source_index=None,
+                                   source_weight=weight[first:last])
+                else:
+                    entries = dict(sources=queries, source_index=by_positive, source_weight=entry_weight,
+                                   entry_rows=sorted_positives - start)
+                combine(rows=end - start, **entries, accumulator=accumulator, weight=key_weight,
                         out=grad_k[start:end], scale=scale_acc)
-            elif end > start:
-                combine(rows=end - start, sources=queries, source_index=by_positive,
-                        source_weight=entry_weight, entry_rows=sorted_positives - start,
-                        accumulator=accumulator, weight=key_weight, out=grad_k[start:end], scale=scale_acc)
             if row_weight is None:
                 key_slices[index] = None  # free each slice as soon as it is used
     return grad_q, grad_k, grad_scale, grad_bias

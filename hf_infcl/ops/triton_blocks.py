@@ -324,8 +324,6 @@ class TritonBlocks:
         """
         m, k = queries.shape[0], keys.shape[0]
         device = queries.device
-        if m == 0:  # no rows: no tile, and every column's log-sum-exp is over nothing
-            return queries.new_empty(0, dtype=torch.float32), torch.full((k,), float("-inf"), device=device)
         blocks_per_chunk = max(1, self.column_buffer_entries // k)
         chunk_rows = min(m, blocks_per_chunk * kernels.MIN_BLOCK_M)
         partials = torch.empty((_cdiv(chunk_rows, kernels.MIN_BLOCK_M), k), dtype=torch.float32,

@@ -676,10 +676,10 @@ def _merge_partials_kernel(
     valid = columns < n
     top = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    default = float("-inf") if LOG_SUM_EXP else 0.0  # what a part outside the range contributes
     for first in range(0, n_parts, BLOCK_PARTS):
         parts = first + tl.arange(0, BLOCK_PARTS).to(tl.int64)
         inside = (parts[:, None] < n_parts) & valid[None, :]
-        default = float("-inf") if LOG_SUM_EXP else 0.0
         block = tl.load(partials_ptr + parts[:, None] * stride_parts + columns[None, :], mask=inside,
                         other=default)
         if LOG_SUM_EXP:
