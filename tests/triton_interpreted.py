@@ -108,7 +108,9 @@ LOSSES = {
     "sigmoid-bias": dict(loss="sigmoid", symmetric=False, use_bias=True),
 }
 # (m, k, c): m = 1, 7, 33; keys = rows plus hard negatives; widths 1, 3, 40 (none a multiple of 16).
-SHAPES = [(1, 1, 3), (1, 6, 40), (7, 7, 1), (7, 19, 40), (33, 33, 3), (33, 71, 40)]
+# c = 32 is a multiple of the interpreter's BLOCK_K (16): the unmasked loads (EVEN_K), with row
+# and key counts that leave blocks partly past the end; the others take the masked loads.
+SHAPES = [(1, 1, 3), (1, 6, 40), (7, 7, 1), (7, 19, 40), (33, 33, 3), (33, 71, 40), (19, 45, 32), (1, 17, 32)]
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -139,7 +141,7 @@ def test_loss_and_gradients_match_float64_reference(shape, loss_name, groups, mo
 # The sigmoid loss's one pass (a mean or sum: gradients computed in the forward) by both routes
 # to the dot products: cuBLAS GEMMs and an elementwise kernel (the default), or the fused kernel.
 SIGMOID_ROUTES = {"gemm": BLOCKS, "fused": dataclasses.replace(BLOCKS, sigmoid_logits="fused")}
-ONE_PASS_SHAPES = [(1, 6, 40), (7, 19, 3), (33, 71, 40)]
+ONE_PASS_SHAPES = [(1, 6, 40), (7, 19, 3), (33, 71, 40), (19, 45, 32)]
 
 
 @pytest.mark.parametrize("route", list(SIGMOID_ROUTES))
@@ -174,7 +176,7 @@ def test_sigmoid_logits_is_checked():
 
 
 HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
-HARDNESS_SHAPES = [(1, 6, 40), (7, 19, 40), (33, 71, 3)]
+HARDNESS_SHAPES = [(1, 6, 40), (7, 19, 40), (33, 71, 3), (19, 45, 32)]
 
 
 @pytest.mark.parametrize("groups", [False, True], ids=["nogroups", "groups"])
@@ -297,9 +299,10 @@ def test_float64_inputs_fall_back_to_torch_tiles():
 
 @pytest.mark.parametrize("scale", [60.0, 400.0], ids=["scale60", "scale400"])
 def test_large_scales_match_reference(scale):
-    """Logits spread by hundreds: the kernels' shortcuts (one exponential per logit for both
-    directions, see ``_column_lse`` and ``_column_probability``) must hand such tiles to their
-    exact paths. At scale 400 most tiles do; at 60 (past CLIP's clamp of 100 in base 2 for the
+    """Logits spread by hundreds: the backward's shortcut (one exponential per logit for both
+    directions, see ``_column_probability``) must hand such tiles to its exact path, and the
+    forward's column partials (``_column_lse``) must keep every row's terms. At scale 400 most
+    tiles take the exact path; at 60 (past CLIP's clamp of 100 in base 2 for the
     confident rows) some do and some do not."""
     seed = random.randrange(2**31)
     case = random_case(33, 71, 40, groups=False, custom_positives=True, seed=seed)

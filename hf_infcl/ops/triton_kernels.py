@@ -18,13 +18,15 @@ The kernels, none of which ever holds more than one ``BLOCK_M x BLOCK_N`` tile o
   tile's row sums of G (for d bias) and writes G, divided by a GPU-resident scale, to a bounded
   scratch buffer of R x C entries in the dtype of the GEMMs that follow.
 
-Both kernels spend one exponential per logit for the softmax, whichever directions they need:
-they derive the column terms from the row exponentials with per-row and per-column factors
-(``_column_lse``, ``_column_probability``), falling back to a second exponential only in tiles
-whose logits spread too far for the factors (large logit scales). They call exp2 (the
-hardware's exponential) on differences of logits taken in natural units, times log2(e):
-scaling the logits themselves by log2(e) first saves a multiply but triples the rounding error
-of those differences, which the fp32 tests at c = 1 caught.
+The backward spends one exponential per logit for the softmax, whichever directions it needs: it
+derives the column terms from the row exponentials with per-row and per-column factors
+(``_column_probability``), falling back to a second exponential only in tiles whose statistics
+spread too far for the factors (large logit scales). The forward's column partials take their own
+exponential (``_column_lse`` says why). Both load their operands without masks where the tile's
+step along c divides c (``_dot_tile``). They call exp2 (the hardware's exponential) on
+differences of logits taken in natural units, times log2(e): scaling the logits themselves by
+log2(e) first saves a multiply but triples the rounding error of those differences, which the
+fp32 tests at c = 1 caught.
 
 * The two products dQ += G K and dK += G^T Q of that super-tile are then plain cuBLAS GEMMs.
 
@@ -158,17 +160,28 @@ def _grad_configs():
 @triton.jit
 def _dot_tile(a_ptr, b_ptr, a_index, b_index, a_valid, b_valid, c, stride_a, stride_b,
               BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
-              PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """<A_a, B_b> for a BLOCK_A x BLOCK_B tile, walking the width c in BLOCK_K chunks (fp32)."""
+              PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr):
+    """<A_a, B_b> for a BLOCK_A x BLOCK_B tile, walking the width c in BLOCK_K chunks (fp32).
+
+    Rows past the end (not ``a_valid`` / ``b_valid``) read row 0 instead of being masked, so the
+    loads carry no mask at all when BLOCK_K divides c (``EVEN_K``). With the exact column
+    log-sum-exp below, that took the statistics kernel from 3.76 to 3.09 ms and the gradient-tile
+    kernel from 3.81 to 3.61 ms at 32k x 32k, c = 512, on an H100 (benchmarks/triton_notes.md).
+    Those rows' dot products are therefore meaningless, and every caller discards them with
+    where() on its ``allowed`` tile, never with a product."""
     acc = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
     width = tl.arange(0, BLOCK_K)
-    a_rows = a_ptr + a_index[:, None] * stride_a
-    b_rows = b_ptr + b_index[:, None] * stride_b
+    a_rows = a_ptr + tl.where(a_valid, a_index, 0)[:, None] * stride_a
+    b_rows = b_ptr + tl.where(b_valid, b_index, 0)[:, None] * stride_b
     for c0 in range(0, c, BLOCK_K):
         cols = c0 + width
-        in_width = cols[None, :] < c
-        a = tl.load(a_rows + cols[None, :], mask=a_valid[:, None] & in_width, other=0.0)
-        b = tl.load(b_rows + cols[None, :], mask=b_valid[:, None] & in_width, other=0.0)
+        if EVEN_K:
+            a = tl.load(a_rows + cols[None, :])
+            b = tl.load(b_rows + cols[None, :])
+        else:
+            in_width = cols[None, :] < c
+            a = tl.load(a_rows + cols[None, :], mask=in_width, other=0.0)
+            b = tl.load(b_rows + cols[None, :], mask=in_width, other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -280,36 +293,19 @@ def _hardness_offset(logits, dots, row_index, key_index, row_valid, key_valid, q
 
 
 @triton.jit
-def _exact_column_lse(logits):
-    """Log-sum-exp of each column of a tile of logits, each column shifted by its own maximum."""
+def _column_lse(logits):
+    """Log-sum-exp of each column of a tile of logits, each column shifted by its own maximum.
+
+    A second exponential per logit and a reduction across the tile's rows. Reusing the rows'
+    exponentials (one shift for the whole tile) saves both, but loses the terms of rows more than
+    ~87 below the tile's largest logit (CLIP's scale of 100 spreads logits by 200), and the check
+    for that and the exact fallback it needs cost more registers and a cross-warp reduction than
+    the exponential saves: with the unmasked loads of ``_dot_tile``, dropping them took the
+    statistics pass from 3.76 to 3.09 ms at 32k x 32k, c = 512, on an H100
+    (benchmarks/triton_notes.md)."""
     col_max = tl.max(logits, axis=0)
     col_shift = tl.where(col_max == float("-inf"), 0.0, col_max)
     return col_shift + tl.log(tl.sum(tl.exp2((logits - col_shift[None, :]) * LOG2E), axis=0))
-
-
-@triton.jit
-def _column_lse(logits, p, tile_max, inner_valid):
-    """Log-sum-exp of each column of a tile of logits, reusing p = exp(logits - tile_max) (per row).
-
-    exp(z_ij - S) = p_ij * exp(tile_max_i - S) with one shift S for the whole tile (its largest
-    logit), so the columns need one multiply per logit instead of their own maximum and a second
-    exponential (a cross-warp reduction and one exponential per logit less: that was 40 % of the
-    fused forward). The products only lose terms below 2^-126 of the tile's largest logit; if a
-    column still has anything allowed, its sum is then exact unless the sum itself is tiny. A tile
-    with such a column (logits spread by more than ~55, e.g. large scales) takes the exact path,
-    each column shifted by its own maximum.
-    """
-    tile_top = tl.max(tile_max, axis=0)
-    shift = tl.where(tile_top == float("-inf"), 0.0, tile_top)
-    col_sum = tl.sum(p * tl.exp2((tile_max - shift) * LOG2E)[:, None], axis=0)
-    # Sums below 2^-40 could be missing terms that matter (each term lost is < 2^-126); a column
-    # with nothing allowed (sum 0) also takes the exact path, which gives it -inf just the same.
-    doubtful = inner_valid & (col_sum < 9.094947017729282e-13)
-    if tl.max(doubtful.to(tl.int32), axis=0) > 0:
-        col_lse = _exact_column_lse(logits)
-    else:
-        col_lse = shift + tl.log(col_sum)
-    return col_lse
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,7 +319,7 @@ def _stats_kernel_body(
     n_outer, n_inner, c, stride_outer, stride_inner, inner_per_split, size_class,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
     FUSED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, HARDNESS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
@@ -342,7 +338,7 @@ def _stats_kernel_body(
         inner_index = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         inner_valid = inner_index < inner_end
         dots = _dot_tile(outer_ptr, inner_ptr, outer_index, inner_index, outer_valid, inner_valid, c,
-                         stride_outer, stride_inner, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
+                         stride_outer, stride_inner, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST, EVEN_K)
         logits = dots * scale + bias
         if COLUMNS:
             # The tile is transposed (keys x rows): build the mask in (rows, keys) order.
@@ -361,8 +357,8 @@ def _stats_kernel_body(
                                           query_id_ptr, key_owner_ptr, positive_ptr, key_offset, strength,
                                           HARDNESS)
             logits = tl.where(allowed, logits, float("-inf"))
-            # The tile's own row maxima shift its exponentials, so the same values serve the
-            # column partials below. A row with nothing allowed has max -inf: shift by 0 there.
+            # The tile's own row maxima shift its exponentials. A row with nothing allowed has
+            # max -inf: shift by 0 there.
             tile_max = tl.max(logits, axis=1)
             tile_shift = tl.where(tile_max == float("-inf"), 0.0, tile_max)
             p = tl.exp2((logits - tile_shift[:, None]) * LOG2E)
@@ -375,10 +371,10 @@ def _stats_kernel_body(
             if FUSED_COLUMNS:
                 # The same tile's column log-sum-exp over this program's rows: one partial per
                 # (row block, key), merged by the launcher. Saves the second forward pass.
-                if HARDNESS != 0:  # p holds the offset logits' exponentials: not the columns'
-                    col_lse = _exact_column_lse(plain_logits)
+                if HARDNESS != 0:  # the columns' statistic is of the plain logits, without the offset
+                    col_lse = _column_lse(plain_logits)
                 else:
-                    col_lse = _column_lse(logits, p, tile_max, inner_valid)
+                    col_lse = _column_lse(logits)
                 tl.store(col_partial_ptr + pid * n_inner + inner_index, col_lse, mask=inner_valid)
 
     if SIGMOID:
@@ -392,8 +388,12 @@ def _stats_kernel_body(
 # restore_value: configs with a smaller BLOCK_M write more rows of the column-partial buffer.
 # Without it, rows written by a trial config and not overwritten by the chosen one would stay
 # in the buffer after tuning and be merged as if they were real partials.
+# EVEN_K: BLOCK_K divides c, so _dot_tile's loads need no mask (a heuristic: BLOCK_K is the
+# autotuned config's).
+_EVEN_K = triton.heuristics({"EVEN_K": lambda args: args["c"] % args["BLOCK_K"] == 0})
+
 _stats_kernel = triton.autotune(configs=_stats_configs(), key=_TUNE_KEY, restore_value=["col_partial_ptr"])(
-    _stats_kernel_body
+    _EVEN_K(_stats_kernel_body)
 )
 
 
@@ -433,7 +433,7 @@ def _grad_tile_kernel_body(
     n_rows, n_keys, c, stride_q, stride_k, stride_g, size_class,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
     ONE_PASS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, HARDNESS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     row_index = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     key_index = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -442,7 +442,7 @@ def _grad_tile_kernel_body(
 
     scale, bias = _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS)
     dots = _dot_tile(q_ptr, k_ptr, row_index, key_index, row_valid, key_valid, c, stride_q, stride_k,
-                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
+                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST, EVEN_K)
 
     allowed = _allowed(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
                        positive_ptr, key_offset, HAS_MASK)
@@ -487,7 +487,7 @@ def _grad_tile_kernel_body(
 
 _grad_tile_kernel = triton.autotune(
     configs=_grad_configs(), key=_TUNE_KEY, reset_to_zero=["row_sums_ptr", "softplus_sums_ptr"]
-)(_grad_tile_kernel_body)
+)(_EVEN_K(_grad_tile_kernel_body))
 
 
 # --------------------------------------------------------------------------------------------
@@ -724,6 +724,12 @@ def reset_autotuning() -> None:
     TUNING_STORE.retune()
 
 
+# Part of the names under which tuned configurations are saved: raise it when a kernel changes in
+# a way that can change which configuration is fastest, so that machines tune the new kernel
+# instead of loading the old kernel's choice. 2: unmasked loads, exact column log-sum-exp.
+_KERNEL_REVISION = 2
+
+
 def _launch(tuner, name: str, grid, device: torch.device, *args, **kwargs) -> None:
     """``tuner[grid](*args, **kwargs)``, with its tuned configuration loaded from, or saved to,
     the machine's tuning store."""
@@ -731,6 +737,7 @@ def _launch(tuner, name: str, grid, device: torch.device, *args, **kwargs) -> No
         tuner[grid](*args, **kwargs)
         return
     key = tuning_key(tuner, args, kwargs)
+    name = f"{name}-r{_KERNEL_REVISION}"
     with TUNING_STORE.tuned(tuner, name, key, _device_name(device), triton.__version__, triton.Config):
         tuner[grid](*args, **kwargs)
 
