@@ -240,6 +240,9 @@ class TritonBlocks:
             for k0, k1 in key_bounds
         ]
         g_views, dot_views = {}, {}  # at most four shapes each: full, last row panel, last key tile, both
+        # The gradient-tile kernel's configuration, from its first launch: every later super-tile
+        # has the same tuning key (size_class), so it skips the autotuner's look-ups (host time).
+        config = None
 
         with _cublas_precision(gemm.queries.dtype, spec.precision, device):
             for row in rows:
@@ -261,11 +264,12 @@ class TritonBlocks:
                                                   bias, None if g_scale is None else inv_g_scale,
                                                   **row["labels"], **tile["labels"])
                     else:
-                        kernels.grad_tile(
+                        config = kernels.grad_tile(
                             row["queries"], tile["keys"], g, row["row_sums"], scale, bias, inv_g_scale,
                             row["row_stat"], tile["col_stat"], row["row_weight"], tile["col_weight"],
                             sigmoid=sigmoid, precision=spec.precision, size_class=size_class,
-                            softplus_sums=row["softplus_sums"], **row["labels"], **tile["labels"], **offset,
+                            softplus_sums=row["softplus_sums"], config=config, **row["labels"],
+                            **tile["labels"], **offset,
                         )
                     _add_product(row["grad"], g, tile["gemm_keys"])
                     _add_product(tile["grad"], g.T, row["gemm_queries"])

@@ -390,7 +390,11 @@ def _stats_kernel_body(
 # in the buffer after tuning and be merged as if they were real partials.
 # EVEN_K: BLOCK_K divides c, so _dot_tile's loads need no mask (a heuristic: BLOCK_K is the
 # autotuned config's).
-_EVEN_K = triton.heuristics({"EVEN_K": lambda args: args["c"] % args["BLOCK_K"] == 0})
+def _even_k(c: int, block_k: int) -> bool:
+    return c % block_k == 0
+
+
+_EVEN_K = triton.heuristics({"EVEN_K": lambda args: _even_k(args["c"], args["BLOCK_K"])})
 
 _stats_kernel = triton.autotune(configs=_stats_configs(), key=_TUNE_KEY, restore_value=["col_partial_ptr"])(
     _EVEN_K(_stats_kernel_body)
@@ -730,16 +734,29 @@ def reset_autotuning() -> None:
 _KERNEL_REVISION = 2
 
 
-def _launch(tuner, name: str, grid, device: torch.device, *args, **kwargs) -> None:
+def _launch(tuner, name: str, grid, device: torch.device, *args, **kwargs) -> triton.Config:
     """``tuner[grid](*args, **kwargs)``, with its tuned configuration loaded from, or saved to,
-    the machine's tuning store."""
+    the machine's tuning store; returns the configuration it ran (see :func:`_launch_tuned`)."""
     if INTERPRET or not AUTOTUNE:  # one config: nothing is tuned
         tuner[grid](*args, **kwargs)
-        return
+        return tuner.best_config
     key = tuning_key(tuner, args, kwargs)
     name = f"{name}-r{_KERNEL_REVISION}"
     with TUNING_STORE.tuned(tuner, name, key, _device_name(device), triton.__version__, triton.Config):
         tuner[grid](*args, **kwargs)
+    return tuner.best_config
+
+
+def _launch_tuned(kernel, config: triton.Config, grid, c: int, *args, **kwargs) -> triton.Config:
+    """The launch of :func:`_launch` again with a configuration it returned for the same tuning
+    key, straight to the JIT function (``kernel``: the one under the autotuner and the EVEN_K
+    heuristic). The backward launches the gradient-tile kernel once per super-tile with one key,
+    and the autotuner's and the heuristic's Python (~0.2 ms of a ~0.3 ms launch on an H100
+    machine's host, profiled) made the super-tile loop wait on the host: 32 launches at
+    32k x 32k, c = 512, took 10.1 ms of host time against ~7 ms of GPU work. ``c``: the width,
+    for EVEN_K."""
+    kernel[grid](*args, **kwargs, **config.all_kwargs(), EVEN_K=_even_k(c, config.kwargs["BLOCK_K"]))
+    return config
 
 
 @functools.cache
@@ -907,9 +924,11 @@ def grad_tile(
     key_owners: torch.Tensor | None = None,
     hardness: int = 0,
     hardness_strength: torch.Tensor | None = None,
-) -> None:
+    config: triton.Config | None = None,
+) -> triton.Config:
     """Write G / g_scale of ``queries`` x ``keys`` into ``g_out`` [rows, keys] (a view whose last
-    stride is 1) and add the row sums of G into ``row_sums`` [rows] (fp32, atomically).
+    stride is 1) and add the row sums of G into ``row_sums`` [rows] (fp32, atomically). Returns
+    the kernel configuration it ran.
 
     ``softplus_sums`` (sigmoid only; fp32 [rows]): the one-pass route. G is sigmoid(z) with
     every row weight 1 (``row_weight`` is not read), and the tile's softplus row sums (the
@@ -921,6 +940,10 @@ def grad_tile(
 
     ``hardness``, ``hardness_strength``, ``query_ids``, ``key_owners``: the row probabilities are
     of the offset logits, as in :func:`logit_stats`; the column ones are not.
+
+    ``config``: what an earlier call returned, for a call with the same tuning key (the same
+    ``size_class``, width and dtypes, the same options): it is launched without the autotuner's
+    and the tuning store's look-ups, which cost more host time than a super-tile's GPU work.
     """
     n_rows, c = queries.shape
     n_keys = keys.shape[0]
@@ -931,8 +954,9 @@ def grad_tile(
     one_pass = softplus_sums is not None
     if one_pass and not sigmoid:
         raise ValueError("softplus_sums is for the sigmoid loss")
-    _launch(
-        _grad_tile_kernel, "grad_tile", grid, queries.device,
+    launch = (functools.partial(_launch_tuned, _grad_tile_kernel_body, config, grid, c) if config is not None
+              else functools.partial(_launch, _grad_tile_kernel, "grad_tile", grid, queries.device))
+    return launch(
         queries, keys, g_out, row_sums, softplus_sums if one_pass else dummy, scale,
         bias if bias is not None else dummy, inv_g_scale,
         row_stat, col_stat if columns else dummy, row_weight, col_weight if columns else dummy,
