@@ -21,9 +21,11 @@ defaults: none). Block-ops objects that a caller passes directly go through
 backward (:func:`~hf_infcl.ops.key_blocks.stats_forward`,
 :func:`~hf_infcl.ops.key_blocks.stats_backward`) over the one-process schedule.
 
-``validate``: eager callers check argument values (scale > 0, positives in range) before calling,
-which needs the values on the host. Under ``torch.compile`` that read would break the graph, so
-the compiled caller passes ``validate=True`` and the op checks them itself when it runs.
+``validate``: the op checks the argument values (scale > 0, positives in range) itself when it
+runs, before its first kernel, which needs the values on the host. ``contrastive_loss`` passes
+``validate=True`` on one process, compiled or not: under ``torch.compile`` that read would break
+the graph if the caller made it, and in eager mode the synchronisation then follows the op's
+dispatch, so less host work keeps the drained GPU waiting.
 
 (No ``from __future__ import annotations`` here: ``custom_op`` reads the annotations as types to
 build the op's schema.)

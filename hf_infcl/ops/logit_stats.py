@@ -56,8 +56,9 @@ def logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups,
         backend: a backend name (``"auto"``, ``"torch"``, ``"triton"``) or a block-ops object.
         group: a process group of several ranks for the ring, or None for one process.
         reduction: the loss's reduction; the ring checks that every rank asks for the same.
-        validate: make the checks that read values (scale > 0, positives in range) here, for a
-            caller that could not (under ``torch.compile``).
+        validate: make the checks that read values (scale > 0, positives in range) here, before
+            the first kernel, for a caller that left them out (``hf_infcl.ops.custom_ops`` says
+            why one process always does).
         query_ids, key_owners: the hardness offset's ids (``spec.hardness``), or None.
     """
     labels = (query_groups, key_groups, query_ids, key_owners)

@@ -385,17 +385,17 @@ def _stats_kernel_body(
     tl.store(out_ptr + split * n_outer + outer_index, result, mask=outer_valid)
 
 
-# restore_value: configs with a smaller BLOCK_M write more rows of the column-partial buffer.
-# Without it, rows written by a trial config and not overwritten by the chosen one would stay
-# in the buffer after tuning and be merged as if they were real partials.
-# EVEN_K: BLOCK_K divides c, so _dot_tile's loads need no mask (a heuristic: BLOCK_K is the
-# autotuned config's).
 def _even_k(c: int, block_k: int) -> bool:
+    """EVEN_K: the step along c divides c, so ``_dot_tile``'s loads need no mask."""
     return c % block_k == 0
 
 
+# A heuristic, not a launcher argument: BLOCK_K is the autotuned config's.
 _EVEN_K = triton.heuristics({"EVEN_K": lambda args: _even_k(args["c"], args["BLOCK_K"])})
 
+# restore_value: configs with a smaller BLOCK_M write more rows of the column-partial buffer.
+# Without it, rows written by a trial config and not overwritten by the chosen one would stay
+# in the buffer after tuning and be merged as if they were real partials.
 _stats_kernel = triton.autotune(configs=_stats_configs(), key=_TUNE_KEY, restore_value=["col_partial_ptr"])(
     _EVEN_K(_stats_kernel_body)
 )
