@@ -118,11 +118,12 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
     query_ids, key_owners) as ``contrastive_loss`` takes them."""
     group, world_size = _resolve_process_group(process_group)
     in_ring = world_size > 1
-    # One process's op makes the checks that read values (scale > 0, positives in range) itself,
-    # still before its first kernel: under torch.compile they would break the graph here, and in
-    # eager mode their host synchronisation then comes after the op's dispatch instead of before
-    # it, so the GPU (drained by the synchronisation) waits on less host work before the loss's
-    # first kernel (benchmarks/triton_notes.md). The ring checks here: every rank must agree.
+    # One process makes the checks that read values (scale > 0, positives in range) where the
+    # statistics start (inside the custom op when compiled), still before the first kernel:
+    # under torch.compile they would break the graph here, and in eager mode their host
+    # synchronisation then comes later, so the GPU (drained by it) waits on less host work before
+    # the loss's first kernel (benchmarks/triton_notes.md). The ring checks here: every rank
+    # must agree.
     deferred = not in_ring
     device = queries.device if torch.is_tensor(queries) else None
     with announcing_rejections(group if in_ring else None, device):

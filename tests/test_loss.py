@@ -17,8 +17,9 @@ from tests.oracle import contract_loss, hardness_selection
 
 # Small tiles so that every test crosses several tile boundaries in both directions.
 SMALL_TILES = TorchTiles(tile_rows=5, tile_keys=7)
-# "torch-op" is the backend by name: the custom op of hf_infcl.ops.custom_ops (what users get and
-# what torch.compile sees); "torch" passes a block-ops object, which runs as an autograd Function.
+# "torch-op" is the backend by name, with its default tiles (what users get: eager, it runs as an
+# autograd Function; torch.compile sees the custom op of hf_infcl.ops.custom_ops, which
+# test_compile.py checks); "torch" passes a block-ops object with small tiles.
 BACKENDS = {"torch": SMALL_TILES, "torch-op": "torch", "reference": "reference"}
 
 

@@ -1,6 +1,11 @@
 """The single-process loss as ``torch.library`` custom ops, so that ``torch.compile`` can keep it in
 one graph (``fullgraph=True``) instead of tracing into Triton launchers or autotuners.
 
+``hf_infcl.ops.logit_stats`` calls them only while compiling: eager calls run the same forward
+and backward through :class:`~hf_infcl.ops.key_blocks.KeyBlockLogitStats`, because the op's
+dispatch (its autograd wrapper rebuilds the schema's defaults on every call, then redispatches)
+was host time that an 8k-row step on an H100 waited for.
+
 Two ops, both functional (they allocate their outputs and write nothing the caller owns):
 
 * ``hf_infcl::logit_stats`` -> (row_stat [m], col_stat [k] or [0], positive_logit [m]), the
@@ -23,9 +28,8 @@ backward (:func:`~hf_infcl.ops.key_blocks.stats_forward`,
 
 ``validate``: the op checks the argument values (scale > 0, positives in range) itself when it
 runs, before its first kernel, which needs the values on the host. ``contrastive_loss`` passes
-``validate=True`` on one process, compiled or not: under ``torch.compile`` that read would break
-the graph if the caller made it, and in eager mode the synchronisation then follows the op's
-dispatch, so less host work keeps the drained GPU waiting.
+``validate=True`` on one process: under ``torch.compile`` that read would break the graph if the
+caller made it (the eager route checks at the same point, just before its first kernel).
 
 (No ``from __future__ import annotations`` here: ``custom_op`` reads the annotations as types to
 build the op's schema.)

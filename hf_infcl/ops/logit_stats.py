@@ -7,9 +7,10 @@ every row and key of the process group, with the number of rows in the group. Th
 nothing of how the statistics are computed:
 
 - one process: the schedule is a single key block (:class:`~hf_infcl.ops.local.SingleBlock`):
-  no padding, no collective. The named backends run as the custom op of
-  :mod:`hf_infcl.ops.custom_ops` (``torch.compile`` keeps it in a graph); a block-ops object
-  given directly runs through :class:`~hf_infcl.ops.key_blocks.KeyBlockLogitStats`.
+  no padding, no collective. Under ``torch.compile`` the named backends run as the custom op of
+  :mod:`hf_infcl.ops.custom_ops` (the compiler keeps it in a graph); eager calls, and a
+  block-ops object given directly, run the same forward and backward through
+  :class:`~hf_infcl.ops.key_blocks.KeyBlockLogitStats`, without the op's dispatch.
 - a group of several: the sizes and options are exchanged (:func:`~hf_infcl.ops.ring.exchange_layout`),
   and the resulting layout is the schedule: key blocks travel the ring, through the same
   :class:`~hf_infcl.ops.key_blocks.KeyBlockLogitStats`; eager, a graph break under
@@ -64,23 +65,28 @@ def logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups,
     labels = (query_groups, key_groups, query_ids, key_owners)
     if group is not None:
         return _ring_stats(group, queries, keys, scale, bias, positives, labels, spec, backend, reduction)
-    if isinstance(backend, str):
+    if isinstance(backend, str) and torch.compiler.is_compiling():
         row_stat, col_stat, positive_logit, *_unit_gradients = custom_ops.logit_stats(
             queries, keys, scale, bias, positives, query_groups, key_groups, spec.loss, spec.columns,
             spec.precision, spec.gradients_in_forward, backend_name(backend, queries.device), validate,
             query_ids, key_owners, spec.hardness, spec.hardness_strength,
         )
     else:
+        # Eager: the same forward and backward as the op's, without the op. torch's custom-op
+        # layer costs host time on every call (its autograd wrapper rebuilds the 17-argument
+        # schema's defaults, then redispatches), which at small batches is time the GPU waits.
         row_stat, col_stat, positive_logit = _block_ops_stats(
-            queries, keys, scale, bias, positives, labels, spec, backend, validate
+            queries, keys, scale, bias, positives, labels, spec, select_block_ops(backend, queries.device),
+            validate,
         )
     return LogitStats(row_stat, col_stat, positive_logit, queries.shape[0])
 
 
 @torch.compiler.disable
 def _block_ops_stats(queries, keys, scale, bias, positives, labels, spec, ops, validate):
-    """A block-ops object, which cannot be a custom-op argument: eager, a graph break under
-    torch.compile. ``labels``: (query_groups, key_groups, query_ids, key_owners)."""
+    """One process, eager: a block-ops object (which cannot be a custom-op argument: a graph
+    break under torch.compile), or a named backend's outside a compiled region.
+    ``labels``: (query_groups, key_groups, query_ids, key_owners)."""
     if validate:
         _check_values(scale, positives, keys.shape[0])
     return KeyBlockLogitStats.apply(queries, keys, scale, bias, positives, *labels, spec, ops, SINGLE_BLOCK)
