@@ -567,3 +567,40 @@ def test_reset_autotuning_clears_every_autotuner_and_the_loss_still_matches(monk
     expected = contrastive_loss(queries, keys, 10.0, backend=TorchTiles(), precision="ieee")
     value = contrastive_loss(queries, keys, 10.0, backend=BLOCKS, precision="ieee")
     torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_kernel_key_launched_before_skips_the_autotuner(monkeypatch, tmp_path):
+    """With autotuning on (as on a GPU), the first launch of each kernel and tuning key goes
+    through the tuning store and the autotuner; later launches with that key go straight to the
+    JIT function with the configuration chosen then (host time). Both calls' loss and gradients
+    match the tiled backend."""
+    from hf_infcl.ops import triton_kernels as kernels
+    from hf_infcl.ops.tuning_store import TuningStore
+
+    # What _launch does on a GPU, under the interpreter (whose autotuners hold one config).
+    monkeypatch.setattr(kernels, "_tunes", lambda: True)
+    monkeypatch.setattr(kernels, "_device_name", lambda device: "interpreter")
+    monkeypatch.setattr(kernels, "TUNING_STORE", TuningStore(tmp_path))
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    runs = {}
+    for name in ("_stats_kernel", "_grad_tile_kernel"):
+        tuner = getattr(kernels, name)
+
+        def counted(*args, _run=tuner.run, _name=name, **kwargs):
+            runs[_name] = runs.get(_name, 0) + 1
+            return _run(*args, **kwargs)
+
+        monkeypatch.setattr(tuner, "run", counted)
+
+    gen = torch.Generator().manual_seed(5)
+    tiles = TritonBlocks(tile_rows=20, tile_keys=24)  # several super-tiles: several grad launches
+    for _ in range(2):
+        queries = torch.randn(50, 24, generator=gen).requires_grad_(True)
+        keys = torch.randn(60, 24, generator=gen).requires_grad_(True)
+        results = []
+        for backend in (tiles, TorchTiles()):
+            loss = contrastive_loss(queries, keys, 7.0, backend=backend, precision="ieee")
+            results.append((loss, *torch.autograd.grad(loss, [queries, keys])))
+        for value, expected in zip(*results):  # fp32 "ieee": rounding only
+            torch.testing.assert_close(value, expected, rtol=1e-4, atol=1e-5)
+    assert runs == {"_stats_kernel": 1, "_grad_tile_kernel": 1}
