@@ -604,3 +604,34 @@ def test_a_kernel_key_launched_before_skips_the_autotuner(monkeypatch, tmp_path)
         for value, expected in zip(*results):  # fp32 "ieee": rounding only
             torch.testing.assert_close(value, expected, rtol=1e-4, atol=1e-5)
     assert runs == {"_stats_kernel": 1, "_grad_tile_kernel": 1}
+
+
+@pytest.mark.parametrize("route", ["softmax", "softmax-two-pass", "sigmoid-one-pass", "positives"])
+def test_value_checks_raise_before_the_first_kernel(route, monkeypatch):
+    """The Triton block ops make one process's value checks (scale > 0, positives in range)
+    after preparing their operands, just before the loss's first kernel: the error names the
+    argument, and no kernel of the loss (statistics, gradient tiles, the sigmoid one pass's
+    GEMM) has run."""
+    from hf_infcl.ops import triton_blocks
+    from hf_infcl.ops import triton_kernels as kernels
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("a kernel of the loss ran before the values were checked")
+
+    for name in ("logit_stats", "grad_tile", "sigmoid_from_dots"):
+        monkeypatch.setattr(kernels, name, no_kernel)
+    monkeypatch.setattr(triton_blocks, "_add_product", no_kernel)
+    gen = torch.Generator().manual_seed(11)
+    queries = torch.randn(9, 8, generator=gen).requires_grad_(True)
+    keys = torch.randn(12, 8, generator=gen).requires_grad_(True)
+    arguments = dict(logit_scale=torch.tensor(-3.0), backend=BLOCKS, precision="ieee")
+    named = "logit_scale"
+    if route == "softmax-two-pass":
+        arguments["backend"] = TWO_PASS
+    elif route == "sigmoid-one-pass":
+        arguments.update(loss="sigmoid", logit_bias=-2.0)
+    elif route == "positives":
+        arguments.update(logit_scale=5.0, positives=torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 12]))
+        named = "positives"
+    with pytest.raises(ValueError, match=named):
+        contrastive_loss(queries, keys, **arguments)

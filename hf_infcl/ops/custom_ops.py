@@ -27,7 +27,8 @@ backward (:func:`~hf_infcl.ops.key_blocks.stats_forward`,
 :func:`~hf_infcl.ops.key_blocks.stats_backward`) over the one-process schedule.
 
 ``validate``: the op checks the argument values (scale > 0, positives in range) itself when it
-runs, before its first kernel, which needs the values on the host. ``contrastive_loss`` passes
+runs, before its first kernel (:func:`~hf_infcl.ops.spec.value_check_for`), which needs the
+values on the host. ``contrastive_loss`` passes
 ``validate=True`` on one process: under ``torch.compile`` that read would break the graph if the
 caller made it (the eager route checks at the same point, just before its first kernel).
 
@@ -42,7 +43,7 @@ from torch import Tensor
 from .key_blocks import UnitGradients, stats_backward, stats_forward
 from .local import SINGLE_BLOCK
 from .options import BLOCK_BACKENDS, choice_error
-from .spec import PairLabels, StatsSpec, accumulation_dtype, check_values
+from .spec import PairLabels, StatsSpec, accumulation_dtype, value_check_for
 from .tiled import TorchTiles
 
 BACKEND_NAMES = BLOCK_BACKENDS  # the named backends an op can run: what "auto" resolves to
@@ -82,12 +83,12 @@ def logit_stats(
     """(row_stat, col_stat, positive_logit) and, with ``gradients_in_forward``, the unit-weight
     gradients (G K [m, c], G^T Q [k, c], row sums of G [m]) for the backward; else three empty
     tensors. Only the first three are differentiable outputs."""
-    if validate:
-        check_values(scale, positives, keys.shape[0])
+    ops = block_ops(backend)
+    check = value_check_for(ops, scale, positives, keys.shape[0]) if validate else None
     spec = StatsSpec(loss, columns, precision, gradients_in_forward, hardness, hardness_strength)
     row_stat, col_stat, positive_logit, unit = stats_forward(
-        SINGLE_BLOCK, spec, block_ops(backend), queries, keys, scale, bias, positives,
-        PairLabels(query_groups, key_groups, query_ids, key_owners),
+        SINGLE_BLOCK, spec, ops, queries, keys, scale, bias, positives,
+        PairLabels(query_groups, key_groups, query_ids, key_owners), before_first_kernel=check,
     )
     if unit is None:
         if gradients_in_forward:  # the fake implementation promises the gradients' shapes

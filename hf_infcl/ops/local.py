@@ -24,9 +24,12 @@ class SingleBlock:
     def key_offset(self, rank: int) -> int:
         return 0
 
-    def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels):
+    def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels,
+                      before_first_kernel=None):
+        """``before_first_kernel``: for block ops that take it (``calls_before_first_kernel``)."""
         mask, hardness = _own_block(spec, labels)
-        return ops.forward_block(spec, queries, keys, scale, bias, mask, hardness=hardness)
+        return ops.forward_block(spec, queries, keys, scale, bias, mask, hardness=hardness,
+                                 **_when_given(before_first_kernel))
 
     def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
                               labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat):
@@ -52,7 +55,7 @@ class SingleBlock:
         return grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums
 
     def forward_with_gradients(self, spec: StatsSpec, ops: OnePassSigmoidOps, queries, keys, scale, bias,
-                               labels: PairLabels):
+                               labels: PairLabels, before_first_kernel=None):
         """The sigmoid loss's one pass: (row_stat, unit-weight gradients), see
         :class:`~hf_infcl.ops.key_blocks.UnitGradients`."""
         acc = accumulation_dtype(queries.dtype)
@@ -60,11 +63,16 @@ class SingleBlock:
         grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
         row_stat, row_sums = ops.forward_backward_block(spec, queries, keys, scale, bias,
                                                         labels.mask(labels.key_groups, 0), grad_queries,
-                                                        grad_keys)
+                                                        grad_keys, **_when_given(before_first_kernel))
         return row_stat, UnitGradients(grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums)
 
 
 SINGLE_BLOCK = SingleBlock()
+
+
+def _when_given(before_first_kernel) -> dict:
+    """The keyword for block ops that take it; nothing for those that need not."""
+    return {} if before_first_kernel is None else {"before_first_kernel": before_first_kernel}
 
 
 def _own_block(spec: StatsSpec, labels: PairLabels):

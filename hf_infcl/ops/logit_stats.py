@@ -30,8 +30,7 @@ import torch
 from . import custom_ops, ring
 from .key_blocks import KeyBlockLogitStats
 from .local import SINGLE_BLOCK
-from .spec import BlockOps, StatsSpec
-from .spec import check_values as _check_values
+from .spec import BlockOps, StatsSpec, value_check_for
 
 __all__ = ["LogitStats", "announcing_rejections", "backend_name", "logit_stats", "select_block_ops"]
 
@@ -59,7 +58,8 @@ def logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups,
         reduction: the loss's reduction; the ring checks that every rank asks for the same.
         validate: make the checks that read values (scale > 0, positives in range) here, before
             the first kernel, for a caller that left them out (``hf_infcl.ops.custom_ops`` says
-            why one process always does).
+            why one process always does). The Triton block ops make them as late as that allows
+            (``calls_before_first_kernel``).
         query_ids, key_owners: the hardness offset's ids (``spec.hardness``), or None.
     """
     labels = (query_groups, key_groups, query_ids, key_owners)
@@ -87,9 +87,9 @@ def _block_ops_stats(queries, keys, scale, bias, positives, labels, spec, ops, v
     """One process, eager: a block-ops object (which cannot be a custom-op argument: a graph
     break under torch.compile), or a named backend's outside a compiled region.
     ``labels``: (query_groups, key_groups, query_ids, key_owners)."""
-    if validate:
-        _check_values(scale, positives, keys.shape[0])
-    return KeyBlockLogitStats.apply(queries, keys, scale, bias, positives, *labels, spec, ops, SINGLE_BLOCK)
+    check = value_check_for(ops, scale, positives, keys.shape[0]) if validate else None
+    return KeyBlockLogitStats.apply(queries, keys, scale, bias, positives, *labels, spec, ops, SINGLE_BLOCK,
+                                    check)
 
 
 @torch.compiler.disable

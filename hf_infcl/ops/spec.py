@@ -27,6 +27,7 @@ locally and in the ring.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -287,3 +288,21 @@ class OnePassSigmoidOps(BlockOps, Protocol):
 def takes_one_pass(ops) -> bool:
     """Whether a block-ops object offers the sigmoid loss's one-pass route."""
     return callable(getattr(ops, "forward_backward_block", None))
+
+
+def calls_before_first_kernel(ops) -> bool:
+    """Whether a block-ops object's ``forward_block`` (and ``forward_backward_block``) take
+    ``before_first_kernel``: a callable that they call once, after preparing their operands and
+    buffers and just before the loss's first kernel. One process passes its value check there
+    (:func:`check_values`), so that the GPU, drained by the check's synchronisation, waits on as
+    little host work as possible; other block ops get the check before their call."""
+    return bool(getattr(ops, "calls_before_first_kernel", False))
+
+
+def value_check_for(ops, scale: torch.Tensor, positives: torch.Tensor | None, n_keys: int):
+    """One process's :func:`check_values`, for ``ops``: returned as their ``before_first_kernel``
+    where they take it (:func:`calls_before_first_kernel`), else made now and None returned."""
+    if calls_before_first_kernel(ops):
+        return functools.partial(check_values, scale, positives, n_keys)
+    check_values(scale, positives, n_keys)
+    return None
