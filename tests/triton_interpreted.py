@@ -299,11 +299,9 @@ def test_float64_inputs_fall_back_to_torch_tiles():
 
 @pytest.mark.parametrize("scale", [60.0, 400.0], ids=["scale60", "scale400"])
 def test_large_scales_match_reference(scale):
-    """Logits spread by hundreds: the backward's shortcut (one exponential per logit for both
-    directions, see ``_column_probability``) must hand such tiles to its exact path, and the
-    forward's column partials (``_column_lse``) must keep every row's terms. At scale 400 most
-    tiles take the exact path; at 60 (past CLIP's clamp of 100 in base 2 for the
-    confident rows) some do and some do not."""
+    """Logits spread by hundreds (past CLIP's clamp of 100 at 400): the statistics and both
+    directions' probabilities stay exact, and the forward's column partials (``_column_lse``)
+    keep every row's terms."""
     seed = random.randrange(2**31)
     case = random_case(33, 71, 40, groups=False, custom_positives=True, seed=seed)
     case["scale"] = scale
@@ -635,3 +633,16 @@ def test_value_checks_raise_before_the_first_kernel(route, monkeypatch):
         named = "positives"
     with pytest.raises(ValueError, match=named):
         contrastive_loss(queries, keys, **arguments)
+
+
+def test_a_key_no_row_may_pair_with_gives_no_nan():
+    """Every row in group 0 and a non-positive key in group 0 too: that key is a negative of no
+    row, so its column statistic is -inf; the backward's column probability for it is then
+    inf times a zero weight and must be dropped, not turned into NaN."""
+    case = random_case(6, 9, 40, groups=False, custom_positives=False, seed=random.randrange(2**31))
+    case["query_groups"] = torch.zeros(6, dtype=torch.int64)
+    case["key_groups"] = torch.tensor([0, 0, 0, 0, 0, 0, 0, 1, 1])  # key 6: nobody's negative
+    expected = loss_and_grads(case, torch.float64, "reference", **LOSSES["softmax-sym"])
+    got = loss_and_grads(case, torch.float32, BLOCKS, precision="ieee", **LOSSES["softmax-sym"])
+    for name in expected:
+        assert relative_error(got[name], expected[name]) < 5e-5, name
