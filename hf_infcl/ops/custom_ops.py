@@ -28,9 +28,9 @@ backward (:func:`~hf_infcl.ops.key_blocks.stats_forward`,
 
 ``validate``: the op checks the argument values (scale > 0, positives in range) itself when it
 runs, before its first kernel (:func:`~hf_infcl.ops.spec.value_check_for`), which needs the
-values on the host. ``contrastive_loss`` passes
-``validate=True`` on one process: under ``torch.compile`` that read would break the graph if the
-caller made it (the eager route checks at the same point, just before its first kernel).
+values on the host. ``contrastive_loss`` passes ``validate=True`` on one process: under
+``torch.compile`` that read would break the graph if the caller made it (the eager route checks
+at the same point, just before its first kernel).
 
 (No ``from __future__ import annotations`` here: ``custom_op`` reads the annotations as types to
 build the op's schema.)
