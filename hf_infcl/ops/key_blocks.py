@@ -34,7 +34,14 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from .spec import BlockOps, PairLabels, StatsSpec, accumulation_dtype, takes_one_pass
+from .spec import (
+    BlockOps,
+    PairLabels,
+    StatsSpec,
+    accumulation_dtype,
+    before_first_kernel_keyword,
+    takes_one_pass,
+)
 
 # Row chunks for the O(m c) epilogues, so they allocate no full-size fp32 temporaries.
 _EPILOGUE_ELEMENTS = 2**22
@@ -79,7 +86,7 @@ def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, qu
     (:func:`~hf_infcl.ops.spec.calls_before_first_kernel`)."""
     labels = _with_positive_keys(schedule, positives, labels)
     unit = None
-    before = {} if before_first_kernel is None else {"before_first_kernel": before_first_kernel}
+    before = before_first_kernel_keyword(before_first_kernel)
     if one_pass(spec, schedule, ops):
         row_stat, unit = schedule.forward_with_gradients(spec, ops, queries, keys, scale, bias, labels,
                                                          **before)

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from .key_blocks import UnitGradients
-from .spec import BlockOps, OnePassSigmoidOps, PairLabels, StatsSpec, accumulation_dtype
+from .spec import (
+    BlockOps,
+    OnePassSigmoidOps,
+    PairLabels,
+    StatsSpec,
+    accumulation_dtype,
+    before_first_kernel_keyword,
+)
 
 
 @dataclass(frozen=True)
@@ -29,7 +36,7 @@ class SingleBlock:
         """``before_first_kernel``: for block ops that take it (``calls_before_first_kernel``)."""
         mask, hardness = _own_block(spec, labels)
         return ops.forward_block(spec, queries, keys, scale, bias, mask, hardness=hardness,
-                                 **_when_given(before_first_kernel))
+                                 **before_first_kernel_keyword(before_first_kernel))
 
     def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
                               labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat):
@@ -63,16 +70,12 @@ class SingleBlock:
         grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
         row_stat, row_sums = ops.forward_backward_block(spec, queries, keys, scale, bias,
                                                         labels.mask(labels.key_groups, 0), grad_queries,
-                                                        grad_keys, **_when_given(before_first_kernel))
+                                                        grad_keys,
+                                                        **before_first_kernel_keyword(before_first_kernel))
         return row_stat, UnitGradients(grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums)
 
 
 SINGLE_BLOCK = SingleBlock()
-
-
-def _when_given(before_first_kernel) -> dict:
-    """The keyword for block ops that take it; nothing for those that need not."""
-    return {} if before_first_kernel is None else {"before_first_kernel": before_first_kernel}
 
 
 def _own_block(spec: StatsSpec, labels: PairLabels):

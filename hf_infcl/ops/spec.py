@@ -299,6 +299,12 @@ def calls_before_first_kernel(ops) -> bool:
     return bool(getattr(ops, "calls_before_first_kernel", False))
 
 
+def before_first_kernel_keyword(before_first_kernel) -> dict:
+    """``{"before_first_kernel": it}`` for a call of block ops (or a one-process schedule) that
+    take it, or no keyword at all when there is none: other block ops need not accept it."""
+    return {} if before_first_kernel is None else {"before_first_kernel": before_first_kernel}
+
+
 def value_check_for(ops, scale: torch.Tensor, positives: torch.Tensor | None, n_keys: int):
     """One process's :func:`check_values`, for ``ops``: returned as their ``before_first_kernel``
     where they take it (:func:`calls_before_first_kernel`), else made now and None returned."""
