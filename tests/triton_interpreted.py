@@ -139,6 +139,38 @@ def test_loss_and_gradients_match_float64_reference(shape, loss_name, groups, mo
 
 
 # The sigmoid loss's one pass (a mean or sum: gradients computed in the forward) by both routes
+
+# Whole blocks: rows, keys, super-tiles and statistics splits all multiples of the interpreter's
+# 16, so that the kernels take their FULL path (no mask tile, no masked store) where no group mask
+# is given; with groups the same shapes take the masked path. SHAPES above never divide by 16.
+FULL_SHAPE = (32, 48, 32)
+FULL_BLOCKS = TritonBlocks(tile_rows=16, tile_keys=32, stat_splits=3, poison=True, column_buffer_entries=96)
+FULL_ROUTES = {"fused-columns": FULL_BLOCKS,
+               "two-pass": dataclasses.replace(FULL_BLOCKS, fused_columns=False, sigmoid_logits="fused")}
+
+
+@pytest.mark.parametrize("route", list(FULL_ROUTES))
+@pytest.mark.parametrize("mode", ["fp32-ieee", "fp16"])
+@pytest.mark.parametrize("groups", [False, True], ids=["nogroups", "groups"])
+@pytest.mark.parametrize("loss_name", list(LOSSES))
+def test_whole_blocks_match_float64_reference(loss_name, groups, mode, route):
+    from hf_infcl.ops import triton_kernels as kernels
+
+    m, k, c = FULL_SHAPE
+    block = kernels._stats_configs()[0].kwargs  # the interpreter's one config
+    named = dict(n_outer=m, n_inner=k, inner_per_split=-(-k // 3), n_rows=16, n_keys=32, c=c, **block)
+    assert kernels._STATS_HEURISTICS["FULL"](named) and kernels._GRAD_HEURISTICS["FULL"](named), \
+        "the shapes no longer give whole blocks: this test would not reach the FULL path"
+    dtype, precision, _ = MODES[mode]
+    seed = random.randrange(2**31)
+    case = random_case(m, k, c, groups=groups, custom_positives=True, seed=seed)
+    options = LOSSES[loss_name]
+    rounded = dict(case, queries=case["queries"].to(dtype).double(), keys=case["keys"].to(dtype).double())
+    expected = loss_and_grads(rounded, torch.float64, "reference", **options)
+    got = loss_and_grads(case, dtype, FULL_ROUTES[route], precision=precision, **options)
+    errors = {name: relative_error(got[name], expected[name]) for name in expected}
+    assert max(errors.values()) < TOLERANCE[mode], (seed, errors)
+
 # to the dot products: cuBLAS GEMMs and an elementwise kernel (the default), or the fused kernel.
 SIGMOID_ROUTES = {"gemm": BLOCKS, "fused": dataclasses.replace(BLOCKS, sigmoid_logits="fused")}
 ONE_PASS_SHAPES = [(1, 6, 40), (7, 19, 3), (33, 71, 40), (19, 45, 32)]
@@ -607,16 +639,21 @@ def test_a_kernel_key_launched_before_skips_the_autotuner(monkeypatch, tmp_path)
 @pytest.mark.parametrize("route", ["softmax", "softmax-two-pass", "sigmoid-one-pass", "positives"])
 def test_value_checks_raise_before_the_first_kernel(route, monkeypatch):
     """The Triton block ops make one process's value checks (scale > 0, positives in range)
-    after preparing their operands, just before the loss's first kernel: the error names the
-    argument, and no kernel of the loss (statistics, gradient tiles, the sigmoid one pass's
-    GEMM) has run."""
+    after preparing their operands, just before the loss's first kernel (for the statistics
+    kernel: inside its launcher, just before the launch): the error names the argument, and no
+    kernel of the loss (statistics, gradient tiles, the sigmoid one pass's GEMM) has run."""
     from hf_infcl.ops import triton_blocks
     from hf_infcl.ops import triton_kernels as kernels
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel of the loss ran before the values were checked")
 
-    for name in ("logit_stats", "grad_tile", "sigmoid_from_dots"):
+    class NoKernel:  # the statistics kernel's autotuner: launched as tuner[grid](...)
+        def __getitem__(self, grid):
+            return no_kernel
+
+    monkeypatch.setattr(kernels, "_stats_kernel", NoKernel())
+    for name in ("grad_tile", "sigmoid_from_dots", "merge_partials"):
         monkeypatch.setattr(kernels, name, no_kernel)
     monkeypatch.setattr(triton_blocks, "_add_product", no_kernel)
     gen = torch.Generator().manual_seed(11)

@@ -94,7 +94,8 @@ class TritonBlocks:
     # forward_block and forward_backward_block take ``before_first_kernel`` (see
     # hf_infcl.ops.spec.calls_before_first_kernel): the one-process value check, whose host
     # synchronisation leaves the GPU idle until the next launch, runs after the operands and
-    # buffers are prepared (~0.3-0.8 ms of host work at b = 32k on an H100 machine's host).
+    # buffers are prepared (~0.3-0.8 ms of host work at b = 32k on an H100 machine's host); the
+    # forward hands it to the statistics launcher, which calls it just before the launch.
     calls_before_first_kernel: ClassVar[bool] = True
 
     def __post_init__(self):
@@ -110,7 +111,7 @@ class TritonBlocks:
     def forward_block(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None,
                       hardness: HardnessOffset | None = None, before_first_kernel=None):
         if queries.dtype == torch.float64:
-            _call(before_first_kernel)
+            kernels.call_if_given(before_first_kernel)
             return TorchTiles().forward_block(spec, queries, keys, scale, bias, mask, hardness=hardness)
         self._check(queries, keys)
         spec = _resolved(spec, queries)
@@ -122,11 +123,10 @@ class TritonBlocks:
         if spec.columns and self.fused_columns:
             return self._rows_and_columns_in_one_pass(spec, queries, keys, scale, bias, labels,
                                                       before_first_kernel)
-        _call(before_first_kernel)
         row_stat = kernels.logit_stats(
             queries, keys, scale, bias, sigmoid=spec.loss == "sigmoid", columns=False,
             precision=spec.precision, splits=self.stat_splits, out=self._stat_buffer(queries, keys),
-            **labels,
+            before_launch=before_first_kernel, **labels,
         )
         col_stat = None
         if spec.columns:
@@ -152,7 +152,7 @@ class TritonBlocks:
         every row weight 1, each tile's softplus row sums taken from the same logits (whose dot
         products ``sigmoid_logits`` says who computes)."""
         if queries.dtype == torch.float64:
-            _call(before_first_kernel)
+            kernels.call_if_given(before_first_kernel)
             return TorchTiles().forward_backward_block(spec, queries, keys, scale, bias, mask, grad_queries,
                                                        grad_keys)
         if spec.loss != "sigmoid":
@@ -198,7 +198,7 @@ class TritonBlocks:
             if col_weight is not None:
                 g_scale = g_scale + col_weight.abs().amax()
             g_scale = g_scale.clamp_min(_TINY)
-        inv_g_scale = kernels.unit_scalar(device) if g_scale is None else 1.0 / g_scale
+        inv_g_scale = None if g_scale is None else 1.0 / g_scale
 
         # The GEMMs add (G / g_scale) @ (K / k_max) into grad_queries, whose true increment is
         # that times g_scale * k_max. Dividing the accumulator by the factor first and
@@ -256,7 +256,8 @@ class TritonBlocks:
         # has the same tuning key (size_class), so it skips the autotuner's look-ups (host time).
         config = None
 
-        _call(before_first_kernel)  # the one pass's (the forward): see calls_before_first_kernel
+        # The one pass is the forward: the value check goes before its first kernel.
+        kernels.call_if_given(before_first_kernel)
         with _cublas_precision(gemm.queries.dtype, spec.precision, device):
             for row in rows:
                 for tile in key_tiles:
@@ -274,7 +275,7 @@ class TritonBlocks:
                             dots.fill_(float("nan"))
                         _add_product(d, row["dot_queries"], tile["dot_keys"].T, beta=0)
                         kernels.sigmoid_from_dots(d, g, row["row_sums"], row["softplus_sums"], dots_scale,
-                                                  bias, None if g_scale is None else inv_g_scale,
+                                                  bias, inv_g_scale,
                                                   **row["labels"], **tile["labels"])
                     else:
                         config = kernels.grad_tile(
@@ -348,7 +349,6 @@ class TritonBlocks:
                                device=device)
         row_stat = torch.empty(m, dtype=torch.float32, device=device) if chunk_rows < m else None
         col_stat = None
-        _call(before_first_kernel)
         for r0 in range(0, m, chunk_rows):
             r1 = min(r0 + chunk_rows, m)
             # Row blocks a config with larger blocks leaves unwritten must not count: -inf.
@@ -357,7 +357,8 @@ class TritonBlocks:
             rows = kernels.logit_stats(
                 queries[r0:r1], keys, scale, bias, sigmoid=False, columns=False,
                 precision=spec.precision, splits=self.stat_splits,
-                out=self._stat_buffer(queries[r0:r1], keys), column_partials=partials, **chunk_labels,
+                out=self._stat_buffer(queries[r0:r1], keys), column_partials=partials,
+                before_launch=before_first_kernel if r0 == 0 else None, **chunk_labels,
             )
             if row_stat is None:  # one chunk: its rows are all the rows
                 row_stat = rows
@@ -501,11 +502,6 @@ def _cublas_precision(dtype: torch.dtype, precision: str, device: torch.device):
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
-
-
-def _call(before_first_kernel) -> None:
-    if before_first_kernel is not None:
-        before_first_kernel()
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -77,6 +77,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .tuning_store import TuningStore, tuning_key
 
@@ -129,15 +130,32 @@ _GRAD_SHAPES = [
 ]
 
 
+# The block size that gives the rows of each tensor-descriptor argument's blocks (the columns:
+# BLOCK_K). A host-side descriptor carries its block shape, which must be the config's.
+_DESCRIPTOR_ROWS = {"q_desc": "BLOCK_M", "k_desc": "BLOCK_N"}
+
+
+def _set_descriptor_blocks(nargs: dict) -> None:
+    """Every config's pre-hook: the launch's tensor descriptors take the config's block shapes."""
+    for name, rows in _DESCRIPTOR_ROWS.items():
+        descriptor = nargs.get(name)
+        if isinstance(descriptor, TensorDescriptor):
+            descriptor.block_shape = [nargs[rows], nargs["BLOCK_K"]]
+
+
+# A config as the autotuners hold it (also the tuning store's loaded ones): with that pre-hook.
+_tuned_config = functools.partial(triton.Config, pre_hook=_set_descriptor_blocks)
+
+
 def _configs(shapes):
     """The autotuner's configs: one small fixed config under the interpreter, one safe config
     with HF_INFCL_TRITON_AUTOTUNE=0, else every candidate shape."""
     if INTERPRET:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1)]
+        return [_tuned_config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1)]
     if not AUTOTUNE:
         shapes = [_UNTUNED]
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        _tuned_config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
         for bm, bn, bk, w, s in shapes
     ]
 
@@ -159,18 +177,30 @@ def _grad_configs():
 
 
 @triton.jit
-def _dot_tile(a_ptr, b_ptr, a_index, b_index, a_valid, b_valid, c, stride_a, stride_b,
-              BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
-              PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr):
+def _dot_tile(a_ptr, b_ptr, a_desc, b_desc, a_index, b_index, a_valid, b_valid, a_start, b_start, c,
+              stride_a, stride_b, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
+              PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
     """<A_a, B_b> for a BLOCK_A x BLOCK_B tile, walking the width c in BLOCK_K chunks (fp32).
 
-    Rows past the end (not ``a_valid`` / ``b_valid``) read row 0 instead of being masked, so the
-    loads carry no mask at all when BLOCK_K divides c (``EVEN_K``). With the exact column
-    log-sum-exp below, that took the statistics kernel from 3.76 to 3.09 ms and the gradient-tile
-    kernel from 3.81 to 3.61 ms at 32k x 32k, c = 512, on an H100 (benchmarks/triton_notes.md).
-    Those rows' dot products are therefore meaningless, and every caller discards them with
-    where() on its ``allowed`` tile, never with a product."""
+    TMA: the chunks come through the tensor descriptors ``a_desc`` / ``b_desc`` (blocks of
+    BLOCK_A / BLOCK_B rows from row ``a_start`` / ``b_start``; the copy engine fills rows and
+    columns past the end with zeros). Otherwise through pointers: rows past the end (not
+    ``a_valid`` / ``b_valid``) read row 0 instead of being masked, so the loads carry no mask at
+    all when BLOCK_K divides c (``EVEN_K``). With the exact column log-sum-exp below, that took
+    the statistics kernel from 3.76 to 3.09 ms and the gradient-tile kernel from 3.81 to 3.61 ms
+    at 32k x 32k, c = 512, on an H100 (benchmarks/triton_notes.md). Either way the dot products
+    of rows past the end are meaningless, and every caller discards them with where() on its
+    ``allowed`` tile, never with a product."""
     acc = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+    if TMA:
+        for c0 in range(0, c, BLOCK_K):
+            a = a_desc.load([a_start, c0])
+            b = b_desc.load([b_start, c0])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        return acc
     width = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + tl.where(a_valid, a_index, 0)[:, None] * stride_a
     b_rows = b_ptr + tl.where(b_valid, b_index, 0)[:, None] * stride_b
@@ -199,6 +229,16 @@ def _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS: tl.constexpr):
     else:
         bias = 0.0
     return scale, bias
+
+
+@triton.jit
+def _logits(dots, scale, bias, HAS_BIAS: tl.constexpr):
+    """scale * dots (+ bias). Without a bias there is no add at all: the compiler may not drop
+    ``+ 0.0`` (-0.0 + 0.0 is +0.0), and that add was one instruction per logit."""
+    if HAS_BIAS:
+        return dots * scale + bias
+    else:
+        return dots * scale
 
 
 # PTX approximate instructions (one special-function operation each) where the kernels run on a
@@ -321,6 +361,7 @@ def _stats_kernel_body(
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
     FUSED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, HARDNESS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    FULL: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
@@ -338,26 +379,37 @@ def _stats_kernel_body(
     for n0 in range(inner_start, inner_end, BLOCK_N):
         inner_index = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         inner_valid = inner_index < inner_end
-        dots = _dot_tile(outer_ptr, inner_ptr, outer_index, inner_index, outer_valid, inner_valid, c,
-                         stride_outer, stride_inner, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST, EVEN_K)
-        logits = dots * scale + bias
-        if COLUMNS:
-            # The tile is transposed (keys x rows): build the mask in (rows, keys) order.
-            allowed = tl.trans(_allowed(inner_index, outer_index, inner_valid, outer_valid,
-                                        row_group_ptr, key_group_ptr, positive_ptr, key_offset, HAS_MASK))
-        else:
-            allowed = _allowed(outer_index, inner_index, outer_valid, inner_valid,
-                               row_group_ptr, key_group_ptr, positive_ptr, key_offset, HAS_MASK)
+        # Pointer loads (TMA False): through tensor descriptors this kernel measured slower (3.07
+        # -> 3.42 ms at 32k x 32k, c = 512, bf16, H100), unlike the gradient-tile kernel.
+        dots = _dot_tile(outer_ptr, inner_ptr, None, None, outer_index, inner_index, outer_valid, inner_valid,
+                         0, 0, c, stride_outer, stride_inner, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                         EVEN_K, False)
+        logits = _logits(dots, scale, bias, HAS_BIAS)
+        # Full blocks (FULL) without a group mask allow every pair: no mask tile at all.
+        if HAS_MASK or not FULL:
+            if COLUMNS:
+                # The tile is transposed (keys x rows): build the mask in (rows, keys) order.
+                allowed = tl.trans(_allowed(inner_index, outer_index, inner_valid, outer_valid,
+                                            row_group_ptr, key_group_ptr, positive_ptr, key_offset, HAS_MASK))
+            else:
+                allowed = _allowed(outer_index, inner_index, outer_valid, inner_valid,
+                                   row_group_ptr, key_group_ptr, positive_ptr, key_offset, HAS_MASK)
         if SIGMOID:
-            running_sum += tl.sum(tl.where(allowed, _softplus(logits), 0.0), axis=1)
+            terms = _softplus(logits)
+            if HAS_MASK or not FULL:
+                terms = tl.where(allowed, terms, 0.0)
+            running_sum += tl.sum(terms, axis=1)
         else:
             if HARDNESS != 0:
                 # The columns' logits, kept before the rows' offset replaces them.
-                plain_logits = tl.where(allowed, logits, float("-inf"))
+                plain_logits = logits
+                if HAS_MASK or not FULL:
+                    plain_logits = tl.where(allowed, logits, float("-inf"))
                 logits = _hardness_offset(logits, dots, outer_index, inner_index, outer_valid, inner_valid,
                                           query_id_ptr, key_owner_ptr, positive_ptr, key_offset, strength,
                                           HARDNESS)
-            logits = tl.where(allowed, logits, float("-inf"))
+            if HAS_MASK or not FULL:
+                logits = tl.where(allowed, logits, float("-inf"))
             # The tile's own row maxima shift its exponentials. A row with nothing allowed has
             # max -inf: shift by 0 there.
             tile_max = tl.max(logits, axis=1)
@@ -376,7 +428,10 @@ def _stats_kernel_body(
                     col_lse = _column_lse(plain_logits)
                 else:
                     col_lse = _column_lse(logits)
-                tl.store(col_partial_ptr + pid * n_inner + inner_index, col_lse, mask=inner_valid)
+                if FULL:
+                    tl.store(col_partial_ptr + pid * n_inner + inner_index, col_lse)
+                else:
+                    tl.store(col_partial_ptr + pid * n_inner + inner_index, col_lse, mask=inner_valid)
 
     if SIGMOID:
         result = running_sum
@@ -386,19 +441,29 @@ def _stats_kernel_body(
     tl.store(out_ptr + split * n_outer + outer_index, result, mask=outer_valid)
 
 
-def _even_k(c: int, block_k: int) -> bool:
+def _even_k(args: dict) -> bool:
     """EVEN_K: the step along c divides c, so ``_dot_tile``'s loads need no mask."""
-    return c % block_k == 0
+    return args["c"] % args["BLOCK_K"] == 0
 
 
-# A heuristic, not a launcher argument: BLOCK_K is the autotuned config's.
-_EVEN_K = triton.heuristics({"EVEN_K": lambda args: _even_k(args["c"], args["BLOCK_K"])})
+# Heuristics, not launcher arguments: the block sizes are the autotuned config's. FULL: every
+# program's tiles lie inside the problem, so that without a group mask no tile needs a mask
+# (for the statistics kernel, each split's inner range is whole blocks too).
+_STATS_HEURISTICS = {
+    "EVEN_K": _even_k,
+    "FULL": lambda args: (args["n_outer"] % args["BLOCK_M"] == 0 and args["n_inner"] % args["BLOCK_N"] == 0
+                          and args["inner_per_split"] % args["BLOCK_N"] == 0),
+}
+_GRAD_HEURISTICS = {
+    "EVEN_K": _even_k,
+    "FULL": lambda args: args["n_rows"] % args["BLOCK_M"] == 0 and args["n_keys"] % args["BLOCK_N"] == 0,
+}
 
 # restore_value: configs with a smaller BLOCK_M write more rows of the column-partial buffer.
 # Without it, rows written by a trial config and not overwritten by the chosen one would stay
 # in the buffer after tuning and be merged as if they were real partials.
 _stats_kernel = triton.autotune(configs=_stats_configs(), key=_TUNE_KEY, restore_value=["col_partial_ptr"])(
-    _EVEN_K(_stats_kernel_body)
+    triton.heuristics(_STATS_HEURISTICS)(_stats_kernel_body)
 )
 
 
@@ -408,13 +473,15 @@ _stats_kernel = triton.autotune(configs=_stats_configs(), key=_TUNE_KEY, restore
 
 @triton.jit
 def _grad_tile_kernel_body(
-    q_ptr, k_ptr, g_ptr, row_sums_ptr, softplus_sums_ptr, scale_ptr, bias_ptr, inv_g_scale_ptr,
-    row_stat_ptr, col_stat_ptr, row_weight_ptr, col_weight_ptr,
+    q_ptr, k_ptr, q_desc, k_desc, g_ptr, row_sums_ptr, softplus_sums_ptr, scale_ptr, bias_ptr,
+    inv_g_scale_ptr, row_stat_ptr, col_stat_ptr, row_weight_ptr, col_weight_ptr,
     row_group_ptr, key_group_ptr, positive_ptr, key_offset, query_id_ptr, key_owner_ptr, hardness_ptr,
     n_rows, n_keys, c, stride_q, stride_k, stride_g, size_class,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
     ONE_PASS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, HARDNESS: tl.constexpr,
+    SCALED_G: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    FULL: tl.constexpr,
 ):
     row_index = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     key_index = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -422,23 +489,27 @@ def _grad_tile_kernel_body(
     key_valid = key_index < n_keys
 
     scale, bias = _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS)
-    dots = _dot_tile(q_ptr, k_ptr, row_index, key_index, row_valid, key_valid, c, stride_q, stride_k,
-                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST, EVEN_K)
+    dots = _dot_tile(q_ptr, k_ptr, q_desc, k_desc, row_index, key_index, row_valid, key_valid,
+                     tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N, c, stride_q, stride_k,
+                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST, EVEN_K, TMA)
 
-    allowed = _allowed(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
-                       positive_ptr, key_offset, HAS_MASK)
+    # Full blocks (FULL) without a group mask allow every pair: no mask tile at all.
+    if HAS_MASK or not FULL:
+        allowed = _allowed(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
+                           positive_ptr, key_offset, HAS_MASK)
+    logits = _logits(dots, scale, bias, HAS_BIAS)
     if ONE_PASS:
         # The sigmoid loss's one pass: unit row weights, and the softplus row sums (the row
         # statistic) from the same logits and the same exponential.
-        grad, softplus = _sigmoid_and_softplus(dots * scale + bias)
-        tl.atomic_add(softplus_sums_ptr + row_index, tl.sum(tl.where(allowed, softplus, 0.0), axis=1),
-                      mask=row_valid)
+        grad, softplus = _sigmoid_and_softplus(logits)
+        if HAS_MASK or not FULL:
+            softplus = tl.where(allowed, softplus, 0.0)
+        tl.atomic_add(softplus_sums_ptr + row_index, tl.sum(softplus, axis=1), mask=row_valid)
     elif SIGMOID:
         row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
-        grad = row_weight[:, None] * tl.sigmoid(dots * scale + bias)
+        grad = row_weight[:, None] * tl.sigmoid(logits)
     else:
         row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
-        logits = dots * scale + bias
         row_stat = tl.load(row_stat_ptr + row_index, mask=row_valid, other=0.0)
         if HARDNESS != 0:
             row_logits = _hardness_offset(logits, dots, row_index, key_index, row_valid, key_valid,
@@ -455,19 +526,23 @@ def _grad_tile_kernel_body(
             # row may pair with), p_col is inf and col_weight 0: the where() below drops it.
             p_col = tl.exp2((logits - col_stat[None, :]) * LOG2E)
             grad += col_weight[None, :] * p_col
-    # where(), not a product: a masked entry may hold 0 * inf = nan.
-    grad = tl.where(allowed, grad, 0.0)
+    if HAS_MASK or not FULL:
+        # where(), not a product: a masked entry may hold 0 * inf = nan.
+        grad = tl.where(allowed, grad, 0.0)
 
     tl.atomic_add(row_sums_ptr + row_index, tl.sum(grad, axis=1), mask=row_valid)
-    inv_g_scale = tl.load(inv_g_scale_ptr)
+    if SCALED_G:
+        grad = grad * tl.load(inv_g_scale_ptr)
     g_tile = g_ptr + row_index[:, None] * stride_g + key_index[None, :]
-    tl.store(g_tile, (grad * inv_g_scale).to(g_ptr.dtype.element_ty),
-             mask=row_valid[:, None] & key_valid[None, :])
+    if FULL:
+        tl.store(g_tile, grad.to(g_ptr.dtype.element_ty))
+    else:
+        tl.store(g_tile, grad.to(g_ptr.dtype.element_ty), mask=row_valid[:, None] & key_valid[None, :])
 
 
 _grad_tile_kernel = triton.autotune(
     configs=_grad_configs(), key=_TUNE_KEY, reset_to_zero=["row_sums_ptr", "softplus_sums_ptr"]
-)(_EVEN_K(_grad_tile_kernel_body))
+)(triton.heuristics(_GRAD_HEURISTICS)(_grad_tile_kernel_body))
 
 
 # --------------------------------------------------------------------------------------------
@@ -708,8 +783,9 @@ def reset_autotuning() -> None:
 # Part of the names under which tuned configurations are saved: raise it when a kernel changes in
 # a way that can change which configuration is fastest, so that machines tune the new kernel
 # instead of loading the old kernel's choice. 2: unmasked loads, exact column log-sum-exp.
-# 3: the gradient-tile kernel's column probabilities by their own exponential.
-_KERNEL_REVISION = 3
+# 3: the gradient-tile kernel's column probabilities by their own exponential. 4: no mask tile,
+# bias add or G scaling where a launch needs none (FULL, HAS_BIAS, SCALED_G).
+_KERNEL_REVISION = 4
 
 
 # The configuration each (kernel, tuning key) ran with in this process, once it was tuned or
@@ -717,38 +793,54 @@ _KERNEL_REVISION = 3
 _CHOSEN: dict[tuple, triton.Config] = {}
 
 
-def _launch(tuner, name: str, grid, device: torch.device, *args, **kwargs) -> triton.Config:
+def _launch(tuner, name: str, grid, device: torch.device, *args, before_launch=None,
+            **kwargs) -> triton.Config:
     """``tuner[grid](*args, **kwargs)``, with its tuned configuration loaded from, or saved to,
     the machine's tuning store; returns the configuration it ran (see :func:`_launch_tuned`).
+    ``before_launch`` (optional) is called just before the kernel is launched, after the
+    launch's own host work (the value check's synchronisation: see :func:`logit_stats`).
 
     A key launched before in this process skips the tuning store and the autotuner: their
     Python was ~0.2-0.4 ms per launch on an H100 machine's host, time the GPU waited for after
     the value check's synchronisation and that an 8k-row step (host-bound) paid in full."""
     if not _tunes():  # one config: nothing is tuned
+        call_if_given(before_launch)
         tuner[grid](*args, **kwargs)
         return tuner.best_config
     key = tuning_key(tuner, args, kwargs)
     name = f"{name}-r{_KERNEL_REVISION}"
     config = _CHOSEN.get((name, key))
     if config is not None:
-        c = args[tuner.arg_names.index("c")]
-        return _launch_tuned(_TUNED_BODIES[name], config, grid, c, *args, **kwargs)
-    with TUNING_STORE.tuned(tuner, name, key, _device_name(device), triton.__version__, triton.Config):
+        body, heuristics = _TUNED_BODIES[name]
+        call_if_given(before_launch)
+        return _launch_tuned(body, heuristics, config, grid, *args, **kwargs)
+    call_if_given(before_launch)
+    with TUNING_STORE.tuned(tuner, name, key, _device_name(device), triton.__version__, _tuned_config):
         tuner[grid](*args, **kwargs)
     _CHOSEN[(name, key)] = tuner.best_config
     return tuner.best_config
 
 
-def _launch_tuned(kernel, config: triton.Config, grid, c: int, *args, **kwargs) -> triton.Config:
+def _launch_tuned(kernel, heuristics: dict, config: triton.Config, grid, *args, **kwargs) -> triton.Config:
     """The launch of :func:`_launch` again with a configuration it returned for the same tuning
-    key, straight to the JIT function (``kernel``: the one under the autotuner and the EVEN_K
-    heuristic). The backward launches the gradient-tile kernel once per super-tile with one key,
-    and the autotuner's and the heuristic's Python (~0.2 ms of a ~0.3 ms launch on an H100
-    machine's host, profiled) made the super-tile loop wait on the host: 32 launches at
-    32k x 32k, c = 512, took 10.1 ms of host time against ~7 ms of GPU work. ``c``: the width,
-    for EVEN_K."""
-    kernel[grid](*args, **kwargs, **config.all_kwargs(), EVEN_K=_even_k(c, config.kwargs["BLOCK_K"]))
+    key, straight to the JIT function (``kernel``: the one under the autotuner and its
+    ``heuristics``, which this evaluates itself). The backward launches the gradient-tile kernel
+    once per super-tile with one key, and the autotuner's and the heuristics' Python (~0.2 ms of
+    a ~0.3 ms launch on an H100 machine's host, profiled) made the super-tile loop wait on the
+    host: 32 launches at 32k x 32k, c = 512, took 10.1 ms of host time against ~7 ms of GPU
+    work."""
+    named = {**dict(zip(kernel.arg_names, args)), **kwargs, **config.kwargs}
+    if config.pre_hook is not None:
+        config.pre_hook(named)
+    kernel[grid](*args, **kwargs, **config.all_kwargs(),
+                 **{name: heuristic(named) for name, heuristic in heuristics.items()})
     return config
+
+
+def call_if_given(callback) -> None:
+    """``callback()``, unless it is None (the ``before_launch`` and ``before_first_kernel`` hooks)."""
+    if callback is not None:
+        callback()
 
 
 def _tunes() -> bool:
@@ -756,9 +848,9 @@ def _tunes() -> bool:
     return AUTOTUNE and not INTERPRET
 
 
-# The JIT function under each autotuned kernel (and its EVEN_K heuristic), by store name.
-_TUNED_BODIES = {f"stats-r{_KERNEL_REVISION}": _stats_kernel_body,
-                 f"grad_tile-r{_KERNEL_REVISION}": _grad_tile_kernel_body}
+# The JIT function under each autotuned kernel, and its heuristics, by store name.
+_TUNED_BODIES = {f"stats-r{_KERNEL_REVISION}": (_stats_kernel_body, _STATS_HEURISTICS),
+                 f"grad_tile-r{_KERNEL_REVISION}": (_grad_tile_kernel_body, _GRAD_HEURISTICS)}
 
 
 @functools.cache
@@ -794,6 +886,31 @@ def auto_splits(n_outer: int, n_inner: int, device: torch.device) -> int:
 
 
 @functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """Whether the GPU has the tensor memory accelerator (Hopper, compute capability 9, and later)."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _descriptors(*tensors: torch.Tensor) -> tuple[bool, list]:
+    """(TMA, [one argument per tensor]): tensor descriptors of the [rows, c] operands where the
+    copy engine can read them (a Hopper GPU or the interpreter; 16-byte aligned base and row
+    stride, unit column stride), else the tensors themselves and TMA False (the pointer loads).
+    Their block shapes are set per config (``_set_descriptor_blocks``).
+
+    Why: through descriptors the gradient-tile kernel took 3.15 -> 2.88 ms (32 super-tiles of
+    8192 x 4096) at 32k x 32k, c = 512, bf16, on an H100 (``benchmarks/triton_notes.md``).
+    """
+    usable = INTERPRET or (tensors[0].is_cuda and _has_tma(tensors[0].device))
+    usable = usable and all(
+        t.dim() == 2 and t.shape[0] > 0 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+        and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors
+    )
+    if not usable:
+        return False, list(tensors)
+    return True, [TensorDescriptor(t, list(t.shape), list(t.stride()), [16, 16]) for t in tensors]
+
+
+@functools.cache
 def _unused_pointer(device: torch.device) -> torch.Tensor:
     """A one-element buffer of this module's own (one per device) for pointer arguments that a
     kernel specialisation never reads.
@@ -804,13 +921,6 @@ def _unused_pointer(device: torch.device) -> torch.Tensor:
     the caller's ``logit_scale`` tensor and broke its autograd graph. Its contents never matter.
     """
     return torch.empty(1, dtype=torch.float32, device=device)
-
-
-@functools.cache
-def unit_scalar(device: torch.device) -> torch.Tensor:
-    """A 0-d fp32 1.0 of this module's own (one per device), for a scale argument that is 1: made
-    once instead of once per call. The kernels only read it."""
-    return torch.ones((), dtype=torch.float32, device=device)
 
 
 def logit_stats(
@@ -833,6 +943,7 @@ def logit_stats(
     key_owners: torch.Tensor | None = None,
     hardness: int = 0,
     hardness_strength: torch.Tensor | None = None,
+    before_launch=None,
 ) -> torch.Tensor:
     """Row statistic of ``outer`` against ``inner`` (queries, keys), or with ``columns=True`` the
     column log-sum-exp (outer = keys, inner = queries). fp32 [n_outer].
@@ -850,6 +961,11 @@ def logit_stats(
     operands' dot products) times the dots where ``query_ids`` [n_outer] and ``key_owners``
     [n_inner] select (docs/contract.md, "Hardness offset"); ``positive_keys`` must be given.
     The column partials stay of the plain logits.
+
+    ``before_launch`` (optional): called just before the kernel's launch, after this launcher's
+    own host work. The one-process value check goes there: its host synchronisation leaves the
+    GPU idle until the next launch, and this launcher's Python before the launch took ~0.2 ms of
+    that idle time at b = 32k on an H100 machine's host (``benchmarks/triton_notes.md``).
     """
     n_outer, c = outer.shape
     n_inner = inner.shape[0]
@@ -866,7 +982,8 @@ def logit_stats(
     fused = column_partials is not None
     _launch(
         _stats_kernel, "stats", grid, outer.device,
-        outer, inner, out, column_partials if fused else dummy, scale, bias if bias is not None else dummy,
+        outer, inner, out, column_partials if fused else dummy, scale,
+        bias if bias is not None else dummy,
         row_groups if has_mask else dummy, key_groups if has_mask else dummy,
         *_pair_pointers(has_mask, hardness, positive_keys, key_offset, query_ids, key_owners,
                         hardness_strength, dummy),
@@ -874,7 +991,7 @@ def logit_stats(
         problem_size_class(n_outer, n_inner),
         HAS_BIAS=bias is not None, HAS_MASK=has_mask, COLUMNS=columns, SIGMOID=sigmoid,
         FUSED_COLUMNS=fused, PRECISION=dot_precision(outer.dtype, precision), UPCAST=INTERPRET,
-        HARDNESS=hardness,
+        HARDNESS=hardness, before_launch=before_launch,
     )
     if splits == 1:
         return out[0]
@@ -908,7 +1025,7 @@ def grad_tile(
     row_sums: torch.Tensor,
     scale: torch.Tensor,
     bias: torch.Tensor | None,
-    inv_g_scale: torch.Tensor,
+    inv_g_scale: torch.Tensor | None,
     row_stat: torch.Tensor,
     col_stat: torch.Tensor | None,
     row_weight: torch.Tensor,
@@ -929,8 +1046,8 @@ def grad_tile(
     config: triton.Config | None = None,
 ) -> triton.Config:
     """Write G / g_scale of ``queries`` x ``keys`` into ``g_out`` [rows, keys] (a view whose last
-    stride is 1) and add the row sums of G into ``row_sums`` [rows] (fp32, atomically). Returns
-    the kernel configuration it ran.
+    stride is 1; ``inv_g_scale`` 0-d, or None for 1) and add the row sums of G into ``row_sums``
+    [rows] (fp32, atomically). Returns the kernel configuration it ran.
 
     ``softplus_sums`` (sigmoid only; fp32 [rows]): the one-pass route. G is sigmoid(z) with
     every row weight 1 (``row_weight`` is not read), and the tile's softplus row sums (the
@@ -956,11 +1073,13 @@ def grad_tile(
     one_pass = softplus_sums is not None
     if one_pass and not sigmoid:
         raise ValueError("softplus_sums is for the sigmoid loss")
-    launch = (functools.partial(_launch_tuned, _grad_tile_kernel_body, config, grid, c) if config is not None
+    launch = (functools.partial(_launch_tuned, _grad_tile_kernel_body, _GRAD_HEURISTICS, config, grid)
+              if config is not None
               else functools.partial(_launch, _grad_tile_kernel, "grad_tile", grid, queries.device))
+    tma, (q_desc, k_desc) = _descriptors(queries, keys)
     return launch(
-        queries, keys, g_out, row_sums, softplus_sums if one_pass else dummy, scale,
-        bias if bias is not None else dummy, inv_g_scale,
+        queries, keys, q_desc, k_desc, g_out, row_sums, softplus_sums if one_pass else dummy, scale,
+        bias if bias is not None else dummy, inv_g_scale if inv_g_scale is not None else dummy,
         row_stat, col_stat if columns else dummy, row_weight, col_weight if columns else dummy,
         row_groups if has_mask else dummy, key_groups if has_mask else dummy,
         *_pair_pointers(has_mask, hardness, positive_keys, key_offset, query_ids, key_owners,
@@ -969,6 +1088,7 @@ def grad_tile(
         size_class if size_class is not None else problem_size_class(n_rows, n_keys),
         HAS_BIAS=bias is not None, HAS_MASK=has_mask, COLUMNS=columns, SIGMOID=sigmoid, ONE_PASS=one_pass,
         PRECISION=dot_precision(queries.dtype, precision), UPCAST=INTERPRET, HARDNESS=hardness,
+        SCALED_G=inv_g_scale is not None, TMA=tma,
     )
 
 
