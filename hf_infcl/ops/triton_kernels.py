@@ -15,8 +15,13 @@ The kernels, none of which ever holds more than one ``BLOCK_M x BLOCK_N`` tile o
 * ``_grad_tile_kernel`` (backward): one program per tile of a "super-tile" of R rows x C keys.
   It recomputes the logits of its tile once, forms both directions' probabilities in one
   expression G = w_r * exp(z - r) + w_c * exp(z - c) (or w_r * sigmoid(z)), masks them, adds the
-  tile's row sums of G (for d bias) and writes G, divided by a GPU-resident scale, to a bounded
-  scratch buffer of R x C entries in the dtype of the GEMMs that follow.
+  tile's row sums of G (for d bias) and writes G (divided by a GPU-resident scale when the
+  caller scales it) to a bounded scratch buffer of R x C entries in the dtype of the GEMMs that
+  follow. It reads its query and key tiles through TMA tensor descriptors where the GPU has
+  them (``_descriptors``); the statistics kernel measured slower that way and uses pointers.
+
+Both kernels skip their mask tile, its where() and masked stores when every tile is whole and
+no group mask is given (the ``FULL`` heuristic), and the bias add without a bias.
 
 For the symmetric softmax loss both kernels take a second exponential per logit for the column
 direction. Deriving the column terms from the row exponentials (per-row and per-column factors
