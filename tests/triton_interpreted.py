@@ -102,6 +102,16 @@ def relative_error(out, ref):
     return float((out - ref).norm() / ref.norm().clamp_min(1.0))
 
 
+def errors_against_reference(case, dtype, blocks, precision, options) -> dict:
+    """Each output's :func:`relative_error` against the float64 reference, which sees the same
+    rounded inputs, upcast: only the kernels' arithmetic differs."""
+    rounded = dict(case, queries=case["queries"].to(dtype).double(), keys=case["keys"].to(dtype).double())
+    expected = loss_and_grads(rounded, torch.float64, "reference", **options)
+    got = loss_and_grads(case, dtype, blocks, precision=precision, **options)
+    assert set(got) == set(expected)
+    return {name: relative_error(got[name], expected[name]) for name in expected}
+
+
 LOSSES = {
     "softmax-sym": dict(loss="softmax", symmetric=True, use_bias=False),
     "softmax-asym": dict(loss="softmax", symmetric=False, use_bias=False),
@@ -129,16 +139,9 @@ def test_loss_and_gradients_match_float64_reference(shape, loss_name, groups, mo
     seed = random.randrange(2**31)
     case = random_case(m, k, c, groups=groups, custom_positives=(k > m and m > 1), seed=seed)
     options = LOSSES[loss_name]
-    # The reference sees the same rounded inputs, upcast: only the kernels' arithmetic differs.
-    rounded = dict(case, queries=case["queries"].to(dtype).double(), keys=case["keys"].to(dtype).double())
-    expected = loss_and_grads(rounded, torch.float64, "reference", **options)
-    got = loss_and_grads(case, dtype, blocks, precision=precision, **options)
-    assert set(got) == set(expected)
-    errors = {name: relative_error(got[name], expected[name]) for name in expected}
+    errors = errors_against_reference(case, dtype, blocks, precision, options)
     assert max(errors.values()) < TOLERANCE[mode], (seed, errors)
 
-
-# The sigmoid loss's one pass (a mean or sum: gradients computed in the forward) by both routes
 
 # Whole blocks: rows, keys, super-tiles and statistics splits all multiples of the interpreter's
 # 16, so that the kernels take their FULL path (no mask tile, no masked store) where no group mask
@@ -165,12 +168,11 @@ def test_whole_blocks_match_float64_reference(loss_name, groups, mode, route):
     seed = random.randrange(2**31)
     case = random_case(m, k, c, groups=groups, custom_positives=True, seed=seed)
     options = LOSSES[loss_name]
-    rounded = dict(case, queries=case["queries"].to(dtype).double(), keys=case["keys"].to(dtype).double())
-    expected = loss_and_grads(rounded, torch.float64, "reference", **options)
-    got = loss_and_grads(case, dtype, FULL_ROUTES[route], precision=precision, **options)
-    errors = {name: relative_error(got[name], expected[name]) for name in expected}
+    errors = errors_against_reference(case, dtype, FULL_ROUTES[route], precision, options)
     assert max(errors.values()) < TOLERANCE[mode], (seed, errors)
 
+
+# The sigmoid loss's one pass (a mean or sum: gradients computed in the forward) by both routes
 # to the dot products: cuBLAS GEMMs and an elementwise kernel (the default), or the fused kernel.
 SIGMOID_ROUTES = {"gemm": BLOCKS, "fused": dataclasses.replace(BLOCKS, sigmoid_logits="fused")}
 ONE_PASS_SHAPES = [(1, 6, 40), (7, 19, 3), (33, 71, 40), (19, 45, 32)]
@@ -194,11 +196,8 @@ def test_sigmoid_one_pass_matches_float64_reference(shape, groups, reduction, ro
         blocks = dataclasses.replace(blocks, tf32_via_fp16=True)
     seed = random.randrange(2**31)
     case = random_case(m, k, c, groups=groups, custom_positives=k > m > 1, seed=seed)
-    rounded = dict(case, queries=case["queries"].to(dtype).double(), keys=case["keys"].to(dtype).double())
     options = dict(LOSSES["sigmoid-bias"], reduction=reduction)
-    expected = loss_and_grads(rounded, torch.float64, "reference", **options)
-    got = loss_and_grads(case, dtype, blocks, precision=precision, **options)
-    errors = {name: relative_error(got[name], expected[name]) for name in expected}
+    errors = errors_against_reference(case, dtype, blocks, precision, options)
     assert max(errors.values()) < TOLERANCE[mode], (seed, mode, errors)
 
 
@@ -227,10 +226,7 @@ def test_hardness_offset_matches_float64_reference(hardness_mode, shape, loss_na
     case = random_case(*shape, groups=groups, custom_positives=shape[1] > shape[0] > 1, seed=seed)
     case = with_hardness(case, hardness_mode, 4.0, seed)
     options = LOSSES[loss_name]
-    rounded = dict(case, queries=case["queries"].to(dtype).double(), keys=case["keys"].to(dtype).double())
-    expected = loss_and_grads(rounded, torch.float64, "reference", **options)
-    got = loss_and_grads(case, dtype, blocks, precision=precision, **options)
-    errors = {name: relative_error(got[name], expected[name]) for name in expected}
+    errors = errors_against_reference(case, dtype, blocks, precision, options)
     assert max(errors.values()) < TOLERANCE[mode], (seed, mode, errors)
 
 
