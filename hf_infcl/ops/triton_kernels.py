@@ -815,11 +815,10 @@ def _launch(tuner, name: str, grid, device: torch.device, *args, before_launch=N
     key = tuning_key(tuner, args, kwargs)
     name = f"{name}-r{_KERNEL_REVISION}"
     config = _CHOSEN.get((name, key))
+    call_if_given(before_launch)
     if config is not None:
         body, heuristics = _TUNED_BODIES[name]
-        call_if_given(before_launch)
         return _launch_tuned(body, heuristics, config, grid, *args, **kwargs)
-    call_if_given(before_launch)
     with TUNING_STORE.tuned(tuner, name, key, _device_name(device), triton.__version__, _tuned_config):
         tuner[grid](*args, **kwargs)
     _CHOSEN[(name, key)] = tuner.best_config
