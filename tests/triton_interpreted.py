@@ -679,3 +679,17 @@ def test_a_key_no_row_may_pair_with_gives_no_nan():
     got = loss_and_grads(case, torch.float32, BLOCKS, precision="ieee", **LOSSES["softmax-sym"])
     for name in expected:
         assert relative_error(got[name], expected[name]) < 5e-5, name
+
+
+@pytest.mark.parametrize("n_outer, n_inner", [(32768, 32768), (65536, 65536), (9, 4000), (8192, 8192)])
+def test_automatic_splits_are_whole_blocks(n_outer, n_inner):
+    """The statistics launch's automatic splits cover the inner range in ranges of whole blocks of
+    the widest config (each split's tiles are then whole where the problem's are: the FULL path);
+    an explicit split count is kept as asked."""
+    from hf_infcl.ops import triton_kernels as kernels
+
+    widest = max(config.kwargs["BLOCK_N"] for config in kernels._stats_configs())
+    splits, per_split = kernels.inner_splits(n_outer, n_inner, torch.device("cpu"))
+    assert per_split % widest == 0
+    assert (splits - 1) * per_split < n_inner <= splits * per_split
+    assert kernels.inner_splits(n_outer, n_inner, torch.device("cpu"), 3) == (3, -(-n_inner // 3))

@@ -379,10 +379,7 @@ class TritonBlocks:
     def _stat_buffer(self, outer: torch.Tensor, inner: torch.Tensor) -> torch.Tensor | None:
         if not self.poison:
             return None
-        splits = self.stat_splits or kernels.auto_splits(outer.shape[0], inner.shape[0], outer.device)
-        splits = max(1, min(splits, inner.shape[0]))
-        per_split = _cdiv(inner.shape[0], splits)
-        splits = _cdiv(inner.shape[0], per_split)
+        splits, _ = kernels.inner_splits(outer.shape[0], inner.shape[0], outer.device, self.stat_splits)
         return torch.full((splits, outer.shape[0]), float("nan"), dtype=torch.float32, device=outer.device)
 
     @staticmethod

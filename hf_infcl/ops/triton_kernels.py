@@ -171,6 +171,9 @@ def _stats_configs():
 
 # The smallest row block of any stats config: column-partial buffers have a row per such block.
 MIN_BLOCK_M = min(config.kwargs["BLOCK_M"] for config in _stats_configs())
+# The widest inner block of any stats config: automatic splits of the inner range are whole
+# multiples of it, so that every config sees whole tiles (FULL) when the problem has them.
+_MAX_BLOCK_N = max(config.kwargs["BLOCK_N"] for config in _stats_configs())
 
 
 def _grad_configs():
@@ -889,6 +892,20 @@ def auto_splits(n_outer: int, n_inner: int, device: torch.device) -> int:
     return max(1, min(wanted, n_inner // 2048))
 
 
+def inner_splits(n_outer: int, n_inner: int, device: torch.device,
+                 splits: int | None = None) -> tuple[int, int]:
+    """(splits, inner vectors per split) of a statistics launch: ``splits`` as asked (at most one
+    per inner vector), or by default :func:`auto_splits`'s count with each split's range rounded
+    up to whole blocks of the widest config. Without that rounding, 32k keys in 5 splits of 6554
+    left every split a partial tile, and the kernel's masked path (not FULL) ran on all of them."""
+    if splits is None:
+        per_split = math.ceil(n_inner / auto_splits(n_outer, n_inner, device))
+        per_split = math.ceil(per_split / _MAX_BLOCK_N) * _MAX_BLOCK_N
+    else:
+        per_split = math.ceil(n_inner / max(1, min(splits, n_inner)))
+    return math.ceil(n_inner / per_split), per_split
+
+
 @functools.cache
 def _has_tma(device: torch.device) -> bool:
     """Whether the GPU has the tensor memory accelerator (Hopper, compute capability 9, and later)."""
@@ -973,11 +990,7 @@ def logit_stats(
     """
     n_outer, c = outer.shape
     n_inner = inner.shape[0]
-    if splits is None:
-        splits = auto_splits(n_outer, n_inner, outer.device)
-    splits = max(1, min(splits, n_inner))
-    inner_per_split = math.ceil(n_inner / splits)
-    splits = math.ceil(n_inner / inner_per_split)
+    splits, inner_per_split = inner_splits(n_outer, n_inner, outer.device, splits)
     if out is None:
         out = torch.empty((splits, n_outer), dtype=torch.float32, device=outer.device)
     has_mask = row_groups is not None
