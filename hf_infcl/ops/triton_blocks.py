@@ -240,7 +240,8 @@ class TritonBlocks:
             dict(queries=queries[r0:r1], gemm_queries=gemm.queries[r0:r1], grad=grad_queries[r0:r1],
                  row_sums=row_sums[r0:r1], row_stat=row_stat[r0:r1], row_weight=row_weight[r0:r1],
                  softplus_sums=None if softplus_sums is None else softplus_sums[r0:r1],
-                 labels=_sliced(labels, _ROW_LABELS, r0, r1), dot_queries=dot_q[r0:r1] if gemm_dots else None)
+                 labels=_sliced(labels, _ROW_LABELS, r0, r1), dot_queries=dot_q[r0:r1] if gemm_dots else None,
+                 descriptor=None if gemm_dots else kernels.tensor_descriptor(queries[r0:r1]))
             for r0, r1 in row_bounds
         ]
         key_tiles = [
@@ -248,7 +249,8 @@ class TritonBlocks:
                  col_stat=None if col_stat is None else col_stat[k0:k1],
                  col_weight=None if col_weight is None else col_weight[k0:k1],
                  labels=dict(_sliced(labels, _KEY_LABELS, k0, k1), key_offset=base_offset + k0)
-                 if labels else {}, dot_keys=dot_k[k0:k1] if gemm_dots else None)
+                 if labels else {}, dot_keys=dot_k[k0:k1] if gemm_dots else None,
+                 descriptor=None if gemm_dots else kernels.tensor_descriptor(keys[k0:k1]))
             for k0, k1 in key_bounds
         ]
         g_views, dot_views = {}, {}  # at most four shapes each: full, last row panel, last key tile, both
@@ -282,7 +284,8 @@ class TritonBlocks:
                             row["queries"], tile["keys"], g, row["row_sums"], scale, bias, inv_g_scale,
                             row["row_stat"], tile["col_stat"], row["row_weight"], tile["col_weight"],
                             sigmoid=sigmoid, precision=spec.precision, size_class=size_class,
-                            softplus_sums=row["softplus_sums"], config=config, **row["labels"],
+                            softplus_sums=row["softplus_sums"], config=config,
+                            descriptors=(row["descriptor"], tile["descriptor"]), **row["labels"],
                             **tile["labels"], **offset,
                         )
                     _add_product(row["grad"], g, tile["gemm_keys"])

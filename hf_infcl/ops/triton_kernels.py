@@ -18,7 +18,7 @@ The kernels, none of which ever holds more than one ``BLOCK_M x BLOCK_N`` tile o
   tile's row sums of G (for d bias) and writes G (divided by a GPU-resident scale when the
   caller scales it) to a bounded scratch buffer of R x C entries in the dtype of the GEMMs that
   follow. It reads its query and key tiles through TMA tensor descriptors where the GPU has
-  them (``_descriptors``); the statistics kernel measured slower that way and uses pointers.
+  them (``tensor_descriptor``); the statistics kernel measured slower that way and uses pointers.
 
 Both kernels skip their mask tile, its where() and masked stores when every tile is whole and
 no group mask is given (the ``FULL`` heuristic), and the bias add without a bias.
@@ -785,6 +785,7 @@ def reset_autotuning() -> None:
     for tuner in (_stats_kernel, _grad_tile_kernel):
         tuner.cache.clear()
     _CHOSEN.clear()
+    _COMPILED.clear()
     TUNING_STORE.retune()
 
 
@@ -835,13 +836,73 @@ def _launch_tuned(kernel, heuristics: dict, config: triton.Config, grid, *args, 
     once per super-tile with one key, and the autotuner's and the heuristics' Python (~0.2 ms of
     a ~0.3 ms launch on an H100 machine's host, profiled) made the super-tile loop wait on the
     host: 32 launches at 32k x 32k, c = 512, took 10.1 ms of host time against ~7 ms of GPU
-    work."""
+    work. A launch whose compiled kernel an earlier one ran goes past the JIT function too
+    (:func:`_launch_compiled`)."""
     named = {**dict(zip(kernel.arg_names, args)), **kwargs, **config.kwargs}
     if config.pre_hook is not None:
         config.pre_hook(named)
-    kernel[grid](*args, **kwargs, **config.all_kwargs(),
-                 **{name: heuristic(named) for name, heuristic in heuristics.items()})
+    constexprs = {name: heuristic(named) for name, heuristic in heuristics.items()}
+    named.update(constexprs)
+    key = (kernel, id(config), _specialization(named.values()))
+    compiled = _COMPILED.get(key)
+    if compiled is not None:
+        _launch_compiled(kernel, compiled[1], grid, named)
+        return config
+    compiled = kernel[grid](*args, **kwargs, **config.all_kwargs(), **constexprs)
+    if not INTERPRET and all(hasattr(compiled, name) for name in _COMPILED_KERNEL_API):
+        _COMPILED[key] = (config, compiled)  # the config kept alive, so that its id stays its own
     return config
+
+
+# Compiled kernels that _launch_tuned ran, by (JIT function, id of the configuration,
+# _specialization of the launch's arguments). The same key again launches the compiled kernel
+# through its own launcher, past JITFunction.run: binding ~40 arguments, their specialisation and
+# the cache-key string cost host time on every launch, and the backward's super-tile loop (a
+# gradient-tile launch and two GEMMs per 8192 x 4096 super-tile at b = 32k, c = 512) waited on
+# the host: ~250 us of host time per super-tile against ~190 us of GPU work on an H100 machine
+# (benchmarks/triton_notes.md). The attributes Triton's own launch uses (3.6) are checked once;
+# a Triton whose compiled kernels lack them keeps the JIT function's launch.
+_COMPILED: dict[tuple, tuple] = {}
+_COMPILED_KERNEL_API = ("run", "function", "packed_metadata", "launch_metadata")
+
+
+def _specialization(values) -> tuple:
+    """What a launch's compiled kernel depends on besides the configuration, for every argument
+    value (constexprs included): a superset of what Triton specialises on (a tensor's dtype and
+    16-byte alignment; an integer's width, divisibility by 16 and being 1; a tensor descriptor's
+    dtype, alignment, shape, strides and block), so that two launches with one key never need
+    two compilations. The converse (a new key for a kernel Triton already has) only costs one
+    launch through the JIT function."""
+    facts = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            facts.append((value.dtype, value.data_ptr() % 16 == 0))
+        elif isinstance(value, bool) or value is None:
+            facts.append(value)
+        elif isinstance(value, int):
+            facts.append((value == 1, value % 16 == 0, -(2**31) <= value < 2**31))
+        elif isinstance(value, TensorDescriptor):
+            facts.append((value.base.dtype, value.base.data_ptr() % 16 == 0, tuple(value.shape),
+                          tuple(value.strides), tuple(value.block_shape), value.padding))
+        else:  # strings and other constexpr values
+            facts.append(value)
+    return tuple(facts)
+
+
+def _launch_compiled(kernel, compiled, grid, named: dict) -> None:
+    """Launch ``compiled`` (a kernel of ``kernel`` that JITFunction.run compiled and returned for
+    the same specialisation) as JITFunction.run does after its look-ups: the grid, the current
+    stream, the launch hooks, and every parameter's value in the signature's order."""
+    values = [named[name] for name in kernel.arg_names]
+    grid = grid(named) if callable(grid) else grid
+    device = triton.runtime.driver.active.get_current_device()
+    stream = triton.runtime.driver.active.get_current_stream(device)
+    from triton import knobs  # the launch hooks (proton, users' profilers), read per launch as Triton does
+
+    hooks = knobs.runtime
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                 compiled.function, compiled.packed_metadata, compiled.launch_metadata(grid, stream, *values),
+                 hooks.launch_enter_hook, hooks.launch_exit_hook, *values)
 
 
 def call_if_given(callback) -> None:
@@ -912,23 +973,22 @@ def _has_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _descriptors(*tensors: torch.Tensor) -> tuple[bool, list]:
-    """(TMA, [one argument per tensor]): tensor descriptors of the [rows, c] operands where the
-    copy engine can read them (a Hopper GPU or the interpreter; 16-byte aligned base and row
-    stride, unit column stride), else the tensors themselves and TMA False (the pointer loads).
-    Their block shapes are set per config (``_set_descriptor_blocks``).
+def tensor_descriptor(tensor: torch.Tensor) -> TensorDescriptor | None:
+    """A tensor descriptor of a [rows, c] operand where the copy engine can read it (a Hopper GPU
+    or the interpreter; 16-byte aligned base and row stride, unit column stride), else None. Its
+    block shape is set per config (``_set_descriptor_blocks``).
 
     Why: through descriptors the gradient-tile kernel took 3.15 -> 2.88 ms (32 super-tiles of
     8192 x 4096) at 32k x 32k, c = 512, bf16, on an H100 (``benchmarks/triton_notes.md``).
     """
-    usable = INTERPRET or (tensors[0].is_cuda and _has_tma(tensors[0].device))
-    usable = usable and all(
-        t.dim() == 2 and t.shape[0] > 0 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
-        and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors
+    usable = INTERPRET or (tensor.is_cuda and _has_tma(tensor.device))
+    usable = usable and (
+        tensor.dim() == 2 and tensor.shape[0] > 0 and tensor.stride(1) == 1 and tensor.data_ptr() % 16 == 0
+        and (tensor.stride(0) * tensor.element_size()) % 16 == 0
     )
     if not usable:
-        return False, list(tensors)
-    return True, [TensorDescriptor(t, list(t.shape), list(t.stride()), [16, 16]) for t in tensors]
+        return None
+    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), [16, 16])
 
 
 @functools.cache
@@ -1061,6 +1121,7 @@ def grad_tile(
     hardness: int = 0,
     hardness_strength: torch.Tensor | None = None,
     config: triton.Config | None = None,
+    descriptors: tuple | None = None,
 ) -> triton.Config:
     """Write G / g_scale of ``queries`` x ``keys`` into ``g_out`` [rows, keys] (a view whose last
     stride is 1; ``inv_g_scale`` 0-d, or None for 1) and add the row sums of G into ``row_sums``
@@ -1080,6 +1141,10 @@ def grad_tile(
     ``config``: what an earlier call returned, for a call with the same tuning key (the same
     ``size_class``, width and dtypes, the same options): it is launched without the autotuner's
     and the tuning store's look-ups, which cost more host time than a super-tile's GPU work.
+
+    ``descriptors``: (:func:`tensor_descriptor` of ``queries``, of ``keys``), made once by a caller
+    that launches many tiles over the same row panels and key tiles (their construction and checks
+    were host time on every super-tile); by default made here.
     """
     n_rows, c = queries.shape
     n_keys = keys.shape[0]
@@ -1093,7 +1158,11 @@ def grad_tile(
     launch = (functools.partial(_launch_tuned, _grad_tile_kernel_body, _GRAD_HEURISTICS, config, grid)
               if config is not None
               else functools.partial(_launch, _grad_tile_kernel, "grad_tile", grid, queries.device))
-    tma, (q_desc, k_desc) = _descriptors(queries, keys)
+    if descriptors is None:
+        descriptors = tensor_descriptor(queries), tensor_descriptor(keys)
+    # Both operands through descriptors, or both through pointers.
+    tma = None not in descriptors
+    q_desc, k_desc = descriptors if tma else (queries, keys)
     return launch(
         queries, keys, q_desc, k_desc, g_out, row_sums, softplus_sums if one_pass else dummy, scale,
         bias if bias is not None else dummy, inv_g_scale if inv_g_scale is not None else dummy,
