@@ -92,6 +92,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 AUTOTUNE = os.environ.get("HF_INFCL_TRITON_AUTOTUNE", "1") != "0"
 _UNTUNED = (128, 128, 32, 4, 3)
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 # Keys of the autotuners: the width c and a coarse size class (tiny / medium / large problems),
 # so a small first call does not fix the configuration of large ones. The autotuner adds the
@@ -342,8 +343,27 @@ def _hardness_offset(logits, dots, row_index, key_index, row_valid, key_valid, q
 
 
 @triton.jit
-def _column_lse(logits):
-    """Log-sum-exp of each column of a tile of logits, each column shifted by its own maximum.
+def _exp_in_units(x, LOG2: tl.constexpr):
+    """e^x for x in the kernel's units (:func:`_log2_units`): exp2(x) in log2 units."""
+    if LOG2:
+        return tl.exp2(x)
+    else:
+        return tl.exp2(x * LOG2E)
+
+
+@triton.jit
+def _log_in_units(x, LOG2: tl.constexpr):
+    """log(x) in the kernel's units (log2 in log2 units)."""
+    if LOG2:
+        return tl.log2(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def _column_lse(logits, LOG2: tl.constexpr):
+    """Log-sum-exp of each column of a tile of logits, each column shifted by its own maximum,
+    in the logits' units (:func:`_log2_units`).
 
     A second exponential per logit and a reduction across the tile's rows. Reusing the rows'
     exponentials (one shift for the whole tile) saves both, but loses the terms of rows more than
@@ -354,7 +374,7 @@ def _column_lse(logits):
     (benchmarks/triton_notes.md)."""
     col_max = tl.max(logits, axis=0)
     col_shift = tl.where(col_max == float("-inf"), 0.0, col_max)
-    return col_shift + tl.log(tl.sum(tl.exp2((logits - col_shift[None, :]) * LOG2E), axis=0))
+    return col_shift + _log_in_units(tl.sum(_exp_in_units(logits - col_shift[None, :], LOG2), axis=0), LOG2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -369,7 +389,7 @@ def _stats_kernel_body(
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
     FUSED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, HARDNESS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    FULL: tl.constexpr,
+    FULL: tl.constexpr, LOG2: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
@@ -381,6 +401,11 @@ def _stats_kernel_body(
     scale, bias = _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS)
     if HARDNESS != 0:  # rows outer only: the column statistic is of the plain logits
         strength = tl.load(hardness_ptr).to(tl.float32)
+    if LOG2:
+        scale *= LOG2E
+        bias *= LOG2E
+        if HARDNESS != 0:
+            strength *= LOG2E
 
     running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -422,20 +447,22 @@ def _stats_kernel_body(
             # max -inf: shift by 0 there.
             tile_max = tl.max(logits, axis=1)
             tile_shift = tl.where(tile_max == float("-inf"), 0.0, tile_max)
-            p = tl.exp2((logits - tile_shift[:, None]) * LOG2E)
+            p = _exp_in_units(logits - tile_shift[:, None], LOG2)
             new_max = tl.maximum(running_max, tile_max)
             new_shift = tl.where(new_max == float("-inf"), 0.0, new_max)
             # exp2(-inf - shift) = 0 takes care of rows and tiles with nothing allowed.
-            running_sum = (running_sum * tl.exp2((running_max - new_shift) * LOG2E)
-                           + tl.sum(p, axis=1) * tl.exp2((tile_max - new_shift) * LOG2E))
+            running_sum = (running_sum * _exp_in_units(running_max - new_shift, LOG2)
+                           + tl.sum(p, axis=1) * _exp_in_units(tile_max - new_shift, LOG2))
             running_max = new_max
             if FUSED_COLUMNS:
                 # The same tile's column log-sum-exp over this program's rows: one partial per
                 # (row block, key), merged by the launcher. Saves the second forward pass.
                 if HARDNESS != 0:  # the columns' statistic is of the plain logits, without the offset
-                    col_lse = _column_lse(plain_logits)
+                    col_lse = _column_lse(plain_logits, LOG2)
                 else:
-                    col_lse = _column_lse(logits)
+                    col_lse = _column_lse(logits, LOG2)
+                if LOG2:  # the partials are merged in natural units
+                    col_lse *= LN2
                 if FULL:
                     tl.store(col_partial_ptr + pid * n_inner + inner_index, col_lse)
                 else:
@@ -445,7 +472,9 @@ def _stats_kernel_body(
         result = running_sum
     else:
         shift = tl.where(running_max == float("-inf"), 0.0, running_max)
-        result = shift + tl.log(running_sum)  # log(0) = -inf for rows that saw no allowed key
+        result = shift + _log_in_units(running_sum, LOG2)  # log(0) = -inf for rows that saw no allowed key
+        if LOG2:
+            result *= LN2
     tl.store(out_ptr + split * n_outer + outer_index, result, mask=outer_valid)
 
 
@@ -454,16 +483,28 @@ def _even_k(args: dict) -> bool:
     return args["c"] % args["BLOCK_K"] == 0
 
 
+def _log2_units(args: dict) -> bool:
+    """LOG2: the softmax loss's logits are held in log2 units (scale, bias and hardness strength
+    times log2(e); statistics converted where they are loaded or stored), so that each
+    exponential is exp2 of a difference: one multiply per logit and direction fewer. Not for
+    exact fp32 ("ieee"): pre-scaled logits round to ~1e-7 of |z|, i.e. up to 1e-5 of e^z at
+    CLIP's |z| of 100, which the fp32 tests at c = 1 once caught (v9 in
+    benchmarks/triton_notes.md); TF32 and half-precision operands round their logits far more."""
+    return args["PRECISION"] != "ieee" and not args["SIGMOID"]
+
+
 # Heuristics, not launcher arguments: the block sizes are the autotuned config's. FULL: every
 # program's tiles lie inside the problem, so that without a group mask no tile needs a mask
 # (for the statistics kernel, each split's inner range is whole blocks too).
 _STATS_HEURISTICS = {
     "EVEN_K": _even_k,
+    "LOG2": _log2_units,
     "FULL": lambda args: (args["n_outer"] % args["BLOCK_M"] == 0 and args["n_inner"] % args["BLOCK_N"] == 0
                           and args["inner_per_split"] % args["BLOCK_N"] == 0),
 }
 _GRAD_HEURISTICS = {
     "EVEN_K": _even_k,
+    "LOG2": _log2_units,
     "FULL": lambda args: args["n_rows"] % args["BLOCK_M"] == 0 and args["n_keys"] % args["BLOCK_N"] == 0,
 }
 
@@ -489,7 +530,7 @@ def _grad_tile_kernel_body(
     ONE_PASS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, HARDNESS: tl.constexpr,
     SCALED_G: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    FULL: tl.constexpr,
+    FULL: tl.constexpr, LOG2: tl.constexpr,
 ):
     row_index = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     key_index = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -497,6 +538,9 @@ def _grad_tile_kernel_body(
     key_valid = key_index < n_keys
 
     scale, bias = _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS)
+    if LOG2:
+        scale *= LOG2E
+        bias *= LOG2E
     dots = _dot_tile(q_ptr, k_ptr, q_desc, k_desc, row_index, key_index, row_valid, key_valid,
                      tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N, c, stride_q, stride_k,
                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST, EVEN_K, TMA)
@@ -520,19 +564,26 @@ def _grad_tile_kernel_body(
         row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
         row_stat = tl.load(row_stat_ptr + row_index, mask=row_valid, other=0.0)
         if HARDNESS != 0:
+            strength = tl.load(hardness_ptr).to(tl.float32)
+            if LOG2:
+                strength *= LOG2E
             row_logits = _hardness_offset(logits, dots, row_index, key_index, row_valid, key_valid,
                                           query_id_ptr, key_owner_ptr, positive_ptr, key_offset,
-                                          tl.load(hardness_ptr).to(tl.float32), HARDNESS)
+                                          strength, HARDNESS)
         else:
             row_logits = logits
-        p_row = tl.exp2((row_logits - row_stat[:, None]) * LOG2E)
+        if LOG2:
+            row_stat *= LOG2E
+        p_row = _exp_in_units(row_logits - row_stat[:, None], LOG2)
         grad = row_weight[:, None] * p_row
         if COLUMNS:
             col_stat = tl.load(col_stat_ptr + key_index, mask=key_valid, other=0.0)
             col_weight = tl.load(col_weight_ptr + key_index, mask=key_valid, other=0.0)
             # Their own exponential (see the module docstring). Where col_stat is -inf (a key no
             # row may pair with), p_col is inf and col_weight 0: the where() below drops it.
-            p_col = tl.exp2((logits - col_stat[None, :]) * LOG2E)
+            if LOG2:
+                col_stat *= LOG2E
+            p_col = _exp_in_units(logits - col_stat[None, :], LOG2)
             grad += col_weight[None, :] * p_col
     if HAS_MASK or not FULL:
         # where(), not a product: a masked entry may hold 0 * inf = nan.
@@ -562,7 +613,6 @@ _grad_tile_kernel = triton.autotune(
 # interpreter runs small blocks.
 # (16, 256, 4, 8) measured best of eight shapes at 64k x 768 on an H100 (benchmarks/triton_notes.md).
 _SIGMOID_DOTS_SHAPE = (16, 32, 1, 2) if INTERPRET else (16, 256, 4, 8)
-_LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -582,7 +632,7 @@ def _log1p_of_positive(x):
     w = 1.0 + x
     exponent = ((w * (4.0 / 3.0)).to(tl.int32, bitcast=True) >> 23) - 127
     m = w * ((127 - exponent) << 23).to(tl.float32, bitcast=True)
-    return exponent.to(tl.float32) * _LN2 + _log1p(m - 1.0) + (x - (w - 1.0)) * _reciprocal(w)
+    return exponent.to(tl.float32) * LN2 + _log1p(m - 1.0) + (x - (w - 1.0)) * _reciprocal(w)
 
 
 @triton.jit
