@@ -30,9 +30,11 @@ statistics (tile-wide reductions, each a barrier) and an exact fallback where it
 far: measured on an H100 it cost more than the exponential, in the backward (3.6 -> 3.3 ms at
 32k x 32k, c = 512, without it) as in the forward (``_column_lse``). Both load their operands
 without masks where the tile's step along c divides c (``_dot_tile``). They call exp2 (the
-hardware's exponential) on differences of logits taken in natural units, times log2(e): scaling
-the logits themselves by log2(e) first saves a multiply but triples the rounding error of those
-differences, which the fp32 tests at c = 1 caught.
+hardware's exponential) on differences of logits. For TF32 and half-precision operands the
+softmax kernels hold their logits in log2 units (the scale times log2(e)), which saves a multiply
+per exponential (``_log2_units``); exact fp32 takes the differences in natural units, times
+log2(e), since pre-scaled logits tripled the rounding error of those differences, which the fp32
+tests at c = 1 caught.
 
 * The two products dQ += G K and dK += G^T Q of that super-tile are then plain cuBLAS GEMMs.
 
@@ -843,8 +845,9 @@ def reset_autotuning() -> None:
 # a way that can change which configuration is fastest, so that machines tune the new kernel
 # instead of loading the old kernel's choice. 2: unmasked loads, exact column log-sum-exp.
 # 3: the gradient-tile kernel's column probabilities by their own exponential. 4: no mask tile,
-# bias add or G scaling where a launch needs none (FULL, HAS_BIAS, SCALED_G).
-_KERNEL_REVISION = 4
+# bias add or G scaling where a launch needs none (FULL, HAS_BIAS, SCALED_G). 5: softmax logits in
+# log2 units (LOG2).
+_KERNEL_REVISION = 5
 
 
 # The configuration each (kernel, tuning key) ran with in this process, once it was tuned or
