@@ -84,6 +84,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .tuning_store import TuningStore, tuning_key
@@ -232,14 +233,15 @@ def _dot_tile(a_ptr, b_ptr, a_desc, b_desc, a_index, b_index, a_valid, b_valid, 
 
 
 @triton.jit
-def _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS: tl.constexpr):
-    """The logit scale and bias (0 without one) as fp32, read on the device."""
+def _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS: tl.constexpr, LOG2: tl.constexpr):
+    """The logit scale and bias (0 without one) as fp32, read on the device, in the kernel's
+    units (:func:`_in_units`)."""
     scale = tl.load(scale_ptr).to(tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr).to(tl.float32)
     else:
         bias = 0.0
-    return scale, bias
+    return _in_units(scale, LOG2), _in_units(bias, LOG2)
 
 
 @triton.jit
@@ -345,6 +347,16 @@ def _hardness_offset(logits, dots, row_index, key_index, row_valid, key_valid, q
 
 
 @triton.jit
+def _in_units(x, LOG2: tl.constexpr):
+    """x (a logit, a statistic, a factor of the logits) in the kernel's units: times log2(e) in
+    log2 units (:func:`_log2_units`), else as it is."""
+    if LOG2:
+        return x * LOG2E
+    else:
+        return x
+
+
+@triton.jit
 def _exp_in_units(x, LOG2: tl.constexpr):
     """e^x for x in the kernel's units (:func:`_log2_units`): exp2(x) in log2 units."""
     if LOG2:
@@ -400,14 +412,9 @@ def _stats_kernel_body(
     inner_start = split * inner_per_split
     inner_end = tl.minimum(inner_start + inner_per_split, n_inner)
 
-    scale, bias = _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS)
+    scale, bias = _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS, LOG2)
     if HARDNESS != 0:  # rows outer only: the column statistic is of the plain logits
-        strength = tl.load(hardness_ptr).to(tl.float32)
-    if LOG2:
-        scale *= LOG2E
-        bias *= LOG2E
-        if HARDNESS != 0:
-            strength *= LOG2E
+        strength = _in_units(tl.load(hardness_ptr).to(tl.float32), LOG2)
 
     running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -539,10 +546,7 @@ def _grad_tile_kernel_body(
     row_valid = row_index < n_rows
     key_valid = key_index < n_keys
 
-    scale, bias = _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS)
-    if LOG2:
-        scale *= LOG2E
-        bias *= LOG2E
+    scale, bias = _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS, LOG2)
     dots = _dot_tile(q_ptr, k_ptr, q_desc, k_desc, row_index, key_index, row_valid, key_valid,
                      tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N, c, stride_q, stride_k,
                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST, EVEN_K, TMA)
@@ -566,26 +570,20 @@ def _grad_tile_kernel_body(
         row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
         row_stat = tl.load(row_stat_ptr + row_index, mask=row_valid, other=0.0)
         if HARDNESS != 0:
-            strength = tl.load(hardness_ptr).to(tl.float32)
-            if LOG2:
-                strength *= LOG2E
+            strength = _in_units(tl.load(hardness_ptr).to(tl.float32), LOG2)
             row_logits = _hardness_offset(logits, dots, row_index, key_index, row_valid, key_valid,
                                           query_id_ptr, key_owner_ptr, positive_ptr, key_offset,
                                           strength, HARDNESS)
         else:
             row_logits = logits
-        if LOG2:
-            row_stat *= LOG2E
-        p_row = _exp_in_units(row_logits - row_stat[:, None], LOG2)
+        p_row = _exp_in_units(row_logits - _in_units(row_stat, LOG2)[:, None], LOG2)
         grad = row_weight[:, None] * p_row
         if COLUMNS:
             col_stat = tl.load(col_stat_ptr + key_index, mask=key_valid, other=0.0)
             col_weight = tl.load(col_weight_ptr + key_index, mask=key_valid, other=0.0)
             # Their own exponential (see the module docstring). Where col_stat is -inf (a key no
             # row may pair with), p_col is inf and col_weight 0: the where() below drops it.
-            if LOG2:
-                col_stat *= LOG2E
-            p_col = _exp_in_units(logits - col_stat[None, :], LOG2)
+            p_col = _exp_in_units(logits - _in_units(col_stat, LOG2)[None, :], LOG2)
             grad += col_weight[None, :] * p_col
     if HAS_MASK or not FULL:
         # where(), not a product: a masked entry may hold 0 * inf = nan.
@@ -667,7 +665,7 @@ def _sigmoid_from_dots_kernel(
     # goes into the pointers once.
     dots_base = dots_ptr + row_start * stride_dots + key_start
     g_base = g_ptr + row_start * stride_g + key_start
-    scale, bias = _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS)
+    scale, bias = _scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS, False)
     inv_g_scale = tl.load(inv_g_scale_ptr) if SCALED_G else 1.0
     grad_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     linear_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -950,9 +948,7 @@ def _launch_compiled(kernel, compiled, grid, named: dict) -> None:
     grid = grid(named) if callable(grid) else grid
     device = triton.runtime.driver.active.get_current_device()
     stream = triton.runtime.driver.active.get_current_stream(device)
-    from triton import knobs  # the launch hooks (proton, users' profilers), read per launch as Triton does
-
-    hooks = knobs.runtime
+    hooks = knobs.runtime  # the launch hooks (proton, users' profilers), read per launch as Triton does
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                  compiled.function, compiled.packed_metadata, compiled.launch_metadata(grid, stream, *values),
                  hooks.launch_enter_hook, hooks.launch_exit_hook, *values)
