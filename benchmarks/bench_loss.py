@@ -21,9 +21,12 @@ Implementations:
                                precision="tf32" (the default: TF32 tensor cores).
   triton-tf32-fp16             fp32 inputs as scaled fp16 copies (TritonBlocks(tf32_via_fp16=True),
                                opt-in: TF32's mantissa at the fp16 rate).
+  triton-bf16-gemm             sigmoid only: the one pass with each super-tile's dot products from a
+                               cuBLAS GEMM and G from an elementwise kernel
+                               (TritonBlocks(sigmoid_logits="gemm")), the default route where the
+                               Gluon kernel (the default on Hopper GPUs) cannot run.
   triton-bf16-fused            sigmoid only: the one pass with the dot products computed inside the
-                               gradient-tile kernel (TritonBlocks(sigmoid_logits="fused")) instead of
-                               the default cuBLAS GEMM + elementwise kernel.
+                               gradient-tile kernel (TritonBlocks(sigmoid_logits="fused")).
   inf-cl                       the published inf-cl (``cal_inf_loss`` both ways), when importable,
                                on a torch.distributed world of one process; skipped otherwise.
                                Softmax only.
@@ -67,11 +70,11 @@ from bench_common import (  # this folder is on sys.path
 
 from hf_infcl.ops import reset_autotuning
 
-IMPLEMENTATIONS = ("vanilla-fp32", "vanilla-bf16", "torch-tiled", "triton-bf16", "triton-bf16-fused",
-                   "triton-tf32", "triton-tf32-fp16", "inf-cl", "siglip-kernel")
+IMPLEMENTATIONS = ("vanilla-fp32", "vanilla-bf16", "torch-tiled", "triton-bf16", "triton-bf16-gemm",
+                   "triton-bf16-fused", "triton-tf32", "triton-tf32-fp16", "inf-cl", "siglip-kernel")
 # Implementations that compute only one of the losses.
 ONLY_FOR = {"inf-cl": "softmax", "siglip-kernel": "sigmoid", "triton-tf32-fp16": "softmax",
-            "triton-bf16-fused": "sigmoid"}
+            "triton-bf16-gemm": "sigmoid", "triton-bf16-fused": "sigmoid"}
 # The least number of GEMM passes each loss needs (the "floor").
 FLOOR_PASSES = {"softmax": 4, "sigmoid": 3}
 DEFAULT_SIZES = "8k,32k,64k,128k,1m"
@@ -151,10 +154,11 @@ def make_step(impl, q32, k32, params, loss_kind):
         return hf_infcl_step(*half, params, loss_kind, "torch"), half
     if impl == "triton-bf16":
         return hf_infcl_step(*half, params, loss_kind, "triton"), half
-    if impl == "triton-bf16-fused":
+    if impl in ("triton-bf16-gemm", "triton-bf16-fused"):
         from hf_infcl import TritonBlocks
 
-        return hf_infcl_step(*half, params, loss_kind, TritonBlocks(sigmoid_logits="fused")), half
+        route = impl.rsplit("-", 1)[1]
+        return hf_infcl_step(*half, params, loss_kind, TritonBlocks(sigmoid_logits=route)), half
     if impl == "triton-tf32":
         return hf_infcl_step(*full, params, loss_kind, "triton", precision="tf32"), full
     if impl == "triton-tf32-fp16":

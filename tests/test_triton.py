@@ -144,11 +144,12 @@ SIGMOID_CASES = [case for case in GPU_CASES if case[4] == "sigmoid"]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("route", ["gemm", "fused"])
+@pytest.mark.parametrize("route", ["auto", "gemm", "fused"])
 @pytest.mark.parametrize("case", SIGMOID_CASES, ids=[_case_id(c) for c in SIGMOID_CASES])
 def test_gpu_sigmoid_one_pass_matches_float64_reference(case, route):
-    """The sigmoid loss's one pass (a mean: gradients computed in the forward) by both routes to
-    the dot products: cuBLAS and the elementwise kernel (the default), or the fused kernel."""
+    """The sigmoid loss's one pass (a mean: gradients computed in the forward) by each route to
+    the dot products: the default (the Gluon kernel on Hopper for half-precision inputs without a
+    mask, else cuBLAS), cuBLAS and the elementwise kernel, or the fused kernel."""
     from hf_infcl.ops.triton_blocks import TritonBlocks
 
     blocks = TritonBlocks(tile_rows=1536, tile_keys=2560, poison=True, sigmoid_logits=route)

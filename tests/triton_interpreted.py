@@ -206,6 +206,18 @@ def test_sigmoid_logits_is_checked():
         TritonBlocks(sigmoid_logits="cublas")
 
 
+def test_gluon_route_refuses_without_a_hopper_gpu():
+    """The Gluon kernel runs on Hopper GPUs only: asked for by name it says what it needs; the
+    default ("auto") takes the cuBLAS route instead, as every other test here does."""
+    case = random_case(5, 9, 16, groups=False, custom_positives=False, seed=0)
+    q, k = case["queries"].float(), case["keys"].float()
+    scale, bias = torch.tensor(10.0), torch.tensor(-10.0)
+    with pytest.raises(ValueError, match="sigmoid_logits='gluon' needs a Hopper GPU"):
+        contrastive_loss(q.requires_grad_(), k, scale, bias, loss="sigmoid",
+                         backend=TritonBlocks(sigmoid_logits="gluon"))
+    assert TritonBlocks().sigmoid_logits == "auto"
+
+
 HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
 HARDNESS_SHAPES = [(1, 6, 40), (7, 19, 40), (33, 71, 3), (19, 45, 32)]
 

@@ -12,10 +12,12 @@ G goes through that buffer rather than register accumulators for widths of 512-1
 
 ``forward_backward_block`` is the sigmoid loss's one pass (``StatsSpec.gradients_in_forward``):
 the same super-tiles with every row weight 1, each row's softplus terms (the row statistic) summed
-from the same logits. No statistics pass at all. By default (``sigmoid_logits="gemm"``) a cuBLAS
-GEMM computes each super-tile's dot products (fp16 for half-precision inputs, see
-``_dot_operands``) and an elementwise kernel forms G and the sums; ``"fused"`` has the
-gradient-tile kernel compute the dot products itself.
+from the same logits. No statistics pass at all. On a Hopper GPU, for half-precision inputs
+without a group mask, one Gluon kernel computes each super-tile's logits, G and the sums
+(:mod:`hf_infcl.ops.gluon_sigmoid`); elsewhere (``sigmoid_logits="gemm"``) a cuBLAS GEMM computes
+the dot products (fp16 for half-precision inputs, see ``_dot_operands``) and an elementwise
+kernel forms G and the sums; ``"fused"`` has the gradient-tile kernel compute the dot products
+itself.
 
 fp32 inputs with TF32 precision ("auto" on CUDA, or "tf32") run the kernels on TF32 tensor
 cores, as docs/contract.md ("Precision") says, after rounding the operands to TF32 to nearest
@@ -43,13 +45,14 @@ from typing import ClassVar
 
 import torch
 
+from . import gluon_sigmoid
 from . import triton_kernels as kernels
 from .key_blocks import combine_rows
 from .spec import GroupMask, HardnessOffset, StatsSpec, resolve_precision
 from .tiled import TorchTiles
 
 _HALF_TYPES = (torch.float16, torch.bfloat16)
-SIGMOID_LOGITS = ("gemm", "fused")
+SIGMOID_LOGITS = ("auto", "gluon", "gemm", "fused")
 _TINY = torch.finfo(torch.float32).tiny
 
 
@@ -75,11 +78,14 @@ class TritonBlocks:
             kernels too (faster; see the module docstring for its accuracy); False (the
             default) runs the kernels on TF32 tensor cores and only the GEMMs in fp16.
         sigmoid_logits: where the sigmoid loss's one pass gets each super-tile's dot products:
-            ``"gemm"`` (the default) from a cuBLAS GEMM into a buffer (fp16 for half-precision
+            ``"gluon"`` from the Gluon kernel of :mod:`hf_infcl.ops.gluon_sigmoid`, which also
+            forms G and the sums (Hopper GPUs, fp16 / bf16 inputs, no group mask; a ValueError
+            elsewhere); ``"gemm"`` from a cuBLAS GEMM into a buffer (fp16 for half-precision
             inputs, fp32 for fp32 inputs), read by an elementwise kernel that writes G;
             ``"fused"`` from the gradient-tile kernel itself, which computes them and G in one
             kernel (no dot-product buffer, but its tensor-core work and its elementwise work
-            run one after the other).
+            run one after the other); ``"auto"`` (the default): ``"gluon"`` where it can run,
+            else ``"gemm"``.
     """
 
     tile_rows: int | None = None
@@ -89,7 +95,7 @@ class TritonBlocks:
     fused_columns: bool = True
     column_buffer_entries: int = 16 * 2**20
     tf32_via_fp16: bool = False
-    sigmoid_logits: str = "gemm"
+    sigmoid_logits: str = "auto"
 
     # forward_block and forward_backward_block take ``before_first_kernel`` (see
     # hf_infcl.ops.spec.calls_before_first_kernel): the one-process value check, whose host
@@ -179,8 +185,11 @@ class TritonBlocks:
         bias = None if bias is None else _scalar(bias)
         m, k = queries.shape[0], keys.shape[0]
         device = queries.device
-        # The one pass with cuBLAS dot products (see _dot_operands).
-        gemm_dots = softplus_sums is not None and self.sigmoid_logits == "gemm"
+        labels = _label_arguments(_mask_arguments(mask), hardness, operands)
+        # The one pass: its super-tiles' logits from the Gluon kernel, or their dot products from
+        # cuBLAS (see _dot_operands), or from the gradient-tile kernel ("fused").
+        gluon_dots = softplus_sums is not None and self._gluon_dots(gemm, operands, labels)
+        gemm_dots = softplus_sums is not None and not gluon_dots and self.sigmoid_logits != "fused"
         if gemm_dots:
             dot_q, dot_k, dots_scale, dots_dtype = _dot_operands(gemm, operands, scale)
         f32 = dict(dtype=torch.float32, device=device)
@@ -214,7 +223,7 @@ class TritonBlocks:
         # G over dot products of its own element size (fp16 dots, half-precision G) overwrites
         # them in place: each entry is read and written by the same thread.
         g_over_dots = gemm_dots and dots_dtype.itemsize == gemm.queries.dtype.itemsize
-        tile_rows, tile_keys = self._super_tile(gemm.queries.dtype, m, k, g_over_dots)
+        tile_rows, tile_keys = self._super_tile(gemm.queries.dtype, m, k, g_over_dots or gluon_dots)
         # Row stride padded to 8 elements so that cuBLAS sees aligned leading dimensions.
         ld = -(-tile_keys // 8) * 8
         dots = torch.empty((tile_rows, ld), dtype=dots_dtype, device=device) if gemm_dots else None
@@ -223,7 +232,6 @@ class TritonBlocks:
         else:
             scratch = torch.empty((tile_rows, ld), dtype=gemm.queries.dtype, device=device)
         row_sums = torch.zeros(m, **f32)
-        labels = _label_arguments(_mask_arguments(mask), hardness, operands)
         base_offset = labels.pop("key_offset", 0)
         offset = {name: labels.pop(name) for name in ("hardness", "hardness_strength") if name in labels}
         sigmoid = spec.loss == "sigmoid"
@@ -241,7 +249,7 @@ class TritonBlocks:
                  row_sums=row_sums[r0:r1], row_stat=row_stat[r0:r1], row_weight=row_weight[r0:r1],
                  softplus_sums=None if softplus_sums is None else softplus_sums[r0:r1],
                  labels=_sliced(labels, _ROW_LABELS, r0, r1), dot_queries=dot_q[r0:r1] if gemm_dots else None,
-                 descriptor=None if gemm_dots else kernels.tensor_descriptor(queries[r0:r1]))
+                 descriptor=_descriptor(queries[r0:r1], gemm_dots, gluon_dots, gluon_sigmoid.BLOCK_M))
             for r0, r1 in row_bounds
         ]
         key_tiles = [
@@ -250,7 +258,7 @@ class TritonBlocks:
                  col_weight=None if col_weight is None else col_weight[k0:k1],
                  labels=dict(_sliced(labels, _KEY_LABELS, k0, k1), key_offset=base_offset + k0)
                  if labels else {}, dot_keys=dot_k[k0:k1] if gemm_dots else None,
-                 descriptor=None if gemm_dots else kernels.tensor_descriptor(keys[k0:k1]))
+                 descriptor=_descriptor(keys[k0:k1], gemm_dots, gluon_dots, gluon_sigmoid.BLOCK_N))
             for k0, k1 in key_bounds
         ]
         g_views, dot_views = {}, {}  # at most four shapes each: full, last row panel, last key tile, both
@@ -269,7 +277,11 @@ class TritonBlocks:
                         g = g_views[shape] = scratch[: shape[0], : shape[1]]
                     if self.poison:
                         scratch.fill_(float("nan"))
-                    if gemm_dots:
+                    if gluon_dots:
+                        gluon_sigmoid.sigmoid_tile(row["queries"], tile["keys"], g, row["row_sums"],
+                                                   row["softplus_sums"], scale, bias, inv_g_scale,
+                                                   descriptors=(row["descriptor"], tile["descriptor"]))
+                    elif gemm_dots:
                         d = dot_views.get(shape)
                         if d is None:
                             d = dot_views[shape] = dots[: shape[0], : shape[1]]
@@ -306,6 +318,19 @@ class TritonBlocks:
         return kernels.combine_rows(**arguments)
 
     # ----------------------------------------------------------------------------------------
+
+    def _gluon_dots(self, gemm: _Operands, operands: _Operands, labels: dict) -> bool:
+        """Whether the one pass takes its logits from the Gluon kernel (``sigmoid_logits``)."""
+        if self.sigmoid_logits not in ("auto", "gluon"):
+            return False
+        usable = gemm is operands and gluon_sigmoid.usable(operands.queries, operands.keys,
+                                                            has_mask=bool(labels))
+        if self.sigmoid_logits == "gluon" and not usable:
+            raise ValueError(
+                "sigmoid_logits='gluon' needs a Hopper GPU (compute capability 9), a Triton with Gluon, "
+                "fp16 or bf16 inputs whose rows are 16-byte aligned, and no group mask; use 'auto' to fall "
+                "back to 'gemm' elsewhere")
+        return usable
 
     def _operands(self, spec: StatsSpec, queries, keys, scale) -> _Operands:
         """The tensors the kernels multiply, and the logit scale that makes their logits right."""
@@ -370,11 +395,12 @@ class TritonBlocks:
             col_stat = kernels.merge_partials(partials, log_sum_exp=True, previous=col_stat, out=col_stat)
         return row_stat, col_stat
 
-    def _super_tile(self, dtype: torch.dtype, m: int, k: int, g_over_dots: bool = False) -> tuple[int, int]:
+    def _super_tile(self, dtype: torch.dtype, m: int, k: int, wide: bool = False) -> tuple[int, int]:
         # 64 MiB of G: each super-tile then carries enough GPU work to hide the host time of its
         # three launches; smaller tiles left the GPU waiting on the host (benchmarks/triton_notes.md).
-        # G written over the dot products: twice the keys in the same memory as G beside them.
-        default_keys = 8192 if g_over_dots else 4096
+        # ``wide``: G written over the dot products, or G alone (the Gluon kernel needs no
+        # dot-product buffer): twice the keys in the memory of G and dot products side by side.
+        default_keys = 8192 if wide else 4096
         rows = self.tile_rows if self.tile_rows is not None else (8192 if dtype in _HALF_TYPES else 4096)
         keys = self.tile_keys if self.tile_keys is not None else default_keys
         return min(rows, m), min(keys, k)
@@ -426,6 +452,15 @@ def _dot_operands(gemm: _Operands, operands: _Operands, scale: torch.Tensor):
     copies = [torch.mul(t.detach(), factor, out=torch.empty(t.shape, dtype=torch.float16, device=t.device))
               for t, factor in zip((gemm.queries, gemm.keys), inverse)]
     return copies[0], copies[1], scale / inverse.prod(), torch.float16
+
+
+def _descriptor(operand: torch.Tensor, gemm_dots: bool, gluon_dots: bool, block_rows: int):
+    """The TMA descriptor a super-tile's kernel reads ``operand`` [rows, c] through: the Gluon
+    kernel's, the gradient-tile kernel's (None where there is no TMA), or none for the cuBLAS
+    route, which reads the fp16 copies."""
+    if gluon_dots:
+        return gluon_sigmoid.make_descriptor(operand, block_rows)
+    return None if gemm_dots else kernels.tensor_descriptor(operand)
 
 
 def _resolved(spec: StatsSpec, queries: torch.Tensor) -> StatsSpec:
