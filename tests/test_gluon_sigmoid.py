@@ -105,7 +105,7 @@ def test_gpu_default_sigmoid_route_is_the_gluon_kernel(monkeypatch, dtype, reduc
         loss = contrastive_loss(q, kk, scale, bias, loss="sigmoid", reduction=reduction, backend=backend,
                                 precision=precision)
         grads = torch.autograd.grad(loss, (q, kk, scale, bias))
-        return [loss.double()] + [grad.double() for grad in grads]
+        return [loss.detach().double()] + [grad.double() for grad in grads]
 
     blocks = TritonBlocks(tile_rows=1024, tile_keys=2048, poison=True)
     got = loss_and_grads(queries.to(dtype), keys.to(dtype), blocks, "auto")
@@ -124,7 +124,8 @@ def test_gpu_default_sigmoid_route_is_the_gluon_kernel(monkeypatch, dtype, reduc
 def test_gpu_gluon_route_refuses_a_group_mask():
     """sigmoid_logits='gluon' names what it needs where it cannot run (a group mask here; the
     interpreted tests check a machine without a GPU); "auto" takes the cuBLAS route there."""
-    q = torch.nn.functional.normalize(torch.randn(8, 16, device="cuda"), dim=1).bfloat16()
+    # A gradient is wanted: the one pass (where the route matters) runs only then.
+    q = torch.nn.functional.normalize(torch.randn(8, 16, device="cuda"), dim=1).bfloat16().requires_grad_()
     k = torch.nn.functional.normalize(torch.randn(8, 16, device="cuda"), dim=1).bfloat16()
     groups = torch.arange(8, device="cuda") // 2
     scale, bias = torch.tensor(10.0, device="cuda"), torch.tensor(-10.0, device="cuda")
