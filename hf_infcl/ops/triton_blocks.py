@@ -175,8 +175,8 @@ class TritonBlocks:
                      hardness: HardnessOffset | None = None, before_first_kernel=None):
         """The backward's walk over super-tiles (see the module docstring); returns the row sums
         of G. With ``softplus_sums`` [m] (fp32, zeroed) the one-pass route: the sigmoid row
-        statistic is added into it, by the elementwise kernel over cuBLAS dot products
-        (``sigmoid_logits="gemm"``) or by the gradient-tile kernel."""
+        statistic is added into it, by the Gluon kernel (Hopper), by the elementwise kernel over
+        cuBLAS dot products (``sigmoid_logits="gemm"``) or by the gradient-tile kernel."""
         self._check(queries, keys)
         spec = _resolved(spec, queries)
         operands = self._operands(spec, queries, keys, scale)
