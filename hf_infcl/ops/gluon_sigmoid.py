@@ -47,6 +47,10 @@ import functools
 import torch
 import triton
 
+# The kernel calls the @triton.jit helpers as they are (Gluon compiles a called Triton function
+# in its own dialect; the PTX is the same as with Gluon copies of them).
+from .triton_kernels import LOG2E, _log1p_of_positive, _reciprocal, _sm_count, tma_aligned
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -83,7 +87,7 @@ def usable(queries: torch.Tensor, keys: torch.Tensor, has_mask: bool) -> bool:
         and queries.dtype in (torch.float16, torch.bfloat16)
         and keys.dtype == queries.dtype
         and _is_hopper(queries.device)
-        and all(_tma_ready(t) for t in (queries, keys))
+        and all(tma_aligned(t) for t in (queries, keys))
     )
 
 
@@ -92,43 +96,7 @@ def _is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
-def _tma_ready(tensor: torch.Tensor) -> bool:
-    return (
-        tensor.dim() == 2 and tensor.shape[0] > 0 and tensor.stride(1) == 1 and tensor.data_ptr() % 16 == 0
-        and (tensor.stride(0) * tensor.element_size()) % 16 == 0
-    )
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 if gluon is not None:
-    _LOG2E = gl.constexpr(1.4426950408889634)
-    _LN2 = gl.constexpr(0.6931471805599453)
-
-    @gluon.jit
-    def _reciprocal(x):
-        """1 / x to 1 ulp (one special-function operation)."""
-        return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32,
-                                         is_pure=True, pack=1)
-
-    @gluon.jit
-    def _log1p(u):
-        """log(1 + u) for 0 <= u <= 1 to fp32 accuracy relative to the result: 2 atanh(t),
-        t = u / (2 + u) <= 1/3, by its series to t^15 (as ``triton_kernels._log1p``)."""
-        t = u * _reciprocal(2.0 + u)
-        t2 = t * t
-        series = 1.0 / 15.0
-        series = series * t2 + 1.0 / 13.0
-        series = series * t2 + 1.0 / 11.0
-        series = series * t2 + 1.0 / 9.0
-        series = series * t2 + 1.0 / 7.0
-        series = series * t2 + 1.0 / 5.0
-        series = series * t2 + 1.0 / 3.0
-        two_t = 2.0 * t
-        return two_t + two_t * (t2 * series)
 
     @gluon.jit
     def _tile_of_chunk(chunk, n_chunks, first_tiles, runs):
@@ -173,16 +141,6 @@ if gluon is not None:
         return gl.split(x.reshape([ROWS, 2, COLS // 2]).permute(0, 2, 1))
 
     @gluon.jit
-    def _log1p_of_positive(x):
-        """log(1 + x) for 0 <= x < 2^100 to a few ulps relative (as ``triton_kernels``'s):
-        w = 1 + x = 2^e m, m in [0.75, 1.5) by w's exponent bits (exact), log(m) by ``_log1p``
-        of m - 1 (exact), and what rounding w lost, (x - (w - 1)) / w, added back."""
-        w = 1.0 + x
-        exponent = ((w * (4.0 / 3.0)).to(gl.int32, bitcast=True) >> 23) - 127
-        m = w * ((127 - exponent) << 23).to(gl.float32, bitcast=True)
-        return exponent.to(gl.float32) * _LN2 + _log1p(m - 1.0) + (x - (w - 1.0)) * _reciprocal(w)
-
-    @gluon.jit
     def _epilogue_part(dots, row_valid, keys, g_ptrs, scale, bias, inv_g_scale, n_keys,
                        HAS_BIAS: gl.constexpr, SCALED_G: gl.constexpr, EVEN: gl.constexpr):
         """G of one part of a tile, stored; returns its row sums of G and of max(z, 0), and
@@ -190,7 +148,7 @@ if gluon is not None:
         z = dots * scale
         if HAS_BIAS:
             z = z + bias
-        u = gl.exp2(gl.abs(z) * -_LOG2E)
+        u = gl.exp2(gl.abs(z) * -LOG2E)
         r = _reciprocal(1.0 + u)
         grad = gl.where(z >= 0.0, r, u * r)
         linear = gl.maximum(z, 0.0)

@@ -1022,6 +1022,15 @@ def _has_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def tma_aligned(tensor: torch.Tensor) -> bool:
+    """Whether the copy engine can read ``tensor`` as [rows, c] blocks: 2-D, not empty, unit column
+    stride, base address and row stride in bytes multiples of 16."""
+    return (
+        tensor.dim() == 2 and tensor.shape[0] > 0 and tensor.stride(1) == 1 and tensor.data_ptr() % 16 == 0
+        and (tensor.stride(0) * tensor.element_size()) % 16 == 0
+    )
+
+
 def tensor_descriptor(tensor: torch.Tensor) -> TensorDescriptor | None:
     """A tensor descriptor of a [rows, c] operand where the copy engine can read it (a Hopper GPU
     or the interpreter; 16-byte aligned base and row stride, unit column stride), else None. Its
@@ -1031,11 +1040,7 @@ def tensor_descriptor(tensor: torch.Tensor) -> TensorDescriptor | None:
     8192 x 4096) at 32k x 32k, c = 512, bf16, on an H100 (``benchmarks/triton_notes.md``).
     """
     usable = INTERPRET or (tensor.is_cuda and _has_tma(tensor.device))
-    usable = usable and (
-        tensor.dim() == 2 and tensor.shape[0] > 0 and tensor.stride(1) == 1 and tensor.data_ptr() % 16 == 0
-        and (tensor.stride(0) * tensor.element_size()) % 16 == 0
-    )
-    if not usable:
+    if not (usable and tma_aligned(tensor)):
         return None
     return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), [16, 16])
 
