@@ -44,7 +44,7 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify
 from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs
 from .grad_cache import cached_step, deepspeed_no_sync, fsdp_gather_once
-from .loss import contrastive_loss
+from .loss import _contrastive_loss
 from .metrics import relevant_ranks, retrieval_metrics, retrieval_recalls
 from .models import (
     contrastive_loss_kind,
@@ -190,17 +190,12 @@ class InfCLTrainer(Trainer):
 
     def _contrastive(self, queries, keys, groups, log_scale, bias=None, process_group="auto"):
         dtype = torch.promote_types(queries.dtype, keys.dtype)
-        return contrastive_loss(
-            queries.to(dtype),
-            keys.to(dtype),
-            *scale_and_bias(log_scale, bias),
-            loss=self.loss_kind,
-            symmetric=self.args.symmetric,
-            query_groups=groups,
-            key_groups=groups,
-            process_group=process_group,
-            backend=self.args.loss_backend,
-            precision=self.args.precision,
+        # The options were checked once, by InfCLTrainingArguments (loss_kind: the model's or theirs).
+        return _contrastive_loss(
+            queries.to(dtype), keys.to(dtype), *scale_and_bias(log_scale, bias),
+            positives=None, query_groups=groups, key_groups=groups, process_group=process_group,
+            loss=self.loss_kind, symmetric=self.args.symmetric, reduction="mean",
+            backend=self.args.loss_backend, precision=self.args.precision, options_checked=True,
         )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
