@@ -130,6 +130,13 @@ def test_links_resolve(path):
             assert anchor in anchors(target), f"{path.name} links to {file_part}#{anchor}: no such heading"
 
 
+def test_the_readme_gives_one_figure_for_the_test_time():
+    """Where the README says how long the tests take on 2 cores, it says the same."""
+    text = README.read_text(encoding="utf-8")
+    figures = re.findall(r"about (\d[\d.,–-]*) minutes on (?:a )?2[- ]core", text)
+    assert figures and len(set(figures)) == 1, figures
+
+
 # Spelled in two parts so that a search of the sources for citations of it does not find this test.
 INTERNAL_NOTE = "DESIGN" + ".md"
 
