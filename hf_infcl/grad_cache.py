@@ -13,28 +13,42 @@ The parameter gradients are exactly those of the full-batch step; peak activatio
 that of one chunk. This module knows nothing of the Trainer: it takes encoder callables, the
 batch and a loss callable, so it serves the Trainer, an Accelerate loop and plain PyTorch.
 
-Example (one CLIP-like model encoding both towers per chunk, under DDP or Accelerate)::
+Example: one training step of a tiny CLIP under Accelerate (one process, or several with
+``accelerate launch``), chunks of 16 pairs of a batch of 64::
+
+    import torch
+    from accelerate import Accelerator
+    from transformers import CLIPConfig, CLIPModel
 
     from hf_infcl import contrastive_loss
     from hf_infcl.grad_cache import cached_step
 
-    def encode(chunk):                      # one chunk of the batch -> per-row embeddings
-        out = model(pixel_values=chunk["pixel_values"], input_ids=chunk["input_ids"],
-                    attention_mask=chunk["attention_mask"])
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    config = CLIPConfig(text_config=dict(tower, vocab_size=100, bos_token_id=1, eos_token_id=2),
+                        vision_config=dict(tower, image_size=32, patch_size=8), projection_dim=16)
+    accelerator = Accelerator()
+    model = CLIPModel(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    batch = {"pixel_values": torch.randn(64, 3, 32, 32), "input_ids": torch.randint(3, 100, (64, 12)),
+             "attention_mask": torch.ones(64, 12, dtype=torch.long)}
+
+    def encode(chunk):                      # one chunk of the batch -> per-row embeddings of each tower
+        out = model(**chunk)
         return out.image_embeds, out.text_embeds
 
-    logit_scale = unwrapped_model.logit_scale
     def loss_fn(image_embeds, text_embeds, log_scale):
         return contrastive_loss(image_embeds, text_embeds, log_scale.exp(), process_group="auto")
 
+    optimizer.zero_grad()
     result = cached_step(
-        encode, batch, loss_fn, chunk_size=256,
-        loss_params=[logit_scale],          # tensors the loss uses directly (passed after the embeddings)
-        offload=True, device=accelerator.device,
-        no_sync=lambda: accelerator.no_sync(model),   # or model.no_sync for a bare DDP module
-        scale_loss=scaler.scale if scaler is not None else None,
+        encode, batch, loss_fn, chunk_size=16,
+        loss_params=[accelerator.unwrap_model(model).logit_scale],  # what the loss uses directly
+        offload=True, device=accelerator.device,     # the batch stays on the host, one chunk moves
+        no_sync=lambda: accelerator.no_sync(model),  # or model.no_sync for a bare DDP module
+        scale_loss=accelerator.scaler.scale if accelerator.scaler else None,  # fp16 loss scaling
     )
-    optimizer.step()                        # the parameters' .grad are those of the full batch
+    optimizer.step()                        # the parameters' .grad held those of the full batch
     print(result.loss, result.embeddings[0].shape)
 
 Rules that make the gradients exact and DDP efficient:

@@ -16,14 +16,26 @@ the conservative choice: a model that gives every candidate the same score ranks
 candidate below all irrelevant ones, and scores recall@1 = 0 (not 1). NaN scores count as
 ``-inf``.
 
+**Hits in the Trainer's evaluation.** Row i's positive is key i; a retrieved key is a hit when it
+is the positive or shares the row's group: the ``group_column``'s ids when it is given (the five
+captions of one COCO image), else the keys whose inputs are identical to the positive's (a caption
+repeated across rows: its copies score exactly as the positive does, and no model could rank it
+above them). The ids of identical inputs are :func:`same_input_ids` of :func:`input_fingerprints`.
+Keys of other groups that tie with the positive still count against it.
+
 Memory is ``block_rows x len(keys)`` similarities at a time, never ``len(queries) x len(keys)``.
 """
 
 from __future__ import annotations
 
+import functools
+import zlib
+from collections.abc import Mapping
+
 import torch
 
-__all__ = ["RECALL_AT", "relevant_ranks", "retrieval_metrics", "retrieval_recalls"]
+__all__ = ["RECALL_AT", "input_fingerprints", "relevant_ranks", "retrieval_metrics", "retrieval_recalls",
+           "same_input_ids"]
 
 RECALL_AT = (1, 5, 10)
 
@@ -127,3 +139,75 @@ def retrieval_recalls(rows: torch.Tensor, keys: torch.Tensor, groups: torch.Tens
         raise ValueError(f"rows ({rows.shape[0]}) and keys ({keys.shape[0]}) must pair one to one")
     metrics = retrieval_metrics(rows, keys, groups, groups, ks=ks, block_rows=block_rows)
     return {k: metrics[f"recall@{k}"] for k in ks}
+
+
+# Fingerprints: FINGERPRINT_WORDS sums mod a prime of each row's bytes times random weights. Integer
+# sums are exact in any order, so a row's fingerprint does not depend on its batch; two different
+# rows collide with probability FINGERPRINT_PRIME ** -FINGERPRINT_WORDS (about 2**-62).
+FINGERPRINT_PRIME = 2**31 - 1
+FINGERPRINT_WORDS = 2
+_WEIGHT_BLOCK = 4096  # weights are drawn per block of byte positions, so a longer row extends a shorter's
+_COLUMNS_AT_A_TIME = 2**13  # bytes x weights < 2**39: sums of 2**13 of them stay far below 2**63
+
+
+@functools.lru_cache(maxsize=64)
+def _position_weights(name: str, count: int, device: torch.device) -> torch.Tensor:
+    """[count, FINGERPRINT_WORDS] weights in [0, prime) of the byte positions of input ``name``."""
+    blocks = []
+    for block in range(-(-count // _WEIGHT_BLOCK)):
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{name}/{block}".encode()))
+        blocks.append(torch.randint(0, FINGERPRINT_PRIME, (_WEIGHT_BLOCK, FINGERPRINT_WORDS),
+                                    generator=generator))
+    return torch.cat(blocks)[:count].to(device)
+
+
+def _without_padding(value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The positions ``mask`` keeps moved to the front of each row (in order), the rest zeroed:
+    the same for a row however it was padded (left or right, to any length)."""
+    keep = mask != 0
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
+    trailing = (1,) * (value.ndim - 2)
+    value = value.gather(1, order.view(*order.shape, *trailing).expand_as(value))
+    kept = keep.gather(1, order).view(*keep.shape, *trailing)
+    return torch.where(kept, value, torch.zeros((), dtype=value.dtype, device=value.device))
+
+
+@torch.no_grad()
+def input_fingerprints(inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``[b, FINGERPRINT_WORDS]`` int64 fingerprints of the rows of one tower's inputs (e.g.
+    ``input_ids`` and ``attention_mask``, or ``pixel_values``), on their device.
+
+    Rows with identical inputs get equal fingerprints, whatever batch they come from; different
+    rows get different ones but with probability about 2**-62 per pair. An input named
+    ``*attention_mask`` (``[b, L]``) drops the positions it masks from every input of the same
+    leading shape, so padding to a batch's longest row (on either side) does not matter.
+    Non-tensor entries are ignored.
+    """
+    tensors = {name: value for name, value in sorted(inputs.items()) if isinstance(value, torch.Tensor)}
+    if not tensors:
+        raise ValueError("input_fingerprints needs at least one tensor input")
+    rows = next(iter(tensors.values())).shape[0]
+    masks = [value for name, value in tensors.items() if name.endswith("attention_mask") and value.ndim == 2]
+    fingerprint = None
+    for name, value in tensors.items():
+        if value.ndim == 0 or value.shape[0] != rows:
+            raise ValueError(f"input {name!r} has shape {tuple(value.shape)}; every input needs {rows} rows")
+        mask = next((m for m in masks if value.shape[:2] == m.shape), None)
+        if mask is not None:
+            value = _without_padding(value, mask)
+        row_bytes = value.reshape(rows, -1).contiguous().view(torch.uint8)
+        weights = _position_weights(name, row_bytes.shape[1], row_bytes.device)
+        if fingerprint is None:
+            fingerprint = torch.zeros(rows, FINGERPRINT_WORDS, dtype=torch.long, device=row_bytes.device)
+        for start in range(0, row_bytes.shape[1], _COLUMNS_AT_A_TIME):
+            columns = slice(start, start + _COLUMNS_AT_A_TIME)
+            part = (row_bytes[:, columns].long().unsqueeze(-1) * weights[columns]).sum(dim=1)
+            fingerprint = (fingerprint + part) % FINGERPRINT_PRIME
+    return fingerprint
+
+
+def same_input_ids(fingerprints: torch.Tensor) -> torch.Tensor:
+    """``[n]`` int64 ids from ``[n, w]`` fingerprints (:func:`input_fingerprints` of every row):
+    rows with equal fingerprints share an id. Give them as the keys' ids of :func:`relevant_ranks`
+    (and the rows' ids, row i's being its positive's) to count the copies of a positive as hits."""
+    return torch.unique(fingerprints, dim=0, return_inverse=True)[1]

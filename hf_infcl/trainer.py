@@ -11,7 +11,9 @@ The Trainer keeps its loop, checkpoints, logging and callbacks. This subclass ch
 - ``evaluation_loop``: ``eval_loss`` as the Trainer means it (the mean over eval batches),
   ``eval_whole_set_loss`` (the whole eval set as one contrastive batch, comparable across batch
   sizes), recall@1/5/10 and MRR in both directions, block by block, without an n x n similarity
-  matrix (``hf_infcl.metrics``: ties count against the positive); its predictions, which
+  matrix (``hf_infcl.metrics``: a key is a hit when it is the positive or in its group, the
+  ``group_column``'s or else the keys with identical inputs; other ties count against the
+  positive); its predictions, which
   ``predict()`` returns, are the embeddings of both towers ``(rows, keys)``, with the labels,
   and ``compute_metrics`` gets them as an ``EvalPrediction``;
 - ``log``: adds the logit scale and the in-batch top-1 accuracy to every training log;
@@ -44,9 +46,16 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify
 from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs
 from .grad_cache import cached_step, deepspeed_no_sync, fsdp_gather_once
-from .loss import contrastive_loss
-from .metrics import relevant_ranks, retrieval_metrics, retrieval_recalls
+from .loss import _contrastive_loss
+from .metrics import (
+    input_fingerprints,
+    relevant_ranks,
+    retrieval_metrics,
+    retrieval_recalls,
+    same_input_ids,
+)
 from .models import (
+    _select,
     contrastive_loss_kind,
     encode_keys,
     encode_queries,
@@ -190,17 +199,12 @@ class InfCLTrainer(Trainer):
 
     def _contrastive(self, queries, keys, groups, log_scale, bias=None, process_group="auto"):
         dtype = torch.promote_types(queries.dtype, keys.dtype)
-        return contrastive_loss(
-            queries.to(dtype),
-            keys.to(dtype),
-            *scale_and_bias(log_scale, bias),
-            loss=self.loss_kind,
-            symmetric=self.args.symmetric,
-            query_groups=groups,
-            key_groups=groups,
-            process_group=process_group,
-            backend=self.args.loss_backend,
-            precision=self.args.precision,
+        # The options were checked once, by InfCLTrainingArguments (loss_kind: the model's or theirs).
+        return _contrastive_loss(
+            queries.to(dtype), keys.to(dtype), *scale_and_bias(log_scale, bias),
+            positives=None, query_groups=groups, key_groups=groups, process_group=process_group,
+            loss=self.loss_kind, symmetric=self.args.symmetric, reduction="mean",
+            backend=self.args.loss_backend, precision=self.args.precision, options_checked=True,
         )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -416,7 +420,10 @@ class InfCLTrainer(Trainer):
           process's rows), comparable across batch sizes and process counts. The name ends in
           ``loss``, so ``metric_for_best_model="whole_set_loss"`` minimises it, as for ``eval_loss``.
         - recall@1/5/10 and MRR in both directions over the whole set, block by block
-          (``hf_infcl.metrics``).
+          (``hf_infcl.metrics``). A retrieved key is a hit when it is the row's positive or shares
+          its group: the ``group_column``'s ids when given, else the keys whose inputs are identical
+          to the positive's (a repeated caption); keys of other groups that tie with the positive
+          count against it.
 
         Predictions (unless ``prediction_loss_only``) are the embeddings of both towers, a tuple
         ``(rows, keys)`` of numpy arrays in dataset order (``predict()`` returns them); label ids are
@@ -435,9 +442,11 @@ class InfCLTrainer(Trainer):
         all_labels = EvalLoopContainer(args.eval_do_concat_batches, padding_index=-100)
         model = self.model
         model.eval()
+        names = self.family.inputs
         batch_size = args.eval_batch_size
         params = [p.detach().float() for p in self._loss_params(model)]
         queries, keys, groups, batch_losses = [], [], [], []
+        query_prints, key_prints = [], []  # of each tower's inputs, when there is no group column
         for batch in dataloader:
             if batch_size is None:  # a batch sampler: the Trainer takes the first batch's size
                 batch_size = find_batch_size(batch)
@@ -454,11 +463,17 @@ class InfCLTrainer(Trainer):
             gathered = [batch_queries, batch_keys]
             if batch_groups is not None:
                 gathered.append(batch_groups)
+            else:
+                gathered += [input_fingerprints(_select(batch, names.query)),
+                             input_fingerprints(_select(batch, names.key))]
             gathered = self.accelerator.gather_for_metrics(tuple(gathered))
             queries.append(gathered[0])
             keys.append(gathered[1])
             if batch_groups is not None:
                 groups.append(gathered[2])
+            else:
+                query_prints.append(gathered[2])
+                key_prints.append(gathered[3])
             if not prediction_loss_only:
                 all_preds.add((gathered[0], gathered[1]))
                 labels = self._label_ids(batch)
@@ -488,10 +503,18 @@ class InfCLTrainer(Trainer):
                        for name, value in metrics.items()}
         metrics[f"{metric_key_prefix}_loss"] = losses.mean().item()
         metrics[f"{metric_key_prefix}_whole_set_loss"] = float(whole_set_loss)
+        # A retrieved key is a hit when it is the row's positive or in the positive's group: the
+        # group column's, else the keys with the positive's inputs (hf_infcl.metrics).
+        if groups is None:
+            query_ids = same_input_ids(torch.cat(query_prints))
+            key_ids = same_input_ids(torch.cat(key_prints))
+        else:
+            query_ids = key_ids = groups
         block = args.eval_block_rows
-        directions = {f"{row}_to_{key}": (queries, keys), f"{key}_to_{row}": (keys, queries)}
-        for direction, (rows, cols) in directions.items():
-            metrics.update(retrieval_metrics(rows, cols, groups, groups, block_rows=block,
+        directions = {f"{row}_to_{key}": (queries, keys, key_ids),
+                      f"{key}_to_{row}": (keys, queries, query_ids)}
+        for direction, (rows, cols, ids) in directions.items():
+            metrics.update(retrieval_metrics(rows, cols, ids, ids, block_rows=block,
                                              prefix=f"{metric_key_prefix}_{direction}_"))
         return EvalLoopOutput(predictions=predictions, label_ids=label_ids, metrics=metrics,
                               num_samples=queries.shape[0])

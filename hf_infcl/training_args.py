@@ -8,20 +8,84 @@ checked here once, at parse time. ``hf_infcl.trainer`` re-exports the class.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 from transformers import TrainingArguments
 
 from .grad_cache import check_chunk_size
-from .ops.options import BackendName, LossKind, Precision, check_choice, check_option
+from .ops.options import (
+    BACKENDS,
+    LOSSES,
+    PRECISIONS,
+    BackendName,
+    LossKind,
+    Precision,
+    check_bool,
+    check_choice,
+)
 
-__all__ = ["CHUNK_GRADIENT_SYNCS", "CHUNK_PARAMETER_GATHERS", "InfCLTrainingArguments"]
+__all__ = ["CHUNK_GRADIENT_SYNCS", "CHUNK_PARAMETER_GATHERS", "FIELD_CHECKS", "InfCLTrainingArguments"]
 
 ChunkGradientSync = Literal["step", "chunk"]
 CHUNK_GRADIENT_SYNCS: tuple[str, ...] = get_args(ChunkGradientSync)
 ChunkParameterGather = Literal["step", "chunk"]
 CHUNK_PARAMETER_GATHERS: tuple[str, ...] = get_args(ChunkParameterGather)
+
+FieldCheck = Callable[[str, Any], None]  # (field name, value) -> None, or a ValueError/TypeError naming it
+
+
+def _choice(vocabulary: tuple[str, ...], *, optional: bool = False) -> FieldCheck:
+    """One of the strings of ``vocabulary`` (or None, when ``optional``): ``check_choice``'s message."""
+    return lambda name, value: check_choice(name, value, vocabulary, optional=optional)
+
+
+def _number(kind: type, *, above: float | None = None, at_least: float | None = None,
+            below: float | None = None, optional: bool = False) -> FieldCheck:
+    """A number of ``kind`` (``int``; or ``float``, which takes ints too; never a bool) within the
+    given bounds, or None when ``optional``: TypeError for another type, ValueError out of bounds."""
+    accepted = (int,) if kind is int else (int, float)
+    bounds = [text for text in (f"> {above}" if above is not None else None,
+                                f">= {at_least}" if at_least is not None else None,
+                                f"< {below}" if below is not None else None) if text]
+    rule = f"{'an int' if kind is int else 'a float'}{' ' if bounds else ''}{' and '.join(bounds)}"
+    rule += " or None" if optional else ""
+
+    def check(name: str, value) -> None:
+        if optional and value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, accepted):
+            raise TypeError(f"{name} must be {rule}, got {type(value).__name__}")
+        # written so that NaN fails every bound
+        if not ((above is None or value > above) and (at_least is None or value >= at_least)
+                and (below is None or value < below)):
+            raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+    return check
+
+
+def _optional_str(name: str, value) -> None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
+
+
+# The one check of each field InfCLTrainingArguments adds to TrainingArguments, run by its
+# __post_init__ in this order (tests/test_options.py fails for an added field missing here).
+FIELD_CHECKS: dict[str, FieldCheck] = {
+    "chunk_size": check_chunk_size,
+    "offload": check_bool,
+    "chunk_cuda_graphs": check_bool,
+    "loss_backend": _choice(BACKENDS),
+    "precision": _choice(PRECISIONS),
+    "contrastive_loss": _choice(LOSSES, optional=True),
+    "symmetric": check_bool,
+    "logit_scale_max": _number(float, above=0, optional=True),
+    "group_column": _optional_str,
+    "chunk_gradient_sync": _choice(CHUNK_GRADIENT_SYNCS),
+    "chunk_parameter_gather": _choice(CHUNK_PARAMETER_GATHERS),
+    "eval_block_rows": _number(int, above=0),
+}
 
 
 @dataclass
@@ -32,11 +96,13 @@ class InfCLTrainingArguments(TrainingArguments):
     ``backend`` and the field ``contrastive_loss`` (a string, or None to follow the model) is its
     ``loss`` (docs/contract.md, "Options"). Their types are the ``Literal`` vocabularies of
     ``hf_infcl.ops.options``, so ``HfArgumentParser`` lists the choices; ``__post_init__`` checks
-    every option once, naming the field.
+    every field this class adds once, each by its entry in ``FIELD_CHECKS`` (type, then range or
+    choice), with a ValueError or TypeError naming the field.
     """
 
-    # Checked by __post_init__ (a command line's own numeric checks need not repeat them).
-    checked_numeric_fields: ClassVar[tuple[str, ...]] = ("chunk_size", "logit_scale_max", "eval_block_rows")
+    # Checked by __post_init__ (FIELD_CHECKS, every added field): a command line's own numeric
+    # checks need not repeat them.
+    checked_numeric_fields: ClassVar[tuple[str, ...]] = tuple(FIELD_CHECKS)
 
     chunk_size: int | None = field(
         default=None,
@@ -106,19 +172,11 @@ class InfCLTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
-        super().__post_init__()
-        check_chunk_size("chunk_size", self.chunk_size)
+        for name, check in FIELD_CHECKS.items():  # before TrainingArguments' own work
+            check(name, getattr(self, name))
         if self.offload and self.chunk_size is None:
             raise ValueError("offload=True needs chunk_size: without chunks the whole batch is on the device")
         if self.chunk_cuda_graphs and self.chunk_size is None:
             raise ValueError("chunk_cuda_graphs=True needs chunk_size: the graphs replay the chunks of a "
                              "cached step")
-        check_option("backend", self.loss_backend, "loss_backend", block_ops=False)
-        check_option("precision", self.precision)
-        check_option("loss", self.contrastive_loss, "contrastive_loss", optional=True)
-        if self.logit_scale_max is not None and not self.logit_scale_max > 0:
-            raise ValueError(f"logit_scale_max must be > 0 or None, got {self.logit_scale_max!r}")
-        check_choice("chunk_gradient_sync", self.chunk_gradient_sync, CHUNK_GRADIENT_SYNCS)
-        check_choice("chunk_parameter_gather", self.chunk_parameter_gather, CHUNK_PARAMETER_GATHERS)
-        if self.eval_block_rows <= 0:
-            raise ValueError(f"eval_block_rows must be positive, got {self.eval_block_rows!r}")
+        super().__post_init__()

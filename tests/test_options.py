@@ -4,6 +4,8 @@ that names the option as the user typed it there (docs/contract.md, "Options at 
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 
 import pytest
 import torch
@@ -98,6 +100,69 @@ def test_the_numeric_fields_the_trainer_arguments_check_themselves(tmp_path, nam
     value = 0.0 if name == "logit_scale_max" else 0
     with pytest.raises(ValueError, match=name):
         InfCLTrainingArguments(output_dir=str(tmp_path), use_cpu=True, **{name: value})
+
+
+def added_trainer_fields() -> list[str]:
+    """The fields InfCLTrainingArguments adds to TrainingArguments, read from the dataclasses."""
+    from transformers import TrainingArguments
+
+    from hf_infcl import InfCLTrainingArguments
+
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return [f.name for f in dataclasses.fields(InfCLTrainingArguments) if f.init and f.name not in inherited]
+
+
+def accepted_types(hint) -> tuple[type, ...]:
+    """The Python types a field annotation admits (a Literal admits its values' types)."""
+    if typing.get_origin(hint) is typing.Literal:
+        return tuple({type(value) for value in typing.get_args(hint)})
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return tuple(t for arg in typing.get_args(hint) for t in accepted_types(arg))
+    return (float, int) if hint is float else (hint,)
+
+
+def wrong_typed_values(hint) -> list:
+    """Values of every common type the annotation does not admit (a bool is no int here)."""
+    accepted = accepted_types(hint)
+    candidates = ["yes", 3, 2.5, True, None, [1], b"x"]
+    return [value for value in candidates
+            if (bool not in accepted if isinstance(value, bool) else not isinstance(value, accepted))]
+
+
+def test_every_added_trainer_field_has_one_check():
+    from hf_infcl.training_args import FIELD_CHECKS
+
+    assert list(FIELD_CHECKS) == added_trainer_fields()
+
+
+@pytest.mark.parametrize("name", added_trainer_fields())
+def test_every_added_trainer_field_refuses_a_wrong_type_at_construction(tmp_path, name):
+    """A wrong type fails when the arguments are built, naming the field: not later in train()."""
+    from hf_infcl import InfCLTrainingArguments
+
+    wrong = wrong_typed_values(typing.get_type_hints(InfCLTrainingArguments)[name])
+    assert wrong, f"no wrong-typed value found for {name}"
+    for value in wrong:
+        with pytest.raises((TypeError, ValueError)) as raised:
+            InfCLTrainingArguments(output_dir=str(tmp_path), use_cpu=True, **{name: value})
+        assert str(raised.value).startswith(f"{name} must be "), (name, value, str(raised.value))
+
+
+# A value of the right type outside what the field allows, per field that has a range or choices.
+OUT_OF_RANGE = {
+    "chunk_size": [0, -4], "loss_backend": ["cuda"], "precision": ["fp8"], "contrastive_loss": ["hinge"],
+    "logit_scale_max": [0.0, -1.0, float("nan")], "chunk_gradient_sync": ["never"],
+    "chunk_parameter_gather": ["never"], "eval_block_rows": [0, -1],
+}
+
+
+@pytest.mark.parametrize("name", sorted(OUT_OF_RANGE))
+def test_trainer_fields_out_of_range_are_named(tmp_path, name):
+    from hf_infcl import InfCLTrainingArguments
+
+    for value in OUT_OF_RANGE[name]:
+        with pytest.raises(ValueError, match=f"^{name} must be "):
+            InfCLTrainingArguments(output_dir=str(tmp_path), use_cpu=True, **{name: value})
 
 
 def test_compiled_module_reads_its_options_without_a_graph_break():

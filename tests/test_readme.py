@@ -94,6 +94,44 @@ def test_python_block_runs_as_written(section, code, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
+# Examples in docstrings, run the same way
+
+# module -> the check run after the example of its docstring
+DOCSTRING_CHECKS = {
+    "hf_infcl.grad_cache": (
+        "assert torch.isfinite(result.loss)\n"
+        "assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())\n"
+        "assert result.embeddings[0].shape == (64, 16)\n"
+    ),
+}
+
+
+def docstring_example(module_name: str) -> str:
+    """The literal block (``::``) of a module's docstring that starts with an import, dedented."""
+    import importlib
+    import textwrap
+
+    doc = importlib.import_module(module_name).__doc__
+    for block in re.findall(r"::\n\n((?:(?: {4}.*)?\n)+)", doc):
+        code = textwrap.dedent(block)
+        if code.startswith(("import ", "from ")):
+            return code
+    raise AssertionError(f"{module_name}'s docstring has no example starting with an import")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module_name", sorted(DOCSTRING_CHECKS))
+def test_docstring_example_runs_as_written(module_name, tmp_path):
+    script = tmp_path / "example.py"
+    check = "\n# --- appended by tests/test_readme.py ---\n" + DOCSTRING_CHECKS[module_name]
+    script.write_text(docstring_example(module_name) + check, encoding="utf-8")
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=offline_env(tmp_path),
+                            capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"the example of {module_name} failed:\n{output[-6000:]}"
+
+
+# --------------------------------------------------------------------------------------------
 # Links
 
 
@@ -128,6 +166,13 @@ def test_links_resolve(path):
         assert target.exists(), f"{path.name} links to {file_part}, which does not exist"
         if anchor:
             assert anchor in anchors(target), f"{path.name} links to {file_part}#{anchor}: no such heading"
+
+
+def test_the_readme_gives_one_figure_for_the_test_time():
+    """Where the README says how long the tests take on 2 cores, it says the same."""
+    text = README.read_text(encoding="utf-8")
+    figures = re.findall(r"about (\d[\d.,–-]*) minutes on (?:a )?2[- ]core", text)
+    assert figures and len(set(figures)) == 1, figures
 
 
 # Spelled in two parts so that a search of the sources for citations of it does not find this test.

@@ -442,17 +442,19 @@ def test_convergence_on_digits_zero_shot(tmp_path):
 
 @pytest.mark.parametrize("chunk_size", [None, 4], ids=["whole-batch", "chunked"])
 def test_precision_reaches_every_loss_call(tmp_path, monkeypatch, chunk_size):
-    """--precision goes to the training loss (plain and cached steps) and the evaluation loss."""
+    """--precision goes to the training loss (plain and cached steps) and the evaluation loss, as an
+    option InfCLTrainingArguments checked (the loss does not check it again on every call)."""
     import hf_infcl.trainer
-    from hf_infcl.loss import PRECISIONS
+    from hf_infcl.loss import PRECISIONS, _contrastive_loss
 
     seen = []
 
     def recording_loss(*args, **kwargs):
+        assert kwargs["options_checked"] is True
         seen.append(kwargs.get("precision"))
-        return contrastive_loss(*args, **kwargs)
+        return _contrastive_loss(*args, **kwargs)
 
-    monkeypatch.setattr(hf_infcl.trainer, "contrastive_loss", recording_loss)
+    monkeypatch.setattr(hf_infcl.trainer, "_contrastive_loss", recording_loss)
     args = trainer_arguments(tmp_path, precision="ieee", per_device_train_batch_size=8, max_steps=2,
                              chunk_size=chunk_size)
     assert args.precision == "ieee" and "ieee" in PRECISIONS

@@ -53,6 +53,12 @@ def check_choice(name: str, value, allowed, *, optional: bool = False) -> None:
         raise choice_error(name, value, allowed, optional=optional)
 
 
+def check_bool(name: str, value) -> None:
+    """Raise a TypeError naming ``name`` unless ``value`` is a bool (not merely truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
 def check_option(field: str, value, name: str | None = None, *, optional: bool = False,
                  block_ops: bool = True) -> None:
     """The one check of one loss option.
@@ -69,8 +75,7 @@ def check_option(field: str, value, name: str | None = None, *, optional: bool =
     """
     name = field if name is None else name
     if field == "symmetric":
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        check_bool(name, value)
         return
     if field == "backend" and block_ops and not isinstance(value, str):
         if not (hasattr(value, "forward_block") and hasattr(value, "backward_block")):
@@ -125,5 +130,5 @@ class OptionAttribute:
 __all__ = [
     "BACKENDS", "BLOCK_BACKENDS", "HARDNESS_MODES", "LOSSES", "PRECISIONS", "REDUCTIONS", "BackendName",
     "BlockBackend", "HardnessMode", "LossKind", "LossOptions", "OptionAttribute", "Precision", "Reduction",
-    "check_choice", "check_option", "choice_error", "wire_codes",
+    "check_bool", "check_choice", "check_option", "choice_error", "wire_codes",
 ]
