@@ -22,12 +22,14 @@ from tests.trainer_fixtures import (
     clip_batch,
     digits_clip,
     digits_image_caption_split,
+    naflex_batch,
     one_thread,  # noqa: F401  (fixture)
     pair_text_batch,
     tiny_bert_config,
     tiny_clip,
     tiny_dual_encoder,
     tiny_siglip,
+    tiny_siglip2,
     trained_parameters,
     trainer_arguments,
 )
@@ -97,6 +99,40 @@ def test_two_processes_match_one_process_on_the_concatenated_batch(tmp_path):
         for two, one in zip(two_logs, one_logs, strict=True):
             assert math.isclose(two["loss"], one["loss"], rel_tol=1e-5), variant  # the global mean
             assert math.isclose(two["accuracy"], one["accuracy"], abs_tol=1e-6), variant
+
+
+# ---- against transformers' own Trainer and the model's own loss -----------------------------
+
+
+def plain_trainer_parameters(tmp_path, model, dataset, **settings):
+    """The parameters after training with transformers' own Trainer and the model's own
+    ``return_loss=True`` loss, with the settings of ``trainer_arguments``."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", disable_tqdm=True,
+                             save_strategy="no", logging_steps=1, seed=0, dataloader_num_workers=0,
+                             **settings)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset,
+                      data_collator=lambda rows: {**default_data_collator(rows), "return_loss": True})
+    trainer.train()
+    return trained_parameters(trainer)
+
+
+THREE_STEPS = dict(per_device_train_batch_size=8, max_steps=3, optim="sgd", learning_rate=0.05)
+
+
+def test_siglip2_trains_like_the_plain_trainer_with_its_own_loss(tmp_path):
+    """SigLIP 2 (NaFlex rows of different numbers of valid patches): 3 steps of InfCLTrainer, whole
+    batch, in chunks and offloaded chunks, equal 3 steps of the plain Trainer with Siglip2Model's
+    own sigmoid loss."""
+    dataset = PairDataset(naflex_batch(24, seed=3))
+    expected = plain_trainer_parameters(tmp_path / "plain", tiny_siglip2(), dataset, **THREE_STEPS)
+    assert not torch.equal(expected["logit_bias"], tiny_siglip2().logit_bias.detach())  # it trained
+    for name, extra in {"whole": {}, "chunked": {"chunk_size": 3},
+                        "offloaded": {"chunk_size": 3, "offload": True}}.items():
+        trainer = train(tmp_path / name, tiny_siglip2(), dataset, **THREE_STEPS, **extra)
+        assert trainer.loss_kind == "sigmoid"
+        assert_same_parameters(trained_parameters(trainer), expected)
 
 
 # ---- resume ---------------------------------------------------------------------------------
