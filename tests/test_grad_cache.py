@@ -18,11 +18,13 @@ from hf_infcl.chunk_graphs import ChunkGraphs
 from hf_infcl.grad_cache import cached_step, split_batch
 from tests.trainer_fixtures import (
     clip_batch,
+    naflex_batch,
     one_thread,  # noqa: F401  (a fixture)
     pair_text_batch,
     parameter_grads,
     tiny_clip,
     tiny_dual_encoder,
+    tiny_siglip2,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -115,6 +117,30 @@ def test_cached_step_matches_clip_own_loss_without_dropout():
     result = cached_step(clip_encoder(model), batch, clip_loss, 4, loss_params=[model.logit_scale])
     torch.testing.assert_close(result.loss, out.loss.detach(), rtol=1e-6, atol=1e-6)
     assert_same_grads(parameter_grads(model), reference)
+
+
+def test_cached_step_matches_siglip2_own_loss_on_naflex_batches():
+    """SigLIP 2's chunks carry the matching rows of every image input (rows of different numbers
+    of valid patches, uneven chunks): Siglip2Model(return_loss=True) on the whole batch is the oracle."""
+    from hf_infcl.models import model_family, scale_and_bias
+
+    model = tiny_siglip2()
+    batch = naflex_batch(10, seed=3)
+    out = model(**batch, return_loss=True)
+    out.loss.backward()
+    reference = parameter_grads(model)
+
+    model.zero_grad()
+    family = model_family(model)
+
+    def sigmoid_loss(image_embeds, text_embeds, log_scale, bias):
+        return contrastive_loss(image_embeds, text_embeds, *scale_and_bias(log_scale, bias), loss="sigmoid")
+
+    result = cached_step(functools.partial(family.encode_pairs, model), batch, sigmoid_loss, 3,
+                         loss_params=family.loss_parameters(model, "sigmoid"))
+    torch.testing.assert_close(result.loss, out.loss.detach(), rtol=1e-6, atol=1e-6)
+    assert_same_grads(parameter_grads(model), reference)
+    assert model.logit_bias.grad.abs() > 0
 
 
 @pytest.mark.parametrize("no_grad_chunk_size", [16, 6], ids=["whole-batch", "uneven"])
