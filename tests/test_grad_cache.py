@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import pytest
 import torch
@@ -412,25 +413,32 @@ def test_chunk_graphs_refuse_distributed_hooks_and_other_chunkings():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family_name", ["clip", "dual-encoder"])
+@pytest.mark.parametrize("family_name", ["clip", "dual-encoder", "siglip2"])
 def test_towers_on_two_streams_inside_cuda_graphs_give_the_uncached_gradients_in_float64(family_name):
     """The Trainer's chunk_cuda_graphs path: the key tower on a second stream, concurrently with
     the row tower inside the graphs. Against the same towers run one after the other (keys first,
-    as they draw their random numbers first), in one autograd graph, dropout on."""
-    from hf_infcl.models import model_family
+    as they draw their random numbers first), in one autograd graph, dropout on (SigLIP 2: its
+    NaFlex rows of different shapes in one graph, whose position check reads spatial_shapes on the
+    host outside a capture; no dropout, the sigmoid loss with its bias)."""
+    from hf_infcl.models import contrastive_loss_kind, model_family, scale_and_bias
 
     if family_name == "clip":
         model, batch = float64_clip_on_gpu(dropout=0.2)
+    elif family_name == "siglip2":
+        model = tiny_siglip2().to("cuda", torch.float64)
+        batch = {name: (value.double() if value.is_floating_point() else value)
+                 for name, value in naflex_batch(18, seed=15).items()}
     else:
         model = tiny_dual_encoder(dropout=0.2, learn_scale=True).to("cuda", torch.float64)
         batch = pair_text_batch(18, seed=15)
     batch = {name: value.cuda() for name, value in batch.items()}
     family = model_family(model)
+    kind = contrastive_loss_kind(model)
     key_stream = torch.cuda.Stream()
     graphs = ChunkGraphs(model.parameters())
 
-    def loss_fn(rows, keys, log_scale):
-        return contrastive_loss(rows, keys, log_scale.exp())
+    def loss_fn(rows, keys, *loss_params):
+        return contrastive_loss(rows, keys, *scale_and_bias(*loss_params), loss=kind)
 
     def sequential_reference(seed):
         # returns nothing that holds the autograd graph: a graph kept alive keeps its
@@ -442,7 +450,7 @@ def test_towers_on_two_streams_inside_cuda_graphs_give_the_uncached_gradients_in
             keys = family.encode_keys(model, chunk)
             parts.append((family.encode_rows(model, chunk), keys))
         rows, keys = (torch.cat(side) for side in zip(*parts))
-        loss = loss_fn(rows, keys, family.log_scale(model))
+        loss = loss_fn(rows, keys, *family.loss_parameters(model, kind))
         loss.backward()
         return loss.detach(), parameter_grads(model)
 
@@ -451,11 +459,30 @@ def test_towers_on_two_streams_inside_cuda_graphs_give_the_uncached_gradients_in
         model.zero_grad(set_to_none=True)
         torch.manual_seed(200 + step)
         encode = functools.partial(family.encode_pairs_on_two_streams, model, key_stream=key_stream)
-        result = cached_step(encode, batch, loss_fn, 4, loss_params=[family.log_scale(model)],
+        result = cached_step(encode, batch, loss_fn, 4, loss_params=family.loss_parameters(model, kind),
                              chunk_graphs=graphs)
         torch.testing.assert_close(result.loss, reference_loss, rtol=1e-12, atol=1e-12)
         assert_same_grads(parameter_grads(model), reference, rtol=1e-10, atol=1e-12)
     assert graphs.captured == 4
+
+
+def test_transformers_value_checks_are_off_only_while_a_graph_is_captured(monkeypatch):
+    """SigLIP 2 checks its spatial_shapes with torch_compilable_check, which reads the tensor on the
+    host, also while a CUDA graph is being captured: ChunkGraphs captures with those checks off."""
+    from transformers.utils import torch_compilable_check
+
+    from hf_infcl.chunk_graphs import _host_checks_off
+
+    monkeypatch.delenv("TRANSFORMERS_DISABLE_TORCH_CHECK", raising=False)
+    failing = torch.tensor([True, False])
+    with _host_checks_off():
+        torch_compilable_check(failing, "checked inside")
+    with pytest.raises(ValueError, match="checked after"):
+        torch_compilable_check(failing, "checked after")
+    monkeypatch.setenv("TRANSFORMERS_DISABLE_TORCH_CHECK", "0")
+    with _host_checks_off():
+        pass
+    assert os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] == "0"  # the user's setting is restored
 
 
 def test_graph_signatures_fix_hashable_values_and_refuse_the_rest():
