@@ -348,6 +348,108 @@ def test_offload_on_gpu_keeps_one_chunk_on_the_device():
     assert_same_grads(parameter_grads(model), reference, rtol=1e-4, atol=1e-5)
 
 
+# ---- layers with batch statistics --------------------------------------------------------------
+
+
+class BatchNormEncoder(torch.nn.Module):
+    """Linear, ``norms`` BatchNorm1d layers, Linear: in training mode each row's embedding depends
+    on the other rows it is encoded with."""
+
+    def __init__(self, norms: int = 1, **batch_norm_options):
+        super().__init__()
+        torch.manual_seed(0)
+        self.project = torch.nn.Linear(6, 8)
+        self.norms = torch.nn.ModuleList(torch.nn.BatchNorm1d(8, **batch_norm_options) for _ in range(norms))
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, chunk):
+        hidden = self.project(chunk["x"])
+        for norm in self.norms:
+            hidden = norm(hidden)
+        return self.head(hidden)
+
+
+def two_towers(rows: int = 8, seed: int = 9):
+    generator = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(rows, 6, generator=generator)} for _ in range(2)]
+
+
+def normalised_loss(rows, keys):
+    return contrastive_loss(torch.nn.functional.normalize(rows, dim=-1),
+                            torch.nn.functional.normalize(keys, dim=-1), 10.0)
+
+
+def whole_batch_grads(encoder, towers):
+    encoder.zero_grad(set_to_none=True)
+    normalised_loss(encoder(towers[0]), encoder(towers[1])).backward()
+    return parameter_grads(encoder)
+
+
+def test_cached_step_refuses_a_module_with_batch_norm_when_the_batch_splits():
+    encoder, towers = BatchNormEncoder(), two_towers()
+    with pytest.raises(ValueError) as refused:
+        cached_step([encoder, encoder], towers, normalised_loss, 4)
+    message = str(refused.value)
+    assert "1 BatchNorm layer(s) of the model (BatchNorm1d)" in message and ": norms.0." in message
+    assert "chunk_size=None" in message and "freeze_batch_norm(model)" in message
+    # refused before any work
+    assert int(encoder.norms[0].num_batches_tracked) == 0 and parameter_grads(encoder) == {}
+    # a batch in one chunk is the whole batch
+    reference = whole_batch_grads(encoder, towers)
+    for chunk_size in (None, 8):
+        encoder.zero_grad(set_to_none=True)
+        cached_step([encoder, encoder], towers, normalised_loss, chunk_size)
+        torch.testing.assert_close(parameter_grads(encoder), reference, rtol=1e-5, atol=1e-6)
+    # why: chunks normalised alone give other gradients (a plain callable is not looked into)
+    encoder.zero_grad(set_to_none=True)
+    cached_step([lambda chunk: encoder(chunk)] * 2, towers, normalised_loss, 4)
+    grads = parameter_grads(encoder)
+    assert max(float((grads[name] - reference[name]).abs().max()) for name in reference) > 1e-2
+
+
+def test_frozen_batch_norm_is_chunked_exactly():
+    """freeze_batch_norm: eval mode with the running statistics, through model.train(); the chunked
+    step then equals the whole batch's, and the running statistics stay as they were."""
+    from hf_infcl.batch_statistics import freeze_batch_norm
+
+    encoder, towers = BatchNormEncoder(norms=2), two_towers()
+    encoder(towers[0])  # running statistics away from their initial zeros and ones
+    assert freeze_batch_norm(encoder) == ["norms.0", "norms.1"]
+    encoder.train()
+    assert encoder.training and not any(norm.training for norm in encoder.norms)
+    running = [norm.running_mean.clone() for norm in encoder.norms]
+    reference = whole_batch_grads(encoder, towers)
+    encoder.zero_grad(set_to_none=True)
+    cached_step([encoder, encoder], towers, normalised_loss, 3)
+    torch.testing.assert_close(parameter_grads(encoder), reference, rtol=1e-5, atol=1e-6)
+    assert "norms.1.weight" in reference  # the affine part still trains
+    for norm, before in zip(encoder.norms, running):
+        assert torch.equal(norm.running_mean, before)
+    encoder.eval()
+    encoder.train(True)
+    assert not encoder.norms[0].training
+
+
+def test_batch_statistics_are_found_in_every_form():
+    from hf_infcl.batch_statistics import check_no_batch_statistics, freeze_batch_norm
+
+    with pytest.raises(ValueError, match=r"7 BatchNorm layer\(s\).*norms\.0, norms\.1, norms\.2, norms\.3, "
+                                         r"norms\.4 and 2 more\."):
+        check_no_batch_statistics(BatchNormEncoder(norms=7), "chunk_size=None")
+    check_no_batch_statistics(BatchNormEncoder(norms=7).eval(), "chunk_size=None")  # running statistics
+    # without running statistics a layer uses the batch's in eval mode too, and cannot be frozen
+    stateless = BatchNormEncoder(track_running_stats=False).eval()
+    with pytest.raises(ValueError, match=r"norms\.0 keep no running statistics"):
+        check_no_batch_statistics(stateless, "chunk_size=None")
+    with pytest.raises(ValueError, match="track_running_stats=False"):
+        freeze_batch_norm(stateless)
+    with pytest.raises(ValueError, match=r"\(SyncBatchNorm\).*: 1\."):
+        check_no_batch_statistics(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.SyncBatchNorm(2)),
+                                  "chunk_size=None")
+    layer_norm = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+    check_no_batch_statistics(layer_norm, "chunk_size=None")  # normalises each row alone
+
+
 def test_chunk_graphs_are_refused_where_cuda_graphs_cannot_run():
     model = tiny_clip(dropout=0.0)
     if not torch.cuda.is_available():

@@ -28,6 +28,7 @@ from tests.trainer_fixtures import (
     tiny_bert_config,
     tiny_clip,
     tiny_dual_encoder,
+    tiny_groupvit,
     tiny_siglip,
     tiny_siglip2,
     trained_parameters,
@@ -133,6 +134,49 @@ def test_siglip2_trains_like_the_plain_trainer_with_its_own_loss(tmp_path):
         trainer = train(tmp_path / name, tiny_siglip2(), dataset, **THREE_STEPS, **extra)
         assert trainer.loss_kind == "sigmoid"
         assert_same_parameters(trained_parameters(trainer), expected)
+
+
+def test_groupvit_batch_norm_is_refused_in_chunks_and_trains_frozen(tmp_path, monkeypatch):
+    """GroupViT's projection heads hold BatchNorm1d: chunks would each be normalised alone, so the
+    chunked step is refused at the first step, naming the layers and the ways out. Whole batches
+    train as the plain Trainer does; with the layers frozen (eval mode through the Trainer's
+    model.train()), chunked training does too."""
+    from transformers.models.groupvit import modeling_groupvit
+
+    from hf_infcl.batch_statistics import freeze_batch_norm
+
+    # Gumbel noise is drawn per chunk, so no chunked run could draw the whole batch's: the grouping
+    # takes its noise-free hard assignment in both runs
+    assign = modeling_groupvit.GroupViTAssignAttention.get_attn
+
+    def without_noise(self, attn, gumbel=True, hard=True):
+        return assign(self, attn, gumbel=False, hard=hard)
+
+    monkeypatch.setattr(modeling_groupvit.GroupViTAssignAttention, "get_attn", without_noise)
+    dataset = PairDataset(clip_batch(24, seed=3))
+    model = tiny_groupvit()
+    start = {name: value.detach().clone() for name, value in model.named_parameters()}
+    with pytest.raises(ValueError) as refused:
+        train(tmp_path / "refused", model, dataset, chunk_size=4, **THREE_STEPS)
+    message = str(refused.value)
+    assert "2 BatchNorm layer(s) of the model (BatchNorm1d)" in message
+    assert ": visual_projection.1, text_projection.1." in message
+    assert "chunk_size=None" in message and "freeze_batch_norm(model)" in message
+    assert_same_parameters(dict(model.named_parameters()), start, rtol=0, atol=0)  # refused before any work
+
+    plain = plain_trainer_parameters(tmp_path / "plain", tiny_groupvit(), dataset, **THREE_STEPS)
+    whole = train(tmp_path / "whole", tiny_groupvit(), dataset, **THREE_STEPS)
+    assert_same_parameters(trained_parameters(whole), plain)
+
+    frozen_plain_model, frozen_model = tiny_groupvit(), tiny_groupvit()
+    for frozen in (frozen_plain_model, frozen_model):
+        assert freeze_batch_norm(frozen) == ["visual_projection.1", "text_projection.1"]
+    frozen_plain = plain_trainer_parameters(tmp_path / "frozen-plain", frozen_plain_model, dataset,
+                                            **THREE_STEPS)
+    chunked = train(tmp_path / "frozen-chunked", frozen_model, dataset, chunk_size=4, **THREE_STEPS)
+    assert not frozen_model.visual_projection[1].training and frozen_model.training
+    assert_same_parameters(trained_parameters(chunked), frozen_plain)
+    assert not torch.equal(frozen_plain["visual_projection.1.weight"], start["visual_projection.1.weight"])
 
 
 # ---- resume ---------------------------------------------------------------------------------
