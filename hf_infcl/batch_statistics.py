@@ -1,17 +1,19 @@
-"""Layers that normalise with the statistics of the batch (BatchNorm), which chunking cannot split.
+"""Layers that normalise with the statistics of the batch (BatchNorm), which gradient caching cannot run.
 
 A BatchNorm layer in training mode, or one built with ``track_running_stats=False`` in any mode,
 normalises each row with the mean and variance of the rows it is called on. Gradient caching
 calls the encoders on chunks of the batch, so each chunk would be normalised with its own
 statistics and the step would silently differ from the whole batch's. Exact whole-batch
 statistics are out of reach in general: the backward through the batch statistics couples every
-row of the batch, so the replay of one chunk cannot be backpropagated on its own.
+row of the batch, so the replay of one chunk cannot be backpropagated on its own. Even a batch in
+one chunk runs the encoders twice (the no-grad pass and the replay), which would update the
+running statistics twice per step.
 
-Every chunked entry point (``InfCLTrainer`` with ``chunk_size``, ``grad_cache.cached_step`` with an
-``nn.Module`` encoder, ``losses.InfCLLoss`` with ``mini_batch_size``) calls
-:func:`check_no_batch_statistics` when a batch is split in more than one chunk. The ways out: no
-chunking, or the layers in eval mode with their running statistics, which
-:func:`freeze_batch_norm` keeps through the ``model.train()`` the Trainers call at every step.
+Every gradient-cached entry point (``InfCLTrainer`` with ``chunk_size``, ``grad_cache.cached_step``
+with an ``nn.Module`` encoder, ``losses.InfCLLoss`` with ``mini_batch_size``) calls
+:func:`check_no_batch_statistics` before its step. The ways out: no gradient caching, or the
+layers in eval mode with their running statistics, which :func:`freeze_batch_norm` keeps through
+the ``model.train()`` the Trainers call at every step.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def check_no_batch_statistics(module: nn.Module, unchunked: str) -> None:
 
     Args:
         module: the encoder (the model a chunked step runs).
-        unchunked: the caller's setting that turns chunking off, as the user writes it
+        unchunked: the caller's setting that turns gradient caching off, as the user writes it
             (``"chunk_size=None"``), named in the message as the first way out.
     """
     layers = [(name, layer) for name, layer in module.named_modules()
@@ -52,15 +54,16 @@ def check_no_batch_statistics(module: nn.Module, unchunked: str) -> None:
                        if not layer.track_running_stats]
     message = (
         f"{len(layers)} BatchNorm layer(s) of the model ({kinds}) normalise with the statistics of the "
-        f"batch they see: {listed}. Gradient caching encodes the batch in chunks, so each chunk would be "
-        "normalised with its own statistics and the step would differ from the whole batch's. Either "
-        f"train without chunking ({unchunked}), or keep those layers in eval mode with their running "
+        f"batch they see: {listed}. Gradient caching encodes the batch in chunks, each twice (without "
+        "and with gradients), so each chunk would be normalised with its own statistics, the step would "
+        "differ from the whole batch's, and the running statistics would be updated twice. Either train "
+        f"without gradient caching ({unchunked}), or keep those layers in eval mode with their running "
         "statistics: hf_infcl.batch_statistics.freeze_batch_norm(model) (a plain layer.eval() is undone "
         "by the model.train() a Trainer calls at every step)."
     )
     if without_running:
         message += (f" {', '.join(without_running[:LISTED_LAYERS])} keep no running statistics "
-                    "(track_running_stats=False): only training without chunking works for them.")
+                    "(track_running_stats=False): only training without gradient caching works for them.")
     raise ValueError(message)
 
 
@@ -78,7 +81,8 @@ def freeze_batch_norm(module: nn.Module) -> list[str]:
     if without_running:
         raise ValueError(
             f"freeze_batch_norm: {', '.join(without_running[:LISTED_LAYERS])} keep no running statistics "
-            "(track_running_stats=False) and can only normalise with the batch's; train without chunking"
+            "(track_running_stats=False) and can only normalise with the batch's; train without gradient "
+            "caching"
         )
     for _, layer in layers:
         layer.eval()

@@ -50,8 +50,8 @@ Rules that make the gradients exact and DDP efficient:
 - Autocast: call the encoders inside autocast in your callables, or give ``forward_context``;
   phase 1 and the replays run the same callable, so they agree.
 - Layers that normalise with batch statistics (BatchNorm in training mode) would see each chunk
-  alone: an encoder that is an ``nn.Module`` is refused when its batch splits; for a plain
-  callable, call ``hf_infcl.batch_statistics.check_no_batch_statistics`` on the model it runs.
+  alone, twice: an encoder that is an ``nn.Module`` holding one is refused; for a plain callable,
+  call ``hf_infcl.batch_statistics.check_no_batch_statistics`` on the model it runs.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``): call the sharded module's ``forward`` in the
 encoder callables (FSDP2 gathers the root's own parameters only around it), and pass the loss
@@ -170,10 +170,10 @@ def cached_step(
 
     Raises:
         ValueError: when an encoder is an ``nn.Module`` holding a BatchNorm layer that normalises
-            with batch statistics and its batch is split in several chunks (each chunk would be
-            normalised alone). Encoders that are plain callables are not looked into: call
-            ``hf_infcl.batch_statistics.check_no_batch_statistics(model, "chunk_size=None")`` on the
-            model they run, as ``InfCLTrainer`` does.
+            with batch statistics (each chunk would be normalised alone, and the running
+            statistics updated in both passes). Encoders that are plain callables are not looked
+            into: call ``hf_infcl.batch_statistics.check_no_batch_statistics(model,
+            "chunk_size=None")`` on the model they run, as ``InfCLTrainer`` does.
     """
     encoder_list, input_list = _normalise_towers(encoders, inputs)
     check_chunk_size("chunk_size", chunk_size)
@@ -197,7 +197,9 @@ def cached_step(
     enter = forward_context or contextlib.nullcontext
     if chunk_graphs is not None:
         _check_graphable(chunk_graphs, no_sync, backward, no_grad_chunk_size, chunk_size)
-    _check_module_encoders(encoder_list, input_list, chunk_size, no_grad_chunk_size)
+    for encode in encoder_list:
+        if isinstance(encode, torch.nn.Module):  # plain callables are the caller's to check
+            check_no_batch_statistics(encode, "chunk_size=None")
 
     if offload:
         input_list = [_pin(tower_inputs) for tower_inputs in input_list]
@@ -498,16 +500,6 @@ def _normalise_towers(encoders, inputs):
         if not isinstance(tower_inputs, Mapping):
             raise TypeError(f"inputs must be dicts of tensors, got {type(tower_inputs).__name__}")
     return encoder_list, input_list
-
-
-def _check_module_encoders(encoder_list, input_list, *chunk_sizes) -> None:
-    """An encoder that is an nn.Module, on a batch split in several chunks, must not normalise with
-    batch statistics (hf_infcl.batch_statistics); plain callables are the caller's to check."""
-    for encode, tower_inputs in zip(encoder_list, input_list):
-        if isinstance(encode, torch.nn.Module) and any(
-            len(split_batch(tower_inputs, size)) > 1 for size in chunk_sizes
-        ):
-            check_no_batch_statistics(encode, "chunk_size=None")
 
 
 def _normalise_no_sync(no_sync, n_towers):

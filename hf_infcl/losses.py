@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 try:  # sentence-transformers >= 6: the shared GradCache machinery and the merged column forward
     from sentence_transformers import util as _st_util
-    from sentence_transformers.base.losses.gradcache import CachedLossMixin, _minibatch_ranges
+    from sentence_transformers.base.losses.gradcache import CachedLossMixin
     from sentence_transformers.base.losses.merged_forward import embed_columns as _st_embed_columns
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -324,8 +324,8 @@ class InfCLLoss(CachedLossMixin, nn.Module):
                 embeds it in chunks of that many texts
                 with gradient caching (like CachedMultipleNegativesRankingLoss, dropout replayed),
                 and computes the loss of the whole batch in one fused call. A model with BatchNorm
-                layers in training mode is refused at a forward that splits a column (each chunk
-                would be normalised alone; ``hf_infcl.batch_statistics``).
+                layers in training mode is refused at its forward (each mini-batch would be
+                normalised alone; ``hf_infcl.batch_statistics``).
             show_progress_bar: show the mini-batch progress of gradient caching.
             gather_across_devices: with several processes, compute the loss over every process's
                 anchors and candidates (the hf_infcl ring; no embedding is all-gathered). False, the
@@ -483,17 +483,11 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         cached = self.mini_batch_size is not None or self.mini_batch_num_tokens is not None
         _check_columns(sentence_features, cached)
         if cached:
-            self._check_chunkable(sentence_features)
+            # at each forward, not at construction: the trainer sets the layers' modes at every step
+            check_no_batch_statistics(self.model, "mini_batch_size=None, mini_batch_num_tokens=None")
             return self.forward_cached(sentence_features, labels)
         embeddings = _embed_columns(self.model, sentence_features)
         return self.compute_loss_from_embeddings(embeddings, labels)
-
-    def _check_chunkable(self, sentence_features: list[dict[str, Tensor]]) -> None:
-        # at every forward that splits a column, not at construction: a batch's size, and the modes
-        # the trainer sets on the layers (model.train() at each step), are known only then
-        if any(len(_minibatch_ranges(features, self.mini_batch_size, self.mini_batch_num_tokens)) > 1
-               for features in sentence_features):
-            check_no_batch_statistics(self.model, "mini_batch_size=None, mini_batch_num_tokens=None")
 
     def calculate_loss(
         self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False

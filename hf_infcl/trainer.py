@@ -44,7 +44,7 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify
 from .batch_statistics import check_no_batch_statistics
 from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs
-from .grad_cache import cached_step, deepspeed_no_sync, fsdp_gather_once, split_batch
+from .grad_cache import cached_step, deepspeed_no_sync, fsdp_gather_once
 from .loss import contrastive_loss
 from .metrics import relevant_ranks, retrieval_metrics, retrieval_recalls
 from .models import (
@@ -226,9 +226,8 @@ class InfCLTrainer(Trainer):
         names = self.family.inputs
         encoder_inputs = {name: inputs[name] for name in (*names.query, *names.key)
                           if inputs.get(name) is not None}
-        if len(split_batch(encoder_inputs, self.args.chunk_size)) > 1:
-            # after model.train(): the modes the layers have in this step
-            check_no_batch_statistics(unwrap_model(model), "chunk_size=None")
+        # after model.train(): the modes the layers have in this step
+        check_no_batch_statistics(unwrap_model(model), "chunk_size=None")
         groups = self._groups(inputs, self.args.device)
         ga_steps = self.current_gradient_accumulation_steps
         if self._is_fsdp2():

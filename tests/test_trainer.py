@@ -138,9 +138,9 @@ def test_siglip2_trains_like_the_plain_trainer_with_its_own_loss(tmp_path):
 
 def test_groupvit_batch_norm_is_refused_in_chunks_and_trains_frozen(tmp_path, monkeypatch):
     """GroupViT's projection heads hold BatchNorm1d: chunks would each be normalised alone, so the
-    chunked step is refused at the first step, naming the layers and the ways out. Whole batches
-    train as the plain Trainer does; with the layers frozen (eval mode through the Trainer's
-    model.train()), chunked training does too."""
+    cached step is refused at the first step, naming the layers and the ways out. Without
+    chunk_size it trains as the plain Trainer does; with the layers frozen (eval mode through the
+    Trainer's model.train()), chunked training does too."""
     from transformers.models.groupvit import modeling_groupvit
 
     from hf_infcl.batch_statistics import freeze_batch_norm
