@@ -134,6 +134,12 @@ def test_siglip2_trains_like_the_plain_trainer_with_its_own_loss(tmp_path):
         trainer = train(tmp_path / name, tiny_siglip2(), dataset, **THREE_STEPS, **extra)
         assert trainer.loss_kind == "sigmoid"
         assert_same_parameters(trained_parameters(trainer), expected)
+    # evaluation reads every image input too: the whole set's loss is the model's own on it
+    eval_batch = naflex_batch(11, seed=4)
+    metrics = trainer.evaluate(PairDataset(eval_batch))
+    with torch.no_grad():
+        own = trainer.model.eval()(**eval_batch, return_loss=True).loss
+    assert math.isclose(metrics["eval_whole_set_loss"], float(own), rel_tol=1e-5)
 
 
 def test_groupvit_batch_norm_is_refused_in_chunks_and_trains_frozen(tmp_path, monkeypatch):
