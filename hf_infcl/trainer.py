@@ -219,6 +219,8 @@ class InfCLTrainer(Trainer):
         if self.args.chunk_size is None:
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
+        # after model.train(): the modes the layers have in this step
+        check_no_batch_statistics(unwrap_model(model), "chunk_size=None")
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         if not self.args.offload:
@@ -226,8 +228,6 @@ class InfCLTrainer(Trainer):
         names = self.family.inputs
         encoder_inputs = {name: inputs[name] for name in (*names.query, *names.key)
                           if inputs.get(name) is not None}
-        # after model.train(): the modes the layers have in this step
-        check_no_batch_statistics(unwrap_model(model), "chunk_size=None")
         groups = self._groups(inputs, self.args.device)
         ga_steps = self.current_gradient_accumulation_steps
         if self._is_fsdp2():
