@@ -28,6 +28,8 @@ collectives (a DDP or FSDP module's hooks), or per-call Python state the kernels
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 
@@ -99,7 +101,7 @@ class ChunkGraphs:
             param.grad = None
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            with _host_checks_off(), torch.cuda.graph(graph, pool=self._pool):
                 outputs = _outputs(fn(*tree_unflatten(static_leaves, spec)))
             grads = [(param, param.grad) for param in self.parameters if param.grad is not None]
         except Exception as error:
@@ -139,6 +141,24 @@ class _CapturedCall:
             for param, grad in fresh:
                 param.grad = grad.clone()
         return tuple(output.clone() for output in self.outputs)
+
+
+@contextlib.contextmanager
+def _host_checks_off():
+    """transformers' value checks (``torch_compilable_check``, e.g. on SigLIP 2's ``spatial_shapes``)
+    read a tensor on the host even while a graph is being captured, which a capture cannot hold.
+    Their documented switch turns them off for the capture only: the eager warm-up calls of the
+    signature ran them, and a graph's replays run no Python checks anyway."""
+    name = "TRANSFORMERS_DISABLE_TORCH_CHECK"
+    previous = os.environ.get(name)
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
 
 
 def _is_input(leaf) -> bool:

@@ -63,6 +63,9 @@ Rules that make the gradients exact and DDP efficient:
   are taken, so fp16 gradients in the replays carry the scaler's factor like any backward.
 - Autocast: call the encoders inside autocast in your callables, or give ``forward_context``;
   phase 1 and the replays run the same callable, so they agree.
+- Layers that normalise with batch statistics (BatchNorm in training mode) would see each chunk
+  alone, twice: an encoder that is an ``nn.Module`` holding one is refused; for a plain callable,
+  call ``hf_infcl.batch_statistics.check_no_batch_statistics`` on the model it runs.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``): call the sharded module's ``forward`` in the
 encoder callables (FSDP2 gathers the root's own parameters only around it), and pass the loss
@@ -98,6 +101,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .batch_statistics import check_no_batch_statistics
 from .chunk_graphs import ChunkGraphs
 from .rng import RngState
 from .sharding import is_dtensor, is_zero3_parameter
@@ -177,6 +181,13 @@ def cached_step(
 
     Returns:
         :class:`CachedStepOutput` with the detached loss and embeddings.
+
+    Raises:
+        ValueError: when an encoder is an ``nn.Module`` holding a BatchNorm layer that normalises
+            with batch statistics (each chunk would be normalised alone, and the running
+            statistics updated in both passes). Encoders that are plain callables are not looked
+            into: call ``hf_infcl.batch_statistics.check_no_batch_statistics(model,
+            "chunk_size=None")`` on the model they run, as ``InfCLTrainer`` does.
     """
     encoder_list, input_list = _normalise_towers(encoders, inputs)
     check_chunk_size("chunk_size", chunk_size)
@@ -200,6 +211,9 @@ def cached_step(
     enter = forward_context or contextlib.nullcontext
     if chunk_graphs is not None:
         _check_graphable(chunk_graphs, no_sync, backward, no_grad_chunk_size, chunk_size)
+    for encode in encoder_list:
+        if isinstance(encode, torch.nn.Module):  # plain callables are the caller's to check
+            check_no_batch_statistics(encode, "chunk_size=None")
 
     if offload:
         input_list = [_pin(tower_inputs) for tower_inputs in input_list]

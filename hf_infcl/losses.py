@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .batch_statistics import check_no_batch_statistics
 from .loss import contrastive_loss
 from .ops.options import BackendName, LossOptions, OptionAttribute, Precision, check_option
 
@@ -322,7 +323,9 @@ class InfCLLoss(CachedLossMixin, nn.Module):
                 MultipleNegativesRankingLoss (unless ``mini_batch_num_tokens`` is set). An integer
                 embeds it in chunks of that many texts
                 with gradient caching (like CachedMultipleNegativesRankingLoss, dropout replayed),
-                and computes the loss of the whole batch in one fused call.
+                and computes the loss of the whole batch in one fused call. A model with BatchNorm
+                layers in training mode is refused at its forward (each mini-batch would be
+                normalised alone; ``hf_infcl.batch_statistics``).
             show_progress_bar: show the mini-batch progress of gradient caching.
             gather_across_devices: with several processes, compute the loss over every process's
                 anchors and candidates (the hf_infcl ring; no embedding is all-gathered). False, the
@@ -480,6 +483,8 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         cached = self.mini_batch_size is not None or self.mini_batch_num_tokens is not None
         _check_columns(sentence_features, cached)
         if cached:
+            # at each forward, not at construction: the trainer sets the layers' modes at every step
+            check_no_batch_statistics(self.model, "mini_batch_size=None, mini_batch_num_tokens=None")
             return self.forward_cached(sentence_features, labels)
         embeddings = _embed_columns(self.model, sentence_features)
         return self.compute_loss_from_embeddings(embeddings, labels)

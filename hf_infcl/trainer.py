@@ -43,6 +43,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import EvalLoopContainer, find_batch_size, nested_detach
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
+from .batch_statistics import check_no_batch_statistics
 from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs
 from .grad_cache import cached_step, deepspeed_no_sync, fsdp_gather_once
@@ -222,6 +223,8 @@ class InfCLTrainer(Trainer):
         if self.args.chunk_size is None:
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
+        # after model.train(): the modes the layers have in this step
+        check_no_batch_statistics(unwrap_model(model), "chunk_size=None")
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         if not self.args.offload:

@@ -14,8 +14,9 @@ Cases:
   raised an autograd error (the autotuner wrote into the caller's scale).
 * ``compile-<loss>``: ``torch.compile(fullgraph=True)`` around the loss, values and gradients
   equal to eager and to float64.
-* ``trainer-<model>-<chunking>``: three bf16 steps of ``InfCLTrainer`` for CLIPModel, SiglipModel
-  and DualEncoder, each with a learned scale, with and without ``chunk_size``.
+* ``trainer-<model>-<chunking>``: three bf16 steps of ``InfCLTrainer`` for CLIPModel, SiglipModel,
+  Siglip2Model (NaFlex batches, rows of different numbers of patches) and DualEncoder, each with a
+  learned scale, with and without ``chunk_size``, and with ``chunk_cuda_graphs``.
 * ``accelerate-example``: 20 steps of ``accelerate launch examples/train_clip.py``.
 """
 
@@ -156,14 +157,17 @@ def run_trainer_case(model_name: str, chunk_size: int | None, cuda_graphs: bool 
     from tests.trainer_fixtures import (
         PairDataset,
         clip_batch,
+        naflex_batch,
         pair_text_batch,
         tiny_clip,
         tiny_dual_encoder,
         tiny_siglip,
+        tiny_siglip2,
         trainer_arguments,
     )
 
     build = {"clip": (tiny_clip, clip_batch), "siglip": (tiny_siglip, clip_batch),
+             "siglip2": (tiny_siglip2, naflex_batch),
              "dual-encoder": (lambda: tiny_dual_encoder(learn_scale=True), pair_text_batch)}[model_name]
     model = build[0]()
     learned = {name: p.detach().clone() for name, p in model.named_parameters()
@@ -216,7 +220,7 @@ def _cases():
         cases[f"first-sigmoid-step-{m}x{c}"] = (run_first_sigmoid_step, (m, c))
     for loss_name in ("softmax-sym", "sigmoid"):
         cases[f"compile-{loss_name}"] = (run_compile_case, (loss_name,))
-    for model_name in ("clip", "siglip", "dual-encoder"):
+    for model_name in ("clip", "siglip", "siglip2", "dual-encoder"):
         for chunk_size in (None, 16):
             name = f"trainer-{model_name}-" + ("whole-batch" if chunk_size is None else f"chunk{chunk_size}")
             cases[name] = (run_trainer_case, (model_name, chunk_size))

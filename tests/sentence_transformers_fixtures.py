@@ -51,6 +51,29 @@ def load_tiny_model(folder: Path):
     return model
 
 
+class EmbeddingBatchNorm(torch.nn.Module):
+    """A sentence-transformers module normalising the sentence embeddings with BatchNorm1d (batch
+    statistics in training mode), as some projection heads do."""
+
+    def __init__(self, dim: int = HIDDEN):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(dim)
+
+    def forward(self, features: dict, **kwargs) -> dict:
+        features["sentence_embedding"] = self.norm(features["sentence_embedding"])
+        return features
+
+
+def load_tiny_model_with_batch_norm(folder: Path):
+    """``load_tiny_model``'s Transformer and mean pooling, then ``EmbeddingBatchNorm`` (training mode)."""
+    from sentence_transformers import SentenceTransformer
+
+    plain = load_tiny_model(folder)
+    model = SentenceTransformer(modules=[plain[0], plain[1], EmbeddingBatchNorm()], device="cpu")
+    model.train()
+    return model
+
+
 def random_sentences(count: int, seed: int) -> list[str]:
     """``count`` sentences of 2-9 words: different lengths, so every column has padding."""
     rng = random.Random(seed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import pytest
 import torch
@@ -18,11 +19,13 @@ from hf_infcl.chunk_graphs import ChunkGraphs
 from hf_infcl.grad_cache import cached_step, split_batch
 from tests.trainer_fixtures import (
     clip_batch,
+    naflex_batch,
     one_thread,  # noqa: F401  (a fixture)
     pair_text_batch,
     parameter_grads,
     tiny_clip,
     tiny_dual_encoder,
+    tiny_siglip2,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -115,6 +118,30 @@ def test_cached_step_matches_clip_own_loss_without_dropout():
     result = cached_step(clip_encoder(model), batch, clip_loss, 4, loss_params=[model.logit_scale])
     torch.testing.assert_close(result.loss, out.loss.detach(), rtol=1e-6, atol=1e-6)
     assert_same_grads(parameter_grads(model), reference)
+
+
+def test_cached_step_matches_siglip2_own_loss_on_naflex_batches():
+    """SigLIP 2's chunks carry the matching rows of every image input (rows of different numbers
+    of valid patches, uneven chunks): Siglip2Model(return_loss=True) on the whole batch is the oracle."""
+    from hf_infcl.models import model_family, scale_and_bias
+
+    model = tiny_siglip2()
+    batch = naflex_batch(10, seed=3)
+    out = model(**batch, return_loss=True)
+    out.loss.backward()
+    reference = parameter_grads(model)
+
+    model.zero_grad()
+    family = model_family(model)
+
+    def sigmoid_loss(image_embeds, text_embeds, log_scale, bias):
+        return contrastive_loss(image_embeds, text_embeds, *scale_and_bias(log_scale, bias), loss="sigmoid")
+
+    result = cached_step(functools.partial(family.encode_pairs, model), batch, sigmoid_loss, 3,
+                         loss_params=family.loss_parameters(model, "sigmoid"))
+    torch.testing.assert_close(result.loss, out.loss.detach(), rtol=1e-6, atol=1e-6)
+    assert_same_grads(parameter_grads(model), reference)
+    assert model.logit_bias.grad.abs() > 0
 
 
 @pytest.mark.parametrize("no_grad_chunk_size", [16, 6], ids=["whole-batch", "uneven"])
@@ -321,6 +348,111 @@ def test_offload_on_gpu_keeps_one_chunk_on_the_device():
     assert_same_grads(parameter_grads(model), reference, rtol=1e-4, atol=1e-5)
 
 
+# ---- layers with batch statistics --------------------------------------------------------------
+
+
+class BatchNormEncoder(torch.nn.Module):
+    """Linear, ``norms`` BatchNorm1d layers, Linear: in training mode each row's embedding depends
+    on the other rows it is encoded with."""
+
+    def __init__(self, norms: int = 1, **batch_norm_options):
+        super().__init__()
+        torch.manual_seed(0)
+        self.project = torch.nn.Linear(6, 8)
+        self.norms = torch.nn.ModuleList(torch.nn.BatchNorm1d(8, **batch_norm_options) for _ in range(norms))
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, chunk):
+        hidden = self.project(chunk["x"])
+        for norm in self.norms:
+            hidden = norm(hidden)
+        return self.head(hidden)
+
+
+def two_towers(rows: int = 8, seed: int = 9):
+    generator = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(rows, 6, generator=generator)} for _ in range(2)]
+
+
+def normalised_loss(rows, keys):
+    return contrastive_loss(torch.nn.functional.normalize(rows, dim=-1),
+                            torch.nn.functional.normalize(keys, dim=-1), 10.0)
+
+
+def whole_batch_grads(encoder, towers):
+    encoder.zero_grad(set_to_none=True)
+    normalised_loss(encoder(towers[0]), encoder(towers[1])).backward()
+    return parameter_grads(encoder)
+
+
+def test_cached_step_refuses_a_module_with_batch_norm():
+    encoder, towers = BatchNormEncoder(), two_towers()
+    for chunk_size in (4, None):
+        with pytest.raises(ValueError) as refused:
+            cached_step([encoder, encoder], towers, normalised_loss, chunk_size)
+        message = str(refused.value)
+        assert "1 BatchNorm layer(s) of the model (BatchNorm1d)" in message and ": norms.0." in message
+        assert "chunk_size=None" in message and "freeze_batch_norm(model)" in message
+        # refused before any work
+        assert int(encoder.norms[0].num_batches_tracked) == 0 and parameter_grads(encoder) == {}
+    # why (a plain callable is not looked into): chunks normalised alone give other gradients, and
+    # a batch in one chunk updates the running statistics in both passes
+    reference = whole_batch_grads(encoder, towers)
+    assert int(encoder.norms[0].num_batches_tracked) == 2  # one call per tower
+    encoder.zero_grad(set_to_none=True)
+    cached_step([lambda chunk: encoder(chunk)] * 2, towers, normalised_loss, 4)
+    grads = parameter_grads(encoder)
+    assert max(float((grads[name] - reference[name]).abs().max()) for name in reference) > 1e-2
+    tracked = int(encoder.norms[0].num_batches_tracked)
+    encoder.zero_grad(set_to_none=True)
+    cached_step([lambda chunk: encoder(chunk)] * 2, towers, normalised_loss, None)
+    torch.testing.assert_close(parameter_grads(encoder), reference, rtol=1e-5, atol=1e-6)
+    assert int(encoder.norms[0].num_batches_tracked) == tracked + 4
+
+
+def test_frozen_batch_norm_is_chunked_exactly():
+    """freeze_batch_norm: eval mode with the running statistics, through model.train(); the chunked
+    step then equals the whole batch's, and the running statistics stay as they were."""
+    from hf_infcl.batch_statistics import freeze_batch_norm
+
+    encoder, towers = BatchNormEncoder(norms=2), two_towers()
+    encoder(towers[0])  # running statistics away from their initial zeros and ones
+    assert freeze_batch_norm(encoder) == ["norms.0", "norms.1"]
+    encoder.train()
+    assert encoder.training and not any(norm.training for norm in encoder.norms)
+    running = [norm.running_mean.clone() for norm in encoder.norms]
+    reference = whole_batch_grads(encoder, towers)
+    encoder.zero_grad(set_to_none=True)
+    cached_step([encoder, encoder], towers, normalised_loss, 3)
+    torch.testing.assert_close(parameter_grads(encoder), reference, rtol=1e-5, atol=1e-6)
+    assert "norms.1.weight" in reference  # the affine part still trains
+    for norm, before in zip(encoder.norms, running):
+        assert torch.equal(norm.running_mean, before)
+    encoder.eval()
+    encoder.train(True)
+    assert not encoder.norms[0].training
+
+
+def test_batch_statistics_are_found_in_every_form():
+    from hf_infcl.batch_statistics import check_no_batch_statistics, freeze_batch_norm
+
+    with pytest.raises(ValueError, match=r"7 BatchNorm layer\(s\).*norms\.0, norms\.1, norms\.2, norms\.3, "
+                                         r"norms\.4 and 2 more\."):
+        check_no_batch_statistics(BatchNormEncoder(norms=7), "chunk_size=None")
+    check_no_batch_statistics(BatchNormEncoder(norms=7).eval(), "chunk_size=None")  # running statistics
+    # without running statistics a layer uses the batch's in eval mode too, and cannot be frozen
+    stateless = BatchNormEncoder(track_running_stats=False).eval()
+    with pytest.raises(ValueError, match=r"norms\.0 keep no running statistics"):
+        check_no_batch_statistics(stateless, "chunk_size=None")
+    with pytest.raises(ValueError, match="track_running_stats=False"):
+        freeze_batch_norm(stateless)
+    with pytest.raises(ValueError, match=r"\(SyncBatchNorm\).*: 1\."):
+        check_no_batch_statistics(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.SyncBatchNorm(2)),
+                                  "chunk_size=None")
+    layer_norm = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+    check_no_batch_statistics(layer_norm, "chunk_size=None")  # normalises each row alone
+
+
 def test_chunk_graphs_are_refused_where_cuda_graphs_cannot_run():
     model = tiny_clip(dropout=0.0)
     if not torch.cuda.is_available():
@@ -386,25 +518,32 @@ def test_chunk_graphs_refuse_distributed_hooks_and_other_chunkings():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family_name", ["clip", "dual-encoder"])
+@pytest.mark.parametrize("family_name", ["clip", "dual-encoder", "siglip2"])
 def test_towers_on_two_streams_inside_cuda_graphs_give_the_uncached_gradients_in_float64(family_name):
     """The Trainer's chunk_cuda_graphs path: the key tower on a second stream, concurrently with
     the row tower inside the graphs. Against the same towers run one after the other (keys first,
-    as they draw their random numbers first), in one autograd graph, dropout on."""
-    from hf_infcl.models import model_family
+    as they draw their random numbers first), in one autograd graph, dropout on (SigLIP 2: its
+    NaFlex rows of different shapes in one graph, whose position check reads spatial_shapes on the
+    host outside a capture; no dropout, the sigmoid loss with its bias)."""
+    from hf_infcl.models import contrastive_loss_kind, model_family, scale_and_bias
 
     if family_name == "clip":
         model, batch = float64_clip_on_gpu(dropout=0.2)
+    elif family_name == "siglip2":
+        model = tiny_siglip2().to("cuda", torch.float64)
+        batch = {name: (value.double() if value.is_floating_point() else value)
+                 for name, value in naflex_batch(18, seed=15).items()}
     else:
         model = tiny_dual_encoder(dropout=0.2, learn_scale=True).to("cuda", torch.float64)
         batch = pair_text_batch(18, seed=15)
     batch = {name: value.cuda() for name, value in batch.items()}
     family = model_family(model)
+    kind = contrastive_loss_kind(model)
     key_stream = torch.cuda.Stream()
     graphs = ChunkGraphs(model.parameters())
 
-    def loss_fn(rows, keys, log_scale):
-        return contrastive_loss(rows, keys, log_scale.exp())
+    def loss_fn(rows, keys, *loss_params):
+        return contrastive_loss(rows, keys, *scale_and_bias(*loss_params), loss=kind)
 
     def sequential_reference(seed):
         # returns nothing that holds the autograd graph: a graph kept alive keeps its
@@ -416,7 +555,7 @@ def test_towers_on_two_streams_inside_cuda_graphs_give_the_uncached_gradients_in
             keys = family.encode_keys(model, chunk)
             parts.append((family.encode_rows(model, chunk), keys))
         rows, keys = (torch.cat(side) for side in zip(*parts))
-        loss = loss_fn(rows, keys, family.log_scale(model))
+        loss = loss_fn(rows, keys, *family.loss_parameters(model, kind))
         loss.backward()
         return loss.detach(), parameter_grads(model)
 
@@ -425,11 +564,30 @@ def test_towers_on_two_streams_inside_cuda_graphs_give_the_uncached_gradients_in
         model.zero_grad(set_to_none=True)
         torch.manual_seed(200 + step)
         encode = functools.partial(family.encode_pairs_on_two_streams, model, key_stream=key_stream)
-        result = cached_step(encode, batch, loss_fn, 4, loss_params=[family.log_scale(model)],
+        result = cached_step(encode, batch, loss_fn, 4, loss_params=family.loss_parameters(model, kind),
                              chunk_graphs=graphs)
         torch.testing.assert_close(result.loss, reference_loss, rtol=1e-12, atol=1e-12)
         assert_same_grads(parameter_grads(model), reference, rtol=1e-10, atol=1e-12)
     assert graphs.captured == 4
+
+
+def test_transformers_value_checks_are_off_only_while_a_graph_is_captured(monkeypatch):
+    """SigLIP 2 checks its spatial_shapes with torch_compilable_check, which reads the tensor on the
+    host, also while a CUDA graph is being captured: ChunkGraphs captures with those checks off."""
+    from transformers.utils import torch_compilable_check
+
+    from hf_infcl.chunk_graphs import _host_checks_off
+
+    monkeypatch.delenv("TRANSFORMERS_DISABLE_TORCH_CHECK", raising=False)
+    failing = torch.tensor([True, False])
+    with _host_checks_off():
+        torch_compilable_check(failing, "checked inside")
+    with pytest.raises(ValueError, match="checked after"):
+        torch_compilable_check(failing, "checked after")
+    monkeypatch.setenv("TRANSFORMERS_DISABLE_TORCH_CHECK", "0")
+    with _host_checks_off():
+        pass
+    assert os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] == "0"  # the user's setting is restored
 
 
 def test_graph_signatures_fix_hashable_values_and_refuse_the_rest():

@@ -30,12 +30,14 @@ from hf_infcl.models import (
     tokenize_texts,
     tower_inputs,
 )
+from tests.test_fsdp import assert_same_grads
 from tests.trainer_fixtures import (
     DECODER_EOS,
     PairDataset,
     clip_batch,
     decoder_text_batch,
     decoder_word_tokenizer,
+    naflex_batch,
     one_thread,  # noqa: F401  (a fixture)
     pair_text_batch,
     parameter_grads,
@@ -44,6 +46,8 @@ from tests.trainer_fixtures import (
     tiny_decoder_config,
     tiny_decoder_dual_encoder,
     tiny_dual_encoder,
+    tiny_groupvit,
+    tiny_siglip2,
     trainer_arguments,
 )
 
@@ -94,6 +98,60 @@ def test_extraction_matches_the_models_own_forward(build):
         # the SigLIP logits rebuilt from our pieces equal the model's
         logits = images @ texts.T * logit_scale_of(model) + logit_bias_of(model)
         torch.testing.assert_close(logits.detach(), output.logits_per_image)
+
+
+# Each family's own return_loss=True loss is the oracle: dropout off, float64, the whole batch in
+# one call. SigLIP 2 takes NaFlex batches whose rows have different numbers of valid patches;
+# GroupViT normalises its projections with BatchNorm1d over the batch and draws Gumbel noise
+# (seeded alike in both calls).
+OWN_LOSS_FAMILIES = {
+    "clip": (lambda: tiny_clip(0.0), lambda: clip_batch(7, seed=4)),
+    "siglip": (lambda: tiny_siglip().train(), lambda: clip_batch(7, seed=4)),
+    "siglip2": (tiny_siglip2, lambda: naflex_batch(7, seed=4)),
+    "groupvit": (tiny_groupvit, lambda: clip_batch(7, seed=4)),
+}
+
+
+@pytest.mark.parametrize("family", list(OWN_LOSS_FAMILIES))
+def test_loss_and_every_gradient_equal_the_models_own_loss(family):
+    build, make_batch = OWN_LOSS_FAMILIES[family]
+    batch = {name: value.double() if value.is_floating_point() else value
+             for name, value in make_batch().items()}
+    if family == "siglip":  # SigLIP pools the last token and wants fixed-length text
+        batch.pop("attention_mask")
+    model = build().double()
+    torch.manual_seed(5)
+    own = model(**batch, return_loss=True).loss
+    own.backward()
+    expected = parameter_grads(model)
+
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(5)
+    images, texts = pair_embeddings(model, batch)
+    kind = contrastive_loss_kind(model)
+    loss = contrastive_loss(images, texts, logit_scale_of(model), logit_bias_of(model), loss=kind)
+    loss.backward()
+    got = parameter_grads(model)
+    assert kind == ("sigmoid" if family.startswith("siglip") else "softmax")
+    torch.testing.assert_close(loss.detach(), own.detach(), rtol=1e-12, atol=0)
+    assert "logit_scale" in got and ("logit_bias" in got) == (kind == "sigmoid")
+    assert_same_grads(got, expected, tolerance=1e-10)  # each within 1e-10 of its norm
+
+
+def test_every_image_input_of_siglip2_reaches_its_image_tower():
+    """NaFlex inputs: the padding patches of each row change nothing, its valid patches do."""
+    model = tiny_siglip2().eval()
+    batch = naflex_batch(4, seed=2)
+    assert tower_inputs(model).query == ("pixel_values", "pixel_attention_mask", "spatial_shapes")
+    with torch.no_grad():
+        images = encode_queries(model, batch)
+        padding = (1 - batch["pixel_attention_mask"])[..., None]
+        padded = dict(batch, pixel_values=batch["pixel_values"] + 5.0 * padding)
+        torch.testing.assert_close(encode_queries(model, padded), images)
+        # the same patches on a transposed grid
+        reshaped = dict(batch, spatial_shapes=batch["spatial_shapes"].flip(-1))
+        assert not torch.allclose(encode_queries(model, reshaped), images)
+        torch.testing.assert_close(pair_embeddings(model, batch)[0], images)
 
 
 def test_unsupported_model_is_rejected():

@@ -20,6 +20,7 @@ from tests.sentence_transformers_fixtures import (  # noqa: E402
     build_tiny_model_dir,
     features,
     load_tiny_model,
+    load_tiny_model_with_batch_norm,
     loss_and_gradients,
     st_reference_loss,
     text_columns,
@@ -343,6 +344,36 @@ def test_precision_reaches_the_loss(tiny_model, monkeypatch, precision):
     loss = losses.InfCLLoss(tiny_model, precision=precision)
     assert torch.isfinite(loss(features(tiny_model, text_columns(4, 2, seed=5)), None))
     assert seen == [precision]
+
+
+def test_batch_norm_is_refused_with_mini_batches_and_trains_frozen(tiny_model_dir):
+    """A BatchNorm1d in training mode would normalise each mini-batch alone (and update its running
+    statistics in both passes): refused at the forward, before any work, with mini_batch_size or a
+    token budget. Frozen (eval mode, running statistics), mini-batches of 3 are MNRL's step."""
+    from hf_infcl.batch_statistics import freeze_batch_norm
+
+    model = load_tiny_model_with_batch_norm(tiny_model_dir)
+    norm = model[2].norm
+    columns = text_columns(8, 2, seed=21)
+    with pytest.raises(ValueError, match=r"\(BatchNorm1d\) normalise .*: 2\.norm\. .*mini_batch_size=None"):
+        loss_and_gradients(model, losses.InfCLLoss(model, mini_batch_size=4), columns, seed=3)
+    for settings in ({"mini_batch_size": 8}, {"mini_batch_num_tokens": 12}):  # one mini-batch, a budget
+        with pytest.raises(ValueError, match="freeze_batch_norm"):
+            loss_and_gradients(model, losses.InfCLLoss(model, **settings), columns, seed=3)
+    assert int(norm.num_batches_tracked) == 0  # nothing ran
+    loss_and_gradients(model, losses.InfCLLoss(model), columns, seed=3)  # MNRL's way: no mini-batches
+
+    assert freeze_batch_norm(model) == ["2.norm"]
+    model.train()  # as SentenceTransformerTrainer does at every step
+    assert not norm.training and model[0].training
+    for module in model.modules():  # dropout draws its masks per mini-batch: off, to compare with MNRL
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    mnrl = st_reference_loss(model, symmetric=False, mini_batch_size=None)
+    expected = loss_and_gradients(model, mnrl, columns, seed=3)
+    actual = loss_and_gradients(model, losses.InfCLLoss(model, mini_batch_size=3), columns, seed=3)
+    assert_same_step(expected, actual)
+    assert "2.norm.weight" in actual[1]  # the affine part still trains
 
 
 def test_static_embedding_refuses_only_gradient_caching():

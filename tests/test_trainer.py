@@ -22,12 +22,15 @@ from tests.trainer_fixtures import (
     clip_batch,
     digits_clip,
     digits_image_caption_split,
+    naflex_batch,
     one_thread,  # noqa: F401  (fixture)
     pair_text_batch,
     tiny_bert_config,
     tiny_clip,
     tiny_dual_encoder,
+    tiny_groupvit,
     tiny_siglip,
+    tiny_siglip2,
     trained_parameters,
     trainer_arguments,
 )
@@ -97,6 +100,89 @@ def test_two_processes_match_one_process_on_the_concatenated_batch(tmp_path):
         for two, one in zip(two_logs, one_logs, strict=True):
             assert math.isclose(two["loss"], one["loss"], rel_tol=1e-5), variant  # the global mean
             assert math.isclose(two["accuracy"], one["accuracy"], abs_tol=1e-6), variant
+
+
+# ---- against transformers' own Trainer and the model's own loss -----------------------------
+
+
+def plain_trainer_parameters(tmp_path, model, dataset, **settings):
+    """The parameters after training with transformers' own Trainer and the model's own
+    ``return_loss=True`` loss, with the settings of ``trainer_arguments``."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", disable_tqdm=True,
+                             save_strategy="no", logging_steps=1, seed=0, dataloader_num_workers=0,
+                             **settings)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset,
+                      data_collator=lambda rows: {**default_data_collator(rows), "return_loss": True})
+    trainer.train()
+    return trained_parameters(trainer)
+
+
+THREE_STEPS = dict(per_device_train_batch_size=8, max_steps=3, optim="sgd", learning_rate=0.05)
+
+
+def test_siglip2_trains_like_the_plain_trainer_with_its_own_loss(tmp_path):
+    """SigLIP 2 (NaFlex rows of different numbers of valid patches): 3 steps of InfCLTrainer, whole
+    batch, in chunks and offloaded chunks, equal 3 steps of the plain Trainer with Siglip2Model's
+    own sigmoid loss."""
+    dataset = PairDataset(naflex_batch(24, seed=3))
+    expected = plain_trainer_parameters(tmp_path / "plain", tiny_siglip2(), dataset, **THREE_STEPS)
+    assert not torch.equal(expected["logit_bias"], tiny_siglip2().logit_bias.detach())  # it trained
+    for name, extra in {"whole": {}, "chunked": {"chunk_size": 3},
+                        "offloaded": {"chunk_size": 3, "offload": True}}.items():
+        trainer = train(tmp_path / name, tiny_siglip2(), dataset, **THREE_STEPS, **extra)
+        assert trainer.loss_kind == "sigmoid"
+        assert_same_parameters(trained_parameters(trainer), expected)
+    # evaluation reads every image input too: the whole set's loss is the model's own on it
+    eval_batch = naflex_batch(11, seed=4)
+    metrics = trainer.evaluate(PairDataset(eval_batch))
+    with torch.no_grad():
+        own = trainer.model.eval()(**eval_batch, return_loss=True).loss
+    assert math.isclose(metrics["eval_whole_set_loss"], float(own), rel_tol=1e-5)
+
+
+def test_groupvit_batch_norm_is_refused_in_chunks_and_trains_frozen(tmp_path, monkeypatch):
+    """GroupViT's projection heads hold BatchNorm1d: chunks would each be normalised alone, so the
+    cached step is refused at the first step, naming the layers and the ways out. Without
+    chunk_size it trains as the plain Trainer does; with the layers frozen (eval mode through the
+    Trainer's model.train()), chunked training does too."""
+    from transformers.models.groupvit import modeling_groupvit
+
+    from hf_infcl.batch_statistics import freeze_batch_norm
+
+    # Gumbel noise is drawn per chunk, so no chunked run could draw the whole batch's: the grouping
+    # takes its noise-free hard assignment in both runs
+    assign = modeling_groupvit.GroupViTAssignAttention.get_attn
+
+    def without_noise(self, attn, gumbel=True, hard=True):
+        return assign(self, attn, gumbel=False, hard=hard)
+
+    monkeypatch.setattr(modeling_groupvit.GroupViTAssignAttention, "get_attn", without_noise)
+    dataset = PairDataset(clip_batch(24, seed=3))
+    model = tiny_groupvit()
+    start = {name: value.detach().clone() for name, value in model.named_parameters()}
+    with pytest.raises(ValueError) as refused:
+        train(tmp_path / "refused", model, dataset, chunk_size=4, **THREE_STEPS)
+    message = str(refused.value)
+    assert "2 BatchNorm layer(s) of the model (BatchNorm1d)" in message
+    assert ": visual_projection.1, text_projection.1." in message
+    assert "chunk_size=None" in message and "freeze_batch_norm(model)" in message
+    assert_same_parameters(dict(model.named_parameters()), start, rtol=0, atol=0)  # refused before any work
+
+    plain = plain_trainer_parameters(tmp_path / "plain", tiny_groupvit(), dataset, **THREE_STEPS)
+    whole = train(tmp_path / "whole", tiny_groupvit(), dataset, **THREE_STEPS)
+    assert_same_parameters(trained_parameters(whole), plain)
+
+    frozen_plain_model, frozen_model = tiny_groupvit(), tiny_groupvit()
+    for frozen in (frozen_plain_model, frozen_model):
+        assert freeze_batch_norm(frozen) == ["visual_projection.1", "text_projection.1"]
+    frozen_plain = plain_trainer_parameters(tmp_path / "frozen-plain", frozen_plain_model, dataset,
+                                            **THREE_STEPS)
+    chunked = train(tmp_path / "frozen-chunked", frozen_model, dataset, chunk_size=4, **THREE_STEPS)
+    assert not frozen_model.visual_projection[1].training and frozen_model.training
+    assert_same_parameters(trained_parameters(chunked), frozen_plain)
+    assert not torch.equal(frozen_plain["visual_projection.1.weight"], start["visual_projection.1.weight"])
 
 
 # ---- resume ---------------------------------------------------------------------------------

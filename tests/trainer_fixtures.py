@@ -281,3 +281,59 @@ def tiny_siglip(seed: int = 0):
                   image_size=8, patch_size=4, num_channels=1)
     torch.manual_seed(seed)
     return SiglipModel(SiglipConfig(text_config=text, vision_config=vision)).train()
+
+
+SIGLIP2_PATCH_PIXELS = 4  # one channel, 2 x 2 patches: a NaFlex patch holds 4 values
+SIGLIP2_MAX_PATCHES = 16
+# (height, width) in patches of NaFlex images: different aspect ratios and numbers of valid patches
+SIGLIP2_SHAPES = ((4, 4), (2, 3), (3, 3), (1, 5), (2, 2), (4, 3), (3, 5), (1, 1), (2, 7), (3, 4))
+
+
+def tiny_siglip2(seed: int = 0):
+    """A tiny Siglip2Model (NaFlex: patchified images of variable shape) in training mode:
+    2 x 2 one-channel patches, a 4 x 4 position grid, up to ``SIGLIP2_MAX_PATCHES`` patches."""
+    from transformers import Siglip2Config, Siglip2Model
+
+    text = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=16, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  patch_size=2, num_channels=1, num_patches=16)
+    torch.manual_seed(seed)
+    model = Siglip2Model(Siglip2Config(text_config=text, vision_config=vision))
+    with torch.no_grad():  # a bias away from zero, so that its gradient matters
+        model.logit_bias.fill_(-2.0)
+    return model.train()
+
+
+def naflex_batch(batch: int, seed: int = 1, seq_len: int = 6, vocab_size: int = 40):
+    """A SigLIP 2 batch as its processor makes one: ``pixel_values`` [batch, SIGLIP2_MAX_PATCHES, 4]
+    (each image's patches first, zeros after), ``pixel_attention_mask`` [batch, patches] and
+    ``spatial_shapes`` [batch, 2], rows cycling through ``SIGLIP2_SHAPES`` (different numbers of
+    valid patches), and fixed-length token ids."""
+    generator = torch.Generator().manual_seed(seed)
+    spatial_shapes = torch.tensor([SIGLIP2_SHAPES[i % len(SIGLIP2_SHAPES)] for i in range(batch)])
+    valid = spatial_shapes.prod(-1)
+    pixel_attention_mask = (torch.arange(SIGLIP2_MAX_PATCHES)[None, :] < valid[:, None]).long()
+    pixel_values = torch.randn(batch, SIGLIP2_MAX_PATCHES, SIGLIP2_PATCH_PIXELS, generator=generator)
+    pixel_values = pixel_values * pixel_attention_mask[..., None]
+    input_ids = torch.randint(3, vocab_size, (batch, seq_len), generator=generator)
+    return {"pixel_values": pixel_values, "pixel_attention_mask": pixel_attention_mask,
+            "spatial_shapes": spatial_shapes, "input_ids": input_ids}
+
+
+def tiny_groupvit(seed: int = 0):
+    """A tiny GroupViTModel for 8x8 one-channel images, in training mode. Its projection heads hold
+    BatchNorm1d layers (batch statistics); CLIP-like inputs (``clip_batch``: eos id 2 last)."""
+    from transformers import GroupViTConfig, GroupViTModel
+
+    text = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=16, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, depths=[1, 1],
+                  num_group_tokens=[4, 0], num_output_groups=[4, 2], num_attention_heads=2, image_size=8,
+                  patch_size=4, num_channels=1)
+    torch.manual_seed(seed)
+    config = GroupViTConfig(text_config=text, vision_config=vision, projection_dim=8,
+                            projection_intermediate_dim=16)
+    return GroupViTModel(config).train()
