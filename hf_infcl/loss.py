@@ -352,10 +352,10 @@ def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, po
 
 
 def check_label_smoothing(label_smoothing, loss: str, *, grouped: bool = False, hardness: bool = False,
-                          name: str = "label_smoothing") -> None:
+                          name: str = "label_smoothing", groups: str = "query_groups/key_groups") -> None:
     """The one check of ``label_smoothing`` (docs/contract.md, "Label smoothing"): a number in
     [0, 1], and positive only with the softmax loss, without groups and without a hardness offset.
-    ``name``: how the caller's user spells it."""
+    ``name``, ``groups``: how the caller's user spells the option and the group ids."""
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
         raise TypeError(f"{name} must be a float in [0, 1], got {type(label_smoothing).__name__}")
     if not 0.0 <= label_smoothing <= 1.0:
@@ -366,8 +366,8 @@ def check_label_smoothing(label_smoothing, loss: str, *, grouped: bool = False, 
         raise ValueError(f"{name}={label_smoothing!r} needs loss='softmax' (it smooths cross-entropy "
                          f"targets), got loss={loss!r}")
     if grouped:
-        raise ValueError(f"{name}={label_smoothing!r} is not defined with query_groups/key_groups (a row's "
-                         "candidates would be its allowed keys only); leave one of them out")
+        raise ValueError(f"{name}={label_smoothing!r} is not defined with {groups} (a row's candidates would "
+                         "be its allowed keys only); leave one of them out")
     if hardness:
         raise ValueError(f"{name}={label_smoothing!r} is not defined with a hardness offset (its uniform "
                          "target would include the offsets); leave one of them out")

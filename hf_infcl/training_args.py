@@ -14,6 +14,7 @@ from typing import ClassVar, Literal, get_args
 from transformers import TrainingArguments
 
 from .grad_cache import check_chunk_size
+from .loss import check_label_smoothing
 from .ops.options import BackendName, LossKind, Precision, check_choice, check_option
 
 __all__ = ["CHUNK_GRADIENT_SYNCS", "CHUNK_PARAMETER_GATHERS", "InfCLTrainingArguments"]
@@ -36,7 +37,8 @@ class InfCLTrainingArguments(TrainingArguments):
     """
 
     # Checked by __post_init__ (a command line's own numeric checks need not repeat them).
-    checked_numeric_fields: ClassVar[tuple[str, ...]] = ("chunk_size", "logit_scale_max", "eval_block_rows")
+    checked_numeric_fields: ClassVar[tuple[str, ...]] = ("chunk_size", "logit_scale_max", "eval_block_rows",
+                                                         "label_smoothing")
 
     chunk_size: int | None = field(
         default=None,
@@ -75,10 +77,17 @@ class InfCLTrainingArguments(TrainingArguments):
         default=True,
         metadata={"help": "Softmax loss: average the row->key and key->row directions, as CLIP does."},
     )
+    label_smoothing: float | None = field(
+        default=None,
+        metadata={"help": "Softmax loss: label smoothing of every cross-entropy term, in [0, 1], as "
+                          "torch.nn.functional.cross_entropy defines it (computed without the b x b matrix). "
+                          "None: the model's own loss's (0.1 for AlignModel, 0 otherwise)."},
+    )
     logit_scale_max: float | None = field(
         default=100.0,
-        metadata={"help": "Clamp the learned logit scale exp(logit_scale) to at most this after each "
-                          "optimizer step (CLIP uses 100). None disables the clamp."},
+        metadata={"help": "Clamp each learned log-scale so that the scale exp(logit_scale) is at most this "
+                          "after each optimizer step (CLIP uses 100; CLAP's two scales too; ALIGN's "
+                          "temperature is not clamped). None disables the clamp."},
     )
     group_column: str | None = field(
         default=None,
@@ -116,6 +125,9 @@ class InfCLTrainingArguments(TrainingArguments):
         check_option("backend", self.loss_backend, "loss_backend", block_ops=False)
         check_option("precision", self.precision)
         check_option("loss", self.contrastive_loss, "contrastive_loss", optional=True)
+        if self.label_smoothing is not None:
+            # its type and range here; with the loss kind and groups at the Trainer
+            check_label_smoothing(self.label_smoothing, "softmax")
         if self.logit_scale_max is not None and not self.logit_scale_max > 0:
             raise ValueError(f"logit_scale_max must be > 0 or None, got {self.logit_scale_max!r}")
         check_choice("chunk_gradient_sync", self.chunk_gradient_sync, CHUNK_GRADIENT_SYNCS)
