@@ -50,8 +50,16 @@ def _run_case(case: str, store) -> str:
 def test_case_list_covers_every_model_family_and_option():
     """The smoke suite keeps what the issue that created it asked for (this part runs on CPU)."""
     names = set(CASES)
-    for model in ("clip", "siglip", "dual-encoder"):
-        assert {f"trainer-{model}-whole-batch", f"trainer-{model}-chunk16"} <= names
+    models = [
+        "clip",
+        "siglip",
+        "dual-encoder",
+        "align",
+        "clap",
+    ]
+    for model in models:
+        assert {f"trainer-{model}-whole-batch", f"trainer-{model}-chunk16",
+                f"trainer-{model}-chunk16-cuda-graphs"} <= names
     for loss in ("softmax-sym", "softmax-asym", "sigmoid"):
         assert {f"loss-{loss}-{dtype}" for dtype in ("bf16", "fp16", "fp32")} <= names
     assert {"accelerate-example", "compile-softmax-sym", "compile-sigmoid"} <= names
