@@ -68,11 +68,13 @@ ACCURACY_ROWS = 1024
 
 
 class InfCLTrainer(Trainer):
-    """Trains a CLIP-like model or a :class:`~hf_infcl.dual_encoder.DualEncoder` with the Inf-CL loss.
+    """Trains a CLIP-like model (ALIGN and Aimv2 too), a ``ClapModel`` or a
+    :class:`~hf_infcl.dual_encoder.DualEncoder` with the Inf-CL loss.
 
     Batches are dicts with the model's tower inputs (``pixel_values`` + ``input_ids``/
-    ``attention_mask``, or ``query_*`` + ``doc_*``); row i of one tower is the positive of row i of
-    the other. Everything else is the ``Trainer`` API.
+    ``attention_mask``; ``input_features`` (+ ``is_longer``) + ``input_ids``/``attention_mask`` for
+    CLAP; or ``query_*`` + ``doc_*``); row i of one tower is the positive of row i of the other.
+    Everything else is the ``Trainer`` API.
 
     ``args`` may be a plain ``TrainingArguments``: it is converted to ``InfCLTrainingArguments``
     with every field as the user set it and the contrastive fields at their defaults (a subclass

@@ -137,6 +137,36 @@ def test_clap_loss_is_its_own_with_both_scales(tmp_path):
     assert abs(float(grads["logit_scale_a"]) - float(grads["logit_scale_t"])) > 1e-4
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_one_element_scales_as_sharding_holds_them(tmp_path, family):
+    """FSDP2 and DeepSpeed train 0-d parameters as 1-element vectors (vectorise_scalar_parameters):
+    each family's transform of its scale parameters takes them so, and cached_step's loss too."""
+    from hf_infcl.grad_cache import cached_step
+    from hf_infcl.sharding import vectorise_scalar_parameters
+
+    build, make_batch = FAMILIES[family]
+    batch = make_batch(8, seed=7)
+    models = [build(), build()]
+    vectorised = vectorise_scalar_parameters(models[1])
+    assert vectorised, "the family has no 0-d parameter"
+    expected, expected_grads = loss_and_grads(models[0], lambda: own_loss(models[0], batch))
+    got, grads = loss_and_grads(models[1], lambda: infcl_loss(models[1], batch, tmp_path))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert_same_grads({name: grad.reshape(expected_grads[name].shape) for name, grad in grads.items()},
+                      expected_grads)
+    # the cached step (chunks of 8: BatchNorm sees the whole batch) with the 1-element parameters
+    trainer = InfCLTrainer(model=models[1], args=trainer_arguments(tmp_path / "cached"))
+    models[1].zero_grad(set_to_none=True)
+    def loss_fn(rows, keys, *values):
+        return trainer._contrastive(models[1], rows, keys, None, *values)
+
+    result = cached_step(lambda chunk: trainer.family.encode_pairs(models[1], chunk), dict(batch), loss_fn, 8,
+                         loss_params=trainer._loss_params(models[1]))
+    torch.testing.assert_close(result.loss, expected, rtol=1e-5, atol=1e-6)
+    assert_same_grads({name: grad.reshape(expected_grads[name].shape)
+                       for name, grad in parameter_grads(models[1]).items()}, expected_grads)
+
+
 def test_families_are_recognised_with_their_inputs_and_names():
     assert (model_family(tiny_clap()).rows, model_family(tiny_clap()).keys) == ("audio", "text")
     assert model_family(tiny_clap()).inputs.query == ("input_features", "is_longer")
