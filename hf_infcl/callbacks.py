@@ -8,7 +8,9 @@ bound: the learned parameter is the log of the scale, and it is clamped to ``log
   that is clamped too); a custom loop such as ``examples/train_clip.py`` calls it after
   ``optimizer.step()``.
 - :class:`ClampLogitScale` is the ``TrainerCallback`` :class:`~hf_infcl.InfCLTrainer` adds (from
-  ``logit_scale_max``); it clamps the model's ``logit_scale`` when it is learned.
+  ``logit_scale_max``); it clamps the model's learned log-scales (``logit_scale``; CLAP's
+  ``logit_scale_a`` and ``logit_scale_t``; ALIGN's temperature is not a log-scale and is left
+  alone), as :func:`hf_infcl.models.learned_log_scales` lists them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import math
 import torch
 from transformers import TrainerCallback
 
-from .models import unwrap_model
+from .models import learned_log_scales
 
 __all__ = ["ClampLogitScale", "clamp_logit_scale"]
 
@@ -68,10 +70,11 @@ def _clamp_deepspeed_copies(param, log_minimum, log_maximum) -> None:
 
 
 class ClampLogitScale(TrainerCallback):
-    """After each optimizer step, clamp a learned ``logit_scale`` (log of the scale) to log(maximum).
+    """After each optimizer step, clamp each learned log-scale (``logit_scale``, or CLAP's two) to
+    log(maximum).
 
     CLIP clamps its temperature this way so the logits cannot grow without bound. A fixed scale
-    (``requires_grad=False``) and models without ``logit_scale`` are left alone.
+    (``requires_grad=False``) and models without a log-scale are left alone.
     """
 
     def __init__(self, maximum: float = 100.0):
@@ -79,6 +82,5 @@ class ClampLogitScale(TrainerCallback):
         self.maximum = maximum
 
     def on_optimizer_step(self, args, state, control, model=None, **kwargs):
-        param = getattr(unwrap_model(model), "logit_scale", None) if model is not None else None
-        if isinstance(param, torch.Tensor) and param.requires_grad:
+        for param in learned_log_scales(model) if model is not None else ():
             clamp_logit_scale(param, self.maximum)

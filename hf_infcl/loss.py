@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .ops import reference
+from .ops.label_smoothing import smoothing_terms
 from .ops.logit_stats import (  # noqa: F401  (select_block_ops, backend_name: re-exported)
     announcing_rejections,
     backend_name,
@@ -56,6 +57,7 @@ def contrastive_loss(
     hardness_strength: float = 0.0,
     query_ids: torch.Tensor | None = None,
     key_owners: torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """Exact InfoNCE (CLIP) or sigmoid (SigLIP) contrastive loss without a b x b matrix.
 
@@ -95,6 +97,11 @@ def contrastive_loss(
         query_ids, key_owners: ``[m]`` and ``[k]`` integer ids, given with ``hardness_mode``:
             key j is owned by row i when ``key_owners[j] == query_ids[i]``; a negative owner is
             nobody's (never offset). Across processes they must be unique in the whole group.
+        label_smoothing: softmax only, in [0, 1]: every cross-entropy term is smoothed as
+            ``torch.nn.functional.cross_entropy(..., label_smoothing=...)`` does, its candidates
+            being every key of the group (row term) or every row (column term); ALIGN trains with
+            0.1. Computed from the mean key and mean query, never the b x b matrix
+            (docs/contract.md, "Label smoothing"). Not with groups or a hardness offset.
 
     Returns:
         The reduced loss (a scalar), or the per-row losses ``[m]`` for ``reduction="none"``.
@@ -105,17 +112,18 @@ def contrastive_loss(
     return _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
                              process_group, loss, symmetric, reduction, backend, precision,
                              options_checked=False, hardness=(hardness_mode, hardness_strength, query_ids,
-                                                              key_owners))
+                                                              key_owners), label_smoothing=label_smoothing)
 
 
 def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
                       process_group, loss, symmetric, reduction, backend, precision, options_checked,
-                      hardness=(None, 0.0, None, None)):
+                      hardness=(None, 0.0, None, None), label_smoothing=0.0):
     """``contrastive_loss`` for every entry point: validate, one call for the statistics (one
-    process or the ring: :func:`hf_infcl.ops.logit_stats.logit_stats`), assemble, reduce.
-    ``options_checked``: the caller holds the options as a :class:`LossOptions`, checked when it
-    was built, so they are not checked again. ``hardness``: (hardness_mode, hardness_strength,
-    query_ids, key_owners) as ``contrastive_loss`` takes them."""
+    process or the ring: :func:`hf_infcl.ops.logit_stats.logit_stats`), assemble, add the label
+    smoothing (:func:`hf_infcl.ops.label_smoothing.smoothing_terms`, the same for every backend),
+    reduce. ``options_checked``: the caller holds the options as a :class:`LossOptions`, checked
+    when it was built, so they are not checked again. ``hardness``: (hardness_mode,
+    hardness_strength, query_ids, key_owners) as ``contrastive_loss`` takes them."""
     group, world_size = _resolve_process_group(process_group)
     in_ring = world_size > 1
     # One process makes the checks that read values (scale > 0, positives in range) where the
@@ -134,6 +142,8 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
         )
         hardness_mode, hardness_strength, query_ids, key_owners = _check_hardness(loss, queries, keys,
                                                                                   *hardness)
+        check_label_smoothing(label_smoothing, loss, grouped=query_groups is not None,
+                              hardness=hardness_mode is not None)
     # The loss computes in its inputs' dtype under its own precision policy (``precision``), with
     # autocast on or off: the Triton kernels never see autocast, and the torch and reference backends
     # must not either, or a bf16 autocast would round their logits (|z| up to the scale) to bf16.
@@ -142,20 +152,23 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
             per_row = _reference_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives,
                                               query_groups, key_groups, validate=deferred,
                                               hardness=(hardness_mode, hardness_strength, query_ids,
-                                                        key_owners))
+                                                        key_owners), label_smoothing=label_smoothing)
             return _reduce(per_row, reduction, total_rows=queries.shape[0], world_size=1)
         spec = _stats_spec(loss, symmetric, precision, queries, reduction, (queries, keys, scale, bias),
                            hardness_mode, hardness_strength)
         stats = logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups, spec, backend,
                             group=group if in_ring else None, reduction=reduction, validate=deferred,
-                            query_ids=query_ids, key_owners=key_owners)
+                            query_ids=query_ids, key_owners=key_owners, label_smoothing=label_smoothing)
         per_row = assemble_per_row_loss(spec, positives, stats.row_stat, stats.col_stat, stats.positive_logit)
+        if label_smoothing:
+            per_row = per_row + _smoothing_terms(queries, keys, scale, bias, stats.positive_logit, positives,
+                                                 symmetric, label_smoothing, group if in_ring else None)
         return _reduce(per_row, reduction, total_rows=stats.total_rows, world_size=world_size)
 
 
 @torch.compiler.disable
 def _reference_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, query_groups,
-                            key_groups, validate, hardness):
+                            key_groups, validate, hardness, label_smoothing):
     """The materialised loss (a graph break under torch.compile)."""
     if validate:
         _check_values(scale, positives, keys.shape[0])
@@ -164,7 +177,17 @@ def _reference_per_row_loss(queries, keys, scale, bias, loss, symmetric, positiv
         queries, keys, scale, bias, loss=loss, symmetric=symmetric, positives=positives,
         query_groups=query_groups, key_groups=key_groups, hardness_mode=hardness_mode,
         hardness_strength=hardness_strength, query_ids=query_ids, key_owners=key_owners,
+        label_smoothing=label_smoothing,
     )
+
+
+def _smoothing_terms(queries, keys, scale, bias, positive_logit, positives, symmetric, label_smoothing,
+                     group):
+    """:func:`~hf_infcl.ops.label_smoothing.smoothing_terms`; across processes a graph break under
+    torch.compile (its all-reduce), as the ring is."""
+    compute = smoothing_terms if group is None else torch.compiler.disable(smoothing_terms)
+    return compute(queries, keys, scale, bias, positive_logit, positives, symmetric=symmetric,
+                   label_smoothing=label_smoothing, group=group)
 
 
 def _stats_spec(loss, symmetric, precision, queries, reduction, differentiable, hardness_mode=None,
@@ -328,6 +351,28 @@ def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, po
     return scale, bias, positives
 
 
+def check_label_smoothing(label_smoothing, loss: str, *, grouped: bool = False, hardness: bool = False,
+                          name: str = "label_smoothing", groups: str = "query_groups/key_groups") -> None:
+    """The one check of ``label_smoothing`` (docs/contract.md, "Label smoothing"): a number in
+    [0, 1], and positive only with the softmax loss, without groups and without a hardness offset.
+    ``name``, ``groups``: how the caller's user spells the option and the group ids."""
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1], got {type(label_smoothing).__name__}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {label_smoothing!r}")
+    if not label_smoothing:
+        return
+    if loss != "softmax":
+        raise ValueError(f"{name}={label_smoothing!r} needs loss='softmax' (it smooths cross-entropy "
+                         f"targets), got loss={loss!r}")
+    if grouped:
+        raise ValueError(f"{name}={label_smoothing!r} is not defined with {groups} (a row's candidates would "
+                         "be its allowed keys only); leave one of them out")
+    if hardness:
+        raise ValueError(f"{name}={label_smoothing!r} is not defined with a hardness offset (its uniform "
+                         "target would include the offsets); leave one of them out")
+
+
 def _check_hardness(loss, queries, keys, hardness_mode, hardness_strength, query_ids, key_owners):
     """Validate the hardness arguments; return (mode, strength, query_ids, key_owners), the mode
     None when the strength is 0 (no offset: the plain loss, whatever ids were given)."""
@@ -364,7 +409,8 @@ class InfCLLoss(nn.Module):
 
     The options are checked once, here, and held as a frozen :class:`LossOptions` (``.options``);
     ``.loss``, ``.symmetric``, ``.reduction``, ``.backend`` and ``.precision`` read it, and
-    assigning one of them replaces it with a checked copy. (Not to be confused with
+    assigning one of them replaces it with a checked copy. ``.label_smoothing`` is a plain
+    attribute, checked with the other arguments on every call. (Not to be confused with
     ``hf_infcl.losses.InfCLLoss``, the sentence-transformers loss, which takes a model.)
     """
 
@@ -385,10 +431,13 @@ class InfCLLoss(nn.Module):
         process_group=None,
         backend: BackendName | BlockOps = "auto",
         precision: Precision = "auto",
+        label_smoothing: float = 0.0,
     ):
         super().__init__()
         self.options = LossOptions(loss=loss, symmetric=symmetric, reduction=reduction, backend=backend,
                                    precision=precision)
+        check_label_smoothing(label_smoothing, loss)
+        self.label_smoothing = label_smoothing
         self.logit_scale = logit_scale
         self.logit_bias = logit_bias
         self.process_group = process_group
@@ -411,10 +460,12 @@ class InfCLLoss(nn.Module):
             options.backend,
             options.precision,
             options_checked=True,
+            label_smoothing=self.label_smoothing,
         )
 
     def extra_repr(self) -> str:
+        smoothing = f", label_smoothing={self.label_smoothing}" if self.label_smoothing else ""
         return (
             f"loss={self.loss!r}, symmetric={self.symmetric}, reduction={self.reduction!r}, "
-            f"backend={self.backend!r}"
+            f"backend={self.backend!r}{smoothing}"
         )

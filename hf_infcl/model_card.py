@@ -1,10 +1,10 @@
 """Model cards for models trained with hf_infcl, and pushing a checkpoint with its card.
 
 The cards are the ``model_cards/*.md`` Jinja templates (``clip`` for CLIP-style image-text
-models, ``dual_encoder`` for text retrievers), filled from the facts of a run: base model and
-data, global batch, chunk size, loss settings, processes and devices, peak GPU memory,
-evaluation results, the training-curves image where the run drew one (``curves_image``, a path
-relative to the card), and how to load the model. Their YAML header is a
+models, ``clap`` for CLAP's audio-text models, ``dual_encoder`` for text retrievers), filled from
+the facts of a run: base model and data, global batch, chunk size, loss settings, processes and
+devices, peak GPU memory, evaluation results, the training-curves image where the run drew one
+(``curves_image``, a path relative to the card), and how to load the model. Their YAML header is a
 ``huggingface_hub.ModelCardData`` (library_name, tags including ``inf-cl``, datasets, metrics,
 a model-index of the evaluation results), so the Hub reads them like any other card.
 
@@ -24,7 +24,7 @@ import shlex
 import sys
 from pathlib import Path
 
-KINDS = ("clip", "dual_encoder")
+KINDS = ("clip", "clap", "dual_encoder")
 
 # Shipped inside the package (so wheel installs have them); ``model_cards/`` at the top of the
 # repository is a link to this folder.
@@ -98,11 +98,17 @@ def latest_eval_results(log_history: list[dict]) -> dict:
             if key.startswith("eval_") and not key.endswith(("runtime", "_per_second"))}
 
 
-_PIPELINE_TAG = {"clip": "zero-shot-image-classification", "dual_encoder": "sentence-similarity"}
+_PIPELINE_TAG = {"clip": "zero-shot-image-classification", "clap": "zero-shot-audio-classification",
+                 "dual_encoder": "sentence-similarity"}
 _TASK_NAME = {
     "clip": "Zero-shot image classification and image-text retrieval",
+    "clap": "Zero-shot audio classification and audio-text retrieval",
     "dual_encoder": "Text retrieval",
 }
+_TAGS = {"clip": ["clip", "image-text"], "clap": ["clap", "audio-text"],
+         "dual_encoder": ["dual-encoder", "retrieval"]}
+_EXAMPLE_PROMPTS = {"clip": ["a photo of a cat", "a photo of a dog"],
+                    "clap": ["the sound of a dog barking", "the sound of rain"]}
 
 
 def _require_hub():
@@ -164,7 +170,7 @@ def build_card_data(kind: str, **facts):
         if isinstance(value, (int, float)) and not isinstance(value, bool) and name not in ("step", "loss")
     ]
     tags = ["inf-cl", "hf_infcl", "contrastive-learning"]
-    tags += ["clip", "image-text"] if kind == "clip" else ["dual-encoder", "retrieval"]
+    tags += _TAGS[kind]
     tags += [tag for tag in facts.get("tags") or () if tag not in tags]
     library = facts.get("library_name") or "transformers"
     metrics = sorted({result.metric_type for result in eval_results})
@@ -186,7 +192,7 @@ def render_model_card(kind: str, *, template_path: str | os.PathLike | None = No
     """The model card (Markdown with a YAML header) of a run.
 
     Args:
-        kind: ``"clip"`` or ``"dual_encoder"``: which template of ``model_cards/``.
+        kind: ``"clip"``, ``"clap"`` or ``"dual_encoder"``: which template of ``model_cards/``.
         template_path: another Jinja template (it receives the same variables).
         **facts: what the run knows; see ``KNOWN_FACTS``. The main ones: ``base_model`` (a Hub
             id, or None when trained from scratch; ``model_description`` then says what it is),
@@ -218,7 +224,7 @@ def render_model_card(kind: str, *, template_path: str | os.PathLike | None = No
         (label, _format(facts[key])) for key, label in SETTING_LABELS.items() if facts.get(key) is not None
     ]
     repo_id = facts.get("repo_id") or facts.get("hub_model_id") or "path/to/this/model"
-    prompts = facts.get("example_prompts") or ["a photo of a cat", "a photo of a dog"]
+    prompts = facts.get("example_prompts") or _EXAMPLE_PROMPTS.get(kind, _EXAMPLE_PROMPTS["clip"])
     variables = dict(
         model_name=card_data.model_name,
         base_model=facts.get("base_model"),
@@ -247,7 +253,7 @@ def render_model_card(kind: str, *, template_path: str | os.PathLike | None = No
 
 
 def _default_usage(kind, library_name, repo_id):
-    if kind == "clip":
+    if kind in ("clip", "clap"):  # the template shows how
         return ""
     if library_name == "sentence-transformers":
         return (

@@ -2,25 +2,38 @@
 
 One adapter per model family (:class:`ModelFamily`) says everything the Trainer and the helpers
 below need of a model: the batch entries of each tower, how to encode rows, keys or both in one
-forward, the names of the two sides, and the loss parameters (the log-scale parameter and an
-optional bias parameter). :func:`model_family` picks the adapter; nothing else here asks which
-family a model belongs to. Two families are supported:
+forward, the names of the two sides, the loss parameters (the parameters behind the scale, and an
+optional bias parameter), how the model's own forward turns their values into the loss's scale
+and bias, and the loss the model's own ``return_loss=True`` computes from them.
+:func:`model_family` picks the adapter; nothing else here asks which family a model belongs to.
+The families:
 
 - CLIP-like image-text models (:class:`ClipFamily`) with ``get_image_features``/
   ``get_text_features`` and a ``logit_scale`` parameter (log of the scale): ``CLIPModel``,
-  ``VisionTextDualEncoderModel``, ``SiglipModel`` (sigmoid loss, with ``logit_bias``). In
+  ``VisionTextDualEncoderModel``, ``SiglipModel`` (sigmoid loss, with ``logit_bias``), ... In
   transformers 5 the feature methods return an output object whose ``pooler_output`` is the
   projected embedding; in 4.x they return the tensor. Both are handled. Embeddings are
   L2-normalised, as these models' own losses do.
+- ``Aimv2Model`` (:class:`Aimv2Family`): CLIP-like, its forward clamps the log-scale to
+  ``[0, log(max_logit_scale)]`` before ``exp``.
+- ``AlignModel`` (:class:`AlignFamily`): CLIP-like, the scale is ``1 / temperature``, and its own
+  loss smooths the labels by 0.1.
+- ``ClapModel`` (:class:`ClapFamily`): audio-text (``input_features``, ``is_longer``), a log-scale
+  per term of its own loss (``logit_scale_a``, ``logit_scale_t``).
 - :class:`~hf_infcl.dual_encoder.DualEncoder` (:class:`DualEncoderFamily`), the text retriever of
   ``hf_infcl.dual_encoder``; its names (``DualEncoder``, ``DualEncoderConfig``,
   ``tokenize_texts``, ...) are re-exported here.
 
-Rows ("queries" of the loss contract) are images or queries; keys are texts or documents.
+Models whose embeddings of one side depend on the other side's inputs (``XCLIPModel``: text
+conditioned on the video; BridgeTower: cross-modal layers) are refused with the reason.
+
+Rows ("queries" of the loss contract) are images, audio clips or queries; keys are texts or
+documents.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +54,9 @@ __all__ = [
     "DualEncoderConfig",
     "DualEncoderOutput",
     "POOLINGS",
+    "Aimv2Family",
+    "AlignFamily",
+    "ClapFamily",
     "ClipFamily",
     "DualEncoderFamily",
     "ModelFamily",
@@ -50,6 +66,7 @@ __all__ = [
     "encode_keys",
     "encode_queries",
     "is_decoder_config",
+    "learned_log_scales",
     "logit_bias_of",
     "logit_scale_of",
     "model_family",
@@ -62,6 +79,8 @@ __all__ = [
 
 IMAGE_INPUTS = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
 TEXT_INPUTS = ("input_ids", "attention_mask", "position_ids", "token_type_ids")
+AUDIO_INPUTS = ("input_features", "is_longer")
+CLAP_TEXT_INPUTS = ("input_ids", "attention_mask", "position_ids")  # its forward passes extras to both towers
 QUERY_INPUTS = ("query_input_ids", "query_attention_mask", "query_token_type_ids")
 DOC_INPUTS = ("doc_input_ids", "doc_attention_mask", "doc_token_type_ids")
 
@@ -112,12 +131,15 @@ class ModelFamily:
         name: the family's model-card template (``hf_infcl.model_card.KINDS``).
         rows, keys: what the two sides are called in metric names (``eval_{rows}_to_{keys}_...``).
         inputs: the batch entries each tower reads.
+        label_smoothing: the label smoothing of the model's own loss (the Trainer's default).
     """
 
     name: str
     rows: str
     keys: str
     inputs: TowerInputs
+    REQUIRED: tuple[str, ...] = ()  # attributes a model of the family has
+    label_smoothing: float = 0.0
 
     def encode_rows(self, model, batch: dict) -> torch.Tensor:
         """L2-normalised row embeddings of ``batch`` (the feature method of the unwrapped model)."""
@@ -158,15 +180,45 @@ class ModelFamily:
         bias = getattr(unwrap_model(model), "logit_bias", None)
         return bias if isinstance(bias, torch.Tensor) else None
 
+    def scale_parameters(self, model) -> list[torch.Tensor]:
+        """The parameters behind the loss's scale(s), as the model holds them now, in the order
+        :meth:`scale_and_bias` and :meth:`loss` take their values."""
+        return [self.log_scale(model)]
+
     def loss_parameters(self, model, loss: str) -> list[torch.Tensor]:
-        """The parameters the loss reads directly: ``[log_scale]``, plus the bias for the
+        """The parameters the loss reads directly: :meth:`scale_parameters`, plus the bias for the
         ``"sigmoid"`` loss when the model has one. Parameters, not values: gradient caching and
-        FSDP2 need the objects the optimizer updates (:func:`scale_and_bias` makes the values)."""
-        params = [self.log_scale(model)]
+        FSDP2 need the objects the optimizer updates (:meth:`scale_and_bias` makes the values)."""
+        params = self.scale_parameters(model)
         bias = self.bias(model) if loss == "sigmoid" else None
         if bias is not None:
             params.append(bias)
         return params
+
+    def scale_and_bias(self, model, *values) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The loss's ``(scale, bias)`` as 0-d tensors from the values of :meth:`loss_parameters`
+        (whole values: under FSDP2 gathered, as ``cached_step`` hands them to the loss), taken as
+        the model's own forward takes them; differentiable. ``model`` gives the constants of the
+        transform (Aimv2's clamp), never the values."""
+        return scale_and_bias(*values)
+
+    def loss(self, model, contrastive, rows, keys, *values) -> torch.Tensor:
+        """The loss of ``rows`` against ``keys`` that the model's own ``return_loss=True``
+        computes, from ``contrastive(queries, keys, scale, bias, symmetric=...)`` (the caller's
+        configured :func:`hf_infcl.contrastive_loss`) and the values of :meth:`loss_parameters`."""
+        return contrastive(rows, keys, *self.scale_and_bias(model, *values))
+
+    def check_loss_options(self, loss: str, symmetric: bool) -> None:
+        """Raise ValueError for a ``contrastive_loss`` kind or ``symmetric`` setting this family's
+        loss does not define."""
+
+    def logged_scales(self, model, *values) -> dict[str, torch.Tensor]:
+        """The scale(s) to log, by name, from the values of :meth:`scale_parameters`."""
+        return {"logit_scale": self.scale_and_bias(model, *values)[0]}
+
+    def clamped_log_scales(self, model) -> list[torch.Tensor]:
+        """The learned log-scale parameters that a ``logit_scale_max`` clamp applies to."""
+        return self.scale_parameters(model)
 
 
 class ClipFamily(ModelFamily):
@@ -190,6 +242,91 @@ class ClipFamily(ModelFamily):
         return output.image_embeds, output.text_embeds
 
 
+class Aimv2Family(ClipFamily):
+    """``Aimv2Model``: its forward takes ``logit_scale.clamp(0, max_log_logit_scale).exp()`` (no
+    gradient reaches the parameter outside that range)."""
+
+    def scale_and_bias(self, model, log_scale, bias=None):
+        maximum = float(getattr(unwrap_model(model), "max_log_logit_scale", math.log(100.0)))
+        return scale_and_bias(log_scale.clamp(0.0, maximum), bias)
+
+
+class AlignFamily(ClipFamily):
+    """``AlignModel``: logits are ``similarity / temperature`` (a learned ``temperature``, not a
+    log-scale), and its own loss is the symmetric cross-entropy with ``label_smoothing=0.1``. The
+    temperature is left to the optimizer, as the model's own training leaves it (no clamp)."""
+
+    label_smoothing = 0.1
+    REQUIRED = ("get_image_features", "get_text_features", "temperature")
+
+    def scale_parameters(self, model):
+        return [unwrap_model(model).temperature]
+
+    def scale_and_bias(self, model, temperature, bias=None):
+        return 1.0 / temperature.reshape(()), None if bias is None else bias.reshape(())
+
+    def clamped_log_scales(self, model):
+        return []
+
+
+class ClapFamily(ModelFamily):
+    """``ClapModel`` (audio-text): ``get_audio_features`` (``input_features``, ``is_longer``) /
+    ``get_text_features``; rows are audio clips, keys texts. Its own loss has two terms, each with
+    its own learned log-scale: ``cross_entropy(logits_per_text)`` with ``logit_scale_t`` and
+    ``cross_entropy(logits_per_audio.t())`` with ``logit_scale_a``, averaged. Both rank the audio
+    clips for each text (``logits_per_audio.t()`` is the text-rows matrix again), so the loss
+    here is two text-to-audio passes, one per scale: the model's own, value and gradients."""
+
+    name, rows, keys = "clap", "audio", "text"
+    inputs = TowerInputs(AUDIO_INPUTS, CLAP_TEXT_INPUTS)
+    REQUIRED = ("get_audio_features", "get_text_features", "logit_scale_a", "logit_scale_t")
+
+    def encode_rows(self, model, batch):
+        features = _pooled(unwrap_model(model).get_audio_features(**_select(batch, AUDIO_INPUTS)))
+        return nn.functional.normalize(features, dim=-1)
+
+    def encode_keys(self, model, batch):
+        features = _pooled(unwrap_model(model).get_text_features(**_select(batch, CLAP_TEXT_INPUTS)))
+        return nn.functional.normalize(features, dim=-1)
+
+    def encode_pairs(self, model, batch):
+        output = model(**_select(batch, self.inputs.query + self.inputs.key))
+        return output.audio_embeds, output.text_embeds
+
+    def log_scale(self, model):
+        raise TypeError("ClapModel has a log-scale per term of its loss (logit_scale_a, logit_scale_t), "
+                        "not one logit_scale: use scale_parameters")
+
+    def bias(self, model):
+        return None
+
+    def scale_parameters(self, model):
+        inner = unwrap_model(model)
+        return [inner.logit_scale_a, inner.logit_scale_t]
+
+    def scale_and_bias(self, model, *values):
+        raise TypeError("ClapModel's loss uses two scales (logit_scale_a, logit_scale_t), one per term; "
+                        "ClapFamily.loss applies them")
+
+    def loss(self, model, contrastive, rows, keys, log_scale_audio, log_scale_text):
+        texts, audio = keys, rows
+        with_text_scale = contrastive(texts, audio, log_scale_text.reshape(()).exp(), None, symmetric=False)
+        with_audio_scale = contrastive(texts, audio, log_scale_audio.reshape(()).exp(), None, symmetric=False)
+        return (with_text_scale + with_audio_scale) / 2
+
+    def check_loss_options(self, loss, symmetric):
+        if loss != "softmax" or not symmetric:
+            raise ValueError(
+                "ClapModel trains with its own loss (two softmax terms, each with its own scale); "
+                f"contrastive_loss={loss!r} with symmetric={symmetric} is not defined for it: leave "
+                "contrastive_loss=None (or 'softmax') and symmetric=True"
+            )
+
+    def logged_scales(self, model, log_scale_audio, log_scale_text):
+        return {"logit_scale_audio": log_scale_audio.reshape(()).exp(),
+                "logit_scale_text": log_scale_text.reshape(()).exp()}
+
+
 class DualEncoderFamily(ModelFamily):
     """:class:`~hf_infcl.dual_encoder.DualEncoder`: ``query_*`` and ``doc_*`` inputs."""
 
@@ -211,6 +348,15 @@ class DualEncoderFamily(ModelFamily):
 
 CLIP_FAMILY = ClipFamily()
 DUAL_ENCODER_FAMILY = DualEncoderFamily()
+# Families whose forward takes the scale, the inputs or the loss otherwise, by config.model_type.
+FAMILIES = {"aimv2": Aimv2Family(), "align": AlignFamily(), "clap": ClapFamily()}
+# Contrastive models no adapter can take embeddings from, and why.
+UNSUPPORTED = {
+    "xclip": "its text embeddings are conditioned on the video (a prompt generator mixes each video's "
+             "features into every text), so a text has one embedding per video, not one per text",
+    "bridgetower": "its image and text embeddings come out of cross-modal layers in which each side "
+                   "attends to the other, so neither tower's embedding exists without its pair",
+}
 
 
 def model_family(model) -> ModelFamily:
@@ -218,13 +364,19 @@ def model_family(model) -> ModelFamily:
     inner = unwrap_model(model)
     if isinstance(inner, DualEncoder):
         return DUAL_ENCODER_FAMILY
-    missing = [name for name in ClipFamily.REQUIRED if not hasattr(inner, name)]
+    model_type = getattr(getattr(inner, "config", None), "model_type", None)
+    if model_type in UNSUPPORTED:
+        raise TypeError(f"{type(inner).__name__} is not a supported contrastive model: "
+                        f"{UNSUPPORTED[model_type]}. The loss needs two towers that embed each side alone")
+    family = FAMILIES.get(model_type, CLIP_FAMILY)
+    missing = [name for name in family.REQUIRED if not hasattr(inner, name)]
     if missing:
         raise TypeError(
             f"{type(inner).__name__} is not a supported contrastive model: it lacks {', '.join(missing)} "
-            "(use a CLIP-like model, e.g. CLIPModel, SiglipModel, VisionTextDualEncoderModel, or DualEncoder)"
+            "(use a CLIP-like model, e.g. CLIPModel, SiglipModel, VisionTextDualEncoderModel, AlignModel, "
+            "ClapModel, or DualEncoder)"
         )
-    return CLIP_FAMILY
+    return family
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,8 +384,9 @@ def model_family(model) -> ModelFamily:
 
 
 def scale_and_bias(log_scale: torch.Tensor, bias: torch.Tensor | None = None):
-    """The loss's values of its parameters: ``(exp(log_scale), bias)`` as 0-d tensors
-    (differentiable; 1-element parameters, as FSDP2 needs them, become 0-d)."""
+    """The loss's values of a log-scale and a bias: ``(exp(log_scale), bias)`` as 0-d tensors
+    (differentiable; 1-element parameters, as FSDP2 needs them, become 0-d). What CLIP's forward
+    does; a family that takes its scale otherwise says so in ``ModelFamily.scale_and_bias``."""
     return log_scale.reshape(()).exp(), None if bias is None else bias.reshape(())
 
 
@@ -248,8 +401,21 @@ def contrastive_loss_kind(model) -> str:
 
 
 def logit_scale_of(model) -> torch.Tensor:
-    """The multiplier of the logits, ``exp(logit_scale)`` (differentiable)."""
-    return scale_and_bias(model_family(model).log_scale(model))[0]
+    """The multiplier of the logits as the model's forward takes it (``exp(logit_scale)`` for
+    CLIP, clamped first for Aimv2, ``1 / temperature`` for ALIGN; differentiable). TypeError for
+    ClapModel, which has one per term of its loss."""
+    family = model_family(model)
+    return family.scale_and_bias(model, *family.scale_parameters(model))[0]
+
+
+def learned_log_scales(model) -> list[torch.Tensor]:
+    """The learned log-scale parameters of ``model`` that a ``logit_scale_max`` clamp applies to
+    (none for models no family fits, or whose scale is not a log-scale, as ALIGN's temperature)."""
+    try:
+        family = model_family(model)
+    except TypeError:
+        return []
+    return [param for param in family.clamped_log_scales(model) if param.requires_grad]
 
 
 def logit_bias_of(model) -> torch.Tensor | None:

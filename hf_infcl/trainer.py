@@ -16,10 +16,13 @@ The Trainer keeps its loop, checkpoints, logging and callbacks. This subclass ch
   positive); its predictions, which
   ``predict()`` returns, are the embeddings of both towers ``(rows, keys)``, with the labels,
   and ``compute_metrics`` gets them as an ``EvalPrediction``;
-- ``log``: adds the logit scale and the in-batch top-1 accuracy to every training log;
+- ``log``: adds the logit scale (CLAP: ``logit_scale_audio`` and ``logit_scale_text``) and the
+  in-batch top-1 accuracy to every training log;
 - a callback clamps the learned logit scale after each optimizer step (CLIP's log(100)).
 
-What it reads of the model goes through the model's family adapter (``hf_infcl.models``). Its
+What it reads of the model goes through the model's family adapter (``hf_infcl.models``): the
+scale as the model's own forward takes it, and the loss its own ``return_loss=True`` computes
+(ALIGN's label smoothing, CLAP's two scales) unless the arguments ask for another. Its
 arguments are ``hf_infcl.training_args`` (a plain ``TrainingArguments`` is converted), the
 clamp ``hf_infcl.callbacks``, the ranking ``hf_infcl.metrics`` and the card
 ``hf_infcl.model_card``; all four are usable without a Trainer.
@@ -47,7 +50,7 @@ from .batch_statistics import check_no_batch_statistics
 from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs
 from .grad_cache import cached_step, deepspeed_no_sync, fsdp_gather_once
-from .loss import _contrastive_loss
+from .loss import _contrastive_loss, check_label_smoothing
 from .metrics import (
     input_fingerprints,
     relevant_ranks,
@@ -61,7 +64,6 @@ from .models import (
     encode_keys,
     encode_queries,
     model_family,
-    scale_and_bias,
     unwrap_model,
 )
 from .sharding import full_value, keep_gathered_under_zero3, prepare_for_sharding, scalar_state_dict
@@ -76,11 +78,13 @@ ACCURACY_ROWS = 1024
 
 
 class InfCLTrainer(Trainer):
-    """Trains a CLIP-like model or a :class:`~hf_infcl.dual_encoder.DualEncoder` with the Inf-CL loss.
+    """Trains a CLIP-like model (ALIGN and Aimv2 too), a ``ClapModel`` or a
+    :class:`~hf_infcl.dual_encoder.DualEncoder` with the Inf-CL loss.
 
     Batches are dicts with the model's tower inputs (``pixel_values`` + ``input_ids``/
-    ``attention_mask``, or ``query_*`` + ``doc_*``); row i of one tower is the positive of row i of
-    the other. Everything else is the ``Trainer`` API.
+    ``attention_mask``; ``input_features`` (+ ``is_longer``) + ``input_ids``/``attention_mask`` for
+    CLAP; or ``query_*`` + ``doc_*``); row i of one tower is the positive of row i of the other.
+    Everything else is the ``Trainer`` API.
 
     ``args`` may be a plain ``TrainingArguments``: it is converted to ``InfCLTrainingArguments``
     with every field as the user set it and the contrastive fields at their defaults (a subclass
@@ -108,9 +112,13 @@ class InfCLTrainer(Trainer):
         if self.loss_kind == "softmax" and contrastive_loss_kind(self.model) == "sigmoid":
             warnings.warn("the model has a logit_bias (SigLIP) but contrastive_loss='softmax' ignores it; it "
                           "gets no gradient (with DDP, set ddp_find_unused_parameters=True)", stacklevel=2)
+        self.family.check_loss_options(self.loss_kind, args.symmetric)
+        self.label_smoothing = self._label_smoothing()
         if args.logit_scale_max is not None:
             self.add_callback(ClampLogitScale(args.logit_scale_max))
-        self._step_stats = None  # [sum of top-1 accuracy, sum of logit scale, steps] since the last log
+        # [sum of top-1 accuracy, sum of each logged scale (_scale_names), steps] since the last log
+        self._step_stats = None
+        self._scale_names = []
         self._chunk_graphs = None  # ChunkGraphs of the cached step, made at its first call
 
     def _check_combinations(self):
@@ -119,7 +127,8 @@ class InfCLTrainer(Trainer):
             raise ValueError("InfCLTrainer does not support torch.nn.DataParallel (several GPUs in one "
                              "process); launch one process per GPU with torchrun or accelerate launch")
         if args.label_smoothing_factor:
-            raise ValueError("label_smoothing_factor does not apply to the contrastive loss; leave it at 0")
+            raise ValueError("label_smoothing_factor smooths a classifier's labels and does not apply here; "
+                             "the contrastive loss's is label_smoothing (leave label_smoothing_factor at 0)")
         if args.chunk_size is not None and args.deepspeed and args.chunk_gradient_sync == "chunk":
             raise ValueError(
                 "chunk_gradient_sync='chunk' does not apply to DeepSpeed, which reduces gradients at its "
@@ -145,6 +154,22 @@ class InfCLTrainer(Trainer):
                 "contrastive batch, raise per_device_train_batch_size and set chunk_size instead.",
                 stacklevel=3,
             )
+
+    def _label_smoothing(self) -> float:
+        """``label_smoothing`` as set, else the model's own loss's (its softmax loss only)."""
+        given = self.args.label_smoothing
+        if given is not None:
+            check_label_smoothing(given, self.loss_kind, grouped=self.args.group_column is not None,
+                                  groups="group_column")
+            return given
+        own = self.family.label_smoothing if self.loss_kind == "softmax" else 0.0
+        if own and self.args.group_column is not None:
+            raise ValueError(
+                f"{type(unwrap_model(self.model)).__name__}'s own loss smooths its labels by {own} (what "
+                "label_smoothing=None takes), which is not defined with group_column (a row's candidates "
+                "would be its allowed keys only): set label_smoothing=0.0, or leave group_column unset"
+            )
+        return own
 
     def _is_fsdp2(self) -> bool:
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
@@ -198,21 +223,27 @@ class InfCLTrainer(Trainer):
             raise KeyError(f"group_column={column!r} is not in the batch (keys: {sorted(inputs)})")
         return torch.as_tensor(inputs[column]).to(device)
 
-    def _contrastive(self, queries, keys, groups, log_scale, bias=None, process_group="auto"):
+    def _contrastive(self, model, queries, keys, groups, *values, process_group="auto"):
+        """The family's loss (``ModelFamily.loss``: the model's own, from the values of its loss
+        parameters) over ``contrastive_loss`` with this run's options."""
         dtype = torch.promote_types(queries.dtype, keys.dtype)
-        # The options were checked once, by InfCLTrainingArguments (loss_kind: the model's or theirs).
-        return _contrastive_loss(
-            queries.to(dtype), keys.to(dtype), *scale_and_bias(log_scale, bias),
-            positives=None, query_groups=groups, key_groups=groups, process_group=process_group,
-            loss=self.loss_kind, symmetric=self.args.symmetric, reduction="mean",
-            backend=self.args.loss_backend, precision=self.args.precision, options_checked=True,
-        )
+
+        def configured_loss(rows, cols, scale, bias, symmetric=self.args.symmetric):
+            # The options were checked once, by InfCLTrainingArguments and _label_smoothing.
+            return _contrastive_loss(
+                rows.to(dtype), cols.to(dtype), scale, bias, positives=None, query_groups=groups,
+                key_groups=groups, process_group=process_group, loss=self.loss_kind, symmetric=symmetric,
+                reduction="mean", backend=self.args.loss_backend, precision=self.args.precision,
+                options_checked=True, label_smoothing=self.label_smoothing,
+            )
+
+        return self.family.loss(model, configured_loss, queries, keys, *values)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         self._keep_loss_params_gathered(model)
         queries, keys = self.family.encode_pairs(model, inputs)
         groups = self._groups(inputs, queries.device)
-        loss = self._contrastive(queries, keys, groups, *self._loss_params(model))
+        loss = self._contrastive(model, queries, keys, groups, *self._loss_params(model))
         if model.training:
             self._track(queries.detach(), keys.detach(), model, groups)
         if return_outputs:
@@ -263,7 +294,7 @@ class InfCLTrainer(Trainer):
             forward_context = self.accelerator.autocast
 
         def loss_fn(queries, keys, *params):
-            return self._contrastive(queries, keys, groups, *params)
+            return self._contrastive(model, queries, keys, groups, *params)
 
         def scale_for_backward(loss):
             # what Trainer.training_step + Accelerator.backward do to the loss before backward
@@ -355,9 +386,11 @@ class InfCLTrainer(Trainer):
         hits = (ranks == 0).sum()
         accuracy = torch.as_tensor(hits, dtype=torch.float32, device=queries.device) / queries.shape[0]
         # sharded by FSDP2 between steps: every rank takes part in the gather
-        log_scale = full_value(self.family.log_scale(model).detach())
-        scale = log_scale.float().exp().reshape(()).to(queries.device)
-        stats = torch.stack([accuracy, scale, torch.ones_like(scale)])
+        values = [full_value(param.detach()).float() for param in self.family.scale_parameters(model)]
+        scales = self.family.logged_scales(model, *values)
+        self._scale_names = list(scales)
+        scales = [scale.reshape(()).to(queries.device) for scale in scales.values()]
+        stats = torch.stack([accuracy, *scales, torch.ones_like(accuracy)])
         previous = self._step_stats
         self._step_stats = stats if previous is None else previous + stats.to(previous)
 
@@ -366,9 +399,10 @@ class InfCLTrainer(Trainer):
             stats = self._step_stats.to(self.args.device)
             if self.accelerator.num_processes > 1:
                 stats = self.accelerator.reduce(stats, reduction="sum")
-            accuracy, scale, count = stats.tolist()
+            accuracy, *scales, count = stats.tolist()
             logs["accuracy"] = accuracy / count
-            logs["logit_scale"] = scale / count
+            for name, scale in zip(self._scale_names, scales):
+                logs[name] = scale / count
             self._step_stats = None
         return super().log(logs, *args, **kwargs)
 
@@ -459,7 +493,7 @@ class InfCLTrainer(Trainer):
                 batch_keys = encode_keys(model, batch).float()
             batch_groups = self._groups(batch, batch_queries.device)
             with torch.no_grad():  # this process's batch alone, as the Trainer's prediction_step
-                batch_loss = self._contrastive(batch_queries, batch_keys, batch_groups, *params,
+                batch_loss = self._contrastive(model, batch_queries, batch_keys, batch_groups, *params,
                                                process_group=None)
             batch_losses.append(self.accelerator.gather_for_metrics(batch_loss.detach().reshape(1).repeat(
                 batch_size)))
@@ -493,7 +527,7 @@ class InfCLTrainer(Trainer):
         if args.logging_nan_inf_filter and finite.any():
             losses = losses[finite]
         with torch.no_grad():
-            whole_set_loss = self._contrastive(queries, keys, groups, *params, process_group=None)
+            whole_set_loss = self._contrastive(model, queries, keys, groups, *params, process_group=None)
         row, key = self.family.rows, self.family.keys
         predictions, label_ids = all_preds.get_arrays(), all_labels.get_arrays()
         metrics = {}

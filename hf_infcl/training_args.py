@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal, get_args
 from transformers import TrainingArguments
 
 from .grad_cache import check_chunk_size
+from .loss import check_label_smoothing
 from .ops.options import (
     BACKENDS,
     LOSSES,
@@ -72,6 +73,13 @@ def _optional_str(name: str, value) -> None:
 
 # The one check of each field InfCLTrainingArguments adds to TrainingArguments, run by its
 # __post_init__ in this order (tests/test_options.py fails for an added field missing here).
+def _optional_label_smoothing(name: str, value) -> None:
+    """None (the model's own loss's), or the loss's label smoothing (its one check; the loss kind
+    and the groups are checked with the model, by the Trainer)."""
+    if value is not None:
+        check_label_smoothing(value, "softmax", name=name)
+
+
 FIELD_CHECKS: dict[str, FieldCheck] = {
     "chunk_size": check_chunk_size,
     "offload": check_bool,
@@ -80,6 +88,7 @@ FIELD_CHECKS: dict[str, FieldCheck] = {
     "precision": _choice(PRECISIONS),
     "contrastive_loss": _choice(LOSSES, optional=True),
     "symmetric": check_bool,
+    "label_smoothing": _optional_label_smoothing,
     "logit_scale_max": _number(float, above=0, optional=True),
     "group_column": _optional_str,
     "chunk_gradient_sync": _choice(CHUNK_GRADIENT_SYNCS),
@@ -141,10 +150,17 @@ class InfCLTrainingArguments(TrainingArguments):
         default=True,
         metadata={"help": "Softmax loss: average the row->key and key->row directions, as CLIP does."},
     )
+    label_smoothing: float | None = field(
+        default=None,
+        metadata={"help": "Softmax loss: label smoothing of every cross-entropy term, in [0, 1], as "
+                          "torch.nn.functional.cross_entropy defines it (computed without the b x b matrix). "
+                          "None: the model's own loss's (0.1 for AlignModel, 0 otherwise)."},
+    )
     logit_scale_max: float | None = field(
         default=100.0,
-        metadata={"help": "Clamp the learned logit scale exp(logit_scale) to at most this after each "
-                          "optimizer step (CLIP uses 100). None disables the clamp."},
+        metadata={"help": "Clamp each learned log-scale so that the scale exp(logit_scale) is at most this "
+                          "after each optimizer step (CLIP uses 100; CLAP's two scales too; ALIGN's "
+                          "temperature is not clamped). None disables the clamp."},
     )
     group_column: str | None = field(
         default=None,

@@ -15,8 +15,11 @@ Cases:
 * ``compile-<loss>``: ``torch.compile(fullgraph=True)`` around the loss, values and gradients
   equal to eager and to float64.
 * ``trainer-<model>-<chunking>``: three bf16 steps of ``InfCLTrainer`` for CLIPModel, SiglipModel,
-  Siglip2Model (NaFlex batches, rows of different numbers of patches) and DualEncoder, each with a
-  learned scale, with and without ``chunk_size``, and with ``chunk_cuda_graphs``.
+  Siglip2Model (NaFlex batches, rows of different numbers of patches), DualEncoder, AlignModel (a
+  learned temperature, label smoothing) and ClapModel (audio-text, two learned scales), each with
+  a learned scale, with and without ``chunk_size``, and with ``chunk_cuda_graphs``. ALIGN's and
+  CLAP's BatchNorm layers are frozen (``freeze_batch_norm``) when chunked: gradient caching refuses
+  batch statistics.
 * ``accelerate-example``: 20 steps of ``accelerate launch examples/train_clip.py``.
 """
 
@@ -154,11 +157,15 @@ def run_compile_case(loss_name: str, m=4096, c=256):
 
 def run_trainer_case(model_name: str, chunk_size: int | None, cuda_graphs: bool = False):
     from hf_infcl import InfCLTrainer
+    from hf_infcl.batch_statistics import freeze_batch_norm
     from tests.trainer_fixtures import (
         PairDataset,
+        clap_batch,
         clip_batch,
         naflex_batch,
         pair_text_batch,
+        tiny_align,
+        tiny_clap,
         tiny_clip,
         tiny_dual_encoder,
         tiny_siglip,
@@ -168,10 +175,15 @@ def run_trainer_case(model_name: str, chunk_size: int | None, cuda_graphs: bool 
 
     build = {"clip": (tiny_clip, clip_batch), "siglip": (tiny_siglip, clip_batch),
              "siglip2": (tiny_siglip2, naflex_batch),
-             "dual-encoder": (lambda: tiny_dual_encoder(learn_scale=True), pair_text_batch)}[model_name]
+             "dual-encoder": (lambda: tiny_dual_encoder(learn_scale=True), pair_text_batch),
+             "align": (lambda: tiny_align(dropout=0.1), clip_batch),
+             "clap": (lambda: tiny_clap(dropout=0.1), clap_batch)}[model_name]
     model = build[0]()
+    if chunk_size is not None:
+        freeze_batch_norm(model)
     learned = {name: p.detach().clone() for name, p in model.named_parameters()
-               if name.split(".")[-1] in ("logit_scale", "logit_bias")}
+               if name.split(".")[-1] in ("logit_scale", "logit_bias", "temperature", "logit_scale_a",
+                                          "logit_scale_t")}
     assert learned, "the model has no learned scale"
     # bf16=True: every Linear of the towers must run under autocast, in every training path
     linear_dtypes = set()
@@ -220,7 +232,15 @@ def _cases():
         cases[f"first-sigmoid-step-{m}x{c}"] = (run_first_sigmoid_step, (m, c))
     for loss_name in ("softmax-sym", "sigmoid"):
         cases[f"compile-{loss_name}"] = (run_compile_case, (loss_name,))
-    for model_name in ("clip", "siglip", "siglip2", "dual-encoder"):
+    model_names = [
+        "clip",
+        "siglip",
+        "siglip2",
+        "dual-encoder",
+        "align",
+        "clap",
+    ]
+    for model_name in model_names:
         for chunk_size in (None, 16):
             name = f"trainer-{model_name}-" + ("whole-batch" if chunk_size is None else f"chunk{chunk_size}")
             cases[name] = (run_trainer_case, (model_name, chunk_size))

@@ -41,8 +41,13 @@ def contract_loss(
     hardness_strength=0.0,
     query_ids=None,
     key_owners=None,
+    label_smoothing=0.0,
 ):
-    """Return (loss, dict of gradients 'queries', 'keys', 'scale', 'bias') as float64 NumPy."""
+    """Return (loss, dict of gradients 'queries', 'keys', 'scale', 'bias') as float64 NumPy.
+
+    ``label_smoothing`` (softmax, no groups): each cross-entropy term's target is ``1 - eps`` on
+    the positive plus ``eps / N`` on each of its N candidates (all keys for the row term, all rows
+    for the column term)."""
     q = np.asarray(queries, dtype=np.float64)
     k = np.asarray(keys, dtype=np.float64)
     m, n_keys = q.shape[0], k.shape[0]
@@ -80,15 +85,19 @@ def contract_loss(
         half = 0.5 if symmetric else 1.0
         prob_row = np.where(allowed, np.exp(masked_row - row_lse[:, None]), 0.0)
         # dL/dz = w(P+ + [j positive key] P-) - w(1 + [symmetric]) [j = p(i)], w = half * weight
-        grad_z = half * weight[:, None] * prob_row
-        grad_z[np.arange(m), p] -= half * weight * (2.0 if symmetric else 1.0)
+        eps = label_smoothing
+        # smoothed targets: (1 - eps) on the positive, eps / N on each of the N candidates
+        grad_z = half * weight[:, None] * (prob_row - eps / n_keys)
+        grad_z[np.arange(m), p] -= half * weight * (1.0 - eps) * (2.0 if symmetric else 1.0)
+        row_term = row_term + eps * (z_pos - z.mean(axis=1))
         if symmetric:
             column_weight = np.zeros(n_keys)
             np.add.at(column_weight, p, half * weight)  # a key may be the positive of several rows
             with np.errstate(invalid="ignore"):
                 prob_col = np.where(allowed, np.exp(masked - col_lse[None, :]), 0.0)
-            grad_z += column_weight[None, :] * prob_col
-            per_row = (row_term + (col_lse[p] - z_pos)) / 2
+            grad_z += column_weight[None, :] * (prob_col - eps / m)
+            column_term = col_lse[p] - z_pos + eps * (z_pos - z.mean(axis=0)[p])
+            per_row = (row_term + column_term) / 2
         else:
             per_row = row_term
 

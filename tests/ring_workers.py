@@ -46,6 +46,7 @@ class Scenario:
     process_group: str = "auto"  # "auto", or "world" for dist.group.WORLD passed explicitly
     slice_bytes: int | None = None  # force the backward's key gradients to travel in many slices
     hardness: str | None = None  # a hardness_mode, with strength HARDNESS_STRENGTH
+    label_smoothing: float = 0.0
 
 
 SCENARIOS = {
@@ -84,6 +85,15 @@ SCENARIOS = {
     ),
     "hardness_all_negatives": Scenario(
         hardness="all_negatives", rows={2: (2, 4), 3: (2, 2, 1)}, keys={2: (5, 6), 3: (3, 4, 2)},
+    ),
+    # The mean key and query over the group (all-reduced, their gradient too): uneven ranks, hard
+    # negatives, a rank without rows (n=3).
+    "label_smoothing": Scenario(
+        label_smoothing=0.1, rows={2: (5, 2), 3: (3, 0, 2)}, keys={2: (7, 3), 3: (4, 2, 3)},
+    ),
+    "label_smoothing_one_direction": Scenario(
+        symmetric=False, label_smoothing=0.3, custom_positives=True, backend="torch",
+        rows={2: (2, 4), 3: (1, 3, 2)}, keys={2: (5, 6), 3: (3, 4, 4)},
     ),
 }
 HARDNESS_STRENGTH = 3.0
@@ -179,7 +189,7 @@ def train_step(model, batch, scenario, backend, process_group):
         queries, keys, scale, bias, loss=scenario.loss, symmetric=scenario.symmetric,
         positives=batch["positives"], query_groups=batch["query_groups"], key_groups=batch["key_groups"],
         reduction="mean", process_group=process_group, backend=backend,
-        **hardness_arguments(scenario.hardness, batch),
+        **hardness_arguments(scenario.hardness, batch), label_smoothing=scenario.label_smoothing,
     )
     loss.backward()
     module = getattr(model, "module", model)  # DDP wraps the encoder
@@ -266,6 +276,8 @@ def disagreement_cases(rank: int, world_size: int):
         "hardness_strength": lambda: contrastive_loss(
             _features(3), _features(3), hardness_mode="all_negatives", hardness_strength=2.0 + (rank == last),
             **ids, process_group="auto"),
+        "label_smoothing": lambda: contrastive_loss(
+            _features(3), _features(3), label_smoothing=0.1 if rank == 0 else 0.0, process_group="auto"),
         # One rank's own argument check fails: it raises its own error, the others are told.
         "bad_positives_on_one_rank": lambda: contrastive_loss(
             _features(3), _features(3), positives=torch.tensor([0, 1, 7 if rank == 1 else 2]),

@@ -4,6 +4,7 @@ values and gradients equal eager ones. The GPU counterpart (Triton kernels, auto
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 
@@ -97,6 +98,27 @@ def test_fullgraph_compile_with_hardness_equals_eager():
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     inputs = (q, k, log_scale, bias)
     _assert_same(_value_and_grads(compiled, *inputs), _value_and_grads(fn, *inputs), rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_fullgraph_compile_with_label_smoothing_equals_eager_and_cross_entropy(dtype):
+    """The smoothing terms (plain ops and RowDots around the custom op) trace into one graph;
+    bf16 features take RowDots' sliced upcast."""
+    torch._dynamo.reset()
+    q, k, log_scale, bias, extra = _inputs(groups=False)
+    q, k = q.to(dtype), k.to(dtype)
+    fn = _loss_fn(OPTIONS["softmax-sym"], {**extra, "label_smoothing": 0.1})
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    inputs = (q, k, log_scale.float() if dtype != torch.float64 else log_scale, bias)
+    value, grads = _value_and_grads(compiled, *inputs)
+    exact = dtype == torch.float64
+    _assert_same((value, grads), _value_and_grads(fn, *inputs), rtol=1e-12 if exact else 1e-6)
+    logits = log_scale.exp().double() * q.double() @ k.double().T
+    positives = extra["positives"]
+    cross_entropy = functools.partial(nn.functional.cross_entropy, label_smoothing=0.1)
+    columns = logits[:, positives].T
+    expected = (cross_entropy(logits, positives) + cross_entropy(columns, torch.arange(12))) / 2
+    torch.testing.assert_close(value.double(), expected, rtol=1e-10 if exact else 1e-5, atol=0)
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))

@@ -54,7 +54,7 @@ def run_backend(case, backend, *, loss, symmetric, reduction, use_bias):
     value = contrastive_loss(
         q, k, scale, bias, loss=loss, symmetric=symmetric, positives=case["positives"],
         query_groups=case["query_groups"], key_groups=case["key_groups"], reduction=reduction,
-        backend=backend, **case.get("hardness", {}),
+        backend=backend, **case.get("hardness", {}), label_smoothing=case.get("label_smoothing", 0.0),
     )
     total = value.sum() if reduction == "none" else value
     leaves = [q, k, scale] + ([bias] if use_bias else [])
@@ -70,7 +70,7 @@ def run_oracle(case, *, loss, symmetric, reduction, use_bias):
         case["bias"] if use_bias else None, loss=loss, symmetric=symmetric,
         positives=as_np(case["positives"]), query_groups=as_np(case["query_groups"]),
         key_groups=as_np(case["key_groups"]),
-        reduction=reduction,
+        reduction=reduction, label_smoothing=case.get("label_smoothing", 0.0),
         **{name: as_np(value) if torch.is_tensor(value) else value
            for name, value in case.get("hardness", {}).items()},
     )
@@ -489,3 +489,136 @@ def test_autocast_does_not_change_the_loss_or_its_gradients(backend, backward_in
     with torch.autocast("cpu", dtype=torch.bfloat16):
         autocast_logits = 30.0 * (q @ k.T)
     assert (autocast_logits.float() - 30.0 * (q @ k.T)).abs().max() > 1e-3
+
+
+# ---- label smoothing ------------------------------------------------------------------------
+
+SMOOTHING_SHAPES = [(1, 4, 3), (7, 7, 5), (9, 23, 6), (13, 40, 1)]
+
+
+def cross_entropy_loss(case, symmetric, label_smoothing, reduction, use_bias):
+    """torch.nn.functional.cross_entropy with label_smoothing on the materialised float64 logits:
+    rows over every key, columns (symmetric) over every row at each row's positive key."""
+    q = case["queries"].double().clone().requires_grad_(True)
+    k = case["keys"].double().clone().requires_grad_(True)
+    scale = torch.tensor(case["scale"], dtype=torch.float64, requires_grad=True)
+    bias = torch.tensor(case["bias"], dtype=torch.float64, requires_grad=True) if use_bias else None
+    m = q.shape[0]
+    positives = torch.arange(m) if case["positives"] is None else case["positives"]
+    logits = scale * q @ k.T + (0.0 if bias is None else bias)
+    per_row = torch.nn.functional.cross_entropy(logits, positives, reduction="none",
+                                                label_smoothing=label_smoothing)
+    if symmetric:
+        columns = torch.nn.functional.cross_entropy(logits[:, positives].T, torch.arange(m), reduction="none",
+                                                    label_smoothing=label_smoothing)
+        per_row = (per_row + columns) / 2
+    value = {"none": per_row, "sum": per_row.sum(), "mean": per_row.mean()}[reduction]
+    leaves = [q, k, scale] + ([bias] if use_bias else [])
+    grads = torch.autograd.grad(value.sum(), leaves)
+    return value.detach(), dict(zip(["queries", "keys", "scale", "bias"], (g.numpy() for g in grads)))
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS), ids=lambda b: f"backend-{b}")
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("shape", SMOOTHING_SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("custom_positives", [False, True], ids=["diag", "custom-positives"])
+def test_label_smoothing_is_cross_entropys(backend, symmetric, shape, custom_positives):
+    """contrastive_loss(label_smoothing=eps) is torch's cross_entropy(label_smoothing=eps) over the
+    materialised float64 logits, hard negatives among the row's candidates: the value and every
+    gradient (queries, keys, scale; the bias, which cancels, too); and the closed-form oracle."""
+    m, k, c = shape
+    seed = m * 1000 + k * 10 + c + 7 * custom_positives
+    case = make_case(m, k, c, custom_positives=custom_positives, seed=seed)
+    case["label_smoothing"] = 0.1 + 0.5 * random.Random(seed).random()
+    for reduction in ("mean", "none"):
+        value, grads = run_backend(case, BACKENDS[backend], loss="softmax", symmetric=symmetric,
+                                   reduction=reduction, use_bias=True)
+        expected, expected_grads = cross_entropy_loss(case, symmetric, case["label_smoothing"], reduction,
+                                                      use_bias=True)
+        torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12)
+        for name in ("queries", "keys", "scale"):
+            assert relative_error(grads[name], expected_grads[name]) < 1e-10, name
+        assert abs(float(grads["bias"])) < 1e-10 and abs(float(expected_grads["bias"])) < 1e-10
+    assert_matches_oracle(case, BACKENDS[backend], 1e-10, loss="softmax", symmetric=symmetric,
+                          reduction="sum", use_bias=False)
+    plain, _ = run_backend(dict(case, label_smoothing=0.0), BACKENDS[backend], loss="softmax",
+                           symmetric=symmetric, reduction="mean", use_bias=False)
+    smoothed, _ = run_backend(case, BACKENDS[backend], loss="softmax", symmetric=symmetric, reduction="mean",
+                              use_bias=False)
+    if m > 1:
+        assert abs(float(smoothed) - float(plain)) > 1e-3  # the smoothing changed the loss
+
+
+def test_label_smoothing_edges_and_the_module():
+    """eps = 0 is the plain loss bit for bit; eps = 1 is cross_entropy's all-uniform target; the
+    module takes label_smoothing like the function."""
+    case = make_case(8, 15, 4, custom_positives=True, seed=31)
+    for backend in BACKENDS.values():
+        plain = run_backend(case, backend, loss="softmax", symmetric=True, reduction="none", use_bias=False)
+        zero = run_backend(dict(case, label_smoothing=0.0), backend, loss="softmax", symmetric=True,
+                           reduction="none", use_bias=False)
+        assert torch.equal(plain[0], zero[0])
+        value, _ = run_backend(dict(case, label_smoothing=1.0), backend, loss="softmax", symmetric=True,
+                               reduction="mean", use_bias=False)
+        expected, _ = cross_entropy_loss(case, True, 1.0, "mean", use_bias=False)
+        torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12)
+    module = hf_infcl.InfCLLoss(case["scale"], label_smoothing=0.2, symmetric=False, backend=SMALL_TILES)
+    assert "label_smoothing=0.2" in repr(module)
+    expected, _ = cross_entropy_loss(case, False, 0.2, "mean", use_bias=False)
+    torch.testing.assert_close(module(case["queries"], case["keys"], positives=case["positives"]), expected,
+                               rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_label_smoothing_in_low_precision(dtype, monkeypatch):
+    """fp32 within 1e-5 and bf16 within 1e-2 of the float64 oracle; bf16 rows are taken to fp32 a
+    slice at a time (slices of 5 rows here), both in the forward and in the backward."""
+    from hf_infcl.ops import label_smoothing
+
+    monkeypatch.setattr(label_smoothing, "_SLICE_ROWS", 5)
+    case = make_case(23, 41, 16, custom_positives=True, seed=9, dtype=dtype)
+    case["label_smoothing"] = 0.1
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert_matches_oracle(case, TorchTiles(8, 16), tolerance, loss="softmax", symmetric=True,
+                          reduction="mean", use_bias=False)
+
+
+def test_label_smoothing_under_autocast_keeps_fp32():
+    """A bf16 autocast around the loss and its backward changes nothing (the mean logits too)."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.nn.functional.normalize(torch.randn(30, 16, generator=gen), dim=1)
+    k = torch.nn.functional.normalize(torch.randn(45, 16, generator=gen), dim=1)
+
+    def loss_and_grads(autocast):
+        qq, kk = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+        scale = torch.tensor(30.0, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            value = contrastive_loss(qq, kk, scale, label_smoothing=0.1)
+            value.backward()
+        return value.detach(), qq.grad, kk.grad, scale.grad
+
+    for expected, got in zip(loss_and_grads(False), loss_and_grads(True)):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("arguments, error, message", [
+    (dict(label_smoothing=1.5), ValueError, r"label_smoothing must be in \[0, 1\], got 1.5"),
+    (dict(label_smoothing=-0.1), ValueError, r"label_smoothing must be in \[0, 1\]"),
+    (dict(label_smoothing=float("nan")), ValueError, r"label_smoothing must be in \[0, 1\]"),
+    (dict(label_smoothing="0.1"), TypeError, "label_smoothing must be a float"),
+    (dict(label_smoothing=True), TypeError, "label_smoothing must be a float"),
+    (dict(label_smoothing=0.1, loss="sigmoid"), ValueError, "label_smoothing=0.1 needs loss='softmax'"),
+    (dict(label_smoothing=0.1, query_groups=torch.arange(4), key_groups=torch.arange(6)), ValueError,
+     "label_smoothing=0.1 is not defined with query_groups/key_groups"),
+    (dict(label_smoothing=0.1, hardness_mode="all_negatives", hardness_strength=1.0,
+          query_ids=torch.arange(4), key_owners=torch.arange(6)),
+     ValueError, "label_smoothing=0.1 is not defined with a hardness offset"),
+], ids=["above-one", "negative", "nan", "string", "bool", "sigmoid", "groups", "hardness"])
+def test_label_smoothing_refuses_what_it_does_not_define(arguments, error, message):
+    q, k = torch.randn(4, 3), torch.randn(6, 3)
+    with pytest.raises(error, match=message):
+        contrastive_loss(q, k, 2.0, **arguments)
+    module_options = {name: arguments[name] for name in ("label_smoothing", "loss") if name in arguments}
+    if len(module_options) == len(arguments):  # the module takes no groups or hardness ids at init
+        with pytest.raises(error, match=message):
+            hf_infcl.InfCLLoss(2.0, **module_options)

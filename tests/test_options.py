@@ -91,13 +91,13 @@ def test_parser_lists_the_choices_of_the_trainer_options():
     assert tuple(choices["chunk_gradient_sync"]) == ("step", "chunk")
 
 
-@pytest.mark.parametrize("name", ["chunk_size", "logit_scale_max", "eval_block_rows"])
+@pytest.mark.parametrize("name", ["chunk_size", "logit_scale_max", "eval_block_rows", "label_smoothing"])
 def test_the_numeric_fields_the_trainer_arguments_check_themselves(tmp_path, name):
     """The examples leave these to InfCLTrainingArguments (its checked_numeric_fields)."""
     from hf_infcl import InfCLTrainingArguments
 
     assert name in InfCLTrainingArguments.checked_numeric_fields
-    value = 0.0 if name == "logit_scale_max" else 0
+    value = {"logit_scale_max": 0.0, "label_smoothing": 1.5}.get(name, 0)
     with pytest.raises(ValueError, match=name):
         InfCLTrainingArguments(output_dir=str(tmp_path), use_cpu=True, **{name: value})
 

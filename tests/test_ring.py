@@ -117,6 +117,7 @@ SAME_ERROR_EVERYWHERE = {
     "reduction": "disagree on reduction",
     "hardness_mode": "disagree on hardness_mode",
     "hardness_strength": "disagree on hardness_strength",
+    "label_smoothing": "disagree on label_smoothing",
     "no_rows_anywhere": "no rank of the process group has any rows",
 }
 

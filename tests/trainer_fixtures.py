@@ -337,3 +337,70 @@ def tiny_groupvit(seed: int = 0):
     config = GroupViTConfig(text_config=text, vision_config=vision, projection_dim=8,
                             projection_intermediate_dim=16)
     return GroupViTModel(config).train()
+
+
+# ---- more contrastive families of transformers (tiny configs, dropout off) -----------------------
+
+TINY_TEXT = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                 num_attention_heads=2)
+
+
+def tiny_aimv2(seed: int = 0):
+    """A tiny Aimv2Model for 8x8 one-channel images (eos id 2, where clip_batch ends each text)."""
+    from transformers import Aimv2Config, Aimv2Model
+
+    text = dict(TINY_TEXT, max_position_embeddings=16, eos_token_id=2)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=8, patch_size=4, num_channels=1)
+    torch.manual_seed(seed)
+    return Aimv2Model(Aimv2Config(text_config=text, vision_config=vision, projection_dim=8)).train()
+
+
+def tiny_align(seed: int = 0, dropout: float = 0.0):
+    """A tiny AlignModel (an EfficientNet image tower with BatchNorm, a BERT text tower, a learned
+    temperature) for 8x8 one-channel images."""
+    from transformers import AlignConfig, AlignModel
+
+    text = dict(TINY_TEXT, max_position_embeddings=16, hidden_dropout_prob=dropout,
+                attention_probs_dropout_prob=dropout)
+    vision = dict(num_channels=1, image_size=8, width_coefficient=0.25, depth_coefficient=0.25,
+                  kernel_sizes=[3, 3], in_channels=[32, 16], out_channels=[16, 24], strides=[1, 2],
+                  num_block_repeats=[1, 1], expand_ratios=[1, 2], hidden_dim=32, drop_connect_rate=dropout,
+                  depthwise_padding=[])
+    torch.manual_seed(seed)
+    return AlignModel(AlignConfig(text_config=text, vision_config=vision, projection_dim=8)).train()
+
+
+def tiny_clap(seed: int = 0, dropout: float = 0.0):
+    """A tiny ClapModel: an HTSAT audio tower (BatchNorm over 8 mel bins, 16 frames) and a RoBERTa
+    text tower, with its two learned log-scales moved apart (audio 2.3, text 2.9) so that a loss
+    taking one for the other is told apart."""
+    from transformers import ClapConfig, ClapModel
+
+    text = dict(TINY_TEXT, max_position_embeddings=20, hidden_dropout_prob=dropout,
+                attention_probs_dropout_prob=dropout)
+    audio = dict(window_size=2, num_mel_bins=8, spec_size=16, patch_size=2, patch_stride=(2, 2),
+                 hidden_size=32, depths=[1, 1], num_attention_heads=[2, 2], patch_embeds_hidden_size=16,
+                 hidden_dropout_prob=dropout, num_hidden_layers=2, enable_fusion=False)
+    torch.manual_seed(seed)
+    model = ClapModel(ClapConfig(text_config=text, audio_config=audio, projection_dim=8))
+    with torch.no_grad():
+        model.logit_scale_a.fill_(2.3)
+        model.logit_scale_t.fill_(2.9)
+    return model.train()
+
+
+def clap_batch(batch: int, seed: int = 1, seq_len: int = 6, vocab_size: int = 40):
+    """Random log-mel features ``[batch, 1, 16, 8]``, ``is_longer`` flags and token ids (RoBERTa's
+    bos 0 first, eos 2 last, pad 1) for a tiny ClapModel."""
+    generator = torch.Generator().manual_seed(seed)
+    input_features = torch.randn(batch, 1, 16, 8, generator=generator)
+    is_longer = torch.rand(batch, 1, generator=generator) < 0.5
+    input_ids = torch.randint(3, vocab_size, (batch, seq_len), generator=generator)
+    lengths = torch.randint(3, seq_len + 1, (batch,), generator=generator)
+    attention_mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
+    input_ids = torch.where(attention_mask.bool(), input_ids, torch.ones_like(input_ids))
+    input_ids[:, 0] = 0
+    input_ids[torch.arange(batch), lengths - 1] = 2
+    return {"input_features": input_features, "is_longer": is_longer, "input_ids": input_ids,
+            "attention_mask": attention_mask}

@@ -84,6 +84,7 @@ def loss_and_grads(case, dtype, backend, *, loss, symmetric, use_bias, precision
         q, k, scale, bias, loss=loss, symmetric=symmetric, positives=case["positives"],
         query_groups=case["query_groups"], key_groups=case["key_groups"], reduction=reduction,
         backend=backend, precision=precision, **case.get("hardness", {}),
+        label_smoothing=case.get("label_smoothing", 0.0),
     )
     if reduction == "none":
         total = (per_row.double() * case["row_weights"]).sum()
@@ -239,6 +240,22 @@ def test_hardness_offset_matches_float64_reference(hardness_mode, shape, loss_na
     case = with_hardness(case, hardness_mode, 4.0, seed)
     options = LOSSES[loss_name]
     errors = errors_against_reference(case, dtype, blocks, precision, options)
+    assert max(errors.values()) < TOLERANCE[mode], (seed, mode, errors)
+
+
+@pytest.mark.parametrize("loss_name", ["softmax-sym", "softmax-asym"])
+@pytest.mark.parametrize("shape", [(1, 6, 40), (7, 19, 40), (33, 71, 3), (19, 45, 32)],
+                         ids=["m1-k6-c40", "m7-k19-c40", "m33-k71-c3", "m19-k45-c32"])
+def test_label_smoothing_matches_float64_reference(shape, loss_name):
+    """Label smoothing (added outside the kernels, from the mean key and query) over the Triton
+    statistics: hard negatives, custom positives, each case in one of the precision modes."""
+    index = [(1, 6, 40), (7, 19, 40), (33, 71, 3), (19, 45, 32)].index(shape) + (loss_name == "softmax-sym")
+    mode = list(MODES)[index % len(MODES)]
+    dtype, precision, blocks = MODES[mode]
+    seed = random.randrange(2**31)
+    case = random_case(*shape, groups=False, custom_positives=shape[0] > 1, seed=seed)
+    case["label_smoothing"] = 0.1 + 0.8 * random.Random(seed).random()
+    errors = errors_against_reference(case, dtype, blocks, precision, LOSSES[loss_name])
     assert max(errors.values()) < TOLERANCE[mode], (seed, mode, errors)
 
 

@@ -1,6 +1,7 @@
 """Numerics of the loss, with no Hugging Face imports: the reference, the tiled PyTorch block
 ops, the fused Triton block ops, and the one autograd Function that drives them over a schedule of
-key blocks (one block in one process, travelling blocks in a ring)."""
+key blocks (one block in one process, travelling blocks in a ring), and the label smoothing
+terms computed beside them from the mean key and query."""
 
 import sys
 

@@ -46,7 +46,7 @@ class LogitStats(NamedTuple):
 
 def logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups, spec: StatsSpec,
                 backend, *, group=None, reduction: str = "mean", validate: bool = False, query_ids=None,
-                key_owners=None) -> LogitStats:
+                key_owners=None, label_smoothing: float = 0.0) -> LogitStats:
     """The statistics of ``spec`` over this process's rows against every key of ``group``.
 
     Args:
@@ -61,10 +61,13 @@ def logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups,
             why one process always does). The Triton block ops make them as late as that allows
             (``calls_before_first_kernel``).
         query_ids, key_owners: the hardness offset's ids (``spec.hardness``), or None.
+        label_smoothing: the loss's, which the statistics do not use; the ring checks that every
+            rank asks for the same (the smoothing's all-reduce follows on every rank or on none).
     """
     labels = (query_groups, key_groups, query_ids, key_owners)
     if group is not None:
-        return _ring_stats(group, queries, keys, scale, bias, positives, labels, spec, backend, reduction)
+        return _ring_stats(group, queries, keys, scale, bias, positives, labels, spec, backend, reduction,
+                           label_smoothing)
     if isinstance(backend, str) and torch.compiler.is_compiling():
         row_stat, col_stat, positive_logit, *_unit_gradients = custom_ops.logit_stats(
             queries, keys, scale, bias, positives, query_groups, key_groups, spec.loss, spec.columns,
@@ -94,10 +97,10 @@ def _block_ops_stats(queries, keys, scale, bias, positives, labels, spec, ops, v
 
 @torch.compiler.disable
 def _ring_stats(group, queries, keys, scale, bias, positives, labels, spec, backend,
-                reduction) -> LogitStats:
+                reduction, label_smoothing) -> LogitStats:
     query_groups = labels[0]
     layout = ring.exchange_layout(group, queries, keys, spec, bias is not None, query_groups is not None,
-                                  reduction)
+                                  reduction, label_smoothing)
     row_stat, col_stat, positive_logit = KeyBlockLogitStats.apply(
         queries, keys, scale, bias, positives, *labels, spec, select_block_ops(backend, queries.device),
         layout,

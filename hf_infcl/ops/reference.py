@@ -25,11 +25,13 @@ def per_row_loss(
     hardness_strength: float = 0.0,
     query_ids: torch.Tensor | None = None,
     key_owners: torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """Per-row loss l_i [m] of one process's rows against its keys.
 
     Computes in float64 for float64 inputs and in float32 otherwise; differentiable with
-    ordinary autograd.
+    ordinary autograd. ``label_smoothing`` (softmax, no groups, no hardness offset) as
+    ``torch.nn.functional.cross_entropy`` defines it, each term over all of its candidates.
     """
     compute_dtype = torch.float64 if queries.dtype == torch.float64 else torch.float32
     q = queries.to(compute_dtype)
@@ -67,10 +69,15 @@ def per_row_loss(
         selected = _hardness_selection(hardness_mode, query_ids, key_owners, is_positive)
         row_logits = masked + torch.where(selected, offset, torch.zeros_like(offset))
     row_term = torch.logsumexp(row_logits, dim=1) - positive_logit
+    eps = label_smoothing
+    if eps:  # the target (1 - eps) on the positive plus eps / N on every one of the N candidates
+        row_term = (1 - eps) * row_term + eps * (row_term + positive_logit - z.mean(dim=1))
     if not symmetric:
         return row_term
     column_lse = torch.logsumexp(masked, dim=0)  # over the rows allowed for each key
     column_term = column_lse[positives] - positive_logit
+    if eps:
+        column_term = (1 - eps) * column_term + eps * (column_lse[positives] - z.mean(dim=0)[positives])
     return (row_term + column_term) / 2
 
 

@@ -56,9 +56,9 @@ from .spec import BlockOps, PairLabels, StatsSpec, accumulation_dtype, empty_row
 # integer, exact in a double).
 _LAYOUT_FIELDS = (
     "ok", "rows", "keys", "width", "dtype", "loss", "columns", "precision", "device_type",
-    "has_bias", "has_groups", "reduction", "hardness", "hardness_strength",
+    "has_bias", "has_groups", "reduction", "hardness", "hardness_strength", "label_smoothing",
 )
-_FLOAT_FIELDS = ("hardness_strength",)  # the others are small integers
+_FLOAT_FIELDS = ("hardness_strength", "label_smoothing")  # the others are small integers
 # The options' codes come from their vocabularies (hf_infcl.ops.options); the dtype and device codes
 # are the ring's own.
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -174,7 +174,7 @@ def announce_rejected_arguments(group, device: torch.device | None = None) -> No
 
 
 def exchange_layout(group, queries, keys, spec: StatsSpec, has_bias: bool, has_groups: bool,
-                    reduction: str = "mean") -> RingLayout:
+                    reduction: str = "mean", label_smoothing: float = 0.0) -> RingLayout:
     """Exchange sizes and options with every rank of ``group``; raise the same error everywhere
     when they disagree."""
     values = {
@@ -192,6 +192,7 @@ def exchange_layout(group, queries, keys, spec: StatsSpec, has_bias: bool, has_g
         "reduction": _REDUCTION_CODES.get(reduction, 99),
         "hardness": _HARDNESS_CODES[spec.hardness if spec.offsets else None],
         "hardness_strength": spec.hardness_strength if spec.offsets else 0.0,
+        "label_smoothing": label_smoothing,
     }
     table = _all_gather_layout(
         group, [float(values[name]) for name in _LAYOUT_FIELDS], _metadata_device(group, queries.device)
@@ -238,6 +239,7 @@ def _check_agreement(columns: dict[str, list[int]]) -> None:
         "reduction": ("reduction", _decoder(_REDUCTION_CODES)),
         "hardness": ("hardness_mode", _decoder(_HARDNESS_CODES)),
         "hardness_strength": ("hardness_strength", str),
+        "label_smoothing": ("label_smoothing", str),
     }
     for field, (what, decode) in names.items():
         if len(set(columns[field])) > 1:
