@@ -34,7 +34,7 @@ from .ops.options import (  # noqa: F401  (the vocabularies, re-exported: hf_inf
     check_option,
 )
 from .ops.spec import BlockOps, StatsSpec, accumulation_dtype, resolve_precision
-from .ops.spec import check_values as _check_values
+from .ops.value_check import check_values as _check_values
 
 
 def contrastive_loss(
@@ -119,11 +119,8 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
     group, world_size = _resolve_process_group(process_group)
     in_ring = world_size > 1
     # One process makes the checks that read values (scale > 0, positives in range) where the
-    # statistics start (inside the custom op when compiled), still before the first kernel:
-    # under torch.compile they would break the graph here, and in eager mode their host
-    # synchronisation then comes later, so the GPU (drained by it) waits on less host work before
-    # the loss's first kernel (benchmarks/triton_notes.md). The ring checks here: every rank
-    # must agree.
+    # statistics start, still before the first kernel (hf_infcl.ops.value_check says why); under
+    # torch.compile they would break the graph here. The ring checks here: every rank must agree.
     deferred = not in_ring
     device = queries.device if torch.is_tensor(queries) else None
     with announcing_rejections(group if in_ring else None, device):

@@ -132,7 +132,7 @@ def _check_against_float64(m, k, c, dtype_name, loss_name, groups, backend, hard
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[_case_id(c) for c in GPU_CASES])
 def test_gpu_matches_float64_reference(case):
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     # Small super-tiles and column-partial buffers: several super-tiles and several row chunks of
     # the fused forward per problem, so the accumulation across them is exercised.
@@ -150,7 +150,7 @@ def test_gpu_sigmoid_one_pass_matches_float64_reference(case, route):
     """The sigmoid loss's one pass (a mean: gradients computed in the forward) by each route to
     the dot products: the default (the Gluon kernel on Hopper for half-precision inputs without a
     mask, else cuBLAS), cuBLAS and the elementwise kernel, or the fused kernel."""
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     blocks = TritonBlocks(tile_rows=1536, tile_keys=2560, poison=True, sigmoid_logits=route)
     for reduction in ("mean", "sum"):
@@ -176,7 +176,7 @@ HARDNESS_CASES = [
 def test_gpu_hardness_offset_matches_float64_reference(case):
     """The in-kernel hardness offset (HARDNESS specialisations of both kernels) against the tiled
     float64 backend, fused and two-pass forwards and the TF32 emulation through scaled fp16."""
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     *problem, hardness_mode = case
     blocks = TritonBlocks(tile_rows=1536, tile_keys=2560, poison=True, column_buffer_entries=2**15)
@@ -199,7 +199,7 @@ TWO_PASS_CASES = [
 @pytest.mark.parametrize("case", TWO_PASS_CASES, ids=[_case_id(c) for c in TWO_PASS_CASES])
 def test_gpu_two_pass_forward_matches_float64_reference(case):
     """The column statistic from its own column-major pass (fused_columns=False)."""
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     _check_against_float64(*case, backend=TritonBlocks(poison=True, fused_columns=False))
 
@@ -208,7 +208,7 @@ def test_gpu_two_pass_forward_matches_float64_reference(case):
 @pytest.mark.parametrize("groups", [False, True], ids=["nogroups", "groups"])
 def test_gpu_tf32_via_fp16_matches_float64_reference(groups):
     """The opt-in TF32 emulation: fp32 inputs as scaled fp16 copies (tf32_via_fp16=True)."""
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     _check_against_float64(1000, 3000, 257, "tf32", "softmax-sym", groups,
                            backend=TritonBlocks(poison=True, tf32_via_fp16=True))
@@ -220,7 +220,7 @@ def test_gpu_first_call_that_autotunes_is_correct(tmp_path, monkeypatch):
     buffers (the column partials, the row sums). A width no other test uses makes this call the
     first of its tuning key in this process, and an empty tuning store (``HF_INFCL_CACHE``) the
     first on this machine. Meaningful when run without HF_INFCL_TRITON_AUTOTUNE=0."""
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     monkeypatch.setenv("HF_INFCL_CACHE", str(tmp_path))
 
@@ -233,7 +233,7 @@ def test_gpu_clip_scale_100_matches_float64_reference(dtype_name):
     """CLIP's largest logit scale (100) with confident and unconfident rows: logits spread over
     ~200, so some tiles take the kernels' exact paths (a second exponential) and others the
     one-exponential shortcut; both must agree with float64."""
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     dtype, precision = DTYPES[dtype_name]
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ()).item()))
@@ -277,14 +277,14 @@ def test_gpu_backend_name_with_mean_reduction():
 @pytest.mark.slow
 def test_gpu_70k_by_70k_bf16():
     """m * k = 4.9e9 > 2^31 logits: int64 indexing, many super-tiles, split-free row blocks."""
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     _check_against_float64(70_000, 70_000, 64, "bf16", "softmax-sym", True, backend=TritonBlocks(poison=True))
 
 
 def test_round_to_tf32_rounds_to_nearest():
     """The pre-rounding that makes Triton's truncating TF32 dot unbiased (CPU: no kernel runs)."""
-    from hf_infcl.ops.triton_blocks import round_to_tf32
+    from hf_infcl.ops.triton.operands import round_to_tf32
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(100_000, generator=gen) * torch.logspace(-30, 30, 100_000).to(torch.float32)
@@ -311,7 +311,7 @@ def test_gpu_fp32_loss_is_unbiased_on_a_peaked_softmax(variant):
     over 4096 rows and 8192 keys, a bias does not: on an H100 the mean loss was 1.9e-4 from
     float64 without the round-to-nearest of the operands and 1.5e-7 with it (gradients 1.8e-4 and
     2.4e-5)."""
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ()).item()))
     m, c = 4096, 256

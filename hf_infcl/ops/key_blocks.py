@@ -34,14 +34,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from .spec import (
-    BlockOps,
-    PairLabels,
-    StatsSpec,
-    accumulation_dtype,
-    before_first_kernel_keyword,
-    takes_one_pass,
-)
+from .spec import BlockOps, PairLabels, StatsSpec, accumulation_dtype, takes_one_pass
 
 # Row chunks for the O(m c) epilogues, so they allocate no full-size fp32 temporaries.
 _EPILOGUE_ELEMENTS = 2**22
@@ -74,25 +67,20 @@ class UnitGradients(NamedTuple):
 
 
 def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
-                  positives, labels: PairLabels, before_first_kernel=None):
+                  positives, labels: PairLabels):
     """(row_stat [m], col_stat [k] or empty, positive_logit [m], unit gradients or None) of this
     process's rows and keys over every key and row of the schedule; ``labels`` without the
     positives' global indices, which are added here.
 
     With ``spec.gradients_in_forward`` (and a schedule and block ops that offer it) the same pass
-    also gives the :class:`UnitGradients`, which the backward then only scales.
-
-    ``before_first_kernel``: handed to a one-process schedule whose block ops take it
-    (:func:`~hf_infcl.ops.spec.calls_before_first_kernel`)."""
+    also gives the :class:`UnitGradients`, which the backward then only scales."""
     labels = _with_positive_keys(schedule, positives, labels)
     unit = None
-    before = before_first_kernel_keyword(before_first_kernel)
     if one_pass(spec, schedule, ops):
-        row_stat, unit = schedule.forward_with_gradients(spec, ops, queries, keys, scale, bias, labels,
-                                                         **before)
+        row_stat, unit = schedule.forward_with_gradients(spec, ops, queries, keys, scale, bias, labels)
         col_stat = None
     else:
-        row_stat, col_stat = schedule.forward_stats(spec, ops, queries, keys, scale, bias, labels, **before)
+        row_stat, col_stat = schedule.forward_stats(spec, ops, queries, keys, scale, bias, labels)
     if col_stat is None:
         col_stat = row_stat.new_empty(0)
     return row_stat, col_stat, positive_logits(queries, keys, positives, scale, bias, row_combiner(ops)), unit
@@ -146,10 +134,10 @@ class KeyBlockLogitStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, queries, keys, scale, bias, positives, query_groups, key_groups, query_ids, key_owners,
-                spec: StatsSpec, ops: BlockOps, schedule: KeyBlockSchedule, before_first_kernel=None):
+                spec: StatsSpec, ops: BlockOps, schedule: KeyBlockSchedule):
         labels = PairLabels(query_groups, key_groups, query_ids, key_owners)
         row_stat, col_stat, positive_logit, unit = stats_forward(schedule, spec, ops, queries, keys, scale,
-                                                                 bias, positives, labels, before_first_kernel)
+                                                                 bias, positives, labels)
         ctx.save_for_backward(queries, keys, scale, bias, positives, query_groups, key_groups, query_ids,
                               key_owners, row_stat, col_stat)
         ctx.spec, ctx.ops, ctx.schedule, ctx.unit = spec, ops, schedule, unit
@@ -166,7 +154,7 @@ class KeyBlockLogitStats(torch.autograd.Function):
             grads = stats_backward(ctx.schedule, ctx.spec, ctx.ops, queries, keys, scale, bias, positives,
                                    labels, row_stat, col_stat, grad_row_stat, grad_col_stat,
                                    grad_positive_logit, needs=ctx.needs_input_grad[:4], unit=ctx.unit)
-        return (*grads, None, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def _row_chunks(rows: int, width: int):

@@ -12,14 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .key_blocks import UnitGradients
-from .spec import (
-    BlockOps,
-    OnePassSigmoidOps,
-    PairLabels,
-    StatsSpec,
-    accumulation_dtype,
-    before_first_kernel_keyword,
-)
+from .spec import BlockOps, OnePassSigmoidOps, PairLabels, StatsSpec, accumulation_dtype
 
 
 @dataclass(frozen=True)
@@ -31,12 +24,9 @@ class SingleBlock:
     def key_offset(self, rank: int) -> int:
         return 0
 
-    def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels,
-                      before_first_kernel=None):
-        """``before_first_kernel``: for block ops that take it (``calls_before_first_kernel``)."""
+    def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels):
         mask, hardness = _own_block(spec, labels)
-        return ops.forward_block(spec, queries, keys, scale, bias, mask, hardness=hardness,
-                                 **before_first_kernel_keyword(before_first_kernel))
+        return ops.forward_block(spec, queries, keys, scale, bias, mask, hardness=hardness)
 
     def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
                               labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat):
@@ -62,7 +52,7 @@ class SingleBlock:
         return grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums
 
     def forward_with_gradients(self, spec: StatsSpec, ops: OnePassSigmoidOps, queries, keys, scale, bias,
-                               labels: PairLabels, before_first_kernel=None):
+                               labels: PairLabels):
         """The sigmoid loss's one pass: (row_stat, unit-weight gradients), see
         :class:`~hf_infcl.ops.key_blocks.UnitGradients`."""
         acc = accumulation_dtype(queries.dtype)
@@ -70,8 +60,7 @@ class SingleBlock:
         grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
         row_stat, row_sums = ops.forward_backward_block(spec, queries, keys, scale, bias,
                                                         labels.mask(labels.key_groups, 0), grad_queries,
-                                                        grad_keys,
-                                                        **before_first_kernel_keyword(before_first_kernel))
+                                                        grad_keys)
         return row_stat, UnitGradients(grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums)
 
 
