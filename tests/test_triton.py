@@ -332,3 +332,94 @@ def test_gpu_fp32_loss_is_unbiased_on_a_peaked_softmax(variant):
     errors = [float((a - b).norm() / b.norm()) for a, b in zip(got, expected)]
     print(variant, "loss, queries, keys, scale relative errors:", errors)
     assert errors[0] < 2e-5 and max(errors[1:]) < 1e-4, errors
+
+
+# ----------------------------------------------------------------------------------------------
+# The launch past the autotuner (hf_infcl.ops.triton.launch): every launch of the gradient-tile
+# kernel after a super-tile's first takes it, so it must write what a plain launch writes.
+
+# (rows, keys, c, dtype, options): ragged tiles with every label and both directions, whole tiles
+# (the unmasked FULL / EVEN_K specialisations) of the sigmoid one pass with G scaled.
+LAUNCH_CASES = {
+    "softmax-columns-groups-hardness-r37-k45-c20-fp32": (37, 45, 20, torch.float32, "softmax"),
+    "sigmoid-one-pass-scaled-r32-k64-c32-fp16": (32, 64, 32, torch.float16, "one-pass"),
+}
+
+
+def grad_tile_launcher(case: str, device: str):
+    """A launch of the gradient-tile kernel for ``case`` of :data:`LAUNCH_CASES` on fresh random
+    inputs: ``launch(config)`` writes into fresh buffers (G poisoned with NaN) and returns (G, row
+    sums, softplus sums, the configuration the launch returned)."""
+    from hf_infcl.ops.triton.grad_tile import grad_tile
+
+    rows, keys, c, dtype, route = LAUNCH_CASES[case]
+    gen = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**31, ()).item()))
+
+    def uniform(*shape, low=0.0, high=1.0):
+        return low + (high - low) * torch.rand(*shape, generator=gen, device=device)
+
+    queries = torch.randn(rows, c, generator=gen, device=device).to(dtype)
+    keys_ = torch.randn(keys, c, generator=gen, device=device).to(dtype)
+    scale, bias = uniform((), low=2.0, high=4.0), uniform((), low=-2.0, high=-1.0)
+    options = dict(row_stat=uniform(rows, low=3.0, high=6.0), row_weight=uniform(rows), col_stat=None,
+                   col_weight=None, sigmoid=route != "softmax", precision="ieee")
+    if route == "softmax":
+        groups = dict(row_groups=torch.randint(0, 4, (rows,), generator=gen, device=device),
+                      key_groups=torch.randint(0, 4, (keys,), generator=gen, device=device))
+        options.update(col_stat=uniform(keys, low=3.0, high=6.0), col_weight=uniform(keys),
+                       positive_keys=torch.arange(rows, device=device), key_offset=0, **groups,
+                       query_ids=torch.arange(rows, device=device),
+                       key_owners=torch.arange(keys, device=device) % rows, hardness=1,
+                       hardness_strength=torch.tensor(0.5, device=device))
+    inv_g_scale = torch.tensor(4.0, device=device) if route == "one-pass" else None
+
+    def launch(config):
+        g = torch.full((rows, keys), float("nan"), dtype=dtype, device=device)
+        row_sums = torch.zeros(rows, device=device)
+        softplus_sums = torch.zeros(rows, device=device) if route == "one-pass" else None
+        chosen = grad_tile(queries, keys_, g, row_sums, scale, bias, inv_g_scale, softplus_sums=softplus_sums,
+                           config=config, **options)
+        return g, row_sums, softplus_sums, chosen
+
+    return launch
+
+
+def assert_same_launch(got, expected, exact: bool):
+    """G equal to the last bit; the row sums (atomic adds, in any order on a GPU) to rounding."""
+    assert torch.equal(got[0], expected[0]) and not got[0].isnan().any()
+    for value, reference in zip(got[1:3], expected[1:3]):
+        if reference is not None:
+            if exact:
+                assert torch.equal(value, reference)
+            else:
+                torch.testing.assert_close(value, reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(LAUNCH_CASES))
+def test_gpu_launch_past_the_autotuner_equals_a_plain_launch(case, monkeypatch):
+    """The first launch of a key through the autotuner (``tuner[grid](...)``), then the same
+    launch with the configuration it returned: through the JIT function with the heuristics
+    evaluated by ``launch``, then through the compiled kernel's own launcher. All three write the
+    same G and row sums."""
+    from hf_infcl.ops.triton import launch
+
+    monkeypatch.setattr(launch, "_tunes", lambda: False)  # the first launch: a plain tuner[grid](...)
+    monkeypatch.setattr(launch, "_COMPILED", {})
+    compiled_launches = []
+    launch_compiled = launch._launch_compiled
+
+    def counted(*arguments):
+        compiled_launches.append(1)
+        launch_compiled(*arguments)
+
+    monkeypatch.setattr(launch, "_launch_compiled", counted)
+    run = grad_tile_launcher(case, "cuda")
+    plain = run(None)
+    through_jit = run(plain[3])
+    assert len(launch._COMPILED) == 1 and not compiled_launches
+    through_compiled = run(plain[3])
+    assert compiled_launches == [1]
+    torch.cuda.synchronize()
+    assert_same_launch(through_jit, plain, exact=False)
+    assert_same_launch(through_compiled, plain, exact=False)

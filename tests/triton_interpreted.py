@@ -708,3 +708,22 @@ def test_automatic_splits_are_whole_blocks(n_outer, n_inner):
     assert per_split % widest == 0
     assert (splits - 1) * per_split < n_inner <= splits * per_split
     assert inner_splits(n_outer, n_inner, torch.device("cpu"), 3) == (3, -(-n_inner // 3))
+
+
+@pytest.mark.parametrize("case", ["softmax-columns-groups-hardness-r37-k45-c20-fp32",
+                                  "sigmoid-one-pass-scaled-r32-k64-c32-fp16"])
+def test_launch_past_the_autotuner_equals_a_plain_launch(case):
+    """The interpreter's side of ``test_gpu_launch_past_the_autotuner_equals_a_plain_launch``:
+    a launch with the configuration a plain launch (``tuner[grid](...)``) returned goes through
+    the JIT function with the heuristics and the config's pre-hook applied by ``launch`` itself
+    (the compiled kernel's launcher is GPU-only: nothing is kept for it here) and writes exactly
+    what the plain launch wrote."""
+    from hf_infcl.ops.triton import launch
+    from tests.test_triton import LAUNCH_CASES, assert_same_launch, grad_tile_launcher
+
+    assert case in LAUNCH_CASES
+    run = grad_tile_launcher(case, "cpu")
+    plain = run(None)
+    past_the_tuner = run(plain[3])
+    assert_same_launch(past_the_tuner, plain, exact=True)
+    assert not launch._COMPILED
