@@ -173,7 +173,7 @@ if gluon is not None:
         that a thread holds at one position of the parts (``excess``, never forming 1 + u: every
         rounding is relative to the partial product, and the product stays below 2^8), which
         costs two operations per logit and one log1p per eight (a log1p of each, about twenty
-        operations, was a third of the epilogue)."""
+        operations, would be a third of the epilogue)."""
         BM: gl.constexpr = acc.type.shape[0]
         BN: gl.constexpr = acc.type.shape[1]
         PART: gl.constexpr = BN // 8

@@ -101,7 +101,7 @@ def scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS: tl.constexpr, LOG2: tl.constex
 @triton.jit
 def scaled_logits(dots, scale, bias, HAS_BIAS: tl.constexpr):
     """scale * dots (+ bias). Without a bias there is no add at all: the compiler may not drop
-    ``+ 0.0`` (-0.0 + 0.0 is +0.0), and that add was one instruction per logit."""
+    ``+ 0.0`` (-0.0 + 0.0 is +0.0), and that add is one instruction per logit."""
     if HAS_BIAS:
         return dots * scale + bias
     else:
