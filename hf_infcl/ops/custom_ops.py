@@ -40,8 +40,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-from .key_blocks import UnitGradients, stats_backward, stats_forward
-from .local import SINGLE_BLOCK
+from .key_blocks import SINGLE_BLOCK, UnitGradients, stats_backward, stats_forward
 from .options import BLOCK_BACKENDS, choice_error
 from .spec import PairLabels, StatsSpec, accumulation_dtype
 from .tiled import TorchTiles

@@ -3,7 +3,8 @@
 A process's rows meet every key of the process group block by block. *Where* the blocks come
 from is the schedule's job; *what* is done with them is the same everywhere:
 
-- :class:`~hf_infcl.ops.local.SingleBlock`: one process; its own keys are the only block. No
+- :class:`SingleBlock`: one process; its own keys are the only block (one ``forward_block`` call
+  over all rows and keys, one ``backward_block`` call that recomputes every tile once). No
   transfer, no padding.
 - :class:`~hf_infcl.ops.ring.RingLayout`: a group of n processes; n key blocks travel the ring.
 
@@ -30,11 +31,12 @@ significant bits of dQ and dK.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
 
-from .spec import BlockOps, PairLabels, StatsSpec, accumulation_dtype, takes_one_pass
+from .spec import BlockOps, OnePassSigmoidOps, PairLabels, StatsSpec, accumulation_dtype, takes_one_pass
 
 # Row chunks for the O(m c) epilogues, so they allocate no full-size fp32 temporaries.
 _EPILOGUE_ELEMENTS = 2**22
@@ -64,6 +66,53 @@ class UnitGradients(NamedTuple):
     queries: torch.Tensor  # [m, c] G K
     key_slices: list  # ((start, end), [end - start, c] G^T Q) covering this process's keys
     row_sums: torch.Tensor  # [m] row sums of G
+
+
+@dataclass(frozen=True)
+class SingleBlock:
+    """The :class:`KeyBlockSchedule` of one process."""
+
+    rank: int = 0
+
+    def key_offset(self, rank: int) -> int:
+        return 0
+
+    def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels):
+        mask, hardness = _own_block(spec, labels)
+        return ops.forward_block(spec, queries, keys, scale, bias, mask, hardness=hardness)
+
+    def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
+                              labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat):
+        acc = accumulation_dtype(queries.dtype)
+        grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
+        grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
+        mask, hardness = _own_block(spec, labels)
+        columns = spec.columns
+        row_sums = ops.backward_block(spec, queries, keys, scale, bias, mask, row_stat,
+                                      col_stat if columns else None, grad_row_stat.to(acc),
+                                      grad_col_stat.to(acc) if columns else None, grad_queries, grad_keys,
+                                      hardness=hardness)
+        return grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums
+
+    def forward_with_gradients(self, spec: StatsSpec, ops: OnePassSigmoidOps, queries, keys, scale, bias,
+                               labels: PairLabels):
+        """The sigmoid loss's one pass: (row_stat, unit-weight gradients), see
+        :class:`UnitGradients`."""
+        acc = accumulation_dtype(queries.dtype)
+        grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
+        grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
+        row_stat, row_sums = ops.forward_backward_block(spec, queries, keys, scale, bias,
+                                                        labels.mask(labels.key_groups, 0), grad_queries,
+                                                        grad_keys)
+        return row_stat, UnitGradients(grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums)
+
+
+SINGLE_BLOCK = SingleBlock()
+
+
+def _own_block(spec: StatsSpec, labels: PairLabels):
+    """(group mask, hardness offset) of the rows against this process's own keys, the only block."""
+    return labels.mask(labels.key_groups, 0), labels.hardness(spec, labels.key_owners, 0)
 
 
 def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,

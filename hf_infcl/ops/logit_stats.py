@@ -6,7 +6,7 @@ every row and key of the process group, with the number of rows in the group. Th
 (``hf_infcl.loss``) validates, calls it once, assembles the per-row loss and reduces; it knows
 nothing of how the statistics are computed:
 
-- one process: the schedule is a single key block (:class:`~hf_infcl.ops.local.SingleBlock`):
+- one process: the schedule is a single key block (:class:`~hf_infcl.ops.key_blocks.SingleBlock`):
   no padding, no collective. Under ``torch.compile`` the named backends run as the custom op of
   :mod:`hf_infcl.ops.custom_ops` (the compiler keeps it in a graph); eager calls, and a
   block-ops object given directly, run the same forward and backward through
@@ -28,8 +28,7 @@ from typing import NamedTuple
 import torch
 
 from . import custom_ops, ring
-from .key_blocks import KeyBlockLogitStats
-from .local import SINGLE_BLOCK
+from .key_blocks import SINGLE_BLOCK, KeyBlockLogitStats
 from .spec import BlockOps, StatsSpec
 from .value_check import deferred_check
 
