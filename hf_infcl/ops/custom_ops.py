@@ -35,7 +35,6 @@ read would break the graph if the caller made it (the eager route checks at the 
 build the op's schema.)
 """
 
-import contextlib
 
 import torch
 from torch import Tensor
@@ -85,7 +84,7 @@ def logit_stats(
     tensors. Only the first three are differentiable outputs."""
     ops = block_ops(backend)
     spec = StatsSpec(loss, columns, precision, gradients_in_forward, hardness, hardness_strength)
-    with deferred_check(ops, scale, positives, keys.shape[0]) if validate else contextlib.nullcontext():
+    with deferred_check(ops, scale, positives, keys.shape[0], enabled=validate):
         row_stat, col_stat, positive_logit, unit = stats_forward(
             SINGLE_BLOCK, spec, ops, queries, keys, scale, bias, positives,
             PairLabels(query_groups, key_groups, query_ids, key_owners),

@@ -86,7 +86,7 @@ def _block_ops_stats(queries, keys, scale, bias, positives, labels, spec, ops, v
     """One process, eager: a block-ops object (which cannot be a custom-op argument: a graph
     break under torch.compile), or a named backend's outside a compiled region.
     ``labels``: (query_groups, key_groups, query_ids, key_owners)."""
-    with deferred_check(ops, scale, positives, keys.shape[0]) if validate else contextlib.nullcontext():
+    with deferred_check(ops, scale, positives, keys.shape[0], enabled=validate):
         return KeyBlockLogitStats.apply(queries, keys, scale, bias, positives, *labels, spec, ops,
                                         SINGLE_BLOCK)
 

@@ -38,11 +38,16 @@ def check_values(scale: torch.Tensor, positives: torch.Tensor | None, n_keys: in
 
 
 @contextlib.contextmanager
-def deferred_check(ops, scale: torch.Tensor, positives: torch.Tensor | None, n_keys: int):
+def deferred_check(ops, scale: torch.Tensor, positives: torch.Tensor | None, n_keys: int,
+                   enabled: bool = True):
     """Around one process's statistics with the block ops ``ops``: :func:`check_values`, left
     pending for the Triton block ops to run just before their first kernel
-    (:func:`run_deferred_check`), or run now for any other block ops. Still pending at the end
-    (no kernel ran), it runs then."""
+    (:func:`run_deferred_check`), or run now for any other block ops. Still pending at the end,
+    it runs then, a safety net: block ops that ask for the check must run it before a kernel
+    reads the positives. ``enabled=False``: no check (the caller made it)."""
+    if not enabled:
+        yield
+        return
     if not getattr(ops, "runs_deferred_value_check", False):
         check_values(scale, positives, n_keys)
         yield

@@ -97,22 +97,23 @@ def launch(kernel: TunedKernel, grid, device: torch.device, *args, config: trito
     ``config``: what an earlier launch with the same tuning key returned, for a caller that
     launches one key many times: launched without even the look-up of the key. A pending
     one-process value check (:mod:`hf_infcl.ops.value_check`) runs just before the launch."""
-    if config is None:
-        if not _tunes():  # one config: nothing is tuned
-            run_deferred_check()
-            kernel.tuner[grid](*args, **kwargs)
-            return kernel.tuner.best_config
-        key = tuning_key(kernel.tuner, args, kwargs)
-        config = _CHOSEN.get((kernel.name, key))
-        run_deferred_check()
-        if config is None:
-            with TUNING_STORE.tuned(kernel.tuner, kernel.name, key, device_name(device), triton.__version__,
-                                    kernel.make_config):
-                kernel.tuner[grid](*args, **kwargs)
-            _CHOSEN[(kernel.name, key)] = kernel.tuner.best_config
-            return kernel.tuner.best_config
-    _launch_with(kernel, config, grid, args, kwargs)
-    return config
+    if config is not None:
+        _launch_with(kernel, config, grid, args, kwargs)
+        return config
+    key = tuning_key(kernel.tuner, args, kwargs) if _tunes() else None
+    chosen = _CHOSEN.get((kernel.name, key))
+    run_deferred_check()
+    if chosen is not None:
+        _launch_with(kernel, chosen, grid, args, kwargs)
+        return chosen
+    if key is None:  # one config: nothing is tuned
+        kernel.tuner[grid](*args, **kwargs)
+        return kernel.tuner.best_config
+    with TUNING_STORE.tuned(kernel.tuner, kernel.name, key, device_name(device), triton.__version__,
+                            kernel.make_config):
+        kernel.tuner[grid](*args, **kwargs)
+    _CHOSEN[(kernel.name, key)] = kernel.tuner.best_config
+    return kernel.tuner.best_config
 
 
 def reset_autotuning() -> None:
