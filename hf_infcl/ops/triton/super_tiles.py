@@ -61,16 +61,16 @@ class SuperTileRoute(Protocol):
 
 
 def walk(route: SuperTileRoute, gemm: Operands, grad_queries: torch.Tensor, grad_keys: torch.Tensor,
-         g_scale: torch.Tensor | None, tile: tuple[int, int], precision: str, poison: bool) -> None:
+         g_factor: torch.Tensor | None, tile: tuple[int, int], precision: str, poison: bool) -> None:
     """Add G K into ``grad_queries`` and G^T Q into ``grad_keys`` over every super-tile of
-    ``tile`` = (rows, keys), G from ``route``, stored divided by ``g_scale`` (None: 1), the GEMMs
-    on ``gemm``'s operands (divided by their maxima, if any)."""
+    ``tile`` = (rows, keys), G from ``route``, stored divided by ``g_factor`` (:func:`g_scale`;
+    None: 1), the GEMMs on ``gemm``'s operands (divided by their maxima, if any)."""
     m, k = gemm.queries.shape[0], gemm.keys.shape[0]
     # The GEMMs add (G / g_scale) @ (K / k_max) into grad_queries, whose true increment is that
     # times g_scale * k_max. Dividing the accumulator by the factor first and multiplying it back
     # after keeps every product exactly one fp32 addmm (no rounded half-precision intermediate
     # that could overflow) at the cost of two cheap passes.
-    factor_q, factor_k = product(g_scale, gemm.keys_max), product(g_scale, gemm.queries_max)
+    factor_q, factor_k = product(g_factor, gemm.keys_max), product(g_factor, gemm.queries_max)
     if factor_q is not None:
         grad_queries.div_(factor_q)
     if factor_k is not None:
