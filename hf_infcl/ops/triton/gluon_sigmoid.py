@@ -306,15 +306,9 @@ if gluon is not None:
 
 
 def sigmoid_tile(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    g_out: torch.Tensor,
-    row_sums: torch.Tensor,
-    softplus_sums: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    inv_g_scale: torch.Tensor | None,
-    descriptors=None,
+    queries: torch.Tensor, keys: torch.Tensor, g_out: torch.Tensor, row_sums: torch.Tensor,
+    softplus_sums: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+    inv_g_scale: torch.Tensor | None, descriptors=None,
 ) -> None:
     """One super-tile of the sigmoid one pass: G = sigmoid(scale * queries keys^T + bias) (divided by
     the scale whose inverse ``inv_g_scale`` holds, if given) into ``g_out`` [rows, keys] (the

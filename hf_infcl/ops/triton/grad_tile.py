@@ -30,24 +30,12 @@ from .jit_math import (
     scaled_logits,
     sigmoid_and_softplus,
 )
-from .launch import autotuned, launch, problem_size_class
+from .launch import BASE_SHAPES, autotuned, launch, problem_size_class
 
-# Autotuning candidates: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
-_GRAD_SHAPES = [
-    (128, 128, 64, 8, 3),
-    (128, 128, 64, 4, 3),
-    (128, 64, 64, 4, 4),
-    (64, 128, 64, 4, 4),
-    (128, 128, 32, 8, 4),
-    (128, 256, 64, 8, 3),
-    (256, 128, 64, 8, 3),
-    (128, 128, 128, 8, 2),
-    (128, 128, 128, 8, 3),
-    (128, 256, 128, 8, 2),
-    # Narrow row blocks: fewer registers per thread for the sigmoid loss's one-pass epilogue.
-    (64, 128, 32, 4, 5),
-    (64, 256, 64, 8, 3),
-]
+# Autotuning candidates beyond the base shapes: taller and wider tiles, and narrow row blocks
+# (fewer registers per thread for the sigmoid loss's one-pass epilogue).
+_GRAD_SHAPES = [*BASE_SHAPES, (256, 128, 64, 8, 3), (128, 256, 128, 8, 2), (64, 128, 32, 4, 5),
+                (64, 256, 64, 8, 3)]
 
 
 @triton.jit
@@ -145,32 +133,16 @@ GRAD_TILE_KERNEL = autotuned(_grad_tile_kernel, "grad_tile", _GRAD_SHAPES, GRAD_
 
 
 def grad_tile(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    g_out: torch.Tensor,
-    row_sums: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    inv_g_scale: torch.Tensor | None,
-    row_stat: torch.Tensor,
-    col_stat: torch.Tensor | None,
-    row_weight: torch.Tensor,
-    col_weight: torch.Tensor | None,
-    *,
-    sigmoid: bool,
-    precision: str,
-    row_groups: torch.Tensor | None = None,
-    key_groups: torch.Tensor | None = None,
-    positive_keys: torch.Tensor | None = None,
-    key_offset: int = 0,
-    size_class: int | None = None,
+    queries: torch.Tensor, keys: torch.Tensor, g_out: torch.Tensor, row_sums: torch.Tensor,
+    scale: torch.Tensor, bias: torch.Tensor | None, inv_g_scale: torch.Tensor | None,
+    row_stat: torch.Tensor, col_stat: torch.Tensor | None, row_weight: torch.Tensor,
+    col_weight: torch.Tensor | None, *, sigmoid: bool, precision: str, size_class: int | None = None,
     softplus_sums: torch.Tensor | None = None,
-    query_ids: torch.Tensor | None = None,
-    key_owners: torch.Tensor | None = None,
-    hardness: int = 0,
-    hardness_strength: torch.Tensor | None = None,
-    config: triton.Config | None = None,
-    descriptors: tuple | None = None,
+    # the group mask and the hardness offset (as .stats.logit_stats takes them)
+    row_groups: torch.Tensor | None = None, key_groups: torch.Tensor | None = None,
+    positive_keys: torch.Tensor | None = None, key_offset: int = 0, query_ids: torch.Tensor | None = None,
+    key_owners: torch.Tensor | None = None, hardness: int = 0, hardness_strength: torch.Tensor | None = None,
+    config: triton.Config | None = None, descriptors: tuple | None = None,
 ) -> triton.Config:
     """Write G / g_scale of ``queries`` x ``keys`` into ``g_out`` [rows, keys] (a view whose last
     stride is 1; ``inv_g_scale`` 0-d, or None for 1) and add the row sums of G into ``row_sums``

@@ -32,6 +32,9 @@ from .tuning_store import TuningStore, tuning_key
 # specialisations (dtype x loss x mask) and need not autotune each of them.
 AUTOTUNE = os.environ.get("HF_INFCL_TRITON_AUTOTUNE", "1") != "0"
 _UNTUNED = (128, 128, 32, 4, 3)  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+# The autotuning candidates every kernel tries; each adds its own (autotuned's ``shapes``).
+BASE_SHAPES = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
+               (128, 128, 32, 8, 4), (128, 256, 64, 8, 3), (128, 128, 128, 8, 2), (128, 128, 128, 8, 3)]
 
 # Part of the names under which the tuning store saves configurations: raise it when a kernel
 # changes in a way that can change which configuration is fastest.
@@ -69,8 +72,9 @@ class TunedKernel:
 def autotuned(body, name: str, shapes: list[tuple], heuristics: dict, pre_hook=None,
               **options) -> TunedKernel:
     """``body`` under ``triton.heuristics(heuristics)`` and an autotuner over ``shapes`` ((BLOCK_M,
-    BLOCK_N, BLOCK_K, warps, stages) candidates) keyed by :data:`TUNE_KEY`; ``pre_hook`` runs
-    before every launch with a config's arguments; ``options`` go to ``triton.autotune``."""
+    BLOCK_N, BLOCK_K, warps, stages) candidates, usually :data:`BASE_SHAPES` and a few more) keyed
+    by :data:`TUNE_KEY`; ``pre_hook`` runs before every launch with a config's arguments;
+    ``options`` go to ``triton.autotune``."""
     make_config = functools.partial(triton.Config, pre_hook=pre_hook)
     tuner = triton.autotune(configs=configs(shapes, make_config), key=TUNE_KEY, **options)(
         triton.heuristics(heuristics)(body))

@@ -94,18 +94,10 @@ def _sigmoid_from_dots_kernel(
 
 
 def sigmoid_from_dots(
-    dots: torch.Tensor,
-    g_out: torch.Tensor,
-    row_sums: torch.Tensor,
-    softplus_sums: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    inv_g_scale: torch.Tensor | None,
-    *,
-    row_groups: torch.Tensor | None = None,
-    key_groups: torch.Tensor | None = None,
-    positive_keys: torch.Tensor | None = None,
-    key_offset: int = 0,
+    dots: torch.Tensor, g_out: torch.Tensor, row_sums: torch.Tensor, softplus_sums: torch.Tensor,
+    scale: torch.Tensor, bias: torch.Tensor | None, inv_g_scale: torch.Tensor | None, *,
+    row_groups: torch.Tensor | None = None, key_groups: torch.Tensor | None = None,
+    positive_keys: torch.Tensor | None = None, key_offset: int = 0,
 ) -> None:
     """The sigmoid loss's one pass over a super-tile whose dot products ``dots`` [rows, keys]
     (fp32 or fp16, last stride 1) are already computed: write sigmoid(scale * dots + bias) / g_scale

@@ -35,22 +35,11 @@ from .jit_math import (
     scaled_logits,
     softplus,
 )
-from .launch import autotuned, launch, problem_size_class
+from .launch import BASE_SHAPES, autotuned, launch, problem_size_class
 
-# Autotuning candidates: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
-_STATS_SHAPES = [
-    (128, 128, 64, 8, 3),
-    (128, 128, 64, 4, 3),
-    (128, 64, 64, 4, 4),
-    (64, 128, 64, 4, 4),
-    (128, 128, 32, 8, 4),
-    (64, 64, 64, 4, 3),
-    (128, 256, 64, 8, 3),
-    (128, 128, 128, 8, 2),
-    # Wide c (768-1024): fewer, longer steps along c per tile.
-    (128, 128, 128, 8, 3),
-    (64, 128, 128, 4, 3),
-]
+# Autotuning candidates beyond the base shapes: a small tile, and narrow row blocks with long
+# steps along a wide c (768-1024).
+_STATS_SHAPES = [*BASE_SHAPES, (64, 64, 64, 4, 3), (64, 128, 128, 4, 3)]
 
 
 @triton.jit
@@ -194,24 +183,14 @@ def inner_splits(n_outer: int, n_inner: int, device: torch.device,
 
 
 def logit_stats(
-    outer: torch.Tensor,
-    inner: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
-    sigmoid: bool,
-    columns: bool,
-    precision: str,
-    row_groups: torch.Tensor | None = None,
-    key_groups: torch.Tensor | None = None,
-    positive_keys: torch.Tensor | None = None,
-    key_offset: int = 0,
-    splits: int | None = None,
-    out: torch.Tensor | None = None,
+    outer: torch.Tensor, inner: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, *,
+    sigmoid: bool, columns: bool, precision: str, splits: int | None = None, out: torch.Tensor | None = None,
     column_partials: torch.Tensor | None = None,
-    query_ids: torch.Tensor | None = None,
-    key_owners: torch.Tensor | None = None,
-    hardness: int = 0,
+    # the group mask: rows' and keys' groups, rows' positives (global key indices), keys' offset
+    row_groups: torch.Tensor | None = None, key_groups: torch.Tensor | None = None,
+    positive_keys: torch.Tensor | None = None, key_offset: int = 0,
+    # the hardness offset
+    query_ids: torch.Tensor | None = None, key_owners: torch.Tensor | None = None, hardness: int = 0,
     hardness_strength: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row statistic of ``outer`` against ``inner`` (queries, keys), or with ``columns=True`` the
