@@ -269,7 +269,7 @@ def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, po
     backend takes without an index tensor (no range to check, no sort of the positives).
 
     ``in_ring``: one rank of several, which may hold no rows (the ring checks the group has some).
-    ``check_values=False`` leaves out the checks that read values (``spec.check_values``), for
+    ``check_values=False`` leaves out the checks that read values (``value_check.check_values``), for
     callers that have them made later (one process's op makes them itself). ``options_checked``: the options
     come from a :class:`LossOptions` (checked when it was built).
     """
