@@ -3,12 +3,16 @@
 A super-tile of ``--rows x --keys`` logits at width ``--width`` (bf16, L2-normalised, scale 10,
 bias -10) becomes G = sigmoid(z) in a bf16 buffer plus the row sums of G and of softplus(z):
 
-  gluon   the Hopper kernel of ``hf_infcl.ops.gluon_sigmoid`` (logits, G and sums in one kernel);
+  gluon   the Hopper kernel of ``hf_infcl.ops.triton.gluon_sigmoid`` (logits, G and sums in one
+          kernel);
   gemm    a cuBLAS GEMM of fp16 copies into a buffer, then ``sigmoid_from_dots`` (the route
           ``TritonBlocks(sigmoid_logits="gemm")`` takes, and the default off Hopper);
   cublas  one plain bf16 GEMM [rows, c] x [c, keys] into the same buffer: the floor.
 
 Medians of ``triton.testing.do_bench``, each route timed twice, interleaved, in one process.
+It times internal kernels (``gluon_sigmoid.sigmoid_tile``, ``sigmoid_from_dots``) on their own
+because the choice between the routes is made per super-tile: the loss's timings mix in the GEMMs
+that follow.
 
     python benchmarks/bench_sigmoid_tile.py [--rows 8192 --keys 8192 --widths 512,768,1024]
 """
@@ -21,7 +25,8 @@ import torch
 import triton
 from bench_common import Column, device_name, print_table  # this folder is on sys.path
 
-from hf_infcl.ops import gluon_sigmoid, triton_kernels
+from hf_infcl.ops.triton import gluon_sigmoid
+from hf_infcl.ops.triton.sigmoid_from_dots import sigmoid_from_dots
 
 
 def routes(rows: int, keys: int, width: int) -> dict:
@@ -43,8 +48,7 @@ def routes(rows: int, keys: int, width: int) -> dict:
 
     def gemm():
         torch.mm(q16, k16.T, out=dots)
-        triton_kernels.sigmoid_from_dots(dots, dots.view(torch.bfloat16), row_sums, softplus_sums, scale * 4,
-                                         bias, None)
+        sigmoid_from_dots(dots, dots.view(torch.bfloat16), row_sums, softplus_sums, scale * 4, bias, None)
 
     def cublas():
         torch.mm(queries, keys_.T, out=g)

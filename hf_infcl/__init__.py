@@ -23,7 +23,7 @@ _LAZY = {
     "InfCLTrainingArguments": ".training_args",
     "DualEncoder": ".dual_encoder",
     "DualEncoderConfig": ".dual_encoder",
-    "TritonBlocks": ".ops.triton_blocks",
+    "TritonBlocks": ".ops.triton",
     "reset_autotuning": ".ops",
     "losses": ".losses",
 }

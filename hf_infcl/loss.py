@@ -35,7 +35,7 @@ from .ops.options import (  # noqa: F401  (the vocabularies, re-exported: hf_inf
     check_option,
 )
 from .ops.spec import BlockOps, StatsSpec, accumulation_dtype, resolve_precision
-from .ops.spec import check_values as _check_values
+from .ops.value_check import check_values as _check_values
 
 
 def contrastive_loss(
@@ -127,11 +127,8 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
     group, world_size = _resolve_process_group(process_group)
     in_ring = world_size > 1
     # One process makes the checks that read values (scale > 0, positives in range) where the
-    # statistics start (inside the custom op when compiled), still before the first kernel:
-    # under torch.compile they would break the graph here, and in eager mode their host
-    # synchronisation then comes later, so the GPU (drained by it) waits on less host work before
-    # the loss's first kernel (benchmarks/triton_notes.md). The ring checks here: every rank
-    # must agree.
+    # statistics start, still before the first kernel (hf_infcl.ops.value_check says why); under
+    # torch.compile they would break the graph here. The ring checks here: every rank must agree.
     deferred = not in_ring
     device = queries.device if torch.is_tensor(queries) else None
     with announcing_rejections(group if in_ring else None, device):
@@ -295,7 +292,7 @@ def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, po
     backend takes without an index tensor (no range to check, no sort of the positives).
 
     ``in_ring``: one rank of several, which may hold no rows (the ring checks the group has some).
-    ``check_values=False`` leaves out the checks that read values (``spec.check_values``), for
+    ``check_values=False`` leaves out the checks that read values (``value_check.check_values``), for
     callers that have them made later (one process's op makes them itself). ``options_checked``: the options
     come from a :class:`LossOptions` (checked when it was built).
     """

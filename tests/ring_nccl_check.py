@@ -156,7 +156,7 @@ def main() -> int:
         dist.init_process_group("nccl", timeout=timedelta(seconds=120))
         device = torch.device("cuda", local_rank)
         try:
-            import hf_infcl.ops.triton_blocks  # noqa: F401
+            import hf_infcl.ops.triton  # noqa: F401
 
             backend = "triton"
         except ImportError:

@@ -348,7 +348,7 @@ def run_triton(rank: int, world_size: int):
     """The ring over the Triton block ops (interpreted on CPU), fp32: this rank's value and
     gradients per loss, or None where Triton cannot be imported."""
     try:
-        from hf_infcl.ops.triton_blocks import TritonBlocks
+        from hf_infcl.ops.triton import TritonBlocks
     except ImportError:
         return None
     part = triton_inputs(world_size)[rank]

@@ -1,4 +1,4 @@
-"""The Gluon kernel of the sigmoid loss's one pass (``hf_infcl.ops.gluon_sigmoid``).
+"""The Gluon kernel of the sigmoid loss's one pass (``hf_infcl.ops.triton.gluon_sigmoid``).
 
 GPU (Hopper): the kernel's G and row sums against float64 on the same rounded operands, with
 the G buffer poisoned with NaN (every entry of the tile written, none past it); the loss's
@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from hf_infcl import contrastive_loss
-from hf_infcl.ops import gluon_sigmoid
-from hf_infcl.ops.triton_blocks import TritonBlocks
+from hf_infcl.ops.triton import TritonBlocks, gluon_sigmoid
 
 
 def _hopper() -> bool:

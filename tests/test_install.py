@@ -45,8 +45,8 @@ class HideTriton:
 sys.meta_path.insert(0, HideTriton())
 '''
 
-# The modules of the fused kernels: the only ones that import Triton when they are imported.
-TRITON_MODULES = {"hf_infcl.ops.triton_kernels", "hf_infcl.ops.triton_blocks", "hf_infcl.ops.gluon_sigmoid"}
+# The package of the fused kernels: the only one that imports Triton when it is imported.
+TRITON_PACKAGE = "hf_infcl.ops.triton"
 
 WITHOUT_TRITON = HIDE_TRITON + '''
 import importlib
@@ -57,9 +57,9 @@ import torch
 import hf_infcl
 from hf_infcl.ops.logit_stats import backend_name
 
-triton_modules = set(sys.argv[1:])
+triton_package = sys.argv[1]
 for module in pkgutil.walk_packages(hf_infcl.__path__, "hf_infcl."):
-    if module.name not in triton_modules:
+    if not module.name.startswith(triton_package):
         importlib.import_module(module.name)
         continue
     try:
@@ -67,7 +67,7 @@ for module in pkgutil.walk_packages(hf_infcl.__path__, "hf_infcl."):
     except ModuleNotFoundError as error:
         assert error.name.split(".")[0] == "triton", error
     else:
-        raise AssertionError(f"{module.name} imports without Triton: drop it from TRITON_MODULES")
+        raise AssertionError(f"{module.name} imports without Triton")
 
 assert backend_name("auto", torch.device("cpu")) == "torch"
 generator = torch.Generator().manual_seed(11)
@@ -88,12 +88,13 @@ print("computed without triton")
 
 
 def test_the_library_imports_and_computes_without_triton(tmp_path):
-    """Every module but the kernels' imports, and the PyTorch backends equal the reference."""
+    """Every module outside the Triton package imports, the Triton package says it needs Triton,
+    and the PyTorch backends equal the reference."""
     script = tmp_path / "without_triton.py"
     script.write_text(WITHOUT_TRITON, encoding="utf-8")
     env = offline_env(tmp_path)
     env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([sys.executable, str(script), *sorted(TRITON_MODULES)], cwd=tmp_path, env=env,
+    result = subprocess.run([sys.executable, str(script), TRITON_PACKAGE], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 0 and "computed without triton" in result.stdout, output[-6000:]
@@ -106,3 +107,30 @@ def test_the_blocker_hides_triton(tmp_path):
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=offline_env(tmp_path),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "No module named 'triton'" in result.stderr, result.stderr[-2000:]
+
+
+TRITON_ROUTE = HIDE_TRITON + '''
+import pytest
+import torch
+
+import hf_infcl
+from hf_infcl.ops.logit_stats import backend_name
+
+with pytest.raises(ImportError, match="pip install"):
+    backend_name("triton", torch.device("cuda"))
+assert backend_name("auto", torch.device("cuda")) == "torch"
+with pytest.raises(ImportError):
+    hf_infcl.TritonBlocks
+hf_infcl.reset_autotuning()
+print("triton route refused")
+'''
+
+
+def test_the_triton_route_says_it_needs_triton(tmp_path):
+    """``backend="triton"`` and ``hf_infcl.TritonBlocks`` raise ImportError naming the install;
+    ``"auto"`` falls back to the torch backend, on CUDA too; ``reset_autotuning`` is a no-op."""
+    script = tmp_path / "triton_route.py"
+    script.write_text(TRITON_ROUTE, encoding="utf-8")
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=offline_env(tmp_path),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "triton route refused" in result.stdout, result.stderr[-3000:]

@@ -132,7 +132,7 @@ def _check_against_float64(m, k, c, dtype_name, loss_name, groups, backend, hard
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[_case_id(c) for c in GPU_CASES])
 def test_gpu_matches_float64_reference(case):
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     # Small super-tiles and column-partial buffers: several super-tiles and several row chunks of
     # the fused forward per problem, so the accumulation across them is exercised.
@@ -150,7 +150,7 @@ def test_gpu_sigmoid_one_pass_matches_float64_reference(case, route):
     """The sigmoid loss's one pass (a mean: gradients computed in the forward) by each route to
     the dot products: the default (the Gluon kernel on Hopper for half-precision inputs without a
     mask, else cuBLAS), cuBLAS and the elementwise kernel, or the fused kernel."""
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     blocks = TritonBlocks(tile_rows=1536, tile_keys=2560, poison=True, sigmoid_logits=route)
     for reduction in ("mean", "sum"):
@@ -176,7 +176,7 @@ HARDNESS_CASES = [
 def test_gpu_hardness_offset_matches_float64_reference(case):
     """The in-kernel hardness offset (HARDNESS specialisations of both kernels) against the tiled
     float64 backend, fused and two-pass forwards and the TF32 emulation through scaled fp16."""
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     *problem, hardness_mode = case
     blocks = TritonBlocks(tile_rows=1536, tile_keys=2560, poison=True, column_buffer_entries=2**15)
@@ -199,7 +199,7 @@ TWO_PASS_CASES = [
 @pytest.mark.parametrize("case", TWO_PASS_CASES, ids=[_case_id(c) for c in TWO_PASS_CASES])
 def test_gpu_two_pass_forward_matches_float64_reference(case):
     """The column statistic from its own column-major pass (fused_columns=False)."""
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     _check_against_float64(*case, backend=TritonBlocks(poison=True, fused_columns=False))
 
@@ -208,7 +208,7 @@ def test_gpu_two_pass_forward_matches_float64_reference(case):
 @pytest.mark.parametrize("groups", [False, True], ids=["nogroups", "groups"])
 def test_gpu_tf32_via_fp16_matches_float64_reference(groups):
     """The opt-in TF32 emulation: fp32 inputs as scaled fp16 copies (tf32_via_fp16=True)."""
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     _check_against_float64(1000, 3000, 257, "tf32", "softmax-sym", groups,
                            backend=TritonBlocks(poison=True, tf32_via_fp16=True))
@@ -220,7 +220,7 @@ def test_gpu_first_call_that_autotunes_is_correct(tmp_path, monkeypatch):
     buffers (the column partials, the row sums). A width no other test uses makes this call the
     first of its tuning key in this process, and an empty tuning store (``HF_INFCL_CACHE``) the
     first on this machine. Meaningful when run without HF_INFCL_TRITON_AUTOTUNE=0."""
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     monkeypatch.setenv("HF_INFCL_CACHE", str(tmp_path))
 
@@ -233,7 +233,7 @@ def test_gpu_clip_scale_100_matches_float64_reference(dtype_name):
     """CLIP's largest logit scale (100) with confident and unconfident rows: logits spread over
     ~200, so some tiles take the kernels' exact paths (a second exponential) and others the
     one-exponential shortcut; both must agree with float64."""
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     dtype, precision = DTYPES[dtype_name]
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ()).item()))
@@ -277,14 +277,14 @@ def test_gpu_backend_name_with_mean_reduction():
 @pytest.mark.slow
 def test_gpu_70k_by_70k_bf16():
     """m * k = 4.9e9 > 2^31 logits: int64 indexing, many super-tiles, split-free row blocks."""
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     _check_against_float64(70_000, 70_000, 64, "bf16", "softmax-sym", True, backend=TritonBlocks(poison=True))
 
 
 def test_round_to_tf32_rounds_to_nearest():
     """The pre-rounding that makes Triton's truncating TF32 dot unbiased (CPU: no kernel runs)."""
-    from hf_infcl.ops.triton_blocks import round_to_tf32
+    from hf_infcl.ops.triton.operands import round_to_tf32
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(100_000, generator=gen) * torch.logspace(-30, 30, 100_000).to(torch.float32)
@@ -311,7 +311,7 @@ def test_gpu_fp32_loss_is_unbiased_on_a_peaked_softmax(variant):
     over 4096 rows and 8192 keys, a bias does not: on an H100 the mean loss was 1.9e-4 from
     float64 without the round-to-nearest of the operands and 1.5e-7 with it (gradients 1.8e-4 and
     2.4e-5)."""
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ()).item()))
     m, c = 4096, 256
@@ -332,3 +332,94 @@ def test_gpu_fp32_loss_is_unbiased_on_a_peaked_softmax(variant):
     errors = [float((a - b).norm() / b.norm()) for a, b in zip(got, expected)]
     print(variant, "loss, queries, keys, scale relative errors:", errors)
     assert errors[0] < 2e-5 and max(errors[1:]) < 1e-4, errors
+
+
+# ----------------------------------------------------------------------------------------------
+# The launch past the autotuner (hf_infcl.ops.triton.launch): every launch of the gradient-tile
+# kernel after a super-tile's first takes it, so it must write what a plain launch writes.
+
+# (rows, keys, c, dtype, options): ragged tiles with every label and both directions, whole tiles
+# (the unmasked FULL / EVEN_K specialisations) of the sigmoid one pass with G scaled.
+LAUNCH_CASES = {
+    "softmax-columns-groups-hardness-r37-k45-c20-fp32": (37, 45, 20, torch.float32, "softmax"),
+    "sigmoid-one-pass-scaled-r32-k64-c32-fp16": (32, 64, 32, torch.float16, "one-pass"),
+}
+
+
+def grad_tile_launcher(case: str, device: str):
+    """A launch of the gradient-tile kernel for ``case`` of :data:`LAUNCH_CASES` on fresh random
+    inputs: ``launch(config)`` writes into fresh buffers (G poisoned with NaN) and returns (G, row
+    sums, softplus sums, the configuration the launch returned)."""
+    from hf_infcl.ops.triton.grad_tile import grad_tile
+
+    rows, keys, c, dtype, route = LAUNCH_CASES[case]
+    gen = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**31, ()).item()))
+
+    def uniform(*shape, low=0.0, high=1.0):
+        return low + (high - low) * torch.rand(*shape, generator=gen, device=device)
+
+    queries = torch.randn(rows, c, generator=gen, device=device).to(dtype)
+    keys_ = torch.randn(keys, c, generator=gen, device=device).to(dtype)
+    scale, bias = uniform((), low=2.0, high=4.0), uniform((), low=-2.0, high=-1.0)
+    options = dict(row_stat=uniform(rows, low=3.0, high=6.0), row_weight=uniform(rows), col_stat=None,
+                   col_weight=None, sigmoid=route != "softmax", precision="ieee")
+    if route == "softmax":
+        groups = dict(row_groups=torch.randint(0, 4, (rows,), generator=gen, device=device),
+                      key_groups=torch.randint(0, 4, (keys,), generator=gen, device=device))
+        options.update(col_stat=uniform(keys, low=3.0, high=6.0), col_weight=uniform(keys),
+                       positive_keys=torch.arange(rows, device=device), key_offset=0, **groups,
+                       query_ids=torch.arange(rows, device=device),
+                       key_owners=torch.arange(keys, device=device) % rows, hardness=1,
+                       hardness_strength=torch.tensor(0.5, device=device))
+    inv_g_scale = torch.tensor(4.0, device=device) if route == "one-pass" else None
+
+    def launch(config):
+        g = torch.full((rows, keys), float("nan"), dtype=dtype, device=device)
+        row_sums = torch.zeros(rows, device=device)
+        softplus_sums = torch.zeros(rows, device=device) if route == "one-pass" else None
+        chosen = grad_tile(queries, keys_, g, row_sums, scale, bias, inv_g_scale, softplus_sums=softplus_sums,
+                           config=config, **options)
+        return g, row_sums, softplus_sums, chosen
+
+    return launch
+
+
+def assert_same_launch(got, expected, exact: bool):
+    """G equal to the last bit; the row sums (atomic adds, in any order on a GPU) to rounding."""
+    assert torch.equal(got[0], expected[0]) and not got[0].isnan().any()
+    for value, reference in zip(got[1:3], expected[1:3]):
+        if reference is not None:
+            if exact:
+                assert torch.equal(value, reference)
+            else:
+                torch.testing.assert_close(value, reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(LAUNCH_CASES))
+def test_gpu_launch_past_the_autotuner_equals_a_plain_launch(case, monkeypatch):
+    """The first launch of a key through the autotuner (``tuner[grid](...)``), then the same
+    launch with the configuration it returned: through the JIT function with the heuristics
+    evaluated by ``launch``, then through the compiled kernel's own launcher. All three write the
+    same G and row sums."""
+    from hf_infcl.ops.triton import launch
+
+    monkeypatch.setattr(launch, "_tunes", lambda: False)  # the first launch: a plain tuner[grid](...)
+    monkeypatch.setattr(launch, "_COMPILED", {})
+    compiled_launches = []
+    launch_compiled = launch._launch_compiled
+
+    def counted(*arguments):
+        compiled_launches.append(1)
+        launch_compiled(*arguments)
+
+    monkeypatch.setattr(launch, "_launch_compiled", counted)
+    run = grad_tile_launcher(case, "cuda")
+    plain = run(None)
+    through_jit = run(plain[3])
+    assert len(launch._COMPILED) == 1 and not compiled_launches
+    through_compiled = run(plain[3])
+    assert compiled_launches == [1]
+    torch.cuda.synchronize()
+    assert_same_launch(through_jit, plain, exact=False)
+    assert_same_launch(through_compiled, plain, exact=False)

@@ -1,4 +1,4 @@
-"""The on-disk store of autotuned configurations (hf_infcl.ops.tuning_store): what one process
+"""The on-disk store of autotuned configurations (hf_infcl.ops.triton.tuning_store): what one process
 tunes, the next loads instead of tuning; the processes of one machine tune a key once; devices
 and Triton versions keep separate files. Autotuner stand-ins replace Triton's, whose tuning
 needs a GPU; the GPU check is ``tests/gpu_smoke.py``'s second-process case."""
@@ -10,7 +10,7 @@ import logging
 import multiprocessing
 import time
 
-from hf_infcl.ops.tuning_store import TuningStore, tuning_key
+from hf_infcl.ops.triton.tuning_store import TuningStore, tuning_key
 
 
 class _Config:

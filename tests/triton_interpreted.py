@@ -23,7 +23,7 @@ from tests.hardness_cases import with_hardness
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 (run through tests/test_triton.py)", allow_module_level=True)
 
-from hf_infcl.ops.triton_blocks import TritonBlocks  # noqa: E402  (after the interpreter check)
+from hf_infcl.ops.triton import TritonBlocks  # noqa: E402  (after the interpreter check)
 
 # Small super-tiles, split statistics and a small column-partial buffer, so that every case
 # crosses several tiles of every kernel, several row chunks of the fused forward, and merges
@@ -158,12 +158,13 @@ FULL_ROUTES = {"fused-columns": FULL_BLOCKS,
 @pytest.mark.parametrize("groups", [False, True], ids=["nogroups", "groups"])
 @pytest.mark.parametrize("loss_name", list(LOSSES))
 def test_whole_blocks_match_float64_reference(loss_name, groups, mode, route):
-    from hf_infcl.ops import triton_kernels as kernels
+    from hf_infcl.ops.triton.grad_tile import GRAD_HEURISTICS
+    from hf_infcl.ops.triton.stats import STATS_HEURISTICS, STATS_KERNEL
 
     m, k, c = FULL_SHAPE
-    block = kernels._stats_configs()[0].kwargs  # the interpreter's one config
+    block = STATS_KERNEL.tuner.configs[0].kwargs  # the interpreter's one config
     named = dict(n_outer=m, n_inner=k, inner_per_split=-(-k // 3), n_rows=16, n_keys=32, c=c, **block)
-    assert kernels._STATS_HEURISTICS["FULL"](named) and kernels._GRAD_HEURISTICS["FULL"](named), \
+    assert STATS_HEURISTICS["FULL"](named) and GRAD_HEURISTICS["FULL"](named), \
         "the shapes no longer give whole blocks: this test would not reach the FULL path"
     dtype, precision, _ = MODES[mode]
     seed = random.randrange(2**31)
@@ -397,12 +398,13 @@ def test_kernels_never_write_into_the_callers_tensors(loss_name, blocks_name, mo
     caller passed. The interpreter runs one config, so it never autotunes; this checks the
     arguments of every launch instead. (A caller's logit scale once sat in an unused written slot,
     and the GPU's first, tuning call copied into it: autograd then refused the backward.)"""
-    from hf_infcl.ops import triton_kernels as kernels
+    from hf_infcl.ops.triton import combine_rows, grad_tile, sigmoid_from_dots, stats
 
-    written_by_kernel = {kernels._stats_kernel: ("out_ptr", "col_partial_ptr"),
-                         kernels._grad_tile_kernel: ("g_ptr", "row_sums_ptr", "softplus_sums_ptr"),
-                         kernels._sigmoid_from_dots_kernel: ("g_ptr", "row_sums_ptr", "softplus_sums_ptr"),
-                         kernels._combine_rows_kernel: ("out_ptr", "dots_ptr")}
+    written_by_kernel = {stats.STATS_KERNEL.tuner: ("out_ptr", "col_partial_ptr"),
+                         grad_tile.GRAD_TILE_KERNEL.tuner: ("g_ptr", "row_sums_ptr", "softplus_sums_ptr"),
+                         sigmoid_from_dots._sigmoid_from_dots_kernel: ("g_ptr", "row_sums_ptr",
+                                                                       "softplus_sums_ptr"),
+                         combine_rows._combine_rows_kernel: ("out_ptr", "dots_ptr")}
     launches = []
     for tuner, written in written_by_kernel.items():
         # The plain JIT kernel has no autotuner, so nothing restored or zeroed.
@@ -527,7 +529,7 @@ def test_sigmoid_from_dots_kernel_matches_float64(shape, masked, in_place, bias)
     softplus; from -85 to -5, the softplus sums are sums of small e^z whose relative accuracy
     needs the rounding error of 1 + e^z. Full blocks take the kernel's unmasked path, ragged
     ones its masked one; in place, G overwrites the fp16 dot products it reads."""
-    from hf_infcl.ops import triton_kernels as kernels
+    from hf_infcl.ops.triton.sigmoid_from_dots import sigmoid_from_dots
 
     rows, keys = shape
     gen = torch.Generator().manual_seed(random.randrange(2**31))
@@ -549,7 +551,7 @@ def test_sigmoid_from_dots_kernel_matches_float64(shape, masked, in_place, bias)
     g = dots.view(torch.float16) if in_place else torch.full((rows, keys), float("nan"), dtype=torch.float16)
     dots_read = dots if in_place else dots.clone()
     row_sums, softplus_sums = torch.zeros(rows), torch.zeros(rows)
-    kernels.sigmoid_from_dots(dots_read, g, row_sums, softplus_sums, scale, bias, None, **groups)
+    sigmoid_from_dots(dots_read, g, row_sums, softplus_sums, scale, bias, None, **groups)
     torch.testing.assert_close(g.double(), expected_g, rtol=2e-3, atol=1e-7)
     torch.testing.assert_close(row_sums.double(), expected_g.sum(1), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(softplus_sums.double(), expected_softplus, rtol=2e-6, atol=0.0)
@@ -563,7 +565,7 @@ def test_merge_partials_kernel_matches_float64(shape, log_sum_exp, previous):
     a multiple of the kernel's block, columns of -inf only (no row reached them), -inf among
     finite values, partials 60 apart (exp underflows but must not turn into NaN), a previous
     value of -inf (with a column of -inf too), and a strided view (the statistics kernel's split buffer)."""
-    from hf_infcl.ops import triton_kernels as kernels
+    from hf_infcl.ops.triton.stats import merge_partials
 
     parts, n = shape
     gen = torch.Generator().manual_seed(random.randrange(2**31))
@@ -580,7 +582,7 @@ def test_merge_partials_kernel_matches_float64(shape, log_sum_exp, previous):
     if previous:
         expected = torch.logaddexp(expected, before.double()) if log_sum_exp else expected + before.double()
     out = before.clone() if previous else None
-    result = kernels.merge_partials(partials, log_sum_exp=log_sum_exp, previous=out, out=out)
+    result = merge_partials(partials, log_sum_exp=log_sum_exp, previous=out, out=out)
     assert result.shape == (n,) and (out is None or result is out)
     # fp32 sums of up to 37 terms of size ~30: a few 1e-5 of rounding.
     torch.testing.assert_close(result.double(), expected, rtol=1e-6, atol=2e-4)
@@ -589,13 +591,13 @@ def test_merge_partials_kernel_matches_float64(shape, log_sum_exp, previous):
 def test_merge_partials_kernel_propagates_nan():
     """A NaN partial (from a NaN input) gives a NaN statistic, in the partials and in ``previous``,
     never a finite number."""
-    from hf_infcl.ops import triton_kernels as kernels
+    from hf_infcl.ops.triton.stats import merge_partials
 
     partials = torch.randn(6, 4)
     partials[2, 1] = float("nan")
     previous = torch.randn(4)
     previous[3] = float("nan")
-    result = kernels.merge_partials(partials, log_sum_exp=True, previous=previous)
+    result = merge_partials(partials, log_sum_exp=True, previous=previous)
     assert result[1].isnan() and result[3].isnan()
     assert result[[0, 2]].isfinite().all()
 
@@ -605,13 +607,13 @@ def test_reset_autotuning_clears_every_autotuner_and_the_loss_still_matches(monk
     every autotuned kernel, so that the next call tunes afresh. The interpreter runs one config and
     never fills the caches itself: an entry is planted in each, and a loss computed after the reset
     still matches the tiled backend."""
-    from triton.runtime import Autotuner
-
     from hf_infcl.ops import reset_autotuning
-    from hf_infcl.ops import triton_kernels as kernels
+    from hf_infcl.ops.triton import launch
+    from hf_infcl.ops.triton.grad_tile import GRAD_TILE_KERNEL
+    from hf_infcl.ops.triton.stats import STATS_KERNEL
 
-    tuners = [value for value in vars(kernels).values() if isinstance(value, Autotuner)]
-    assert {kernels._stats_kernel, kernels._grad_tile_kernel} <= set(tuners)
+    tuners = [kernel.tuner for kernel in launch.TUNED_KERNELS]
+    assert {STATS_KERNEL.tuner, GRAD_TILE_KERNEL.tuner} <= set(tuners)
     for tuner in tuners:
         monkeypatch.setitem(tuner.cache, ("planted",), tuner.configs[0])
     reset_autotuning()
@@ -629,17 +631,19 @@ def test_a_kernel_key_launched_before_skips_the_autotuner(monkeypatch, tmp_path)
     through the tuning store and the autotuner; later launches with that key go straight to the
     JIT function with the configuration chosen then (host time). Both calls' loss and gradients
     match the tiled backend."""
-    from hf_infcl.ops import triton_kernels as kernels
-    from hf_infcl.ops.tuning_store import TuningStore
+    from hf_infcl.ops.triton import launch
+    from hf_infcl.ops.triton.grad_tile import GRAD_TILE_KERNEL
+    from hf_infcl.ops.triton.stats import STATS_KERNEL
+    from hf_infcl.ops.triton.tuning_store import TuningStore
 
-    # What _launch does on a GPU, under the interpreter (whose autotuners hold one config).
-    monkeypatch.setattr(kernels, "_tunes", lambda: True)
-    monkeypatch.setattr(kernels, "_device_name", lambda device: "interpreter")
-    monkeypatch.setattr(kernels, "TUNING_STORE", TuningStore(tmp_path))
-    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    # What launch() does on a GPU, under the interpreter (whose autotuners hold one config).
+    monkeypatch.setattr(launch, "_tunes", lambda: True)
+    monkeypatch.setattr(launch, "device_name", lambda device: "interpreter")
+    monkeypatch.setattr(launch, "TUNING_STORE", TuningStore(tmp_path))
+    monkeypatch.setattr(launch, "_CHOSEN", {})
     runs = {}
-    for name in ("_stats_kernel", "_grad_tile_kernel"):
-        tuner = getattr(kernels, name)
+    for name, kernel in (("_stats_kernel", STATS_KERNEL), ("_grad_tile_kernel", GRAD_TILE_KERNEL)):
+        tuner = kernel.tuner
 
         def counted(*args, _run=tuner.run, _name=name, **kwargs):
             runs[_name] = runs.get(_name, 0) + 1
@@ -665,10 +669,9 @@ def test_a_kernel_key_launched_before_skips_the_autotuner(monkeypatch, tmp_path)
 def test_value_checks_raise_before_the_first_kernel(route, monkeypatch):
     """The Triton block ops make one process's value checks (scale > 0, positives in range)
     after preparing their operands, just before the loss's first kernel (for the statistics
-    kernel: inside its launcher, just before the launch): the error names the argument, and no
+    kernel: in its launch, just before the kernel): the error names the argument, and no
     kernel of the loss (statistics, gradient tiles, the sigmoid one pass's GEMM) has run."""
-    from hf_infcl.ops import triton_blocks
-    from hf_infcl.ops import triton_kernels as kernels
+    from hf_infcl.ops.triton import stats, super_tiles
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel of the loss ran before the values were checked")
@@ -677,10 +680,10 @@ def test_value_checks_raise_before_the_first_kernel(route, monkeypatch):
         def __getitem__(self, grid):
             return no_kernel
 
-    monkeypatch.setattr(kernels, "_stats_kernel", NoKernel())
-    for name in ("grad_tile", "sigmoid_from_dots", "merge_partials"):
-        monkeypatch.setattr(kernels, name, no_kernel)
-    monkeypatch.setattr(triton_blocks, "_add_product", no_kernel)
+    monkeypatch.setattr(stats, "STATS_KERNEL", dataclasses.replace(stats.STATS_KERNEL, tuner=NoKernel()))
+    monkeypatch.setattr(stats, "merge_partials", no_kernel)
+    for name in ("grad_tile", "sigmoid_from_dots", "add_product"):
+        monkeypatch.setattr(super_tiles, name, no_kernel)
     gen = torch.Generator().manual_seed(11)
     queries = torch.randn(9, 8, generator=gen).requires_grad_(True)
     keys = torch.randn(12, 8, generator=gen).requires_grad_(True)
@@ -715,10 +718,29 @@ def test_automatic_splits_are_whole_blocks(n_outer, n_inner):
     """The statistics launch's automatic splits cover the inner range in ranges of whole blocks of
     the widest config (each split's tiles are then whole where the problem's are: the FULL path);
     an explicit split count is kept as asked."""
-    from hf_infcl.ops import triton_kernels as kernels
+    from hf_infcl.ops.triton.stats import STATS_KERNEL, inner_splits
 
-    widest = max(config.kwargs["BLOCK_N"] for config in kernels._stats_configs())
-    splits, per_split = kernels.inner_splits(n_outer, n_inner, torch.device("cpu"))
+    widest = max(config.kwargs["BLOCK_N"] for config in STATS_KERNEL.tuner.configs)
+    splits, per_split = inner_splits(n_outer, n_inner, torch.device("cpu"))
     assert per_split % widest == 0
     assert (splits - 1) * per_split < n_inner <= splits * per_split
-    assert kernels.inner_splits(n_outer, n_inner, torch.device("cpu"), 3) == (3, -(-n_inner // 3))
+    assert inner_splits(n_outer, n_inner, torch.device("cpu"), 3) == (3, -(-n_inner // 3))
+
+
+@pytest.mark.parametrize("case", ["softmax-columns-groups-hardness-r37-k45-c20-fp32",
+                                  "sigmoid-one-pass-scaled-r32-k64-c32-fp16"])
+def test_launch_past_the_autotuner_equals_a_plain_launch(case):
+    """The interpreter's side of ``test_gpu_launch_past_the_autotuner_equals_a_plain_launch``:
+    a launch with the configuration a plain launch (``tuner[grid](...)``) returned goes through
+    the JIT function with the heuristics and the config's pre-hook applied by ``launch`` itself
+    (the compiled kernel's launcher is GPU-only: nothing is kept for it here) and writes exactly
+    what the plain launch wrote."""
+    from hf_infcl.ops.triton import launch
+    from tests.test_triton import LAUNCH_CASES, assert_same_launch, grad_tile_launcher
+
+    assert case in LAUNCH_CASES
+    run = grad_tile_launcher(case, "cpu")
+    plain = run(None)
+    past_the_tuner = run(plain[3])
+    assert_same_launch(past_the_tuner, plain, exact=True)
+    assert not launch._COMPILED

@@ -38,7 +38,7 @@ def main():
     bias = torch.tensor(-10.0, device="cuda", requires_grad=True) if sigmoid else None
     parameters = [q, k, scale] + ([bias] if sigmoid else [])
 
-    from hf_infcl.ops.triton_blocks import TritonBlocks
+    from hf_infcl.ops.triton import TritonBlocks
 
     blocks = TritonBlocks(tile_rows=args.tile_rows, tile_keys=args.tile_keys,
                           sigmoid_logits=args.sigmoid_logits)
@@ -65,11 +65,11 @@ def main():
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
     if args.gaps:
         print_gaps(both)
-    from hf_infcl.ops import triton_kernels
+    from hf_infcl.ops.triton.launch import TUNED_KERNELS
 
-    for name in ("_stats_kernel", "_grad_tile_kernel"):
-        tuner = getattr(triton_kernels, name)
-        print(name, {key: str(config) for key, config in getattr(tuner, "cache", {}).items()})
+    for kernel in TUNED_KERNELS:
+        tuner = kernel.tuner
+        print(kernel.name, {key: str(config) for key, config in getattr(tuner, "cache", {}).items()})
         timings = getattr(tuner, "configs_timings", None) or {}  # of the last tuning
         for config, times in sorted(timings.items(), key=lambda item: item[1][0]):
             print(f"    {times[0]:8.4f} ms  {config}")

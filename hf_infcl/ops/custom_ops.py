@@ -4,7 +4,7 @@ one graph (``fullgraph=True``) instead of tracing into Triton launchers or autot
 ``hf_infcl.ops.logit_stats`` calls them only while compiling: eager calls run the same forward
 and backward through :class:`~hf_infcl.ops.key_blocks.KeyBlockLogitStats`, because the op's
 dispatch (its autograd wrapper rebuilds the schema's defaults on every call, then redispatches)
-was host time that an 8k-row step on an H100 waited for.
+is host time that a small, host-bound step waits for.
 
 Two ops, both functional (they allocate their outputs and write nothing the caller owns):
 
@@ -27,10 +27,9 @@ backward (:func:`~hf_infcl.ops.key_blocks.stats_forward`,
 :func:`~hf_infcl.ops.key_blocks.stats_backward`) over the one-process schedule.
 
 ``validate``: the op checks the argument values (scale > 0, positives in range) itself when it
-runs, before its first kernel (:func:`~hf_infcl.ops.spec.value_check_for`), which needs the
-values on the host. ``contrastive_loss`` passes ``validate=True`` on one process: under
-``torch.compile`` that read would break the graph if the caller made it (the eager route checks
-at the same point, just before its first kernel).
+runs, before its first kernel (:mod:`hf_infcl.ops.value_check`), which needs the values on the
+host. ``contrastive_loss`` passes ``validate=True`` on one process: under ``torch.compile`` that
+read would break the graph if the caller made it (the eager route checks at the same point).
 
 (No ``from __future__ import annotations`` here: ``custom_op`` reads the annotations as types to
 build the op's schema.)
@@ -40,11 +39,11 @@ build the op's schema.)
 import torch
 from torch import Tensor
 
-from .key_blocks import UnitGradients, stats_backward, stats_forward
-from .local import SINGLE_BLOCK
+from .key_blocks import SINGLE_BLOCK, UnitGradients, stats_backward, stats_forward
 from .options import BLOCK_BACKENDS, choice_error
-from .spec import PairLabels, StatsSpec, accumulation_dtype, value_check_for
+from .spec import PairLabels, StatsSpec, accumulation_dtype
 from .tiled import TorchTiles
+from .value_check import deferred_check
 
 BACKEND_NAMES = BLOCK_BACKENDS  # the named backends an op can run: what "auto" resolves to
 
@@ -54,7 +53,7 @@ def block_ops(backend: str):
     if backend == "torch":
         return TorchTiles()
     if backend == "triton":
-        from .triton_blocks import TritonBlocks
+        from .triton import TritonBlocks
 
         return TritonBlocks()
     raise choice_error("backend", backend, BACKEND_NAMES)
@@ -84,12 +83,12 @@ def logit_stats(
     gradients (G K [m, c], G^T Q [k, c], row sums of G [m]) for the backward; else three empty
     tensors. Only the first three are differentiable outputs."""
     ops = block_ops(backend)
-    check = value_check_for(ops, scale, positives, keys.shape[0]) if validate else None
     spec = StatsSpec(loss, columns, precision, gradients_in_forward, hardness, hardness_strength)
-    row_stat, col_stat, positive_logit, unit = stats_forward(
-        SINGLE_BLOCK, spec, ops, queries, keys, scale, bias, positives,
-        PairLabels(query_groups, key_groups, query_ids, key_owners), before_first_kernel=check,
-    )
+    with deferred_check(ops, scale, positives, keys.shape[0], enabled=validate):
+        row_stat, col_stat, positive_logit, unit = stats_forward(
+            SINGLE_BLOCK, spec, ops, queries, keys, scale, bias, positives,
+            PairLabels(query_groups, key_groups, query_ids, key_owners),
+        )
     if unit is None:
         if gradients_in_forward:  # the fake implementation promises the gradients' shapes
             raise RuntimeError(f"the {backend!r} block ops do not take the one-pass route")

@@ -3,7 +3,8 @@
 A process's rows meet every key of the process group block by block. *Where* the blocks come
 from is the schedule's job; *what* is done with them is the same everywhere:
 
-- :class:`~hf_infcl.ops.local.SingleBlock`: one process; its own keys are the only block. No
+- :class:`SingleBlock`: one process; its own keys are the only block (one ``forward_block`` call
+  over all rows and keys, one ``backward_block`` call that recomputes every tile once). No
   transfer, no padding.
 - :class:`~hf_infcl.ops.ring.RingLayout`: a group of n processes; n key blocks travel the ring.
 
@@ -30,18 +31,12 @@ significant bits of dQ and dK.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
 
-from .spec import (
-    BlockOps,
-    PairLabels,
-    StatsSpec,
-    accumulation_dtype,
-    before_first_kernel_keyword,
-    takes_one_pass,
-)
+from .spec import BlockOps, OnePassSigmoidOps, PairLabels, StatsSpec, accumulation_dtype, takes_one_pass
 
 # Row chunks for the O(m c) epilogues, so they allocate no full-size fp32 temporaries.
 _EPILOGUE_ELEMENTS = 2**22
@@ -73,26 +68,68 @@ class UnitGradients(NamedTuple):
     row_sums: torch.Tensor  # [m] row sums of G
 
 
+@dataclass(frozen=True)
+class SingleBlock:
+    """The :class:`KeyBlockSchedule` of one process."""
+
+    rank: int = 0
+
+    def key_offset(self, rank: int) -> int:
+        return 0
+
+    def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels):
+        mask, hardness = _own_block(spec, labels)
+        return ops.forward_block(spec, queries, keys, scale, bias, mask, hardness=hardness)
+
+    def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
+                              labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat):
+        acc = accumulation_dtype(queries.dtype)
+        grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
+        grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
+        mask, hardness = _own_block(spec, labels)
+        columns = spec.columns
+        row_sums = ops.backward_block(spec, queries, keys, scale, bias, mask, row_stat,
+                                      col_stat if columns else None, grad_row_stat.to(acc),
+                                      grad_col_stat.to(acc) if columns else None, grad_queries, grad_keys,
+                                      hardness=hardness)
+        return grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums
+
+    def forward_with_gradients(self, spec: StatsSpec, ops: OnePassSigmoidOps, queries, keys, scale, bias,
+                               labels: PairLabels):
+        """The sigmoid loss's one pass: (row_stat, unit-weight gradients), see
+        :class:`UnitGradients`."""
+        acc = accumulation_dtype(queries.dtype)
+        grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
+        grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
+        row_stat, row_sums = ops.forward_backward_block(spec, queries, keys, scale, bias,
+                                                        labels.mask(labels.key_groups, 0), grad_queries,
+                                                        grad_keys)
+        return row_stat, UnitGradients(grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums)
+
+
+SINGLE_BLOCK = SingleBlock()
+
+
+def _own_block(spec: StatsSpec, labels: PairLabels):
+    """(group mask, hardness offset) of the rows against this process's own keys, the only block."""
+    return labels.mask(labels.key_groups, 0), labels.hardness(spec, labels.key_owners, 0)
+
+
 def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
-                  positives, labels: PairLabels, before_first_kernel=None):
+                  positives, labels: PairLabels):
     """(row_stat [m], col_stat [k] or empty, positive_logit [m], unit gradients or None) of this
     process's rows and keys over every key and row of the schedule; ``labels`` without the
     positives' global indices, which are added here.
 
     With ``spec.gradients_in_forward`` (and a schedule and block ops that offer it) the same pass
-    also gives the :class:`UnitGradients`, which the backward then only scales.
-
-    ``before_first_kernel``: handed to a one-process schedule whose block ops take it
-    (:func:`~hf_infcl.ops.spec.calls_before_first_kernel`)."""
+    also gives the :class:`UnitGradients`, which the backward then only scales."""
     labels = _with_positive_keys(schedule, positives, labels)
     unit = None
-    before = before_first_kernel_keyword(before_first_kernel)
     if one_pass(spec, schedule, ops):
-        row_stat, unit = schedule.forward_with_gradients(spec, ops, queries, keys, scale, bias, labels,
-                                                         **before)
+        row_stat, unit = schedule.forward_with_gradients(spec, ops, queries, keys, scale, bias, labels)
         col_stat = None
     else:
-        row_stat, col_stat = schedule.forward_stats(spec, ops, queries, keys, scale, bias, labels, **before)
+        row_stat, col_stat = schedule.forward_stats(spec, ops, queries, keys, scale, bias, labels)
     if col_stat is None:
         col_stat = row_stat.new_empty(0)
     return row_stat, col_stat, positive_logits(queries, keys, positives, scale, bias, row_combiner(ops)), unit
@@ -146,10 +183,10 @@ class KeyBlockLogitStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, queries, keys, scale, bias, positives, query_groups, key_groups, query_ids, key_owners,
-                spec: StatsSpec, ops: BlockOps, schedule: KeyBlockSchedule, before_first_kernel=None):
+                spec: StatsSpec, ops: BlockOps, schedule: KeyBlockSchedule):
         labels = PairLabels(query_groups, key_groups, query_ids, key_owners)
         row_stat, col_stat, positive_logit, unit = stats_forward(schedule, spec, ops, queries, keys, scale,
-                                                                 bias, positives, labels, before_first_kernel)
+                                                                 bias, positives, labels)
         ctx.save_for_backward(queries, keys, scale, bias, positives, query_groups, key_groups, query_ids,
                               key_owners, row_stat, col_stat)
         ctx.spec, ctx.ops, ctx.schedule, ctx.unit = spec, ops, schedule, unit
@@ -166,7 +203,7 @@ class KeyBlockLogitStats(torch.autograd.Function):
             grads = stats_backward(ctx.schedule, ctx.spec, ctx.ops, queries, keys, scale, bias, positives,
                                    labels, row_stat, col_stat, grad_row_stat, grad_col_stat,
                                    grad_positive_logit, needs=ctx.needs_input_grad[:4], unit=ctx.unit)
-        return (*grads, None, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def _row_chunks(rows: int, width: int):

@@ -6,7 +6,7 @@ every row and key of the process group, with the number of rows in the group. Th
 (``hf_infcl.loss``) validates, calls it once, assembles the per-row loss and reduces; it knows
 nothing of how the statistics are computed:
 
-- one process: the schedule is a single key block (:class:`~hf_infcl.ops.local.SingleBlock`):
+- one process: the schedule is a single key block (:class:`~hf_infcl.ops.key_blocks.SingleBlock`):
   no padding, no collective. Under ``torch.compile`` the named backends run as the custom op of
   :mod:`hf_infcl.ops.custom_ops` (the compiler keeps it in a graph); eager calls, and a
   block-ops object given directly, run the same forward and backward through
@@ -28,9 +28,9 @@ from typing import NamedTuple
 import torch
 
 from . import custom_ops, ring
-from .key_blocks import KeyBlockLogitStats
-from .local import SINGLE_BLOCK
-from .spec import BlockOps, StatsSpec, value_check_for
+from .key_blocks import SINGLE_BLOCK, KeyBlockLogitStats
+from .spec import BlockOps, StatsSpec
+from .value_check import deferred_check
 
 __all__ = ["LogitStats", "announcing_rejections", "backend_name", "logit_stats", "select_block_ops"]
 
@@ -57,9 +57,8 @@ def logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups,
         group: a process group of several ranks for the ring, or None for one process.
         reduction: the loss's reduction; the ring checks that every rank asks for the same.
         validate: make the checks that read values (scale > 0, positives in range) here, before
-            the first kernel, for a caller that left them out (``hf_infcl.ops.custom_ops`` says
-            why one process always does). The Triton block ops make them as late as that allows
-            (``calls_before_first_kernel``).
+            the first kernel, for a caller that left them out (one process; as late as that
+            allows: :mod:`hf_infcl.ops.value_check`).
         query_ids, key_owners: the hardness offset's ids (``spec.hardness``), or None.
         label_smoothing: the loss's, which the statistics do not use; the ring checks that every
             rank asks for the same (the smoothing's all-reduce follows on every rank or on none).
@@ -90,9 +89,9 @@ def _block_ops_stats(queries, keys, scale, bias, positives, labels, spec, ops, v
     """One process, eager: a block-ops object (which cannot be a custom-op argument: a graph
     break under torch.compile), or a named backend's outside a compiled region.
     ``labels``: (query_groups, key_groups, query_ids, key_owners)."""
-    check = value_check_for(ops, scale, positives, keys.shape[0]) if validate else None
-    return KeyBlockLogitStats.apply(queries, keys, scale, bias, positives, *labels, spec, ops, SINGLE_BLOCK,
-                                    check)
+    with deferred_check(ops, scale, positives, keys.shape[0], enabled=validate):
+        return KeyBlockLogitStats.apply(queries, keys, scale, bias, positives, *labels, spec, ops,
+                                        SINGLE_BLOCK)
 
 
 @torch.compiler.disable
@@ -143,7 +142,7 @@ def _triton_importable() -> bool:
     # assume_constant_result: torch.compile calls this once while tracing and keeps the answer,
     # instead of tracing an import.
     try:
-        from . import triton_blocks  # noqa: F401
+        from . import triton  # noqa: F401
     except ImportError:
         return False
     return True

@@ -27,7 +27,6 @@ locally and in the ring.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -191,23 +190,6 @@ def resolve_precision(precision: str, dtype: torch.dtype, device: torch.device) 
     return "tf32" if dtype == torch.float32 and torch.device(device).type == "cuda" else "ieee"
 
 
-def check_values(scale: torch.Tensor, positives: torch.Tensor | None, n_keys: int) -> None:
-    """The argument checks that read values (one host synchronisation): ``logit_scale`` > 0 and
-    every positive index inside ``[0, n_keys)`` (``positives`` None: ``keys[:m]``, in range by
-    construction, so only the scale is read)."""
-    scale = scale.detach().reshape(())
-    if positives is None or not positives.numel():
-        scale_value, positive_range = scale.item(), ()
-    else:
-        readings = [scale.to(torch.float64), positives.min().to(torch.float64),
-                    positives.max().to(torch.float64)]  # what the checks read, fetched together
-        scale_value, *positive_range = torch.stack(readings).tolist()
-    if scale_value <= 0:  # a NaN scale passes: non-finite inputs give a NaN loss
-        raise ValueError(f"logit_scale must be > 0 (it multiplies the logits), got {scale_value}")
-    if positive_range and (n_keys == 0 or positive_range[0] < 0 or positive_range[1] >= n_keys):
-        raise ValueError(f"positives must index keys, i.e. lie in [0, {n_keys}); got values outside")
-
-
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """Statistics and gradient accumulators: fp64 for fp64 inputs, fp32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -288,27 +270,3 @@ class OnePassSigmoidOps(BlockOps, Protocol):
 def takes_one_pass(ops) -> bool:
     """Whether a block-ops object offers the sigmoid loss's one-pass route."""
     return callable(getattr(ops, "forward_backward_block", None))
-
-
-def calls_before_first_kernel(ops) -> bool:
-    """Whether a block-ops object's ``forward_block`` (and ``forward_backward_block``) take
-    ``before_first_kernel``: a callable that they call once, after preparing their operands and
-    buffers and just before the loss's first kernel. One process passes its value check there
-    (:func:`check_values`), so that the GPU, drained by the check's synchronisation, waits on as
-    little host work as possible; other block ops get the check before their call."""
-    return bool(getattr(ops, "calls_before_first_kernel", False))
-
-
-def before_first_kernel_keyword(before_first_kernel) -> dict:
-    """``{"before_first_kernel": it}`` for a call of block ops (or a one-process schedule) that
-    take it, or no keyword at all when there is none: other block ops need not accept it."""
-    return {} if before_first_kernel is None else {"before_first_kernel": before_first_kernel}
-
-
-def value_check_for(ops, scale: torch.Tensor, positives: torch.Tensor | None, n_keys: int):
-    """One process's :func:`check_values`, for ``ops``: returned as their ``before_first_kernel``
-    where they take it (:func:`calls_before_first_kernel`), else made now and None returned."""
-    if calls_before_first_kernel(ops):
-        return functools.partial(check_values, scale, positives, n_keys)
-    check_values(scale, positives, n_keys)
-    return None

@@ -1,13 +1,10 @@
 """Hopper kernel for the sigmoid loss's one pass: a super-tile's logits, G and softplus row sums
 in one kernel.
 
-What it replaces, per super-tile of the one pass (``TritonBlocks._super_tiles``): a cuBLAS GEMM
-of fp16 copies of the operands that writes the dot products into a buffer, then
-``_sigmoid_from_dots_kernel`` that reads them back and writes G over them. Here the dot products
-stay in registers, in fp32 (not rounded to fp16), and no fp16 copies of the operands are made.
-On an H200 a super-tile of 8192 x 8192 logits at c = 768 takes 1.5 cuBLAS GEMM passes this way
-against 1.6 by the cuBLAS route; at c = 512, 1.7 against 1.85 (``benchmarks/bench_sigmoid_tile.py``,
-``benchmarks/triton_notes.md``).
+What it replaces, per super-tile of the one pass: a cuBLAS GEMM of fp16 copies of the operands
+that writes the dot products into a buffer, then the elementwise kernel of
+:mod:`.sigmoid_from_dots` that reads them back and writes G over them. Here the dot products stay
+in registers, in fp32 (not rounded to fp16), and no fp16 copies of the operands are made.
 
 Structure, in Gluon (Triton's explicit dialect, ``triton.experimental.gluon``), after the
 "ping-pong" kernels of CUTLASS and FlashAttention-3:
@@ -25,31 +22,26 @@ Structure, in Gluon (Triton's explicit dialect, ``triton.experimental.gluon``), 
 * the epilogue: z = s x + b, u = e^-|z|, G = sigmoid(z) (one reciprocal of 1 + u) stored in the
   operands' dtype (divided by a scale if asked), and the row sums of G and of
   softplus(z) = max(z, 0) + log1p(u), with the log1p terms summed through products (see
-  ``_epilogue``): about 17 instructions per logit, in eight column parts of the tile so that
-  the temporaries of one part, not of the whole tile, sit beside the accumulator's registers.
+  ``_epilogue``), in eight column parts of the tile so that the temporaries of one part, not of
+  the whole tile, sit beside the accumulator's registers.
 
-What did not materialise (measured on an H200): the epilogue of one warpgroup does not hide
-under the other's MMAs; with a trivial epilogue the kernel runs at 1.08 cuBLAS passes, and the
-epilogue's instructions add to that one for one. Hence the short epilogue. The turns stay
-because the shared ring needs the order, and a ring per warpgroup left the MMAs waiting on
-their loads.
+The epilogue is kept short because it does not hide under the other warpgroup's MMAs: its
+instructions add to the kernel's time one for one. The turns stay because the shared ring needs
+the order; a ring per warpgroup left the MMAs waiting on their loads.
 
 It covers the common case only: half-precision operands whose rows are 16-byte aligned, no
-group mask, on a GPU of compute capability 9 (Hopper), with a Triton that has Gluon (3.6 has).
-Everything else takes the cuBLAS route. Gluon kernels do not run under ``TRITON_INTERPRET``, so
-this kernel is tested on GPUs only (``tests/test_gluon_sigmoid.py``), against float64.
+group mask, on a GPU of compute capability 9 (Hopper), with a Triton that has Gluon. Everything
+else takes the cuBLAS route. Gluon kernels do not run under ``TRITON_INTERPRET``, so this kernel
+is tested on GPUs only (``tests/test_gluon_sigmoid.py``), against float64.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
-# The kernel calls the @triton.jit helpers as they are (Gluon compiles a called Triton function
-# in its own dialect; the PTX is the same as with Gluon copies of them).
-from .triton_kernels import LOG2E, _log1p_of_positive, _reciprocal, _sm_count, tma_aligned
+from .device import is_hopper, sm_count, tma_aligned
+from .jit_math import LOG2E, log1p_of_positive, reciprocal
 
 try:
     from triton.experimental import gluon
@@ -86,14 +78,9 @@ def usable(queries: torch.Tensor, keys: torch.Tensor, has_mask: bool) -> bool:
         and queries.is_cuda
         and queries.dtype in (torch.float16, torch.bfloat16)
         and keys.dtype == queries.dtype
-        and _is_hopper(queries.device)
+        and is_hopper(queries.device)
         and all(tma_aligned(t) for t in (queries, keys))
     )
-
-
-@functools.cache
-def _is_hopper(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] == 9
 
 
 if gluon is not None:
@@ -149,7 +136,7 @@ if gluon is not None:
         if HAS_BIAS:
             z = z + bias
         u = gl.exp2(gl.abs(z) * -LOG2E)
-        r = _reciprocal(1.0 + u)
+        r = reciprocal(1.0 + u)
         grad = gl.where(z >= 0.0, r, u * r)
         linear = gl.maximum(z, 0.0)
         if not EVEN:
@@ -186,7 +173,7 @@ if gluon is not None:
         that a thread holds at one position of the parts (``excess``, never forming 1 + u: every
         rounding is relative to the partial product, and the product stays below 2^8), which
         costs two operations per logit and one log1p per eight (a log1p of each, about twenty
-        operations, was a third of the epilogue)."""
+        operations, would be a third of the epilogue)."""
         BM: gl.constexpr = acc.type.shape[0]
         BN: gl.constexpr = acc.type.shape[1]
         PART: gl.constexpr = BN // 8
@@ -210,7 +197,7 @@ if gluon is not None:
             row_grad += part_grad
             row_softplus += part_linear
             excess = excess + u + excess * u
-        row_softplus += gl.sum(_log1p_of_positive(excess), axis=1)
+        row_softplus += gl.sum(log1p_of_positive(excess), axis=1)
         return row_grad, row_softplus
 
     @gluon.jit
@@ -319,15 +306,9 @@ if gluon is not None:
 
 
 def sigmoid_tile(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    g_out: torch.Tensor,
-    row_sums: torch.Tensor,
-    softplus_sums: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    inv_g_scale: torch.Tensor | None,
-    descriptors=None,
+    queries: torch.Tensor, keys: torch.Tensor, g_out: torch.Tensor, row_sums: torch.Tensor,
+    softplus_sums: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+    inv_g_scale: torch.Tensor | None, descriptors=None,
 ) -> None:
     """One super-tile of the sigmoid one pass: G = sigmoid(scale * queries keys^T + bias) (divided by
     the scale whose inverse ``inv_g_scale`` holds, if given) into ``g_out`` [rows, keys] (the
@@ -342,7 +323,7 @@ def sigmoid_tile(
     if BLOCK_M * g_out.stride(0) >= 2**31:
         raise ValueError("a super-tile row block too large for the kernel's int32 offsets")
     tiles = triton.cdiv(n_rows, BLOCK_M) * triton.cdiv(n_keys, BLOCK_N)
-    grid = (max(1, min(_sm_count(queries.device), triton.cdiv(tiles, 2))),)
+    grid = (max(1, min(sm_count(queries.device), triton.cdiv(tiles, 2))),)
     _sigmoid_tile_kernel[grid](
         q_desc, k_desc, g_out, g_out.stride(0), row_sums, softplus_sums, scale,
         bias if bias is not None else scale, inv_g_scale if inv_g_scale is not None else scale,

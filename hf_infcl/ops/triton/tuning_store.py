@@ -1,8 +1,8 @@
 """Autotuned kernel configurations kept on disk, so that tuning is paid once per machine.
 
-Triton's autotuner benchmarks every candidate configuration on a kernel's first call for each
-tuning key, in every process: 30 s or more for our kernels, paid again by every run and by every
-rank of a job. This store keeps the chosen configurations in one JSON file per device name and
+Triton's autotuner compiles and times every candidate configuration on a kernel's first call
+for each tuning key, in every process: a long wait, paid again by every run and by every rank of
+a job. This store keeps the chosen configurations in one JSON file per device name and
 Triton version (``<cache>/autotune/<device>--triton-<version>.json``), keyed by kernel and tuning
 key. Before a launch whose key the autotuner has not seen, :meth:`TuningStore.tuned` looks the key
 up on disk; if it is missing, it takes that key's file lock, looks again (another process of the

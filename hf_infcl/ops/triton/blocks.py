@@ -1,0 +1,282 @@
+"""Block ops (the protocol of :mod:`hf_infcl.ops.spec`) on the fused Triton kernels.
+
+``forward_block`` runs the statistics kernel once over the tiles: it gives the row statistic
+and, for the symmetric softmax loss, the column log-sum-exp from the same tiles (or, with
+``fused_columns=False``, from a second column-major pass).
+
+``backward_block`` walks the problem in super-tiles (:mod:`.super_tiles`): the gradient-tile
+kernel writes each one's G into a bounded buffer, and two cuBLAS GEMMs add G K and G^T Q.
+
+``forward_backward_block`` is the sigmoid loss's one pass (``StatsSpec.gradients_in_forward``):
+the same super-tiles with every row weight 1, each row's softplus terms (the row statistic) summed
+from the same logits, by the Gluon kernel on Hopper (half-precision inputs, no group mask), else
+by an elementwise kernel over cuBLAS dot products, or (``sigmoid_logits="fused"``) by the
+gradient-tile kernel.
+
+fp32 inputs run as :mod:`.operands` says (TF32 tensor cores, or exact fp32 for ``"ieee"``). The
+object keeps no state between calls, so the ring can call it once per visiting key block.
+Float64 inputs have no tensor-core path: they are handed to :class:`TorchTiles`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..key_blocks import combine_rows as torch_combine_rows
+from ..spec import GroupMask, HardnessOffset, StatsSpec
+from ..tiled import TorchTiles
+from ..value_check import run_deferred_check
+from . import gluon_sigmoid, stats
+from .combine_rows import combine_rows
+from .device import INTERPRET
+from .operands import (
+    HALF_TYPES,
+    ROW_LABELS,
+    Operands,
+    dot_operands,
+    gemm_operands,
+    kernel_operands,
+    label_arguments,
+    mask_arguments,
+    resolved,
+    scalar,
+    sliced,
+)
+from .super_tiles import CublasDotsRoute, GluonRoute, GradTileRoute, RouteArguments, g_scale, walk
+
+SIGMOID_LOGITS = ("auto", "gluon", "gemm", "fused")
+
+
+@dataclass(frozen=True)
+class TritonBlocks:
+    """Fused Triton block ops for CUDA tensors (or any tensors under ``TRITON_INTERPRET=1``).
+
+    Attributes:
+        tile_rows, tile_keys: the backward's super-tile; its G buffer holds
+            ``tile_rows * tile_keys`` entries of the GEMM operand dtype. None picks 8192 x 4096
+            for half-precision G (every mode but ``precision="ieee"``) and 4096 x 4096 for fp32
+            G (64 MiB either way); the sigmoid one pass over fp16 dot products (half-precision
+            inputs) writes G over them and takes 8192 x 8192 (128 MiB for both).
+        stat_splits: programs sharing one outer block's inner range in the forward (None: enough
+            to fill the GPU). Tests set it to exercise the merge of partial statistics.
+        poison: fill every buffer the kernels must write completely with NaN first (tests use it
+            to prove that no entry is left unwritten).
+        fused_columns: the symmetric loss's column statistic comes out of the row pass (one
+            forward pass); False runs a second, column-major pass instead.
+        column_buffer_entries: fp32 entries (default 16M: 64 MiB) of the fused pass's column
+            partials, one per (row block, key); more rows per launch when larger.
+        tf32_via_fp16: multiply fp32 inputs with TF32 precision as scaled fp16 copies in the
+            kernels too: faster, but opt-in because its ring gradients come out further from
+            float64 than one GPU's, beyond the TF32 tolerance, for a reason not yet known. False
+            (the default) runs the kernels on TF32 tensor cores and only the GEMMs in fp16.
+        sigmoid_logits: where the sigmoid loss's one pass gets each super-tile's dot products:
+            ``"gluon"`` from the Gluon kernel of :mod:`.gluon_sigmoid`, which also forms G and the
+            sums (Hopper GPUs, fp16 / bf16 inputs, no group mask; a ValueError elsewhere);
+            ``"gemm"`` from a cuBLAS GEMM into a buffer (fp16 for half-precision inputs, fp32
+            for fp32 inputs), read by an elementwise kernel that writes G; ``"fused"`` from the
+            gradient-tile kernel itself, which computes them and G in one kernel (no dot-product
+            buffer, but its tensor-core work and its elementwise work run one after the other);
+            ``"auto"`` (the default): ``"gluon"`` where it can run, else ``"gemm"``.
+    """
+
+    tile_rows: int | None = None
+    tile_keys: int | None = None
+    stat_splits: int | None = None
+    poison: bool = False
+    fused_columns: bool = True
+    column_buffer_entries: int = 16 * 2**20
+    tf32_via_fp16: bool = False
+    sigmoid_logits: str = "auto"
+
+    # The one-process value check runs just before this object's first kernel, after its host
+    # work: the check's synchronisation idles the GPU (hf_infcl.ops.value_check).
+    runs_deferred_value_check: ClassVar[bool] = True
+
+    def __post_init__(self):
+        if self.sigmoid_logits not in SIGMOID_LOGITS:
+            raise ValueError(f"sigmoid_logits must be one of {SIGMOID_LOGITS}, got {self.sigmoid_logits!r}")
+        for name in ("tile_rows", "tile_keys", "stat_splits", "column_buffer_entries"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+
+    def forward_block(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None,
+                      hardness: HardnessOffset | None = None):
+        if queries.dtype == torch.float64:
+            run_deferred_check()
+            return TorchTiles().forward_block(spec, queries, keys, scale, bias, mask, hardness=hardness)
+        problem = self._prepare(spec, queries, keys, scale, bias, mask, hardness)
+        spec, operands = problem.spec, problem.kernel
+        queries, keys, scale, bias = operands.queries, operands.keys, operands.scale, problem.bias
+        if spec.columns and self.fused_columns:
+            return self._rows_and_columns_in_one_pass(problem)
+        row_stat = stats.logit_stats(
+            queries, keys, scale, bias, sigmoid=spec.loss == "sigmoid", columns=False,
+            precision=spec.precision, splits=self.stat_splits, out=self._stat_buffer(queries, keys),
+            **problem.labels,
+        )
+        col_stat = None
+        if spec.columns:
+            col_stat = stats.logit_stats(
+                keys, queries, scale, bias, sigmoid=False, columns=True, precision=spec.precision,
+                splits=self.stat_splits, out=self._stat_buffer(keys, queries), **mask_arguments(mask),
+            )
+        return row_stat, col_stat
+
+    def backward_block(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None,
+                       row_stat, col_stat, row_weight, col_weight, grad_queries, grad_keys,
+                       hardness: HardnessOffset | None = None):
+        if queries.dtype == torch.float64:
+            return TorchTiles().backward_block(spec, queries, keys, scale, bias, mask, row_stat, col_stat,
+                                               row_weight, col_weight, grad_queries, grad_keys,
+                                               hardness=hardness)
+        problem = self._prepare(spec, queries, keys, scale, bias, mask, hardness)
+        row_sums = torch.zeros(queries.shape[0], dtype=torch.float32, device=queries.device)
+        g_factor = g_scale(problem.gemm.queries.dtype, row_weight, col_weight)
+        route = GradTileRoute(problem.route_arguments(row_sums, g_factor), row_stat, row_weight, col_stat,
+                              col_weight, sigmoid=problem.spec.loss == "sigmoid",
+                              precision=problem.spec.precision)
+        self._walk(problem, route, grad_queries, grad_keys, g_factor)
+        return row_sums
+
+    def forward_backward_block(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None,
+                               grad_queries, grad_keys):
+        """The sigmoid loss's one pass (``OnePassSigmoidOps``): the backward's super-tiles with
+        every row weight 1, each tile's softplus row sums taken from the same logits (whose dot
+        products ``sigmoid_logits`` says who computes)."""
+        if queries.dtype == torch.float64:
+            run_deferred_check()
+            return TorchTiles().forward_backward_block(spec, queries, keys, scale, bias, mask, grad_queries,
+                                                       grad_keys)
+        if spec.loss != "sigmoid":
+            raise ValueError("the one-pass route is for the sigmoid loss")
+        problem = self._prepare(spec, queries, keys, scale, bias, mask, None)
+        f32 = dict(dtype=torch.float32, device=queries.device)
+        ones = torch.ones(queries.shape[0], **f32)
+        row_stat, row_sums = torch.zeros(queries.shape[0], **f32), torch.zeros(queries.shape[0], **f32)
+        g_factor = g_scale(problem.gemm.queries.dtype, ones, None)
+        arguments = problem.route_arguments(row_sums, g_factor, softplus_sums=row_stat)
+        if self._gluon_dots(problem):
+            route = GluonRoute(arguments)
+        elif self.sigmoid_logits != "fused":
+            dots = dot_operands(problem.gemm, problem.kernel, problem.kernel.scale)
+            route = CublasDotsRoute(arguments, dots, problem.gemm.queries.dtype, self.poison)
+        else:
+            route = GradTileRoute(arguments, ones, ones, None, None, sigmoid=True,
+                                  precision=problem.spec.precision)
+        self._walk(problem, route, grad_queries, grad_keys, g_factor)
+        return row_stat, row_sums
+
+    def combine_rows(self, **arguments):
+        """The epilogues' row primitive (:func:`hf_infcl.ops.key_blocks.combine_rows`) in one
+        kernel launch instead of a dozen torch ops per row chunk, and with no host
+        synchronisation. Float64 goes to the torch version."""
+        if arguments["sources"].dtype == torch.float64:
+            return torch_combine_rows(**arguments)
+        return combine_rows(**arguments)
+
+    # ----------------------------------------------------------------------------------------
+
+    def _prepare(self, spec: StatsSpec, queries, keys, scale, bias, mask, hardness) -> _Problem:
+        """The checked inputs as the kernels and GEMMs take them (:mod:`.operands`)."""
+        self._check(queries, keys)
+        spec = resolved(spec, queries)
+        kernel = kernel_operands(spec, queries, keys, scale, self.tf32_via_fp16)
+        gemm = gemm_operands(spec, queries, keys, kernel, self.tf32_via_fp16)
+        return _Problem(spec, kernel, gemm, None if bias is None else scalar(bias),
+                        label_arguments(mask, hardness, kernel))
+
+    def _walk(self, problem: _Problem, route, grad_queries, grad_keys, g_factor) -> None:
+        m, k = problem.kernel.queries.shape[0], problem.kernel.keys.shape[0]
+        tile = self._super_tile(problem.gemm.queries.dtype, m, k, route.g_alone)
+        walk(route, problem.gemm, grad_queries, grad_keys, g_factor, tile, problem.spec.precision,
+             self.poison)
+
+    def _gluon_dots(self, problem: _Problem) -> bool:
+        """Whether the one pass takes its logits from the Gluon kernel (``sigmoid_logits``)."""
+        if self.sigmoid_logits not in ("auto", "gluon"):
+            return False
+        operands = problem.kernel
+        usable = problem.gemm is operands and gluon_sigmoid.usable(operands.queries, operands.keys,
+                                                                    has_mask=bool(problem.labels))
+        if self.sigmoid_logits == "gluon" and not usable:
+            raise ValueError(
+                "sigmoid_logits='gluon' needs a Hopper GPU (compute capability 9), a Triton with Gluon, "
+                "fp16 or bf16 inputs whose rows are 16-byte aligned, and no group mask; use 'auto' to fall "
+                "back to 'gemm' elsewhere")
+        return usable
+
+    def _rows_and_columns_in_one_pass(self, problem: _Problem):
+        """Row and column log-sum-exp from one pass over the tiles.
+
+        Rows go in chunks small enough that the column partials (one fp32 per row block and
+        key) fit in ``column_buffer_entries``; each chunk's partials are merged into the column
+        statistic before the next chunk reuses the buffer.
+        """
+        queries, keys, scale = problem.kernel.queries, problem.kernel.keys, problem.kernel.scale
+        m, k = queries.shape[0], keys.shape[0]
+        device = queries.device
+        blocks_per_chunk = max(1, self.column_buffer_entries // k)
+        chunk_rows = min(m, blocks_per_chunk * stats.MIN_BLOCK_M)
+        partials = torch.empty((-(-chunk_rows // stats.MIN_BLOCK_M), k), dtype=torch.float32, device=device)
+        row_stat = torch.empty(m, dtype=torch.float32, device=device) if chunk_rows < m else None
+        col_stat = None
+        for r0 in range(0, m, chunk_rows):
+            r1 = min(r0 + chunk_rows, m)
+            # Row blocks a config with larger blocks leaves unwritten must not count: -inf.
+            partials.fill_(float("-inf"))
+            rows = stats.logit_stats(
+                queries[r0:r1], keys, scale, problem.bias, sigmoid=False, columns=False,
+                precision=problem.spec.precision, splits=self.stat_splits,
+                out=self._stat_buffer(queries[r0:r1], keys), column_partials=partials,
+                **dict(problem.labels, **sliced(problem.labels, ROW_LABELS, r0, r1)),
+            )
+            if row_stat is None:  # one chunk: its rows are all the rows
+                row_stat = rows
+            else:
+                row_stat[r0:r1] = rows
+            col_stat = stats.merge_partials(partials, log_sum_exp=True, previous=col_stat, out=col_stat)
+        return row_stat, col_stat
+
+    def _super_tile(self, dtype: torch.dtype, m: int, k: int, wide: bool = False) -> tuple[int, int]:
+        # 64 MiB of G: each super-tile then carries enough GPU work to hide the host time of its
+        # three launches. ``wide``: G written over the dot products, or G alone (the Gluon kernel
+        # needs no dot-product buffer): twice the keys in the memory of G and dot products side
+        # by side.
+        default_keys = 8192 if wide else 4096
+        rows = self.tile_rows if self.tile_rows is not None else (8192 if dtype in HALF_TYPES else 4096)
+        keys = self.tile_keys if self.tile_keys is not None else default_keys
+        return min(rows, m), min(keys, k)
+
+    def _stat_buffer(self, outer: torch.Tensor, inner: torch.Tensor) -> torch.Tensor | None:
+        if not self.poison:
+            return None
+        splits, _ = stats.inner_splits(outer.shape[0], inner.shape[0], outer.device, self.stat_splits)
+        return torch.full((splits, outer.shape[0]), float("nan"), dtype=torch.float32, device=outer.device)
+
+    @staticmethod
+    def _check(queries: torch.Tensor, keys: torch.Tensor) -> None:
+        if queries.dtype not in (torch.float32, *HALF_TYPES):
+            raise TypeError(f"queries must be float32, float16 or bfloat16 for Triton, got {queries.dtype}")
+        if keys.dtype != queries.dtype:
+            raise TypeError(f"keys have dtype {keys.dtype} but queries have {queries.dtype}")
+        if not INTERPRET and queries.device.type != "cuda":
+            raise ValueError(f"the Triton kernels need CUDA tensors, got queries on {queries.device}")
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """One call's inputs as the kernels and GEMMs take them."""
+
+    spec: StatsSpec  # precision resolved
+    kernel: Operands  # what the kernels multiply, and the logit scale for them
+    gemm: Operands  # what the backward's GEMMs multiply
+    bias: torch.Tensor | None  # 0-d fp32
+    labels: dict  # the launchers' group-mask and hardness arguments
+
+    def route_arguments(self, row_sums, g_factor, softplus_sums=None) -> RouteArguments:
+        inv_g_scale = None if g_factor is None else 1.0 / g_factor
+        return RouteArguments(self.kernel, self.bias, self.labels, inv_g_scale, row_sums, softplus_sums)

@@ -1,0 +1,256 @@
+"""The @triton.jit helpers the kernels of this folder share (the Gluon kernel calls them too: Gluon
+compiles a called Triton function in its own dialect), and the host-side rules of their
+compile-time switches (``EVEN_K``, ``LOG2``, ``PRECISION``).
+
+Units: for TF32 and half-precision operands the softmax kernels hold their logits in log2 units
+(the scale times log2(e)), so that every exponential is one exp2 of a difference
+(:func:`log2_units`); exact fp32 keeps natural units.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .device import INTERPRET
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+# PTX approximate instructions (one special-function operation each) where the kernels run on a
+# GPU; the interpreter has no inline assembly and divides.
+_PTX = tl.constexpr(not INTERPRET)
+
+
+def dot_precision(dtype: torch.dtype, precision: str) -> str:
+    """tl.dot input_precision: TF32 for fp32 unless "ieee"; half types ignore it."""
+    if dtype == torch.float32 and precision == "ieee":
+        return "ieee"
+    return "tf32"
+
+
+def even_k(args: dict) -> bool:
+    """EVEN_K: the step along c divides c, so :func:`dot_tile`'s loads need no mask."""
+    return args["c"] % args["BLOCK_K"] == 0
+
+
+def log2_units(args: dict) -> bool:
+    """LOG2: the softmax loss's logits are held in log2 units (scale, bias and hardness strength
+    times log2(e); statistics converted where they are loaded or stored), so that each
+    exponential is exp2 of a difference: one multiply per logit and direction fewer. Not for
+    exact fp32 ("ieee"): pre-scaled logits round to ~1e-7 of |z|, i.e. up to 1e-5 of e^z at
+    CLIP's |z| of 100, beyond the fp32 tolerance; TF32 and half-precision operands round their
+    logits far more."""
+    return args["PRECISION"] != "ieee" and not args["SIGMOID"]
+
+
+@triton.jit
+def dot_tile(a_ptr, b_ptr, a_desc, b_desc, a_index, b_index, a_valid, b_valid, a_start, b_start, c,
+             stride_a, stride_b, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
+             PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
+    """<A_a, B_b> for a BLOCK_A x BLOCK_B tile, walking the width c in BLOCK_K chunks (fp32).
+
+    TMA: the chunks come through the tensor descriptors ``a_desc`` / ``b_desc`` (blocks of
+    BLOCK_A / BLOCK_B rows from row ``a_start`` / ``b_start``; the copy engine fills rows and
+    columns past the end with zeros). Otherwise through pointers: rows past the end (not
+    ``a_valid`` / ``b_valid``) read row 0 instead of being masked, so the loads carry no mask at
+    all when BLOCK_K divides c (``EVEN_K``). Either way the dot products of rows past the end are
+    meaningless, and every caller discards them with where() on its ``allowed`` tile, never with
+    a product."""
+    acc = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+    if TMA:
+        for c0 in range(0, c, BLOCK_K):
+            a = a_desc.load([a_start, c0])
+            b = b_desc.load([b_start, c0])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        return acc
+    width = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + tl.where(a_valid, a_index, 0)[:, None] * stride_a
+    b_rows = b_ptr + tl.where(b_valid, b_index, 0)[:, None] * stride_b
+    for c0 in range(0, c, BLOCK_K):
+        cols = c0 + width
+        if EVEN_K:
+            a = tl.load(a_rows + cols[None, :])
+            b = tl.load(b_rows + cols[None, :])
+        else:
+            in_width = cols[None, :] < c
+            a = tl.load(a_rows + cols[None, :], mask=in_width, other=0.0)
+            b = tl.load(b_rows + cols[None, :], mask=in_width, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS: tl.constexpr, LOG2: tl.constexpr):
+    """The logit scale and bias (0 without one) as fp32, read on the device, in the kernel's
+    units (:func:`in_units`)."""
+    scale = tl.load(scale_ptr).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr).to(tl.float32)
+    else:
+        bias = 0.0
+    return in_units(scale, LOG2), in_units(bias, LOG2)
+
+
+@triton.jit
+def scaled_logits(dots, scale, bias, HAS_BIAS: tl.constexpr):
+    """scale * dots (+ bias). Without a bias there is no add at all: the compiler may not drop
+    ``+ 0.0`` (-0.0 + 0.0 is +0.0), and that add is one instruction per logit."""
+    if HAS_BIAS:
+        return dots * scale + bias
+    else:
+        return dots * scale
+
+
+@triton.jit
+def reciprocal(x):
+    """1 / x to 1 ulp (rcp.approx: one special-function operation; IEEE division costs several)."""
+    if _PTX:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 1.0 / x
+
+
+@triton.jit
+def log1p(u):
+    """log(1 + u) for -1/4 <= u <= 1, to fp32 accuracy relative to the result.
+
+    log1p(u) = 2 atanh(t) = 2 t (1 + t^2/3 + ... + t^14/15), t = u / (2 + u), -1/7 <= t <= 1/3:
+    the truncated series is below fp32's rounding (the next term is < 4e-9 relative); relative
+    accuracy holds for the tiny u of very negative logits (no 1 + u that rounds away u); and it
+    costs one reciprocal and eight fused multiply-adds where a library logarithm costs about 25
+    instructions (elementwise work bounds the sigmoid loss's elementwise pass)."""
+    t = u * reciprocal(2.0 + u)
+    t2 = t * t
+    series = 1.0 / 15.0
+    series = series * t2 + 1.0 / 13.0
+    series = series * t2 + 1.0 / 11.0
+    series = series * t2 + 1.0 / 9.0
+    series = series * t2 + 1.0 / 7.0
+    series = series * t2 + 1.0 / 5.0
+    series = series * t2 + 1.0 / 3.0
+    two_t = 2.0 * t
+    return two_t + two_t * (t2 * series)
+
+
+@triton.jit
+def log1p_of_positive(x):
+    """log(1 + x) for 0 <= x < 2^100, to a few ulps relative: w = 1 + x = 2^e m with m in
+    [0.75, 1.5) (e and 2^-e from w's exponent bits, exact), log(m) = log1p(m - 1) (m - 1 is
+    exact), and (x - (w - 1)) / w restores what rounding w lost (tiny x keep their relative
+    accuracy). About 20 instructions; the kernels' logarithms are approximate (lg2.approx) to
+    2^-22 absolute, i.e. useless for small x."""
+    w = 1.0 + x
+    exponent = ((w * (4.0 / 3.0)).to(tl.int32, bitcast=True) >> 23) - 127
+    m = w * ((127 - exponent) << 23).to(tl.float32, bitcast=True)
+    return exponent.to(tl.float32) * LN2 + log1p(m - 1.0) + (x - (w - 1.0)) * reciprocal(w)
+
+
+@triton.jit
+def product_minus_one(a, b):
+    """(1 + a)(1 + b) - 1, never forming 1 + a: for positive a, b every rounding is relative to
+    the result, so small products keep their relative accuracy."""
+    return a + b + a * b
+
+
+@triton.jit
+def softplus(z):
+    """log(1 + e^z) = max(z, 0) + log1p(e^-|z|): no overflow, and the small values of very
+    negative z kept."""
+    return tl.maximum(z, 0.0) + log1p(tl.exp2(-tl.abs(z) * LOG2E))
+
+
+@triton.jit
+def sigmoid_and_exponential(z):
+    """(sigmoid(z), u = e^-|z|): sigmoid(z) = r for z >= 0 and u r below, r = 1 / (1 + u) (one
+    exponential, one approximate reciprocal); u is what softplus(z) = max(z, 0) + log1p(u) needs."""
+    u = tl.exp2(-tl.abs(z) * LOG2E)
+    return reciprocal(1.0 + u) * tl.where(z >= 0.0, 1.0, u), u
+
+
+@triton.jit
+def sigmoid_and_softplus(z):
+    """(sigmoid(z), softplus(z)) sharing one exponential (:func:`sigmoid_and_exponential`)."""
+    sigmoid, u = sigmoid_and_exponential(z)
+    return sigmoid, tl.maximum(z, 0.0) + log1p(u)
+
+
+@triton.jit
+def allowed_pairs(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
+                  positive_ptr, key_offset, HAS_MASK: tl.constexpr):
+    """Boolean [rows, keys] tile of the contract's masking (positives always allowed)."""
+    allowed = row_valid[:, None] & key_valid[None, :]
+    if HAS_MASK:
+        row_group = tl.load(row_group_ptr + row_index, mask=row_valid, other=0)
+        key_group = tl.load(key_group_ptr + key_index, mask=key_valid, other=0)
+        positive = tl.load(positive_ptr + row_index, mask=row_valid, other=-1)
+        is_positive = positive[:, None] == (key_offset + key_index)[None, :]
+        allowed = allowed & ((row_group[:, None] != key_group[None, :]) | is_positive)
+    return allowed
+
+
+@triton.jit
+def hardness_offset_logits(logits, dots, row_index, key_index, row_valid, key_valid, query_id_ptr,
+                           key_owner_ptr, positive_ptr, key_offset, strength, HARDNESS: tl.constexpr):
+    """The row statistic's logits of a [rows, keys] tile: ``logits`` + strength * dots where the
+    contract's hardness offset selects (HARDNESS: 1 in-batch, 2 hard, 3 all negatives; a negative
+    owner is nobody's, a row's positive is never offset). The offset is a constant of the loss,
+    so the backward's G keeps flowing through the scaled dots only."""
+    query_id = tl.load(query_id_ptr + row_index, mask=row_valid, other=-1)
+    owner = tl.load(key_owner_ptr + key_index, mask=key_valid, other=-1)
+    positive = tl.load(positive_ptr + row_index, mask=row_valid, other=-1)
+    selected = (owner[None, :] >= 0) & (positive[:, None] != (key_offset + key_index)[None, :])
+    if HARDNESS == 1:
+        selected = selected & (owner[None, :] != query_id[:, None])
+    elif HARDNESS == 2:
+        selected = selected & (owner[None, :] == query_id[:, None])
+    return logits + tl.where(selected, strength * dots, 0.0)
+
+
+@triton.jit
+def in_units(x, LOG2: tl.constexpr):
+    """x (a logit, a statistic, a factor of the logits) in the kernel's units: times log2(e) in
+    log2 units (:func:`log2_units`), else as it is."""
+    if LOG2:
+        return x * LOG2E
+    else:
+        return x
+
+
+@triton.jit
+def exp_in_units(x, LOG2: tl.constexpr):
+    """e^x for x in the kernel's units (:func:`log2_units`): exp2(x) in log2 units."""
+    if LOG2:
+        return tl.exp2(x)
+    else:
+        return tl.exp2(x * LOG2E)
+
+
+@triton.jit
+def log_in_units(x, LOG2: tl.constexpr):
+    """log(x) in the kernel's units (log2 in log2 units)."""
+    if LOG2:
+        return tl.log2(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def column_lse(logits, LOG2: tl.constexpr):
+    """Log-sum-exp of each column of a tile of logits, each column shifted by its own maximum,
+    in the logits' units (:func:`log2_units`).
+
+    A second exponential per logit and a reduction across the tile's rows. Reusing the rows'
+    exponentials (one shift for the whole tile) would lose the terms of rows more than ~87 below
+    the tile's largest logit (CLIP's scale of 100 spreads logits by 200), and the check for that
+    and its exact fallback cost more than the exponential (docs/algorithms.md)."""
+    col_max = tl.max(logits, axis=0)
+    col_shift = tl.where(col_max == float("-inf"), 0.0, col_max)
+    return col_shift + log_in_units(tl.sum(exp_in_units(logits - col_shift[None, :], LOG2), axis=0), LOG2)
