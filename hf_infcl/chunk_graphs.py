@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import traceback
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 
@@ -107,15 +108,25 @@ class ChunkGraphs:
         except Exception as error:
             raise RuntimeError(
                 f"capturing a CUDA graph of the chunk call {site!r} failed: the encoder does something a "
-                "graph cannot hold (host synchronisation such as .item(), data-dependent shapes, CPU "
-                "tensors, collectives). Run without CUDA graphs (chunk_graphs=None / "
-                f"chunk_cuda_graphs=False). Cause: {type(error).__name__}: {error}"
+                "graph cannot hold (host synchronisation such as .item() or .tolist(), data-dependent "
+                "shapes, CPU tensors, collectives). Run without CUDA graphs (chunk_graphs=None / "
+                f"chunk_cuda_graphs=False). Cause: {_first_cause(error)}"
             ) from error
         finally:
             for param, grad in zip(self.parameters, saved_grads):
                 param.grad = grad
         self._pool = graph.pool()
         return _CapturedCall(graph, static_leaves, outputs, grads)
+
+
+def _first_cause(error: BaseException) -> str:
+    """The exception a failed capture started with, and where: the capture's own end then fails
+    too ("unjoined work"), which says nothing of why."""
+    while error.__context__ is not None:
+        error = error.__context__
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{where}"
 
 
 class _CapturedCall:
