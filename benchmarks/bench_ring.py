@@ -1,4 +1,4 @@
-"""The ring across GPUs: time and per-GPU memory of the symmetric loss at a global batch, against
+r"""The ring across GPUs: time and per-GPU memory of the symmetric loss at a global batch, against
 one GPU at the same global batch, and how much of the communication the compute hides.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_ring.py   # ring on 2 GPUs + 1-GPU rows

@@ -2,11 +2,12 @@
 against batch size, log axes, one line per implementation, for one feature width.
 
 Reads CSV files written by ``bench_loss.py --csv``, or Markdown files holding such rows in
-```` ```csv ```` blocks (``benchmarks/triton_notes.md``). Later rows of the same (impl, b, c)
+```` ```csv ```` blocks. Later rows of the same (impl, b, c)
 replace earlier ones. Rows that did not run (OOM, skipped) are marked on the memory panel's
 top edge.
 
-    python benchmarks/plot_loss.py benchmarks/triton_notes.md --width 512 --out loss_512.png
+    python benchmarks/plot_loss.py benchmarks/results/bench_loss_softmax_sweep_h100.csv \
+        benchmarks/results/bench_loss_h100.csv --width 512 --out loss_512.png
 """
 
 from __future__ import annotations
