@@ -49,7 +49,7 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify
 from .batch_statistics import check_no_batch_statistics
 from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs
-from .grad_cache import cached_step, deepspeed_no_sync, fsdp_gather_once
+from .grad_cache import cached_step
 from .loss import _contrastive_loss, check_label_smoothing
 from .metrics import (
     input_fingerprints,
@@ -66,7 +66,14 @@ from .models import (
     model_family,
     unwrap_model,
 )
-from .sharding import full_value, keep_gathered_under_zero3, prepare_for_sharding, scalar_state_dict
+from .sharding import (
+    deepspeed_no_sync,
+    fsdp_gather_once,
+    full_value,
+    keep_gathered_under_zero3,
+    prepare_for_sharding,
+    scalar_state_dict,
+)
 from .training_args import InfCLTrainingArguments
 
 # InfCLTrainingArguments, retrieval_recalls and ClampLogitScale live in training_args, metrics and

@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_infcl.grad_cache import cached_step, deepspeed_no_sync, split_batch  # noqa: E402
-from hf_infcl.sharding import keep_gathered_under_zero3  # noqa: E402
+from hf_infcl.grad_cache import cached_step, split_batch  # noqa: E402
+from hf_infcl.sharding import deepspeed_no_sync, keep_gathered_under_zero3  # noqa: E402
 from tests.fsdp_workers import CHUNK, batch_of, build, encoder, loss_fn  # noqa: E402
 from tests.trainer_fixtures import end_worker_process  # noqa: E402
 

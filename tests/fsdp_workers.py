@@ -29,8 +29,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_infcl import contrastive_loss  # noqa: E402
-from hf_infcl.grad_cache import cached_step, fsdp_gather_once, fsdp_no_sync, split_batch  # noqa: E402
-from hf_infcl.sharding import full_value  # noqa: E402
+from hf_infcl.grad_cache import cached_step, split_batch  # noqa: E402
+from hf_infcl.sharding import fsdp_gather_once, fsdp_no_sync, full_value  # noqa: E402
 from tests.trainer_fixtures import (  # noqa: E402
     clip_batch,
     decoder_text_batch,

@@ -41,7 +41,7 @@ def test_deepspeed_cached_step_moves_parameters_as_the_uncached_step(deepspeed_p
 
 
 def test_deepspeed_no_sync_rejects_what_is_not_an_engine():
-    from hf_infcl.grad_cache import deepspeed_no_sync
+    from hf_infcl.sharding import deepspeed_no_sync
 
     with pytest.raises(TypeError, match="DeepSpeed engine"), deepspeed_no_sync(torch.nn.Linear(2, 2)):
         pass

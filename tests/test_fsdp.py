@@ -102,7 +102,7 @@ def test_fsdp_gather_once_gathers_each_unit_once_per_step(fsdp_grads, kind, stra
 
 
 def test_fsdp_no_sync_rejects_a_module_that_is_not_sharded():
-    from hf_infcl.grad_cache import fsdp_no_sync
+    from hf_infcl.sharding import fsdp_no_sync
 
     with pytest.raises(TypeError, match="fully_shard"), fsdp_no_sync(torch.nn.Linear(2, 2)):
         pass
