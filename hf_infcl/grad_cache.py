@@ -105,10 +105,11 @@ import torch
 
 from .batch_statistics import check_no_batch_statistics
 from .chunk_graphs import ChunkGraphs
+from .ops.options import check_chunk_size
 from .rng import RngState
 from .sharding import accumulate_sharded_grad, full_value, is_dtensor, is_zero3_parameter
 
-__all__ = ["CachedStepOutput", "cached_step", "check_chunk_size", "split_batch", "to_device"]
+__all__ = ["CachedStepOutput", "cached_step", "split_batch", "to_device"]
 
 
 @dataclass
@@ -453,12 +454,6 @@ def _pin(inputs: Mapping) -> dict:
                 value = value.pin_memory()
         moved[key] = value
     return moved
-
-
-def check_chunk_size(name: str, value) -> None:
-    """A chunk size is a positive int, or None (one chunk); ValueError naming ``name`` otherwise."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
 def _normalise_towers(encoders, inputs):

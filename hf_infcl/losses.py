@@ -45,7 +45,17 @@ from torch import Tensor, nn
 
 from .batch_statistics import check_no_batch_statistics
 from .loss import contrastive_loss
-from .ops.options import BackendName, LossOptions, OptionAttribute, Precision, check_option
+from .ops.options import (
+    HARDNESS_MODES,
+    BackendName,
+    HardnessMode,
+    LossOptions,
+    OptionAttribute,
+    Precision,
+    check_choice,
+    check_hardness_strength,
+    check_option,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +91,6 @@ QUERY_TO_DOC, QUERY_TO_QUERY, DOC_TO_QUERY, DOC_TO_DOC = (
 )
 Direction = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
 PartitionMode = Literal["joint", "per_direction"]
-HardnessMode = Literal["in_batch_negatives", "hard_negatives", "all_negatives"]
 MNRL_DEFAULT = ((QUERY_TO_DOC,), "joint")
 MNSRL = ((QUERY_TO_DOC, DOC_TO_QUERY), "per_direction")  # what symmetric=True stands for
 # Group ids of the joint call: example i of process r is r * _RANK_STRIDE + i, so that ids differ
@@ -129,21 +138,22 @@ def _checked_directions(directions, partition_mode) -> tuple[str, ...]:
 
 
 def _check_hardness(hardness_mode, hardness_strength) -> None:
-    """MNRL's checks and warning (as its words); the type check is ours.
+    """The one check of a hardness setting (``hf_infcl.ops.options.check_hardness``'s two parts),
+    its ValueErrors in MNRL's words, and MNRL's warning.
 
     MNRL applies the weighting only for a ``hardness_mode`` with ``hardness_strength > 0``: every
     other valid setting is MNRL's loss without it.
     """
-    valid_hardness_modes = {None, "in_batch_negatives", "hard_negatives", "all_negatives"}
-    if hardness_mode not in valid_hardness_modes:
+    try:
+        check_choice("hardness_mode", hardness_mode, HARDNESS_MODES, optional=True)
+    except ValueError:
+        valid_hardness_modes = {None, *HARDNESS_MODES}  # the set MNRL's message prints
         raise _mnrl_error(f"hardness_mode must be one of {valid_hardness_modes}, got {hardness_mode!r}",
-                          "(hardness_mode of InfCLLoss)")
-    if isinstance(hardness_strength, bool) or not isinstance(hardness_strength, (int, float)):
-        raise TypeError(
-            f"hardness_strength must be a non-negative float, got {type(hardness_strength).__name__}"
-        )
-    if hardness_strength < 0.0:
-        raise _mnrl_error("hardness_strength must be non-negative.", f"Got {hardness_strength!r}.")
+                          "(hardness_mode of InfCLLoss)") from None
+    try:
+        check_hardness_strength(hardness_strength)
+    except ValueError:
+        raise _mnrl_error("hardness_strength must be non-negative.", f"Got {hardness_strength!r}.") from None
     if hardness_mode is not None and hardness_strength == 0.0:  # MNRL's warning: it changes nothing
         logger.warning(
             f"hardness_mode={hardness_mode!r} is set but hardness_strength=0.0, so hardness weighting has no "
@@ -332,7 +342,7 @@ class InfCLLoss(CachedLossMixin, nn.Module):
                 default as in MultipleNegativesRankingLoss, keeps each process's negatives local.
             backend: the hf_infcl backend: ``"auto"`` (Triton on CUDA when available, else tiled
                 PyTorch), ``"torch"``, ``"triton"`` or ``"reference"``.
-            precision: matmul precision of the loss for fp32 embeddings (``hf_infcl.loss.PRECISIONS``):
+            precision: matmul precision of the loss for fp32 embeddings (``hf_infcl.ops.options.PRECISIONS``):
                 ``"auto"`` (TF32 on CUDA in every backend, exact fp32 elsewhere), ``"tf32"``, or
                 ``"ieee"`` (exact fp32). bf16/fp16 embeddings are unaffected.
             mini_batch_num_tokens: gradient caching with mini-batches packed by token count, as in

@@ -50,12 +50,11 @@ from .batch_statistics import check_no_batch_statistics
 from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs
 from .grad_cache import cached_step
-from .loss import _contrastive_loss, check_label_smoothing
+from .loss import _contrastive_loss
 from .metrics import (
     input_fingerprints,
     relevant_ranks,
     retrieval_metrics,
-    retrieval_recalls,
     same_input_ids,
 )
 from .models import (
@@ -66,6 +65,7 @@ from .models import (
     model_family,
     unwrap_model,
 )
+from .ops.options import check_label_smoothing
 from .sharding import (
     deepspeed_no_sync,
     fsdp_gather_once,
@@ -76,9 +76,7 @@ from .sharding import (
 )
 from .training_args import InfCLTrainingArguments
 
-# InfCLTrainingArguments, retrieval_recalls and ClampLogitScale live in training_args, metrics and
-# callbacks; they are re-exported here, where they were first defined.
-__all__ = ["ClampLogitScale", "InfCLTrainer", "InfCLTrainingArguments", "retrieval_recalls"]
+__all__ = ["InfCLTrainer"]
 
 # rows per process whose in-batch top-1 accuracy is logged (an estimate at large batches)
 ACCURACY_ROWS = 1024

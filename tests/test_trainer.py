@@ -12,8 +12,8 @@ import torch
 from transformers import BertModel, TrainerCallback
 
 from hf_infcl import InfCLTrainer, InfCLTrainingArguments, contrastive_loss
+from hf_infcl.metrics import retrieval_recalls
 from hf_infcl.models import encode_keys, encode_queries
-from hf_infcl.trainer import retrieval_recalls
 from tests.offline import run_two_processes
 from tests.trainer_fixtures import (
     DIGIT_WORDS,
@@ -531,7 +531,8 @@ def test_precision_reaches_every_loss_call(tmp_path, monkeypatch, chunk_size):
     """--precision goes to the training loss (plain and cached steps) and the evaluation loss, as an
     option InfCLTrainingArguments checked (the loss does not check it again on every call)."""
     import hf_infcl.trainer
-    from hf_infcl.loss import PRECISIONS, _contrastive_loss
+    from hf_infcl.loss import _contrastive_loss
+    from hf_infcl.ops.options import PRECISIONS
 
     seen = []
 
