@@ -267,7 +267,7 @@ def fsdp_model(name: str, tiny: bool, device):
 
     from transformers import Qwen2Config
 
-    from hf_infcl.models import DualEncoder
+    from hf_infcl.dual_encoder import DualEncoder
 
     if tiny:
         config = Qwen2Config(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

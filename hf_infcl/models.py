@@ -21,8 +21,7 @@ The families:
 - ``ClapModel`` (:class:`ClapFamily`): audio-text (``input_features``, ``is_longer``), a log-scale
   per term of its own loss (``logit_scale_a``, ``logit_scale_t``).
 - :class:`~hf_infcl.dual_encoder.DualEncoder` (:class:`DualEncoderFamily`), the text retriever of
-  ``hf_infcl.dual_encoder``; its names (``DualEncoder``, ``DualEncoderConfig``,
-  ``tokenize_texts``, ...) are re-exported here.
+  ``hf_infcl.dual_encoder``.
 
 Models whose embeddings of one side depend on the other side's inputs (``XCLIPModel``: text
 conditioned on the video; BridgeTower: cross-modal layers) are refused with the reason.
@@ -39,21 +38,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .dual_encoder import (
-    POOLINGS,
-    DualEncoder,
-    DualEncoderConfig,
-    DualEncoderOutput,
-    decoder_position_ids,
-    is_decoder_config,
-    tokenize_texts,
-)
+from .dual_encoder import DualEncoder
 
 __all__ = [
-    "DualEncoder",
-    "DualEncoderConfig",
-    "DualEncoderOutput",
-    "POOLINGS",
     "Aimv2Family",
     "AlignFamily",
     "ClapFamily",
@@ -62,18 +49,11 @@ __all__ = [
     "ModelFamily",
     "TowerInputs",
     "contrastive_loss_kind",
-    "decoder_position_ids",
     "encode_keys",
     "encode_queries",
-    "is_decoder_config",
     "learned_log_scales",
-    "logit_bias_of",
-    "logit_scale_of",
     "model_family",
-    "pair_embeddings",
     "scale_and_bias",
-    "tokenize_texts",
-    "tower_inputs",
     "unwrap_model",
 ]
 
@@ -390,22 +370,9 @@ def scale_and_bias(log_scale: torch.Tensor, bias: torch.Tensor | None = None):
     return log_scale.reshape(()).exp(), None if bias is None else bias.reshape(())
 
 
-def tower_inputs(model) -> TowerInputs:
-    """Which batch entries feed the row tower and which feed the key tower."""
-    return model_family(model).inputs
-
-
 def contrastive_loss_kind(model) -> str:
     """``"sigmoid"`` for models trained with SigLIP's loss (they have ``logit_bias``), else ``"softmax"``."""
     return "softmax" if model_family(model).bias(model) is None else "sigmoid"
-
-
-def logit_scale_of(model) -> torch.Tensor:
-    """The multiplier of the logits as the model's forward takes it (``exp(logit_scale)`` for
-    CLIP, clamped first for Aimv2, ``1 / temperature`` for ALIGN; differentiable). TypeError for
-    ClapModel, which has one per term of its loss."""
-    family = model_family(model)
-    return family.scale_and_bias(model, *family.scale_parameters(model))[0]
 
 
 def learned_log_scales(model) -> list[torch.Tensor]:
@@ -418,12 +385,6 @@ def learned_log_scales(model) -> list[torch.Tensor]:
     return [param for param in family.clamped_log_scales(model) if param.requires_grad]
 
 
-def logit_bias_of(model) -> torch.Tensor | None:
-    """SigLIP's additive logit bias (differentiable), or None."""
-    bias = model_family(model).bias(model)
-    return None if bias is None else bias.reshape(())
-
-
 def encode_queries(model, batch: dict) -> torch.Tensor:
     """L2-normalised row embeddings (images, or queries for a DualEncoder) of ``batch``."""
     return model_family(model).encode_rows(model, batch)
@@ -432,12 +393,3 @@ def encode_queries(model, batch: dict) -> torch.Tensor:
 def encode_keys(model, batch: dict) -> torch.Tensor:
     """L2-normalised key embeddings (texts, or documents for a DualEncoder) of ``batch``."""
     return model_family(model).encode_keys(model, batch)
-
-
-def pair_embeddings(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row embeddings, key embeddings) from ONE call of ``model``'s forward on a paired batch.
-
-    Going through ``forward`` (rather than the feature methods) matters under DDP: only a call of
-    the wrapped module's forward prepares the gradient all-reduce.
-    """
-    return model_family(model).encode_pairs(model, batch)

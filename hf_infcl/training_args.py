@@ -3,7 +3,7 @@
 
 A module of its own, as TRL keeps each ``XConfig`` in a file beside its ``XTrainer``: scripts
 parse these arguments (``HfArgumentParser``) without building a Trainer, and the options are
-checked here once, at parse time. ``hf_infcl.trainer`` re-exports the class.
+checked here once, at parse time. The package exports the class as ``hf_infcl.InfCLTrainingArguments``.
 """
 
 from __future__ import annotations

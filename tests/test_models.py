@@ -17,19 +17,8 @@ from transformers import (
 )
 
 from hf_infcl import contrastive_loss
-from hf_infcl.models import (
-    DualEncoder,
-    DualEncoderConfig,
-    contrastive_loss_kind,
-    encode_keys,
-    encode_queries,
-    is_decoder_config,
-    logit_bias_of,
-    logit_scale_of,
-    pair_embeddings,
-    tokenize_texts,
-    tower_inputs,
-)
+from hf_infcl.dual_encoder import DualEncoder, DualEncoderConfig, is_decoder_config, tokenize_texts
+from hf_infcl.models import contrastive_loss_kind, encode_keys, encode_queries, model_family
 from tests.test_fsdp import assert_same_grads
 from tests.trainer_fixtures import (
     DECODER_EOS,
@@ -37,6 +26,8 @@ from tests.trainer_fixtures import (
     clip_batch,
     decoder_text_batch,
     decoder_word_tokenizer,
+    logit_bias_of,
+    logit_scale_of,
     naflex_batch,
     one_thread,  # noqa: F401  (a fixture)
     pair_text_batch,
@@ -85,7 +76,7 @@ def test_extraction_matches_the_models_own_forward(build):
     with torch.no_grad():
         output = model(**batch)
         images, texts = encode_queries(model, batch), encode_keys(model, batch)
-        paired = pair_embeddings(model, batch)
+        paired = model_family(model).encode_pairs(model, batch)
     torch.testing.assert_close(images, output.image_embeds)
     torch.testing.assert_close(texts, output.text_embeds)
     torch.testing.assert_close(paired[0], output.image_embeds)
@@ -127,7 +118,7 @@ def test_loss_and_every_gradient_equal_the_models_own_loss(family):
 
     model.zero_grad(set_to_none=True)
     torch.manual_seed(5)
-    images, texts = pair_embeddings(model, batch)
+    images, texts = model_family(model).encode_pairs(model, batch)
     kind = contrastive_loss_kind(model)
     loss = contrastive_loss(images, texts, logit_scale_of(model), logit_bias_of(model), loss=kind)
     loss.backward()
@@ -142,7 +133,7 @@ def test_every_image_input_of_siglip2_reaches_its_image_tower():
     """NaFlex inputs: the padding patches of each row change nothing, its valid patches do."""
     model = tiny_siglip2().eval()
     batch = naflex_batch(4, seed=2)
-    assert tower_inputs(model).query == ("pixel_values", "pixel_attention_mask", "spatial_shapes")
+    assert model_family(model).inputs.query == ("pixel_values", "pixel_attention_mask", "spatial_shapes")
     with torch.no_grad():
         images = encode_queries(model, batch)
         padding = (1 - batch["pixel_attention_mask"])[..., None]
@@ -151,12 +142,12 @@ def test_every_image_input_of_siglip2_reaches_its_image_tower():
         # the same patches on a transposed grid
         reshaped = dict(batch, spatial_shapes=batch["spatial_shapes"].flip(-1))
         assert not torch.allclose(encode_queries(model, reshaped), images)
-        torch.testing.assert_close(pair_embeddings(model, batch)[0], images)
+        torch.testing.assert_close(model_family(model).encode_pairs(model, batch)[0], images)
 
 
 def test_unsupported_model_is_rejected():
     with pytest.raises(TypeError, match="not a supported contrastive model"):
-        tower_inputs(BertModel(tiny_bert_config()))
+        model_family(BertModel(tiny_bert_config()))
 
 
 def _manual_pool(hidden, mask, pooling):

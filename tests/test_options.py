@@ -196,7 +196,8 @@ def test_one_chunk_size_rule_with_one_message_at_every_entry_point(tmp_path):
         cached_step(lambda chunk: chunk["x"], {"x": torch.randn(4, 2)}, lambda x: x.sum(), True)
 
 
-@pytest.mark.parametrize("strength", [-1.0, float("nan"), "2", True], ids=["negative", "nan", "string", "bool"])
+@pytest.mark.parametrize("strength", [-1.0, float("nan"), "2", True],
+                         ids=["negative", "nan", "string", "bool"])
 def test_one_hardness_check_for_the_loss_and_the_sentence_transformers_loss(strength):
     """contrastive_loss and the sentence-transformers loss refuse the same hardness strengths, with
     the same error type (the latter in MNRL's words first)."""
