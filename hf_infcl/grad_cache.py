@@ -183,11 +183,8 @@ def cached_step(
         :class:`CachedStepOutput` with the detached loss and embeddings.
 
     Raises:
-        ValueError: when an encoder is an ``nn.Module`` holding a BatchNorm layer that normalises
-            with batch statistics (each chunk would be normalised alone, and the running
-            statistics updated in both passes). Encoders that are plain callables are not looked
-            into: call ``hf_infcl.batch_statistics.check_no_batch_statistics(model,
-            "chunk_size=None")`` on the model they run, as ``InfCLTrainer`` does.
+        ValueError: an encoder that is an ``nn.Module`` normalises with batch statistics (BatchNorm
+            in training mode: each chunk alone, twice); plain callables: see the module docstring.
     """
     towers = _towers(encoders, inputs, no_sync, forward_context, chunk_size, no_grad_chunk_size)
     loss_params = _checked_loss_params(loss_params)
