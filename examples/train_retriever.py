@@ -347,7 +347,7 @@ def main(argv=None):
             loss=trainer.loss_kind,
             symmetric=args.symmetric,
             mask_false_negatives=True,
-            logit_scale=float(model.logit_scale.detach().exp()),
+            logit_scale=float(model.log_logit_scale.detach().exp()),
         )
     say(
         f"done in {time.perf_counter() - started:.1f} s ({train_seconds:.1f} s training); "

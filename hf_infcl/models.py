@@ -152,7 +152,8 @@ class ModelFamily:
         return rows, keys.clone()
 
     def log_scale(self, model) -> torch.Tensor:
-        """The learned log of the logit scale: the parameter itself, as the model holds it now."""
+        """The learned log of the logit scale: the parameter itself, as the model holds it now
+        (transformers' CLIP-like models name it ``logit_scale``)."""
         return unwrap_model(model).logit_scale
 
     def bias(self, model) -> torch.Tensor | None:
@@ -324,6 +325,9 @@ class DualEncoderFamily(ModelFamily):
     def encode_pairs(self, model, batch):
         output = model(**_select(batch, self.inputs.query + self.inputs.key))
         return output.query_embeds, output.doc_embeds
+
+    def log_scale(self, model):
+        return unwrap_model(model).log_logit_scale
 
 
 CLIP_FAMILY = ClipFamily()

@@ -198,12 +198,12 @@ def test_dual_encoder_forward_loss_and_normalisation():
 def test_dual_encoder_round_trip(tmp_path, shared):
     model = tiny_dual_encoder(shared=shared, pooling="last", learn_scale=False)
     with torch.no_grad():
-        model.logit_scale.fill_(math.log(33.0))  # a value unlike the init, so loading must restore it
+        model.log_logit_scale.fill_(math.log(33.0))  # a value unlike the init, so loading must restore it
     model.save_pretrained(tmp_path)
     loaded = AutoModel.from_pretrained(tmp_path)
     assert isinstance(loaded, DualEncoder) and loaded.config.pooling == "last"
     assert (loaded.doc_encoder is None) == shared
-    assert not loaded.logit_scale.requires_grad
+    assert not loaded.log_logit_scale.requires_grad
     assert model.state_dict().keys() == loaded.state_dict().keys()
     for name, value in model.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], value, rtol=0, atol=0, msg=name)
@@ -212,12 +212,38 @@ def test_dual_encoder_round_trip(tmp_path, shared):
         torch.testing.assert_close(loaded.eval()(**batch).doc_embeds, model.eval()(**batch).doc_embeds)
 
 
+@pytest.mark.parametrize("key", ["logit_scale", "log_logit_scale"], ids=["clip-key", "own-key"])
+def test_dual_encoder_log_scale_is_named_for_what_it_holds(tmp_path, key):
+    """The parameter ``log_logit_scale`` holds log(s); ``logit_scale`` is the scale s itself, as
+    the forward returns it and the loss takes it. A checkpoint holding the log-scale under either
+    key, CLIP's "logit_scale" or the parameter's own, loads through from_pretrained and
+    load_state_dict."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_dual_encoder(shared=True, learn_scale=True)
+    with torch.no_grad():
+        model.log_logit_scale.fill_(math.log(33.0))  # a value unlike the init, so loading must restore it
+    assert not hasattr(model, "logit_scale")
+    assert math.isclose(float(model(**pair_text_batch(2)).logit_scale.detach()), 33.0, rel_tol=1e-6)
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights[key] = weights.pop("logit_scale" if "logit_scale" in weights else "log_logit_scale")
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    state = {name: value for name, value in model.state_dict().items() if name != "log_logit_scale"}
+    state[key] = model.log_logit_scale.detach().clone()
+    fresh = tiny_dual_encoder(shared=True, learn_scale=True)
+    fresh.load_state_dict(state)
+    for loaded in (AutoModel.from_pretrained(tmp_path), fresh):
+        assert math.isclose(float(loaded.log_logit_scale.detach().exp()), 33.0, rel_tol=1e-6)
+        assert loaded.log_logit_scale.requires_grad
+
+
 def test_from_encoders_keeps_checkpoint_weights(tmp_path):
     torch.manual_seed(5)
     bert = BertModel(tiny_bert_config())
     bert.save_pretrained(tmp_path / "bert")
     model = DualEncoder.from_encoders(str(tmp_path / "bert"), pooling="cls", learn_scale=True)
-    assert model.logit_scale.requires_grad
+    assert model.log_logit_scale.requires_grad
     for name, value in bert.state_dict().items():
         torch.testing.assert_close(model.query_encoder.state_dict()[name], value, rtol=0, atol=0, msg=name)
 
@@ -456,7 +482,7 @@ def test_trainer_chunked_decoder_steps_match_the_whole_batch(tmp_path, model_typ
     if checkpointing:
         assert trainer.model.query_encoder.layers[0].gradient_checkpointing
     (grads, params), (chunk_grads, chunk_params) = runs["whole"], runs["chunked"]
-    assert grads.keys() == chunk_grads.keys() and "logit_scale" in grads
+    assert grads.keys() == chunk_grads.keys() and "log_logit_scale" in grads
     for name in grads:
         torch.testing.assert_close(chunk_grads[name], grads[name], rtol=0, atol=1e-5, msg=name)
     for name in params:
