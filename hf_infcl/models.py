@@ -209,18 +209,24 @@ class ClipFamily(ModelFamily):
     name, rows, keys = "clip", "image", "text"
     inputs = TowerInputs(IMAGE_INPUTS, TEXT_INPUTS)
     REQUIRED = ("get_image_features", "get_text_features", "logit_scale")
+    # each tower's feature method, and the forward's output of its embeddings: (rows, keys)
+    FEATURES = ("get_image_features", "get_text_features")
+    EMBEDS = ("image_embeds", "text_embeds")
 
     def encode_rows(self, model, batch):
-        features = _pooled(unwrap_model(model).get_image_features(**_select(batch, IMAGE_INPUTS)))
-        return nn.functional.normalize(features, dim=-1)
+        return self._features(model, self.FEATURES[0], _select(batch, self.inputs.query))
 
     def encode_keys(self, model, batch):
-        features = _pooled(unwrap_model(model).get_text_features(**_select(batch, TEXT_INPUTS)))
-        return nn.functional.normalize(features, dim=-1)
+        return self._features(model, self.FEATURES[1], _select(batch, self.inputs.key))
 
     def encode_pairs(self, model, batch):
         output = model(**_select(batch, self.inputs.query + self.inputs.key))
-        return output.image_embeds, output.text_embeds
+        return getattr(output, self.EMBEDS[0]), getattr(output, self.EMBEDS[1])
+
+    @staticmethod
+    def _features(model, method: str, inputs: dict) -> torch.Tensor:
+        features = _pooled(getattr(unwrap_model(model), method)(**inputs))
+        return nn.functional.normalize(features, dim=-1)
 
 
 class Aimv2Family(ClipFamily):
@@ -250,29 +256,20 @@ class AlignFamily(ClipFamily):
         return []
 
 
-class ClapFamily(ModelFamily):
+class ClapFamily(ClipFamily):
     """``ClapModel`` (audio-text): ``get_audio_features`` (``input_features``, ``is_longer``) /
-    ``get_text_features``; rows are audio clips, keys texts. Its own loss has two terms, each with
-    its own learned log-scale: ``cross_entropy(logits_per_text)`` with ``logit_scale_t`` and
-    ``cross_entropy(logits_per_audio.t())`` with ``logit_scale_a``, averaged. Both rank the audio
-    clips for each text (``logits_per_audio.t()`` is the text-rows matrix again), so the loss
-    here is two text-to-audio passes, one per scale: the model's own, value and gradients."""
+    ``get_text_features``, encoded as CLIP's towers are; rows are audio clips, keys texts. Its own
+    loss has two terms, each with its own learned log-scale: ``cross_entropy(logits_per_text)``
+    with ``logit_scale_t`` and ``cross_entropy(logits_per_audio.t())`` with ``logit_scale_a``,
+    averaged. Both rank the audio clips for each text (``logits_per_audio.t()`` is the text-rows
+    matrix again), so the loss here is two text-to-audio passes, one per scale: the model's own,
+    value and gradients."""
 
     name, rows, keys = "clap", "audio", "text"
     inputs = TowerInputs(AUDIO_INPUTS, CLAP_TEXT_INPUTS)
     REQUIRED = ("get_audio_features", "get_text_features", "logit_scale_a", "logit_scale_t")
-
-    def encode_rows(self, model, batch):
-        features = _pooled(unwrap_model(model).get_audio_features(**_select(batch, AUDIO_INPUTS)))
-        return nn.functional.normalize(features, dim=-1)
-
-    def encode_keys(self, model, batch):
-        features = _pooled(unwrap_model(model).get_text_features(**_select(batch, CLAP_TEXT_INPUTS)))
-        return nn.functional.normalize(features, dim=-1)
-
-    def encode_pairs(self, model, batch):
-        output = model(**_select(batch, self.inputs.query + self.inputs.key))
-        return output.audio_embeds, output.text_embeds
+    FEATURES = ("get_audio_features", "get_text_features")
+    EMBEDS = ("audio_embeds", "text_embeds")
 
     def log_scale(self, model):
         raise TypeError("ClapModel has a log-scale per term of its loss (logit_scale_a, logit_scale_t), "
