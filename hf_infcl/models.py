@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .dual_encoder import DualEncoder
+from . import dual_encoder  # the module, so that DualEncoder has one import path
 
 __all__ = [
     "Aimv2Family",
@@ -343,7 +343,7 @@ UNSUPPORTED = {
 def model_family(model) -> ModelFamily:
     """The adapter of ``model``'s family (wrappers are looked through); TypeError if none fits."""
     inner = unwrap_model(model)
-    if isinstance(inner, DualEncoder):
+    if isinstance(inner, dual_encoder.DualEncoder):
         return DUAL_ENCODER_FAMILY
     model_type = getattr(getattr(inner, "config", None), "model_type", None)
     if model_type in UNSUPPORTED:
