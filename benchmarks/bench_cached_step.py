@@ -33,7 +33,7 @@ from bench_trainer import IMAGE_SIZE, TEXT_LENGTH, clip_b32_config  # noqa: E402
 from hf_infcl import contrastive_loss  # noqa: E402
 from hf_infcl.chunk_graphs import ChunkGraphs  # noqa: E402
 from hf_infcl.grad_cache import cached_step, split_batch  # noqa: E402
-from hf_infcl.models import model_family, pair_embeddings  # noqa: E402
+from hf_infcl.models import model_family  # noqa: E402
 
 
 def main(argv=None):
@@ -66,7 +66,7 @@ def main(argv=None):
         return contrastive_loss(images, texts, log_scale.exp())
 
     def encode(chunk):
-        return pair_embeddings(model, chunk)
+        return model_family(model).encode_pairs(model, chunk)
 
     key_stream = torch.cuda.Stream() if cuda else None
 

@@ -56,8 +56,8 @@ from bench_common import (  # this folder is on sys.path
 )
 
 from hf_infcl import contrastive_loss  # noqa: E402
-from hf_infcl.loss import select_block_ops  # noqa: E402
 from hf_infcl.ops import ring  # noqa: E402
+from hf_infcl.ops.logit_stats import select_block_ops  # noqa: E402
 
 LOGIT_SCALE = 1 / 0.07
 DEVICE = torch.device("cuda")  # "--cpu" (a dry run of this script over gloo) switches it

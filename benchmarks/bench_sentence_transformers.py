@@ -442,7 +442,7 @@ def main(argv=None):
         sys.exit("this benchmark needs a CUDA GPU")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from hf_infcl.loss import select_block_ops
+    from hf_infcl.ops.logit_stats import select_block_ops
 
     meta = {
         "device": device_name(device), **versions("torch", "triton", "sentence_transformers", "hf_infcl"),

@@ -267,7 +267,7 @@ def fsdp_model(name: str, tiny: bool, device):
 
     from transformers import Qwen2Config
 
-    from hf_infcl.models import DualEncoder
+    from hf_infcl.dual_encoder import DualEncoder
 
     if tiny:
         config = Qwen2Config(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -279,7 +279,7 @@ def fsdp_model(name: str, tiny: bool, device):
     with device:
         model = DualEncoder.from_encoders(config, pooling="last", learn_scale=True, logit_scale_init=20.0)
     # fully_shard refuses 0-d parameters: InfCLTrainer reshapes them itself, the plain Trainer does not
-    model.logit_scale = torch.nn.Parameter(model.logit_scale.detach().reshape(1))
+    model.log_logit_scale = torch.nn.Parameter(model.log_logit_scale.detach().reshape(1))
     length = 128
 
     def collate(n, return_loss):

@@ -51,8 +51,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from hf_infcl.loss import PRECISIONS, BackendName, LossKind, Precision
 from hf_infcl.models import contrastive_loss_kind
+from hf_infcl.ops.options import PRECISIONS, BackendName, LossKind, Precision
 from hf_infcl.sharding import full_value, scalar_state_dict, vectorise_scalar_parameters
 
 from bundled_data import (

@@ -131,7 +131,7 @@ DEFAULTS = {**TEXT_TRAINING_DEFAULTS, "group_column": "groups", "remove_unused_c
 
 class SideTokenizer:
     """A tokenizer call for one side of a DualEncoder: the model's saved instruction for that side
-    and its EOS rule (``hf_infcl.models.tokenize_texts``). It holds the settings, not the model."""
+    and its EOS rule (``hf_infcl.dual_encoder.tokenize_texts``). It holds the settings, not the model."""
 
     def __init__(self, tokenizer, config, side):
         self.tokenizer = tokenizer
@@ -139,7 +139,7 @@ class SideTokenizer:
         self.append_eos = config.append_eos
 
     def __call__(self, texts, max_length=None, **ignored):  # padding/truncation/return_tensors: always on
-        from hf_infcl.models import tokenize_texts
+        from hf_infcl.dual_encoder import tokenize_texts
 
         return tokenize_texts(self.tokenizer, texts, instruction=self.instruction, append_eos=self.append_eos,
                               max_length=max_length)
@@ -149,7 +149,7 @@ class PairCollator:
     """Tokenises (query, passage, group) items into the DualEncoder's query_* / doc_* inputs."""
 
     def __init__(self, tokenizer, max_length, config=None):
-        from hf_infcl.models import DualEncoderConfig
+        from hf_infcl.dual_encoder import DualEncoderConfig
 
         config = config or DualEncoderConfig()
         self.sides = {side: SideTokenizer(tokenizer, config, side) for side in ("query", "doc")}
@@ -347,7 +347,7 @@ def main(argv=None):
             loss=trainer.loss_kind,
             symmetric=args.symmetric,
             mask_false_negatives=True,
-            logit_scale=float(model.logit_scale.detach().exp()),
+            logit_scale=float(model.log_logit_scale.detach().exp()),
         )
     say(
         f"done in {time.perf_counter() - started:.1f} s ({train_seconds:.1f} s training); "

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_infcl.loss import PRECISIONS, Precision
+from hf_infcl.ops.options import PRECISIONS, Precision
 
 from example_cli import (
     POSITIVE,

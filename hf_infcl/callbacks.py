@@ -8,9 +8,10 @@ bound: the learned parameter is the log of the scale, and it is clamped to ``log
   that is clamped too); a custom loop such as ``examples/train_clip.py`` calls it after
   ``optimizer.step()``.
 - :class:`ClampLogitScale` is the ``TrainerCallback`` :class:`~hf_infcl.InfCLTrainer` adds (from
-  ``logit_scale_max``); it clamps the model's learned log-scales (``logit_scale``; CLAP's
-  ``logit_scale_a`` and ``logit_scale_t``; ALIGN's temperature is not a log-scale and is left
-  alone), as :func:`hf_infcl.models.learned_log_scales` lists them.
+  ``logit_scale_max``); it clamps the model's learned log-scales (CLIP's ``logit_scale``;
+  ``DualEncoder``'s ``log_logit_scale``; CLAP's ``logit_scale_a`` and ``logit_scale_t``; ALIGN's
+  temperature is not a log-scale and is left alone), as :func:`hf_infcl.models.learned_log_scales`
+  lists them.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def _clamp_deepspeed_copies(param, log_minimum, log_maximum) -> None:
 
 
 class ClampLogitScale(TrainerCallback):
-    """After each optimizer step, clamp each learned log-scale (``logit_scale``, or CLAP's two) to
-    log(maximum).
+    """After each optimizer step, clamp each learned log-scale (CLIP's ``logit_scale``,
+    ``DualEncoder``'s ``log_logit_scale``, or CLAP's two) to log(maximum).
 
     CLIP clamps its temperature this way so the logits cannot grow without bound. A fixed scale
     (``requires_grad=False``) and models without a log-scale are left alone.

@@ -96,7 +96,7 @@ class DualEncoderConfig(PretrainedConfig):
             :meth:`DualEncoder.from_encoders` picks ``"last"`` for decoder towers instead.
         normalize: L2-normalise the embeddings.
         logit_scale_init: the initial scale s of the logits (e.g. 20 = temperature 0.05).
-        learn_scale: learn log(s) as a parameter; otherwise s stays fixed.
+        learn_scale: learn log(s), the parameter ``log_logit_scale``; otherwise s stays fixed.
         query_instruction: text put before every query by :meth:`DualEncoder.tokenize` (and
             :func:`tokenize_texts`), e.g. ``"Instruct: Given a web search query, retrieve relevant
             passages that answer the query\\nQuery: "`` as Qwen3-Embedding, gte-Qwen2 and E5-mistral
@@ -278,7 +278,8 @@ def tokenize_texts(
 
 @dataclass
 class DualEncoderOutput(ModelOutput):
-    """``loss`` (with ``return_loss=True``), the embeddings of each tower given, and the scale."""
+    """``loss`` (with ``return_loss=True``), the embeddings of each tower given, and the logit
+    scale (the multiplier of the similarities: ``exp(log_logit_scale)``)."""
 
     loss: torch.Tensor | None = None
     query_embeds: torch.Tensor | None = None
@@ -327,9 +328,10 @@ class DualEncoder(PreTrainedModel):
         self._query_is_decoder = is_decoder_config(config.query_encoder)
         self._doc_is_decoder = self._query_is_decoder if config.shared_towers else is_decoder_config(
             config.doc_encoder)
-        # log of the scale, like CLIP's logit_scale, so the same clamp and extraction code applies
-        self.logit_scale = nn.Parameter(torch.tensor(math.log(config.logit_scale_init)),
-                                        requires_grad=config.learn_scale)
+        # The log of the logit scale (the scale is its exp, as for CLIP's logit_scale parameter).
+        self.log_logit_scale = nn.Parameter(torch.tensor(math.log(config.logit_scale_init)),
+                                            requires_grad=config.learn_scale)
+        self.register_load_state_dict_pre_hook(_load_clip_scale_key)
         self.post_init()
 
     @classmethod
@@ -383,7 +385,7 @@ class DualEncoder(PreTrainedModel):
         model = super().from_pretrained(*args, **kwargs)
         # Loading replaces the parameter (requires_grad=True); a fixed scale must stay frozen, or
         # optimisers and DDP would wait for a gradient that never comes.
-        model.logit_scale.requires_grad_(model.config.learn_scale)
+        model.log_logit_scale.requires_grad_(model.config.learn_scale)
         if attn_implementation is not None:
             model.set_attn_implementation(attn_implementation)
         return model
@@ -404,10 +406,10 @@ class DualEncoder(PreTrainedModel):
         if module is self:
             value = math.log(self.config.logit_scale_init)
             if _hf_init is not None:  # transformers 5: skips a scale that was just loaded
-                _hf_init.constant_(self.logit_scale, value)
+                _hf_init.constant_(self.log_logit_scale, value)
             else:
                 with torch.no_grad():
-                    self.logit_scale.fill_(value)
+                    self.log_logit_scale.fill_(value)
 
     def tokenize(self, tokenizer, texts, side: str = "query", *, max_length: int | None = None,
                  padding_side: str | None = None, return_tensors: str | None = "pt") -> BatchEncoding:
@@ -478,7 +480,7 @@ class DualEncoder(PreTrainedModel):
             query_embeds = self.encode_queries(query_input_ids, query_attention_mask, query_token_type_ids)
         if doc_input_ids is not None:
             doc_embeds = self.encode_docs(doc_input_ids, doc_attention_mask, doc_token_type_ids)
-        scale = self.logit_scale.exp()
+        scale = self.log_logit_scale.exp()
         if return_loss:
             if query_embeds is None or doc_embeds is None:
                 raise ValueError("return_loss=True needs both query_input_ids and doc_input_ids")
@@ -487,6 +489,30 @@ class DualEncoder(PreTrainedModel):
             loss = contrastive_loss(query_embeds, doc_embeds, scale)
         return DualEncoderOutput(loss=loss, query_embeds=query_embeds, doc_embeds=doc_embeds,
                                  logit_scale=scale)
+
+
+# A state dict may hold the log-scale under CLIP's key, "logit_scale": the model's checkpoints
+# written by transformers >= 5 do (its save writes the key the conversion mapping below loads).
+CLIP_SCALE_KEY, SCALE_KEY = "logit_scale", "log_logit_scale"
+
+
+def _load_clip_scale_key(module, state_dict, prefix, *args) -> None:
+    """A ``load_state_dict`` pre-hook: the log-scale under CLIP's key loads into ``log_logit_scale``."""
+    clip_key, key = prefix + CLIP_SCALE_KEY, prefix + SCALE_KEY
+    if clip_key in state_dict and key not in state_dict:
+        state_dict[key] = state_dict.pop(clip_key)
+
+
+def _register_clip_scale_key() -> None:
+    """The same for ``from_pretrained``: transformers >= 5 loads through its conversion mapping
+    (4.x through ``load_state_dict``, so the pre-hook serves)."""
+    try:
+        from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:
+        return
+    renaming = WeightRenaming(source_patterns=f"^{CLIP_SCALE_KEY}", target_patterns=SCALE_KEY)
+    register_checkpoint_conversion_mapping(DualEncoderConfig.model_type, [renaming], overwrite=True)
 
 
 def _load_tower(source, from_pretrained_kwargs, attn_kwargs, name) -> PreTrainedModel:
@@ -502,3 +528,4 @@ def _load_tower(source, from_pretrained_kwargs, attn_kwargs, name) -> PreTrained
 
 AutoConfig.register(DualEncoderConfig.model_type, DualEncoderConfig, exist_ok=True)
 AutoModel.register(DualEncoderConfig, DualEncoder, exist_ok=True)
+_register_clip_scale_key()

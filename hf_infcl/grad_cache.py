@@ -72,7 +72,8 @@ encoder callables (FSDP2 gathers the root's own parameters only around it), and 
 parameters as read before the step (sharded DTensors): the loss sees their full value, and their
 gradient, averaged over ranks like FSDP2's own, is added to the sharded ``.grad`` after the last
 replay. ``fully_shard`` refuses 0-d parameters, so a scalar logit scale is reshaped to ``[1]``
-first. Two ways to reduce the encoders' gradients, both exact:
+first. Two ways to reduce the encoders' gradients, both exact (the adapters named here are in
+:mod:`hf_infcl.sharding`):
 
 - ``no_sync=lambda: fsdp_no_sync(model)``: the replays accumulate unsharded gradients and the
   last one reduce-scatters them: one reduction per step, unsharded gradient memory;
@@ -84,9 +85,10 @@ FSDP2 gathers a unit's parameters for every chunk's forward and again for its ba
 parameters.
 
 DeepSpeed ZeRO (stages 1-3): call the engine in the encoder callables, pass
-``no_sync=lambda: deepspeed_no_sync(engine)`` (the replays accumulate; the last one is at the
-engine's accumulation boundary and reduces) and ``backward=lambda t: engine.backward(t,
-scale_wrt_gas=False)`` (the engine's own loss scaling), then ``engine.step()``. Under ZeRO-3 the
+``no_sync=lambda: deepspeed_no_sync(engine)`` (:mod:`hf_infcl.sharding`; the replays accumulate;
+the last one is at the engine's accumulation boundary and reduces) and ``backward=lambda t:
+engine.backward(t, scale_wrt_gas=False)`` (the engine's own loss scaling), then
+``engine.step()``. Under ZeRO-3 the
 loss parameters are read outside the model's forward, so register them once after
 ``deepspeed.initialize``: ``hf_infcl.sharding.keep_gathered_under_zero3(engine.module, [scale])``
 (``deepspeed.zero.register_external_parameter``); the loss sees their gathered value.
@@ -97,19 +99,17 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .batch_statistics import check_no_batch_statistics
 from .chunk_graphs import ChunkGraphs
+from .ops.options import check_chunk_size
 from .rng import RngState
-from .sharding import is_dtensor, is_zero3_parameter
+from .sharding import accumulate_sharded_grad, full_value, is_dtensor, is_zero3_parameter
 
-__all__ = [
-    "CachedStepOutput", "cached_step", "check_chunk_size", "deepspeed_no_sync", "fsdp_gather_once",
-    "fsdp_no_sync", "split_batch", "to_device",
-]
+__all__ = ["CachedStepOutput", "cached_step", "split_batch", "to_device"]
 
 
 @dataclass
@@ -173,7 +173,7 @@ def cached_step(
         backward: how each replay's scalar is backpropagated; default ``tensor.backward()``. A
             DeepSpeed engine needs its own: ``lambda t: engine.backward(t, scale_wrt_gas=False)``
             (the loss is scaled by ``scale_loss`` already), with ``no_sync=lambda:
-            deepspeed_no_sync(engine)`` and ``engine.step()`` after the cached step.
+            hf_infcl.sharding.deepspeed_no_sync(engine)`` and ``engine.step()`` after the cached step.
         chunk_graphs: a :class:`hf_infcl.chunk_graphs.ChunkGraphs` kept across steps: the no-grad
             pass and the replays run as CUDA graphs, one per chunk shape, which
             removes the launch overhead that makes small chunks slow. One process only (no
@@ -183,19 +183,73 @@ def cached_step(
         :class:`CachedStepOutput` with the detached loss and embeddings.
 
     Raises:
-        ValueError: when an encoder is an ``nn.Module`` holding a BatchNorm layer that normalises
-            with batch statistics (each chunk would be normalised alone, and the running
-            statistics updated in both passes). Encoders that are plain callables are not looked
-            into: call ``hf_infcl.batch_statistics.check_no_batch_statistics(model,
-            "chunk_size=None")`` on the model they run, as ``InfCLTrainer`` does.
+        ValueError: an encoder that is an ``nn.Module`` normalises with batch statistics (BatchNorm
+            in training mode: each chunk alone, twice); plain callables: see the module docstring.
     """
+    towers = _towers(encoders, inputs, no_sync, forward_context, chunk_size, no_grad_chunk_size)
+    loss_params = _checked_loss_params(loss_params)
+    device = torch.device(device) if device is not None else None
+    if chunk_graphs is not None:
+        _check_graphable(chunk_graphs, no_sync, backward, no_grad_chunk_size, chunk_size)
+    for tower in towers:
+        if isinstance(tower.encode, torch.nn.Module):  # plain callables are the caller's to check
+            check_no_batch_statistics(tower.encode, "chunk_size=None")
+    # The replays restore each first-pass chunk's RNG state only when the two passes chunk alike.
+    replay_rng = no_grad_chunk_size is None or no_grad_chunk_size == chunk_size
+    for tower in towers:
+        tower.split(chunk_size, None if replay_rng else no_grad_chunk_size, offload, device)
+    feed = functools.partial(_on_device, device=device, offload=offload)
+
+    for site, tower in enumerate(towers):
+        _embed_without_grad(tower, site, feed, chunk_graphs)
+    loss, embeddings, param_grads = _loss_and_embedding_grads(towers, loss_fn, loss_params, scale_loss)
+    _replay(towers, param_grads, feed, replay_rng, backward, chunk_graphs)
+    return CachedStepOutput(loss=loss.detach(), embeddings=tuple(e.detach() for e in embeddings))
+
+
+@dataclass
+class _Tower:
+    """One encoder of a cached step: its chunks, and what each phase leaves for the next."""
+
+    encode: Callable
+    inputs: Mapping
+    embed: Callable  # ``encode`` inside the step's forward_context
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None  # entered around its unsynced replays
+    syncs_last_replay: bool  # whether its last replay runs outside ``no_sync``
+    chunks: list[dict] = field(default_factory=list)  # the replays'
+    first_pass_chunks: list[dict] = field(default_factory=list)  # the no-grad pass's
+    rng_states: list[RngState] = field(default_factory=list)  # phase 1, per first-pass chunk
+    outputs: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # phase 1, per first-pass chunk
+    grads: tuple[torch.Tensor | None, ...] = ()  # phase 2: the loss's gradient per output, whole batch
+
+    def split(self, chunk_size, no_grad_chunk_size, offload: bool, device) -> None:
+        """The batch in (pinned host or device) memory, cut into the chunks of both passes
+        (``no_grad_chunk_size`` None: the no-grad pass chunks as the replays)."""
+        if offload:
+            self.inputs = _pin(self.inputs)
+        elif device is not None:
+            self.inputs = to_device(self.inputs, device)
+        self.chunks = split_batch(self.inputs, chunk_size)
+        self.first_pass_chunks = (self.chunks if no_grad_chunk_size is None
+                                  else split_batch(self.inputs, no_grad_chunk_size))
+
+
+def _towers(encoders, inputs, no_sync, forward_context, chunk_size, no_grad_chunk_size) -> list[_Tower]:
+    """One :class:`_Tower` per encoder, after the checks of the towers, chunk sizes and ``no_sync``."""
     encoder_list, input_list = _normalise_towers(encoders, inputs)
     check_chunk_size("chunk_size", chunk_size)
     check_chunk_size("no_grad_chunk_size", no_grad_chunk_size)
-    no_sync_list = _normalise_no_sync(no_sync, len(encoder_list))
+    factories = _normalise_no_sync(no_sync, len(encoder_list))
     # One factory: a single synchronised replay (the very last). One per encoder: each
     # encoder's last replay synchronises its own DDP module.
     sync_each_tower = no_sync is not None and not callable(no_sync)
+    enter = forward_context or contextlib.nullcontext
+    last = len(encoder_list) - 1
+    return [_Tower(encode, tower_inputs, _in_context(encode, enter), factory, sync_each_tower or site == last)
+            for site, (encode, tower_inputs, factory) in enumerate(zip(encoder_list, input_list, factories))]
+
+
+def _checked_loss_params(loss_params) -> list[torch.Tensor]:
     loss_params = list(loss_params)
     for param in loss_params:
         if not isinstance(param, torch.Tensor):
@@ -207,212 +261,120 @@ def cached_step(
                 "hf_infcl.sharding.keep_gathered_under_zero3(engine.module, loss_params) "
                 "(deepspeed.zero.register_external_parameter)"
             )
-    device = torch.device(device) if device is not None else None
-    enter = forward_context or contextlib.nullcontext
-    if chunk_graphs is not None:
-        _check_graphable(chunk_graphs, no_sync, backward, no_grad_chunk_size, chunk_size)
-    for encode in encoder_list:
-        if isinstance(encode, torch.nn.Module):  # plain callables are the caller's to check
-            check_no_batch_statistics(encode, "chunk_size=None")
+    return loss_params
 
-    if offload:
-        input_list = [_pin(tower_inputs) for tower_inputs in input_list]
-    elif device is not None:
-        input_list = [to_device(tower_inputs, device) for tower_inputs in input_list]
-    chunks = [split_batch(tower_inputs, chunk_size) for tower_inputs in input_list]
-    # The replays restore each first-pass chunk's RNG state only when the two passes chunk alike.
-    replay_rng = no_grad_chunk_size is None or no_grad_chunk_size == chunk_size
-    first_pass_chunks = chunks if replay_rng else [split_batch(t, no_grad_chunk_size) for t in input_list]
 
-    # Phase 1: embed every chunk without grad; remember the RNG state each chunk started from.
-    rng_states: list[list[RngState]] = []
-    tower_outputs: list[list[tuple[torch.Tensor, ...]]] = []
+def _embed_without_grad(tower: _Tower, site: int, feed, chunk_graphs: ChunkGraphs | None) -> None:
+    """Phase 1: embed every chunk without grad; remember the RNG state each chunk started from."""
     with torch.no_grad():
-        for tower, (encode, tower_chunks) in enumerate(zip(encoder_list, first_pass_chunks)):
-            states, outputs = [], []
-            embed = _in_context(encode, enter)
-            for chunk in _on_device(tower_chunks, device, offload):
-                states.append(RngState.capture(*chunk.values()))
-                if chunk_graphs is None:
-                    outputs.append(_as_tuple(embed(chunk)))
-                else:
-                    outputs.append(chunk_graphs.run(("embed", tower), embed, chunk))
-            rng_states.append(states)
-            tower_outputs.append(outputs)
+        for chunk in feed(tower.first_pass_chunks):
+            tower.rng_states.append(RngState.capture(*chunk.values()))
+            if chunk_graphs is None:
+                tower.outputs.append(_as_tuple(tower.embed(chunk)))
+            else:
+                tower.outputs.append(chunk_graphs.run(("embed", site), tower.embed, chunk))
 
-    # Phase 2: the loss on the full embeddings, and its gradient w.r.t. them (and loss_params).
-    # A loss parameter sharded by FSDP2 (a DTensor) enters the loss as its full value.
-    loss_values = [_full_value(param) for param in loss_params]
-    embeddings = []
-    for outputs in tower_outputs:
-        widths = {len(out) for out in outputs}
-        if len(widths) != 1:
-            raise ValueError("an encoder returned a different number of outputs for different chunks")
-        for position in range(widths.pop()):
-            embeddings.append(torch.cat([out[position] for out in outputs]).detach().requires_grad_())
-    loss = loss_fn(*embeddings, *loss_values)
+
+@dataclass
+class _LossParamGrads:
+    """The loss parameters' gradients, as (parameter, gradient) pairs, by how each reaches ``.grad``.
+
+    Plain parameters get theirs through the last replay's backward, so DDP reduces it with the
+    rest; sharded ones (FSDP2 DTensors) are reduced after that backward (FSDP2 never sees them).
+    ZeRO-3 parameters get it through the first replay's: ZeRO-3 overwrites its gradient
+    partitions in a step's first backward and adds in the later ones, so a gradient that first
+    arrived in a later backward would be added to the previous step's.
+    """
+
+    plain: list[tuple[torch.Tensor, torch.Tensor]]
+    sharded: list[tuple[torch.Tensor, torch.Tensor]]
+    zero3: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def route(cls, with_grads) -> _LossParamGrads:
+        kinds = [("sharded" if is_dtensor(param) else "zero3" if is_zero3_parameter(param) else "plain")
+                 for param, _ in with_grads]
+        return cls(*([pair for pair, kind in zip(with_grads, kinds) if kind == wanted]
+                     for wanted in ("plain", "sharded", "zero3")))
+
+
+def _loss_and_embedding_grads(towers: list[_Tower], loss_fn, loss_params, scale_loss):
+    """Phase 2: the loss on the whole batch's detached embeddings, its gradient w.r.t. them (each
+    tower's ``grads``) and w.r.t. the loss parameters. Returns (loss, embeddings, loss parameters'
+    gradients as :class:`_LossParamGrads`)."""
+    # A loss parameter sharded by FSDP2 (or partitioned by ZeRO-3) enters the loss as its full value.
+    values = [_loss_value(param) for param in loss_params]
+    per_tower = [_joined(tower.outputs) for tower in towers]
+    embeddings = [embedding for tower_embeddings in per_tower for embedding in tower_embeddings]
+    loss = loss_fn(*embeddings, *values)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError("loss_fn must return a scalar tensor")
     scaled = scale_loss(loss) if scale_loss is not None else loss
     # Only loss_params that require grad are differentiated (a fixed scale may be passed too).
-    learned = [(param, value) for param, value in zip(loss_params, loss_values) if param.requires_grad]
+    learned = [(param, value) for param, value in zip(loss_params, values) if param.requires_grad]
     grads = torch.autograd.grad(scaled, [*embeddings, *(value for _, value in learned)], allow_unused=True)
-    embedding_grads, param_grads = grads[: len(embeddings)], grads[len(embeddings):]
-    # Plain parameters get their gradient through the last replay's backward, so DDP reduces it
-    # with the rest; sharded ones are reduced here, after that backward (FSDP2 never sees them).
-    # ZeRO-3 parameters get it through the first replay's: ZeRO-3 overwrites its gradient
-    # partitions in a step's first backward and adds in the later ones, so a gradient that first
-    # arrived in a later backward would be added to the previous step's.
-    with_grads = [(param, grad) for (param, _), grad in zip(learned, param_grads) if grad is not None]
-    sharded = [(param, grad) for param, grad in with_grads if is_dtensor(param)]
-    zero3 = [(param, grad) for param, grad in with_grads if is_zero3_parameter(param)]
-    plain = [(param, grad) for param, grad in with_grads
-             if not is_dtensor(param) and not is_zero3_parameter(param)]
+    start = 0
+    for tower, tower_embeddings in zip(towers, per_tower):
+        tower.grads = grads[start: start + len(tower_embeddings)]
+        start += len(tower_embeddings)
+    param_grads = [(param, grad) for (param, _), grad in zip(learned, grads[start:]) if grad is not None]
+    return loss, embeddings, _LossParamGrads.route(param_grads)
 
-    # Phase 3: replay each chunk with grad under its recorded RNG state; backprop the cached grads.
-    offset = 0
-    for tower, (encode, tower_chunks) in enumerate(zip(encoder_list, chunks)):
-        n_outputs = len(tower_outputs[tower][0])
-        tower_grads = embedding_grads[offset: offset + n_outputs]
-        offset += n_outputs
-        row_starts = [0] * n_outputs
-        embed = _in_context(encode, enter)
-        for index, chunk in enumerate(_on_device(tower_chunks, device, offload)):
-            last_of_tower = index == len(tower_chunks) - 1
-            last_overall = last_of_tower and tower == len(encoder_list) - 1
-            synced = last_overall or (last_of_tower and sync_each_tower)
-            sync_context = no_sync_list[tower] if (no_sync_list[tower] is not None and not synced) else None
-            rng = rng_states[tower][index].restored() if replay_rng else contextlib.nullcontext()
+
+def _loss_value(param: torch.Tensor) -> torch.Tensor:
+    """The value the loss sees: the parameter itself, or for a sharded or partitioned one its full
+    value (:func:`hf_infcl.sharding.full_value`) as a plain leaf. A ZeRO-3 parameter's gradient
+    reaches DeepSpeed through the first replay, where the engine's forward has gathered it and,
+    kept gathered by keep_gathered_under_zero3, it stays whole."""
+    value = full_value(param)
+    return param if value is param else value.detach().requires_grad_(param.requires_grad)
+
+
+def _joined(outputs: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """Each output of an encoder concatenated over its chunks, detached, as a leaf that requires grad."""
+    widths = {len(out) for out in outputs}
+    if len(widths) != 1:
+        raise ValueError("an encoder returned a different number of outputs for different chunks")
+    return tuple(torch.cat([out[position] for out in outputs]).detach().requires_grad_()
+                 for position in range(widths.pop()))
+
+
+def _replay(towers: list[_Tower], param_grads: _LossParamGrads, feed, replay_rng: bool, backward,
+            chunk_graphs: ChunkGraphs | None) -> None:
+    """Phase 3: replay each chunk with grad under its recorded RNG state and backpropagate its
+    cached gradient; the loss parameters' gradients ride on the first replay (ZeRO-3) or the last
+    (plain), or are added after the replays (sharded; with ``chunk_graphs``, plain too)."""
+    for site, tower in enumerate(towers):
+        row_starts = [0] * len(tower.grads)
+        last = len(tower.chunks) - 1
+        for index, chunk in enumerate(feed(tower.chunks)):
+            rng = tower.rng_states[index].restored() if replay_rng else contextlib.nullcontext()
             if chunk_graphs is not None:
                 # the rows of each output are those the no-grad pass produced for this chunk
-                grad_slices = _grad_slices(tower_outputs[tower][index], tower_grads, row_starts)
+                grad_slices = _grad_slices(tower.outputs[index], tower.grads, row_starts)
                 with rng:
-                    chunk_graphs.run(("replay", tower), functools.partial(_replay_backward, embed),
+                    chunk_graphs.run(("replay", site), functools.partial(_graphed_replay, tower.embed),
                                      chunk, grad_slices)
                 continue
-            with (sync_context() if sync_context else contextlib.nullcontext()):
+            last_overall = index == last and site == len(towers) - 1
+            synced = index == last and tower.syncs_last_replay
+            riding = ((param_grads.plain if last_overall else [])
+                      + (param_grads.zero3 if site == index == 0 else []))
+            with (tower.no_sync() if tower.no_sync is not None and not synced else contextlib.nullcontext()):
                 with rng:
-                    replayed = _as_tuple(embed(chunk))
-                surrogate = _surrogate_terms(replayed, _grad_slices(replayed, tower_grads, row_starts))
-                riding = (plain if last_overall else []) + (zero3 if tower == index == 0 else [])
-                surrogate.extend((param * grad.to(param.dtype)).sum() for param, grad in riding)
-                if surrogate:
-                    total = torch.stack([term.float() for term in surrogate]).sum()
-                    if backward is None:
-                        total.backward()
-                    else:
-                        backward(total)
+                    replayed = _as_tuple(tower.embed(chunk))
+                _backpropagate(replayed, _grad_slices(replayed, tower.grads, row_starts), riding, backward)
     if chunk_graphs is not None:
         # one process (no reduction to ride on): the loss parameters' gradient is added directly,
         # so that every replay, the last included, can be a graph
-        for param, grad in plain:
+        for param, grad in param_grads.plain:
             grad = grad.to(param.dtype)
             if param.grad is None:
                 param.grad = grad
             else:
                 param.grad += grad
-    for param, grad in sharded:
-        _accumulate_sharded_grad(param, grad)
-
-    return CachedStepOutput(loss=loss.detach(), embeddings=tuple(e.detach() for e in embeddings))
-
-
-@contextlib.contextmanager
-def fsdp_no_sync(module):
-    """The ``no_sync`` of an FSDP2 module (``torch.distributed.fsdp.fully_shard``): gradient
-    reduction off inside, so the replays accumulate unsharded gradients and the last replay
-    reduce-scatters them once (one reduction per step, at the memory cost of unsharded
-    gradients). Pass ``no_sync=lambda: fsdp_no_sync(model)`` to :func:`cached_step`; leave
-    ``no_sync`` out to reduce-scatter after every replay instead (sharded gradient memory, one
-    reduce-scatter per chunk)."""
-    if not hasattr(module, "set_requires_gradient_sync"):
-        raise TypeError(f"fsdp_no_sync needs a module wrapped by fully_shard, got {type(module).__name__}")
-    module.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        module.set_requires_gradient_sync(True)
-
-
-@contextlib.contextmanager
-def fsdp_gather_once(module, reshard_after_forward: bool = True):
-    """FSDP2: inside, each ``fully_shard`` unit of ``module`` keeps its parameters unsharded from
-    their first all-gather to the end, so a cached step gathers them once instead of once per
-    chunk in the no-grad pass and twice per chunk in the replays (forward, then backward). It costs
-    the memory of the unsharded parameters (an unsharded model, in the parameters' dtype) for the
-    step. At the end every unit is resharded and gets back ``reshard_after_forward`` (as given to
-    ``fully_shard``) and resharding after backward.
-
-    Wrap the :func:`cached_step` call in it: ``with fsdp_gather_once(model): cached_step(...)``."""
-    units = [unit for unit in module.modules() if hasattr(unit, "set_reshard_after_backward")]
-    if not units:
-        raise TypeError(f"fsdp_gather_once needs a module wrapped by fully_shard, got "
-                        f"{type(module).__name__}")
-    for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)
-        unit.set_reshard_after_backward(False, recurse=False)
-    try:
-        yield
-    finally:
-        for unit in units:
-            unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
-            unit.set_reshard_after_backward(True, recurse=False)
-            unit.reshard()
-
-
-@contextlib.contextmanager
-def deepspeed_no_sync(engine):
-    """The ``no_sync`` of a DeepSpeed engine (ZeRO stages 1-3): inside, the engine is not at a
-    gradient-accumulation boundary, so a replay's backward only accumulates; the last replay,
-    outside, runs at the boundary state the engine had before (at a boundary, unless you are
-    accumulating several cached steps), which reduces. Pass
-    ``no_sync=lambda: deepspeed_no_sync(engine)`` and
-    ``backward=lambda t: engine.backward(t, scale_wrt_gas=False)`` to :func:`cached_step`, then call
-    ``engine.step()``. Under ZeRO-2 every replay must be inside: a boundary per replay would reduce
-    (and average) the partial gradients of each one."""
-    if not hasattr(engine, "set_gradient_accumulation_boundary"):
-        raise TypeError(f"deepspeed_no_sync needs a DeepSpeed engine, got {type(engine).__name__}")
-    boundary = engine.is_gradient_accumulation_boundary()
-    engine.set_gradient_accumulation_boundary(False)
-    try:
-        yield
-    finally:
-        engine.set_gradient_accumulation_boundary(boundary)
-
-
-def _full_value(param: torch.Tensor) -> torch.Tensor:
-    """The value the loss sees: the tensor itself; for a DTensor (a parameter sharded by FSDP2)
-    its full value gathered from every rank, as a plain leaf; for a ZeRO-3 parameter its gathered
-    value, as a plain leaf (its gradient reaches DeepSpeed through the first replay, where the
-    engine's forward has gathered it and, kept gathered by keep_gathered_under_zero3, it stays
-    whole)."""
-    if is_dtensor(param):
-        return param.full_tensor().detach().requires_grad_(param.requires_grad)
-    if is_zero3_parameter(param):
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([param]):
-            return param.detach().clone().requires_grad_(param.requires_grad)
-    return param
-
-
-def _accumulate_sharded_grad(param, grad: torch.Tensor) -> None:
-    """Add the average over ranks of ``grad`` (this rank's gradient of the full value) to the
-    sharded ``param.grad``, as FSDP2's own reduction does for the parameters it sees: each rank's
-    loss is its share of the global loss, so the average is the gradient of the global loss."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import distribute_tensor
-
-    mesh = param.device_mesh
-    reduced = grad.detach().to(param.dtype).clone()
-    dist.all_reduce(reduced, group=mesh.get_group())
-    reduced /= mesh.size()
-    # Every rank holds the same full value now: each keeps its own shard, with no communication.
-    shard = distribute_tensor(reduced, mesh, param.placements, src_data_rank=None)
-    if param.grad is None:
-        param.grad = shard
-    else:
-        param.grad += shard
+    for param, grad in param_grads.sharded:
+        accumulate_sharded_grad(param, grad)
 
 
 def split_batch(inputs: Mapping, chunk_size: int | None) -> list[dict]:
@@ -491,12 +453,6 @@ def _pin(inputs: Mapping) -> dict:
     return moved
 
 
-def check_chunk_size(name: str, value) -> None:
-    """A chunk size is a positive int, or None (one chunk); ValueError naming ``name`` otherwise."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-
-
 def _normalise_towers(encoders, inputs):
     if callable(encoders):
         if not isinstance(inputs, Mapping):
@@ -557,12 +513,24 @@ def _surrogate_terms(outputs, grad_slices) -> list[torch.Tensor]:
     return terms
 
 
-def _replay_backward(embed, chunk, grad_slices) -> None:
-    """One graphed replay: the chunk's forward with grad, then the backward of its cached gradient."""
-    replayed = _as_tuple(embed(chunk))
+def _backpropagate(replayed, grad_slices, riding=(), backward=None) -> None:
+    """The backward of a replayed chunk's share of the loss: its outputs' cached gradients, and
+    the ``riding`` loss parameters' (``param * grad``), in one backward (``backward`` or
+    ``Tensor.backward``)."""
     terms = _surrogate_terms(replayed, grad_slices)
+    terms.extend((param * grad.to(param.dtype)).sum() for param, grad in riding)
     if terms:
-        torch.stack([term.float() for term in terms]).sum().backward()
+        total = torch.stack([term.float() for term in terms]).sum()
+        if backward is None:
+            total.backward()
+        else:
+            backward(total)
+
+
+def _graphed_replay(embed, chunk, grad_slices) -> None:
+    """One replay inside a CUDA graph: the chunk's forward with grad, then the backward of its
+    cached gradient."""
+    _backpropagate(_as_tuple(embed(chunk)), grad_slices)
 
 
 def _check_graphable(chunk_graphs, no_sync, backward, no_grad_chunk_size, chunk_size) -> None:

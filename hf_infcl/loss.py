@@ -12,18 +12,8 @@ from torch import nn
 
 from .ops import reference
 from .ops.label_smoothing import smoothing_terms
-from .ops.logit_stats import (  # noqa: F401  (select_block_ops, backend_name: re-exported)
-    announcing_rejections,
-    backend_name,
-    logit_stats,
-    select_block_ops,
-)
-from .ops.options import (  # noqa: F401  (the vocabularies, re-exported: hf_infcl.loss.PRECISIONS)
-    BACKENDS,
-    HARDNESS_MODES,
-    LOSSES,
-    PRECISIONS,
-    REDUCTIONS,
+from .ops.logit_stats import announcing_rejections, logit_stats
+from .ops.options import (
     BackendName,
     HardnessMode,
     LossKind,
@@ -31,7 +21,8 @@ from .ops.options import (  # noqa: F401  (the vocabularies, re-exported: hf_inf
     OptionAttribute,
     Precision,
     Reduction,
-    check_choice,
+    check_hardness,
+    check_label_smoothing,
     check_option,
 )
 from .ops.spec import BlockOps, StatsSpec, accumulation_dtype, resolve_precision
@@ -348,37 +339,10 @@ def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, po
     return scale, bias, positives
 
 
-def check_label_smoothing(label_smoothing, loss: str, *, grouped: bool = False, hardness: bool = False,
-                          name: str = "label_smoothing", groups: str = "query_groups/key_groups") -> None:
-    """The one check of ``label_smoothing`` (docs/contract.md, "Label smoothing"): a number in
-    [0, 1], and positive only with the softmax loss, without groups and without a hardness offset.
-    ``name``, ``groups``: how the caller's user spells the option and the group ids."""
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
-        raise TypeError(f"{name} must be a float in [0, 1], got {type(label_smoothing).__name__}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {label_smoothing!r}")
-    if not label_smoothing:
-        return
-    if loss != "softmax":
-        raise ValueError(f"{name}={label_smoothing!r} needs loss='softmax' (it smooths cross-entropy "
-                         f"targets), got loss={loss!r}")
-    if grouped:
-        raise ValueError(f"{name}={label_smoothing!r} is not defined with {groups} (a row's candidates would "
-                         "be its allowed keys only); leave one of them out")
-    if hardness:
-        raise ValueError(f"{name}={label_smoothing!r} is not defined with a hardness offset (its uniform "
-                         "target would include the offsets); leave one of them out")
-
-
 def _check_hardness(loss, queries, keys, hardness_mode, hardness_strength, query_ids, key_owners):
     """Validate the hardness arguments; return (mode, strength, query_ids, key_owners), the mode
     None when the strength is 0 (no offset: the plain loss, whatever ids were given)."""
-    check_choice("hardness_mode", hardness_mode, HARDNESS_MODES, optional=True)
-    if isinstance(hardness_strength, bool) or not isinstance(hardness_strength, (int, float)):
-        raise TypeError("hardness_strength must be a non-negative float, got "
-                        f"{type(hardness_strength).__name__}")
-    if not hardness_strength >= 0.0:
-        raise ValueError(f"hardness_strength must be non-negative, got {hardness_strength!r}")
+    check_hardness(hardness_mode, hardness_strength)
     if hardness_mode is None:
         if hardness_strength > 0.0:
             raise ValueError(f"hardness_strength={hardness_strength!r} needs a hardness_mode")

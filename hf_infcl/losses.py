@@ -45,7 +45,17 @@ from torch import Tensor, nn
 
 from .batch_statistics import check_no_batch_statistics
 from .loss import contrastive_loss
-from .ops.options import BackendName, LossOptions, OptionAttribute, Precision, check_option
+from .ops.options import (
+    HARDNESS_MODES,
+    BackendName,
+    HardnessMode,
+    LossOptions,
+    OptionAttribute,
+    Precision,
+    check_choice,
+    check_hardness_strength,
+    check_option,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +91,6 @@ QUERY_TO_DOC, QUERY_TO_QUERY, DOC_TO_QUERY, DOC_TO_DOC = (
 )
 Direction = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
 PartitionMode = Literal["joint", "per_direction"]
-HardnessMode = Literal["in_batch_negatives", "hard_negatives", "all_negatives"]
 MNRL_DEFAULT = ((QUERY_TO_DOC,), "joint")
 MNSRL = ((QUERY_TO_DOC, DOC_TO_QUERY), "per_direction")  # what symmetric=True stands for
 # Group ids of the joint call: example i of process r is r * _RANK_STRIDE + i, so that ids differ
@@ -129,21 +138,22 @@ def _checked_directions(directions, partition_mode) -> tuple[str, ...]:
 
 
 def _check_hardness(hardness_mode, hardness_strength) -> None:
-    """MNRL's checks and warning (as its words); the type check is ours.
+    """The one check of a hardness setting (``hf_infcl.ops.options.check_hardness``'s two parts),
+    its ValueErrors in MNRL's words, and MNRL's warning.
 
     MNRL applies the weighting only for a ``hardness_mode`` with ``hardness_strength > 0``: every
     other valid setting is MNRL's loss without it.
     """
-    valid_hardness_modes = {None, "in_batch_negatives", "hard_negatives", "all_negatives"}
-    if hardness_mode not in valid_hardness_modes:
+    try:
+        check_choice("hardness_mode", hardness_mode, HARDNESS_MODES, optional=True)
+    except ValueError:
+        valid_hardness_modes = {None, *HARDNESS_MODES}  # the set MNRL's message prints
         raise _mnrl_error(f"hardness_mode must be one of {valid_hardness_modes}, got {hardness_mode!r}",
-                          "(hardness_mode of InfCLLoss)")
-    if isinstance(hardness_strength, bool) or not isinstance(hardness_strength, (int, float)):
-        raise TypeError(
-            f"hardness_strength must be a non-negative float, got {type(hardness_strength).__name__}"
-        )
-    if hardness_strength < 0.0:
-        raise _mnrl_error("hardness_strength must be non-negative.", f"Got {hardness_strength!r}.")
+                          "(hardness_mode of InfCLLoss)") from None
+    try:
+        check_hardness_strength(hardness_strength)
+    except ValueError:
+        raise _mnrl_error("hardness_strength must be non-negative.", f"Got {hardness_strength!r}.") from None
     if hardness_mode is not None and hardness_strength == 0.0:  # MNRL's warning: it changes nothing
         logger.warning(
             f"hardness_mode={hardness_mode!r} is set but hardness_strength=0.0, so hardness weighting has no "
@@ -283,6 +293,69 @@ def _embed_columns(model, sentence_features):
 
 
 class InfCLLoss(CachedLossMixin, nn.Module):
+    """Exact in-batch-negatives contrastive loss (InfoNCE) without a batch x batch matrix (Inf-CL).
+
+    Args:
+        model: the SentenceTransformer model.
+        scale: multiplies the similarities (``scale = 1 / temperature``), as in
+            MultipleNegativesRankingLoss; ``20.0`` is ``temperature = 0.05``.
+        similarity_fct: ``sentence_transformers.util.cos_sim`` (the embeddings are L2-normalised,
+            then dotted) or ``util.dot_score``. Other functions raise ``ValueError`` (an
+            ``nn.Module``: ``TypeError``), here or when assigned later; an assignment
+            (``loss.similarity_fct = util.dot_score``) takes effect at the next forward, as in MNRL.
+        symmetric: True is MultipleNegativesSymmetricRankingLoss, short for
+            ``directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"`` (and
+            cannot be combined with other values of them); False leaves both as given.
+            Assigning it later sets both: True to those, False to MNRL's defaults.
+        mini_batch_size: None embeds the whole batch with gradients, like
+            MultipleNegativesRankingLoss (unless ``mini_batch_num_tokens`` is set). An integer
+            embeds it in chunks of that many texts
+            with gradient caching (like CachedMultipleNegativesRankingLoss, dropout replayed),
+            and computes the loss of the whole batch in one fused call. A model with BatchNorm
+            layers in training mode is refused at its forward (each mini-batch would be
+            normalised alone; ``hf_infcl.batch_statistics``).
+        show_progress_bar: show the mini-batch progress of gradient caching.
+        gather_across_devices: with several processes, compute the loss over every process's
+            anchors and candidates (the hf_infcl ring; no embedding is all-gathered). False, the
+            default as in MultipleNegativesRankingLoss, keeps each process's negatives local.
+        backend: the hf_infcl backend: ``"auto"`` (Triton on CUDA when available, else tiled
+            PyTorch), ``"torch"``, ``"triton"`` or ``"reference"``.
+        precision: matmul precision of the loss for fp32 embeddings (``hf_infcl.ops.options.PRECISIONS``):
+            ``"auto"`` (TF32 on CUDA in every backend, exact fp32 elsewhere), ``"tf32"``, or
+            ``"ieee"`` (exact fp32). bf16/fp16 embeddings are unaffected.
+        mini_batch_num_tokens: gradient caching with mini-batches packed by token count, as in
+            CachedMultipleNegativesRankingLoss: each holds as many consecutive texts as fit in this
+            many non-padding tokens (a longer text alone), whatever ``mini_batch_size`` is; given
+            alone, it turns gradient caching on (sentence-transformers >= 6 only).
+        directions: which similarities compete with each (anchor, positive) pair, as in
+            MultipleNegativesRankingLoss: ``"query_to_doc"`` (required: every document),
+            ``"query_to_query"`` (the other anchors), ``"doc_to_query"`` (from the positive: every
+            anchor), ``"doc_to_doc"`` (from the positive: every document of the other examples).
+        partition_mode: ``"joint"``, one softmax over every selected direction, or
+            ``"per_direction"``, one per direction, averaged (``"query_to_doc"`` and
+            ``"doc_to_query"`` only). docs/contract.md has the formulas; both are exact, without
+            a batch x batch matrix, across processes too. Assignable later, as in MNRL (checked).
+        hardness_mode, hardness_strength: MNRL's hardness weighting: with a mode and a positive
+            strength ``alpha``, ``alpha * similarity`` (unscaled, no gradient through it) is added
+            to the ``query_to_doc`` logits of the negatives the mode selects:
+            ``"in_batch_negatives"`` (the other examples' documents), ``"hard_negatives"`` (the
+            example's own negative columns) or ``"all_negatives"`` (every document but the
+            positive). The other directions (``per_direction``'s ``doc_to_query`` included) keep
+            their plain logits. Computed inside the fused kernels, across processes too; both are
+            assignable later, as in MNRL (checked; a mode with strength 0 warns, as in MNRL).
+
+    Inputs:
+        (anchor, positive) pairs, or (anchor, positive, negative_1, ..., negative_n) tuples;
+        labels are ignored. Every negative column is a candidate for every anchor of the batch.
+
+    Example:
+        ::
+
+            from hf_infcl import losses
+            loss = losses.InfCLLoss(model, mini_batch_size=256)
+            trainer = SentenceTransformerTrainer(model=model, train_dataset=dataset, loss=loss)
+    """
+
     # The loss options, held as a frozen LossOptions (``.options``) checked once, in __init__. Its
     # ``symmetric`` follows directions and partition_mode (the ``symmetric`` property below).
     backend = OptionAttribute()
@@ -305,74 +378,8 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         hardness_mode: HardnessMode | None = None,
         hardness_strength: float = 0.0,
     ) -> None:
-        """Exact in-batch-negatives contrastive loss (InfoNCE) without a batch x batch matrix (Inf-CL).
-
-        Args:
-            model: the SentenceTransformer model.
-            scale: multiplies the similarities (``scale = 1 / temperature``), as in
-                MultipleNegativesRankingLoss; ``20.0`` is ``temperature = 0.05``.
-            similarity_fct: ``sentence_transformers.util.cos_sim`` (the embeddings are L2-normalised,
-                then dotted) or ``util.dot_score``. Other functions raise ``ValueError`` (an
-                ``nn.Module``: ``TypeError``), here or when assigned later; an assignment
-                (``loss.similarity_fct = util.dot_score``) takes effect at the next forward, as in MNRL.
-            symmetric: True is MultipleNegativesSymmetricRankingLoss, short for
-                ``directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"`` (and
-                cannot be combined with other values of them); False leaves both as given.
-                Assigning it later sets both: True to those, False to MNRL's defaults.
-            mini_batch_size: None embeds the whole batch with gradients, like
-                MultipleNegativesRankingLoss (unless ``mini_batch_num_tokens`` is set). An integer
-                embeds it in chunks of that many texts
-                with gradient caching (like CachedMultipleNegativesRankingLoss, dropout replayed),
-                and computes the loss of the whole batch in one fused call. A model with BatchNorm
-                layers in training mode is refused at its forward (each mini-batch would be
-                normalised alone; ``hf_infcl.batch_statistics``).
-            show_progress_bar: show the mini-batch progress of gradient caching.
-            gather_across_devices: with several processes, compute the loss over every process's
-                anchors and candidates (the hf_infcl ring; no embedding is all-gathered). False, the
-                default as in MultipleNegativesRankingLoss, keeps each process's negatives local.
-            backend: the hf_infcl backend: ``"auto"`` (Triton on CUDA when available, else tiled
-                PyTorch), ``"torch"``, ``"triton"`` or ``"reference"``.
-            precision: matmul precision of the loss for fp32 embeddings (``hf_infcl.loss.PRECISIONS``):
-                ``"auto"`` (TF32 on CUDA in every backend, exact fp32 elsewhere), ``"tf32"``, or
-                ``"ieee"`` (exact fp32). bf16/fp16 embeddings are unaffected.
-            mini_batch_num_tokens: gradient caching with mini-batches packed by token count, as in
-                CachedMultipleNegativesRankingLoss: each holds as many consecutive texts as fit in this
-                many non-padding tokens (a longer text alone), whatever ``mini_batch_size`` is; given
-                alone, it turns gradient caching on (sentence-transformers >= 6 only).
-            directions: which similarities compete with each (anchor, positive) pair, as in
-                MultipleNegativesRankingLoss: ``"query_to_doc"`` (required: every document),
-                ``"query_to_query"`` (the other anchors), ``"doc_to_query"`` (from the positive: every
-                anchor), ``"doc_to_doc"`` (from the positive: every document of the other examples).
-            partition_mode: ``"joint"``, one softmax over every selected direction, or
-                ``"per_direction"``, one per direction, averaged (``"query_to_doc"`` and
-                ``"doc_to_query"`` only). docs/contract.md has the formulas; both are exact, without
-                a batch x batch matrix, across processes too. Assignable later, as in MNRL (checked).
-            hardness_mode, hardness_strength: MNRL's hardness weighting: with a mode and a positive
-                strength ``alpha``, ``alpha * similarity`` (unscaled, no gradient through it) is added
-                to the ``query_to_doc`` logits of the negatives the mode selects:
-                ``"in_batch_negatives"`` (the other examples' documents), ``"hard_negatives"`` (the
-                example's own negative columns) or ``"all_negatives"`` (every document but the
-                positive). The other directions (``per_direction``'s ``doc_to_query`` included) keep
-                their plain logits. Computed inside the fused kernels, across processes too; both are
-                assignable later, as in MNRL (checked; a mode with strength 0 warns, as in MNRL).
-
-        Inputs:
-            (anchor, positive) pairs, or (anchor, positive, negative_1, ..., negative_n) tuples;
-            labels are ignored. Every negative column is a candidate for every anchor of the batch.
-
-        Example:
-            ::
-
-                from hf_infcl import losses
-                loss = losses.InfCLLoss(model, mini_batch_size=256)
-                trainer = SentenceTransformerTrainer(model=model, train_dataset=dataset, loss=loss)
-        """
         super().__init__()
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a positive float, got {type(scale).__name__}")
-        if not scale > 0:
-            # MNRL's words, then the value: code matching MNRL's message keeps working
-            raise ValueError(f"Scale must be a positive value. Got scale={scale!r}.")
+        _check_scale(scale)
         # Checked here, first: assigning similarity_fct (__setattr__) sets _similarity_kind.
         self.similarity_fct = similarity_fct
         # A backend name only, not a block-ops object: get_config_dict saves it as JSON.
@@ -382,27 +389,7 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         self._set_partition(*_with_symmetric(symmetric, directions, partition_mode))
         _check_hardness(hardness_mode, hardness_strength)
         self._hardness = (hardness_mode, hardness_strength)
-        if mini_batch_size is not None and (
-            isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0
-        ):
-            # (CachedMNRL accepts 0 and fails later; refused here)
-            raise ValueError(f"mini_batch_size must be a positive integer or None. Got {mini_batch_size!r}.")
-        # mini_batch_num_tokens alone turns gradient caching on, as in CachedMNRL, whose mini-batches are
-        # then packed by the token budget only (its mini_batch_size no longer bounds them).
-        if mini_batch_num_tokens is not None and (
-            isinstance(mini_batch_num_tokens, bool) or not isinstance(mini_batch_num_tokens, int)
-            or mini_batch_num_tokens <= 0
-        ):
-            raise ValueError(
-                f"mini_batch_num_tokens must be a positive integer or None. Got {mini_batch_num_tokens!r}."
-            )
-        caches = mini_batch_size is not None or mini_batch_num_tokens is not None
-        if caches and _has_static_embedding(model):
-            raise ValueError(
-                "mini_batch_size / mini_batch_num_tokens (gradient caching) cannot split a StaticEmbedding "
-                "model's inputs into mini-batches; leave both None: InfCLLoss's memory does not grow with "
-                "batch^2 anyway"
-            )
+        caches = _caches_gradients(model, mini_batch_size, mini_batch_num_tokens)
 
         self.model = model
         self.scale = float(scale)
@@ -555,6 +542,40 @@ class InfCLLoss(CachedLossMixin, nn.Module):
     @property
     def citation(self) -> str:
         return INFCL_CITATION
+
+
+def _check_scale(scale) -> None:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a positive float, got {type(scale).__name__}")
+    if not scale > 0:
+        # MNRL's words, then the value: code matching MNRL's message keeps working
+        raise ValueError(f"Scale must be a positive value. Got scale={scale!r}.")
+
+
+def _caches_gradients(model, mini_batch_size, mini_batch_num_tokens) -> bool:
+    """Whether these mini-batch settings turn gradient caching on, after their checks."""
+    if mini_batch_size is not None and (
+        isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0
+    ):
+        # (CachedMNRL accepts 0 and fails later; refused here)
+        raise ValueError(f"mini_batch_size must be a positive integer or None. Got {mini_batch_size!r}.")
+    # mini_batch_num_tokens alone turns gradient caching on, as in CachedMNRL, whose mini-batches are
+    # then packed by the token budget only (its mini_batch_size no longer bounds them).
+    if mini_batch_num_tokens is not None and (
+        isinstance(mini_batch_num_tokens, bool) or not isinstance(mini_batch_num_tokens, int)
+        or mini_batch_num_tokens <= 0
+    ):
+        raise ValueError(
+            f"mini_batch_num_tokens must be a positive integer or None. Got {mini_batch_num_tokens!r}."
+        )
+    caches = mini_batch_size is not None or mini_batch_num_tokens is not None
+    if caches and _has_static_embedding(model):
+        raise ValueError(
+            "mini_batch_size / mini_batch_num_tokens (gradient caching) cannot split a StaticEmbedding "
+            "model's inputs into mini-batches; leave both None: InfCLLoss's memory does not grow with "
+            "batch^2 anyway"
+        )
+    return caches
 
 
 def _with_symmetric(symmetric: bool, directions, partition_mode):

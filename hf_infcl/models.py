@@ -21,8 +21,7 @@ The families:
 - ``ClapModel`` (:class:`ClapFamily`): audio-text (``input_features``, ``is_longer``), a log-scale
   per term of its own loss (``logit_scale_a``, ``logit_scale_t``).
 - :class:`~hf_infcl.dual_encoder.DualEncoder` (:class:`DualEncoderFamily`), the text retriever of
-  ``hf_infcl.dual_encoder``; its names (``DualEncoder``, ``DualEncoderConfig``,
-  ``tokenize_texts``, ...) are re-exported here.
+  ``hf_infcl.dual_encoder``.
 
 Models whose embeddings of one side depend on the other side's inputs (``XCLIPModel``: text
 conditioned on the video; BridgeTower: cross-modal layers) are refused with the reason.
@@ -39,21 +38,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .dual_encoder import (
-    POOLINGS,
-    DualEncoder,
-    DualEncoderConfig,
-    DualEncoderOutput,
-    decoder_position_ids,
-    is_decoder_config,
-    tokenize_texts,
-)
+from . import dual_encoder  # the module, so that DualEncoder has one import path
 
 __all__ = [
-    "DualEncoder",
-    "DualEncoderConfig",
-    "DualEncoderOutput",
-    "POOLINGS",
     "Aimv2Family",
     "AlignFamily",
     "ClapFamily",
@@ -62,18 +49,11 @@ __all__ = [
     "ModelFamily",
     "TowerInputs",
     "contrastive_loss_kind",
-    "decoder_position_ids",
     "encode_keys",
     "encode_queries",
-    "is_decoder_config",
     "learned_log_scales",
-    "logit_bias_of",
-    "logit_scale_of",
     "model_family",
-    "pair_embeddings",
     "scale_and_bias",
-    "tokenize_texts",
-    "tower_inputs",
     "unwrap_model",
 ]
 
@@ -172,7 +152,8 @@ class ModelFamily:
         return rows, keys.clone()
 
     def log_scale(self, model) -> torch.Tensor:
-        """The learned log of the logit scale: the parameter itself, as the model holds it now."""
+        """The learned log of the logit scale: the parameter itself, as the model holds it now
+        (transformers' CLIP-like models name it ``logit_scale``)."""
         return unwrap_model(model).logit_scale
 
     def bias(self, model) -> torch.Tensor | None:
@@ -228,18 +209,24 @@ class ClipFamily(ModelFamily):
     name, rows, keys = "clip", "image", "text"
     inputs = TowerInputs(IMAGE_INPUTS, TEXT_INPUTS)
     REQUIRED = ("get_image_features", "get_text_features", "logit_scale")
+    # each tower's feature method, and the forward's output of its embeddings: (rows, keys)
+    FEATURES = ("get_image_features", "get_text_features")
+    EMBEDS = ("image_embeds", "text_embeds")
 
     def encode_rows(self, model, batch):
-        features = _pooled(unwrap_model(model).get_image_features(**_select(batch, IMAGE_INPUTS)))
-        return nn.functional.normalize(features, dim=-1)
+        return self._features(model, self.FEATURES[0], _select(batch, self.inputs.query))
 
     def encode_keys(self, model, batch):
-        features = _pooled(unwrap_model(model).get_text_features(**_select(batch, TEXT_INPUTS)))
-        return nn.functional.normalize(features, dim=-1)
+        return self._features(model, self.FEATURES[1], _select(batch, self.inputs.key))
 
     def encode_pairs(self, model, batch):
         output = model(**_select(batch, self.inputs.query + self.inputs.key))
-        return output.image_embeds, output.text_embeds
+        return getattr(output, self.EMBEDS[0]), getattr(output, self.EMBEDS[1])
+
+    @staticmethod
+    def _features(model, method: str, inputs: dict) -> torch.Tensor:
+        features = _pooled(getattr(unwrap_model(model), method)(**inputs))
+        return nn.functional.normalize(features, dim=-1)
 
 
 class Aimv2Family(ClipFamily):
@@ -269,29 +256,20 @@ class AlignFamily(ClipFamily):
         return []
 
 
-class ClapFamily(ModelFamily):
+class ClapFamily(ClipFamily):
     """``ClapModel`` (audio-text): ``get_audio_features`` (``input_features``, ``is_longer``) /
-    ``get_text_features``; rows are audio clips, keys texts. Its own loss has two terms, each with
-    its own learned log-scale: ``cross_entropy(logits_per_text)`` with ``logit_scale_t`` and
-    ``cross_entropy(logits_per_audio.t())`` with ``logit_scale_a``, averaged. Both rank the audio
-    clips for each text (``logits_per_audio.t()`` is the text-rows matrix again), so the loss
-    here is two text-to-audio passes, one per scale: the model's own, value and gradients."""
+    ``get_text_features``, encoded as CLIP's towers are; rows are audio clips, keys texts. Its own
+    loss has two terms, each with its own learned log-scale: ``cross_entropy(logits_per_text)``
+    with ``logit_scale_t`` and ``cross_entropy(logits_per_audio.t())`` with ``logit_scale_a``,
+    averaged. Both rank the audio clips for each text (``logits_per_audio.t()`` is the text-rows
+    matrix again), so the loss here is two text-to-audio passes, one per scale: the model's own,
+    value and gradients."""
 
     name, rows, keys = "clap", "audio", "text"
     inputs = TowerInputs(AUDIO_INPUTS, CLAP_TEXT_INPUTS)
     REQUIRED = ("get_audio_features", "get_text_features", "logit_scale_a", "logit_scale_t")
-
-    def encode_rows(self, model, batch):
-        features = _pooled(unwrap_model(model).get_audio_features(**_select(batch, AUDIO_INPUTS)))
-        return nn.functional.normalize(features, dim=-1)
-
-    def encode_keys(self, model, batch):
-        features = _pooled(unwrap_model(model).get_text_features(**_select(batch, CLAP_TEXT_INPUTS)))
-        return nn.functional.normalize(features, dim=-1)
-
-    def encode_pairs(self, model, batch):
-        output = model(**_select(batch, self.inputs.query + self.inputs.key))
-        return output.audio_embeds, output.text_embeds
+    FEATURES = ("get_audio_features", "get_text_features")
+    EMBEDS = ("audio_embeds", "text_embeds")
 
     def log_scale(self, model):
         raise TypeError("ClapModel has a log-scale per term of its loss (logit_scale_a, logit_scale_t), "
@@ -345,6 +323,9 @@ class DualEncoderFamily(ModelFamily):
         output = model(**_select(batch, self.inputs.query + self.inputs.key))
         return output.query_embeds, output.doc_embeds
 
+    def log_scale(self, model):
+        return unwrap_model(model).log_logit_scale
+
 
 CLIP_FAMILY = ClipFamily()
 DUAL_ENCODER_FAMILY = DualEncoderFamily()
@@ -362,7 +343,7 @@ UNSUPPORTED = {
 def model_family(model) -> ModelFamily:
     """The adapter of ``model``'s family (wrappers are looked through); TypeError if none fits."""
     inner = unwrap_model(model)
-    if isinstance(inner, DualEncoder):
+    if isinstance(inner, dual_encoder.DualEncoder):
         return DUAL_ENCODER_FAMILY
     model_type = getattr(getattr(inner, "config", None), "model_type", None)
     if model_type in UNSUPPORTED:
@@ -390,22 +371,9 @@ def scale_and_bias(log_scale: torch.Tensor, bias: torch.Tensor | None = None):
     return log_scale.reshape(()).exp(), None if bias is None else bias.reshape(())
 
 
-def tower_inputs(model) -> TowerInputs:
-    """Which batch entries feed the row tower and which feed the key tower."""
-    return model_family(model).inputs
-
-
 def contrastive_loss_kind(model) -> str:
     """``"sigmoid"`` for models trained with SigLIP's loss (they have ``logit_bias``), else ``"softmax"``."""
     return "softmax" if model_family(model).bias(model) is None else "sigmoid"
-
-
-def logit_scale_of(model) -> torch.Tensor:
-    """The multiplier of the logits as the model's forward takes it (``exp(logit_scale)`` for
-    CLIP, clamped first for Aimv2, ``1 / temperature`` for ALIGN; differentiable). TypeError for
-    ClapModel, which has one per term of its loss."""
-    family = model_family(model)
-    return family.scale_and_bias(model, *family.scale_parameters(model))[0]
 
 
 def learned_log_scales(model) -> list[torch.Tensor]:
@@ -418,12 +386,6 @@ def learned_log_scales(model) -> list[torch.Tensor]:
     return [param for param in family.clamped_log_scales(model) if param.requires_grad]
 
 
-def logit_bias_of(model) -> torch.Tensor | None:
-    """SigLIP's additive logit bias (differentiable), or None."""
-    bias = model_family(model).bias(model)
-    return None if bias is None else bias.reshape(())
-
-
 def encode_queries(model, batch: dict) -> torch.Tensor:
     """L2-normalised row embeddings (images, or queries for a DualEncoder) of ``batch``."""
     return model_family(model).encode_rows(model, batch)
@@ -432,12 +394,3 @@ def encode_queries(model, batch: dict) -> torch.Tensor:
 def encode_keys(model, batch: dict) -> torch.Tensor:
     """L2-normalised key embeddings (texts, or documents for a DualEncoder) of ``batch``."""
     return model_family(model).encode_keys(model, batch)
-
-
-def pair_embeddings(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row embeddings, key embeddings) from ONE call of ``model``'s forward on a paired batch.
-
-    Going through ``forward`` (rather than the feature methods) matters under DDP: only a call of
-    the wrapped module's forward prepares the gradient all-reduce.
-    """
-    return model_family(model).encode_pairs(model, batch)

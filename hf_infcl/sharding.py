@@ -3,13 +3,18 @@
 Used by ``InfCLTrainer``, ``hf_infcl.grad_cache`` and the Accelerate example, and usable in your
 own loop:
 
+- :func:`fsdp_no_sync`, :func:`deepspeed_no_sync`: the ``no_sync`` of a cached step
+  (:func:`hf_infcl.grad_cache.cached_step`) under FSDP2 and DeepSpeed, so the replays accumulate
+  and the last one reduces; :func:`fsdp_gather_once`: FSDP2 gathers each unit once per cached step;
 - :func:`vectorise_scalar_parameters`: ``fully_shard`` refuses 0-d parameters and DeepSpeed cannot
   broadcast them, so CLIP's ``logit_scale`` trains as a 1-element vector (the models broadcast it
   the same way);
 - :func:`scalar_state_dict`: gives those parameters back their 0-d shape for ``save_pretrained``
   (``CLIPModel.from_pretrained`` would re-initialise a ``[1]`` scale instead of loading it);
 - :func:`full_value` / :func:`is_dtensor`: a parameter sharded by FSDP2 is a DTensor between
-  steps; its value needs a gather (a collective: every process calls it).
+  steps, one partitioned by ZeRO-3 an empty placeholder; its value needs a gather (a collective:
+  every process calls it). :func:`accumulate_sharded_grad` adds a gradient of that whole value
+  to the sharded ``.grad``, as FSDP2's own reduction would;
 - :func:`keep_gathered_under_zero3`: DeepSpeed ZeRO-3 frees a parameter's value when the forward
   of the module that owns it ends; the loss reads the logit scale (and bias) after the model's
   forward, so they are registered as used outside their module's forward.
@@ -17,10 +22,13 @@ own loop:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 __all__ = [
-    "full_value", "is_dtensor", "is_zero3_parameter", "keep_gathered_under_zero3", "prepare_for_sharding",
+    "accumulate_sharded_grad", "deepspeed_no_sync", "fsdp_gather_once", "fsdp_no_sync", "full_value",
+    "is_dtensor", "is_zero3_parameter", "keep_gathered_under_zero3", "prepare_for_sharding",
     "scalar_state_dict", "vectorise_scalar_parameters",
 ]
 
@@ -30,16 +38,108 @@ def is_dtensor(tensor) -> bool:
     return type(tensor).__name__ == "DTensor" and hasattr(tensor, "full_tensor")
 
 
-def full_value(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's whole value: a DTensor is gathered from every rank (every process must call
-    this), any other tensor is returned as it is."""
-    return tensor.full_tensor() if is_dtensor(tensor) else tensor
-
-
 def is_zero3_parameter(tensor) -> bool:
     """Whether ``tensor`` is a parameter partitioned by DeepSpeed ZeRO-3 (between the forwards
     that gather it, its ``.data`` is an empty placeholder)."""
     return getattr(tensor, "ds_status", None) is not None
+
+
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's whole value. A DTensor (sharded by FSDP2) is gathered from every rank; a
+    ZeRO-3 parameter is gathered into a detached copy; both are collectives, which every process
+    must call. Any other tensor is returned as it is."""
+    if is_dtensor(tensor):
+        return tensor.full_tensor()
+    if is_zero3_parameter(tensor):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([tensor]):
+            return tensor.detach().clone()
+    return tensor
+
+
+def accumulate_sharded_grad(param, grad: torch.Tensor) -> None:
+    """Add the average over ranks of ``grad`` (this rank's gradient of the full value of ``param``,
+    a DTensor) to the sharded ``param.grad``, as FSDP2's own reduction does for the parameters it
+    sees: each rank's loss is its share of the global loss, so the average is the gradient of the
+    global loss. A collective: every process calls it."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = param.device_mesh
+    reduced = grad.detach().to(param.dtype).clone()
+    dist.all_reduce(reduced, group=mesh.get_group())
+    reduced /= mesh.size()
+    # Every rank holds the same full value now: each keeps its own shard, with no communication.
+    shard = distribute_tensor(reduced, mesh, param.placements, src_data_rank=None)
+    if param.grad is None:
+        param.grad = shard
+    else:
+        param.grad += shard
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(module):
+    """The ``no_sync`` of an FSDP2 module (``torch.distributed.fsdp.fully_shard``): gradient
+    reduction off inside, so the replays accumulate unsharded gradients and the last replay
+    reduce-scatters them once (one reduction per step, at the memory cost of unsharded
+    gradients). Pass ``no_sync=lambda: fsdp_no_sync(model)`` to
+    :func:`hf_infcl.grad_cache.cached_step`; leave ``no_sync`` out to reduce-scatter after every
+    replay instead (sharded gradient memory, one reduce-scatter per chunk)."""
+    if not hasattr(module, "set_requires_gradient_sync"):
+        raise TypeError(f"fsdp_no_sync needs a module wrapped by fully_shard, got {type(module).__name__}")
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+@contextlib.contextmanager
+def fsdp_gather_once(module, reshard_after_forward: bool = True):
+    """FSDP2: inside, each ``fully_shard`` unit of ``module`` keeps its parameters unsharded from
+    their first all-gather to the end, so a cached step gathers them once instead of once per
+    chunk in the no-grad pass and twice per chunk in the replays (forward, then backward). It costs
+    the memory of the unsharded parameters (an unsharded model, in the parameters' dtype) for the
+    step. At the end every unit is resharded and gets back ``reshard_after_forward`` (as given to
+    ``fully_shard``) and resharding after backward.
+
+    Wrap the cached step in it: ``with fsdp_gather_once(model): cached_step(...)``."""
+    units = [unit for unit in module.modules() if hasattr(unit, "set_reshard_after_backward")]
+    if not units:
+        raise TypeError(f"fsdp_gather_once needs a module wrapped by fully_shard, got "
+                        f"{type(module).__name__}")
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.set_reshard_after_backward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
+            unit.set_reshard_after_backward(True, recurse=False)
+            unit.reshard()
+
+
+@contextlib.contextmanager
+def deepspeed_no_sync(engine):
+    """The ``no_sync`` of a DeepSpeed engine (ZeRO stages 1-3): inside, the engine is not at a
+    gradient-accumulation boundary, so a replay's backward only accumulates; the last replay,
+    outside, runs at the boundary state the engine had before (at a boundary, unless you are
+    accumulating several cached steps), which reduces. Pass
+    ``no_sync=lambda: deepspeed_no_sync(engine)`` and
+    ``backward=lambda t: engine.backward(t, scale_wrt_gas=False)`` to
+    :func:`hf_infcl.grad_cache.cached_step`, then call ``engine.step()``. Under ZeRO-2 every replay
+    must be inside: a boundary per replay would reduce (and average) the partial gradients of each
+    one."""
+    if not hasattr(engine, "set_gradient_accumulation_boundary"):
+        raise TypeError(f"deepspeed_no_sync needs a DeepSpeed engine, got {type(engine).__name__}")
+    boundary = engine.is_gradient_accumulation_boundary()
+    engine.set_gradient_accumulation_boundary(False)
+    try:
+        yield
+    finally:
+        engine.set_gradient_accumulation_boundary(boundary)
 
 
 def keep_gathered_under_zero3(module: torch.nn.Module, params) -> None:

@@ -49,13 +49,12 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify
 from .batch_statistics import check_no_batch_statistics
 from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs
-from .grad_cache import cached_step, deepspeed_no_sync, fsdp_gather_once
-from .loss import _contrastive_loss, check_label_smoothing
+from .grad_cache import cached_step
+from .loss import _contrastive_loss
 from .metrics import (
     input_fingerprints,
     relevant_ranks,
     retrieval_metrics,
-    retrieval_recalls,
     same_input_ids,
 )
 from .models import (
@@ -66,12 +65,18 @@ from .models import (
     model_family,
     unwrap_model,
 )
-from .sharding import full_value, keep_gathered_under_zero3, prepare_for_sharding, scalar_state_dict
+from .ops.options import check_label_smoothing
+from .sharding import (
+    deepspeed_no_sync,
+    fsdp_gather_once,
+    full_value,
+    keep_gathered_under_zero3,
+    prepare_for_sharding,
+    scalar_state_dict,
+)
 from .training_args import InfCLTrainingArguments
 
-# InfCLTrainingArguments, retrieval_recalls and ClampLogitScale live in training_args, metrics and
-# callbacks; they are re-exported here, where they were first defined.
-__all__ = ["ClampLogitScale", "InfCLTrainer", "InfCLTrainingArguments", "retrieval_recalls"]
+__all__ = ["InfCLTrainer"]
 
 # rows per process whose in-batch top-1 accuracy is logged (an estimate at large batches)
 ACCURACY_ROWS = 1024
@@ -475,15 +480,41 @@ class InfCLTrainer(Trainer):
                              "metrics need every row); set batch_eval_metrics=False")
         if prediction_loss_only is None:
             prediction_loss_only = args.prediction_loss_only
-        all_preds = EvalLoopContainer(args.eval_do_concat_batches, padding_index=-100)
-        all_labels = EvalLoopContainer(args.eval_do_concat_batches, padding_index=-100)
         model = self.model
         model.eval()
+        params = [p.detach().float() for p in self._loss_params(model)]
+        eval_set = self._embed_eval_set(dataloader, model, params, prediction_loss_only)
+        losses = torch.cat(eval_set.batch_losses).cpu().numpy()
+        finite = np.isfinite(losses)
+        if args.logging_nan_inf_filter and finite.any():
+            losses = losses[finite]
+        with torch.no_grad():
+            whole_set_loss = self._contrastive(model, eval_set.queries, eval_set.keys, eval_set.groups,
+                                               *params, process_group=None)
+        predictions, label_ids = eval_set.predictions.get_arrays(), eval_set.labels.get_arrays()
+        metrics = {}
+        if self.compute_metrics is not None and predictions is not None:
+            extra = {"losses": losses} if "loss" in args.include_for_metrics else {}
+            metrics = denumpify_detensorize(self.compute_metrics(
+                EvalPrediction(predictions=predictions, label_ids=label_ids, **extra)))
+            prefix = f"{metric_key_prefix}_"
+            metrics = {name if name.startswith(prefix) else prefix + name: value
+                       for name, value in metrics.items()}
+        metrics[f"{metric_key_prefix}_loss"] = losses.mean().item()
+        metrics[f"{metric_key_prefix}_whole_set_loss"] = float(whole_set_loss)
+        metrics.update(self._retrieval_metrics(eval_set, metric_key_prefix))
+        return EvalLoopOutput(predictions=predictions, label_ids=label_ids, metrics=metrics,
+                              num_samples=eval_set.queries.shape[0])
+
+    def _embed_eval_set(self, dataloader, model, params, prediction_loss_only) -> _EvalSet:
+        """Both towers' embeddings of every eval batch, gathered from every process in dataset
+        order, with each batch's loss (this process's batch alone, as the Trainer's
+        prediction_step), the group ids or the inputs' fingerprints, and the predictions."""
+        args = self.args
+        eval_set = _EvalSet(EvalLoopContainer(args.eval_do_concat_batches, padding_index=-100),
+                            EvalLoopContainer(args.eval_do_concat_batches, padding_index=-100))
         names = self.family.inputs
         batch_size = args.eval_batch_size
-        params = [p.detach().float() for p in self._loss_params(model)]
-        queries, keys, groups, batch_losses = [], [], [], []
-        query_prints, key_prints = [], []  # of each tower's inputs, when there is no group column
         for batch in dataloader:
             if batch_size is None:  # a batch sampler: the Trainer takes the first batch's size
                 batch_size = find_batch_size(batch)
@@ -495,66 +526,42 @@ class InfCLTrainer(Trainer):
             with torch.no_grad():  # this process's batch alone, as the Trainer's prediction_step
                 batch_loss = self._contrastive(model, batch_queries, batch_keys, batch_groups, *params,
                                                process_group=None)
-            batch_losses.append(self.accelerator.gather_for_metrics(batch_loss.detach().reshape(1).repeat(
-                batch_size)))
+            eval_set.batch_losses.append(self.accelerator.gather_for_metrics(
+                batch_loss.detach().reshape(1).repeat(batch_size)))
             gathered = [batch_queries, batch_keys]
             if batch_groups is not None:
                 gathered.append(batch_groups)
             else:
                 gathered += [input_fingerprints(_select(batch, names.query)),
                              input_fingerprints(_select(batch, names.key))]
-            gathered = self.accelerator.gather_for_metrics(tuple(gathered))
-            queries.append(gathered[0])
-            keys.append(gathered[1])
-            if batch_groups is not None:
-                groups.append(gathered[2])
-            else:
-                query_prints.append(gathered[2])
-                key_prints.append(gathered[3])
+            eval_set.add(*self.accelerator.gather_for_metrics(tuple(gathered)))
             if not prediction_loss_only:
-                all_preds.add((gathered[0], gathered[1]))
+                eval_set.predictions.add((eval_set.query_blocks[-1], eval_set.key_blocks[-1]))
                 labels = self._label_ids(batch)
                 if labels is not None:  # padded and gathered as the Trainer does
                     labels = self.accelerator.pad_across_processes(labels, dim=1, pad_index=-100)
-                    all_labels.add(self.accelerator.gather_for_metrics(labels))
-        if not queries:
+                    eval_set.labels.add(self.accelerator.gather_for_metrics(labels))
+        if not eval_set.query_blocks:
             raise ValueError("the evaluation dataset is empty")
-        queries, keys = torch.cat(queries), torch.cat(keys)
-        groups = torch.cat(groups) if groups else None
+        return eval_set
 
-        losses = torch.cat(batch_losses).cpu().numpy()
-        finite = np.isfinite(losses)
-        if args.logging_nan_inf_filter and finite.any():
-            losses = losses[finite]
-        with torch.no_grad():
-            whole_set_loss = self._contrastive(model, queries, keys, groups, *params, process_group=None)
-        row, key = self.family.rows, self.family.keys
-        predictions, label_ids = all_preds.get_arrays(), all_labels.get_arrays()
-        metrics = {}
-        if self.compute_metrics is not None and predictions is not None:
-            extra = {"losses": losses} if "loss" in args.include_for_metrics else {}
-            metrics = denumpify_detensorize(self.compute_metrics(
-                EvalPrediction(predictions=predictions, label_ids=label_ids, **extra)))
-            prefix = f"{metric_key_prefix}_"
-            metrics = {name if name.startswith(prefix) else prefix + name: value
-                       for name, value in metrics.items()}
-        metrics[f"{metric_key_prefix}_loss"] = losses.mean().item()
-        metrics[f"{metric_key_prefix}_whole_set_loss"] = float(whole_set_loss)
+    def _retrieval_metrics(self, eval_set: _EvalSet, metric_key_prefix: str) -> dict[str, float]:
+        """Recall@1/5/10 and MRR in both directions over the whole eval set (``hf_infcl.metrics``)."""
         # A retrieved key is a hit when it is the row's positive or in the positive's group: the
         # group column's, else the keys with the positive's inputs (hf_infcl.metrics).
-        if groups is None:
-            query_ids = same_input_ids(torch.cat(query_prints))
-            key_ids = same_input_ids(torch.cat(key_prints))
+        if eval_set.groups is None:
+            query_ids = same_input_ids(torch.cat(eval_set.query_prints))
+            key_ids = same_input_ids(torch.cat(eval_set.key_prints))
         else:
-            query_ids = key_ids = groups
-        block = args.eval_block_rows
-        directions = {f"{row}_to_{key}": (queries, keys, key_ids),
-                      f"{key}_to_{row}": (keys, queries, query_ids)}
+            query_ids = key_ids = eval_set.groups
+        row, key = self.family.rows, self.family.keys
+        directions = {f"{row}_to_{key}": (eval_set.queries, eval_set.keys, key_ids),
+                      f"{key}_to_{row}": (eval_set.keys, eval_set.queries, query_ids)}
+        metrics = {}
         for direction, (rows, cols, ids) in directions.items():
-            metrics.update(retrieval_metrics(rows, cols, ids, ids, block_rows=block,
+            metrics.update(retrieval_metrics(rows, cols, ids, ids, block_rows=self.args.eval_block_rows,
                                              prefix=f"{metric_key_prefix}_{direction}_"))
-        return EvalLoopOutput(predictions=predictions, label_ids=label_ids, metrics=metrics,
-                              num_samples=queries.shape[0])
+        return metrics
 
     def _label_ids(self, batch):
         """The batch's labels as the Trainer's prediction_step takes them (``label_names``; for
@@ -564,6 +571,45 @@ class InfCLTrainer(Trainer):
             return None
         labels = nested_detach(tuple(batch[name] for name in names))
         return labels[0] if len(labels) == 1 else labels
+
+@dataclasses.dataclass
+class _EvalSet:
+    """What the evaluation loop gathers over the eval set, every process's rows in dataset order,
+    batch by batch: both towers' embeddings; the group column's ids, or else each tower's input
+    fingerprints; each batch's loss, repeated ``eval_batch_size`` times; the predictions
+    (embeddings, unless ``prediction_loss_only``) and labels."""
+
+    predictions: EvalLoopContainer
+    labels: EvalLoopContainer
+    query_blocks: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    key_blocks: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    group_blocks: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    query_prints: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    key_prints: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    batch_losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    def add(self, queries, keys, *ids) -> None:
+        """One gathered batch: its embeddings, then its group ids or its two towers' fingerprints."""
+        self.query_blocks.append(queries)
+        self.key_blocks.append(keys)
+        if len(ids) == 1:
+            self.group_blocks.append(ids[0])
+        else:
+            self.query_prints.append(ids[0])
+            self.key_prints.append(ids[1])
+
+    @functools.cached_property
+    def queries(self) -> torch.Tensor:
+        return torch.cat(self.query_blocks)
+
+    @functools.cached_property
+    def keys(self) -> torch.Tensor:
+        return torch.cat(self.key_blocks)
+
+    @functools.cached_property
+    def groups(self) -> torch.Tensor | None:
+        return torch.cat(self.group_blocks) if self.group_blocks else None
+
 
 def _as_infcl_arguments(args) -> InfCLTrainingArguments:
     """``TrainingArguments`` -> ``InfCLTrainingArguments``: the same field values, our defaults for

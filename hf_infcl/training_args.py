@@ -3,7 +3,7 @@
 
 A module of its own, as TRL keeps each ``XConfig`` in a file beside its ``XTrainer``: scripts
 parse these arguments (``HfArgumentParser``) without building a Trainer, and the options are
-checked here once, at parse time. ``hf_infcl.trainer`` re-exports the class.
+checked here once, at parse time. The package exports the class as ``hf_infcl.InfCLTrainingArguments``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from typing import Any, ClassVar, Literal, get_args
 
 from transformers import TrainingArguments
 
-from .grad_cache import check_chunk_size
-from .loss import check_label_smoothing
 from .ops.options import (
     BACKENDS,
     LOSSES,
@@ -25,6 +23,9 @@ from .ops.options import (
     Precision,
     check_bool,
     check_choice,
+    check_chunk_size,
+    check_chunking,
+    check_label_smoothing,
 )
 
 __all__ = ["CHUNK_GRADIENT_SYNCS", "CHUNK_PARAMETER_GATHERS", "FIELD_CHECKS", "InfCLTrainingArguments"]
@@ -190,9 +191,6 @@ class InfCLTrainingArguments(TrainingArguments):
     def __post_init__(self):
         for name, check in FIELD_CHECKS.items():  # before TrainingArguments' own work
             check(name, getattr(self, name))
-        if self.offload and self.chunk_size is None:
-            raise ValueError("offload=True needs chunk_size: without chunks the whole batch is on the device")
-        if self.chunk_cuda_graphs and self.chunk_size is None:
-            raise ValueError("chunk_cuda_graphs=True needs chunk_size: the graphs replay the chunks of a "
-                             "cached step")
+        check_chunking(self.chunk_size, {"offload=True": self.offload,
+                                         "chunk_cuda_graphs=True": self.chunk_cuda_graphs})
         super().__post_init__()

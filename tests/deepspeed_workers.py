@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_infcl.grad_cache import cached_step, deepspeed_no_sync, split_batch  # noqa: E402
-from hf_infcl.sharding import keep_gathered_under_zero3  # noqa: E402
-from tests.fsdp_workers import CHUNK, batch_of, build, encoder, loss_fn  # noqa: E402
+from hf_infcl.grad_cache import cached_step, split_batch  # noqa: E402
+from hf_infcl.sharding import deepspeed_no_sync, keep_gathered_under_zero3  # noqa: E402
+from tests.fsdp_workers import CHUNK, batch_of, build, encoder, log_scale, loss_fn  # noqa: E402
 from tests.trainer_fixtures import end_worker_process  # noqa: E402
 
 STAGES = (2, 3)
@@ -44,7 +44,7 @@ def engine_for(kind: str, stage: int):
               "optimizer": {"type": "SGD", "params": {"lr": 1.0}}, "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    keep_gathered_under_zero3(engine.module, [engine.module.logit_scale])  # read after the forward
+    keep_gathered_under_zero3(engine.module, [log_scale(engine)])  # read after the forward
     return engine
 
 
@@ -63,13 +63,13 @@ def steps(kind: str, stage: int, cached: bool, rank: int) -> dict[str, torch.Ten
         batch = batch_of(kind, rank + 2 * step)
         torch.manual_seed(100 + rank + 2 * step)
         if cached:
-            cached_step(encode, batch, loss_fn("auto"), CHUNK, loss_params=[engine.module.logit_scale],
+            cached_step(encode, batch, loss_fn("auto"), CHUNK, loss_params=[log_scale(engine)],
                         no_sync=lambda: deepspeed_no_sync(engine),
                         backward=lambda total: engine.backward(total, scale_wrt_gas=False))
         else:
             outputs = [encode(chunk) for chunk in split_batch(batch, CHUNK)]
             queries, keys = (torch.cat(parts) for parts in zip(*outputs))
-            engine.backward(loss_fn("auto")(queries, keys, engine.module.logit_scale))
+            engine.backward(loss_fn("auto")(queries, keys, log_scale(engine)))
         engine.step()
     return full_parameters(engine)
 

@@ -29,8 +29,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_infcl import contrastive_loss  # noqa: E402
-from hf_infcl.grad_cache import cached_step, fsdp_gather_once, fsdp_no_sync, split_batch  # noqa: E402
-from hf_infcl.sharding import full_value  # noqa: E402
+from hf_infcl.grad_cache import cached_step, split_batch  # noqa: E402
+from hf_infcl.models import model_family  # noqa: E402
+from hf_infcl.sharding import fsdp_gather_once, fsdp_no_sync, full_value  # noqa: E402
 from tests.trainer_fixtures import (  # noqa: E402
     clip_batch,
     decoder_text_batch,
@@ -51,6 +52,16 @@ CACHED_VARIANTS = ("cached-per-step", "cached-per-replay", "cached-per-step-gath
                    "cached-per-replay-gather-once")
 
 
+def scale_name(kind: str) -> str:
+    """The name of the model's learned log-scale: CLIP's logit_scale, DualEncoder's log_logit_scale."""
+    return "logit_scale" if kind == "clip" else "log_logit_scale"
+
+
+def log_scale(model) -> torch.nn.Parameter:
+    """The model's learned log-scale parameter, as the model holds it now."""
+    return model_family(model).log_scale(model)
+
+
 def build(kind: str, dropout: float):
     """The model with its logit scale as a 1-element vector: fully_shard refuses 0-d parameters
     (CLIP's exp(logit_scale) broadcasts the same either way)."""
@@ -60,7 +71,8 @@ def build(kind: str, dropout: float):
         model = tiny_decoder_dual_encoder(dropout=dropout, seed=0)
     else:
         model = tiny_dual_encoder(dropout=dropout, seed=0)
-    model.logit_scale = torch.nn.Parameter(model.logit_scale.detach().reshape(1))
+    name = scale_name(kind)
+    setattr(model, name, torch.nn.Parameter(getattr(model, name).detach().reshape(1)))
     return model
 
 
@@ -131,8 +143,8 @@ def uncached_step(kind, model, batch, seed):
     encode = encoder(kind, model)
     outputs = [encode(chunk) for chunk in split_batch(batch, CHUNK)]
     queries, keys = (torch.cat(parts) for parts in zip(*outputs))
-    assert not hasattr(model.logit_scale, "full_tensor"), "expected the unsharded scale after forward"
-    loss_fn("auto")(queries, keys, model.logit_scale).backward()
+    assert not hasattr(log_scale(model), "full_tensor"), "expected the unsharded scale after forward"
+    loss_fn("auto")(queries, keys, log_scale(model)).backward()
 
 
 def run_variant(kind, variant, dropout, rank, setting=None):
@@ -146,7 +158,7 @@ def run_variant(kind, variant, dropout, rank, setting=None):
     no_sync = (lambda: fsdp_no_sync(model)) if variant.startswith("cached-per-step") else None
     gather = fsdp_gather_once(model) if variant.endswith("gather-once") else contextlib.nullcontext()
     with gather, counting_all_gathers() as all_gathers:
-        cached_step(encoder(kind, model), batch, loss_fn("auto"), CHUNK, loss_params=[model.logit_scale],
+        cached_step(encoder(kind, model), batch, loss_fn("auto"), CHUNK, loss_params=[log_scale(model)],
                     no_sync=no_sync)
     return {**full_grads(model), "all-gathers": torch.tensor(all_gathers[0])}
 
@@ -176,7 +188,7 @@ def one_process_reference(kind, world_size):
     batch = {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
     encode = encoder(kind, model)
     queries, keys = encode(batch)
-    loss_fn(None)(queries, keys, model.logit_scale).backward()
+    loss_fn(None)(queries, keys, log_scale(model)).backward()
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 

@@ -182,8 +182,8 @@ def run_trainer_case(model_name: str, chunk_size: int | None, cuda_graphs: bool 
     if chunk_size is not None:
         freeze_batch_norm(model)
     learned = {name: p.detach().clone() for name, p in model.named_parameters()
-               if name.split(".")[-1] in ("logit_scale", "logit_bias", "temperature", "logit_scale_a",
-                                          "logit_scale_t")}
+               if name.split(".")[-1] in ("logit_scale", "log_logit_scale", "logit_bias", "temperature",
+                                          "logit_scale_a", "logit_scale_t")}
     assert learned, "the model has no learned scale"
     # bf16=True: every Linear of the towers must run under autocast, in every training path
     linear_dtypes = set()

@@ -216,7 +216,7 @@ def _fsdp_worker(out_dir: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
-    from hf_infcl.grad_cache import fsdp_no_sync
+    from hf_infcl.sharding import fsdp_no_sync
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

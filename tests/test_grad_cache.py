@@ -94,16 +94,16 @@ def test_cached_step_matches_full_batch_dual_encoder(shared):
     torch.manual_seed(3)
     outputs = [encode(chunk) for chunk in split_batch(batch, 4)]
     queries, docs = (torch.cat(parts) for parts in zip(*outputs))
-    reference_loss = loss_fn(queries, docs, model.logit_scale)
+    reference_loss = loss_fn(queries, docs, model.log_logit_scale)
     reference_loss.backward()
     reference = parameter_grads(model)
 
     model.zero_grad()
     torch.manual_seed(3)
-    result = cached_step(encode, batch, loss_fn, 4, loss_params=[model.logit_scale])
+    result = cached_step(encode, batch, loss_fn, 4, loss_params=[model.log_logit_scale])
     torch.testing.assert_close(result.loss, reference_loss.detach(), rtol=1e-6, atol=1e-6)
     assert_same_grads(parameter_grads(model), reference)
-    assert "logit_scale" in reference
+    assert "log_logit_scale" in reference
 
 
 def test_cached_step_matches_clip_own_loss_without_dropout():

@@ -272,7 +272,7 @@ def test_gradcheck_torch_backend(loss, symmetric):
 
 
 def test_default_backend_on_cpu_is_tiled_torch():
-    from hf_infcl.loss import select_block_ops
+    from hf_infcl.ops.logit_stats import select_block_ops
 
     assert isinstance(select_block_ops("auto", torch.device("cpu")), TorchTiles)
 

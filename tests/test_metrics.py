@@ -79,7 +79,7 @@ def test_trainer_and_examples_report_the_same_recall_on_the_same_embeddings(tmp_
     (ids) on one set of embeddings full of ties: the same recall@k and MRR."""
     import hf_infcl.trainer
     from hf_infcl import InfCLTrainer
-    from hf_infcl.trainer import retrieval_recalls
+    from hf_infcl.metrics import retrieval_recalls
     from tests.trainer_fixtures import PairDataset, clip_batch, tiny_clip, trainer_arguments
 
     import retrieval_metrics as example_metrics

@@ -16,12 +16,13 @@ from transformers import Trainer, TrainingArguments, default_data_collator
 
 from hf_infcl import InfCLTrainer
 from hf_infcl.batch_statistics import freeze_batch_norm
-from hf_infcl.models import learned_log_scales, logit_scale_of, model_family
+from hf_infcl.models import learned_log_scales, model_family
 from tests.trainer_fixtures import (
     TINY_TEXT,
     PairDataset,
     clap_batch,
     clip_batch,
+    logit_scale_of,
     one_thread,  # noqa: F401  (a fixture)
     parameter_grads,
     tiny_aimv2,

@@ -17,19 +17,8 @@ from transformers import (
 )
 
 from hf_infcl import contrastive_loss
-from hf_infcl.models import (
-    DualEncoder,
-    DualEncoderConfig,
-    contrastive_loss_kind,
-    encode_keys,
-    encode_queries,
-    is_decoder_config,
-    logit_bias_of,
-    logit_scale_of,
-    pair_embeddings,
-    tokenize_texts,
-    tower_inputs,
-)
+from hf_infcl.dual_encoder import DualEncoder, DualEncoderConfig, is_decoder_config, tokenize_texts
+from hf_infcl.models import contrastive_loss_kind, encode_keys, encode_queries, model_family
 from tests.test_fsdp import assert_same_grads
 from tests.trainer_fixtures import (
     DECODER_EOS,
@@ -37,6 +26,8 @@ from tests.trainer_fixtures import (
     clip_batch,
     decoder_text_batch,
     decoder_word_tokenizer,
+    logit_bias_of,
+    logit_scale_of,
     naflex_batch,
     one_thread,  # noqa: F401  (a fixture)
     pair_text_batch,
@@ -85,7 +76,7 @@ def test_extraction_matches_the_models_own_forward(build):
     with torch.no_grad():
         output = model(**batch)
         images, texts = encode_queries(model, batch), encode_keys(model, batch)
-        paired = pair_embeddings(model, batch)
+        paired = model_family(model).encode_pairs(model, batch)
     torch.testing.assert_close(images, output.image_embeds)
     torch.testing.assert_close(texts, output.text_embeds)
     torch.testing.assert_close(paired[0], output.image_embeds)
@@ -127,7 +118,7 @@ def test_loss_and_every_gradient_equal_the_models_own_loss(family):
 
     model.zero_grad(set_to_none=True)
     torch.manual_seed(5)
-    images, texts = pair_embeddings(model, batch)
+    images, texts = model_family(model).encode_pairs(model, batch)
     kind = contrastive_loss_kind(model)
     loss = contrastive_loss(images, texts, logit_scale_of(model), logit_bias_of(model), loss=kind)
     loss.backward()
@@ -142,7 +133,7 @@ def test_every_image_input_of_siglip2_reaches_its_image_tower():
     """NaFlex inputs: the padding patches of each row change nothing, its valid patches do."""
     model = tiny_siglip2().eval()
     batch = naflex_batch(4, seed=2)
-    assert tower_inputs(model).query == ("pixel_values", "pixel_attention_mask", "spatial_shapes")
+    assert model_family(model).inputs.query == ("pixel_values", "pixel_attention_mask", "spatial_shapes")
     with torch.no_grad():
         images = encode_queries(model, batch)
         padding = (1 - batch["pixel_attention_mask"])[..., None]
@@ -151,12 +142,12 @@ def test_every_image_input_of_siglip2_reaches_its_image_tower():
         # the same patches on a transposed grid
         reshaped = dict(batch, spatial_shapes=batch["spatial_shapes"].flip(-1))
         assert not torch.allclose(encode_queries(model, reshaped), images)
-        torch.testing.assert_close(pair_embeddings(model, batch)[0], images)
+        torch.testing.assert_close(model_family(model).encode_pairs(model, batch)[0], images)
 
 
 def test_unsupported_model_is_rejected():
     with pytest.raises(TypeError, match="not a supported contrastive model"):
-        tower_inputs(BertModel(tiny_bert_config()))
+        model_family(BertModel(tiny_bert_config()))
 
 
 def _manual_pool(hidden, mask, pooling):
@@ -207,12 +198,12 @@ def test_dual_encoder_forward_loss_and_normalisation():
 def test_dual_encoder_round_trip(tmp_path, shared):
     model = tiny_dual_encoder(shared=shared, pooling="last", learn_scale=False)
     with torch.no_grad():
-        model.logit_scale.fill_(math.log(33.0))  # a value unlike the init, so loading must restore it
+        model.log_logit_scale.fill_(math.log(33.0))  # a value unlike the init, so loading must restore it
     model.save_pretrained(tmp_path)
     loaded = AutoModel.from_pretrained(tmp_path)
     assert isinstance(loaded, DualEncoder) and loaded.config.pooling == "last"
     assert (loaded.doc_encoder is None) == shared
-    assert not loaded.logit_scale.requires_grad
+    assert not loaded.log_logit_scale.requires_grad
     assert model.state_dict().keys() == loaded.state_dict().keys()
     for name, value in model.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], value, rtol=0, atol=0, msg=name)
@@ -221,12 +212,38 @@ def test_dual_encoder_round_trip(tmp_path, shared):
         torch.testing.assert_close(loaded.eval()(**batch).doc_embeds, model.eval()(**batch).doc_embeds)
 
 
+@pytest.mark.parametrize("key", ["logit_scale", "log_logit_scale"], ids=["clip-key", "own-key"])
+def test_dual_encoder_log_scale_is_named_for_what_it_holds(tmp_path, key):
+    """The parameter ``log_logit_scale`` holds log(s); ``logit_scale`` is the scale s itself, as
+    the forward returns it and the loss takes it. A checkpoint holding the log-scale under either
+    key, CLIP's "logit_scale" or the parameter's own, loads through from_pretrained and
+    load_state_dict."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_dual_encoder(shared=True, learn_scale=True)
+    with torch.no_grad():
+        model.log_logit_scale.fill_(math.log(33.0))  # a value unlike the init, so loading must restore it
+    assert not hasattr(model, "logit_scale")
+    assert math.isclose(float(model(**pair_text_batch(2)).logit_scale.detach()), 33.0, rel_tol=1e-6)
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights[key] = weights.pop("logit_scale" if "logit_scale" in weights else "log_logit_scale")
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    state = {name: value for name, value in model.state_dict().items() if name != "log_logit_scale"}
+    state[key] = model.log_logit_scale.detach().clone()
+    fresh = tiny_dual_encoder(shared=True, learn_scale=True)
+    fresh.load_state_dict(state)
+    for loaded in (AutoModel.from_pretrained(tmp_path), fresh):
+        assert math.isclose(float(loaded.log_logit_scale.detach().exp()), 33.0, rel_tol=1e-6)
+        assert loaded.log_logit_scale.requires_grad
+
+
 def test_from_encoders_keeps_checkpoint_weights(tmp_path):
     torch.manual_seed(5)
     bert = BertModel(tiny_bert_config())
     bert.save_pretrained(tmp_path / "bert")
     model = DualEncoder.from_encoders(str(tmp_path / "bert"), pooling="cls", learn_scale=True)
-    assert model.logit_scale.requires_grad
+    assert model.log_logit_scale.requires_grad
     for name, value in bert.state_dict().items():
         torch.testing.assert_close(model.query_encoder.state_dict()[name], value, rtol=0, atol=0, msg=name)
 
@@ -465,7 +482,7 @@ def test_trainer_chunked_decoder_steps_match_the_whole_batch(tmp_path, model_typ
     if checkpointing:
         assert trainer.model.query_encoder.layers[0].gradient_checkpointing
     (grads, params), (chunk_grads, chunk_params) = runs["whole"], runs["chunked"]
-    assert grads.keys() == chunk_grads.keys() and "logit_scale" in grads
+    assert grads.keys() == chunk_grads.keys() and "log_logit_scale" in grads
     for name in grads:
         torch.testing.assert_close(chunk_grads[name], grads[name], rtol=0, atol=1e-5, msg=name)
     for name in params:

@@ -25,8 +25,8 @@ def test_vocabularies_and_the_ring_codes_are_unchanged():
     assert ring._REDUCTION_CODES == {"mean": 1, "sum": 2, "none": 3}
     from hf_infcl import loss
 
-    assert (loss.LOSSES, loss.REDUCTIONS, loss.BACKENDS, loss.PRECISIONS) == (
-        options.LOSSES, options.REDUCTIONS, options.BACKENDS, options.PRECISIONS)
+    # one import path: the vocabularies are options', not re-exported by the loss
+    assert not any(hasattr(loss, name) for name in ("LOSSES", "REDUCTIONS", "BACKENDS", "PRECISIONS"))
 
 
 def test_one_message_naming_the_option_as_typed_at_each_entry_point(tmp_path):
@@ -171,3 +171,45 @@ def test_compiled_module_reads_its_options_without_a_graph_break():
     q, k = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
     compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(q, k), module(q, k), rtol=1e-12, atol=0)
+
+
+def test_one_chunk_size_rule_with_one_message_at_every_entry_point(tmp_path):
+    """The Trainer's arguments, cached_step and a script's flags check the chunk size with the one
+    rule of hf_infcl.ops.options, each naming the options as its user spells them."""
+    from hf_infcl import InfCLTrainingArguments
+    from hf_infcl.grad_cache import cached_step
+
+    for option in ("offload", "chunk_cuda_graphs"):
+        with pytest.raises(ValueError) as raised:
+            InfCLTrainingArguments(output_dir=str(tmp_path), use_cpu=True, **{option: True})
+        with pytest.raises(ValueError) as direct:
+            options.check_chunking(None, {f"{option}=True": True})
+        assert str(raised.value) == str(direct.value)
+        assert str(raised.value).startswith(f"{option}=True needs chunk_size: ")
+    with pytest.raises(ValueError, match="^--reduce_every_chunk needs --chunk_size: .*without --chunk_size"):
+        options.check_chunking(None, {"--offload": False, "--reduce_every_chunk": True}, name="--chunk_size")
+    with pytest.raises(ValueError, match="^--chunk_size must be a positive int or None, got 0$"):
+        options.check_chunking(0, {"--offload": True}, name="--chunk_size")
+    options.check_chunking(4, {"--offload": True}, name="--chunk_size")  # with chunks, the options apply
+    options.check_chunking(None, {"--offload": False}, name="--chunk_size")
+    with pytest.raises(ValueError, match="^chunk_size must be a positive int or None, got True$"):
+        cached_step(lambda chunk: chunk["x"], {"x": torch.randn(4, 2)}, lambda x: x.sum(), True)
+
+
+@pytest.mark.parametrize("strength", [-1.0, float("nan"), "2", True],
+                         ids=["negative", "nan", "string", "bool"])
+def test_one_hardness_check_for_the_loss_and_the_sentence_transformers_loss(strength):
+    """contrastive_loss and the sentence-transformers loss refuse the same hardness strengths, with
+    the same error type (the latter in MNRL's words first)."""
+    pytest.importorskip("sentence_transformers")
+    from hf_infcl import losses
+
+    q = torch.randn(4, 3)
+    ids = torch.arange(4)
+    with pytest.raises((TypeError, ValueError)) as functional:
+        hf_infcl.contrastive_loss(q, q, hardness_mode="hard_negatives", hardness_strength=strength,
+                                  query_ids=ids, key_owners=ids)
+    with pytest.raises((TypeError, ValueError)) as sentence_transformers:
+        losses.InfCLLoss(torch.nn.Linear(2, 2), hardness_mode="hard_negatives", hardness_strength=strength)
+    assert type(functional.value) is type(sentence_transformers.value)
+    assert "hardness_strength" in str(sentence_transformers.value)

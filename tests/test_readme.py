@@ -28,7 +28,7 @@ CHECKS = {
     "Plain PyTorch": (
         "assert torch.isfinite(loss), loss\n"
         "assert image_features.grad is not None and text_features.grad is not None\n"
-        "assert logit_scale.grad is not None and torch.isfinite(logit_scale.grad)\n"
+        "assert log_logit_scale.grad is not None and torch.isfinite(log_logit_scale.grad)\n"
     ),
     "Training with the transformers Trainer": "assert trainer.state.global_step == args.max_steps\n",
     "sentence-transformers": "assert trainer.state.global_step == args.max_steps\n",

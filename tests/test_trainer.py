@@ -12,8 +12,8 @@ import torch
 from transformers import BertModel, TrainerCallback
 
 from hf_infcl import InfCLTrainer, InfCLTrainingArguments, contrastive_loss
+from hf_infcl.metrics import retrieval_recalls
 from hf_infcl.models import encode_keys, encode_queries
-from hf_infcl.trainer import retrieval_recalls
 from tests.offline import run_two_processes
 from tests.trainer_fixtures import (
     DIGIT_WORDS,
@@ -22,6 +22,7 @@ from tests.trainer_fixtures import (
     clip_batch,
     digits_clip,
     digits_image_caption_split,
+    logit_scale_of,
     naflex_batch,
     one_thread,  # noqa: F401  (fixture)
     pair_text_batch,
@@ -73,7 +74,8 @@ def test_chunked_and_offloaded_training_match_the_full_batch(tmp_path, build, ba
     # with offload the data loader leaves batches on the host; otherwise it moves them
     assert offloaded.get_train_dataloader().device is None
     assert chunked.get_train_dataloader().device is not None
-    assert not torch.equal(full["logit_scale"], build().logit_scale.detach())  # the scale was trained
+    scale = "log_logit_scale" if "log_logit_scale" in full else "logit_scale"  # DualEncoder's, CLIP's
+    assert not torch.equal(full[scale], getattr(build(), scale).detach())  # the scale was trained
     if "logit_bias" in full:  # SigLIP: the sigmoid loss trains the bias too
         assert chunked.loss_kind == "sigmoid"
         assert not torch.equal(full["logit_bias"], build().logit_bias.detach())
@@ -82,7 +84,7 @@ def test_chunked_and_offloaded_training_match_the_full_batch(tmp_path, build, ba
     assert len(logs) == 2
     assert all({"accuracy", "logit_scale"} <= entry.keys() for entry in logs)
     assert all(0.0 <= entry["accuracy"] <= 1.0 for entry in logs)
-    assert math.isclose(logs[0]["logit_scale"], float(build().logit_scale.detach().exp()), rel_tol=1e-5)
+    assert math.isclose(logs[0]["logit_scale"], float(logit_scale_of(build()).detach()), rel_tol=1e-5)
 
 
 def test_two_processes_match_one_process_on_the_concatenated_batch(tmp_path):
@@ -531,7 +533,8 @@ def test_precision_reaches_every_loss_call(tmp_path, monkeypatch, chunk_size):
     """--precision goes to the training loss (plain and cached steps) and the evaluation loss, as an
     option InfCLTrainingArguments checked (the loss does not check it again on every call)."""
     import hf_infcl.trainer
-    from hf_infcl.loss import PRECISIONS, _contrastive_loss
+    from hf_infcl.loss import _contrastive_loss
+    from hf_infcl.ops.options import PRECISIONS
 
     seen = []
 

@@ -16,6 +16,24 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def logit_scale_of(model) -> torch.Tensor:
+    """The multiplier of the logits as the model's forward takes it (``exp(logit_scale)`` for CLIP,
+    clamped first for Aimv2, ``1 / temperature`` for ALIGN; differentiable), read through the
+    model's family adapter. TypeError for ClapModel, which has one per term of its loss."""
+    from hf_infcl.models import model_family
+
+    family = model_family(model)
+    return family.scale_and_bias(model, *family.scale_parameters(model))[0]
+
+
+def logit_bias_of(model) -> torch.Tensor | None:
+    """SigLIP's additive logit bias as the loss takes it (0-d, differentiable), or None."""
+    from hf_infcl.models import model_family
+
+    bias = model_family(model).bias(model)
+    return None if bias is None else bias.reshape(())
+
+
 def end_worker_process() -> None:
     """End a torchrun worker without interpreter shutdown, its results already written.
 
@@ -81,7 +99,7 @@ def tiny_bert_config(dropout: float = 0.1, vocab_size: int = 40):
 
 def tiny_dual_encoder(shared: bool = True, dropout: float = 0.1, pooling: str = "mean", seed: int = 0,
                       learn_scale: bool = True):
-    from hf_infcl.models import DualEncoder
+    from hf_infcl.dual_encoder import DualEncoder
 
     torch.manual_seed(seed)
     config = tiny_bert_config(dropout)
@@ -132,7 +150,7 @@ def tiny_decoder_dual_encoder(shared: bool = True, dropout: float = 0.1, pooling
                               attn_implementation: str | None = None, **settings):
     """A DualEncoder over tiny decoder towers (``tiny_decoder_config``), last-token pooling by default,
     in training mode; ``settings`` go to ``DualEncoder.from_encoders`` (e.g. ``query_instruction``)."""
-    from hf_infcl.models import DualEncoder
+    from hf_infcl.dual_encoder import DualEncoder
 
     torch.manual_seed(seed)
     config = tiny_decoder_config(dropout, model_type=model_type)

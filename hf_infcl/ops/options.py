@@ -1,11 +1,16 @@
-"""The loss's options, each defined once: its vocabulary, its check, its one error message.
+"""The options, each defined once: its vocabulary, its check, its one error message.
 
-Every entry point takes these options under the name its ecosystem uses (``backend`` here,
-``loss_backend`` in the Trainer's arguments, ``--precision`` on an example's command line; the
-table is in docs/contract.md, "Options") and checks them once, with :func:`check_option`, naming
-the option as the user typed it:
+The one module every entry point (``contrastive_loss``, the Trainer's arguments, the
+sentence-transformers loss, the examples) imports the options from. Every entry point takes them
+under the name its ecosystem uses (``backend`` here, ``loss_backend`` in the Trainer's arguments,
+``--precision`` on an example's command line; the table is in docs/contract.md, "Options") and
+checks them once, with :func:`check_option` and the checks below, naming the option as the user
+typed it:
 
     precision must be one of 'auto', 'tf32', 'ieee'; got 'fp8'
+
+Beside the loss's options: the label smoothing (:func:`check_label_smoothing`), the hardness
+offset (:func:`check_hardness`) and gradient caching's chunk size (:func:`check_chunking`).
 
 The vocabularies are ``Literal`` types, so a dataclass field typed with one gets argparse choices
 from ``HfArgumentParser``, and the tuples below are derived from them (never written twice). The
@@ -18,6 +23,7 @@ everything above it can use it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -84,6 +90,69 @@ def check_option(field: str, value, name: str | None = None, *, optional: bool =
     check_choice(name, value, _VOCABULARIES[field], optional=optional)
 
 
+def check_label_smoothing(label_smoothing, loss: str, *, grouped: bool = False, hardness: bool = False,
+                          name: str = "label_smoothing", groups: str = "query_groups/key_groups") -> None:
+    """The one check of ``label_smoothing`` (docs/contract.md, "Label smoothing"): a number in
+    [0, 1], and positive only with the softmax loss, without groups and without a hardness offset.
+    ``name``, ``groups``: how the caller's user spells the option and the group ids."""
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1], got {type(label_smoothing).__name__}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {label_smoothing!r}")
+    if not label_smoothing:
+        return
+    if loss != "softmax":
+        raise ValueError(f"{name}={label_smoothing!r} needs loss='softmax' (it smooths cross-entropy "
+                         f"targets), got loss={loss!r}")
+    if grouped:
+        raise ValueError(f"{name}={label_smoothing!r} is not defined with {groups} (a row's candidates would "
+                         "be its allowed keys only); leave one of them out")
+    if hardness:
+        raise ValueError(f"{name}={label_smoothing!r} is not defined with a hardness offset (its uniform "
+                         "target would include the offsets); leave one of them out")
+
+
+def check_hardness_strength(value, name: str = "hardness_strength") -> None:
+    """A hardness strength is a non-negative float (an int too; a bool or NaN is refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a non-negative float, got {type(value).__name__}")
+    if not value >= 0.0:
+        raise ValueError(f"{name} must be non-negative, got {value!r}")
+
+
+def check_hardness(hardness_mode, hardness_strength) -> None:
+    """The one check of a hardness setting (docs/contract.md, "Hardness offset"): the mode one of
+    :data:`HARDNESS_MODES` or None, the strength non-negative (:func:`check_hardness_strength`).
+    Which settings apply the offset is each entry point's: ``contrastive_loss`` refuses a strength
+    without a mode; the sentence-transformers loss, as MNRL, computes its plain loss then."""
+    check_choice("hardness_mode", hardness_mode, HARDNESS_MODES, optional=True)
+    check_hardness_strength(hardness_strength)
+
+
+def check_chunk_size(name: str, value) -> None:
+    """A chunk size is a positive int, or None (one chunk); ValueError naming ``name`` otherwise."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def check_chunking(chunk_size, chunked: Mapping[str, Any] | None = None, *, name: str = "chunk_size") -> None:
+    """The one rule of gradient caching's chunk size, with its one message: ``chunk_size`` (spelled
+    ``name`` at the entry point) is a positive int or None (:func:`check_chunk_size`), and the options
+    that act on the chunks of a cached step are on only with one. ``chunked`` maps each such option,
+    as the entry point's user spells it set, to its value.
+
+    For a script's flags: ``check_chunking(args.chunk_size, {"--offload": args.offload,
+    "--reduce_every_chunk": args.reduce_every_chunk}, name="--chunk_size")``.
+    """
+    check_chunk_size(name, chunk_size)
+    if chunk_size is not None:
+        return
+    for option, value in (chunked or {}).items():
+        if value:
+            raise ValueError(f"{option} needs {name}: it acts on the chunks of a cached step, and without "
+                             f"{name} the encoders see the whole batch at once")
+
+
 def wire_codes(vocabulary: tuple[str, ...]) -> dict[str, int]:
     """Small integer codes of a vocabulary's words (1, 2, ...), for the ring's option exchange."""
     return {word: code for code, word in enumerate(vocabulary, start=1)}
@@ -130,5 +199,6 @@ class OptionAttribute:
 __all__ = [
     "BACKENDS", "BLOCK_BACKENDS", "HARDNESS_MODES", "LOSSES", "PRECISIONS", "REDUCTIONS", "BackendName",
     "BlockBackend", "HardnessMode", "LossKind", "LossOptions", "OptionAttribute", "Precision", "Reduction",
-    "check_bool", "check_choice", "check_option", "choice_error", "wire_codes",
+    "check_bool", "check_choice", "check_chunk_size", "check_chunking", "check_hardness",
+    "check_hardness_strength", "check_label_smoothing", "check_option", "choice_error", "wire_codes",
 ]

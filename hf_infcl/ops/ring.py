@@ -394,6 +394,63 @@ def _key_slices(k_max: int, width: int, element_bytes: int) -> list[tuple[int, i
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+class _TravellingKeyGradients:
+    """This rank's share of the key gradients going round the ring in the backward, slice by slice.
+
+    Per slice of the key block, the running key gradient of the block this rank computes on next:
+    received from the previous rank, computed into in place, sent on. About one key block per
+    rank; at most one spare buffer whose transfer is done, and the last batch's transfer, waited
+    one slice later.
+    """
+
+    def __init__(self, layout: RingLayout, slices: list[tuple[int, int]], width: int, dtype, device):
+        self.layout = layout
+        self.slices = slices
+        self.running: list[torch.Tensor | None] = [None] * len(slices)
+        self._shape = (width, dtype, device)
+        self._spare: list[torch.Tensor] = []
+        self._pending = None  # (works, buffer sent) of the last batch
+
+    def _buffer(self, length: int) -> torch.Tensor:
+        if self._spare and self._spare[-1].shape[0] == length:
+            return self._spare.pop()
+        width, dtype, device = self._shape
+        return torch.empty(length, width, dtype=dtype, device=device)
+
+    def _wait_pending(self) -> None:
+        if self._pending is not None:
+            works, sent = self._pending
+            _wait(works)
+            self._spare[:] = [sent]
+            self._pending = None
+
+    def accumulator(self, step: int, index: int) -> torch.Tensor:
+        """The key gradient of slice ``index`` to compute into at ``step``: zeros at the first."""
+        lo, hi = self.slices[index]
+        if step == 0:
+            return self._buffer(hi - lo).zero_()
+        # Sent by the previous rank a whole slice's compute ago or more, and its batch already
+        # waited, unless the block is a single slice (k = 1).
+        if len(self.slices) == 1:
+            self._wait_pending()
+        return self.running[index]
+
+    def send_on(self, index: int, accumulator: torch.Tensor) -> None:
+        """Send the running gradient of slice ``index`` on (at the last step: home to its owner)
+        and receive the next one (at the last step: this rank's own, complete)."""
+        # The previous batch had this slice's compute to finish in.
+        self._wait_pending()
+        lo, hi = self.slices[index]
+        self.running[index] = self._buffer(hi - lo)
+        self._pending = (_exchange(self.layout, [accumulator], [self.running[index]]), accumulator)
+
+    def arrived(self) -> list[tuple[tuple[int, int], torch.Tensor]]:
+        """This rank's own key gradient, complete, as (row range, accumulator) slices."""
+        self._wait_pending()
+        self._spare.clear()
+        return list(zip(self.slices, self.running))
+
+
 def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLabels, row_stat, col_stat,
                    grad_row_stat, grad_col_stat):
     """Returns (unscaled G K for this rank's rows, this rank's unscaled G^T Q as a list of
@@ -416,24 +473,7 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLa
 
     compute = layout.schedule.compute
     slices = _key_slices(k_max, width, torch.finfo(acc).bits // 8)
-    # Per slice, the running key gradient of the block this rank computes on next: received from
-    # the previous rank, computed into in place, sent on. About one key block per rank.
-    running: list[torch.Tensor | None] = [None] * len(slices)
-    spare: list[torch.Tensor] = []  # at most one buffer whose transfer is done
-    pending = None  # (works, buffer sent) of the last batch: waited one slice later
-
-    def buffer(length):
-        if spare and spare[-1].shape[0] == length:
-            return spare.pop()
-        return torch.empty(length, width, dtype=acc, device=device)
-
-    def wait_pending():
-        nonlocal pending
-        if pending is not None:
-            works, sent = pending
-            _wait(works)
-            spare[:] = [sent]
-            pending = None
+    key_grads = _TravellingKeyGradients(layout, slices, width, acc, device)
 
     for step in range(n):
         owner = layout.owner(step)
@@ -444,14 +484,7 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLa
         block_cols = blocks.current[-1] if spec.columns else None
 
         for index, (lo, hi) in enumerate(slices):
-            if step == 0:
-                accumulator = buffer(hi - lo).zero_()
-            else:
-                # Sent by the previous rank a whole slice's compute ago or more, and its batch
-                # already waited, unless the block is a single slice (k = 1).
-                if len(slices) == 1:
-                    wait_pending()
-                accumulator = running[index]
+            accumulator = key_grads.accumulator(step, index)
             hi_real = min(hi, k_owner)  # rows past the owner's k are padding: never computed
             if lo < hi_real and m > 0 and compute:
                 mask, hardness = _block_labels(spec, labels, blocks.current[1:], lo, hi_real,
@@ -463,15 +496,8 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLa
                     block_cols[1, lo:hi_real] if spec.columns else None,
                     grad_queries, accumulator[: hi_real - lo], hardness=hardness,
                 )
-            # The previous batch had this slice's compute to finish in.
-            wait_pending()
-            # Send the running gradient on (at the last step: home to its owner) and receive the
-            # next one (at the last step: this rank's own, complete).
-            running[index] = buffer(hi - lo)
-            pending = (_exchange(layout, [accumulator], [running[index]]), accumulator)
+            key_grads.send_on(index, accumulator)
         if step < n - 1:
             blocks.advance(keep_spare=step < n - 2)
 
-    wait_pending()
-    spare.clear()
-    return grad_queries, list(zip(slices, running)), row_sums
+    return grad_queries, key_grads.arrived(), row_sums
