@@ -1,6 +1,6 @@
 """``examples/train_clip.py`` on real-data layouts: parquet and webdataset shards of the bundled
 digits, streamed (``--streaming``) and in memory, in one process and in two (gloo); which rows
-each process trained on is recorded by ``tests/clip_rows_worker.py``."""
+each process trained on is recorded by ``tests/helpers/clip_rows_worker.py``."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.clip_rows_worker import read_rows
-from tests.offline import run_two_processes
+from tests.helpers.clip_rows_worker import read_rows
+from tests.helpers.offline import run_two_processes
 from tests.test_examples import _digit_shards
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
-WORKER = ROOT / "tests" / "clip_rows_worker.py"
+WORKER = ROOT / "tests" / "helpers" / "clip_rows_worker.py"
 BAD_ROWS = {"image does not decode": 1, "empty caption": 1}  # what _digit_shards puts in shard 0
 
 pytest.importorskip("datasets")
@@ -77,7 +77,7 @@ def test_in_memory_rows_are_decoded_in_workers_once_per_epoch(tmp_path, world, m
     if world == 1:
         import train_clip
 
-        from tests.clip_rows_worker import install
+        from tests.helpers.clip_rows_worker import install
 
         for name, value in env.items():
             monkeypatch.setenv(name, value)
@@ -313,7 +313,7 @@ def test_streaming_one_process_reads_each_row_once_per_pass_and_counts_bad_rows(
                                                                                monkeypatch):
     import train_clip
 
-    from tests.clip_rows_worker import install
+    from tests.helpers.clip_rows_worker import install
 
     source = _digit_shards(tmp_path)
     rows_dir, out = tmp_path / "rows", tmp_path / "out"

@@ -1,6 +1,6 @@
 """torch.compile: the loss is one custom op in the graph (``fullgraph=True``), and the compiled
 values and gradients equal eager ones. The GPU counterpart (Triton kernels, autotuning on) is in
-``tests/gpu_smoke.py``."""
+``tests/helpers/gpu_smoke.py``."""
 
 from __future__ import annotations
 

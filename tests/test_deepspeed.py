@@ -1,5 +1,5 @@
 """GradCache under DeepSpeed ZeRO-2 and ZeRO-3, two processes on CPU over gloo
-(``tests/deepspeed_workers.py``; skipped where DeepSpeed is not installed).
+(``tests/helpers/deepspeed_workers.py``; skipped where DeepSpeed is not installed).
 
 One SGD step (lr 1) of a tiny CLIP and a Qwen2-style decoder DualEncoder, dropout on: the cached
 step through the engine (``deepspeed_no_sync``, the engine's backward, ``engine.step()``) moves
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fsdp_workers import scale_name
-from tests.offline import run_two_processes
+from tests.helpers.fsdp_workers import scale_name
+from tests.helpers.offline import run_two_processes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 def deepspeed_parameters(tmp_path_factory):
     pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp("deepspeed")
-    run_two_processes(REPO / "tests" / "deepspeed_workers.py", out, env={"DS_ACCELERATOR": "cpu"})
+    run_two_processes(REPO / "tests" / "helpers" / "deepspeed_workers.py", out, env={"DS_ACCELERATOR": "cpu"})
     return torch.load(out / "parameters.pt")
 
 

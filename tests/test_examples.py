@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.offline import offline_env
+from tests.helpers.offline import offline_env
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

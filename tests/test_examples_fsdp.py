@@ -40,7 +40,7 @@ from train_clip import (  # noqa: E402
     vectorise_scalar_parameters,
 )
 
-from tests.offline import run_two_processes  # noqa: E402
+from tests.helpers.offline import run_two_processes  # noqa: E402
 
 LOSSES = ["softmax", "sigmoid"]
 VARIANTS = ["uncached", "cached-per-step", "cached-per-chunk"]
@@ -67,7 +67,7 @@ def test_fsdp2_yaml_launches_fsdp2_over_clip_encoder_layers(monkeypatch):
     from transformers.models.clip import modeling_clip
     from transformers.models.siglip import modeling_siglip
 
-    from tests.trainer_fixtures import tiny_clip
+    from tests.helpers.trainer_fixtures import tiny_clip
 
     args = launch_command_parser().parse_args(
         ["--config_file", str(EXAMPLES / "fsdp2.yaml"), str(EXAMPLES / "train_clip.py")]
@@ -97,7 +97,7 @@ def test_fsdp2_yaml_launches_fsdp2_over_clip_encoder_layers(monkeypatch):
 def test_a_vectorised_logit_scale_is_saved_as_clips_scalar_and_reloads(tmp_path):
     from transformers import CLIPModel
 
-    from tests.trainer_fixtures import tiny_clip
+    from tests.helpers.trainer_fixtures import tiny_clip
 
     clip = tiny_clip()
     with torch.no_grad():
@@ -121,7 +121,7 @@ def test_the_vectorised_scale_is_not_loaded_unless_restored(tmp_path):
     loaded into CLIPModel's 0-d one (re-initialised, or an error)."""
     from transformers import CLIPModel
 
-    from tests.trainer_fixtures import tiny_clip
+    from tests.helpers.trainer_fixtures import tiny_clip
 
     clip = tiny_clip()
     with torch.no_grad():
@@ -136,7 +136,7 @@ def test_the_vectorised_scale_is_not_loaded_unless_restored(tmp_path):
 
 
 def test_full_value_and_clamp_of_plain_parameters():
-    from tests.trainer_fixtures import tiny_clip
+    from tests.helpers.trainer_fixtures import tiny_clip
 
     embedder = ClipEmbedder(tiny_clip())
     scale = embedder.clip.logit_scale
@@ -154,7 +154,7 @@ def test_full_value_and_clamp_of_plain_parameters():
 @pytest.mark.parametrize("loss", LOSSES)
 def test_training_step_with_chunks_equals_the_step_without(loss):
     """One process: the cached step's gradients (bias and scale included) are the plain step's."""
-    from tests.trainer_fixtures import clip_batch, tiny_clip
+    from tests.helpers.trainer_fixtures import clip_batch, tiny_clip
 
     grads = []
     for chunk in (None, CHUNK):

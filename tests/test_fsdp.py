@@ -1,6 +1,6 @@
 """GradCache under FSDP2 (``fully_shard``), two processes on CPU over gloo (``pytest -k fsdp``).
 
-``tests/fsdp_workers.py`` runs once per session and writes every variant's full gradients; the
+``tests/helpers/fsdp_workers.py`` runs once per session and writes every variant's full gradients; the
 tests compare them: the cached step, with either reduction strategy, equals the uncached step
 under the same sharding (dropout on: the replays draw the same masks), and with dropout off both
 equal one process without FSDP on the concatenated batch.
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fsdp_workers import scale_name
-from tests.offline import run_two_processes
+from tests.helpers.fsdp_workers import scale_name
+from tests.helpers.offline import run_two_processes
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ["clip", "dual-encoder", "decoder"]  # decoder: a Qwen2-style DualEncoder, last-token pooling
@@ -26,7 +26,7 @@ STRATEGIES = ["cached-per-step", "cached-per-replay", "cached-per-step-gather-on
 def fsdp_grads(tmp_path_factory):
     pytest.importorskip("torch.distributed.fsdp")
     out = tmp_path_factory.mktemp("fsdp")
-    run_two_processes(REPO / "tests" / "fsdp_workers.py", out)
+    run_two_processes(REPO / "tests" / "helpers" / "fsdp_workers.py", out)
     return torch.load(out / "grads.pt")
 
 

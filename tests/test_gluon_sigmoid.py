@@ -4,7 +4,7 @@ GPU (Hopper): the kernel's G and row sums against float64 on the same rounded op
 the G buffer poisoned with NaN (every entry of the tile written, none past it); the loss's
 default route on such a GPU goes through the kernel and matches float64; asking for the kernel
 where it cannot run is a clear error. Gluon kernels do not run under ``TRITON_INTERPRET``: on CPU
-(CI) these skip, and ``tests/triton_interpreted.py`` checks the refusal and the fallback.
+(CI) these skip, and ``tests/helpers/triton_interpreted.py`` checks the refusal and the fallback.
 """
 
 from __future__ import annotations

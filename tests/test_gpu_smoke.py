@@ -1,4 +1,4 @@
-"""The GPU smoke suite (``pytest -m gpu``): every case of ``tests/gpu_smoke.py`` in a fresh
+"""The GPU smoke suite (``pytest -m gpu``): every case of ``tests/helpers/gpu_smoke.py`` in a fresh
 process, with the defaults users get. ``HF_INFCL_TRITON_AUTOTUNE`` is removed from the case's
 environment and each case gets an empty tuning store (``HF_INFCL_CACHE``), so its first loss call
 autotunes, as a user's first call on a new machine does; a switch that makes tests faster must
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu_smoke import CASES
+from tests.helpers.gpu_smoke import CASES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,7 +39,7 @@ def _run_case(case: str, store) -> str:
     env = {name: value for name, value in os.environ.items() if name != "HF_INFCL_TRITON_AUTOTUNE"}
     env["PYTHONUNBUFFERED"] = "1"
     env["HF_INFCL_CACHE"] = str(store)
-    result = subprocess.run([sys.executable, "-m", "tests.gpu_smoke", case], cwd=ROOT, env=env,
+    result = subprocess.run([sys.executable, "-m", "tests.helpers.gpu_smoke", case], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 0 and f"SMOKE OK {case}" in result.stdout, output[-8000:]

@@ -17,7 +17,7 @@ import torch
 from hf_infcl import contrastive_loss
 from hf_infcl.chunk_graphs import ChunkGraphs
 from hf_infcl.grad_cache import cached_step, split_batch
-from tests.trainer_fixtures import (
+from tests.helpers.trainer_fixtures import (
     clip_batch,
     naflex_batch,
     one_thread,  # noqa: F401  (a fixture)

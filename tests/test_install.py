@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from tests.offline import offline_env
+from tests.helpers.offline import offline_env
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,8 +12,8 @@ import torch
 
 import hf_infcl
 from hf_infcl import TorchTiles, contrastive_loss
-from tests.hardness_cases import with_hardness
-from tests.oracle import contract_loss, hardness_selection
+from tests.helpers.hardness_cases import with_hardness
+from tests.helpers.oracle import contract_loss, hardness_selection
 
 # Small tiles so that every test crosses several tile boundaries in both directions.
 SMALL_TILES = TorchTiles(tile_rows=5, tile_keys=7)

@@ -80,7 +80,7 @@ def test_trainer_and_examples_report_the_same_recall_on_the_same_embeddings(tmp_
     import hf_infcl.trainer
     from hf_infcl import InfCLTrainer
     from hf_infcl.metrics import retrieval_recalls
-    from tests.trainer_fixtures import PairDataset, clip_batch, tiny_clip, trainer_arguments
+    from tests.helpers.trainer_fixtures import PairDataset, clip_batch, tiny_clip, trainer_arguments
 
     import retrieval_metrics as example_metrics
 
@@ -207,7 +207,7 @@ def hand_checked_evaluation(tmp_path, monkeypatch, groups=None):
     pixels ([1, 0], [0, 1], [1, 1], [1, 0]), a caption's is its first token's."""
     import hf_infcl.trainer
     from hf_infcl import InfCLTrainer
-    from tests.trainer_fixtures import tiny_clip, trainer_arguments
+    from tests.helpers.trainer_fixtures import tiny_clip, trainer_arguments
 
     pixel_values = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(4))
     pixel_values[:, 0, 0, :2] = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
@@ -262,7 +262,7 @@ def test_digits_with_repeated_captions_have_recall_above_zero(tmp_path):
     metric with the digit as the group, and is above 0."""
     pytest.importorskip("sklearn")
     from hf_infcl import InfCLTrainer
-    from tests.trainer_fixtures import (
+    from tests.helpers.trainer_fixtures import (
         DIGIT_WORDS,
         PairDataset,
         caption_tokenizer,

@@ -17,7 +17,7 @@ from transformers import Trainer, TrainingArguments, default_data_collator
 from hf_infcl import InfCLTrainer
 from hf_infcl.batch_statistics import freeze_batch_norm
 from hf_infcl.models import learned_log_scales, model_family
-from tests.trainer_fixtures import (
+from tests.helpers.trainer_fixtures import (
     TINY_TEXT,
     PairDataset,
     clap_batch,
@@ -303,7 +303,7 @@ def test_clap_model_card_is_an_audio_text_card(tmp_path):
 
 
 def test_label_smoothing_options_the_trainer_refuses(tmp_path):
-    from tests.trainer_fixtures import tiny_siglip
+    from tests.helpers.trainer_fixtures import tiny_siglip
 
     with pytest.raises(ValueError, match="label_smoothing=0.1 needs loss='softmax'"):
         InfCLTrainer(model=tiny_siglip(), args=trainer_arguments(tmp_path, label_smoothing=0.1))

@@ -19,8 +19,7 @@ from transformers import (
 from hf_infcl import contrastive_loss
 from hf_infcl.dual_encoder import DualEncoder, DualEncoderConfig, is_decoder_config, tokenize_texts
 from hf_infcl.models import contrastive_loss_kind, encode_keys, encode_queries, model_family
-from tests.test_fsdp import assert_same_grads
-from tests.trainer_fixtures import (
+from tests.helpers.trainer_fixtures import (
     DECODER_EOS,
     PairDataset,
     clip_batch,
@@ -41,6 +40,7 @@ from tests.trainer_fixtures import (
     tiny_siglip2,
     trainer_arguments,
 )
+from tests.test_fsdp import assert_same_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

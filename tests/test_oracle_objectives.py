@@ -1,7 +1,7 @@
 """The float64 oracle of docs/contract.md's several positives per row, false negatives by score and
-GIST mapping (tests/oracle_objectives.py), and through it the contract's definitions:
+GIST mapping (tests/helpers/oracle_objectives.py), and through it the contract's definitions:
 
-- with singleton groups and no margin it is today's loss (tests/oracle.py) in every mode;
+- with singleton groups and no margin it is today's loss (tests/helpers/oracle.py) in every mode;
 - small cases whose values are written out by hand;
 - a literal, set-by-set transcription of the definitions on random inputs, and the contract's
   closed-form dL/dz against autograd;
@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.oracle import contract_loss
-from tests.oracle_objectives import (
+from tests.helpers.oracle import contract_loss
+from tests.helpers.oracle_objectives import (
     gist_blocks,
     gist_loss,
     objective_gradients,
@@ -448,7 +448,7 @@ pytest.importorskip("sentence_transformers")
 from sentence_transformers.sentence_transformer import losses as st_losses  # noqa: E402
 from sentence_transformers.sentence_transformer.losses import cached_gist_embed, gist_embed  # noqa: E402
 
-from tests.sentence_transformers_fixtures import build_tiny_model_dir, load_tiny_model  # noqa: E402
+from tests.helpers.sentence_transformers_fixtures import build_tiny_model_dir, load_tiny_model  # noqa: E402
 
 BATCH, WIDTH, GUIDE_WIDTH = 6, 5, 4
 CONTRASTS = [pytest.param(a, p, id=f"anchors{int(a)}-positives{int(p)}")

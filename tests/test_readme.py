@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.offline import offline_env
+from tests.helpers.offline import offline_env
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -2,7 +2,7 @@
 per-rank batches equals one process on the concatenated batch, to 1e-6 in float64.
 
 Each world size (2 and 3 processes) is spawned once per session; the processes run every
-scenario of ``tests/ring_workers.py`` and write their results to files, which the tests below
+scenario of ``tests/helpers/ring_workers.py`` and write their results to files, which the tests below
 judge. A hang cannot stall the suite: the processes have a 60 s collective timeout and are
 killed after ``SPAWN_TIMEOUT_S``.
 """
@@ -21,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from hf_infcl import contrastive_loss
-from tests import ring_workers
+from tests.helpers import ring_workers
 
 WORLD_SIZES = (2, 3)
 SPAWN_TIMEOUT_S = 150
@@ -239,7 +239,7 @@ def test_nccl_ring_parity_script():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(REPO / "tests" / "ring_nccl_check.py")]
+               str(REPO / "scripts" / "ring_nccl_check.py")]
     completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     assert "ALL PASSED" in completed.stdout

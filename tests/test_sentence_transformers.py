@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("sentence_transformers")
 
 from hf_infcl import losses  # noqa: E402
-from tests.sentence_transformers_fixtures import (  # noqa: E402
+from tests.helpers.sentence_transformers_fixtures import (  # noqa: E402
     build_tiny_model_dir,
     features,
     load_tiny_model,
@@ -476,7 +476,7 @@ def _ring_available() -> bool:
 def test_two_processes_match_all_gather_losses(tiny_model_dir, tmp_path):
     import torch.multiprocessing as mp
 
-    from tests.sentence_transformers_workers import SCENARIOS, run_rank
+    from tests.helpers.sentence_transformers_workers import SCENARIOS, run_rank
 
     world_size = 2
     # fork: the children inherit the imported libraries instead of importing them again.
@@ -503,7 +503,7 @@ def test_ddp_cached_step_reduces_gradients_once_and_equals_one_process(tiny_mode
     process's on the concatenated batch."""
     import torch.multiprocessing as mp
 
-    from tests.sentence_transformers_workers import run_ddp_rank
+    from tests.helpers.sentence_transformers_workers import run_ddp_rank
 
     world_size = 2
     mp.start_processes(

@@ -1,7 +1,7 @@
 """``directions`` and ``partition_mode`` of ``hf_infcl.losses.InfCLLoss`` (issue 16).
 
 Every combination sentence-transformers' MultipleNegativesRankingLoss accepts, against the float64
-oracle (tests/oracle.py, the formulas of docs/contract.md) on embeddings, and against the installed
+oracle (tests/helpers/oracle.py, the formulas of docs/contract.md) on embeddings, and against the installed
 MNRL / CachedMNRL on a tiny BERT with dropout on: the loss and every parameter gradient, pairs and
 hard-negative columns. The same with every hardness_mode, and with their checks, warning and
 assignment. Then their checks and messages, assignment after construction and the config. Two
@@ -26,8 +26,8 @@ from sentence_transformers import losses as st_losses  # noqa: E402
 from sentence_transformers import util  # noqa: E402
 
 from hf_infcl import losses  # noqa: E402
-from tests.oracle import directions_loss  # noqa: E402
-from tests.sentence_transformers_fixtures import (  # noqa: E402
+from tests.helpers.oracle import directions_loss  # noqa: E402
+from tests.helpers.sentence_transformers_fixtures import (  # noqa: E402
     build_tiny_model_dir,
     load_tiny_model,
     loss_and_gradients,
@@ -362,7 +362,7 @@ def test_two_processes_of_different_sizes_equal_one_process_on_the_concatenated_
     this."""
     import torch.multiprocessing as mp
 
-    from tests.sentence_transformers_workers import (
+    from tests.helpers.sentence_transformers_workers import (
         DIRECTION_SETS,
         DIRECTIONS_SCALE,
         UNEQUAL_ROWS,

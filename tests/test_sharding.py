@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from hf_infcl.sharding import full_value, is_dtensor, scalar_state_dict, vectorise_scalar_parameters
-from tests.trainer_fixtures import tiny_clip
+from tests.helpers.trainer_fixtures import tiny_clip
 
 
 def test_scalar_parameters_become_vectors_in_the_model_and_the_optimizer_and_save_back_0d():

@@ -14,8 +14,8 @@ from transformers import BertModel, TrainerCallback
 from hf_infcl import InfCLTrainer, InfCLTrainingArguments, contrastive_loss
 from hf_infcl.metrics import retrieval_recalls
 from hf_infcl.models import encode_keys, encode_queries
-from tests.offline import run_two_processes
-from tests.trainer_fixtures import (
+from tests.helpers.offline import run_two_processes
+from tests.helpers.trainer_fixtures import (
     DIGIT_WORDS,
     PairDataset,
     caption_tokenizer,
@@ -35,7 +35,7 @@ from tests.trainer_fixtures import (
     trained_parameters,
     trainer_arguments,
 )
-from tests.trainer_workers import TWO_PROCESS_SETTINGS, VARIANTS
+from tests.helpers.trainer_workers import TWO_PROCESS_SETTINGS, VARIANTS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -90,7 +90,7 @@ def test_chunked_and_offloaded_training_match_the_full_batch(tmp_path, build, ba
 def test_two_processes_match_one_process_on_the_concatenated_batch(tmp_path):
     """torchrun, 2 ranks x 8 pairs (DDP, gloo, the ring), cached with offload and uncached ==
     1 process x 16 pairs, uncached: parameters after two steps, logged loss and accuracy."""
-    run_two_processes(os.path.join(REPO, "tests", "trainer_workers.py"), tmp_path, timeout=300)
+    run_two_processes(os.path.join(REPO, "tests", "helpers", "trainer_workers.py"), tmp_path, timeout=300)
 
     single = train(tmp_path / "single", tiny_clip(dropout=0.0), PairDataset(clip_batch(16)),
                    per_device_train_batch_size=16, **TWO_PROCESS_SETTINGS)
@@ -321,7 +321,8 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainingArguments, default_data_collator
 from hf_infcl import InfCLTrainer
-from tests.trainer_fixtures import PairDataset, clip_batch, end_worker_process, tiny_clip, trainer_arguments
+from tests.helpers.trainer_fixtures import (PairDataset, clip_batch, end_worker_process, tiny_clip,
+                                           trainer_arguments)
 
 torch.set_num_threads(1)
 out = sys.argv[1]

@@ -1,4 +1,4 @@
-"""InfCLTrainer under FSDP2 and DeepSpeed ZeRO-2/3, two processes: ``tests/trainer_fsdp_workers.py``.
+"""InfCLTrainer under FSDP2 and DeepSpeed ZeRO-2/3, two processes: ``tests/helpers/trainer_fsdp_workers.py``.
 
 On CPU (gloo) the worker switches the Trainer's Accelerator to FSDP2 (Accelerate enables FSDP on
 GPUs only), and runs DeepSpeed through its CPU accelerator; the GPU test runs the Trainer's own
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.offline import run_two_processes
+from tests.helpers.offline import run_two_processes
+from tests.helpers.trainer_fixtures import tiny_siglip2
 from tests.test_fsdp import assert_same_grads
-from tests.trainer_fixtures import tiny_siglip2
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = {"fsdp": ["fsdp", "fsdp-chunk-step", "fsdp-chunk-chunk", "fsdp-chunk-step-gather-chunk"],
@@ -28,7 +28,8 @@ VARIANTS = {"fsdp": ["fsdp", "fsdp-chunk-step", "fsdp-chunk-chunk", "fsdp-chunk-
 
 def run_worker(out: Path, cuda: bool, engine: str = "fsdp", family: str = "clip") -> dict[str, dict]:
     env = {"DS_ACCELERATOR": "cpu"} if engine == "deepspeed" and not cuda else None
-    run_two_processes(REPO / "tests" / "trainer_fsdp_workers.py", out, engine, family, cuda=cuda, env=env)
+    run_two_processes(REPO / "tests" / "helpers" / "trainer_fsdp_workers.py", out, engine, family, cuda=cuda,
+                      env=env)
     return {name: torch.load(out / f"{name}.pt") for name in ["ddp", *VARIANTS[engine]]}
 
 

@@ -1,6 +1,6 @@
 """The Triton backend: kernels under the CPU interpreter (CI) and on a CUDA GPU (``-m gpu``).
 
-CPU: ``tests/triton_interpreted.py`` runs in a subprocess with ``TRITON_INTERPRET=1``, which must
+CPU: ``tests/helpers/triton_interpreted.py`` runs in a subprocess with ``TRITON_INTERPRET=1``, which must
 be set before the kernels are defined and must not leak into the rest of the suite.
 
 GPU: every case compares ``TritonBlocks`` (buffers poisoned with NaN first) with the tile-wise
@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_kernels_under_interpreter_match_float64_reference():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
-    command = [sys.executable, "-m", "pytest", "tests/triton_interpreted.py", "-q", "-p", "no:cacheprovider",
-               "-W", "ignore::RuntimeWarning"]
+    command = [sys.executable, "-m", "pytest", "tests/helpers/triton_interpreted.py", "-q", "-p",
+               "no:cacheprovider", "-W", "ignore::RuntimeWarning"]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and " failed" not in result.stdout

@@ -1,7 +1,7 @@
 """The on-disk store of autotuned configurations (hf_infcl.ops.triton.tuning_store): what one process
 tunes, the next loads instead of tuning; the processes of one machine tune a key once; devices
 and Triton versions keep separate files. Autotuner stand-ins replace Triton's, whose tuning
-needs a GPU; the GPU check is ``tests/gpu_smoke.py``'s second-process case."""
+needs a GPU; the GPU check is ``tests/helpers/gpu_smoke.py``'s second-process case."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Where one process makes the checks that read values (hf_infcl.ops.value_check): block ops
 that ask for it (the Triton ones) get the check pending and run it just before their first
 kernel; any other block ops see it made before they are called; a check nobody ran still runs
-before the loss returns. (The Triton block ops themselves: tests/triton_interpreted.py.)"""
+before the loss returns. (The Triton block ops themselves: tests/helpers/triton_interpreted.py.)"""
 
 from __future__ import annotations
 

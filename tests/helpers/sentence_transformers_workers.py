@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.sentence_transformers_fixtures import (
+from tests.helpers.sentence_transformers_fixtures import (
     load_tiny_model,
     loss_and_gradients,
     st_reference_loss,
@@ -125,7 +125,7 @@ def run_ddp_rank(rank: int, world_size: int, init_file: str, model_dir: str, out
 
 
 # MNRL's joint directions (and its hardness modes) on embeddings, the two ranks holding 3 and 5
-# examples: the options of InfCLLoss, which are also the oracle's (tests/oracle.py).
+# examples: the options of InfCLLoss, which are also the oracle's (tests/helpers/oracle.py).
 DIRECTION_SETS = {
     "query_to_query": dict(directions=("query_to_doc", "query_to_query"), partition_mode="joint"),
     "doc_to_doc": dict(directions=("query_to_doc", "doc_to_doc"), partition_mode="joint"),

@@ -1,7 +1,7 @@
 """Where the Triton backend's time goes (a GPU script, not a test): forward and backward timed
 apart, and a per-kernel table from torch.profiler, for one size.
 
-    python tests/triton_profile.py --b 32768 --c 512 --dtype bf16
+    python benchmarks/triton_profile.py --b 32768 --c 512 --dtype bf16
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Worker for the FSDP2 GradCache tests: ``torchrun --nproc_per_node 2 tests/fsdp_workers.py OUT``.
+"""Worker for the FSDP2 GradCache tests: ``torchrun --nproc_per_node 2 tests/helpers/fsdp_workers.py OUT``.
 
 Each rank wraps a tiny model (CLIP, a BERT DualEncoder, a Qwen2-style decoder DualEncoder) with
 ``fully_shard`` (each encoder or decoder layer, then the root) on CPU over
@@ -26,13 +26,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hf_infcl import contrastive_loss  # noqa: E402
 from hf_infcl.grad_cache import cached_step, split_batch  # noqa: E402
 from hf_infcl.models import model_family  # noqa: E402
 from hf_infcl.sharding import fsdp_gather_once, fsdp_no_sync, full_value  # noqa: E402
-from tests.trainer_fixtures import (  # noqa: E402
+from tests.helpers.trainer_fixtures import (  # noqa: E402
     clip_batch,
     decoder_text_batch,
     end_worker_process,

@@ -1,9 +1,9 @@
 """GPU smoke cases, run the way users run: autotuning on, and each case in a fresh process, so
 that its first call is the one that tunes.
 
-``python -m tests.gpu_smoke CASE`` runs one case and prints ``SMOKE OK CASE {details}`` last;
+``python -m tests.helpers.gpu_smoke CASE`` runs one case and prints ``SMOKE OK CASE {details}`` last;
 ``tests/test_gpu_smoke.py`` (``pytest -m gpu``) launches every case in its own process with
-``HF_INFCL_TRITON_AUTOTUNE`` removed from the environment. ``python -m tests.gpu_smoke --list``
+``HF_INFCL_TRITON_AUTOTUNE`` removed from the environment. ``python -m tests.helpers.gpu_smoke --list``
 prints the case names.
 
 Cases:
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 # Norm-wise relative tolerances against float64 on the same rounded inputs (fp32 runs on TF32).
@@ -158,7 +158,7 @@ def run_compile_case(loss_name: str, m=4096, c=256):
 def run_trainer_case(model_name: str, chunk_size: int | None, cuda_graphs: bool = False):
     from hf_infcl import InfCLTrainer
     from hf_infcl.batch_statistics import freeze_batch_norm
-    from tests.trainer_fixtures import (
+    from tests.helpers.trainer_fixtures import (
         PairDataset,
         clap_batch,
         clip_batch,

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _LAUNCHER_VARIABLES = ("ACCELERATE_", "WORLD_SIZE", "LOCAL_RANK", "RANK", "MASTER_")
 
 

@@ -1,6 +1,6 @@
 """Worker for the InfCLTrainer-under-FSDP2 and -DeepSpeed tests (``tests/test_trainer_fsdp.py``).
 
-    torchrun --nproc_per_node 2 tests/trainer_fsdp_workers.py OUT [fsdp|deepspeed] [clip|siglip2]
+    torchrun --nproc_per_node 2 tests/helpers/trainer_fsdp_workers.py OUT [fsdp|deepspeed] [clip|siglip2]
 
 Each variant trains a tiny CLIPModel (whose ``logit_scale`` is 0-d, which ``fully_shard`` refuses),
 or with ``siglip2`` a tiny Siglip2Model on NaFlex batches (the sigmoid loss with its bias, image
@@ -33,11 +33,11 @@ import torch.distributed as dist
 from transformers import CLIPModel, Siglip2Model
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hf_infcl import InfCLTrainer  # noqa: E402
 from hf_infcl.sharding import full_value  # noqa: E402
-from tests.trainer_fixtures import (  # noqa: E402
+from tests.helpers.trainer_fixtures import (  # noqa: E402
     PairDataset,
     clip_batch,
     end_worker_process,

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tests.oracle import hardness_selection
+from tests.helpers.oracle import hardness_selection
 
 GROUP_POSITIVES = (None, "any", "each")
 STRATEGIES = ("absolute", "relative")
@@ -159,12 +159,12 @@ def objective_loss(queries, keys, scale, bias=None, *, loss="softmax", symmetric
 
 
 def objective_gradients(queries, keys, scale, bias=None, **options):
-    """(loss, {"queries", "keys", "scale", "bias"}) as float64 NumPy, as tests/oracle.py's
+    """(loss, {"queries", "keys", "scale", "bias"}) as float64 NumPy, as tests/helpers/oracle.py's
     ``contract_loss`` returns them; for ``reduction="none"`` the gradients are those of the sum."""
     q = as_float64(queries).detach().clone().requires_grad_(True)
     k = as_float64(keys).detach().clone().requires_grad_(True)
     s = as_float64(scale).detach().clone().requires_grad_(True)
-    # without a bias, "bias" is the gradient of a zero bias (as tests/oracle.py's)
+    # without a bias, "bias" is the gradient of a zero bias (as tests/helpers/oracle.py's)
     b = as_float64(0.0 if bias is None else bias).detach().clone().requires_grad_(True)
     value = objective_loss(q, k, s, b, **options)
     value.sum().backward()

@@ -1,6 +1,6 @@
 """Worker for the DeepSpeed GradCache tests (``tests/test_deepspeed.py``), on CPU over gloo:
 
-    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/deepspeed_workers.py OUT
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/helpers/deepspeed_workers.py OUT
 
 For ZeRO stages 2 and 3 and two models (a tiny CLIP and a Qwen2-style decoder DualEncoder, both
 with dropout, the logit scale a 1-element vector), each rank takes two SGD steps (lr 1, so the
@@ -24,12 +24,12 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hf_infcl.grad_cache import cached_step, split_batch  # noqa: E402
 from hf_infcl.sharding import deepspeed_no_sync, keep_gathered_under_zero3  # noqa: E402
-from tests.fsdp_workers import CHUNK, batch_of, build, encoder, log_scale, loss_fn  # noqa: E402
-from tests.trainer_fixtures import end_worker_process  # noqa: E402
+from tests.helpers.fsdp_workers import CHUNK, batch_of, build, encoder, log_scale, loss_fn  # noqa: E402
+from tests.helpers.trainer_fixtures import end_worker_process  # noqa: E402
 
 STAGES = (2, 3)
 STEPS = 2  # a second step catches gradients left over from the first

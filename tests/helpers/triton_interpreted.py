@@ -3,7 +3,7 @@
 Not collected by pytest directly (its name does not start with ``test_``): ``tests/test_triton.py``
 runs it in a subprocess with the variable set, because it must be set before any kernel is
 defined and must not leak into the rest of the suite. Run it by hand with
-``TRITON_INTERPRET=1 python -m pytest tests/triton_interpreted.py -q``.
+``TRITON_INTERPRET=1 python -m pytest tests/helpers/triton_interpreted.py -q``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from hf_infcl import contrastive_loss
 from hf_infcl.ops.spec import GroupMask, HardnessOffset, StatsSpec
 from hf_infcl.ops.tiled import TorchTiles
-from tests.hardness_cases import with_hardness
+from tests.helpers.hardness_cases import with_hardness
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 (run through tests/test_triton.py)", allow_module_level=True)

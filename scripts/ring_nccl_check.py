@@ -2,7 +2,7 @@
 
 Run on a machine with 2 (or more) GPUs:
 
-    torchrun --standalone --nproc_per_node 2 tests/ring_nccl_check.py
+    torchrun --standalone --nproc_per_node 2 scripts/ring_nccl_check.py
 
 (``tests/test_ring.py::test_nccl_ring_parity_script`` runs it when two GPUs are visible;
 ``--cpu`` runs the same checks over gloo on CPU, a dry run of the script itself.)

@@ -1,5 +1,5 @@
 """Inputs of the hardness offset (docs/contract.md, "Hardness offset") for the tests of the
-functional on every backend (tests/test_loss.py, tests/triton_interpreted.py)."""
+functional on every backend (tests/test_loss.py, tests/helpers/triton_interpreted.py)."""
 
 from __future__ import annotations
 

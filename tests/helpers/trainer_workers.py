@@ -1,4 +1,5 @@
-"""Worker for the two-process InfCLTrainer test: ``torchrun --nproc_per_node 2 tests/trainer_workers.py OUT``.
+"""Worker for the two-process InfCLTrainer test:
+``torchrun --nproc_per_node 2 tests/helpers/trainer_workers.py OUT``.
 
 For each variant in ``VARIANTS`` (gradient caching with chunks of 4 and offload; no caching),
 each rank trains the same tiny CLIP on its half of 16 pairs (per-device batch 8, DDP over gloo,
@@ -15,10 +16,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hf_infcl import InfCLTrainer  # noqa: E402
-from tests.trainer_fixtures import (  # noqa: E402
+from tests.helpers.trainer_fixtures import (  # noqa: E402
     PairDataset,
     clip_batch,
     end_worker_process,
