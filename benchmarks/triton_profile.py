@@ -1,5 +1,6 @@
 """Where the Triton backend's time goes (a GPU script, not a test): forward and backward timed
-apart, and a per-kernel table from torch.profiler, for one size.
+apart, and a per-kernel table from torch.profiler, for one size. It reads one internal,
+``hf_infcl.ops.triton.launch.TUNED_KERNELS``, to print the configuration each kernel was tuned to.
 
     python benchmarks/triton_profile.py --b 32768 --c 512 --dtype bf16
 """
