@@ -8,6 +8,10 @@
   (``--learning_rate 3e-4`` or ``--learning_rate=3e-4``).
 - :func:`check_numeric_flags`: every numeric flag checked before any work, with a one-line error
   that names the flag (``--global_batch_size must be > 0, got 0``).
+- :func:`check_output_dir`: ``--output_dir`` is a folder that can be written, checked before any
+  work (a run must not train for an hour and then fail to save).
+- :func:`check_data_file`: a data file with no rows (empty, blank, a CSV header alone) named in one
+  line, before ``datasets`` fails on it with a long traceback.
 - :func:`check_hub_push`: ``--push_to_hub`` checked before training (repo id, token, the Hub
   answering, the repo writable), so a run does not train for nothing and fail at the end;
   :func:`push_output_dir` uploads after the results are printed, failing in one line.
@@ -108,6 +112,39 @@ def parse_with_defaults(parser, argv, default_output_dir: str, defaults: dict[st
         return parser.parse_args_into_dataclasses(args=argv)
     except ValueError as error:  # the dataclasses' own checks (e.g. InfCLTrainingArguments)
         fail(str(error))
+
+
+def check_output_dir(path: str) -> None:
+    """End the run (one line naming ``--output_dir``) unless ``path`` is a folder, or can be made
+    one, and can be written: the first existing folder on the way to it must be writable."""
+    folder = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        fail(f"--output_dir {path} is a file, not a folder: choose another --output_dir")
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        fail(f"--output_dir {path} cannot be made: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK):
+        fail(f"--output_dir {path} cannot be written: {existing} is not writable")
+
+
+def check_data_file(path: str, flag: str = "--dataset") -> None:
+    """Raise a ValueError naming ``flag`` when the local file ``path`` has no rows to read: empty,
+    blank lines only, or (CSV / TSV) a header line alone. Read without parsing: a few lines."""
+    extension = os.path.splitext(path)[1].lower()
+    if not os.path.isfile(path) or extension not in (".csv", ".tsv", ".json", ".jsonl"):
+        return
+    lines = 0
+    with open(path, "rb") as handle:
+        for line in handle:
+            lines += bool(line.strip())
+            if lines == 2:
+                return
+    if lines == 0:
+        raise ValueError(f"{flag} {path} is empty: it has no rows")
+    if extension in (".csv", ".tsv"):
+        raise ValueError(f"{flag} {path} has a header line and no rows")
 
 
 # ---- numeric flags ------------------------------------------------------------------------------

@@ -105,7 +105,7 @@ def load_image_caption_stream(
             continue
         held_out.append(ImageCaptionExample(pair[0], (pair[1],)))
     if not held_out:
-        raise ValueError(f"no usable rows among the first {held_out_rows} of {path} "
+        raise ValueError(f"--dataset {path}: no usable rows among the first {held_out_rows} "
                          f"(skipped: {dict(skipped)})")
     captions = stream.select_columns([caption_column]).take(VOCABULARY_ROWS)
     vocabulary = [str(row[caption_column]) for row in captions if row[caption_column] is not None]

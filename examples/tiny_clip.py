@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[BOS]", "[EOS]")
+TINY_HEADS = 2  # attention heads per layer of the tiny model: its width must be a multiple
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(4)
 
 
@@ -67,7 +68,7 @@ def build_tiny_clip(
     patch_size: int = 4,
     width: int = 64,
     layers: int = 2,
-    heads: int = 2,
+    heads: int = TINY_HEADS,
     projection_dim: int = 64,
     max_text_length: int = 32,
     seed: int = 0,

@@ -71,6 +71,7 @@ from example_cli import (
     argument_parser,
     check_hub_push,
     check_numeric_flags,
+    check_output_dir,
     fail,
     is_main_process,
     push_output_dir,
@@ -83,6 +84,7 @@ from image_text_stream import (
     transformed_piece,
 )
 from retrieval_metrics import embed_texts, retrieval_metrics, zero_shot_accuracy
+from tiny_clip import TINY_HEADS
 from training_curves import check_plotting, save_training_curves
 
 # --dataset values built in memory by bundled_data (not streamable)
@@ -488,8 +490,11 @@ class RankBatches(torch.utils.data.Sampler):
 
     def __init__(self, rows: int, per_device: int, rank: int, world: int, seed: int, equal_shares=False):
         if rows < per_device * world:
-            raise ValueError(f"the train split ({rows} pairs) is smaller than one global batch "
-                             f"({per_device * world})")
+            largest = rows - rows % world
+            fix = (f"the largest --global_batch_size that works is {largest}" if largest
+                   else f"it has fewer pairs than the {world} processes")
+            raise ValueError(f"--global_batch_size {per_device * world} is larger than the train split "
+                             f"({rows} pairs): {fix}")
         self.rows, self.per_device, self.rank, self.world = rows, per_device, rank, world
         self.seed, self.equal_shares = seed, equal_shares
         self.epoch, self.skip = 0, 0
@@ -819,6 +824,10 @@ def parse_arguments(argv=None):
     ends the run before any work with one line naming the flag."""
     model_args, data_args, args = build_parser().parse_args_into_dataclasses(args=argv)
     check_numeric_flags((model_args, data_args, args), NUMERIC_RULES)
+    tiny = model_args.model_name_or_path is None and model_args.config_name is None
+    if tiny and model_args.tiny_width % TINY_HEADS:
+        fail(f"--tiny_width must be a multiple of {TINY_HEADS} (the tiny model's attention heads), "
+             f"got {model_args.tiny_width}")
     if model_args.image_size % model_args.patch_size:
         fail(f"--patch_size {model_args.patch_size} must divide --image_size {model_args.image_size}")
     if args.offload and not args.chunk_size:
@@ -877,6 +886,7 @@ def main(argv=None):
     from transformers import get_scheduler
 
     model_args, data_args, args = parse_arguments(argv)
+    check_output_dir(args.output_dir)
     if args.push_to_hub and is_main_process():  # checked now, not after training
         args.hub_model_id = check_hub_push(args.hub_model_id, args.output_dir, args.hub_token,
                                            args.hub_private_repo)
@@ -908,14 +918,23 @@ def main(argv=None):
     set_seed(args.seed)
     log = accelerator.print
 
-    data = load_training_data(data_args, args.seed, log)
-    classification = None
-    if data_args.eval_dataset is not None:
-        classification = load_classification_set(
-            data_args.eval_dataset, data_args.eval_image_column, data_args.label_column,
-            data_args.class_names, data_args.prompt_template, log=log)
-        # the tiny default model's word vocabulary must know the prompts' words
-        data.extra.setdefault("vocabulary", []).extend(classification.vocabulary_text())
+    try:  # a problem with the data ends the run in one line naming the flag, before training
+        data = load_training_data(data_args, args.seed, log)
+        classification = None
+        if data_args.eval_dataset is not None:
+            classification = load_classification_set(
+                data_args.eval_dataset, data_args.eval_image_column, data_args.label_column,
+                data_args.class_names, data_args.prompt_template, log=log)
+            # the tiny default model's word vocabulary must know the prompts' words
+            data.extra.setdefault("vocabulary", []).extend(classification.vocabulary_text())
+        if not data_args.streaming:
+            # FSDP2 gathers, and --reduce_every_chunk reduces, once per chunk: every process must run
+            # as many chunks as the others, so their shares must be equal.
+            equal_shares = bool(args.chunk_size) and (fsdp2 or args.reduce_every_chunk)
+            sampler = RankBatches(len(data.train), args.per_device_train_batch_size,
+                                  accelerator.process_index, world, args.seed, equal_shares=equal_shares)
+    except ValueError as error:
+        fail(str(error))
     model, processor, base_model = load_model_and_processor(model_args, data_args, data, args.seed)
     data_args.max_seq_length = caption_length(model, data_args.max_seq_length)
     freeze_towers(model, vision=model_args.freeze_vision_model, text=model_args.freeze_text_model)
@@ -980,11 +999,6 @@ def main(argv=None):
     else:
         dataset = PairDataset(data.train, group_ids(data, data.train), processor.image_processor,
                               seed=args.seed, base=data.extra.get("base"), pixel_dtype=pixel_dtype)
-        # FSDP2 gathers, and --reduce_every_chunk reduces, once per chunk: every process must run
-        # as many chunks as the others, so their shares must be equal.
-        equal_shares = bool(args.chunk_size) and (fsdp2 or args.reduce_every_chunk)
-        sampler = RankBatches(len(dataset), args.per_device_train_batch_size, accelerator.process_index,
-                              world, args.seed, equal_shares=equal_shares)
         loader = _data_loader(dataset, args, persistent_workers=True,
                               batch_sampler=EpochBatches(sampler, piece_rows), collate_fn=batch_as_is)
         batches = epoch_batches(loader, sampler, worker_skips, collate, step)
@@ -1262,7 +1276,7 @@ def _resolve_checkpoint(path, output_dir):
 
     latest = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
     if latest is None:
-        raise ValueError(f"--resume_from_checkpoint latest: no checkpoint-* folder in {output_dir}")
+        fail(f"--resume_from_checkpoint latest: no checkpoint-* folder in {output_dir}")
     return latest
 
 

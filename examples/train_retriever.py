@@ -57,6 +57,7 @@ from example_cli import (
     argument_parser,
     check_hub_push,
     check_numeric_flags,
+    check_output_dir,
     close_process_group,
     fail,
     is_main_process,
@@ -227,6 +228,7 @@ def parse_arguments(argv=None):
     output_dir = defaults.pop("output_dir", DEFAULT_OUTPUT_DIR)
     script_args, args = parse_with_defaults(build_parser(), argv, output_dir, defaults)
     check_numeric_flags((script_args, args), NUMERIC_RULES)
+    check_output_dir(args.output_dir)
     if script_args.pooling is not None and script_args.pooling not in ("cls", "mean", "last"):
         fail(f"--pooling must be one of cls, mean, last; got {script_args.pooling!r}")
     if preset is not None and script_args.query_instruction is None:

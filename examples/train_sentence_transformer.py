@@ -35,6 +35,7 @@ from example_cli import (
     argument_parser,
     check_hub_push,
     check_numeric_flags,
+    check_output_dir,
     close_process_group,
     is_main_process,
     parse_with_defaults,
@@ -104,6 +105,7 @@ def parse_arguments(argv=None):
     """(ScriptArguments, SentenceTransformerTrainingArguments) of ``argv``, every flag checked."""
     script_args, args = parse_with_defaults(build_parser(), argv, DEFAULT_OUTPUT_DIR, DEFAULTS)
     check_numeric_flags((script_args, args), NUMERIC_RULES)
+    check_output_dir(args.output_dir)
     return script_args, args
 
 

@@ -198,6 +198,8 @@ BAD_NUMBERS = [
     ("train_clip", ["--report_to", "tensorbored"], "--report_to must name trackers among"),
     ("train_clip", ["--prompt_template", "a photo"], "--prompt_template must contain {name}"),
     ("train_clip", ["--class_names", "a,b"], "--class_names names the classes of --eval_dataset"),
+    ("train_clip", ["--tiny_width", "3"], "--tiny_width must be a multiple of 2 (the tiny model's attention "
+     "heads), got 3"),
     ("train_retriever", ["--per_device_train_batch_size", "0"], "--per_device_train_batch_size must be > 0"),
     ("train_retriever", ["--per_device_train_batch_size", "-4"], "--per_device_train_batch_size must be > 0"),
     ("train_retriever", ["--max_train_pairs", "0"], "--max_train_pairs must be > 0"),
@@ -240,6 +242,93 @@ def test_a_bad_flag_is_one_line_on_the_command_line(tmp_path):
                             timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == "train_clip.py: error: --global_batch_size must be > 0, got 0"
+
+
+# ---- what a newcomer meets: the output folder and the data, checked before training ----------------
+
+
+def one_line_error(module, argv, capsys) -> str:
+    """The one ``error:`` line ``module.main(argv)`` ends with (exit status 2), the last on standard
+    error (where ``datasets`` may have drawn progress bars before it)."""
+    with pytest.raises(SystemExit) as raised:
+        module.main(argv)
+    assert raised.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines and "error: " in lines[-1] and not any("Traceback" in line for line in lines), lines
+    assert sum("error: " in line for line in lines) == 1, lines
+    return lines[-1]
+
+
+@pytest.mark.parametrize("script", ["train_clip", "train_retriever", "train_sentence_transformer"])
+def test_an_output_dir_that_is_a_file_ends_the_run_before_any_work(script, tmp_path, monkeypatch, capsys):
+    module = forbid_work(script, monkeypatch)
+    (tmp_path / "results.txt").write_text("not a folder")
+    error = one_line_error(module, ["--output_dir", str(tmp_path / "results.txt")], capsys)
+    assert "--output_dir" in error and "results.txt is a file, not a folder" in error
+    error = one_line_error(module, ["--output_dir", str(tmp_path / "results.txt" / "run")], capsys)
+    assert "--output_dir" in error and "cannot be made" in error
+
+
+def clip_stops_before_the_model(monkeypatch):
+    """train_clip, whose model loading (the work after the data) fails the test."""
+    import train_clip
+
+    monkeypatch.setattr(train_clip, "load_model_and_processor", no_work)
+    return train_clip
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("", "is empty: it has no rows"),
+    ("\n\n", "is empty: it has no rows"),
+    ("image_path,caption\n", "has a header line and no rows"),
+])
+def test_train_clip_names_a_data_file_without_rows_in_one_line(content, message, tmp_path, monkeypatch,
+                                                               capsys):
+    pytest.importorskip("datasets")
+    train_clip = clip_stops_before_the_model(monkeypatch)
+    (tmp_path / "pairs.csv").write_text(content)
+    error = one_line_error(train_clip, ["--dataset", str(tmp_path / "pairs.csv"),
+                                        "--output_dir", str(tmp_path / "out")], capsys)
+    assert f"--dataset {tmp_path / 'pairs.csv'} {message}" in error
+
+
+@pytest.mark.parametrize("missing", ["nothere.csv", "data/nothere.csv", "nothere"])
+def test_train_clip_names_a_missing_dataset_in_one_line(missing, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("datasets")
+    train_clip = clip_stops_before_the_model(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    error = one_line_error(train_clip, ["--dataset", missing], capsys)
+    assert f"--dataset {missing}: no such file or folder" in error
+
+
+def test_train_clip_names_the_largest_global_batch_that_fits_the_data(tmp_path, monkeypatch, capsys):
+    """40 rows, 4 held out: 36 training pairs, fewer than the default batch of 128."""
+    pytest.importorskip("datasets")
+    train_clip = clip_stops_before_the_model(monkeypatch)
+    csv = colour_squares_csv(tmp_path)
+    error = one_line_error(train_clip, ["--dataset", str(csv), "--output_dir", str(tmp_path / "out")], capsys)
+    assert ("--global_batch_size 128 is larger than the train split (36 pairs): the largest "
+            "--global_batch_size that works is 36") in error
+    error = one_line_error(train_clip, ["--dataset", str(csv), "--per_device_train_batch_size", "40",
+                                        "--output_dir", str(tmp_path / "out")], capsys)
+    assert "the largest --global_batch_size that works is 36" in error
+
+
+@pytest.mark.parametrize("script", ["train_retriever", "train_sentence_transformer"])
+@pytest.mark.parametrize(("name", "content", "message"), [
+    ("pairs.jsonl", "", "is empty: it has no rows"),
+    ("pairs.jsonl", "\n", "is empty: it has no rows"),
+    ("pairs.csv", "query,passage\n", "has a header line and no rows"),
+    ("missing.jsonl", None, ": no such file"),
+])
+def test_text_examples_name_a_data_file_without_rows_in_one_line(script, name, content, message, tmp_path,
+                                                                 monkeypatch, capsys):
+    module = text_example(script)
+    if content is not None:
+        (tmp_path / name).write_text(content)
+    error = one_line_error(module, ["--dataset", str(tmp_path / name), "--output_dir", str(tmp_path / "out")],
+                           capsys)
+    assert f"--dataset {tmp_path / name}{'' if message.startswith(':') else ' '}{message}" in error
 
 
 # ---- --push_to_hub is checked before training ------------------------------------------------
@@ -561,27 +650,35 @@ def test_train_clip_resume_from_checkpoint_continues_exactly(tmp_path):
     assert (resumed / "README.md").is_file()
 
 
-def test_train_clip_on_a_user_csv_pushes_model_processor_and_card(tmp_path, monkeypatch):
-    """Your own CSV of image paths and captions; --push_to_hub sends the model, its processor and
-    its card (not the checkpoint-* training states) through a fake HfApi."""
-    pytest.importorskip("datasets")
-    import huggingface_hub
+def colour_squares_csv(folder, rows=40):
+    """``folder/pairs.csv``: ``rows`` 8x8 PNGs of noisy colour squares beside it, each captioned
+    with its colour and number."""
     import numpy as np
-    import train_clip
     from PIL import Image
 
     rng = np.random.default_rng(0)
-    rows = ["image_path,caption"]
-    for i in range(40):
+    lines = ["image_path,caption"]
+    for i in range(rows):
         colour = ("red", "green", "blue", "white")[i % 4]
         pixels = np.zeros((8, 8, 3), dtype=np.uint8)
         pixels[..., :] = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255,) * 3}[
             colour
         ]
         pixels = np.clip(pixels.astype(int) + rng.integers(-30, 30, pixels.shape), 0, 255).astype(np.uint8)
-        Image.fromarray(pixels).save(tmp_path / f"{i}.png")
-        rows.append(f"{i}.png,a {colour} square number {i}")
-    (tmp_path / "pairs.csv").write_text("\n".join(rows))
+        Image.fromarray(pixels).save(folder / f"{i}.png")
+        lines.append(f"{i}.png,a {colour} square number {i}")
+    (folder / "pairs.csv").write_text("\n".join(lines))
+    return folder / "pairs.csv"
+
+
+def test_train_clip_on_a_user_csv_pushes_model_processor_and_card(tmp_path, monkeypatch):
+    """Your own CSV of image paths and captions; --push_to_hub sends the model, its processor and
+    its card (not the checkpoint-* training states) through a fake HfApi."""
+    pytest.importorskip("datasets")
+    import huggingface_hub
+    import train_clip
+
+    colour_squares_csv(tmp_path)
 
     uploads = FakeHub().install(monkeypatch).uploads
     out = tmp_path / "out"
