@@ -45,7 +45,7 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -235,8 +235,15 @@ class TrainArguments:
     save_steps: int = field(
         default=0, metadata={"help": "accelerator.save_state every this many steps (0: never)."}
     )
+    save_total_limit: int | None = field(default=None, metadata={
+        "help": "Keep only the last this many checkpoint-* folders in --output_dir, deleting older ones, "
+                "as the Trainer's flag does (default: keep all)."})
     resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "A checkpoint-<step> folder of a previous run, or 'latest'."}
+        default=None, metadata={
+            "help": "A checkpoint-<step> folder of a previous run, or 'latest' (the last in --output_dir). "
+                    "The run goes on with the history saved there (results, curves, card); give the "
+                    "schedule the run was started with (--max_steps): one that has already ended stops "
+                    "the run with an error."}
     )
     push_to_hub: bool = field(default=False)
     hub_model_id: str | None = field(default=None)
@@ -808,6 +815,7 @@ NUMERIC_RULES = {
     "shuffle_buffer_size": POSITIVE,
     "held_out_samples": POSITIVE,
     "save_steps": NON_NEGATIVE,  # 0: never
+    "save_total_limit": POSITIVE,  # None: keep every checkpoint
 }
 def build_parser():
     # Choice flags (--loss, --backend, --precision, --mixed_precision: Literal fields) are checked
@@ -935,6 +943,13 @@ def main(argv=None):
                                   accelerator.process_index, world, args.seed, equal_shares=equal_shares)
     except ValueError as error:
         fail(str(error))
+    steps_per_epoch = None if data_args.streaming else len(sampler)
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+    step, run = 0, RunHistory(total_steps)
+    if args.resume_from_checkpoint:
+        path = _resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+        step = int(path.rstrip("/").rsplit("-", 1)[-1])
+        run = resumed_history(path, step, total_steps, log)
     model, processor, base_model = load_model_and_processor(model_args, data_args, data, args.seed)
     data_args.max_seq_length = caption_length(model, data_args.max_seq_length)
     freeze_towers(model, vision=model_args.freeze_vision_model, text=model_args.freeze_text_model)
@@ -979,10 +994,6 @@ def main(argv=None):
     # share, and batches are moved to the device below.
     embedder, optimizer = accelerator.prepare(embedder, optimizer)
 
-    step = 0
-    if args.resume_from_checkpoint:
-        path = _resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
-        step = int(path.rstrip("/").rsplit("-", 1)[-1])
     # Training rows the DataLoader workers skip as unusable ({row key: reason}), added at the end
     # to those skipped while loading.
     worker_skips = {}
@@ -995,16 +1006,15 @@ def main(argv=None):
             pixel_dtype=pixel_dtype)
         loader = _data_loader(stream, args, batch_size=None)
         batches = endless_batches(loader, stream, worker_skips, skip_batches=step)
-        steps_per_epoch, train_rows = None, "streamed"
+        train_rows = "streamed"
     else:
         dataset = PairDataset(data.train, group_ids(data, data.train), processor.image_processor,
                               seed=args.seed, base=data.extra.get("base"), pixel_dtype=pixel_dtype)
         loader = _data_loader(dataset, args, persistent_workers=True,
                               batch_sampler=EpochBatches(sampler, piece_rows), collate_fn=batch_as_is)
         batches = epoch_batches(loader, sampler, worker_skips, collate, step)
-        steps_per_epoch, train_rows = len(sampler), len(dataset)
+        train_rows = len(dataset)
     batches = Prefetched(batches)
-    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
     scheduler = get_scheduler(
         args.lr_scheduler_type,
         optimizer,
@@ -1033,7 +1043,9 @@ def main(argv=None):
         f"{', chunks of ' + str(args.chunk_size) if args.chunk_size else ''}); held out: {len(data.held_out)}"
         f"{'; zero-shot on ' + str(len(classification[0].held_out)) + ' images' if classification else ''}"
     )
-    history, curves, final = [], [], {}
+    # A resumed run goes on with the history its checkpoint saved: results, curves and card cover
+    # the whole run.
+    history, curves, final = run.evaluations, run.train, {}
 
     def run_evaluation(at_step, train_loss):
         metrics = evaluate(
@@ -1071,6 +1083,11 @@ def main(argv=None):
     train_started = time.perf_counter()
     first_step = step  # of this run (a resumed run starts later)
     data_wait = 0.0  # host seconds the loop waited for its next batch
+
+    def run_so_far():
+        return replace(run, train_seconds=run.train_seconds + time.perf_counter() - train_started,
+                       data_wait_seconds=run.data_wait_seconds + data_wait)
+
     try:
         while step < total_steps:
             waiting_since = time.perf_counter()
@@ -1119,7 +1136,7 @@ def main(argv=None):
                          "logit_scale": full_value(model.clip.logit_scale).exp().item(),
                          "learning_rate": scheduler.get_last_lr()[0],
                          "pairs_per_second": global_batch * (step - first_step) / elapsed,
-                         "data_wait_seconds": data_wait}
+                         "data_wait_seconds": run.data_wait_seconds + data_wait}
                 curves.append(point)
                 accelerator.log({f"train/{name}": value for name, value in point.items() if name != "step"},
                                 step=step)
@@ -1127,7 +1144,11 @@ def main(argv=None):
                                      lr=f"{point['learning_rate']:.1e}",
                                      pairs_per_s=f"{point['pairs_per_second']:.0f}")
             if args.save_steps and step % args.save_steps == 0:
-                accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{step}"))
+                checkpoint = os.path.join(args.output_dir, f"checkpoint-{step}")
+                accelerator.save_state(checkpoint)
+                if accelerator.is_main_process:
+                    run_so_far().save(checkpoint)
+                    delete_old_checkpoints(args.output_dir, args.save_total_limit)
             if evaluation_step:
                 final = run_evaluation(step, batch_loss)
             if out_of_time:
@@ -1137,7 +1158,9 @@ def main(argv=None):
     if not history or history[-1]["step"] != step:  # e.g. resumed from the last checkpoint
         final = run_evaluation(step, None)
     progress.close()
-    train_seconds = time.perf_counter() - train_started
+    this_run_seconds = time.perf_counter() - train_started
+    whole_run = run_so_far()
+    train_seconds = whole_run.train_seconds
     skipped = skipped_rows(data.extra.get("skipped", {}), worker_skips)
 
     accelerator.wait_for_everyone()
@@ -1182,7 +1205,7 @@ def main(argv=None):
             epochs=step / steps_per_epoch if steps_per_epoch else None,
             learning_rate=args.learning_rate,
             train_seconds=train_seconds,
-            pairs_per_second=global_batch * (step - first_step) / train_seconds,
+            pairs_per_second=global_batch * step / train_seconds,
             eval_results=final,
             class_names=list(classes.class_names) if classes else None,
             example_prompts=[prompts[0] for prompts in classes.class_prompts()[:2]] if classes else None,
@@ -1196,14 +1219,16 @@ def main(argv=None):
         )
         _write_card_and_results(args, facts, history, curves)
     summary = ", ".join(f"{k} {v:.3f}" for k, v in final.items())
-    throughput = (f"{global_batch * (step - first_step) / train_seconds:.0f} pairs/s, "
-                  f"waited {data_wait:.1f} s for data, {data_wait / train_seconds:.0%} of training")
+    waited = whole_run.data_wait_seconds
+    throughput = (f"{global_batch * step / train_seconds:.0f} pairs/s, "
+                  f"waited {waited:.1f} s for data, {waited / train_seconds:.0%} of training")
     if peak_gpu_gib is not None:
         throughput += f", peak GPU memory {peak_gpu_gib:.1f} GiB"
     if peak_host_gib is not None:
         throughput += f", peak host memory {peak_host_gib:.1f} GiB"
     log(
         f"done: {step} steps in {train_seconds:.1f} s of training "
+        f"{f'({this_run_seconds:.1f} s of them after resuming at step {first_step}) ' if first_step else ''}"
         f"({time.perf_counter() - started:.1f} s in all; {throughput}); "
         f"held-out {summary}"
     )
@@ -1267,6 +1292,65 @@ def _run_on_cpu(args) -> bool:
             file=sys.stderr,
         )
     return args.use_cpu or (several and not torch.cuda.is_available())
+
+
+@dataclass
+class RunHistory:
+    """What a run has done up to a checkpoint, saved in it (``run_history.json``) beside
+    Accelerate's state, so that a resumed run's ``eval_results.json``, curves and card cover the
+    whole run rather than the steps after the resume."""
+
+    total_steps: int  # the schedule's length
+    train_seconds: float = 0.0
+    data_wait_seconds: float = 0.0
+    train: list = field(default_factory=list)  # the logging steps' points
+    evaluations: list = field(default_factory=list)  # the held-out metrics of the evaluation steps
+
+    FILE = "run_history.json"
+
+    def save(self, checkpoint: str) -> None:
+        with open(os.path.join(checkpoint, self.FILE), "w") as handle:
+            json.dump(asdict(self), handle, indent=2)
+
+    @classmethod
+    def load(cls, checkpoint: str) -> RunHistory | None:
+        path = os.path.join(checkpoint, cls.FILE)
+        if not os.path.isfile(path):  # a checkpoint saved without one
+            return None
+        with open(path) as handle:
+            return cls(**json.load(handle))
+
+
+def resumed_history(checkpoint: str, step: int, total_steps: int, log) -> RunHistory:
+    """The history saved in ``checkpoint`` (at ``step``), going on to ``total_steps``. A schedule
+    that has already ended ends the run (exit 2) saying so: training 0 steps and writing a new card
+    over the finished run's is never what a resume means."""
+    saved = RunHistory.load(checkpoint)
+    planned = f"; the run saved there planned {saved.total_steps}" if saved else ""
+    if step >= total_steps:
+        fail(f"--resume_from_checkpoint {checkpoint}: the checkpoint is at step {step}, where this run's "
+             f"schedule of {total_steps} steps (--max_steps, else --num_train_epochs) has already ended"
+             f"{planned}: nothing to train; pass a larger --max_steps to train on")
+    if saved is None:
+        return RunHistory(total_steps)
+    if saved.total_steps != total_steps:
+        log(f"note: the run saved in {checkpoint} planned {saved.total_steps} steps, this one {total_steps}: "
+            "the learning-rate schedule follows this run's")
+    return replace(saved, total_steps=total_steps)
+
+
+def delete_old_checkpoints(output_dir: str, keep: int | None) -> None:
+    """--save_total_limit: delete all but the last ``keep`` checkpoint-<step> folders (None: none)."""
+    if keep is None:
+        return
+    import shutil
+
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    steps = sorted(int(name.rsplit("-", 1)[1]) for name in os.listdir(output_dir)
+                   if name.startswith(f"{PREFIX_CHECKPOINT_DIR}-") and name.rsplit("-", 1)[1].isdigit())
+    for step in steps[:-keep]:
+        shutil.rmtree(os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}"))
 
 
 def _resolve_checkpoint(path, output_dir):

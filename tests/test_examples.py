@@ -194,6 +194,7 @@ BAD_NUMBERS = [
     ("train_clip", ["--dataset", "x.parquet", "--streaming", "--max_steps", "10", "--max_train_samples", "5"],
      "--max_train_samples does not apply with --streaming"),
     ("train_clip", ["--shuffle_buffer_size", "0"], "--shuffle_buffer_size must be > 0, got 0"),
+    ("train_clip", ["--save_total_limit", "0"], "--save_total_limit must be > 0, got 0"),
     ("train_clip", ["--dataloader_num_workers", "-1"], "--dataloader_num_workers must be >= 0, got -1"),
     ("train_clip", ["--report_to", "tensorbored"], "--report_to must name trackers among"),
     ("train_clip", ["--prompt_template", "a photo"], "--prompt_template must contain {name}"),
@@ -669,6 +670,75 @@ def colour_squares_csv(folder, rows=40):
         lines.append(f"{i}.png,a {colour} square number {i}")
     (folder / "pairs.csv").write_text("\n".join(lines))
     return folder / "pairs.csv"
+
+
+def card_training_seconds(folder) -> float:
+    card = (folder / "README.md").read_text()
+    return float(re.search(r"\| training time \(s\) \| ([\d.]+) \|", card).group(1))
+
+
+def test_a_resumed_train_clip_run_keeps_the_whole_history(tmp_path, monkeypatch, capsys):
+    """Resumed from step 3 of 6: eval_results.json, the curves and the card's training time cover
+    steps 1 to 6, the first three as the checkpoint saved them."""
+    import train_clip
+
+    drawn = []
+    draw = train_clip.save_training_curves
+
+    def recording_curves(curves, history, *args, **kwargs):
+        drawn.append(([point["step"] for point in curves], [point["step"] for point in history]))
+        return draw(curves, history, *args, **kwargs)
+
+    monkeypatch.setattr(train_clip, "save_training_curves", recording_curves)
+    common = ["--max_steps", "6", "--eval_steps", "2", "--logging_steps", "1", "--global_batch_size", "64",
+              "--dataloader_num_workers", "0"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    train_clip.main(["--output_dir", str(whole), "--save_steps", "3", *common])
+    resumed.mkdir()
+    os.rename(whole / "checkpoint-3", resumed / "checkpoint-3")
+    saved = json.loads((resumed / "checkpoint-3" / "run_history.json").read_text())
+    capsys.readouterr()
+    train_clip.main(["--output_dir", str(resumed), "--resume_from_checkpoint", "latest", *common])
+    output = capsys.readouterr().out
+
+    assert drawn == [([1, 2, 3, 4, 5, 6], [2, 4, 6])] * 2  # the whole run's curves, both times
+    before, after = (json.loads((folder / "eval_results.json").read_text()) for folder in (whole, resumed))
+    assert [point["step"] for point in after["train"]] == [1, 2, 3, 4, 5, 6]
+    assert [point["step"] for point in after["history"]] == [2, 4, 6]
+    assert after["train"][:3] == before["train"][:3] == saved["train"]
+    assert after["history"][0] == before["history"][0] == saved["evaluations"][0]
+    for resumed_point, whole_point in zip(after["history"][1:], before["history"][1:]):
+        assert resumed_point == pytest.approx(whole_point, rel=1e-4)
+    since_resume = float(re.search(r"\(([\d.]+) s of them after resuming at step 3\)", output).group(1))
+    assert card_training_seconds(resumed) == pytest.approx(saved["train_seconds"] + since_resume, abs=0.11)
+    assert "| optimizer steps | 6 |" in (resumed / "README.md").read_text()
+
+
+def test_train_clip_save_total_limit_keeps_the_last_checkpoints(tmp_path):
+    import train_clip
+
+    out = tmp_path / "out"
+    train_clip.main(["--output_dir", str(out), "--max_steps", "4", "--save_steps", "1",
+                     "--save_total_limit", "2", "--eval_steps", "0", "--dataloader_num_workers", "0"])
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+
+
+def test_resuming_a_finished_schedule_says_so_and_stops(tmp_path, capsys):
+    """The run's --max_steps forgotten: the default schedule (10 epochs of 12 steps) ended before the
+    checkpoint's step 150; nothing is trained and no card written over the finished run's."""
+    import train_clip
+
+    done = tmp_path / "done"
+    train_clip.main(["--output_dir", str(done), "--max_steps", "2", "--save_steps", "2", "--eval_steps", "0",
+                     "--dataloader_num_workers", "0"])
+    (done / "README.md").unlink()
+    os.rename(done / "checkpoint-2", done / "checkpoint-150")
+    capsys.readouterr()
+    error = one_line_error(train_clip, ["--output_dir", str(done), "--resume_from_checkpoint", "latest"],
+                           capsys)
+    assert "the checkpoint is at step 150, where this run's schedule of 120 steps" in error
+    assert "has already ended; the run saved there planned 2: nothing to train" in error
+    assert not (done / "README.md").exists()
 
 
 def test_train_clip_on_a_user_csv_pushes_model_processor_and_card(tmp_path, monkeypatch):
