@@ -59,8 +59,8 @@ class TextPairArguments:
         },
     )
     wordnet_dir: str | None = field(default=None, metadata={"help": "WordNet's dict folder if not standard."})
-    query_column: str = field(default="query")
-    passage_column: str = field(default="passage")
+    query_column: str = field(default="query", metadata={"help": "--dataset file's query column."})
+    passage_column: str = field(default="passage", metadata={"help": "--dataset file's passage column."})
     # 1024 pairs in 16 steps of 64: about a minute on a 2-core CPU, and a clear held-out gain (README).
     max_train_pairs: int | None = field(default=1024, metadata={"help": "At most this many training pairs."})
     held_out_pairs: int | None = field(

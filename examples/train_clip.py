@@ -51,7 +51,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from hf_infcl.loss import PRECISIONS, BackendName, LossKind, Precision
+from hf_infcl.loss import BACKENDS, PRECISIONS, BackendName, LossKind, Precision
 from hf_infcl.models import contrastive_loss_kind
 from hf_infcl.sharding import full_value, scalar_state_dict, vectorise_scalar_parameters
 
@@ -173,7 +173,8 @@ class TrainArguments:
             "(default 128 unless --per_device_train_batch_size is given)."
         },
     )
-    per_device_eval_batch_size: int = field(default=256)
+    per_device_eval_batch_size: int = field(default=256, metadata={
+        "help": "Images or captions per forward when embedding the held-out and --eval_dataset sets."})
     chunk_size: int | None = field(
         default=None, metadata={"help": "GradCache: encode the batch in chunks of this many rows."}
     )
@@ -197,7 +198,10 @@ class TrainArguments:
         default=True,
         metadata={"help": "Do not use pairs of the same class / identical captions as negatives."},
     )
-    backend: BackendName = field(default="auto", metadata={"help": "Loss backend: auto, triton, torch."})
+    backend: BackendName = field(default="auto", metadata={
+        "help": f"Loss backend, one of {', '.join(BACKENDS)}: 'auto' is triton on CUDA and torch elsewhere; "
+                "'torch' the tiled PyTorch loss (any device); 'triton' the fused GPU kernels; 'reference' "
+                "the materialised b x b loss (for checking; memory grows with the batch squared)."})
     precision: Precision = field(
         default="auto",
         metadata={
@@ -206,17 +210,22 @@ class TrainArguments:
             "fp32. bf16/fp16 embeddings (--mixed_precision) are unaffected."
         },
     )
-    learning_rate: float = field(default=2e-3)
-    weight_decay: float = field(default=0.1)
-    adam_beta2: float = field(default=0.98)
+    learning_rate: float = field(default=2e-3, metadata={"help": "AdamW's peak learning rate."})
+    weight_decay: float = field(default=0.1, metadata={
+        "help": "AdamW's weight decay of the weight matrices (not of biases, norms and the logit scale)."})
+    adam_beta2: float = field(default=0.98, metadata={"help": "AdamW's beta2 (CLIP's 0.98)."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "Any transformers scheduler name."})
-    warmup_ratio: float = field(default=0.05)
-    num_train_epochs: float = field(default=10.0)
+    warmup_ratio: float = field(default=0.05, metadata={
+        "help": "Share of the steps over which the learning rate warms up from 0."})
+    num_train_epochs: float = field(default=10.0, metadata={
+        "help": "Passes over the train split (a fraction too), unless --max_steps is given."})
     max_steps: int = field(default=-1, metadata={"help": "If > 0: train this many steps (overrides epochs)."})
     max_train_seconds: float | None = field(
         default=None, metadata={"help": "Stop early (and evaluate) after this much training time."}
     )
-    seed: int = field(default=42)
+    seed: int = field(default=42, metadata={
+        "help": "Seed of the model's initialisation, the held-out split, the batches' order and the "
+                "captions drawn."})
     use_cpu: bool = field(default=False, metadata={"help": "Train on CPU even where there is a GPU."})
     mixed_precision: Literal["no", "fp16", "bf16"] | None = field(
         default=None, metadata={"help": "no, fp16, bf16 (default: what accelerate launch was told)."}
@@ -227,11 +236,13 @@ class TrainArguments:
                 "training process does it); a background thread of the training process joins the "
                 "pieces and tokenizes the captions. For big batches use many: one per CPU core less "
                 "one or two. With --streaming each reads its own shards."})
-    logging_steps: int = field(default=10)
+    logging_steps: int = field(default=10, metadata={
+        "help": "Log the loss, logit scale, learning rate and pairs/s every this many steps."})
     report_to: str = field(default="none", metadata={
         "help": "Trackers to log to, comma-separated, as Accelerate names them (tensorboard, wandb, "
                 "mlflow, comet_ml, ...), 'all', or 'none'. Logs go to <output_dir>/runs."})
-    eval_steps: int = field(default=50, metadata={"help": "Evaluate every this many steps (and at the end)."})
+    eval_steps: int = field(default=50, metadata={
+        "help": "Evaluate on the held-out pairs every this many steps and at the end (0: only at the end)."})
     save_steps: int = field(
         default=0, metadata={"help": "accelerator.save_state every this many steps (0: never)."}
     )
@@ -245,10 +256,15 @@ class TrainArguments:
                     "schedule the run was started with (--max_steps): one that has already ended stops "
                     "the run with an error."}
     )
-    push_to_hub: bool = field(default=False)
-    hub_model_id: str | None = field(default=None)
-    hub_token: str | None = field(default=None)
-    hub_private_repo: bool = field(default=False)
+    push_to_hub: bool = field(default=False, metadata={
+        "help": "Upload the model, processor and card to the Hub at the end (the token, the Hub and the "
+                "repo are checked before training)."})
+    hub_model_id: str | None = field(default=None, metadata={
+        "help": "--push_to_hub's repo, user/name (default: <your user name>/<--output_dir's name>)."})
+    hub_token: str | None = field(default=None, metadata={
+        "help": "--push_to_hub's token (default: HF_TOKEN, or the one `hf auth login` saved)."})
+    hub_private_repo: bool = field(default=False, metadata={
+        "help": "--push_to_hub: create the repo private."})
 
 
 # ----------------------------------------------------------------------------------------------

@@ -114,8 +114,10 @@ class RetrieverArguments(TextPairArguments):
     logit_scale: float = field(
         default=20.0, metadata={"help": "Scale of the cosine logits (1 / temperature)."}
     )
-    learn_scale: bool = field(default=False)
-    eval_batch_size: int = field(default=256)
+    learn_scale: bool = field(default=False, metadata={
+        "help": "Train the logit scale too (it starts at --logit_scale)."})
+    eval_batch_size: int = field(default=256, metadata={
+        "help": "Texts per batch when scoring the held-out split."})
 
 
 # What every numeric flag must be (checked before any work; a test holds this complete).

@@ -5,6 +5,7 @@ checkpoint it leaves is reloaded and its held-out zero-shot accuracy recomputed 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -116,6 +117,44 @@ def test_every_example_prints_its_help(tmp_path, script):
         assert "10% of a file" in result.stdout and "--learning_rate" in result.stdout
     else:
         assert "--precision" in result.stdout and "tf32" in result.stdout
+
+
+def help_entries(parser) -> dict[str, str]:
+    """{first option string: its whole entry in ``--help``} of every option but ``--help``."""
+    entries, current = {}, None
+    for line in parser.format_help().splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            entries[current] = line
+        elif current is not None and line.startswith("   "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    entries.pop("-h", None)
+    return entries
+
+
+@pytest.mark.parametrize("script", ["train_clip", "train_retriever", "train_sentence_transformer"])
+def test_every_flag_has_help_with_its_default_and_its_choices(script):
+    """``--help`` gives every flag a text and its default; a flag of a few values lists each of them
+    in its text (not only in the usage line)."""
+    module = text_example(script) if script != "train_clip" else __import__(script)
+    parser = module.build_parser()
+    entries = help_entries(parser)
+    actions = [action for action in parser._actions if action.option_strings and action.dest != "help"]
+    assert len(entries) == len(actions) > 20
+    own_fields = {field.name for dataclass_type in parser.dataclass_types
+                  if dataclass_type.__module__ == module.__name__ or dataclass_type.__module__ == "text_pairs"
+                  for field in dataclasses.fields(dataclass_type)}
+    for action in actions:
+        flag, entry = action.option_strings[0], entries[action.option_strings[0]]
+        assert action.help and action.help.strip(), f"{script}: {flag} has no help text"
+        assert "(default:" in entry, f"{script}: {flag} does not show its default: {entry}"
+        if action.dest in own_fields:  # the Trainer's own flags are transformers' to document
+            for choice in action.choices or ():
+                assert str(choice) in action.help, f"{script}: {flag}'s help lacks {choice!r}: {entry}"
+    if script == "train_clip":
+        assert "0: only at the end" in entries["--eval_steps"]
 
 
 def text_example(name):
