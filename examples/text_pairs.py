@@ -76,6 +76,16 @@ class TextPairArguments:
         """--model_name_or_path, or the packaged all-MiniLM-L6-v2."""
         return self.model_name_or_path or default_model_path()
 
+    def output_dir(self, given: str, default: str) -> str:
+        """--output_dir: ``given``, unless it is the example's ``default``, whose ``{dataset}`` is then
+        what is trained on: wordnet, stdlib where WordNet is not installed, or the file's name."""
+        if given != default:
+            return given
+        dataset = self.dataset
+        if dataset == "wordnet" and find_wordnet_dir(self.wordnet_dir) is None:
+            dataset = "stdlib"
+        return default.format(dataset=os.path.splitext(os.path.basename(dataset))[0])
+
     def load_pairs(self, seed: int) -> TextPairs:
         """The query/passage pairs these options name, split with ``seed``; a problem with the data
         ends the run in one line naming the flag."""

@@ -87,6 +87,7 @@ from retrieval_metrics import embed_texts, retrieval_metrics, zero_shot_accuracy
 from tiny_clip import TINY_HEADS
 from training_curves import check_plotting, save_training_curves
 
+DEFAULT_OUTPUT_DIR = "outputs/clip-{dataset}"
 # --dataset values built in memory by bundled_data (not streamable)
 BUNDLED = ("digits", "openmoji")
 
@@ -161,7 +162,8 @@ class DataArguments:
 
 @dataclass
 class TrainArguments:
-    output_dir: str = field(default="outputs/clip-digits", metadata={"help": "Checkpoint and card go here."})
+    output_dir: str = field(default=DEFAULT_OUTPUT_DIR, metadata={
+        "help": "Checkpoints, model, processor, results and card go here ({dataset}: --dataset's name)."})
     per_device_train_batch_size: int | None = field(
         default=None,
         metadata={"help": "Rows per process; the contrastive batch is this times the processes."},
@@ -871,6 +873,9 @@ def parse_arguments(argv=None):
     if data_args.class_names is not None and data_args.eval_dataset is None:
         fail("--class_names names the classes of --eval_dataset: give --eval_dataset too")
     args.report_to = trackers_of(args.report_to)
+    if args.output_dir == DEFAULT_OUTPUT_DIR:  # named after the data: outputs/clip-captions
+        name = os.path.basename(os.path.normpath(data_args.dataset.split("*")[0] or data_args.dataset))
+        args.output_dir = DEFAULT_OUTPUT_DIR.format(dataset=os.path.splitext(name)[0])
     return model_args, data_args, args
 
 
@@ -1051,8 +1056,13 @@ def main(argv=None):
     model = accelerator.unwrap_model(embedder)
     device = accelerator.device
 
-    length = (f"{args.max_steps} steps" if data_args.streaming
-              else f"{train_rows} pairs x {args.num_train_epochs:g} epochs = {total_steps} steps")
+    if data_args.streaming:
+        length = f"{args.max_steps} steps"
+    elif args.max_steps > 0:
+        epochs = total_steps / steps_per_epoch
+        length = f"{train_rows} pairs, {total_steps} steps (--max_steps) = {epochs:.3g} epochs"
+    else:
+        length = f"{train_rows} pairs x {args.num_train_epochs:g} epochs = {total_steps} steps"
     log(
         f"train: {length} of a global contrastive batch of {global_batch} ({world} "
         f"process{'es' if world > 1 else ''} on {device.type}"

