@@ -61,6 +61,12 @@ def close_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
+def has_accelerator() -> bool:
+    """Whether torch sees an accelerator (CUDA, ROCm, MPS, XPU, ...) to copy batches to."""
+    accelerator = getattr(torch, "accelerator", None)
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+
+
 def fail(message: str):
     """Print ``<script>: error: <message>`` once (main process) and exit with status 2."""
     if is_main_process():
@@ -100,6 +106,8 @@ def parse_with_defaults(parser, argv, default_output_dir: str, defaults: dict[st
         # Several processes without CUDA (`accelerate launch --multi_gpu` / torchrun on a CPU
         # machine) only form one gloo group when the Trainer is told to use the CPU.
         defaults["use_cpu"] = True
+    if not has_accelerator():  # pinned memory serves copies to an accelerator; else a warning
+        defaults["dataloader_pin_memory"] = False
     dests = {action.dest for action in parser._actions}
     unknown = set(defaults) - dests
     if unknown:

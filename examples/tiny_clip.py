@@ -49,11 +49,20 @@ def build_word_tokenizer(texts, max_length: int = 32):
     )
 
 
+def image_processor_class(name: str):
+    """transformers' image processor class ``name``; where torchvision is not installed, its PIL
+    twin ``<name>Pil`` (transformers 5), which the plain name falls back to with a warning."""
+    import transformers
+    from transformers.utils import is_torchvision_available
+
+    if not is_torchvision_available() and hasattr(transformers, f"{name}Pil"):
+        return getattr(transformers, f"{name}Pil")
+    return getattr(transformers, name)
+
+
 def build_image_processor(image_size: int):
     """CLIP's preprocessing (resize, centre crop, normalise) at ``image_size`` pixels."""
-    from transformers import CLIPImageProcessor
-
-    return CLIPImageProcessor(
+    return image_processor_class("CLIPImageProcessor")(
         size={"shortest_edge": image_size},
         crop_size={"height": image_size, "width": image_size},
         # Statistics of bright-on-dark scans differ from photos; 0.5/0.5 keeps inputs in [-1, 1].

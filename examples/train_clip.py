@@ -1,9 +1,10 @@
 """Train a CLIP model with the exact Inf-CL loss in a plain Accelerate loop (no Trainer).
 
-    accelerate launch examples/train_clip.py            # tiny CLIP on bundled digits, CPU or GPU
-    accelerate launch --multi_gpu --num_processes 2 examples/train_clip.py   # 2 processes, one ring
-    accelerate launch examples/train_clip.py --dataset openmoji --num_train_epochs 40
-    accelerate launch examples/train_clip.py --model_name_or_path ./my-clip --dataset captions.csv \\
+    python examples/train_clip.py                      # tiny CLIP on bundled digits, CPU or GPU
+    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \\
+        --dynamo_backend no examples/train_clip.py     # 2 processes, one ring
+    python examples/train_clip.py --dataset openmoji --num_train_epochs 40
+    python examples/train_clip.py --model_name_or_path ./my-clip --dataset captions.csv \\
         --per_device_train_batch_size 4096 --chunk_size 256 --offload --mixed_precision bf16
     accelerate launch --config_file examples/fsdp2.yaml examples/train_clip.py --chunk_size 64   # FSDP2
 
@@ -21,8 +22,10 @@ exact fp32 elsewhere; ``tf32``; ``ieee``: exact fp32). Flags follow transformers
 contrastive-image-text example where they overlap; every flag is checked before any work, and
 ``--push_to_hub`` (token, Hub reachable, repo id) before training.
 
-Several processes on a machine without a GPU: ``accelerate launch --multi_gpu --num_processes 2``
-(the script then asks Accelerate for gloo on the CPU; ``--use_cpu`` does the same on a GPU
+One process needs no launcher; ``accelerate launch`` without an ``accelerate config`` warns about
+each of ``--num_processes``, ``--num_machines``, ``--mixed_precision`` and ``--dynamo_backend`` it is
+not given. Several processes on a machine without a GPU: ``accelerate launch --multi_gpu
+--num_processes 2`` (the script then asks Accelerate for gloo on the CPU; ``--use_cpu`` does the same on a GPU
 machine). ``accelerate launch --cpu --num_processes 2`` starts a single process unless MPI is
 set up: that is Accelerate's behaviour, and the script says so when it sees it.
 

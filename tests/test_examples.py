@@ -63,8 +63,15 @@ def reloaded_zero_shot_accuracy(output_dir):
     return float(((images @ classes.T).argmax(1) == labels).float().mean())
 
 
+# What `accelerate launch` without an accelerate config asks to be told (it warns about each one missing).
+LAUNCH_VALUES = ("--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
+# Warnings a run must not print: the user can do nothing about them.
+NOTICES = ("were not passed to `accelerate launch`", "requires torchvision", "pin_memory")
+
+
 def check_default_run(tmp_path, output, processes):
     assert f"global contrastive batch of 128 ({processes} process" in output
+    assert not [notice for notice in NOTICES if notice in output], output[-3000:]
     # Every process evaluates, one prints: each result line occurs once whatever the processes.
     for line in ("held-out zero-shot accuracy:", "done: ", "saved to "):
         assert output.count(line) == 1, (line, output[-3000:])
@@ -87,7 +94,7 @@ def check_default_run(tmp_path, output, processes):
 
 @pytest.mark.slow
 def test_train_clip_default_run_one_process(tmp_path):
-    output = accelerate_launch(tmp_path)
+    output = accelerate_launch(tmp_path, "--num_processes", "1", *LAUNCH_VALUES)
     check_default_run(tmp_path, output, processes=1)
 
 
@@ -96,7 +103,7 @@ def test_train_clip_default_run_two_cpu_processes_over_the_ring(tmp_path):
     # `accelerate launch --cpu --num_processes 2` starts one process without MPI; --multi_gpu
     # starts two through torchrun, and the script asks Accelerate for gloo on a CPU-only machine.
     env_has_cuda = torch.cuda.is_available()
-    args = ("--multi_gpu", "--num_processes", "2")
+    args = ("--multi_gpu", "--num_processes", "2", *LAUNCH_VALUES)
     output = accelerate_launch(tmp_path, *args, script_args=("--use_cpu",) if env_has_cuda else ())
     check_default_run(tmp_path, output, processes=2)
 
@@ -413,6 +420,25 @@ def test_text_examples_say_stdlib_not_wordnet_when_wordnet_is_missing(script, fo
     card = huggingface_hub.ModelCard.load(tmp_path / "outputs" / folder / "README.md")
     title = next(line for line in card.text.splitlines() if line.startswith("# "))
     assert card.data.model_name == folder and title == f"# {folder}"
+
+
+def test_the_tiny_models_image_processor_prints_no_torchvision_notice(tmp_path):
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import tiny_clip; "
+            "print(type(tiny_clip.build_image_processor(8)).__name__)")
+    finished = subprocess.run([sys.executable, "-c", code, str(EXAMPLES)], env=offline_env(tmp_path),
+                              capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 0 and finished.stdout.startswith("CLIPImageProcessor"), finished.stderr
+    assert "torchvision" not in finished.stderr, finished.stderr
+
+
+@pytest.mark.parametrize("script", ["train_retriever", "train_sentence_transformer"])
+def test_text_examples_pin_memory_only_with_an_accelerator(script):
+    from example_cli import has_accelerator
+
+    _, args = text_example(script).parse_arguments([])
+    assert args.dataloader_pin_memory == has_accelerator()
+    _, args = text_example(script).parse_arguments(["--dataloader_pin_memory", "true"])
+    assert args.dataloader_pin_memory  # a flag given still wins
 
 
 # ---- --push_to_hub is checked before training ------------------------------------------------
