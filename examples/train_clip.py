@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_infcl.loss import BACKENDS, PRECISIONS, BackendName, LossKind, Precision
-from hf_infcl.models import contrastive_loss_kind
+from hf_infcl.models import IMAGE_INPUTS, contrastive_loss_kind
 from hf_infcl.sharding import full_value, scalar_state_dict, vectorise_scalar_parameters
 
 from bundled_data import (
@@ -82,6 +82,7 @@ from example_cli import (
 from image_text_stream import (
     DecodedPairPieces,
     endless_batches,
+    image_inputs,
     load_image_caption_stream,
     piece_length,
     transformed_piece,
@@ -107,8 +108,8 @@ class ModelArguments:
     config_name: str | None = field(
         default=None,
         metadata={
-            "help": "A CLIPConfig (folder or json) to build a freshly initialised model from; "
-            "the tokenizer is the word-level one over the captions."
+            "help": "A CLIP, SigLIP or SigLIP 2 config (folder or json) to build a freshly initialised "
+            "model from; the tokenizer is the word-level one over the captions."
         },
     )
     image_size: int = field(
@@ -117,6 +118,9 @@ class ModelArguments:
     patch_size: int = field(default=4, metadata={"help": "ViT patch size of the tiny default model."})
     tiny_width: int = field(default=64, metadata={"help": "Hidden width of the tiny default model's towers."})
     tiny_layers: int = field(default=1, metadata={"help": "Layers per tower of the tiny default model."})
+    model_type: Literal["clip", "siglip", "siglip2"] = field(default="clip", metadata={
+        "help": "Family of the tiny default model: clip, siglip, or siglip2 (SigLIP 2: each image cut into "
+                "at most (--image_size / --patch_size)^2 patches at its own aspect ratio, NaFlex)."})
     freeze_vision_model: bool = field(default=False, metadata={"help": "Train only the text tower."})
     freeze_text_model: bool = field(default=False, metadata={"help": "Train only the vision tower."})
 
@@ -444,13 +448,12 @@ class Prefetched:
         self._batches.close()
 
 
-def preprocess_images(image_processor, examples, batch_size=512):
-    """Pixel values of every (decoded) example: the held-out and zero-shot sets, computed once."""
-    chunks = []
-    for start in range(0, len(examples), batch_size):
-        images = [ex.image for ex in examples[start : start + batch_size]]
-        chunks.append(image_processor(images=images, return_tensors="pt")["pixel_values"])
-    return torch.cat(chunks)
+def preprocess_images(image_processor, examples, batch_size=512) -> dict:
+    """The image inputs (:func:`image_inputs`) of every (decoded) example: the held-out and
+    zero-shot sets, computed once."""
+    chunks = [image_inputs(image_processor, [ex.image for ex in examples[start : start + batch_size]])
+              for start in range(0, len(examples), batch_size)]
+    return {name: torch.cat([chunk[name] for chunk in chunks]) for name in chunks[0]}
 
 
 def group_ids(data: ImageCaptionData, examples):
@@ -483,20 +486,19 @@ class PairCollate:
         self.pin_memory = pin_memory
 
     def __call__(self, pieces):
-        pixel_values = [piece["pixel_values"] for piece in pieces]
-        first = pixel_values[0]
-        joined = torch.empty((sum(map(len, pixel_values)), *first.shape[1:]), dtype=first.dtype,
-                             pin_memory=self.pin_memory)
-        torch.cat(pixel_values, out=joined)
+        batch = {name: self._joined([piece[name] for piece in pieces])
+                 for name in IMAGE_INPUTS if name in pieces[0]}
         captions = [caption for piece in pieces for caption in piece["captions"]]
         text = self.tokenizer(captions, padding=self.padding, truncation=True, max_length=self.max_length,
                               return_tensors="pt")
-        return {
-            "pixel_values": joined,
-            "input_ids": text["input_ids"],
-            "attention_mask": text["attention_mask"],
-            "groups": torch.cat([piece["groups"] for piece in pieces]),
-        }
+        batch.update(input_ids=text["input_ids"], attention_mask=text["attention_mask"],
+                     groups=torch.cat([piece["groups"] for piece in pieces]))
+        return batch
+
+    def _joined(self, tensors):
+        joined = torch.empty((sum(map(len, tensors)), *tensors[0].shape[1:]), dtype=tensors[0].dtype,
+                             pin_memory=self.pin_memory)
+        return torch.cat(tensors, out=joined)
 
 
 def make_collate(tokenizer, max_length, padding="longest", pin_memory=False):
@@ -599,15 +601,17 @@ class ClipEmbedder(torch.nn.Module):
         self.model_bias = model_bias
         self.logit_bias = None if logit_bias is None else torch.nn.Parameter(torch.tensor(float(logit_bias)))
 
-    def forward(self, pixel_values=None, input_ids=None, attention_mask=None):
-        """(image, text) embeddings of the towers whose inputs are given (None for the other).
+    def forward(self, input_ids=None, attention_mask=None, **images):
+        """(image, text) embeddings of the towers whose inputs are given (None for the other); the
+        image inputs are ``pixel_values`` and, for SigLIP 2, ``pixel_attention_mask`` and
+        ``spatial_shapes``.
 
         Evaluation calls this too: FSDP2 gathers this root module's own parameters (embeddings,
         projections, the scale) only around its ``forward``.
         """
         image = text = None
-        if pixel_values is not None:
-            image = F.normalize(_features(self.clip.get_image_features(pixel_values=pixel_values)), dim=-1)
+        if images.get("pixel_values") is not None:
+            image = F.normalize(_features(self.clip.get_image_features(**images)), dim=-1)
         if input_ids is not None:
             text = _features(self.clip.get_text_features(input_ids=input_ids, attention_mask=attention_mask))
             text = F.normalize(text, dim=-1)
@@ -716,39 +720,36 @@ def caption_length(model, given: int | None) -> int:
 
 
 def load_model_and_processor(model_args, data_args, data, seed):
-    from transformers import AutoModel, AutoProcessor, CLIPConfig, CLIPModel
+    """(model, processor, description): --model_name_or_path (any CLIP-like checkpoint with its
+    processor), else a fresh model of --config_name's architecture, else the tiny --model_type model;
+    the last two with the word-level tokenizer over ``data``'s captions."""
+    from transformers import AutoConfig, AutoModel, AutoProcessor
+
+    from tiny_clip import (
+        FAMILIES,
+        build_tiny_clip_and_processor,
+        build_word_tokenizer,
+        model_for,
+        processor_for,
+        with_word_tokenizer,
+    )
 
     if model_args.model_name_or_path is not None:
         model = AutoModel.from_pretrained(model_args.model_name_or_path)
         processor = AutoProcessor.from_pretrained(model_args.model_name_or_path)
         return model, processor, model_args.model_name_or_path
-    from tiny_clip import (
-        BOS_ID,
-        EOS_ID,
-        PAD_ID,
-        build_image_processor,
-        build_tiny_clip_and_processor,
-        build_word_tokenizer,
-    )
-
     texts = data.vocabulary_text()
     if model_args.config_name is not None:
-        # The config's architecture with the word-level tokenizer over the captions.
-        from transformers import CLIPProcessor
-
-        config = CLIPConfig.from_pretrained(model_args.config_name)
+        config = AutoConfig.from_pretrained(model_args.config_name)
+        if config.model_type not in FAMILIES:
+            fail(f"--config_name must be a config of {', '.join(FAMILIES)}; got a {config.model_type} config")
         tokenizer = build_word_tokenizer(texts, max_length=config.text_config.max_position_embeddings)
-        config.text_config.vocab_size = len(tokenizer)
-        text_config = config.text_config
-        text_config.pad_token_id, text_config.bos_token_id, text_config.eos_token_id = PAD_ID, BOS_ID, EOS_ID
-        torch.manual_seed(seed)
-        model = CLIPModel(config)
-        processor = CLIPProcessor(
-            image_processor=build_image_processor(config.vision_config.image_size), tokenizer=tokenizer
-        )
-        return model, processor, f"{model_args.config_name} (config, random init)"
+        config = with_word_tokenizer(config, tokenizer)
+        return (model_for(config, seed), processor_for(config, tokenizer),
+                f"{model_args.config_name} (config, random init)")
     model, processor = build_tiny_clip_and_processor(
         texts,
+        family=model_args.model_type,
         image_size=model_args.image_size,
         patch_size=model_args.patch_size,
         seed=seed,
@@ -756,7 +757,7 @@ def load_model_and_processor(model_args, data_args, data, seed):
         layers=model_args.tiny_layers,
         max_text_length=data_args.max_seq_length or TINY_TEXT_LENGTH,
     )
-    return model, processor, "tiny CLIPModel built from a config (random init)"
+    return model, processor, f"tiny {type(model).__name__} built from a config (random init)"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -764,7 +765,7 @@ def load_model_and_processor(model_args, data_args, data, seed):
 
 
 @torch.no_grad()
-def evaluate(embedder, processor, data, held_out_pixels, device, batch_size, max_length, classification=None,
+def evaluate(embedder, processor, data, held_out_images, device, batch_size, max_length, classification=None,
              padding="longest"):
     """Zero-shot top-1 over the class prompts and image<->text recall over the held-out pairs.
 
@@ -783,11 +784,13 @@ def evaluate(embedder, processor, data, held_out_pixels, device, batch_size, max
         embeds = embed_texts(tokenizer, texts, encode, batch_size, max_length, device, padding=padding)
         return F.normalize(embeds, dim=-1)
 
-    def embed_images(pixels):
-        return F.normalize(torch.cat([embedder(pixel_values=pixels[s : s + batch_size].to(device))[0].float()
-                                      for s in range(0, len(pixels), batch_size)]), dim=-1)
+    def embed_images(inputs):
+        starts = range(0, len(inputs["pixel_values"]), batch_size)
+        return F.normalize(torch.cat([
+            embedder(**{name: value[s : s + batch_size].to(device) for name, value in inputs.items()})[0]
+            .float() for s in starts]), dim=-1)
 
-    image_embeds = embed_images(held_out_pixels)
+    image_embeds = embed_images(held_out_images)
     metrics = {}
     if classification is None and data.class_names is not None:
         classification = (data, image_embeds)
@@ -854,6 +857,9 @@ def parse_arguments(argv=None):
     model_args, data_args, args = build_parser().parse_args_into_dataclasses(args=argv)
     check_numeric_flags((model_args, data_args, args), NUMERIC_RULES)
     tiny = model_args.model_name_or_path is None and model_args.config_name is None
+    if not tiny and model_args.model_type != "clip":
+        fail("--model_type chooses the tiny default model's family: --model_name_or_path and --config_name "
+             "bring their own")
     if tiny and model_args.tiny_width % TINY_HEADS:
         fail(f"--tiny_width must be a multiple of {TINY_HEADS} (the tiny model's attention heads), "
              f"got {model_args.tiny_width}")
@@ -979,19 +985,22 @@ def main(argv=None):
     freeze_towers(model, vision=model_args.freeze_vision_model, text=model_args.freeze_text_model)
 
     # Loss parameters: the learned temperature and, for the sigmoid loss, a learned bias: the
-    # model's own for SigLIP (pretrained, kept as it is), else a fresh one held by ClipEmbedder.
+    # model's own for SigLIP (a pretrained one kept as it is), else a fresh one held by ClipEmbedder.
     args.loss = args.loss or contrastive_loss_kind(model)
     model_bias = args.loss == "sigmoid" and getattr(model, "logit_bias", None) is not None
     logit_bias = None
-    if args.loss == "sigmoid" and not model_bias:
+    if args.loss == "sigmoid" and (model_args.model_name_or_path is None or not model_bias):
         # SigLIP's initialisation, t = 10 and b = -10, puts the prior probability of a pair being
         # positive at about 1 / (its batch of 32k); b = -log(batch) does the same for ours.
+        logit_bias = -math.log(global_batch)
         with torch.no_grad():
             model.logit_scale.fill_(math.log(10.0))
-        logit_bias = -math.log(global_batch)
+            if model_bias:
+                model.logit_bias.fill_(logit_bias)
+                logit_bias = None
     # SigLIP's text tower pools the last position: captions padded to the length it was trained on
     # (transformers' SigLIP docs: padding="max_length", as the model was trained).
-    padding = "max_length" if getattr(model.config, "model_type", "") == "siglip" else "longest"
+    padding = "max_length" if getattr(model.config, "model_type", "") in ("siglip", "siglip2") else "longest"
     collate = make_collate(processor.tokenizer, data_args.max_seq_length, padding,
                            pin_memory=_pins_memory(args))
     # Under --mixed_precision bf16 / fp16 the vision tower's first layer runs in that dtype under
@@ -1000,7 +1009,7 @@ def main(argv=None):
     # pixel values in it: half the bytes to make, send between processes, join and copy.
     pixel_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision,
                                                                       torch.float32)
-    held_out_pixels = preprocess_images(processor.image_processor, data.held_out)
+    held_out_images = preprocess_images(processor.image_processor, data.held_out)
     if classification is not None:
         classification = (classification,
                           preprocess_images(processor.image_processor, classification.held_out))
@@ -1081,7 +1090,7 @@ def main(argv=None):
             model,
             processor,
             data,
-            held_out_pixels,
+            held_out_images,
             device,
             args.per_device_eval_batch_size,
             data_args.max_seq_length,

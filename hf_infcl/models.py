@@ -60,7 +60,7 @@ __all__ = [
     "unwrap_model",
 ]
 
-IMAGE_INPUTS = ("pixel_values",)
+IMAGE_INPUTS = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
 TEXT_INPUTS = ("input_ids", "attention_mask", "position_ids", "token_type_ids")
 QUERY_INPUTS = ("query_input_ids", "query_attention_mask", "query_token_type_ids")
 DOC_INPUTS = ("doc_input_ids", "doc_attention_mask", "doc_token_type_ids")

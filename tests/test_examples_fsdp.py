@@ -253,7 +253,7 @@ def _fsdp_worker(out_dir: str) -> None:
             # An evaluation forward first, as in the middle of training: it leaves the root's
             # parameters gathered; run_evaluation's reshard puts the sharded ones back.
             with torch.no_grad():
-                model(pixel_values=held_out[:4])
+                model(**{name: value[:4] for name, value in held_out.items()})
             model.reshard()
             assert all(hasattr(p, "full_tensor") for p in model.loss_parameters()), "not resharded"
             batch = batch_of(range(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK))
