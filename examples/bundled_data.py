@@ -27,6 +27,7 @@ import os
 import random
 from dataclasses import dataclass, field
 
+BUNDLED = ("digits", "openmoji")  # the sets built in memory here (not streamable)
 DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 # Several phrasings per class, so the text tower must learn the digit, not one sentence.

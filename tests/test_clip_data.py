@@ -20,6 +20,8 @@ from tests.test_examples import _digit_shards
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
+import image_text_batches  # noqa: E402  (the data pipeline, from examples/)
+
 WORKER = ROOT / "tests" / "clip_rows_worker.py"
 BAD_ROWS = {"image does not decode": 1, "empty caption": 1}  # what _digit_shards puts in shard 0
 
@@ -33,7 +35,7 @@ pytest.importorskip("datasets")
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("equal_shares", [False, True])
 def test_rank_batches_give_every_row_once_per_epoch(rows, world, equal_shares):
-    from train_clip import RankBatches
+    from image_text_batches import RankBatches
 
     per_device = 16 // world + 1
     samplers = [RankBatches(rows, per_device, rank, world, seed=3, equal_shares=equal_shares)
@@ -117,9 +119,9 @@ def _digits_pieces_setup(rows=48):
     data = load_image_caption_data("digits", seed=42)
     clip, processor, _ = train_clip.load_model_and_processor(model_args, data_args, data, seed=42)
     examples = data.train[:rows]
-    dataset = train_clip.PairDataset(examples, train_clip.group_ids(data, examples),
+    dataset = image_text_batches.PairDataset(examples, image_text_batches.group_ids(data, examples),
                                      processor.image_processor, seed=42)
-    collate = train_clip.make_collate(processor.tokenizer, train_clip.caption_length(clip, None))
+    collate = image_text_batches.make_collate(processor.tokenizer, train_clip.caption_length(clip, None))
     return dataset, collate
 
 
@@ -143,13 +145,12 @@ def test_pieces_from_several_workers_make_one_batch_in_order():
     turn: the pieces arrive in the sampler's order, and each batch joined from them equals the
     batch made in one piece (the same rows, pixel values, captions and their padding, groups)."""
     import torch
-    import train_clip
 
     dataset, collate = _digits_pieces_setup()
-    sampler = train_clip.RankBatches(len(dataset), 16, 0, 1, seed=7)
+    sampler = image_text_batches.RankBatches(len(dataset), 16, 0, 1, seed=7)
     loader = torch.utils.data.DataLoader(_WorkerTaggedPairs(dataset), num_workers=2,
-                                         batch_sampler=train_clip.EpochBatches(sampler, 5),
-                                         collate_fn=train_clip.batch_as_is)
+                                         batch_sampler=image_text_batches.EpochBatches(sampler, 5),
+                                         collate_fn=image_text_batches.batch_as_is)
     assert len(loader) == 3 * 4
     pieces = list(loader)
     assert [piece["batch"] for piece in pieces] == [(0, n, i == 3) for n in range(3) for i in range(4)]
@@ -157,18 +158,50 @@ def test_pieces_from_several_workers_make_one_batch_in_order():
     assert [len(piece["captions"]) for piece in pieces] == [5, 5, 5, 1] * 3
     assert all(piece["pixel_values"].dtype == torch.float32 for piece in pieces)
 
-    batches = train_clip.epoch_batches(loader, sampler, {}, collate)
+    batches = image_text_batches.epoch_batches(loader, sampler, {}, collate)
     for number, indices in enumerate(list(sampler)):
         joined = next(batches)
         whole = collate([dataset.__getitems__((0, number, True, indices))])
         assert joined.keys() == whole.keys()
         for name in whole:
             torch.testing.assert_close(joined[name], whole[name], rtol=0, atol=0, msg=name)
-    resumed = train_clip.epoch_batches(loader, sampler, {}, collate, step=2)  # skips 2 batches
+    resumed = image_text_batches.epoch_batches(loader, sampler, {}, collate, step=2)  # skips 2 batches
     torch.testing.assert_close(next(resumed)["pixel_values"], whole["pixel_values"], rtol=0, atol=0)
     # their DataLoader iterators and workers end now, not whenever they are garbage collected
     batches.close()
     resumed.close()
+
+
+def test_training_batches_resumed_at_a_step_give_the_batches_of_the_whole_run():
+    """``image_text_batches.training_batches``, the pipeline's entry point, in memory: the batches
+    of a run resumed at step 4 (in the second epoch of 3 steps) are the uninterrupted run's from
+    its fifth on, made by DataLoader workers and joined ahead in a thread."""
+    import torch
+
+    dataset, collate = _digits_pieces_setup()
+    from bundled_data import load_image_caption_data
+
+    data = load_image_caption_data("digits", seed=42)
+    data.train = data.train[:48]
+    image_processor = dataset.image_processor
+
+    def batches(step):
+        sampler = image_text_batches.RankBatches(48, 16, 0, 1, seed=7)
+        return image_text_batches.training_batches(
+            data, sampler, collate, image_processor, batch_size=16, rank=0, world=1, seed=7, num_workers=2,
+            shuffle_buffer_size=1, step=step)
+
+    whole, resumed = batches(0), batches(4)
+    try:
+        expected = [next(whole) for _ in range(6)][4:]
+        for batch in expected:
+            got = next(resumed)
+            assert got.keys() == batch.keys() and len(got["input_ids"]) == 16
+            for name in batch:
+                torch.testing.assert_close(got[name], batch[name], rtol=0, atol=0, msg=name)
+    finally:
+        whole.close()
+        resumed.close()
 
 
 def test_pieces_carry_pixel_values_in_the_mixed_precision_dtype():
@@ -199,8 +232,8 @@ def test_an_error_in_the_join_thread_reaches_the_training_loop_with_its_message(
     def failing_join(self, pieces):
         raise RuntimeError(f"cannot join {len(pieces)} pieces")
 
-    monkeypatch.setattr(train_clip, "PIECE_ROWS", 5)
-    monkeypatch.setattr(train_clip.PairCollate, "__call__", failing_join)
+    monkeypatch.setattr(image_text_batches, "PIECE_ROWS", 5)
+    monkeypatch.setattr(image_text_batches.PairCollate, "__call__", failing_join)
     with pytest.raises(RuntimeError, match=r"^cannot join 4 pieces$"):
         # no DataLoader workers: the traceback pytest keeps would keep them alive after the test
         train_clip.main(["--max_steps", "2", "--global_batch_size", "16", "--eval_steps", "0",
@@ -212,7 +245,6 @@ def test_prefetched_makes_the_next_batch_ahead_and_ends_cleanly():
     import threading
     import time
 
-    import train_clip
 
     made = []
 
@@ -222,7 +254,7 @@ def test_prefetched_makes_the_next_batch_ahead_and_ends_cleanly():
             yield number
         raise ValueError("the data ran out after 3 batches")
 
-    ahead = train_clip.Prefetched(batches())
+    ahead = image_text_batches.Prefetched(batches())
     assert next(ahead) == 0
     for _ in range(100):  # the thread makes batch 1 while batch 0 is in use
         if made == [0, 1]:
@@ -233,7 +265,7 @@ def test_prefetched_makes_the_next_batch_ahead_and_ends_cleanly():
     with pytest.raises(ValueError, match="the data ran out after 3 batches"):
         next(ahead)
     ahead.close()
-    ended = train_clip.Prefetched(n for n in range(5))  # closed with a batch made ahead
+    ended = image_text_batches.Prefetched(n for n in range(5))  # closed with a batch made ahead
     assert next(ended) == 0
     ended.close()
     assert not [thread for thread in threading.enumerate() if thread.name.startswith("join-batches")]
@@ -583,10 +615,10 @@ def test_a_naflex_batch_gives_the_models_own_loss_and_gradients():
     with torch.no_grad():  # away from the initial scale 1 and bias 0
         siglip2.logit_scale.fill_(1.7)
         siglip2.logit_bias.fill_(-2.3)
-    groups = train_clip.group_ids(data, examples)
-    dataset = train_clip.PairDataset(examples, groups, processor.image_processor, seed=0)
-    collate = train_clip.make_collate(processor.tokenizer, 32, padding="max_length")
-    batch = train_clip.joined_batch([dataset.__getitems__((0, 0, False, list(range(5)))),
+    groups = image_text_batches.group_ids(data, examples)
+    dataset = image_text_batches.PairDataset(examples, groups, processor.image_processor, seed=0)
+    collate = image_text_batches.make_collate(processor.tokenizer, 32, padding="max_length")
+    batch = image_text_batches.joined_batch([dataset.__getitems__((0, 0, False, list(range(5)))),
                                      dataset.__getitems__((0, 0, True, list(range(5, 12))))], collate)
     assert {"pixel_values", "pixel_attention_mask", "spatial_shapes"} <= batch.keys()
     assert set(batch["pixel_attention_mask"].sum(1).tolist()) == {2, 3, 4}  # patches per row

@@ -206,7 +206,7 @@ def forbid_work(script, monkeypatch):
 
     module = text_example(script) if script != "train_clip" else __import__(script)
     if script == "train_clip":
-        monkeypatch.setattr(module, "load_image_caption_data", no_work)
+        monkeypatch.setattr(module, "load_datasets", no_work)
     else:
         monkeypatch.setattr(text_pairs, "load_text_pairs", no_work)
     return module

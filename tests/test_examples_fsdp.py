@@ -42,6 +42,8 @@ from train_clip import (  # noqa: E402
 
 from tests.offline import run_two_processes  # noqa: E402
 
+import image_text_batches  # noqa: E402
+
 LOSSES = ["softmax", "sigmoid"]
 VARIANTS = ["uncached", "cached-per-step", "cached-per-chunk"]
 ROWS_PER_RANK, CHUNK = 8, 3  # chunks of 3, 3, 2
@@ -185,14 +187,14 @@ def _example_setup():
         clip.logit_scale.fill_(START_SCALE)
     rows = 2 * ROWS_PER_RANK
     length = train_clip.caption_length(clip, data_args.max_seq_length)
-    collate = train_clip.make_collate(processor.tokenizer, length)
-    dataset = train_clip.PairDataset(data.train[:rows], train_clip.group_ids(data, data.train[:rows]),
-                                     processor.image_processor, seed=42)
-    held_out = train_clip.preprocess_images(processor.image_processor, data.held_out)
+    collate = image_text_batches.make_collate(processor.tokenizer, length)
+    groups = image_text_batches.group_ids(data, data.train[:rows])
+    dataset = image_text_batches.PairDataset(data.train[:rows], groups, processor.image_processor, seed=42)
+    held_out = image_text_batches.preprocess_images(processor.image_processor, data.held_out)
 
     def batch_of(indices):
         """The batch of these train rows (epoch 0) as one piece, made and joined as in training."""
-        return train_clip.joined_batch([dataset.__getitems__((0, 0, True, list(indices)))], collate)
+        return image_text_batches.joined_batch([dataset.__getitems__((0, 0, True, list(indices)))], collate)
 
     return clip, processor, data, batch_of, held_out
 
