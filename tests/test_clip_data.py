@@ -20,6 +20,7 @@ from tests.test_examples import _digit_shards
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
+import clip_model  # noqa: E402  (the model side of train_clip, from examples/)
 import image_text_batches  # noqa: E402  (the data pipeline, from examples/)
 
 WORKER = ROOT / "tests" / "clip_rows_worker.py"
@@ -117,11 +118,11 @@ def _digits_pieces_setup(rows=48):
 
     model_args, data_args, _ = train_clip.parse_arguments([])
     data = load_image_caption_data("digits", seed=42)
-    clip, processor, _ = train_clip.load_model_and_processor(model_args, data_args, data, seed=42)
+    clip, processor, _ = clip_model.load_model_and_processor(model_args, data_args, data, seed=42)
     examples = data.train[:rows]
     dataset = image_text_batches.PairDataset(examples, image_text_batches.group_ids(data, examples),
                                      processor.image_processor, seed=42)
-    collate = image_text_batches.make_collate(processor.tokenizer, train_clip.caption_length(clip, None))
+    collate = image_text_batches.make_collate(processor.tokenizer, clip_model.caption_length(clip, None))
     return dataset, collate
 
 
@@ -610,7 +611,7 @@ def test_a_naflex_batch_gives_the_models_own_loss_and_gradients():
     examples = [ImageCaptionExample(image, (caption,)) for image, caption in naflex_images(12)]
     data = ImageCaptionData("naflex", train=examples, held_out=[])
     model_args, data_args, _ = train_clip.parse_arguments(["--model_type", "siglip2", "--tiny_width", "32"])
-    siglip2, processor, _ = train_clip.load_model_and_processor(model_args, data_args, data, seed=0)
+    siglip2, processor, _ = clip_model.load_model_and_processor(model_args, data_args, data, seed=0)
     assert type(siglip2).__name__ == "Siglip2Model"
     with torch.no_grad():  # away from the initial scale 1 and bias 0
         siglip2.logit_scale.fill_(1.7)
@@ -632,8 +633,8 @@ def test_a_naflex_batch_gives_the_models_own_loss_and_gradients():
                                 precision="ieee")
     for chunk in (None, 5):
         siglip2.zero_grad()
-        embedder = train_clip.ClipEmbedder(siglip2, model_bias=True)
-        loss_fn = train_clip.clip_loss(arguments, batch_groups)
+        embedder = clip_model.ClipEmbedder(siglip2, model_bias=True)
+        loss_fn = clip_model.clip_loss(arguments, batch_groups)
         loss = train_clip.training_step(embedder, embedder, batch, loss_fn, chunk)
         assert float(loss) == pytest.approx(float(expected), rel=1e-5), chunk
         grads = {name.removeprefix("clip."): p.grad for name, p in embedder.named_parameters()

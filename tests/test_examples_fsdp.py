@@ -30,19 +30,19 @@ sys.path.insert(0, str(EXAMPLES))
 sys.path.insert(0, str(ROOT))
 
 import train_clip  # noqa: E402
-from train_clip import (  # noqa: E402
+
+from hf_infcl.sharding import full_value, vectorise_scalar_parameters  # noqa: E402
+from tests.offline import run_two_processes  # noqa: E402
+
+import clip_model  # noqa: E402
+import image_text_batches  # noqa: E402
+from clip_model import (  # noqa: E402
     ClipEmbedder,
     clamp_logit_scale,
     clip_loss,
-    full_value,
     pretrained_state_dict,
     training_step,
-    vectorise_scalar_parameters,
 )
-
-from tests.offline import run_two_processes  # noqa: E402
-
-import image_text_batches  # noqa: E402
 
 LOSSES = ["softmax", "sigmoid"]
 VARIANTS = ["uncached", "cached-per-step", "cached-per-chunk"]
@@ -182,11 +182,11 @@ def _example_setup():
 
     model_args, data_args, _ = train_clip.parse_arguments(["--tiny_layers", "2"])
     data = load_image_caption_data("digits", seed=42)
-    clip, processor, _ = train_clip.load_model_and_processor(model_args, data_args, data, seed=42)
+    clip, processor, _ = clip_model.load_model_and_processor(model_args, data_args, data, seed=42)
     with torch.no_grad():
         clip.logit_scale.fill_(START_SCALE)
     rows = 2 * ROWS_PER_RANK
-    length = train_clip.caption_length(clip, data_args.max_seq_length)
+    length = clip_model.caption_length(clip, data_args.max_seq_length)
     collate = image_text_batches.make_collate(processor.tokenizer, length)
     groups = image_text_batches.group_ids(data, data.train[:rows])
     dataset = image_text_batches.PairDataset(data.train[:rows], groups, processor.image_processor, seed=42)
@@ -238,7 +238,7 @@ def _fsdp_worker(out_dir: str) -> None:
                     if param.grad is not None:
                         param -= LR * param.grad
             clamp_logit_scale(model)
-            metrics = train_clip.evaluate(model, processor, data, held_out, "cpu", 256, 32)
+            metrics = clip_model.evaluate(model, processor, data, held_out, "cpu", 256, 32)
             results[(loss, "reference")] = dict(
                 loss=float(step_loss), grads=grads, metrics=metrics,
                 scale=float(model.clip.logit_scale.exp()),
@@ -270,7 +270,7 @@ def _fsdp_worker(out_dir: str) -> None:
                         param -= LR * param.grad
             clamp_logit_scale(model)
             scale = full_value(model.clip.logit_scale).exp().item()  # what the progress bar shows
-            metrics = train_clip.evaluate(model, processor, data, held_out, "cpu", 256, 32)
+            metrics = clip_model.evaluate(model, processor, data, held_out, "cpu", 256, 32)
             model.reshard()
             # What accelerator.get_state_dict does under FSDP2 (a collective).
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
