@@ -12,6 +12,9 @@
   work (a run must not train for an hour and then fail to save).
 - :func:`check_data_file`: a data file with no rows (empty, blank, a CSV header alone) named in one
   line, before ``datasets`` fails on it with a long traceback.
+- :func:`accelerate_on_cpu`, :func:`trackers`, :func:`tracker_config`: what ``train_clip.py`` tells
+  Accelerate (the CPU for several processes without CUDA, ``--report_to``'s trackers, each one
+  installed, and the flags for their hyperparameter tables).
 - :func:`check_hub_push`: ``--push_to_hub`` checked before training (repo id, token, the Hub
   answering, the repo writable), so a run does not train for nothing and fail at the end;
   :func:`push_output_dir` uploads after the results are printed, failing in one line.
@@ -247,6 +250,57 @@ def check_numeric_flags(objects, rules: dict[str, Rule]) -> None:
                 continue
             if not isinstance(value, (int, float)) or not math.isfinite(value) or not rule.test(value):
                 fail(f"--{name} must be {rule.text}, got {value!r}")
+
+
+# ---- Accelerate ------------------------------------------------------------------------------------
+
+
+def accelerate_on_cpu(use_cpu: bool) -> bool:
+    """Whether to ask Accelerate for the CPU.
+
+    Several processes on a machine without CUDA (``accelerate launch --multi_gpu --num_processes 2``
+    or ``torchrun``) only form a gloo group when Accelerate is told ``cpu=True``; otherwise each
+    process would train alone.
+    """
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if (
+        os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true"
+        and "MASTER_PORT" in os.environ
+        and not several
+    ):
+        # `accelerate launch --cpu --num_processes N` starts N processes only through MPI.
+        print(
+            "note: `accelerate launch --cpu --num_processes N` starts a single process unless MPI is "
+            "configured; for N processes on CPU run `accelerate launch --multi_gpu --num_processes N "
+            "examples/train_clip.py` (add --use_cpu on a GPU machine)",
+            file=sys.stderr,
+        )
+    return use_cpu or (several and not torch.cuda.is_available())
+
+
+def trackers(report_to: str) -> list[str]:
+    """--report_to as Accelerate's ``log_with``: [] for 'none', else the named trackers, each one
+    installed (Accelerate would silently drop one that is not)."""
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    names = [name.strip() for name in report_to.split(",") if name.strip()]
+    if names in ([], ["none"]):
+        return []
+    known = [str(kind) for kind in LoggerType]
+    available = [str(kind) for kind in get_available_trackers()]
+    for name in names:
+        if name not in known:
+            fail(f"--report_to must name trackers among {', '.join(known)} or 'none'; got {name!r}")
+        if name != "all" and name not in available:
+            fail(f"--report_to {name}: {name} is not installed (pip install {name})")
+    return names
+
+
+def tracker_config(*argument_groups) -> dict:
+    """The run's flags for the trackers' hyperparameter tables (numbers, text and booleans only)."""
+    return {name: value for group in argument_groups for name, value in dataclasses.asdict(group).items()
+            if isinstance(value, (int, float, str, bool))}
 
 
 # ---- --push_to_hub ---------------------------------------------------------------------------

@@ -134,14 +134,20 @@ def load_datasets(data_args, seed, log) -> tuple[ImageCaptionData, ImageCaptionD
 
 
 def training_batches(data, sampler, collate, image_processor, *, batch_size, rank, world, seed, num_workers,
-                     shuffle_buffer_size, pixel_dtype=torch.float32, step=0, skipped=None) -> Prefetched:
+                     shuffle_buffer_size, mixed_precision="no", step=0, skipped=None) -> Prefetched:
     """The batches of ``batch_size`` rows to train on from optimizer step ``step`` on, made one ahead
     (:class:`Prefetched`; close it at the end): with a ``sampler`` (:class:`RankBatches`) the rows of
     ``data.train`` in memory, epoch after epoch; without, the stream ``data.extra["stream"]`` pass
     after pass. ``collate`` joins a batch's pieces (:class:`PairCollate`); the rows the workers
-    skip are collected into ``skipped`` ({row key: reason})."""
+    skip are collected into ``skipped`` ({row key: reason}); the pixel values are made in the
+    dtype of ``mixed_precision`` (Accelerate's: no, bf16 or fp16)."""
     piece_rows = min(PIECE_ROWS, batch_size)
     skipped = {} if skipped is None else skipped
+    # Under --mixed_precision bf16 / fp16 the vision tower's first layer runs in that dtype under
+    # autocast whatever the pixels' dtype (CLIP and SigLIP cast the pixels to the weights' dtype,
+    # which autocast rounds to bf16 / fp16 again: the same values), so the workers make the pixel
+    # values in it: half the bytes to make, send between processes, join and copy.
+    pixel_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
     if sampler is None:
         stream = DecodedPairPieces(
             data.extra["stream"], rank=rank, world_size=world, seed=seed,

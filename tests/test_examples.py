@@ -791,14 +791,16 @@ def test_a_resumed_train_clip_run_keeps_the_whole_history(tmp_path, monkeypatch,
     steps 1 to 6, the first three as the checkpoint saved them."""
     import train_clip
 
+    import clip_outputs
+
     drawn = []
-    draw = train_clip.save_training_curves
+    draw = clip_outputs.save_training_curves
 
     def recording_curves(curves, history, *args, **kwargs):
         drawn.append(([point["step"] for point in curves], [point["step"] for point in history]))
         return draw(curves, history, *args, **kwargs)
 
-    monkeypatch.setattr(train_clip, "save_training_curves", recording_curves)
+    monkeypatch.setattr(clip_outputs, "save_training_curves", recording_curves)
     common = ["--max_steps", "6", "--eval_steps", "2", "--logging_steps", "1", "--global_batch_size", "64",
               "--dataloader_num_workers", "0"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
