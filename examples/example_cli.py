@@ -15,9 +15,10 @@
 - :func:`accelerate_on_cpu`, :func:`trackers`, :func:`tracker_config`: what ``train_clip.py`` tells
   Accelerate (the CPU for several processes without CUDA, ``--report_to``'s trackers, each one
   installed, and the flags for their hyperparameter tables).
-- :func:`check_hub_push`: ``--push_to_hub`` checked before training (repo id, token, the Hub
-  answering, the repo writable), so a run does not train for nothing and fail at the end;
-  :func:`push_output_dir` uploads after the results are printed, failing in one line.
+- :class:`HubPush`: ``--push_to_hub`` checked before training (:func:`check_hub_push`: repo id,
+  token, the Hub answering, the repo writable), so a run does not train for nothing and fail at the
+  end; its ``push`` uploads after the results are printed (:func:`push_output_dir`), failing in
+  one line.
 
 Errors are argparse-style: one ``<script>: error: ...`` line on standard error (printed by the
 main process only) and exit status 2.
@@ -32,6 +33,7 @@ import sys
 import types
 import typing
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -95,9 +97,11 @@ def argument_parser(dataclass_types, **kwargs):
     return ArgumentParser(dataclass_types, **kwargs)
 
 
-def parse_with_defaults(parser, argv, default_output_dir: str, defaults: dict[str, object]):
+def parse_with_defaults(parser, argv, default_output_dir: str, defaults: dict[str, object],
+                        rules: dict[str, Rule]):
     """``parser.parse_args_into_dataclasses(argv)`` (default: ``sys.argv[1:]``) with ``output_dir`` =
-    ``default_output_dir`` and ``defaults`` ({field name: typed value}) as the parser's defaults.
+    ``default_output_dir`` and ``defaults`` ({field name: typed value}) as the parser's defaults,
+    every numeric flag checked against ``rules`` (:func:`check_numeric_flags`).
 
     The defaults are the parser's own (argparse ``set_defaults``), so a flag given on the command
     line in any form overrides them. A dataclass ``__post_init__`` check that fails (ValueError)
@@ -120,9 +124,11 @@ def parse_with_defaults(parser, argv, default_output_dir: str, defaults: dict[st
             action.required = False  # a default makes a required flag optional
     parser.set_defaults(**defaults)
     try:
-        return parser.parse_args_into_dataclasses(args=argv)
+        parsed = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as error:  # the dataclasses' own checks (e.g. InfCLTrainingArguments)
         fail(str(error))
+    check_numeric_flags(parsed, rules)
+    return parsed
 
 
 def check_output_dir(path: str) -> None:
@@ -161,7 +167,7 @@ def check_data_file(path: str, flag: str = "--dataset") -> None:
 # ---- numeric flags ------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Rule:
     """What a numeric flag must be: ``test(value)`` true; ``text`` says it in the error."""
 
@@ -211,14 +217,6 @@ TRAINING_ARGUMENT_RULES = {
     "ddp_timeout": POSITIVE,
     "local_rank": RANK,
 }
-
-# The text examples' shared data options (text_pairs.TextPairArguments).
-TEXT_PAIR_RULES = {
-    "max_train_pairs": POSITIVE,
-    "held_out_pairs": POSITIVE,
-    "max_seq_length": POSITIVE,
-}
-
 
 def _is_number_type(annotation) -> bool:
     if annotation in (int, float):
@@ -362,6 +360,32 @@ def check_hub_push(repo_id: str | None, output_dir: str, token: str | None = Non
     except Exception as error:
         fail(f"--push_to_hub: cannot create or write the repo {repo_id} ({first_line(error)})")
     return repo_id
+
+
+@dataclass
+class HubPush:
+    """An example's ``--push_to_hub``: :meth:`checked` before training, :meth:`push` after the
+    results are out, both on the main process only."""
+
+    output_dir: str
+    repo_id: str | None
+    token: str | None
+    private: bool
+
+    @classmethod
+    def checked(cls, args) -> HubPush | None:
+        """None without ``args.push_to_hub``; else the push, checked now (:func:`check_hub_push`)."""
+        if not args.push_to_hub:
+            return None
+        if is_main_process():
+            args.hub_model_id = check_hub_push(args.hub_model_id, args.output_dir, args.hub_token,
+                                               bool(args.hub_private_repo))
+        return cls(args.output_dir, args.hub_model_id, args.hub_token, bool(args.hub_private_repo))
+
+    def push(self) -> None:
+        """Upload --output_dir (:func:`push_output_dir`)."""
+        if is_main_process():
+            push_output_dir(self.output_dir, self.repo_id, self.token, self.private)
 
 
 def push_output_dir(output_dir: str, repo_id: str, token: str | None = None, private: bool = False) -> str:

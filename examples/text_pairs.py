@@ -41,6 +41,17 @@ TEXT_TRAINING_DEFAULTS = {
 }
 
 
+def _text_example_rules():
+    from example_cli import POSITIVE, TRAINING_ARGUMENT_RULES
+
+    return {**TRAINING_ARGUMENT_RULES, "max_train_pairs": POSITIVE, "held_out_pairs": POSITIVE,
+            "max_seq_length": POSITIVE}
+
+
+# What the text examples' shared numeric flags must be (TrainingArguments' and TextPairArguments').
+TEXT_EXAMPLE_RULES = _text_example_rules()
+
+
 @dataclass
 class TextPairArguments:
     """Command-line options shared by the text examples: the model and the query/passage data."""
@@ -76,15 +87,18 @@ class TextPairArguments:
         """--model_name_or_path, or the packaged all-MiniLM-L6-v2."""
         return self.model_name_or_path or default_model_path()
 
-    def output_dir(self, given: str, default: str) -> str:
-        """--output_dir: ``given``, unless it is the example's ``default``, whose ``{dataset}`` is then
-        what is trained on: wordnet, stdlib where WordNet is not installed, or the file's name."""
-        if given != default:
-            return given
-        dataset = self.dataset
-        if dataset == "wordnet" and find_wordnet_dir(self.wordnet_dir) is None:
-            dataset = "stdlib"
-        return default.format(dataset=os.path.splitext(os.path.basename(dataset))[0])
+    def set_output_dir(self, args, default: str) -> None:
+        """``args.output_dir``, checked before any work (``example_cli.check_output_dir``); the
+        example's ``default`` has its ``{dataset}`` filled in with what is trained on: wordnet,
+        stdlib where WordNet is not installed, or the file's name."""
+        from example_cli import check_output_dir
+
+        if args.output_dir == default:
+            dataset = self.dataset
+            if dataset == "wordnet" and find_wordnet_dir(self.wordnet_dir) is None:
+                dataset = "stdlib"
+            args.output_dir = default.format(dataset=os.path.splitext(os.path.basename(dataset))[0])
+        check_output_dir(args.output_dir)
 
     def load_pairs(self, seed: int) -> TextPairs:
         """The query/passage pairs these options name, split with ``seed``; a problem with the data

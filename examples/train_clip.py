@@ -55,14 +55,13 @@ from example_cli import (
     POSITIVE,
     RATIO,
     TRAINING_ARGUMENT_RULES,
+    HubPush,
     accelerate_on_cpu,
     argument_parser,
-    check_hub_push,
     check_numeric_flags,
     check_output_dir,
     fail,
     is_main_process,
-    push_output_dir,
     tracker_config,
     trackers,
 )
@@ -265,9 +264,7 @@ def main(argv=None):
 
     model_args, data_args, args = parse_arguments(argv)
     check_output_dir(args.output_dir)
-    if args.push_to_hub and is_main_process():  # checked now, not after training
-        args.hub_model_id = check_hub_push(args.hub_model_id, args.output_dir, args.hub_token,
-                                           args.hub_private_repo)
+    hub = HubPush.checked(args)  # now, not after training
     check_plotting(print if is_main_process() else lambda message: None)
     started = time.perf_counter()
     accelerator = Accelerator(
@@ -398,8 +395,8 @@ def main(argv=None):
     clip_outputs.log_summary(log, facts, whole_run, resumed_at=first_step, this_run_seconds=this_run_seconds,
                              wall_seconds=time.perf_counter() - started, output_dir=args.output_dir,
                              eval_skipped=classification[0].extra["skipped"] if classification else None)
-    if args.push_to_hub and accelerator.is_main_process:  # after the results are out
-        push_output_dir(args.output_dir, args.hub_model_id, args.hub_token, args.hub_private_repo)
+    if hub is not None:  # after the results are out
+        hub.push()
     accelerator.end_training()
     return final
 
