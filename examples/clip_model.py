@@ -207,7 +207,7 @@ def load_model_and_processor(model_args, data_args, data, seed):
     """(model, processor, description): --model_name_or_path (any CLIP-like checkpoint with its
     processor), else a fresh model of --config_name's architecture, else the tiny --model_type model;
     the last two with the word-level tokenizer over ``data``'s captions."""
-    from transformers import AutoConfig, AutoModel, AutoProcessor
+    from transformers import CONFIG_MAPPING, AutoModel, AutoProcessor, PretrainedConfig
 
     from tiny_clip import (
         FAMILIES,
@@ -224,9 +224,11 @@ def load_model_and_processor(model_args, data_args, data, seed):
         return model, processor, model_args.model_name_or_path
     texts = data.vocabulary_text()
     if model_args.config_name is not None:
-        config = AutoConfig.from_pretrained(model_args.config_name)
-        if config.model_type not in FAMILIES:
-            fail(f"--config_name must be a config of {', '.join(FAMILIES)}; got a {config.model_type} config")
+        # a config without its model_type is a CLIPConfig, as this flag always took
+        family = PretrainedConfig.get_config_dict(model_args.config_name)[0].get("model_type", "clip")
+        if family not in FAMILIES:
+            fail(f"--config_name must be a config of {', '.join(FAMILIES)}; got a {family} config")
+        config = CONFIG_MAPPING[family].from_pretrained(model_args.config_name)
         tokenizer = build_word_tokenizer(texts, max_length=config.text_config.max_position_embeddings)
         config = with_word_tokenizer(config, tokenizer)
         return (model_for(config, seed), processor_for(config, tokenizer),

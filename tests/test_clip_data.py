@@ -693,3 +693,32 @@ def test_train_clip_trains_siglip2_on_naflex_batches(tmp_path, start, monkeypatc
         assert not torch.equal(after["logit_bias"], before["logit_bias"])
         assert not torch.equal(after["vision_model.embeddings.patch_embedding.weight"],
                                before["vision_model.embeddings.patch_embedding.weight"])
+
+
+@pytest.mark.parametrize("family", ["clip-without-model-type", "siglip2"])
+def test_config_name_builds_the_configs_family(tmp_path, family):
+    """--config_name: a CLIP config json without its model_type (as the streaming benchmark writes
+    it) builds a CLIPModel, a saved Siglip2Config a Siglip2Model with its NaFlex processor; both
+    with the word-level tokenizer over the captions."""
+    import train_clip
+    from transformers import Siglip2Config
+
+    tower = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    if family == "siglip2":
+        Siglip2Config(text_config=tower, vision_config={**tower, "patch_size": 4, "num_patches": 4}
+                      ).save_pretrained(tmp_path)
+        config = tmp_path / "config.json"
+    else:
+        config = tmp_path / "clip.json"
+        config.write_text(json.dumps({"projection_dim": 16,
+                                      "vision_config": {**tower, "image_size": 8, "patch_size": 4},
+                                      "text_config": {**tower, "max_position_embeddings": 16}}))
+    model_args, data_args, _ = train_clip.parse_arguments(["--config_name", str(config)])
+    data = SimpleNamespace(vocabulary_text=lambda: ["a red patch", "a blue patch"])
+    model, processor, _ = clip_model.load_model_and_processor(model_args, data_args, data, seed=0)
+    expected = "Siglip2Model" if family == "siglip2" else "CLIPModel"
+    assert type(model).__name__ == expected
+    assert model.config.text_config.vocab_size == len(processor.tokenizer)
+    images = processor.image_processor(images=[image for image, _ in naflex_images(3)], return_tensors="pt")
+    assert ("spatial_shapes" in images) == (family == "siglip2")
+
