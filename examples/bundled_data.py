@@ -27,6 +27,7 @@ import os
 import random
 from dataclasses import dataclass, field
 
+BUNDLED = ("digits", "openmoji")  # the sets built in memory here (not streamable)
 DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 # Several phrasings per class, so the text tower must learn the digit, not one sentence.
@@ -204,32 +205,41 @@ BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".p
             ".tar": "webdataset"}
 
 
-def _table_of(path: str, datasets, streaming: bool = False):
+def _table_of(path: str, datasets, streaming: bool = False, flag: str = "--dataset"):
     """(datasets table, folder that relative image paths start from, builder) of ``--dataset``: a
     file, a glob of files, a folder of parquet or webdataset ``.tar`` shards, an image folder, or a
     Hub id. ``streaming``: an ``IterableDataset`` read shard by shard (one shard per file) instead
-    of a table prepared in the cache."""
+    of a table prepared in the cache. What ``datasets`` cannot read is a ValueError naming
+    ``flag``, in one line."""
+    from example_cli import check_data_file, first_line
+
     load = functools.partial(datasets.load_dataset, split="train", streaming=streaming)
     is_glob = any(char in path for char in "*?[")
     if os.path.isdir(path):
         names = sorted(os.listdir(path))
+        builder, base = "imagefolder", path
         for extension in (".parquet", ".tar"):
             if any(name.endswith(extension) for name in names):
-                files = os.path.join(path, f"*{extension}")
                 builder = BUILDERS[extension]
-                return load(builder, data_files=files), path, builder
-        return load("imagefolder", data_dir=path), path, "imagefolder"
-    if is_glob or os.path.isfile(path):
+                break
+        options = (dict(data_dir=path) if builder == "imagefolder"
+                   else dict(data_files=os.path.join(path, f"*{extension}")))
+    elif is_glob or os.path.isfile(path):
         extension = os.path.splitext(path)[1].lower()
         builder = BUILDERS.get(extension)
         if builder is None:
             raise ValueError(
-                f"--dataset file must be .csv, .tsv, .json, .jsonl, .parquet or .tar, got {path!r}"
+                f"{flag} file must be .csv, .tsv, .json, .jsonl, .parquet or .tar, got {path!r}"
             )
-        extra = {"delimiter": "\t"} if extension == ".tsv" else {}
-        return load(builder, data_files=path, **extra), os.path.dirname(os.path.abspath(path)), builder
-    # not a local path: a dataset on the Hugging Face Hub ("user/name")
-    return load(path), None, "hub"
+        check_data_file(path, flag)
+        options = dict(data_files=path, **({"delimiter": "\t"} if extension == ".tsv" else {}))
+        base = os.path.dirname(os.path.abspath(path))
+    else:  # not a local path: a dataset on the Hugging Face Hub ("user/name")
+        builder, base, options = "hub", None, {}
+    try:
+        return load(path if builder == "hub" else builder, **options), base, builder
+    except Exception as error:  # datasets' many error types; the user needs the first line
+        raise ValueError(f"{flag} {path}: datasets cannot read it ({first_line(error)})") from error
 
 
 def _decoded_image(value, base: str | None):
@@ -362,7 +372,7 @@ def load_image_caption_files(
             continue
         rows[index] = ImageCaptionExample(image, (str(caption),))
     if not rows:
-        raise ValueError(f"no usable rows in {path} (skipped: {skipped})")
+        raise ValueError(f"--dataset {path} has no usable rows (skipped: {skipped})")
     train, held_out = _split(list(rows), held_out_fraction, seed, stratify=False)
     if max_held_out is not None:  # the held-out split is decoded and evaluated in every process
         train, held_out = train + held_out[max_held_out:], held_out[:max_held_out]
@@ -398,7 +408,7 @@ def load_classification_set(
     label column's own names (an image folder's sub-folders, a ``ClassLabel``), else, for text
     labels, from the labels themselves in sorted order."""
     datasets = _require_datasets()
-    table, base, builder = _table_of(path, datasets)
+    table, base, builder = _table_of(path, datasets, flag="--eval_dataset")
     table, image_column = checked_columns(table, path, builder, image_column, label_column, datasets,
                                           flags="--eval_image_column / --label_column")
     names = _class_names(class_names, table.features.get(label_column), table[label_column])
@@ -415,7 +425,7 @@ def load_classification_set(
             continue
         examples.append(ImageCaptionExample(pair[0], (), index_of.get(label, label)))
     if not examples:
-        raise ValueError(f"no usable rows in --eval_dataset {path} (skipped: {skipped})")
+        raise ValueError(f"--eval_dataset {path} has no usable rows (skipped: {skipped})")
     return ImageCaptionData(name=os.path.basename(os.path.normpath(path.split("*")[0] or path)), train=[],
                             held_out=examples, class_names=tuple(names), templates=(template,),
                             description=f"zero-shot classification set {path}", extra={"skipped": skipped})
@@ -444,11 +454,13 @@ def load_image_caption_data(dataset: str, seed: int = 0, **options) -> ImageCapt
     if os.path.exists(dataset) or any(char in dataset for char in "*?[") or _looks_like_hub_id(dataset):
         return load_image_caption_files(dataset, seed=seed, **options)
     raise ValueError(
-        f"dataset must be 'digits', 'openmoji', a file, glob or folder of your data, or a Hub dataset "
-        f"id (user/name); {dataset!r} is none of these"
+        f"--dataset {dataset}: no such file or folder (and not 'digits', 'openmoji' or a Hub dataset "
+        "id user/name)"
     )
 
 
 def _looks_like_hub_id(name: str) -> bool:
+    """``user/name``, not a missing local file (``data/pairs.csv``)."""
     parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.startswith((".", "/"))
+    has_data_extension = os.path.splitext(name)[1].lower() in BUILDERS
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/")) and not has_data_extension

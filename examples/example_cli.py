@@ -8,9 +8,17 @@
   (``--learning_rate 3e-4`` or ``--learning_rate=3e-4``).
 - :func:`check_numeric_flags`: every numeric flag checked before any work, with a one-line error
   that names the flag (``--global_batch_size must be > 0, got 0``).
-- :func:`check_hub_push`: ``--push_to_hub`` checked before training (repo id, token, the Hub
-  answering, the repo writable), so a run does not train for nothing and fail at the end;
-  :func:`push_output_dir` uploads after the results are printed, failing in one line.
+- :func:`check_output_dir`: ``--output_dir`` is a folder that can be written, checked before any
+  work (a run must not train for an hour and then fail to save).
+- :func:`check_data_file`: a data file with no rows (empty, blank, a CSV header alone) named in one
+  line, before ``datasets`` fails on it with a long traceback.
+- :func:`accelerate_on_cpu`, :func:`trackers`, :func:`tracker_config`: what ``train_clip.py`` tells
+  Accelerate (the CPU for several processes without CUDA, ``--report_to``'s trackers, each one
+  installed, and the flags for their hyperparameter tables).
+- :class:`HubPush`: ``--push_to_hub`` checked before training (:func:`check_hub_push`: repo id,
+  token, the Hub answering, the repo writable), so a run does not train for nothing and fail at the
+  end; its ``push`` uploads after the results are printed (:func:`push_output_dir`), failing in
+  one line.
 
 Errors are argparse-style: one ``<script>: error: ...`` line on standard error (printed by the
 main process only) and exit status 2.
@@ -25,6 +33,7 @@ import sys
 import types
 import typing
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -57,6 +66,12 @@ def close_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
+def has_accelerator() -> bool:
+    """Whether torch sees an accelerator (CUDA, ROCm, MPS, XPU, ...) to copy batches to."""
+    accelerator = getattr(torch, "accelerator", None)
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+
+
 def fail(message: str):
     """Print ``<script>: error: <message>`` once (main process) and exit with status 2."""
     if is_main_process():
@@ -82,9 +97,11 @@ def argument_parser(dataclass_types, **kwargs):
     return ArgumentParser(dataclass_types, **kwargs)
 
 
-def parse_with_defaults(parser, argv, default_output_dir: str, defaults: dict[str, object]):
+def parse_with_defaults(parser, argv, default_output_dir: str, defaults: dict[str, object],
+                        rules: dict[str, Rule]):
     """``parser.parse_args_into_dataclasses(argv)`` (default: ``sys.argv[1:]``) with ``output_dir`` =
-    ``default_output_dir`` and ``defaults`` ({field name: typed value}) as the parser's defaults.
+    ``default_output_dir`` and ``defaults`` ({field name: typed value}) as the parser's defaults,
+    every numeric flag checked against ``rules`` (:func:`check_numeric_flags`).
 
     The defaults are the parser's own (argparse ``set_defaults``), so a flag given on the command
     line in any form overrides them. A dataclass ``__post_init__`` check that fails (ValueError)
@@ -96,6 +113,8 @@ def parse_with_defaults(parser, argv, default_output_dir: str, defaults: dict[st
         # Several processes without CUDA (`accelerate launch --multi_gpu` / torchrun on a CPU
         # machine) only form one gloo group when the Trainer is told to use the CPU.
         defaults["use_cpu"] = True
+    if not has_accelerator():  # pinned memory serves copies to an accelerator; else a warning
+        defaults["dataloader_pin_memory"] = False
     dests = {action.dest for action in parser._actions}
     unknown = set(defaults) - dests
     if unknown:
@@ -105,15 +124,50 @@ def parse_with_defaults(parser, argv, default_output_dir: str, defaults: dict[st
             action.required = False  # a default makes a required flag optional
     parser.set_defaults(**defaults)
     try:
-        return parser.parse_args_into_dataclasses(args=argv)
+        parsed = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as error:  # the dataclasses' own checks (e.g. InfCLTrainingArguments)
         fail(str(error))
+    check_numeric_flags(parsed, rules)
+    return parsed
+
+
+def check_output_dir(path: str) -> None:
+    """End the run (one line naming ``--output_dir``) unless ``path`` is a folder, or can be made
+    one, and can be written: the first existing folder on the way to it must be writable."""
+    folder = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        fail(f"--output_dir {path} is a file, not a folder: choose another --output_dir")
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        fail(f"--output_dir {path} cannot be made: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK):
+        fail(f"--output_dir {path} cannot be written: {existing} is not writable")
+
+
+def check_data_file(path: str, flag: str = "--dataset") -> None:
+    """Raise a ValueError naming ``flag`` when the local file ``path`` has no rows to read: empty,
+    blank lines only, or (CSV / TSV) a header line alone. Read without parsing: a few lines."""
+    extension = os.path.splitext(path)[1].lower()
+    if not os.path.isfile(path) or extension not in (".csv", ".tsv", ".json", ".jsonl"):
+        return
+    lines = 0
+    with open(path, "rb") as handle:
+        for line in handle:
+            lines += bool(line.strip())
+            if lines == 2:
+                return
+    if lines == 0:
+        raise ValueError(f"{flag} {path} is empty: it has no rows")
+    if extension in (".csv", ".tsv"):
+        raise ValueError(f"{flag} {path} has a header line and no rows")
 
 
 # ---- numeric flags ------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Rule:
     """What a numeric flag must be: ``test(value)`` true; ``text`` says it in the error."""
 
@@ -164,14 +218,6 @@ TRAINING_ARGUMENT_RULES = {
     "local_rank": RANK,
 }
 
-# The text examples' shared data options (text_pairs.TextPairArguments).
-TEXT_PAIR_RULES = {
-    "max_train_pairs": POSITIVE,
-    "held_out_pairs": POSITIVE,
-    "max_seq_length": POSITIVE,
-}
-
-
 def _is_number_type(annotation) -> bool:
     if annotation in (int, float):
         return True
@@ -202,6 +248,57 @@ def check_numeric_flags(objects, rules: dict[str, Rule]) -> None:
                 continue
             if not isinstance(value, (int, float)) or not math.isfinite(value) or not rule.test(value):
                 fail(f"--{name} must be {rule.text}, got {value!r}")
+
+
+# ---- Accelerate ------------------------------------------------------------------------------------
+
+
+def accelerate_on_cpu(use_cpu: bool) -> bool:
+    """Whether to ask Accelerate for the CPU.
+
+    Several processes on a machine without CUDA (``accelerate launch --multi_gpu --num_processes 2``
+    or ``torchrun``) only form a gloo group when Accelerate is told ``cpu=True``; otherwise each
+    process would train alone.
+    """
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if (
+        os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true"
+        and "MASTER_PORT" in os.environ
+        and not several
+    ):
+        # `accelerate launch --cpu --num_processes N` starts N processes only through MPI.
+        print(
+            "note: `accelerate launch --cpu --num_processes N` starts a single process unless MPI is "
+            "configured; for N processes on CPU run `accelerate launch --multi_gpu --num_processes N "
+            "examples/train_clip.py` (add --use_cpu on a GPU machine)",
+            file=sys.stderr,
+        )
+    return use_cpu or (several and not torch.cuda.is_available())
+
+
+def trackers(report_to: str) -> list[str]:
+    """--report_to as Accelerate's ``log_with``: [] for 'none', else the named trackers, each one
+    installed (Accelerate would silently drop one that is not)."""
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    names = [name.strip() for name in report_to.split(",") if name.strip()]
+    if names in ([], ["none"]):
+        return []
+    known = [str(kind) for kind in LoggerType]
+    available = [str(kind) for kind in get_available_trackers()]
+    for name in names:
+        if name not in known:
+            fail(f"--report_to must name trackers among {', '.join(known)} or 'none'; got {name!r}")
+        if name != "all" and name not in available:
+            fail(f"--report_to {name}: {name} is not installed (pip install {name})")
+    return names
+
+
+def tracker_config(*argument_groups) -> dict:
+    """The run's flags for the trackers' hyperparameter tables (numbers, text and booleans only)."""
+    return {name: value for group in argument_groups for name, value in dataclasses.asdict(group).items()
+            if isinstance(value, (int, float, str, bool))}
 
 
 # ---- --push_to_hub ---------------------------------------------------------------------------
@@ -263,6 +360,32 @@ def check_hub_push(repo_id: str | None, output_dir: str, token: str | None = Non
     except Exception as error:
         fail(f"--push_to_hub: cannot create or write the repo {repo_id} ({first_line(error)})")
     return repo_id
+
+
+@dataclass
+class HubPush:
+    """An example's ``--push_to_hub``: :meth:`checked` before training, :meth:`push` after the
+    results are out, both on the main process only."""
+
+    output_dir: str
+    repo_id: str | None
+    token: str | None
+    private: bool
+
+    @classmethod
+    def checked(cls, args) -> HubPush | None:
+        """None without ``args.push_to_hub``; else the push, checked now (:func:`check_hub_push`)."""
+        if not args.push_to_hub:
+            return None
+        if is_main_process():
+            args.hub_model_id = check_hub_push(args.hub_model_id, args.output_dir, args.hub_token,
+                                               bool(args.hub_private_repo))
+        return cls(args.output_dir, args.hub_model_id, args.hub_token, bool(args.hub_private_repo))
+
+    def push(self) -> None:
+        """Upload --output_dir (:func:`push_output_dir`)."""
+        if is_main_process():
+            push_output_dir(self.output_dir, self.repo_id, self.token, self.private)
 
 
 def push_output_dir(output_dir: str, repo_id: str, token: str | None = None, private: bool = False) -> str:

