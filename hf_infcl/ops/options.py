@@ -27,6 +27,9 @@ BlockBackend = Literal["torch", "triton"]  # the backends that compute (what "au
 BackendName = Literal["auto", BlockBackend, "reference"]
 Precision = Literal["auto", "tf32", "ieee"]
 HardnessMode = Literal["in_batch_negatives", "hard_negatives", "all_negatives"]  # docs/contract.md
+# docs/contract.md, "Several positives per row" and "False negatives by score"
+GroupPositives = Literal["any", "each"]
+FalseNegativeStrategy = Literal["absolute", "relative"]
 
 LOSSES: tuple[str, ...] = get_args(LossKind)
 REDUCTIONS: tuple[str, ...] = get_args(Reduction)
@@ -34,6 +37,8 @@ BLOCK_BACKENDS: tuple[str, ...] = get_args(BlockBackend)
 BACKENDS: tuple[str, ...] = get_args(BackendName)  # ("auto", "torch", "triton", "reference")
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 HARDNESS_MODES: tuple[str, ...] = get_args(HardnessMode)
+GROUP_POSITIVES: tuple[str, ...] = get_args(GroupPositives)
+FALSE_NEGATIVE_STRATEGIES: tuple[str, ...] = get_args(FalseNegativeStrategy)
 
 _VOCABULARIES = {"loss": LOSSES, "reduction": REDUCTIONS, "backend": BACKENDS, "precision": PRECISIONS}
 
@@ -128,7 +133,8 @@ class OptionAttribute:
 
 
 __all__ = [
-    "BACKENDS", "BLOCK_BACKENDS", "HARDNESS_MODES", "LOSSES", "PRECISIONS", "REDUCTIONS", "BackendName",
-    "BlockBackend", "HardnessMode", "LossKind", "LossOptions", "OptionAttribute", "Precision", "Reduction",
-    "check_bool", "check_choice", "check_option", "choice_error", "wire_codes",
+    "BACKENDS", "BLOCK_BACKENDS", "FALSE_NEGATIVE_STRATEGIES", "GROUP_POSITIVES", "HARDNESS_MODES", "LOSSES",
+    "PRECISIONS", "REDUCTIONS", "BackendName", "BlockBackend", "FalseNegativeStrategy", "GroupPositives",
+    "HardnessMode", "LossKind", "LossOptions", "OptionAttribute", "Precision", "Reduction", "check_bool",
+    "check_choice", "check_option", "choice_error", "wire_codes",
 ]
