@@ -118,6 +118,11 @@ SAME_ERROR_EVERYWHERE = {
     "hardness_mode": "disagree on hardness_mode",
     "hardness_strength": "disagree on hardness_strength",
     "label_smoothing": "disagree on label_smoothing",
+    "group_positives": "disagree on group_positives",
+    "false_negative_margin": "disagree on false_negative_margin",
+    "margin_given": "whether false_negative_margin is given",
+    "false_negative_strategy": "disagree on false_negative_strategy",
+    "guide_width": "width of guide_queries/guide_keys",
     "no_rows_anywhere": "no rank of the process group has any rows",
 }
 
