@@ -327,7 +327,8 @@ def disagreement_cases(rank: int, world_size: int):
             _features(3), _features(3), query_groups=torch.arange(3), key_groups=torch.arange(3),
             group_positives="any" if rank == last else "each", process_group="auto"),
         "false_negative_margin": lambda: contrastive_loss(
-            _features(3), _features(3), false_negative_margin=0.1 if rank == 0 else 0.2, process_group="auto"),
+            _features(3), _features(3), false_negative_margin=0.1 if rank == 0 else 0.2,
+            process_group="auto"),
         "margin_given": lambda: contrastive_loss(
             _features(3), _features(3), false_negative_margin=0.1 if rank == last else None,
             process_group="auto"),
@@ -335,8 +336,9 @@ def disagreement_cases(rank: int, world_size: int):
             _features(3), _features(3), false_negative_margin=0.1,
             false_negative_strategy="relative" if rank == 0 else "absolute", process_group="auto"),
         "guide_width": lambda: contrastive_loss(
-            _features(3), _features(3), false_negative_margin=0.1, guide_queries=_features(3, 2 + (rank == 0)),
-            guide_keys=_features(3, 2 + (rank == 0)), process_group="auto"),
+            _features(3), _features(3), false_negative_margin=0.1,
+            guide_queries=_features(3, 2 + (rank == 0)), guide_keys=_features(3, 2 + (rank == 0)),
+            process_group="auto"),
         # One rank's own argument check fails: it raises its own error, the others are told.
         "bad_positives_on_one_rank": lambda: contrastive_loss(
             _features(3), _features(3), positives=torch.tensor([0, 1, 7 if rank == 1 else 2]),
