@@ -457,14 +457,19 @@ def check_objective_options(group_positives, false_negative_margin, false_negati
     positives_name, margin_name, strategy_name = names
     check_choice(positives_name, group_positives, GROUP_POSITIVES, optional=True)
     check_choice(strategy_name, false_negative_strategy, FALSE_NEGATIVE_STRATEGIES)
-    if false_negative_margin is None:
+    return check_false_negative_margin(false_negative_margin, margin_name)
+
+
+def check_false_negative_margin(value, name: str = "false_negative_margin") -> float | None:
+    """The one check of the score filter's margin: None (off) or a finite number, negative ones
+    included; returned as a float."""
+    if value is None:
         return None
-    if isinstance(false_negative_margin, bool) or not isinstance(false_negative_margin, (int, float)):
-        raise TypeError(f"{margin_name} must be a finite float or None, got "
-                        f"{type(false_negative_margin).__name__}")
-    if not math.isfinite(false_negative_margin):
-        raise ValueError(f"{margin_name} must be finite, got {false_negative_margin!r}")
-    return float(false_negative_margin)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a finite float or None, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
 
 
 def _check_guide(queries, keys, guide_queries, guide_keys) -> None:

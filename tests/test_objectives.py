@@ -327,3 +327,87 @@ def test_negative_margins_are_valid_and_the_module_checks_its_options():
         hf_infcl.InfCLLoss(false_negative_margin=float("inf"))
     with pytest.raises(ValueError, match="label_smoothing=0.1 is not defined with false_negative_margin"):
         hf_infcl.InfCLLoss(false_negative_margin=0.0, label_smoothing=0.1)
+
+
+# ------------------------------------------------------------------------------------------------
+# The Trainer: group_positives with group_column, the filter on the model's own similarities.
+
+
+def captions_per_image_batch():
+    """A CLIP batch of 5 images with 1 to 3 captions each, one row per (image, caption) pair: the
+    group id is the image's, so each row's group holds its image's other captions."""
+    from tests.trainer_fixtures import clip_batch
+
+    images = clip_batch(5, seed=4)
+    captions = clip_batch(12, seed=5)
+    image_of_row = torch.tensor([0, 0, 0, 1, 2, 2, 3, 3, 3, 4, 4, 1])
+    return {"pixel_values": images["pixel_values"][image_of_row], "input_ids": captions["input_ids"],
+            "attention_mask": captions["attention_mask"], "group": image_of_row}
+
+
+@pytest.mark.parametrize("mode", ["any", "each"])
+def test_trainer_loss_with_group_positives_and_the_filter(tmp_path, mode):
+    """compute_loss with group_column, group_positives and a margin is the float64 reference of the
+    model's own embeddings (symmetric: each caption's column has its image's rows as positives)."""
+    from hf_infcl import InfCLTrainer
+    from tests.trainer_fixtures import tiny_clip, trainer_arguments
+
+    batch = captions_per_image_batch()
+    model = tiny_clip(dropout=0.0).eval()
+    args = trainer_arguments(tmp_path, group_column="group", group_positives=mode,
+                             false_negative_margin=-0.05)
+    trainer = InfCLTrainer(model=model, args=args)
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, dict(batch))
+        out = model(**{name: value for name, value in batch.items() if name != "group"})
+        queries, keys = out.image_embeds.double(), out.text_embeds.double()
+        scale = model.logit_scale.exp().double()
+        groups = batch["group"]
+
+        def reference(**options):
+            return contrastive_loss(queries, keys, scale, query_groups=groups, key_groups=groups,
+                                    backend="reference", **options)
+
+        expected = reference(group_positives=mode, false_negative_margin=-0.05)
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+    assert abs(float(expected) - float(reference())) > 1e-3  # the positives changed the loss
+
+
+@pytest.mark.parametrize("mode", ["any", "each"])
+def test_cached_training_with_group_positives_matches_the_whole_batch(tmp_path, mode):
+    """Two steps of the cached step (chunks of 4) equal two whole-batch steps, with several positives
+    per row and the filter."""
+    from hf_infcl import InfCLTrainer
+    from tests.trainer_fixtures import PairDataset, tiny_clip, trained_parameters, trainer_arguments
+
+    dataset = PairDataset(captions_per_image_batch())
+    settings = dict(per_device_train_batch_size=12, max_steps=2, optim="sgd", learning_rate=0.05,
+                    group_column="group", group_positives=mode, false_negative_margin=0.1)
+
+    def trained(path, **more):
+        trainer = InfCLTrainer(model=tiny_clip(dropout=0.0), args=trainer_arguments(path, **settings, **more),
+                               train_dataset=dataset)
+        trainer.train()
+        return trained_parameters(trainer)
+
+    full, chunked = trained(tmp_path / "full"), trained(tmp_path / "chunked", chunk_size=4)
+    for name, expected in full.items():
+        torch.testing.assert_close(chunked[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.equal(full["logit_scale"], tiny_clip().logit_scale.detach())  # it trained
+
+
+def test_trainer_arguments_check_the_objectives(tmp_path):
+    from hf_infcl import InfCLTrainer, InfCLTrainingArguments
+    from tests.trainer_fixtures import tiny_clip, trainer_arguments
+
+    with pytest.raises(ValueError, match="^group_positives must be one of 'any', 'each' or None; got 'all'"):
+        InfCLTrainingArguments(output_dir=str(tmp_path), use_cpu=True, group_positives="all")
+    with pytest.raises(ValueError, match="^false_negative_margin must be finite"):
+        InfCLTrainingArguments(output_dir=str(tmp_path), use_cpu=True, false_negative_margin=float("nan"))
+    with pytest.raises(ValueError, match="^false_negative_strategy must be one of"):
+        InfCLTrainingArguments(output_dir=str(tmp_path), use_cpu=True, false_negative_strategy="share")
+    with pytest.raises(ValueError, match="group_positives='any' needs group_column"):
+        InfCLTrainer(model=tiny_clip(), args=trainer_arguments(tmp_path, group_positives="any"))
+    with pytest.raises(ValueError, match="label_smoothing=0.1 is not defined with false_negative_margin"):
+        InfCLTrainer(model=tiny_clip(), args=trainer_arguments(tmp_path, label_smoothing=0.1,
+                                                               false_negative_margin=0.0))
