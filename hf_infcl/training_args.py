@@ -177,9 +177,9 @@ class InfCLTrainingArguments(TrainingArguments):
     group_positives: GroupPositives | None = field(
         default=None,
         metadata={"help": "With group_column: the keys of a row's group are its positives (several "
-                          "captions of one image). 'any': -log of the softmax mass on them (MIL-NCE); 'each': "
-                          "the mean of -log p over them (SupCon). None: they are left out of the negatives "
-                          "only."},
+                          "captions of one image). 'any': -log of the softmax mass on them (MIL-NCE); "
+                          "'each': the mean of -log p over them (SupCon). None: they are left out of the "
+                          "negatives only."},
     )
     false_negative_margin: float | None = field(
         default=None,
