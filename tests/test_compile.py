@@ -241,7 +241,8 @@ def test_custom_op_with_objectives_passes_opcheck(name):
     scale = log_scale.exp().detach().requires_grad_(True)
     bias = bias.requires_grad_(True) if sigmoid else None
     args = (q.requires_grad_(True), k.requires_grad_(True), scale, bias, extra["positives"],
-            extra["query_groups"], extra["key_groups"], options["loss"], options["symmetric"] and not sigmoid, "ieee", False, "torch", False, None, None, None, 0.0,
+            extra["query_groups"], extra["key_groups"], options["loss"], options["symmetric"] and not sigmoid,
+            "ieee", False, "torch", False, None, None, None, 0.0,
             objectives.get("guide_queries"), objectives.get("guide_keys"), objectives["group_positives"],
             objectives["false_negative_margin"], objectives["false_negative_strategy"])
     torch.library.opcheck(torch.ops.hf_infcl.logit_stats.default, args)
