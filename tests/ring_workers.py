@@ -381,9 +381,24 @@ def run_reductions(rank: int, world_size: int):
         }
 
 
-# name: (loss, bias or None, hardness_mode or None)
-TRITON_LOSSES = {"softmax_symmetric": ("softmax", None, None), "sigmoid_with_bias": ("sigmoid", -1.5, None),
-                 "softmax_hard_negatives": ("softmax", None, "hard_negatives")}
+# name: (loss, bias or None, hardness_mode or None, several positives and the score filter: their
+# contrastive_loss arguments, "guide" for the parts' guide embeddings)
+TRITON_LOSSES = {
+    "softmax_symmetric": ("softmax", None, None, {}),
+    "sigmoid_with_bias": ("sigmoid", -1.5, None, {}),
+    "softmax_hard_negatives": ("softmax", None, "hard_negatives", {}),
+    "softmax_group_positives_filter": ("softmax", None, None,
+                                       dict(group_positives="any", false_negative_margin=0.3)),
+    "sigmoid_filter_guide": ("sigmoid", -1.5, None, dict(false_negative_margin=-0.1, guide=True)),
+}
+
+
+def objective_arguments(objectives: dict, batch) -> dict:
+    """``TRITON_LOSSES``' objectives as contrastive_loss's arguments for a batch (its guide)."""
+    arguments = {name: value for name, value in objectives.items() if name != "guide"}
+    if objectives.get("guide"):
+        arguments.update(guide_queries=batch["guide_queries"], guide_keys=batch["guide_keys"])
+    return arguments
 
 
 def triton_inputs(world_size: int):
@@ -400,6 +415,8 @@ def triton_inputs(world_size: int):
             "positives": torch.randperm(k, generator=gen)[:m],
             "query_groups": torch.randint(0, 3, (m,), generator=gen),
             "key_groups": torch.randint(0, 3, (k,), generator=gen),
+            "guide_queries": torch.randn(m, GUIDE_WIDTH, generator=gen),
+            "guide_keys": torch.randn(k, GUIDE_WIDTH, generator=gen),
         })
     add_hardness_ids(parts, rows, keys, gen)
     return parts
@@ -414,7 +431,7 @@ def run_triton(rank: int, world_size: int):
         return None
     part = triton_inputs(world_size)[rank]
     results = {}
-    for name, (loss, bias_value, hardness) in TRITON_LOSSES.items():
+    for name, (loss, bias_value, hardness, objectives) in TRITON_LOSSES.items():
         queries = part["queries"].clone().requires_grad_(True)
         keys = part["keys"].clone().requires_grad_(True)
         scale = torch.tensor(4.0, requires_grad=True)
@@ -424,7 +441,7 @@ def run_triton(rank: int, world_size: int):
             query_groups=part["query_groups"], key_groups=part["key_groups"], process_group="auto",
             backend=TritonBlocks(tile_rows=2, tile_keys=4, poison=True),
             precision="ieee",  # exact fp32: this checks the ring's plumbing, not TF32 rounding
-            **hardness_arguments(hardness, part),
+            **hardness_arguments(hardness, part), **objective_arguments(objectives, part),
         )
         value.backward()
         results[name] = {"value": value.detach(), "queries": queries.grad, "keys": keys.grad,

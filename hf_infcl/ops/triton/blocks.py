@@ -35,12 +35,13 @@ from .device import INTERPRET
 from .operands import (
     HALF_TYPES,
     ROW_LABELS,
+    ROW_STATISTIC_ONLY,
     Operands,
     dot_operands,
     gemm_operands,
+    is_tf32,
     kernel_operands,
     label_arguments,
-    mask_arguments,
     resolved,
     scalar,
     sliced,
@@ -123,7 +124,8 @@ class TritonBlocks:
         if spec.columns:
             col_stat = stats.logit_stats(
                 keys, queries, scale, bias, sigmoid=False, columns=True, precision=spec.precision,
-                splits=self.stat_splits, out=self._stat_buffer(keys, queries), **mask_arguments(mask),
+                splits=self.stat_splits, out=self._stat_buffer(keys, queries),
+                **{name: value for name, value in problem.labels.items() if name not in ROW_STATISTIC_ONLY},
             )
         return row_stat, col_stat
 
@@ -162,7 +164,7 @@ class TritonBlocks:
         arguments = problem.route_arguments(row_sums, g_factor, softplus_sums=row_stat)
         if self._gluon_dots(problem):
             route = GluonRoute(arguments)
-        elif self.sigmoid_logits != "fused":
+        elif self.sigmoid_logits != "fused" and score_filter is None:  # (the fused kernel filters)
             dots = dot_operands(problem.gemm, problem.kernel, problem.kernel.scale)
             route = CublasDotsRoute(arguments, dots, problem.gemm.queries.dtype, self.poison)
         else:
@@ -184,16 +186,11 @@ class TritonBlocks:
     def _prepare(self, spec: StatsSpec, queries, keys, scale, bias, mask, hardness, score_filter) -> _Problem:
         """The checked inputs as the kernels and GEMMs take them (:mod:`.operands`)."""
         self._check(queries, keys)
-        if score_filter is not None:
-            raise ValueError("false_negative_margin is not in the Triton kernels yet; use backend='torch'")
-        if hardness is not None and hardness.query_groups is not None:
-            raise ValueError("hardness_mode with group_positives is not in the Triton kernels; use "
-                             "backend='torch'")
         spec = resolved(spec, queries)
         kernel = kernel_operands(spec, queries, keys, scale, self.tf32_via_fp16)
         gemm = gemm_operands(spec, queries, keys, kernel, self.tf32_via_fp16)
         return _Problem(spec, kernel, gemm, None if bias is None else scalar(bias),
-                        label_arguments(mask, hardness, kernel))
+                        label_arguments(mask, hardness, kernel, score_filter, is_tf32(spec, queries)))
 
     def _walk(self, problem: _Problem, route, grad_queries, grad_keys, g_factor) -> None:
         m, k = problem.kernel.queries.shape[0], problem.kernel.keys.shape[0]
