@@ -671,13 +671,14 @@ def test_a_kernel_key_launched_before_skips_the_autotuner(monkeypatch, tmp_path)
     assert runs == {"_stats_kernel": 1, "_grad_tile_kernel": 1}
 
 
-@pytest.mark.parametrize("route", ["softmax", "softmax-two-pass", "sigmoid-one-pass", "positives"])
+@pytest.mark.parametrize("route", ["softmax", "softmax-two-pass", "sigmoid-one-pass", "positives",
+                                   "filter-positives", "filter-shared-positive"])
 def test_value_checks_raise_before_the_first_kernel(route, monkeypatch):
     """The Triton block ops make one process's value checks (scale > 0, positives in range)
     after preparing their operands, just before the loss's first kernel (for the statistics
     kernel: in its launch, just before the kernel): the error names the argument, and no
     kernel of the loss (statistics, gradient tiles, the sigmoid one pass's GEMM) has run."""
-    from hf_infcl.ops.triton import stats, super_tiles
+    from hf_infcl.ops.triton import blocks, stats, super_tiles
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel of the loss ran before the values were checked")
@@ -690,6 +691,7 @@ def test_value_checks_raise_before_the_first_kernel(route, monkeypatch):
     monkeypatch.setattr(stats, "merge_partials", no_kernel)
     for name in ("grad_tile", "sigmoid_from_dots", "add_product"):
         monkeypatch.setattr(super_tiles, name, no_kernel)
+    monkeypatch.setattr(blocks, "combine_rows", no_kernel)  # the positives' scores, the filter's thresholds
     gen = torch.Generator().manual_seed(11)
     queries = torch.randn(9, 8, generator=gen).requires_grad_(True)
     keys = torch.randn(12, 8, generator=gen).requires_grad_(True)
@@ -702,6 +704,14 @@ def test_value_checks_raise_before_the_first_kernel(route, monkeypatch):
     elif route == "positives":
         arguments.update(logit_scale=5.0, positives=torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 12]))
         named = "positives"
+    elif route == "filter-positives":
+        arguments.update(logit_scale=5.0, positives=torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 12]),
+                         false_negative_margin=0.1)
+        named = "positives"
+    elif route == "filter-shared-positive":
+        arguments.update(logit_scale=5.0, positives=torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 7]),
+                         false_negative_margin=0.1)
+        named = "positives: two rows share a positive key"
     with pytest.raises(ValueError, match=named):
         contrastive_loss(queries, keys, **arguments)
 

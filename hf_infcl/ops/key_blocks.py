@@ -44,6 +44,7 @@ import torch
 from . import score_filter
 from .positive_pairs import add_pair_gradients, block_pairs, block_positive_parts
 from .spec import BlockOps, OnePassSigmoidOps, PairLabels, StatsSpec, accumulation_dtype, takes_one_pass
+from .value_check import run_deferred_check
 
 # Row chunks for the O(m c) epilogues, so they allocate no full-size fp32 temporaries.
 _EPILOGUE_ELEMENTS = 2**22
@@ -231,6 +232,7 @@ def complete_labels(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, 
     labels = labels._replace(positive_keys=global_positives + offset if offset else global_positives)
     if not spec.filters:
         return labels
+    run_deferred_check()  # the thresholds read the positives: the first kernel that does
     row_thresholds, key_thresholds = score_filter.thresholds(spec, queries, keys, positives,
                                                              labels.guide_queries, labels.guide_keys,
                                                              row_combiner(ops))
