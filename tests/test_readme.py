@@ -30,6 +30,10 @@ CHECKS = {
         "assert image_features.grad is not None and text_features.grad is not None\n"
         "assert logit_scale.grad is not None and torch.isfinite(logit_scale.grad)\n"
     ),
+    "Several positives and false negatives": (
+        "assert torch.isfinite(loss), loss\n"
+        "assert images.grad is not None and queries.grad is not None and torch.isfinite(queries.grad).all()\n"
+    ),
     "Training with the transformers Trainer": "assert trainer.state.global_step == args.max_steps\n",
     "sentence-transformers": "assert trainer.state.global_step == args.max_steps\n",
 }
