@@ -251,18 +251,16 @@ def _stats_spec(loss, symmetric, precision, queries, reduction, differentiable, 
 
     The sigmoid loss takes the one-pass route (``StatsSpec.gradients_in_forward``: its gradients
     computed in the forward) when a gradient will be wanted and the reduction gives every row's
-    statistic the same gradient; with ``reduction="none"`` the caller's weights are unknown, and
-    with ``group_positives`` the positive pairs' gradients are added in the backward.
+    statistic the same gradient; with ``reduction="none"`` the caller's weights are unknown.
     """
     wants_gradient = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in differentiable
     )
-    group_positives = objectives.group_positives
-    one_pass = loss == "sigmoid" and reduction != "none" and wants_gradient and group_positives is None
+    one_pass = loss == "sigmoid" and reduction != "none" and wants_gradient
     return StatsSpec(loss=loss, columns=loss == "softmax" and symmetric,
                      precision=resolve_precision(precision, queries.dtype, queries.device),
                      gradients_in_forward=one_pass, hardness=hardness_mode,
-                     hardness_strength=hardness_strength, group_positives=group_positives,
+                     hardness_strength=hardness_strength, group_positives=objectives.group_positives,
                      false_negative_margin=objectives.false_negative_margin,
                      false_negative_strategy=objectives.false_negative_strategy)
 

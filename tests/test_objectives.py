@@ -143,13 +143,18 @@ def test_matches_the_float64_oracle(backend, loss_name, mode, filter_name):
     seed = random.randrange(2**31)
     shape = [(7, 11, 5), (10, 10, 3), (5, 13, 4)][seed % 3]
     case = make_case(*shape, seed=seed, guide_width=guide_width)
+    for _ in range(20):  # a case where the filter leaves something out (nearly every draw)
+        if margin is None or filtered_entries(case, margin, strategy) > 0:
+            break
+        seed += 1
+        case = make_case(*shape, seed=seed, guide_width=guide_width)
+    if margin is not None:
+        assert filtered_entries(case, margin, strategy) > 0, "the filter left nothing out: a vacuous case"
     reduction = ["mean", "sum", "none"][CASES.index((backend, loss_name, mode, filter_name)) % 3]
     options = options_of(case, **LOSSES[loss_name], mode=mode, margin=margin, strategy=strategy,
                          reduction=reduction)
     errors = errors_against_oracle(case, BACKENDS[backend], **options)
     assert max(errors.values()) < 1e-10, (seed, errors)
-    if margin is not None:
-        assert filtered_entries(case, margin, strategy) > 0, "the filter left nothing out: a vacuous case"
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch"])

@@ -65,7 +65,9 @@ class KeyBlockSchedule(Protocol):
                               positives: PositiveGradients | None = None): ...
 
     # Optional: forward_with_gradients(spec, ops, queries, keys, scale, bias, labels) ->
-    # (row_stat, UnitGradients), the sigmoid loss's one pass.
+    # (row_stat, UnitGradients, positive parts or None), the sigmoid loss's one pass, with
+    # add_positive_pairs(spec, queries, keys, scale, bias, labels, PositiveGradients, grad_queries,
+    # grad_keys, row_sums) for its group_positives.
 
 
 class PositiveGradients(NamedTuple):
@@ -100,11 +102,15 @@ class SingleBlock:
         block = labels.block(spec, labels.own_keys(), 0)
         row_stat, col_stat = ops.forward_block(spec, queries, keys, scale, bias, block.mask,
                                                hardness=block.hardness, score_filter=block.score_filter)
-        parts = None
-        if spec.group_positives is not None:
-            pairs = block_pairs(labels.query_groups, labels.positive_keys, labels.key_groups, 0)
-            parts = block_positive_parts(spec, queries, keys, scale, bias, pairs)
-        return row_stat, col_stat, parts
+        return row_stat, col_stat, self._positive_parts(spec, queries, keys, scale, bias, labels)
+
+    @staticmethod
+    def _positive_parts(spec: StatsSpec, queries, keys, scale, bias, labels: PairLabels):
+        """The positive parts of ``group_positives`` (None without)."""
+        if spec.group_positives is None:
+            return None
+        pairs = block_pairs(labels.query_groups, labels.positive_keys, labels.key_groups, 0)
+        return block_positive_parts(spec, queries, keys, scale, bias, pairs)
 
     def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
                               labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat,
@@ -119,14 +125,21 @@ class SingleBlock:
                                       grad_col_stat.to(acc) if columns else None, grad_queries, grad_keys,
                                       hardness=block.hardness, score_filter=block.score_filter)
         if positives is not None:
-            pairs = block_pairs(labels.query_groups, labels.positive_keys, labels.key_groups, 0)
-            add_pair_gradients(spec, queries, keys, scale, bias, pairs, *positives, grad_queries, grad_keys,
-                               row_sums)
+            self.add_positive_pairs(spec, queries, keys, scale, bias, labels, positives, grad_queries,
+                                    grad_keys, row_sums)
         return grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums
+
+    def add_positive_pairs(self, spec: StatsSpec, queries, keys, scale, bias, labels: PairLabels,
+                           positives: PositiveGradients, grad_queries, grad_keys, row_sums) -> None:
+        """Add the positive pairs' entries of G into the accumulators (in place): with the statistics'
+        in the backward, or on the one-pass route into its scaled unit-weight gradients."""
+        pairs = block_pairs(labels.query_groups, labels.positive_keys, labels.key_groups, 0)
+        add_pair_gradients(spec, queries, keys, scale, bias, pairs, *positives, grad_queries, grad_keys,
+                           row_sums)
 
     def forward_with_gradients(self, spec: StatsSpec, ops: OnePassSigmoidOps, queries, keys, scale, bias,
                                labels: PairLabels):
-        """The sigmoid loss's one pass: (row_stat, unit-weight gradients), see
+        """The sigmoid loss's one pass: (row_stat, unit-weight gradients, positive parts or None), see
         :class:`UnitGradients`."""
         acc = accumulation_dtype(queries.dtype)
         grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
@@ -135,7 +148,8 @@ class SingleBlock:
         row_stat, row_sums = ops.forward_backward_block(spec, queries, keys, scale, bias, block.mask,
                                                         grad_queries, grad_keys,
                                                         score_filter=block.score_filter)
-        return row_stat, UnitGradients(grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums)
+        unit = UnitGradients(grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums)
+        return row_stat, unit, self._positive_parts(spec, queries, keys, scale, bias, labels)
 
 
 SINGLE_BLOCK = SingleBlock()
@@ -165,7 +179,7 @@ def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, qu
     labels = complete_labels(schedule, spec, ops, queries, keys, positives, labels)
     unit = parts = None
     if one_pass(spec, schedule, ops):
-        row_stat, unit = schedule.forward_with_gradients(spec, ops, queries, keys, scale, bias, labels)
+        row_stat, unit, parts = schedule.forward_with_gradients(spec, ops, queries, keys, scale, bias, labels)
         col_stat = None
     else:
         row_stat, col_stat, parts = schedule.forward_stats(spec, ops, queries, keys, scale, bias, labels)
@@ -197,10 +211,6 @@ def stats_backward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, q
     gradients, no tile is computed again. With ``group_positives``, ``positive_parts`` are the
     forward's (rows' [m], columns' [k] or empty) and ``grad_positive_logit`` and
     ``grad_column_positive`` their gradients."""
-    if unit is not None:
-        return finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive_logit,
-                                unit.queries, unit.key_slices, unit.row_sums,
-                                row_weight=grad_row_stat.to(unit.queries.dtype), combine=row_combiner(ops))
     pair_gradients = None
     if spec.group_positives is not None:
         row_part, column_part = positive_parts
@@ -208,7 +218,22 @@ def stats_backward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, q
         pair_gradients = PositiveGradients(row_part, grad_positive_logit, column_part if columns else None,
                                            grad_column_positive if columns else None)
         grad_positive_logit = None  # the pairs' gradients go into the accumulators
+    if unit is not None and pair_gradients is None:
+        return finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive_logit,
+                                unit.queries, unit.key_slices, unit.row_sums,
+                                row_weight=grad_row_stat.to(unit.queries.dtype), combine=row_combiner(ops))
     labels = complete_labels(schedule, spec, ops, queries, keys, positives, labels)
+    if unit is not None:
+        # The one pass with positive pairs: its unit-weight gradients scaled into new accumulators
+        # (the forward's are kept for a second backward), the pairs' entries added to them.
+        weight = grad_row_stat.to(unit.queries.dtype)
+        (_, unit_keys), = unit.key_slices  # the one pass is one process's: a single block
+        grad_queries, grad_keys = unit.queries * weight[:, None], unit_keys * weight[0]
+        row_sums = unit.row_sums * weight
+        schedule.add_positive_pairs(spec, queries, keys, scale, bias, labels, pair_gradients, grad_queries,
+                                    grad_keys, row_sums)
+        return finish_gradients(needs, queries, keys, scale, bias, positives, None, grad_queries,
+                                [((0, keys.shape[0]), grad_keys)], row_sums, combine=row_combiner(ops))
     grad_queries, key_slices, row_sums = schedule.backward_accumulators(
         spec, ops, queries, keys, scale, bias, labels, row_stat, col_stat, grad_row_stat, grad_col_stat,
         pair_gradients,

@@ -92,9 +92,6 @@ class StatsSpec:
         if self.gradients_in_forward and self.loss != "sigmoid":
             raise ValueError("gradients_in_forward needs the sigmoid loss (the softmax loss's G needs "
                              "its statistics first)")
-        if self.gradients_in_forward and self.group_positives is not None:
-            raise ValueError("gradients_in_forward does not take group_positives (the positive pairs' "
-                             "gradients are added in the backward)")
         if self.hardness is not None and (self.loss != "softmax" or self.hardness not in HARDNESS_MODES):
             raise ValueError(f"hardness {self.hardness!r} needs the softmax loss and one of {HARDNESS_MODES}")
         if self.group_positives is not None and self.group_positives not in GROUP_POSITIVES:
