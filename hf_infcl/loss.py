@@ -426,8 +426,8 @@ def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, po
 def _check_objectives(queries, keys, query_groups, group_positives, false_negative_margin,
                       false_negative_strategy, guide_queries, guide_keys) -> Objectives:
     """Validate the several positives and the score filter (docs/contract.md, "Errors"); return
-    them as :class:`Objectives`, the margin as a float. ``queries`` and ``keys`` are checked
-    tensors by then, or fail their own checks first."""
+    them as :class:`Objectives`, the margin as a float. A guide is compared with ``queries`` and
+    ``keys`` only where they are 2-D tensors; their own checks follow."""
     false_negative_margin = check_objective_options(group_positives, false_negative_margin,
                                                     false_negative_strategy)
     if group_positives is not None and query_groups is None:

@@ -183,6 +183,7 @@ def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, qu
         col_stat = None
     else:
         row_stat, col_stat, parts = schedule.forward_stats(spec, ops, queries, keys, scale, bias, labels)
+
     def empty():  # a new one each time: a custom op's outputs may not alias each other
         return row_stat.new_empty(0)
 

@@ -253,9 +253,6 @@ class KeyLabels(NamedTuple):
     guide_keys: torch.Tensor | None = None  # [k, c_g], the score filter's guide
     key_thresholds: torch.Tensor | None = None  # [k], the score filter's column thresholds
 
-    def sliced(self, start: int, end: int) -> KeyLabels:
-        return KeyLabels(*(None if t is None else t[start:end] for t in self))
-
 
 class BlockLabels(NamedTuple):
     """What the block ops take for one (row block, key block) pair."""
