@@ -294,6 +294,8 @@ def _bad_input_cases():
                                 **filtered), ValueError, "guide_keys has 4 rows but keys has 6"),
         "guide dtype": (dict(guide_queries=guide["guide_queries"].double(), guide_keys=guide["guide_keys"],
                              **filtered), TypeError, "guide_queries has dtype torch.float64"),
+        "guide device": (dict(guide_queries=torch.randn(4, 2, device="meta"), guide_keys=guide["guide_keys"],
+                              **filtered), ValueError, "guide_queries is on meta but queries are on cpu"),
         "guide widths": (dict(guide_queries=guide["guide_queries"], guide_keys=torch.randn(6, 3), **filtered),
                          ValueError, "guide_queries have width 2 but guide_keys have width 3"),
         "guide 1-D": (dict(guide_queries=torch.randn(4), guide_keys=guide["guide_keys"], **filtered),
