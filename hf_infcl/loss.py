@@ -7,6 +7,8 @@ implements is docs/contract.md.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -15,6 +17,8 @@ from .ops.label_smoothing import smoothing_terms
 from .ops.logit_stats import announcing_rejections, logit_stats
 from .ops.options import (
     BackendName,
+    FalseNegativeStrategy,
+    GroupPositives,
     HardnessMode,
     LossKind,
     LossOptions,
@@ -23,6 +27,7 @@ from .ops.options import (
     Reduction,
     check_hardness,
     check_label_smoothing,
+    check_objective_options,
     check_option,
 )
 from .ops.spec import BlockOps, StatsSpec, accumulation_dtype, resolve_precision
@@ -49,6 +54,11 @@ def contrastive_loss(
     query_ids: torch.Tensor | None = None,
     key_owners: torch.Tensor | None = None,
     label_smoothing: float = 0.0,
+    group_positives: GroupPositives | None = None,
+    false_negative_margin: float | None = None,
+    false_negative_strategy: FalseNegativeStrategy = "absolute",
+    guide_queries: torch.Tensor | None = None,
+    guide_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact InfoNCE (CLIP) or sigmoid (SigLIP) contrastive loss without a b x b matrix.
 
@@ -92,7 +102,25 @@ def contrastive_loss(
             ``torch.nn.functional.cross_entropy(..., label_smoothing=...)`` does, its candidates
             being every key of the group (row term) or every row (column term); ALIGN trains with
             0.1. Computed from the mean key and mean query, never the b x b matrix
-            (docs/contract.md, "Label smoothing"). Not with groups or a hardness offset.
+            (docs/contract.md, "Label smoothing"). Not with groups, a hardness offset or the score
+            filter.
+        group_positives: ``"any"`` or ``"each"``, with ``query_groups``/``key_groups``: the keys of
+            a row's group are its positives instead of being left out (docs/contract.md, "Several
+            positives per row"). ``"any"``: -log of the softmax mass on the positives (MIL-NCE);
+            ``"each"``: the mean of -log p over the positives (SupCon's L_out); the sigmoid loss
+            labels them all +1 (either). The symmetric loss's column terms follow the same rule.
+            Memory grows with the number of same-group pairs (linear while groups are bounded).
+        false_negative_margin: leave out of row i's negatives the keys j that score too close to
+            its positive: g_ij > tau_i, tau_i = g_{i,p(i)} - margin ("absolute") or
+            g_{i,p(i)} - |g_{i,p(i)}| * margin ("relative"); positives are never left out. g is the
+            guide's similarity, or without a guide the model's own dot product (detached). A finite
+            float, negative margins included (only keys more than |margin| above the positive go);
+            None: off (docs/contract.md, "False negatives by score"). With the symmetric softmax
+            loss, no two rows may share a positive key.
+        false_negative_strategy: ``"absolute"`` or ``"relative"``, as above.
+        guide_queries, guide_keys: ``[m, c_g]`` and ``[k, c_g]``, given together and with a margin:
+            a guide model's embeddings (GISTEmbedLoss's guide), of the queries' dtype and device;
+            they get no gradient. The filter's mask is recomputed per tile, never stored.
 
     Returns:
         The reduced loss (a scalar), or the per-row losses ``[m]`` for ``reduction="none"``.
@@ -100,21 +128,44 @@ def contrastive_loss(
         ``(n / M) * sum of its rows' losses``, so that averaging the processes' gradients (what
         DDP does) gives exactly the gradient of the global mean.
     """
+    objectives = Objectives(group_positives, false_negative_margin, false_negative_strategy, guide_queries,
+                            guide_keys)
     return _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
                              process_group, loss, symmetric, reduction, backend, precision,
                              options_checked=False, hardness=(hardness_mode, hardness_strength, query_ids,
-                                                              key_owners), label_smoothing=label_smoothing)
+                                                              key_owners), label_smoothing=label_smoothing,
+                             objectives=objectives)
+
+
+class Objectives(NamedTuple):
+    """``contrastive_loss``'s several positives and score filter, as it takes them."""
+
+    group_positives: GroupPositives | None = None
+    false_negative_margin: float | None = None
+    false_negative_strategy: FalseNegativeStrategy = "absolute"
+    guide_queries: torch.Tensor | None = None
+    guide_keys: torch.Tensor | None = None
+
+
+NO_OBJECTIVES = Objectives()
+
+
+def _distinct_positives(objectives: Objectives, loss: str, symmetric: bool) -> bool:
+    """Whether no two rows may share a positive key: the score filter with the symmetric softmax
+    loss keeps one column threshold per key (as ``StatsSpec.distinct_positives``)."""
+    return objectives.false_negative_margin is not None and loss == "softmax" and symmetric
 
 
 def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
                       process_group, loss, symmetric, reduction, backend, precision, options_checked,
-                      hardness=(None, 0.0, None, None), label_smoothing=0.0):
+                      hardness=(None, 0.0, None, None), label_smoothing=0.0, objectives=NO_OBJECTIVES):
     """``contrastive_loss`` for every entry point: validate, one call for the statistics (one
     process or the ring: :func:`hf_infcl.ops.logit_stats.logit_stats`), assemble, add the label
     smoothing (:func:`hf_infcl.ops.label_smoothing.smoothing_terms`, the same for every backend),
     reduce. ``options_checked``: the caller holds the options as a :class:`LossOptions`, checked
     when it was built, so they are not checked again. ``hardness``: (hardness_mode,
-    hardness_strength, query_ids, key_owners) as ``contrastive_loss`` takes them."""
+    hardness_strength, query_ids, key_owners) as ``contrastive_loss`` takes them; ``objectives``:
+    its several positives and score filter (:class:`Objectives`)."""
     group, world_size = _resolve_process_group(process_group)
     in_ring = world_size > 1
     # One process makes the checks that read values (scale > 0, positives in range) where the
@@ -123,15 +174,18 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
     deferred = not in_ring
     device = queries.device if torch.is_tensor(queries) else None
     with announcing_rejections(group if in_ring else None, device):
+        objectives = _check_objectives(queries, keys, query_groups, *objectives)
         scale, bias, positives = _check_arguments(
             queries, keys, logit_scale, logit_bias, loss, symmetric, positives, query_groups, key_groups,
             reduction, backend, precision, in_ring=in_ring, check_values=not deferred,
             options_checked=options_checked,
+            distinct_positives=_distinct_positives(objectives, loss, symmetric),
         )
         hardness_mode, hardness_strength, query_ids, key_owners = _check_hardness(loss, queries, keys,
                                                                                   *hardness)
         check_label_smoothing(label_smoothing, loss, grouped=query_groups is not None,
-                              hardness=hardness_mode is not None)
+                              hardness=hardness_mode is not None,
+                              filtered=objectives.false_negative_margin is not None)
     # The loss computes in its inputs' dtype under its own precision policy (``precision``), with
     # autocast on or off: the Triton kernels never see autocast, and the torch and reference backends
     # must not either, or a bf16 autocast would round their logits (|z| up to the scale) to bf16.
@@ -140,14 +194,16 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
             per_row = _reference_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives,
                                               query_groups, key_groups, validate=deferred,
                                               hardness=(hardness_mode, hardness_strength, query_ids,
-                                                        key_owners), label_smoothing=label_smoothing)
+                                                        key_owners), label_smoothing=label_smoothing,
+                                              objectives=objectives)
             return _reduce(per_row, reduction, total_rows=queries.shape[0], world_size=1)
         spec = _stats_spec(loss, symmetric, precision, queries, reduction, (queries, keys, scale, bias),
-                           hardness_mode, hardness_strength)
+                           hardness_mode, hardness_strength, objectives)
         stats = logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups, spec, backend,
                             group=group if in_ring else None, reduction=reduction, validate=deferred,
-                            query_ids=query_ids, key_owners=key_owners, label_smoothing=label_smoothing)
-        per_row = assemble_per_row_loss(spec, positives, stats.row_stat, stats.col_stat, stats.positive_logit)
+                            query_ids=query_ids, key_owners=key_owners, label_smoothing=label_smoothing,
+                            guide_queries=objectives.guide_queries, guide_keys=objectives.guide_keys)
+        per_row = assemble_per_row_loss(spec, positives, stats)
         if label_smoothing:
             per_row = per_row + _smoothing_terms(queries, keys, scale, bias, stats.positive_logit, positives,
                                                  symmetric, label_smoothing, group if in_ring else None)
@@ -156,16 +212,16 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
 
 @torch.compiler.disable
 def _reference_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, query_groups,
-                            key_groups, validate, hardness, label_smoothing):
+                            key_groups, validate, hardness, label_smoothing, objectives):
     """The materialised loss (a graph break under torch.compile)."""
     if validate:
-        _check_values(scale, positives, keys.shape[0])
+        _check_values(scale, positives, keys.shape[0], _distinct_positives(objectives, loss, symmetric))
     hardness_mode, hardness_strength, query_ids, key_owners = hardness
     return reference.per_row_loss(
         queries, keys, scale, bias, loss=loss, symmetric=symmetric, positives=positives,
         query_groups=query_groups, key_groups=key_groups, hardness_mode=hardness_mode,
         hardness_strength=hardness_strength, query_ids=query_ids, key_owners=key_owners,
-        label_smoothing=label_smoothing,
+        label_smoothing=label_smoothing, **objectives._asdict(),
     )
 
 
@@ -179,7 +235,7 @@ def _smoothing_terms(queries, keys, scale, bias, positive_logit, positives, symm
 
 
 def _stats_spec(loss, symmetric, precision, queries, reduction, differentiable, hardness_mode=None,
-                hardness_strength=0.0) -> StatsSpec:
+                hardness_strength=0.0, objectives=NO_OBJECTIVES) -> StatsSpec:
     """The statistics a loss needs, with ``precision="auto"`` resolved (``resolve_precision``).
 
     The sigmoid loss takes the one-pass route (``StatsSpec.gradients_in_forward``: its gradients
@@ -189,22 +245,38 @@ def _stats_spec(loss, symmetric, precision, queries, reduction, differentiable, 
     wants_gradient = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in differentiable
     )
+    one_pass = loss == "sigmoid" and reduction != "none" and wants_gradient
     return StatsSpec(loss=loss, columns=loss == "softmax" and symmetric,
                      precision=resolve_precision(precision, queries.dtype, queries.device),
-                     gradients_in_forward=loss == "sigmoid" and reduction != "none" and wants_gradient,
-                     hardness=hardness_mode, hardness_strength=hardness_strength)
+                     gradients_in_forward=one_pass, hardness=hardness_mode,
+                     hardness_strength=hardness_strength, group_positives=objectives.group_positives,
+                     false_negative_margin=objectives.false_negative_margin,
+                     false_negative_strategy=objectives.false_negative_strategy)
 
 
-def assemble_per_row_loss(spec, positives, row_stat, col_stat, positive_logit):
-    """Per-row loss from the statistics and the positive logits z_{i,p(i)} (docs/contract.md);
-    ``positives`` None: ``keys[:m]``."""
+def assemble_per_row_loss(spec, positives, stats):
+    """Per-row loss from the statistics and the positive logits z_{i,p(i)} (docs/contract.md),
+    or with ``group_positives`` the positive parts; ``positives`` None: ``keys[:m]``."""
+    row_stat, positive_logit = stats.row_stat, stats.positive_logit
+    m = row_stat.shape[0]
+
+    def at_positives(per_key):
+        return per_key[:m] if positives is None else per_key[positives]
+
     if spec.loss == "sigmoid":
-        # -log sigmoid(z) = softplus(z) - z for the positive, softplus(z) for each negative.
+        # -log sigmoid(z) = softplus(z) - z for each positive, softplus(z) for each negative.
         return row_stat - positive_logit
+    if spec.group_positives == "each":  # the parts are sums over the positives: their means
+        positive_logit = positive_logit / stats.positive_counts
     if not spec.columns:
         return row_stat - positive_logit
-    positive_col_stat = col_stat[: row_stat.shape[0]] if positives is None else col_stat[positives]
-    return (row_stat + positive_col_stat) / 2 - positive_logit
+    positive_col_stat = at_positives(stats.col_stat)
+    if spec.group_positives is None:
+        return (row_stat + positive_col_stat) / 2 - positive_logit
+    column_positive = at_positives(stats.column_positive)
+    if spec.group_positives == "each":
+        column_positive = column_positive / at_positives(stats.column_counts)
+    return (row_stat - positive_logit + positive_col_stat - column_positive) / 2
 
 
 def _reduce(per_row: torch.Tensor, reduction: str, total_rows: int, world_size: int) -> torch.Tensor:
@@ -276,7 +348,7 @@ def _as_scalar_tensor(name, value, dtype, device, allow_none):
 
 def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, positives,
                      query_groups, key_groups, reduction, backend, precision, in_ring=False,
-                     check_values=True, options_checked=False):
+                     check_values=True, options_checked=False, distinct_positives=False):
     """Validate everything; return (scale tensor, bias tensor or None, positives [m] int64 or None).
 
     ``positives`` None stays None: the rows' positives are ``keys[:m]`` in order, which every
@@ -285,7 +357,8 @@ def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, po
     ``in_ring``: one rank of several, which may hold no rows (the ring checks the group has some).
     ``check_values=False`` leaves out the checks that read values (``value_check.check_values``), for
     callers that have them made later (one process's op makes them itself). ``options_checked``: the options
-    come from a :class:`LossOptions` (checked when it was built).
+    come from a :class:`LossOptions` (checked when it was built). ``distinct_positives``: no two
+    rows may share a positive key (the score filter with the symmetric softmax loss).
     """
     _check_features("queries", queries)
     _check_features("keys", keys)
@@ -335,8 +408,53 @@ def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, po
     scale = _as_scalar_tensor("logit_scale", logit_scale, acc, device, allow_none=False)
     bias = _as_scalar_tensor("logit_bias", logit_bias, acc, device, allow_none=True)
     if check_values:
-        _check_values(scale, positives, n_keys)
+        _check_values(scale, positives, n_keys, distinct_positives)
     return scale, bias, positives
+
+
+def _check_objectives(queries, keys, query_groups, group_positives, false_negative_margin,
+                      false_negative_strategy, guide_queries, guide_keys) -> Objectives:
+    """Validate the several positives and the score filter (docs/contract.md, "Errors"); return
+    them as :class:`Objectives`, the margin as a float. A guide is compared with ``queries`` and
+    ``keys`` only where they are 2-D tensors; their own checks follow."""
+    false_negative_margin = check_objective_options(group_positives, false_negative_margin,
+                                                    false_negative_strategy)
+    if group_positives is not None and query_groups is None:
+        raise ValueError(f"group_positives={group_positives!r} needs query_groups and key_groups (the keys "
+                         "of a row's group are its positives)")
+    if (guide_queries is None) != (guide_keys is None):
+        given, missing = "guide_queries", "guide_keys"
+        if guide_queries is None:
+            given, missing = missing, given
+        raise ValueError(f"{given} was given without {missing}; the guide's similarities need both")
+    if guide_queries is not None:
+        if false_negative_margin is None:
+            raise ValueError("guide_queries/guide_keys were given without false_negative_margin; the guide "
+                             "only scores keys for the score filter")
+        _check_guide(queries, keys, guide_queries, guide_keys)
+    return Objectives(group_positives, false_negative_margin, false_negative_strategy, guide_queries,
+                      guide_keys)
+
+
+def _check_guide(queries, keys, guide_queries, guide_keys) -> None:
+    for name, guide, features, role in (("guide_queries", guide_queries, queries, "queries"),
+                                        ("guide_keys", guide_keys, keys, "keys")):
+        _check_features(name, guide)
+        if not (torch.is_tensor(features) and features.ndim == 2):
+            continue  # the features' own check names them
+        if guide.dtype != features.dtype:
+            raise TypeError(f"{name} has dtype {guide.dtype} but {role} have {features.dtype}; they must "
+                            "match")
+        if guide.device != features.device:
+            raise ValueError(f"{name} is on {guide.device} but {role} are on {features.device}")
+        if guide.shape[0] != features.shape[0]:
+            raise ValueError(f"{name} has {guide.shape[0]} rows but {role} has {features.shape[0]}; the "
+                             f"guide embeds the same {role}")
+    if guide_queries.shape[1] != guide_keys.shape[1]:
+        raise ValueError(f"guide_queries have width {guide_queries.shape[1]} but guide_keys have width "
+                         f"{guide_keys.shape[1]}; they must match")
+    if guide_queries.shape[1] == 0:
+        raise ValueError("guide_queries and guide_keys have width 0")
 
 
 def _check_hardness(loss, queries, keys, hardness_mode, hardness_strength, query_ids, key_owners):
@@ -370,9 +488,11 @@ class InfCLLoss(nn.Module):
 
     The options are checked once, here, and held as a frozen :class:`LossOptions` (``.options``);
     ``.loss``, ``.symmetric``, ``.reduction``, ``.backend`` and ``.precision`` read it, and
-    assigning one of them replaces it with a checked copy. ``.label_smoothing`` is a plain
-    attribute, checked with the other arguments on every call. (Not to be confused with
-    ``hf_infcl.losses.InfCLLoss``, the sentence-transformers loss, which takes a model.)
+    assigning one of them replaces it with a checked copy. ``.label_smoothing``,
+    ``.group_positives``, ``.false_negative_margin`` and ``.false_negative_strategy`` are plain
+    attributes, checked here and with the other arguments on every call; ``forward`` takes the
+    score filter's guide tensors. (Not to be confused with ``hf_infcl.losses.InfCLLoss``, the
+    sentence-transformers loss, which takes a model.)
     """
 
     loss = OptionAttribute()
@@ -393,18 +513,26 @@ class InfCLLoss(nn.Module):
         backend: BackendName | BlockOps = "auto",
         precision: Precision = "auto",
         label_smoothing: float = 0.0,
+        group_positives: GroupPositives | None = None,
+        false_negative_margin: float | None = None,
+        false_negative_strategy: FalseNegativeStrategy = "absolute",
     ):
         super().__init__()
         self.options = LossOptions(loss=loss, symmetric=symmetric, reduction=reduction, backend=backend,
                                    precision=precision)
-        check_label_smoothing(label_smoothing, loss)
+        false_negative_margin = check_objective_options(group_positives, false_negative_margin,
+                                                        false_negative_strategy)
+        check_label_smoothing(label_smoothing, loss, filtered=false_negative_margin is not None)
         self.label_smoothing = label_smoothing
+        self.group_positives = group_positives
+        self.false_negative_margin = false_negative_margin
+        self.false_negative_strategy = false_negative_strategy
         self.logit_scale = logit_scale
         self.logit_bias = logit_bias
         self.process_group = process_group
 
     def forward(self, queries, keys, logit_scale=None, logit_bias=None, positives=None,
-                query_groups=None, key_groups=None):
+                query_groups=None, key_groups=None, guide_queries=None, guide_keys=None):
         options = self.options  # checked when built: not again on every call
         return _contrastive_loss(
             queries,
@@ -422,11 +550,20 @@ class InfCLLoss(nn.Module):
             options.precision,
             options_checked=True,
             label_smoothing=self.label_smoothing,
+            objectives=Objectives(self.group_positives, self.false_negative_margin,
+                                  self.false_negative_strategy, guide_queries, guide_keys),
         )
 
     def extra_repr(self) -> str:
-        smoothing = f", label_smoothing={self.label_smoothing}" if self.label_smoothing else ""
+        extra = ""
+        if self.label_smoothing:
+            extra += f", label_smoothing={self.label_smoothing}"
+        if self.group_positives is not None:
+            extra += f", group_positives={self.group_positives!r}"
+        if self.false_negative_margin is not None:
+            extra += (f", false_negative_margin={self.false_negative_margin}, "
+                      f"false_negative_strategy={self.false_negative_strategy!r}")
         return (
             f"loss={self.loss!r}, symmetric={self.symmetric}, reduction={self.reduction!r}, "
-            f"backend={self.backend!r}{smoothing}"
+            f"backend={self.backend!r}{extra}"
         )

@@ -50,7 +50,7 @@ from .batch_statistics import check_no_batch_statistics
 from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs
 from .grad_cache import cached_step
-from .loss import _contrastive_loss
+from .loss import Objectives, _contrastive_loss
 from .metrics import (
     input_fingerprints,
     relevant_ranks,
@@ -134,6 +134,9 @@ class InfCLTrainer(Trainer):
         if args.label_smoothing_factor:
             raise ValueError("label_smoothing_factor smooths a classifier's labels and does not apply here; "
                              "the contrastive loss's is label_smoothing (leave label_smoothing_factor at 0)")
+        if args.group_positives is not None and args.group_column is None:
+            raise ValueError(f"group_positives={args.group_positives!r} needs group_column (the batch column "
+                             "whose ids say which keys are a row's positives)")
         if args.chunk_size is not None and args.deepspeed and args.chunk_gradient_sync == "chunk":
             raise ValueError(
                 "chunk_gradient_sync='chunk' does not apply to DeepSpeed, which reduces gradients at its "
@@ -165,9 +168,15 @@ class InfCLTrainer(Trainer):
         given = self.args.label_smoothing
         if given is not None:
             check_label_smoothing(given, self.loss_kind, grouped=self.args.group_column is not None,
-                                  groups="group_column")
+                                  groups="group_column", filtered=self.args.false_negative_margin is not None)
             return given
         own = self.family.label_smoothing if self.loss_kind == "softmax" else 0.0
+        if own and self.args.false_negative_margin is not None:
+            raise ValueError(
+                f"{type(unwrap_model(self.model)).__name__}'s own loss smooths its labels by {own} (what "
+                "label_smoothing=None takes), which is not defined with false_negative_margin: set "
+                "label_smoothing=0.0, or leave false_negative_margin unset"
+            )
         if own and self.args.group_column is not None:
             raise ValueError(
                 f"{type(unwrap_model(self.model)).__name__}'s own loss smooths its labels by {own} (what "
@@ -240,6 +249,8 @@ class InfCLTrainer(Trainer):
                 key_groups=groups, process_group=process_group, loss=self.loss_kind, symmetric=symmetric,
                 reduction="mean", backend=self.args.loss_backend, precision=self.args.precision,
                 options_checked=True, label_smoothing=self.label_smoothing,
+                objectives=Objectives(self.args.group_positives, self.args.false_negative_margin,
+                                      self.args.false_negative_strategy),
             )
 
         return self.family.loss(model, configured_loss, queries, keys, *values)

@@ -16,15 +16,20 @@ from transformers import TrainingArguments
 
 from .ops.options import (
     BACKENDS,
+    FALSE_NEGATIVE_STRATEGIES,
+    GROUP_POSITIVES,
     LOSSES,
     PRECISIONS,
     BackendName,
+    FalseNegativeStrategy,
+    GroupPositives,
     LossKind,
     Precision,
     check_bool,
     check_choice,
     check_chunk_size,
     check_chunking,
+    check_false_negative_margin,
     check_label_smoothing,
 )
 
@@ -92,6 +97,9 @@ FIELD_CHECKS: dict[str, FieldCheck] = {
     "label_smoothing": _optional_label_smoothing,
     "logit_scale_max": _number(float, above=0, optional=True),
     "group_column": _optional_str,
+    "group_positives": _choice(GROUP_POSITIVES, optional=True),
+    "false_negative_margin": lambda name, value: check_false_negative_margin(value, name),
+    "false_negative_strategy": _choice(FALSE_NEGATIVE_STRATEGIES),
     "chunk_gradient_sync": _choice(CHUNK_GRADIENT_SYNCS),
     "chunk_parameter_gather": _choice(CHUNK_PARAMETER_GATHERS),
     "eval_block_rows": _number(int, above=0),
@@ -167,6 +175,24 @@ class InfCLTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Batch column of integer group ids: rows and keys of the same group are not "
                           "negatives of each other (duplicate captions, the same document twice)."},
+    )
+    group_positives: GroupPositives | None = field(
+        default=None,
+        metadata={"help": "With group_column: the keys of a row's group are its positives (several "
+                          "captions of one image). 'any': -log of the softmax mass on them (MIL-NCE); "
+                          "'each': the mean of -log p over them (SupCon). None: they are left out of the "
+                          "negatives only."},
+    )
+    false_negative_margin: float | None = field(
+        default=None,
+        metadata={"help": "Leave out of each row's negatives the keys whose similarity (the model's own, "
+                          "detached) is above the positive's minus this margin (negative: only keys more "
+                          "than |margin| above it). None: off."},
+    )
+    false_negative_strategy: FalseNegativeStrategy = field(
+        default="absolute",
+        metadata={"help": "How false_negative_margin is applied: 'absolute' (positive's score minus the "
+                          "margin) or 'relative' (minus |positive's score| times the margin)."},
     )
     chunk_gradient_sync: ChunkGradientSync = field(
         default="step",

@@ -208,3 +208,52 @@ def test_eager_only_backends_break_the_graph_cleanly(backend):
     compiled = torch.compile(fn, backend="aot_eager")
     inputs = (q, k, log_scale, bias)
     _assert_same(_value_and_grads(compiled, *inputs), _value_and_grads(fn, *inputs), rtol=1e-12)
+
+
+OBJECTIVES = {
+    "any-sym": dict(options="softmax-sym", group_positives="any"),
+    "each-asym-filter": dict(options="softmax-asym", group_positives="each", margin=0.1),
+    "sigmoid-any-guide": dict(options="sigmoid", group_positives="any", margin=-0.2, guide=True),
+    "filter-guide-sym": dict(options="softmax-sym", margin=0.05, strategy="relative", guide=True),
+}
+
+
+def _objectives(case, m, k, seed=3):
+    """contrastive_loss's keyword arguments of an OBJECTIVES case (guide tensors of width 3)."""
+    gen = torch.Generator().manual_seed(seed)
+    arguments = dict(group_positives=case.get("group_positives"), false_negative_margin=case.get("margin"),
+                     false_negative_strategy=case.get("strategy", "absolute"))
+    if case.get("guide"):
+        arguments.update(guide_queries=torch.randn(m, 3, generator=gen, dtype=torch.float64),
+                         guide_keys=torch.randn(k, 3, generator=gen, dtype=torch.float64))
+    return arguments
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_custom_op_with_objectives_passes_opcheck(name):
+    """The guide tensors, group_positives, margin and strategy as the op's trailing arguments, and
+    its outputs for the positive parts and counts."""
+    case = OBJECTIVES[name]
+    options = OPTIONS[case["options"]]
+    q, k, log_scale, bias, extra = _inputs(6, 9, 5)
+    sigmoid = options["loss"] == "sigmoid"
+    objectives = _objectives(case, 6, 9)
+    scale = log_scale.exp().detach().requires_grad_(True)
+    bias = bias.requires_grad_(True) if sigmoid else None
+    args = (q.requires_grad_(True), k.requires_grad_(True), scale, bias, extra["positives"],
+            extra["query_groups"], extra["key_groups"], options["loss"], options["symmetric"] and not sigmoid,
+            "ieee", False, "torch", False, None, None, None, 0.0,
+            objectives.get("guide_queries"), objectives.get("guide_keys"), objectives["group_positives"],
+            objectives["false_negative_margin"], objectives["false_negative_strategy"])
+    torch.library.opcheck(torch.ops.hf_infcl.logit_stats.default, args)
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_fullgraph_compile_with_objectives_equals_eager(name):
+    torch._dynamo.reset()
+    case = OBJECTIVES[name]
+    q, k, log_scale, bias, extra = _inputs()
+    fn = _loss_fn(OPTIONS[case["options"]], {**extra, **_objectives(case, 12, 20)})
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    inputs = (q, k, log_scale, bias)
+    _assert_same(_value_and_grads(compiled, *inputs), _value_and_grads(fn, *inputs), rtol=1e-12)

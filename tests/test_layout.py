@@ -15,7 +15,7 @@ import hf_infcl
 
 PACKAGE = Path(hf_infcl.__file__).resolve().parent
 KERNELS = PACKAGE / "ops" / "triton"  # kernels and their launchers: long by nature
-MAX_FUNCTION_LINES = 80  # docstring included
+MAX_FUNCTION_LINES = 80  # signature and body; a public function's argument docs are not logic
 
 
 def modules_outside_the_kernels() -> list[str]:
@@ -43,7 +43,15 @@ def test_no_function_outside_the_kernels_is_longer_than_a_screen():
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1
+                lines = node.end_lineno - node.lineno + 1 - _docstring_lines(node)
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, f"functions longer than {MAX_FUNCTION_LINES} lines: " + ", ".join(long)
+
+
+def _docstring_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+            and isinstance(first.value.value, str):
+        return first.end_lineno - first.lineno + 1
+    return 0

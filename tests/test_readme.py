@@ -30,6 +30,10 @@ CHECKS = {
         "assert image_features.grad is not None and text_features.grad is not None\n"
         "assert log_logit_scale.grad is not None and torch.isfinite(log_logit_scale.grad)\n"
     ),
+    "Several positives and false negatives": (
+        "assert torch.isfinite(loss), loss\n"
+        "assert images.grad is not None and queries.grad is not None and torch.isfinite(queries.grad).all()\n"
+    ),
     "Training with the transformers Trainer": "assert trainer.state.global_step == args.max_steps\n",
     "sentence-transformers": "assert trainer.state.global_step == args.max_steps\n",
 }

@@ -118,6 +118,11 @@ SAME_ERROR_EVERYWHERE = {
     "hardness_mode": "disagree on hardness_mode",
     "hardness_strength": "disagree on hardness_strength",
     "label_smoothing": "disagree on label_smoothing",
+    "group_positives": "disagree on group_positives",
+    "false_negative_margin": "disagree on false_negative_margin",
+    "margin_given": "whether false_negative_margin is given",
+    "false_negative_strategy": "disagree on false_negative_strategy",
+    "guide_width": "width of guide_queries/guide_keys",
     "no_rows_anywhere": "no rank of the process group has any rows",
 }
 
@@ -187,7 +192,7 @@ def test_ring_over_triton_block_ops_matches_float64(ranks, loss_name):
     if ranks[0]["triton"] is None:
         pytest.skip("Triton is not importable here")
     world_size = len(ranks)
-    loss, bias_value, hardness = ring_workers.TRITON_LOSSES[loss_name]
+    loss, bias_value, hardness, objectives = ring_workers.TRITON_LOSSES[loss_name]
     parts = ring_workers.triton_inputs(world_size)
     queries = torch.cat([p["queries"] for p in parts]).double().requires_grad_(True)
     keys = torch.cat([p["keys"] for p in parts]).double().requires_grad_(True)
@@ -205,6 +210,8 @@ def test_ring_over_triton_block_ops_matches_float64(ranks, loss_name):
         key_groups=torch.cat([p["key_groups"] for p in parts]),
         **ring_workers.hardness_arguments(hardness, {name: torch.cat([p[name] for p in parts])
                                                      for name in ("query_ids", "key_owners")}),
+        **ring_workers.objective_arguments(objectives, {name: torch.cat([p[name] for p in parts]).double()
+                                                        for name in ("guide_queries", "guide_keys")}),
     ) * (world_size / queries.shape[0])
     total.backward()
     fp32 = {"rtol": 1e-5, "atol": 1e-6}

@@ -96,9 +96,12 @@ def _loss_and_grads(case, dtype, backend, precision, loss, symmetric, use_bias, 
     k = case["keys"].to(dtype).requires_grad_(True)
     scale = torch.tensor(case["scale"], dtype=acc, device="cuda", requires_grad=True)
     bias = torch.tensor(case["bias"], dtype=acc, device="cuda", requires_grad=True) if use_bias else None
+    objectives = {name: value.to(dtype) if torch.is_tensor(value) else value
+                  for name, value in case.get("objectives", {}).items()}
     per_row = contrastive_loss(q, k, scale, bias, loss=loss, symmetric=symmetric, reduction=reduction,
                                query_groups=case["query_groups"], key_groups=case["key_groups"],
-                               backend=backend, precision=precision, **case.get("hardness", {}))
+                               backend=backend, precision=precision, **case.get("hardness", {}),
+                               **objectives)
     if reduction == "none":
         total = (per_row.double() * case["row_weights"]).sum()
     else:
@@ -116,12 +119,17 @@ def _errors(got, expected):
 
 
 def _check_against_float64(m, k, c, dtype_name, loss_name, groups, backend, hardness_mode=None,
-                           reduction="none"):
+                           reduction="none", objectives=None):
     dtype, precision = DTYPES[dtype_name]
     seed = int(torch.randint(0, 2**31, ()).item())
     case = _gpu_case(m, k, c, groups, seed, hardness_mode)
+    if objectives is not None:
+        case["objectives"] = objectives(m, k, seed)
     options = dict(LOSSES[loss_name], reduction=reduction)
     rounded = dict(case, queries=case["queries"].to(dtype).double(), keys=case["keys"].to(dtype).double())
+    if objectives is not None:
+        rounded["objectives"] = {name: value.to(dtype).double() if torch.is_tensor(value) else value
+                                 for name, value in case["objectives"].items()}
     expected = _loss_and_grads(rounded, torch.float64, TorchTiles(4096, 4096), "ieee", **options)
     got = _loss_and_grads(case, dtype, backend, precision, **options)
     errors = _errors(got, expected)
@@ -187,6 +195,65 @@ def test_gpu_hardness_offset_matches_float64_reference(case):
     if problem[4] == "softmax-sym":
         _check_against_float64(*problem, backend=TritonBlocks(poison=True, fused_columns=False),
                                hardness_mode=hardness_mode)
+
+
+def _objectives(mode, filter_name):
+    """``contrastive_loss``'s several-positives and filter arguments for a GPU case. "guide": a guide
+    of small integers (exact in every dtype, its dot products exact in fp32) with a margin of
+    0.5, so that no score lies near a threshold and every backend leaves out the same entries;
+    "own": the model's own scores, margin 0.05 (a score within rounding of its threshold may fall
+    either way: bf16 and fp16 only, whose tolerance covers a few such entries)."""
+    def make(m, k, seed):
+        arguments = dict(group_positives=mode)
+        if filter_name == "own":
+            arguments.update(false_negative_margin=0.05)
+        elif filter_name == "guide":
+            gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+
+            def small_integers(rows):
+                return torch.randint(-2, 3, (rows, 16), generator=gen, device="cuda").double()
+
+            arguments.update(false_negative_margin=0.5, guide_queries=small_integers(m),
+                             guide_keys=small_integers(k))
+        return arguments
+    return make
+
+
+# (m, k, c, dtype, loss, group_positives, filter): several positives (groups of about 3 rows and 9
+# keys) and the score filter in every dtype, both losses and directions.
+OBJECTIVE_GPU_CASES = [
+    (1000, 3000, 512, "bf16", "softmax-sym", "any", "own"),
+    (777, 2331, 96, "fp16", "sigmoid", "each", "guide"),
+    (1024, 3072, 256, "tf32", "softmax-asym", "each", "guide"),
+    (900, 2700, 768, "bf16", "softmax-sym", None, "guide"),
+    (600, 1800, 128, "ieee", "softmax-sym", "any", "guide"),
+    (2048, 6144, 768, "bf16", "sigmoid", "any", None),
+    (1536, 4608, 1024, "fp16", "softmax-asym", None, "own"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", OBJECTIVE_GPU_CASES,
+                         ids=[_case_id((*c[:5], False)) + f"-{c[5]}-{c[6]}" for c in OBJECTIVE_GPU_CASES])
+def test_gpu_objectives_match_float64_reference(case):
+    """Several positives per row and the filter's masks (FILTER, GUIDE, GROUP_POSITIVES) against
+    the tiled float64 backend: fused and two-pass forwards, the TF32 emulation, the sigmoid one
+    pass (a mean) through the fused kernel."""
+    from hf_infcl.ops.triton import TritonBlocks
+
+    *problem, mode, filter_name = case
+    problem = (*problem, True)  # groups
+    objectives = _objectives(mode, filter_name)
+    blocks = TritonBlocks(tile_rows=1536, tile_keys=2560, poison=True, column_buffer_entries=2**15)
+    _check_against_float64(*problem, backend=blocks, objectives=objectives)
+    if problem[4] == "sigmoid":
+        _check_against_float64(*problem, backend=blocks, objectives=objectives, reduction="mean")
+    if problem[3] == "tf32":
+        _check_against_float64(*problem, backend=TritonBlocks(poison=True, tf32_via_fp16=True),
+                               objectives=objectives)
+    if problem[4] == "softmax-sym":
+        _check_against_float64(*problem, backend=TritonBlocks(poison=True, fused_columns=False),
+                               objectives=objectives)
 
 
 TWO_PASS_CASES = [

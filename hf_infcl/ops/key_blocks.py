@@ -11,22 +11,27 @@ from is the schedule's job; *what* is done with them is the same everywhere:
 A schedule provides ``rank``, ``key_offset(rank)`` and two methods:
 
 - ``forward_stats(spec, ops, queries, keys, scale, bias, labels)`` -> (row_stat [m], col_stat
-  [k] or None), the statistics over every key and row of the group, ``labels`` the
-  :class:`~hf_infcl.ops.spec.PairLabels` (groups, hardness ids, global positive indices);
-- ``backward_accumulators(..., labels, row_stat, col_stat, grad_row_stat, grad_col_stat)`` ->
-  (G K [m, c], G^T Q as ((start, end), accumulator) slices of this process's keys, row sums of
-  G [m]), unscaled, in the accumulation dtype.
+  [k] or None, positive parts or None), the statistics over every key and row of the group,
+  ``labels`` the :class:`~hf_infcl.ops.spec.PairLabels` (groups, hardness ids, global positive
+  indices, the score filter's guide and thresholds); with ``group_positives`` also the
+  :class:`~hf_infcl.ops.positive_pairs.PositiveParts` of the sparse positive pairs;
+- ``backward_accumulators(..., labels, row_stat, col_stat, grad_row_stat, grad_col_stat,
+  positives)`` -> (G K [m, c], G^T Q as ((start, end), accumulator) slices of this process's
+  keys, row sums of G [m]), unscaled, in the accumulation dtype; ``positives``, a
+  :class:`PositiveGradients` with ``group_positives``, adds the positive pairs' entries of G.
 
 :func:`stats_forward` and :func:`stats_backward` add what no schedule needs to know: the
-positive logits z_{i,p(i)} and their gradient, and the scaling and casting of the accumulators.
-:class:`KeyBlockLogitStats` is the autograd Function around them; the custom op of
-:mod:`hf_infcl.ops.custom_ops` calls the same two functions with a :class:`SingleBlock`.
+positive logits z_{i,p(i)} and their gradient, the score filter's thresholds, and the scaling and
+casting of the accumulators. :class:`KeyBlockLogitStats` is the autograd Function around them;
+the custom op of :mod:`hf_infcl.ops.custom_ops` calls the same two functions with a
+:class:`SingleBlock`.
 
 Why the positive logits are an output here rather than plain autograd ops outside: their
 gradient nearly cancels the statistics' gradient at the positive (P_ii - 1 when the softmax is
 peaked). Summed in the fp32 accumulators before the single cast to the input dtype, that
 cancellation is exact; summed by autograd after two separate bf16 casts, it loses most of the
-significant bits of dQ and dK.
+significant bits of dQ and dK. The positive parts of ``group_positives`` are outputs for the same
+reason, their pairs' gradients added into the same accumulators.
 """
 
 from __future__ import annotations
@@ -36,7 +41,10 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from . import score_filter
+from .positive_pairs import add_pair_gradients, block_pairs, block_positive_parts
 from .spec import BlockOps, OnePassSigmoidOps, PairLabels, StatsSpec, accumulation_dtype, takes_one_pass
+from .value_check import run_deferred_check
 
 # Row chunks for the O(m c) epilogues, so they allocate no full-size fp32 temporaries.
 _EPILOGUE_ELEMENTS = 2**22
@@ -53,10 +61,23 @@ class KeyBlockSchedule(Protocol):
                       labels: PairLabels): ...
 
     def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
-                              labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat): ...
+                              labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat,
+                              positives: PositiveGradients | None = None): ...
 
     # Optional: forward_with_gradients(spec, ops, queries, keys, scale, bias, labels) ->
-    # (row_stat, UnitGradients), the sigmoid loss's one pass.
+    # (row_stat, UnitGradients, positive parts or None), the sigmoid loss's one pass, with
+    # add_positive_pairs(spec, queries, keys, scale, bias, labels, PositiveGradients, grad_queries,
+    # grad_keys, row_sums) for its group_positives.
+
+
+class PositiveGradients(NamedTuple):
+    """With ``group_positives``: the complete positive parts (:mod:`hf_infcl.ops.positive_pairs`) and
+    the gradients of the loss with respect to them, for the pairs' entries of G."""
+
+    row_part: torch.Tensor  # [m]
+    row_weight: torch.Tensor  # [m]
+    column_part: torch.Tensor | None  # [k], with a column statistic
+    column_weight: torch.Tensor | None  # [k]
 
 
 class UnitGradients(NamedTuple):
@@ -78,61 +99,101 @@ class SingleBlock:
         return 0
 
     def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels):
-        mask, hardness = _own_block(spec, labels)
-        return ops.forward_block(spec, queries, keys, scale, bias, mask, hardness=hardness)
+        block = labels.block(spec, labels.own_keys(), 0)
+        row_stat, col_stat = ops.forward_block(spec, queries, keys, scale, bias, block.mask,
+                                               hardness=block.hardness, score_filter=block.score_filter)
+        return row_stat, col_stat, self._positive_parts(spec, queries, keys, scale, bias, labels)
+
+    @staticmethod
+    def _positive_parts(spec: StatsSpec, queries, keys, scale, bias, labels: PairLabels):
+        """The positive parts of ``group_positives`` (None without)."""
+        if spec.group_positives is None:
+            return None
+        pairs = block_pairs(labels.query_groups, labels.positive_keys, labels.key_groups, 0)
+        return block_positive_parts(spec, queries, keys, scale, bias, pairs)
 
     def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
-                              labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat):
+                              labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat,
+                              positives: PositiveGradients | None = None):
         acc = accumulation_dtype(queries.dtype)
         grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
         grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
-        mask, hardness = _own_block(spec, labels)
+        block = labels.block(spec, labels.own_keys(), 0)
         columns = spec.columns
-        row_sums = ops.backward_block(spec, queries, keys, scale, bias, mask, row_stat,
+        row_sums = ops.backward_block(spec, queries, keys, scale, bias, block.mask, row_stat,
                                       col_stat if columns else None, grad_row_stat.to(acc),
                                       grad_col_stat.to(acc) if columns else None, grad_queries, grad_keys,
-                                      hardness=hardness)
+                                      hardness=block.hardness, score_filter=block.score_filter)
+        if positives is not None:
+            self.add_positive_pairs(spec, queries, keys, scale, bias, labels, positives, grad_queries,
+                                    grad_keys, row_sums)
         return grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums
+
+    def add_positive_pairs(self, spec: StatsSpec, queries, keys, scale, bias, labels: PairLabels,
+                           positives: PositiveGradients, grad_queries, grad_keys, row_sums) -> None:
+        """Add the positive pairs' entries of G into the accumulators (in place): with the statistics'
+        in the backward, or on the one-pass route into its scaled unit-weight gradients."""
+        pairs = block_pairs(labels.query_groups, labels.positive_keys, labels.key_groups, 0)
+        add_pair_gradients(spec, queries, keys, scale, bias, pairs, *positives, grad_queries, grad_keys,
+                           row_sums)
 
     def forward_with_gradients(self, spec: StatsSpec, ops: OnePassSigmoidOps, queries, keys, scale, bias,
                                labels: PairLabels):
-        """The sigmoid loss's one pass: (row_stat, unit-weight gradients), see
+        """The sigmoid loss's one pass: (row_stat, unit-weight gradients, positive parts or None), see
         :class:`UnitGradients`."""
         acc = accumulation_dtype(queries.dtype)
         grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
         grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
-        row_stat, row_sums = ops.forward_backward_block(spec, queries, keys, scale, bias,
-                                                        labels.mask(labels.key_groups, 0), grad_queries,
-                                                        grad_keys)
-        return row_stat, UnitGradients(grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums)
+        block = labels.block(spec, labels.own_keys(), 0)
+        row_stat, row_sums = ops.forward_backward_block(spec, queries, keys, scale, bias, block.mask,
+                                                        grad_queries, grad_keys,
+                                                        score_filter=block.score_filter)
+        unit = UnitGradients(grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums)
+        return row_stat, unit, self._positive_parts(spec, queries, keys, scale, bias, labels)
 
 
 SINGLE_BLOCK = SingleBlock()
 
 
-def _own_block(spec: StatsSpec, labels: PairLabels):
-    """(group mask, hardness offset) of the rows against this process's own keys, the only block."""
-    return labels.mask(labels.key_groups, 0), labels.hardness(spec, labels.key_owners, 0)
+class ForwardStats(NamedTuple):
+    """What :func:`stats_forward` returns: the Function's outputs and the one-pass gradients."""
+
+    row_stat: torch.Tensor  # [m]
+    col_stat: torch.Tensor  # [k], or empty without a column statistic
+    positive: torch.Tensor  # [m] z_{i,p(i)}; with group_positives the rows' positive parts
+    column_positive: torch.Tensor  # [k] the keys' positive parts (group_positives, columns), else empty
+    positive_counts: torch.Tensor  # [m] |P(i)| ("each"), else empty
+    column_counts: torch.Tensor  # [k] |R(j)| ("each", columns), else empty
+    unit: UnitGradients | None
 
 
 def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
-                  positives, labels: PairLabels):
-    """(row_stat [m], col_stat [k] or empty, positive_logit [m], unit gradients or None) of this
-    process's rows and keys over every key and row of the schedule; ``labels`` without the
-    positives' global indices, which are added here.
+                  positives, labels: PairLabels) -> ForwardStats:
+    """The statistics of this process's rows and keys over every key and row of the schedule, with
+    the positive logits, or with ``group_positives`` the positive parts
+    (:mod:`hf_infcl.ops.positive_pairs`: for "each" sums, to be divided by the counts); ``labels``
+    without the positives' global indices and the score filter's thresholds, which are added here.
 
     With ``spec.gradients_in_forward`` (and a schedule and block ops that offer it) the same pass
     also gives the :class:`UnitGradients`, which the backward then only scales."""
-    labels = _with_positive_keys(schedule, positives, labels)
-    unit = None
+    labels = complete_labels(schedule, spec, ops, queries, keys, positives, labels)
+    unit = parts = None
     if one_pass(spec, schedule, ops):
-        row_stat, unit = schedule.forward_with_gradients(spec, ops, queries, keys, scale, bias, labels)
+        row_stat, unit, parts = schedule.forward_with_gradients(spec, ops, queries, keys, scale, bias, labels)
         col_stat = None
     else:
-        row_stat, col_stat = schedule.forward_stats(spec, ops, queries, keys, scale, bias, labels)
+        row_stat, col_stat, parts = schedule.forward_stats(spec, ops, queries, keys, scale, bias, labels)
+
+    def empty():  # a new one each time: a custom op's outputs may not alias each other
+        return row_stat.new_empty(0)
+
     if col_stat is None:
-        col_stat = row_stat.new_empty(0)
-    return row_stat, col_stat, positive_logits(queries, keys, positives, scale, bias, row_combiner(ops)), unit
+        col_stat = empty()
+    if parts is None:
+        positive = positive_logits(queries, keys, positives, scale, bias, row_combiner(ops))
+        return ForwardStats(row_stat, col_stat, positive, empty(), empty(), empty(), unit)
+    counts_and_columns = (empty() if t is None else t for t in parts[1:])
+    return ForwardStats(row_stat, col_stat, parts.rows, *counts_and_columns, unit)
 
 
 def one_pass(spec: StatsSpec, schedule: KeyBlockSchedule, ops: BlockOps) -> bool:
@@ -144,38 +205,72 @@ def one_pass(spec: StatsSpec, schedule: KeyBlockSchedule, ops: BlockOps) -> bool
 
 def stats_backward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
                    positives, labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat,
-                   grad_positive_logit, needs=(True, True, True, True), unit: UnitGradients | None = None):
+                   grad_positive_logit, needs=(True, True, True, True), unit: UnitGradients | None = None,
+                   positive_parts=None, grad_column_positive=None):
     """(d queries, d keys, d scale, d bias) from the statistics' gradients; ``needs`` says which of
     the four are wanted (None is returned for the others). With the forward's ``unit``
-    gradients, no tile is computed again."""
-    if unit is not None:
+    gradients, no tile is computed again. With ``group_positives``, ``positive_parts`` are the
+    forward's (rows' [m], columns' [k] or empty) and ``grad_positive_logit`` and
+    ``grad_column_positive`` their gradients."""
+    pair_gradients = None
+    if spec.group_positives is not None:
+        row_part, column_part = positive_parts
+        columns = spec.columns
+        pair_gradients = PositiveGradients(row_part, grad_positive_logit, column_part if columns else None,
+                                           grad_column_positive if columns else None)
+        grad_positive_logit = None  # the pairs' gradients go into the accumulators
+    if unit is not None and pair_gradients is None:
         return finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive_logit,
                                 unit.queries, unit.key_slices, unit.row_sums,
                                 row_weight=grad_row_stat.to(unit.queries.dtype), combine=row_combiner(ops))
+    labels = complete_labels(schedule, spec, ops, queries, keys, positives, labels)
+    if unit is not None:
+        # The one pass with positive pairs: its unit-weight gradients scaled into new accumulators
+        # (the forward's are kept for a second backward), the pairs' entries added to them.
+        weight = grad_row_stat.to(unit.queries.dtype)
+        (_, unit_keys), = unit.key_slices  # the one pass is one process's: a single block
+        grad_queries, grad_keys = unit.queries * weight[:, None], unit_keys * weight[0]
+        row_sums = unit.row_sums * weight
+        schedule.add_positive_pairs(spec, queries, keys, scale, bias, labels, pair_gradients, grad_queries,
+                                    grad_keys, row_sums)
+        return finish_gradients(needs, queries, keys, scale, bias, positives, None, grad_queries,
+                                [((0, keys.shape[0]), grad_keys)], row_sums, combine=row_combiner(ops))
     grad_queries, key_slices, row_sums = schedule.backward_accumulators(
-        spec, ops, queries, keys, scale, bias, _with_positive_keys(schedule, positives, labels), row_stat,
-        col_stat, grad_row_stat, grad_col_stat,
+        spec, ops, queries, keys, scale, bias, labels, row_stat, col_stat, grad_row_stat, grad_col_stat,
+        pair_gradients,
     )
     return finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive_logit, grad_queries,
                             key_slices, row_sums, combine=row_combiner(ops))
 
 
-def _with_positive_keys(schedule: KeyBlockSchedule, positives, labels: PairLabels) -> PairLabels:
+def complete_labels(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, queries, keys, positives,
+                    labels: PairLabels) -> PairLabels:
     """``labels`` with the rows' positives as global key indices (keys numbered in rank order),
-    which only group masking and the hardness offset need (``positives`` None: ``keys[:m]``)."""
-    if labels.query_groups is None and labels.query_ids is None:
+    which group masking, the hardness offset, the score filter and the positive pairs need
+    (``positives`` None: ``keys[:m]``), and with the score filter's thresholds
+    (:func:`hf_infcl.ops.score_filter.thresholds`)."""
+    if labels.query_groups is None and labels.query_ids is None and not spec.filters:
         return labels
+    global_positives = positives
     if positives is None:
-        rows = labels.query_groups if labels.query_groups is not None else labels.query_ids
-        positives = torch.arange(rows.shape[0], device=rows.device)
+        global_positives = torch.arange(queries.shape[0], device=queries.device)
     offset = schedule.key_offset(schedule.rank)
-    return labels._replace(positive_keys=positives + offset if offset else positives)
+    labels = labels._replace(positive_keys=global_positives + offset if offset else global_positives)
+    if not spec.filters:
+        return labels
+    run_deferred_check()  # the thresholds read the positives: the first kernel that does
+    row_thresholds, key_thresholds = score_filter.thresholds(spec, queries, keys, positives,
+                                                             labels.guide_queries, labels.guide_keys,
+                                                             row_combiner(ops))
+    return labels._replace(row_thresholds=row_thresholds, key_thresholds=key_thresholds)
 
 
 class KeyBlockLogitStats(torch.autograd.Function):
-    """(queries, keys, scale, bias, positives, query_groups, key_groups, query_ids, key_owners) ->
-    (row_stat [m], col_stat [k] or empty, positive_logit [m]) over ``schedule``'s key blocks,
-    with any block-ops object.
+    """(queries, keys, scale, bias, positives, query_groups, key_groups, query_ids, key_owners,
+    guide_queries, guide_keys) -> (row_stat [m], col_stat [k] or empty, positive_logit [m],
+    column_positive [k] or empty, positive_counts [m] or empty, column_counts [k] or empty) over
+    ``schedule``'s key blocks, with any block-ops object (:class:`ForwardStats` says what each
+    is; the counts have no gradient).
 
     ``positives`` are local key indices: a row's positive is always among its own process's keys
     (None: ``keys[:m]``, row i's positive is key i).
@@ -183,27 +278,37 @@ class KeyBlockLogitStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, queries, keys, scale, bias, positives, query_groups, key_groups, query_ids, key_owners,
-                spec: StatsSpec, ops: BlockOps, schedule: KeyBlockSchedule):
-        labels = PairLabels(query_groups, key_groups, query_ids, key_owners)
-        row_stat, col_stat, positive_logit, unit = stats_forward(schedule, spec, ops, queries, keys, scale,
-                                                                 bias, positives, labels)
+                guide_queries, guide_keys, spec: StatsSpec, ops: BlockOps, schedule: KeyBlockSchedule):
+        labels = PairLabels(query_groups, key_groups, query_ids, key_owners, guide_queries=guide_queries,
+                            guide_keys=guide_keys)
+        stats = stats_forward(schedule, spec, ops, queries, keys, scale, bias, positives, labels)
         ctx.save_for_backward(queries, keys, scale, bias, positives, query_groups, key_groups, query_ids,
-                              key_owners, row_stat, col_stat)
-        ctx.spec, ctx.ops, ctx.schedule, ctx.unit = spec, ops, schedule, unit
-        return row_stat, col_stat, positive_logit
+                              key_owners, guide_queries, guide_keys, stats.row_stat, stats.col_stat,
+                              stats.positive, stats.column_positive)
+        ctx.spec, ctx.ops, ctx.schedule, ctx.unit = spec, ops, schedule, stats.unit
+        ctx.mark_non_differentiable(stats.positive_counts, stats.column_counts)
+        return stats[:6]
 
     @staticmethod
-    def backward(ctx, grad_row_stat, grad_col_stat, grad_positive_logit):
-        (queries, keys, scale, bias, positives, query_groups, key_groups, query_ids, key_owners, row_stat,
-         col_stat) = ctx.saved_tensors
-        labels = PairLabels(query_groups, key_groups, query_ids, key_owners)
+    def backward(ctx, grad_row_stat, grad_col_stat, grad_positive, grad_column_positive, *_grad_counts):
+        (queries, keys, scale, bias, positives, query_groups, key_groups, query_ids, key_owners,
+         guide_queries, guide_keys, row_stat, col_stat, positive, column_positive) = ctx.saved_tensors
+        labels = PairLabels(query_groups, key_groups, query_ids, key_owners, guide_queries=guide_queries,
+                            guide_keys=guide_keys)
         # On the CPU the backward runs in the caller's thread, under its autocast if it is on: the
         # gradients keep the forward's precision (hf_infcl.loss turns autocast off for the forward).
         with torch.autocast(queries.device.type, enabled=False):
-            grads = stats_backward(ctx.schedule, ctx.spec, ctx.ops, queries, keys, scale, bias, positives,
-                                   labels, row_stat, col_stat, grad_row_stat, grad_col_stat,
-                                   grad_positive_logit, needs=ctx.needs_input_grad[:4], unit=ctx.unit)
-        return (*grads, None, None, None, None, None, None, None, None)
+            grads = stats_backward(
+                ctx.schedule, ctx.spec, ctx.ops, queries, keys, scale, bias, positives, labels, row_stat,
+                col_stat, grad_row_stat, grad_col_stat, _zeros_for_none(grad_positive, positive),
+                needs=ctx.needs_input_grad[:4], unit=ctx.unit, positive_parts=(positive, column_positive),
+                grad_column_positive=_zeros_for_none(grad_column_positive, column_positive))
+        return (*grads, *(None,) * 10)
+
+
+def _zeros_for_none(grad: torch.Tensor | None, output: torch.Tensor) -> torch.Tensor:
+    """An output's gradient, zeros where autograd gives None (the output did not reach the loss)."""
+    return torch.zeros_like(output) if grad is None else grad
 
 
 def _row_chunks(rows: int, width: int):
@@ -308,26 +413,30 @@ def finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive
     backward of the one-pass route reads them again).
 
     The positive logits' gradient is summed with the fp32 accumulators before the single cast,
-    where it nearly cancels G's entry at the positive (see the module docstring).
+    where it nearly cancels G's entry at the positive (see the module docstring). ``grad_positive``
+    None: there is none to add (the accumulators hold the positive pairs' gradients already).
     d scale = sum_ij G_ij x_ij = sum_i <Q_i, (G K)_i>, so it needs no pass over the tiles;
     d bias = sum of G. Every [m, c] product goes through ``combine`` (:func:`combine_rows`).
     """
     need_q, need_k, need_scale, need_bias = needs
     acc = grad_queries.dtype
     scale_acc = scale.to(acc)
-    weight = grad_positive.to(acc)
     grad_scale = grad_bias = grad_q = grad_k = None
+    if grad_positive is None:  # no entries: sources of no rows, taken in order (source_index None)
+        positives, query_sources, key_sources, weight = None, keys[:0], queries[:0], None
+    else:
+        query_sources, key_sources, weight = keys, queries, grad_positive.to(acc)
     if need_q:
         grad_q = torch.empty(queries.shape, dtype=queries.dtype, device=queries.device)
     if need_q or need_scale:
-        dots = combine(rows=queries.shape[0], sources=keys, source_index=positives, source_weight=weight,
-                       accumulator=grad_queries, weight=row_weight, out=grad_q, scale=scale_acc,
-                       dot_with=queries if need_scale else None)
+        dots = combine(rows=queries.shape[0], sources=query_sources, source_index=positives,
+                       source_weight=weight, accumulator=grad_queries, weight=row_weight, out=grad_q,
+                       scale=scale_acc, dot_with=queries if need_scale else None)
         if need_scale:
             grad_scale = dots.sum().to(scale.dtype)
     if need_bias and bias is not None:
         sums = row_sums if row_weight is None else row_sums * row_weight
-        grad_bias = (sums.sum() + weight.sum()).to(bias.dtype)
+        grad_bias = (sums.sum() + (0.0 if weight is None else weight.sum())).to(bias.dtype)
     if need_k:
         # Every row's statistic has the same gradient on the one-pass route (its precondition).
         key_weight = None if row_weight is None else row_weight[0]
@@ -337,14 +446,13 @@ def finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive
             sorted_positives, by_positive = torch.sort(positives, stable=True)
             entry_weight = weight[by_positive]
         grad_k = torch.empty(keys.shape, dtype=keys.dtype, device=keys.device)
-        rows = queries.shape[0]
         for index, ((start, end), accumulator) in enumerate(key_slices):
             end = min(end, keys.shape[0])  # the ring pads key blocks to the largest rank's
             if end > start:
                 if positives is None:  # key j < m takes row j: the slice's rows start..
-                    first, last = min(start, rows), min(end, rows)
-                    entries = dict(sources=queries[first:last], source_index=None,
-                                   source_weight=weight[first:last])
+                    first, last = min(start, key_sources.shape[0]), min(end, key_sources.shape[0])
+                    entries = dict(sources=key_sources[first:last], source_index=None,
+                                   source_weight=None if weight is None else weight[first:last])
                 else:
                     entries = dict(sources=queries, source_index=by_positive, source_weight=entry_weight,
                                    entry_rows=sorted_positives - start)

@@ -40,13 +40,19 @@ class LogitStats(NamedTuple):
 
     row_stat: torch.Tensor  # [m] this process's rows
     col_stat: torch.Tensor  # [k] this process's keys (symmetric softmax), else empty
-    positive_logit: torch.Tensor  # [m] z_{i,p(i)}, in the accumulation dtype
+    # [m] z_{i,p(i)}, in the accumulation dtype; with group_positives the rows' positive parts
+    # (hf_infcl.ops.positive_pairs: a log-sum-exp for "any", else a sum)
+    positive_logit: torch.Tensor
     total_rows: int  # rows in the whole group (m with one process)
+    column_positive: torch.Tensor | None = None  # [k] keys' positive parts (group_positives, columns)
+    positive_counts: torch.Tensor | None = None  # [m] |P(i)| (group_positives "each")
+    column_counts: torch.Tensor | None = None  # [k] |R(j)| (group_positives "each", columns)
 
 
 def logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups, spec: StatsSpec,
                 backend, *, group=None, reduction: str = "mean", validate: bool = False, query_ids=None,
-                key_owners=None, label_smoothing: float = 0.0) -> LogitStats:
+                key_owners=None, label_smoothing: float = 0.0, guide_queries=None,
+                guide_keys=None) -> LogitStats:
     """The statistics of ``spec`` over this process's rows against every key of ``group``.
 
     Args:
@@ -62,34 +68,39 @@ def logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups,
         query_ids, key_owners: the hardness offset's ids (``spec.hardness``), or None.
         label_smoothing: the loss's, which the statistics do not use; the ring checks that every
             rank asks for the same (the smoothing's all-reduce follows on every rank or on none).
+        guide_queries, guide_keys: the score filter's guide (``spec.false_negative_margin``), or
+            None.
     """
-    labels = (query_groups, key_groups, query_ids, key_owners)
+    labels = (query_groups, key_groups, query_ids, key_owners, guide_queries, guide_keys)
     if group is not None:
         return _ring_stats(group, queries, keys, scale, bias, positives, labels, spec, backend, reduction,
                            label_smoothing)
     if isinstance(backend, str) and torch.compiler.is_compiling():
-        row_stat, col_stat, positive_logit, *_unit_gradients = custom_ops.logit_stats(
+        (row_stat, col_stat, positive_logit, _unit_queries, _unit_keys, _unit_row_sums,
+         *positive_parts) = custom_ops.logit_stats(
             queries, keys, scale, bias, positives, query_groups, key_groups, spec.loss, spec.columns,
             spec.precision, spec.gradients_in_forward, backend_name(backend, queries.device), validate,
-            query_ids, key_owners, spec.hardness, spec.hardness_strength,
+            query_ids, key_owners, spec.hardness, spec.hardness_strength, guide_queries, guide_keys,
+            spec.group_positives, spec.false_negative_margin, spec.false_negative_strategy,
         )
     else:
         # Eager: the same forward and backward as the op's, without the op. torch's custom-op
         # layer costs host time on every call (its autograd wrapper rebuilds the 17-argument
         # schema's defaults, then redispatches), which at small batches is time the GPU waits.
-        row_stat, col_stat, positive_logit = _block_ops_stats(
+        row_stat, col_stat, positive_logit, *positive_parts = _block_ops_stats(
             queries, keys, scale, bias, positives, labels, spec, select_block_ops(backend, queries.device),
             validate,
         )
-    return LogitStats(row_stat, col_stat, positive_logit, queries.shape[0])
+    return LogitStats(row_stat, col_stat, positive_logit, queries.shape[0], *positive_parts)
 
 
 @torch.compiler.disable
 def _block_ops_stats(queries, keys, scale, bias, positives, labels, spec, ops, validate):
     """One process, eager: a block-ops object (which cannot be a custom-op argument: a graph
     break under torch.compile), or a named backend's outside a compiled region.
-    ``labels``: (query_groups, key_groups, query_ids, key_owners)."""
-    with deferred_check(ops, scale, positives, keys.shape[0], enabled=validate):
+    ``labels``: (query_groups, key_groups, query_ids, key_owners, guide_queries, guide_keys)."""
+    with deferred_check(ops, scale, positives, keys.shape[0], enabled=validate,
+                        distinct_positives=spec.distinct_positives):
         return KeyBlockLogitStats.apply(queries, keys, scale, bias, positives, *labels, spec, ops,
                                         SINGLE_BLOCK)
 
@@ -97,14 +108,15 @@ def _block_ops_stats(queries, keys, scale, bias, positives, labels, spec, ops, v
 @torch.compiler.disable
 def _ring_stats(group, queries, keys, scale, bias, positives, labels, spec, backend,
                 reduction, label_smoothing) -> LogitStats:
-    query_groups = labels[0]
+    query_groups, guide_queries = labels[0], labels[4]
     layout = ring.exchange_layout(group, queries, keys, spec, bias is not None, query_groups is not None,
-                                  reduction, label_smoothing)
-    row_stat, col_stat, positive_logit = KeyBlockLogitStats.apply(
+                                  reduction, label_smoothing,
+                                  guide_width=None if guide_queries is None else guide_queries.shape[1])
+    row_stat, col_stat, positive_logit, *positive_parts = KeyBlockLogitStats.apply(
         queries, keys, scale, bias, positives, *labels, spec, select_block_ops(backend, queries.device),
         layout,
     )
-    return LogitStats(row_stat, col_stat, positive_logit, layout.total_rows)
+    return LogitStats(row_stat, col_stat, positive_logit, layout.total_rows, *positive_parts)
 
 
 @contextlib.contextmanager

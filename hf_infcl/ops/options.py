@@ -10,7 +10,8 @@ typed it:
     precision must be one of 'auto', 'tf32', 'ieee'; got 'fp8'
 
 Beside the loss's options: the label smoothing (:func:`check_label_smoothing`), the hardness
-offset (:func:`check_hardness`) and gradient caching's chunk size (:func:`check_chunking`).
+offset (:func:`check_hardness`), several positives and the score filter
+(:func:`check_objective_options`) and gradient caching's chunk size (:func:`check_chunking`).
 
 The vocabularies are ``Literal`` types, so a dataclass field typed with one gets argparse choices
 from ``HfArgumentParser``, and the tuples below are derived from them (never written twice). The
@@ -23,6 +24,7 @@ everything above it can use it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -33,6 +35,9 @@ BlockBackend = Literal["torch", "triton"]  # the backends that compute (what "au
 BackendName = Literal["auto", BlockBackend, "reference"]
 Precision = Literal["auto", "tf32", "ieee"]
 HardnessMode = Literal["in_batch_negatives", "hard_negatives", "all_negatives"]  # docs/contract.md
+# docs/contract.md, "Several positives per row" and "False negatives by score"
+GroupPositives = Literal["any", "each"]
+FalseNegativeStrategy = Literal["absolute", "relative"]
 
 LOSSES: tuple[str, ...] = get_args(LossKind)
 REDUCTIONS: tuple[str, ...] = get_args(Reduction)
@@ -40,6 +45,8 @@ BLOCK_BACKENDS: tuple[str, ...] = get_args(BlockBackend)
 BACKENDS: tuple[str, ...] = get_args(BackendName)  # ("auto", "torch", "triton", "reference")
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 HARDNESS_MODES: tuple[str, ...] = get_args(HardnessMode)
+GROUP_POSITIVES: tuple[str, ...] = get_args(GroupPositives)
+FALSE_NEGATIVE_STRATEGIES: tuple[str, ...] = get_args(FalseNegativeStrategy)
 
 _VOCABULARIES = {"loss": LOSSES, "reduction": REDUCTIONS, "backend": BACKENDS, "precision": PRECISIONS}
 
@@ -91,10 +98,12 @@ def check_option(field: str, value, name: str | None = None, *, optional: bool =
 
 
 def check_label_smoothing(label_smoothing, loss: str, *, grouped: bool = False, hardness: bool = False,
-                          name: str = "label_smoothing", groups: str = "query_groups/key_groups") -> None:
+                          name: str = "label_smoothing", groups: str = "query_groups/key_groups",
+                          filtered: bool = False, margin: str = "false_negative_margin") -> None:
     """The one check of ``label_smoothing`` (docs/contract.md, "Label smoothing"): a number in
-    [0, 1], and positive only with the softmax loss, without groups and without a hardness offset.
-    ``name``, ``groups``: how the caller's user spells the option and the group ids."""
+    [0, 1], and positive only with the softmax loss, without groups, without a hardness offset and
+    without the score filter. ``name``, ``groups``, ``margin``: how the caller's user spells the
+    option, the group ids and the margin."""
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
         raise TypeError(f"{name} must be a float in [0, 1], got {type(label_smoothing).__name__}")
     if not 0.0 <= label_smoothing <= 1.0:
@@ -110,6 +119,32 @@ def check_label_smoothing(label_smoothing, loss: str, *, grouped: bool = False, 
     if hardness:
         raise ValueError(f"{name}={label_smoothing!r} is not defined with a hardness offset (its uniform "
                          "target would include the offsets); leave one of them out")
+    if filtered:
+        raise ValueError(f"{name}={label_smoothing!r} is not defined with {margin} (a row's candidates would "
+                         "be the keys the filter keeps); leave one of them out")
+
+
+def check_objective_options(group_positives, false_negative_margin, false_negative_strategy, *,
+                            names=("group_positives", "false_negative_margin", "false_negative_strategy")
+                            ) -> float | None:
+    """The one check of the several-positives and score-filter options that are not tensors; returns
+    the margin as a float (or None). ``names``: how the caller's user spells the three."""
+    positives_name, margin_name, strategy_name = names
+    check_choice(positives_name, group_positives, GROUP_POSITIVES, optional=True)
+    check_choice(strategy_name, false_negative_strategy, FALSE_NEGATIVE_STRATEGIES)
+    return check_false_negative_margin(false_negative_margin, margin_name)
+
+
+def check_false_negative_margin(value, name: str = "false_negative_margin") -> float | None:
+    """The one check of the score filter's margin: None (off) or a finite number, negative ones
+    included (a threshold above the positive's score); returned as a float."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a finite float or None, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
 
 
 def check_hardness_strength(value, name: str = "hardness_strength") -> None:
@@ -197,8 +232,10 @@ class OptionAttribute:
 
 
 __all__ = [
-    "BACKENDS", "BLOCK_BACKENDS", "HARDNESS_MODES", "LOSSES", "PRECISIONS", "REDUCTIONS", "BackendName",
-    "BlockBackend", "HardnessMode", "LossKind", "LossOptions", "OptionAttribute", "Precision", "Reduction",
-    "check_bool", "check_choice", "check_chunk_size", "check_chunking", "check_hardness",
-    "check_hardness_strength", "check_label_smoothing", "check_option", "choice_error", "wire_codes",
+    "BACKENDS", "BLOCK_BACKENDS", "FALSE_NEGATIVE_STRATEGIES", "GROUP_POSITIVES", "HARDNESS_MODES", "LOSSES",
+    "PRECISIONS", "REDUCTIONS", "BackendName", "BlockBackend", "FalseNegativeStrategy", "GroupPositives",
+    "HardnessMode", "LossKind", "LossOptions", "OptionAttribute", "Precision", "Reduction", "check_bool",
+    "check_choice", "check_chunk_size", "check_chunking", "check_false_negative_margin", "check_hardness",
+    "check_hardness_strength", "check_label_smoothing", "check_objective_options", "check_option",
+    "choice_error", "wire_codes",
 ]

@@ -14,13 +14,19 @@ block one step behind: rank r sends it on after adding its own partial, and rank
 only once it has computed its own partial, so that transfer overlaps compute too. After n steps
 the complete column statistic arrives home.
 
+With ``group_positives`` each block also gives the partial positive parts of the pairs it holds
+(:mod:`hf_infcl.ops.positive_pairs`): the rows' merge into the rows' own, the keys' travel with the
+column statistic. With the score filter the guide's key block and the keys' column thresholds
+travel with the keys; the rows' thresholds stay where the rows are.
+
 Backward: the key blocks travel again, carrying their owner's complete column statistic and its
-gradient. The gradient of the keys is accumulated in fp32 (fp64 for fp64 inputs) the same way as
-the forward's column statistic: it travels one step behind its key block, and arrives home when
-every rank has added G^T Q_r. It travels in slices of the key block (at least two), each rank
-adding into a slice in place and sending it on while it computes the next one, so that a rank
-holds about one key block of accumulators (plus one slice in flight), and the previous rank's
-slice always arrives while an earlier one is computed.
+gradient (and the keys' complete positive parts and their gradients). The gradient of the keys
+is accumulated in fp32 (fp64 for fp64 inputs) the same way as the forward's column statistic: it
+travels one step behind its key block, and arrives home when every rank has added G^T Q_r. It
+travels in slices of the key block (at least two), each rank adding into a slice in place and
+sending it on while it computes the next one, so that a rank holds about one key block of
+accumulators (plus one slice in flight), and the previous rank's slice always arrives while an
+earlier one is computed.
 
 Ranks may hold different numbers of rows and keys (one may hold no rows at all): the sizes are
 exchanged first with one small all_gather, which also carries every option that must agree, so
@@ -49,16 +55,43 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .options import HARDNESS_MODES, LOSSES, PRECISIONS, REDUCTIONS, wire_codes
-from .spec import BlockOps, PairLabels, StatsSpec, accumulation_dtype, empty_row_stats, merge_row_stats
+from .options import (
+    FALSE_NEGATIVE_STRATEGIES,
+    GROUP_POSITIVES,
+    HARDNESS_MODES,
+    LOSSES,
+    PRECISIONS,
+    REDUCTIONS,
+    wire_codes,
+)
+from .positive_pairs import (
+    PositiveParts,
+    add_pair_gradients,
+    block_pairs,
+    block_positive_parts,
+    empty_positive_parts,
+    merge_parts,
+    merge_positive_parts,
+)
+from .spec import (
+    BlockOps,
+    KeyLabels,
+    PairLabels,
+    StatsSpec,
+    accumulation_dtype,
+    empty_row_stats,
+    merge_row_stats,
+)
 
 # The all_gather at the start carries these fields per rank (as float64: every value is a small
 # integer, exact in a double).
 _LAYOUT_FIELDS = (
     "ok", "rows", "keys", "width", "dtype", "loss", "columns", "precision", "device_type",
     "has_bias", "has_groups", "reduction", "hardness", "hardness_strength", "label_smoothing",
+    "group_positives", "filters", "false_negative_margin", "false_negative_strategy", "guide_width",
 )
-_FLOAT_FIELDS = ("hardness_strength", "label_smoothing")  # the others are small integers
+# the others are small integers
+_FLOAT_FIELDS = ("hardness_strength", "label_smoothing", "false_negative_margin")
 # The options' codes come from their vocabularies (hf_infcl.ops.options); the dtype and device codes
 # are the ring's own.
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -67,6 +100,8 @@ _PRECISION_CODES = wire_codes(PRECISIONS)
 _DEVICE_CODES = {"cpu": 1, "cuda": 2, "xpu": 3, "mps": 4}
 _REDUCTION_CODES = wire_codes(REDUCTIONS)
 _HARDNESS_CODES = {None: 0, **wire_codes(HARDNESS_MODES)}
+_GROUP_POSITIVES_CODES = {None: 0, **wire_codes(GROUP_POSITIVES)}
+_STRATEGY_CODES = wire_codes(FALSE_NEGATIVE_STRATEGIES)
 
 # The backward's key-gradient accumulators travel in slices of at most this many bytes (fp32):
 # small enough that the one slice in flight besides the block's accumulators costs little, large
@@ -142,9 +177,10 @@ class RingLayout:
         return _ring_forward(self, spec, ops, queries, keys, scale, bias, labels)
 
     def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
-                              labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat):
+                              labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat,
+                              positives=None):
         return _ring_backward(self, spec, ops, queries, keys, scale, bias, labels, row_stat, col_stat,
-                              grad_row_stat, grad_col_stat)
+                              grad_row_stat, grad_col_stat, positives)
 
 
 def _metadata_device(group, fallback: torch.device) -> torch.device:
@@ -174,9 +210,10 @@ def announce_rejected_arguments(group, device: torch.device | None = None) -> No
 
 
 def exchange_layout(group, queries, keys, spec: StatsSpec, has_bias: bool, has_groups: bool,
-                    reduction: str = "mean", label_smoothing: float = 0.0) -> RingLayout:
+                    reduction: str = "mean", label_smoothing: float = 0.0,
+                    guide_width: int | None = None) -> RingLayout:
     """Exchange sizes and options with every rank of ``group``; raise the same error everywhere
-    when they disagree."""
+    when they disagree. ``guide_width``: the score filter's guide's width, None without a guide."""
     values = {
         "ok": 1,
         "rows": queries.shape[0],
@@ -193,6 +230,11 @@ def exchange_layout(group, queries, keys, spec: StatsSpec, has_bias: bool, has_g
         "hardness": _HARDNESS_CODES[spec.hardness if spec.offsets else None],
         "hardness_strength": spec.hardness_strength if spec.offsets else 0.0,
         "label_smoothing": label_smoothing,
+        "group_positives": _GROUP_POSITIVES_CODES[spec.group_positives],
+        "filters": int(spec.filters),
+        "false_negative_margin": spec.false_negative_margin if spec.filters else 0.0,
+        "false_negative_strategy": _STRATEGY_CODES[spec.false_negative_strategy] if spec.filters else 0,
+        "guide_width": -1 if guide_width is None else guide_width,
     }
     table = _all_gather_layout(
         group, [float(values[name]) for name in _LAYOUT_FIELDS], _metadata_device(group, queries.device)
@@ -240,6 +282,11 @@ def _check_agreement(columns: dict[str, list[int]]) -> None:
         "hardness": ("hardness_mode", _decoder(_HARDNESS_CODES)),
         "hardness_strength": ("hardness_strength", str),
         "label_smoothing": ("label_smoothing", str),
+        "group_positives": ("group_positives", _decoder(_GROUP_POSITIVES_CODES)),
+        "filters": ("whether false_negative_margin is given", lambda v: str(bool(v))),
+        "false_negative_margin": ("false_negative_margin", str),
+        "false_negative_strategy": ("false_negative_strategy", _decoder({None: 0, **_STRATEGY_CODES})),
+        "guide_width": ("the width of guide_queries/guide_keys", lambda v: "no guide" if v < 0 else str(v)),
     }
     for field, (what, decode) in names.items():
         if len(set(columns[field])) > 1:
@@ -318,21 +365,18 @@ class _TravellingBlocks:
 
 
 def _travelling_key_labels(labels: PairLabels, k_max: int) -> list[torch.Tensor]:
-    """The per-key labels that travel with this rank's key block, padded: its groups and its
-    hardness owners, whichever are given (-1 pads the owners: nobody's keys)."""
-    given = ((labels.key_groups, 0), (labels.key_owners, -1))
+    """The per-key labels (:class:`~hf_infcl.ops.spec.KeyLabels`) that travel with this rank's key
+    block, padded, whichever are given: its groups, its hardness owners (-1 pads: nobody's keys),
+    its guide keys and its column thresholds (+inf pads: nothing left out)."""
+    given = zip(labels.own_keys(), (0, -1, 0.0, float("inf")))
     return [_padded(tensor, k_max, fill) for tensor, fill in given if tensor is not None]
 
 
-def _block_labels(spec: StatsSpec, labels: PairLabels, travelled: list[torch.Tensor], lo: int, hi: int,
-                  key_offset: int):
-    """(group mask, hardness offset) of this rank's rows against keys ``lo:hi`` of a visiting key
-    block whose first key has global index ``key_offset``; ``travelled`` are the block's labels
-    as :func:`_travelling_key_labels` packed them."""
+def _block_key_labels(labels: PairLabels, travelled: list[torch.Tensor], lo: int, hi: int) -> KeyLabels:
+    """Keys ``lo:hi`` of a visiting key block's labels, as :func:`_travelling_key_labels` packed them
+    (every rank gives the same labels: the size exchange checks it)."""
     travelled = iter(travelled)
-    groups = next(travelled)[lo:hi] if labels.key_groups is not None else None
-    owners = next(travelled)[lo:hi] if labels.key_owners is not None else None
-    return labels.mask(groups, key_offset + lo), labels.hardness(spec, owners, key_offset + lo)
+    return KeyLabels(*(None if own is None else next(travelled)[lo:hi] for own in labels.own_keys()))
 
 
 def _ring_forward(layout, spec, ops, queries, keys, scale, bias, labels: PairLabels):
@@ -340,11 +384,14 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, labels: PairLab
     device = queries.device
     m, k_max, n = queries.shape[0], layout.max_keys, layout.world_size
     row_stat = empty_row_stats(spec, m, acc, device)
+    grouped = spec.group_positives is not None
+    positives = empty_positive_parts(spec, m, 0, acc, device) if grouped else None
 
     compute = layout.schedule.compute
     blocks = _TravellingBlocks(layout, [_padded(keys, k_max, 0.0), *_travelling_key_labels(labels, k_max)])
 
-    # The running column statistic of the block computed last step, one step behind its keys.
+    # The running column statistics of the block computed last step, one step behind its keys: the
+    # column log-sum-exp, and with group_positives the keys' positive parts (and counts).
     col_works, col_arrived = None, None
     for step in range(n):
         owner = layout.owner(step)
@@ -357,20 +404,31 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, labels: PairLab
         if m == 0 or k_owner == 0 or not compute:
             partial_row = empty_row_stats(spec, m, acc, device)
             partial_col = torch.full((k_owner,), float("-inf"), dtype=acc, device=device)
+            partial_positives = empty_positive_parts(spec, m, k_owner, acc, device) if grouped else None
         else:
-            mask, hardness = _block_labels(spec, labels, blocks.current[1:], 0, k_owner,
-                                           layout.key_offset(owner))
-            partial_row, partial_col = ops.forward_block(spec, queries, block_keys, scale, bias, mask,
-                                                         hardness=hardness)
+            key_offset = layout.key_offset(owner)
+            key_labels = _block_key_labels(labels, blocks.current[1:], 0, k_owner)
+            block = labels.block(spec, key_labels, key_offset)
+            partial_row, partial_col = ops.forward_block(
+                spec, queries, block_keys, scale, bias, block.mask, hardness=block.hardness,
+                score_filter=block.score_filter)
+            partial_positives = None
+            if grouped:
+                pairs = block_pairs(labels.query_groups, labels.positive_keys, key_labels.key_groups,
+                                    key_offset)
+                partial_positives = block_positive_parts(spec, queries, block_keys, scale, bias, pairs)
         row_stat = merge_row_stats(spec, row_stat, partial_row)
+        if grouped:
+            positives = merge_positive_parts(spec, positives, partial_positives)
 
         if spec.columns:
-            _wait(col_works)  # the running statistic sent by the previous rank last step
+            _wait(col_works)  # the running statistics sent by the previous rank last step
+            partial = _column_rows(partial_col, partial_positives)
             if col_arrived is not None:
-                partial_col = torch.logaddexp(col_arrived[:k_owner], partial_col)
-            outgoing = _padded(partial_col, k_max, float("-inf"))
-            col_arrived = torch.empty(k_max, dtype=acc, device=device)
-            # At the last step this sends the block's complete statistic home to its owner and
+                partial = _merge_column_rows(spec, col_arrived[:, :k_owner], partial)
+            outgoing = _padded(partial.T, k_max, float("-inf")).T.contiguous()
+            col_arrived = torch.empty_like(outgoing)
+            # At the last step this sends the block's complete statistics home to its owner and
             # receives this rank's own.
             col_works = _exchange(layout, [outgoing], [col_arrived])
         if step < n - 1:
@@ -378,10 +436,33 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, labels: PairLab
 
     if spec.columns:
         _wait(col_works)
-        col_stat = col_arrived[: keys.shape[0]].clone()
+        own_columns = col_arrived[:, : keys.shape[0]].clone()
+        col_stat = own_columns[0]
+        if grouped:
+            positives = PositiveParts(positives.rows, own_columns[1], positives.row_counts,
+                                      own_columns[2] if positives.row_counts is not None else None)
     else:
         col_stat = row_stat.new_empty(0)
-    return row_stat, col_stat
+    return row_stat, col_stat, positives
+
+
+def _column_rows(col_stat: torch.Tensor, positives: PositiveParts | None) -> torch.Tensor:
+    """What travels with a key block's column statistic, one row each: the statistic, and with
+    ``group_positives`` the keys' positive parts (and for "each" their counts)."""
+    rows = [col_stat]
+    if positives is not None:
+        rows += [t for t in (positives.columns, positives.column_counts) if t is not None]
+    return torch.stack(rows)
+
+
+def _merge_column_rows(spec: StatsSpec, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two blocks of :func:`_column_rows` of the same keys, merged row by row."""
+    merged = [torch.logaddexp(a[0], b[0])]
+    if a.shape[0] > 1:
+        merged.append(merge_parts(spec, a[1], b[1]))
+    if a.shape[0] > 2:
+        merged.append(a[2] + b[2])  # counts
+    return torch.stack(merged)
 
 
 def _key_slices(k_max: int, width: int, element_bytes: int) -> list[tuple[int, int]]:
@@ -452,9 +533,10 @@ class _TravellingKeyGradients:
 
 
 def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLabels, row_stat, col_stat,
-                   grad_row_stat, grad_col_stat):
+                   grad_row_stat, grad_col_stat, positives=None):
     """Returns (unscaled G K for this rank's rows, this rank's unscaled G^T Q as a list of
-    (row range, accumulator) slices, row sums of G)."""
+    (row range, accumulator) slices, row sums of G). ``positives``: the
+    :class:`~hf_infcl.ops.key_blocks.PositiveGradients` of ``group_positives``, or None."""
     acc = accumulation_dtype(queries.dtype)
     device = queries.device
     (m, width), k_max, n = queries.shape, layout.max_keys, layout.world_size
@@ -464,10 +546,14 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLa
 
     own = [_padded(keys, k_max, 0.0), *_travelling_key_labels(labels, k_max)]
     if spec.columns:
-        # The owner's complete column statistic and its gradient travel with the keys.
-        col_info = torch.zeros(2, k_max, dtype=acc, device=device)
-        col_info[0, : keys.shape[0]] = col_stat
-        col_info[1, : keys.shape[0]] = grad_col_stat.to(acc)
+        # The owner's complete column statistic and its gradient travel with the keys (and the keys'
+        # complete positive parts and their gradients).
+        travelling = [col_stat, grad_col_stat]
+        if positives is not None:
+            travelling += [positives.column_part, positives.column_weight]
+        col_info = torch.zeros(len(travelling), k_max, dtype=acc, device=device)
+        for row, values in enumerate(travelling):
+            col_info[row, : keys.shape[0]] = values.to(acc)
         own.append(col_info)
     blocks = _TravellingBlocks(layout, own)
 
@@ -487,15 +573,27 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLa
             accumulator = key_grads.accumulator(step, index)
             hi_real = min(hi, k_owner)  # rows past the owner's k are padding: never computed
             if lo < hi_real and m > 0 and compute:
-                mask, hardness = _block_labels(spec, labels, blocks.current[1:], lo, hi_real,
-                                               layout.key_offset(owner))
+                key_offset = layout.key_offset(owner) + lo
+                key_labels = _block_key_labels(labels, blocks.current[1:], lo, hi_real)
+                block = labels.block(spec, key_labels, key_offset)
+                slice_keys = block_keys[lo:hi_real]
                 row_sums += ops.backward_block(
-                    spec, queries, block_keys[lo:hi_real], scale, bias, mask, row_stat,
+                    spec, queries, slice_keys, scale, bias, block.mask, row_stat,
                     block_cols[0, lo:hi_real] if spec.columns else None,
                     row_weight,
                     block_cols[1, lo:hi_real] if spec.columns else None,
-                    grad_queries, accumulator[: hi_real - lo], hardness=hardness,
+                    grad_queries, accumulator[: hi_real - lo], hardness=block.hardness,
+                    score_filter=block.score_filter,
                 )
+                if positives is not None:
+                    pairs = block_pairs(labels.query_groups, labels.positive_keys, key_labels.key_groups,
+                                        key_offset)
+                    columns = (None, None)
+                    if spec.columns:
+                        columns = (block_cols[2, lo:hi_real], block_cols[3, lo:hi_real])
+                    add_pair_gradients(spec, queries, slice_keys, scale, bias, pairs, positives.row_part,
+                                       positives.row_weight, *columns, grad_queries,
+                                       accumulator[: hi_real - lo], row_sums)
             key_grads.send_on(index, accumulator)
         if step < n - 1:
             blocks.advance(keep_spare=step < n - 2)

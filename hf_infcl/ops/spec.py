@@ -11,7 +11,9 @@ exempt it from group masking:
 and the per-row loss is assembled from these and the positive logit z_{i,p(i)} with ordinary
 autograd ops (``hf_infcl.loss``). With a hardness offset (:class:`HardnessOffset`) the softmax
 row_stat is over z_ij + alpha * x_ij where the offset selects (the column statistic and the
-positive logit are not offset), and the row probabilities below are of those logits.
+positive logit are not offset), and the row probabilities below are of those logits. With the
+score filter (:class:`ScoreFilter`) the row and the column statistics each leave out their own
+entries, so a block has a row ``allowed`` tile and a column one.
 
 A backend's backward receives the gradients of row_stat and
 col_stat (``row_weight``, ``col_weight``) and forms, tile by tile,
@@ -19,10 +21,10 @@ col_stat (``row_weight``, ``col_weight``) and forms, tile by tile,
     softmax:  G_ij = row_weight_i * exp(z_ij - row_stat_i) + col_weight_j * exp(z_ij - col_stat_j)
     sigmoid:  G_ij = row_weight_i * sigmoid(z_ij)
 
-(zero where masked), from which dQ = s * G K, dK = s * G^T Q, d(scale) = sum G * x and
-d(bias) = sum G. A "block op" is an object with ``forward_block`` and ``backward_block`` methods
-following :class:`BlockOps`; the one Function of :mod:`hf_infcl.ops.key_blocks` drives them,
-locally and in the ring.
+(zero where masked; each direction's term where its own direction allows), from which
+dQ = s * G K, dK = s * G^T Q, d(scale) = sum G * x and d(bias) = sum G. A "block op" is an object
+with ``forward_block`` and ``backward_block`` methods following :class:`BlockOps`; the one Function
+of :mod:`hf_infcl.ops.key_blocks` drives them, locally and in the ring.
 """
 
 from __future__ import annotations
@@ -32,7 +34,16 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from .options import HARDNESS_MODES, HardnessMode, LossKind, Precision
+from .options import (
+    FALSE_NEGATIVE_STRATEGIES,
+    GROUP_POSITIVES,
+    HARDNESS_MODES,
+    FalseNegativeStrategy,
+    GroupPositives,
+    HardnessMode,
+    LossKind,
+    Precision,
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,13 @@ class StatsSpec:
             logits z + strength * x where :class:`HardnessOffset` selects (docs/contract.md,
             "Hardness offset"); the column statistic keeps the plain logits. None (or strength
             0): no offset.
+        group_positives: ``"any"`` or ``"each"``: the keys of a row's group are its positives
+            (docs/contract.md, "Several positives per row"). The groups then leave nothing out of
+            the statistics; the positive parts come from the sparse (row, key) pairs
+            (:mod:`hf_infcl.ops.positive_pairs`). None: groups leave keys out (``GroupMask``).
+        false_negative_margin, false_negative_strategy: the score filter (docs/contract.md, "False
+            negatives by score"): each row's threshold from its positive's score, and the entries
+            scoring above it left out of the statistics (:class:`ScoreFilter`). None: off.
     """
 
     loss: LossKind
@@ -64,6 +82,9 @@ class StatsSpec:
     gradients_in_forward: bool = False
     hardness: HardnessMode | None = None
     hardness_strength: float = 0.0
+    group_positives: GroupPositives | None = None
+    false_negative_margin: float | None = None
+    false_negative_strategy: FalseNegativeStrategy = "absolute"
 
     def __post_init__(self):
         if self.loss == "sigmoid" and self.columns:
@@ -73,11 +94,26 @@ class StatsSpec:
                              "its statistics first)")
         if self.hardness is not None and (self.loss != "softmax" or self.hardness not in HARDNESS_MODES):
             raise ValueError(f"hardness {self.hardness!r} needs the softmax loss and one of {HARDNESS_MODES}")
+        if self.group_positives is not None and self.group_positives not in GROUP_POSITIVES:
+            raise ValueError(f"group_positives must be one of {GROUP_POSITIVES} or None")
+        if self.false_negative_strategy not in FALSE_NEGATIVE_STRATEGIES:
+            raise ValueError(f"false_negative_strategy must be one of {FALSE_NEGATIVE_STRATEGIES}")
 
     @property
     def offsets(self) -> bool:
         """Whether the row statistic is taken over hardness-offset logits."""
         return self.hardness is not None and self.hardness_strength != 0.0
+
+    @property
+    def filters(self) -> bool:
+        """Whether the score filter leaves entries out (a margin is given)."""
+        return self.false_negative_margin is not None
+
+    @property
+    def distinct_positives(self) -> bool:
+        """Whether no two rows may share a positive key: the score filter keeps one column threshold
+        per key, its row's (docs/contract.md, "False negatives by score")."""
+        return self.filters and self.columns
 
 
 @dataclass(frozen=True)
@@ -102,11 +138,22 @@ class GroupMask:
         """Boolean [rows, keys] tile: True where the key counts for the row."""
         qg = self.query_groups[row_start:row_end, None]
         kg = self.key_groups[None, key_start:key_end]
-        key_index = torch.arange(
-            self.key_offset + key_start, self.key_offset + key_end, device=kg.device
-        )
-        is_positive = self.positive_keys[row_start:row_end, None] == key_index[None, :]
+        is_positive = positive_pairs_tile(self.positive_keys, self.key_offset, row_start, row_end, key_start,
+                                          key_end)
         return (qg != kg) | is_positive
+
+
+def positive_pairs_tile(positive_keys: torch.Tensor, key_offset: int, row_start: int, row_end: int,
+                        key_start: int, key_end: int, query_groups: torch.Tensor | None = None,
+                        key_groups: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean [rows, keys] tile: True where key j is one of row i's positives, P(i): its own positive
+    (``positive_keys`` global, the block's key j global index ``key_offset + j``) and, with
+    ``group_positives`` (``query_groups`` and the block's ``key_groups`` given), every key of its group."""
+    key_index = torch.arange(key_offset + key_start, key_offset + key_end, device=positive_keys.device)
+    positive = positive_keys[row_start:row_end, None] == key_index[None, :]
+    if query_groups is not None:
+        positive = positive | (query_groups[row_start:row_end, None] == key_groups[None, key_start:key_end])
+    return positive
 
 
 @dataclass(frozen=True)
@@ -116,7 +163,9 @@ class HardnessOffset:
     :meth:`selected` is True; the column statistic and the gradient's flow (through s * x only)
     are unchanged.
 
-    Key indices are global, as in :class:`GroupMask`; a negative owner is nobody's.
+    Key indices are global, as in :class:`GroupMask`; a negative owner is nobody's. With
+    ``group_positives``, ``query_groups`` and the block's ``key_groups`` make every key of a row's
+    group one of its positives, never offset.
     """
 
     mode: HardnessMode
@@ -125,6 +174,8 @@ class HardnessOffset:
     key_owners: torch.Tensor  # [k_block] int64, negative: never offset
     positive_keys: torch.Tensor  # [m] int64, global key indices
     key_offset: int = 0
+    query_groups: torch.Tensor | None = None  # [m], with group_positives
+    key_groups: torch.Tensor | None = None  # [k_block], with group_positives
 
     @property
     def mode_code(self) -> int:
@@ -134,8 +185,8 @@ class HardnessOffset:
     def selected(self, row_start: int, row_end: int, key_start: int, key_end: int) -> torch.Tensor:
         """Boolean [rows, keys] tile: True where the logit gets the offset."""
         owner = self.key_owners[None, key_start:key_end]
-        key_index = torch.arange(self.key_offset + key_start, self.key_offset + key_end, device=owner.device)
-        is_positive = self.positive_keys[row_start:row_end, None] == key_index[None, :]
+        is_positive = positive_pairs_tile(self.positive_keys, self.key_offset, row_start, row_end, key_start,
+                                          key_end, self.query_groups, self.key_groups)
         selected = (owner >= 0) & ~is_positive
         if self.mode == "all_negatives":
             return selected
@@ -149,32 +200,107 @@ class HardnessOffset:
         return logits + torch.where(selected, self.strength * dots, torch.zeros_like(dots))
 
 
+@dataclass(frozen=True)
+class ScoreFilter:
+    """The score filter of one (row block, key block) pair (docs/contract.md, "False negatives by
+    score"). Entry (i, j) is left out of row i's statistic when key j is not one of row i's
+    positives and g_ij > ``row_thresholds[i]``, and out of key j's column statistic when
+    g_ij > ``key_thresholds[j]`` (the threshold of the row whose positive key j is; +inf for keys
+    that are nobody's). g_ij is the guide's ⟨GQ_i, GK_j⟩, or without a guide the tile's own dot
+    product x_ij. Nothing is stored: :meth:`kept` recomputes a tile's two masks from the scores.
+
+    Key indices are global, as in :class:`GroupMask`; ``query_groups`` and the block's
+    ``key_groups`` are given with ``group_positives`` (the keys of a row's group are positives).
+    """
+
+    row_thresholds: torch.Tensor  # [m], the accumulation dtype
+    key_thresholds: torch.Tensor | None  # [k_block]; None without a column statistic
+    positive_keys: torch.Tensor  # [m] int64, global key indices
+    key_offset: int = 0
+    guide_queries: torch.Tensor | None = None  # [m, c_g]
+    guide_keys: torch.Tensor | None = None  # [k_block, c_g]
+    query_groups: torch.Tensor | None = None  # [m], with group_positives
+    key_groups: torch.Tensor | None = None  # [k_block], with group_positives
+
+    def scores(self, dots: torch.Tensor, row_start: int, row_end: int, key_start: int,
+               key_end: int) -> torch.Tensor:
+        """g of one tile, in the dtype of ``dots`` (the tile's dot products x)."""
+        if self.guide_queries is None:
+            return dots
+        guide_rows = self.guide_queries[row_start:row_end].to(dots.dtype)
+        return guide_rows @ self.guide_keys[key_start:key_end].to(dots.dtype).T
+
+    def kept(self, dots: torch.Tensor, row_start: int, row_end: int, key_start: int,
+             key_end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(row tile, column tile or None) of booleans: True where the entry counts in the row's
+        statistic, and in the key's column statistic. A NaN score leaves nothing out (the loss is
+        NaN anyway)."""
+        scores = self.scores(dots, row_start, row_end, key_start, key_end)
+        positive = positive_pairs_tile(self.positive_keys, self.key_offset, row_start, row_end, key_start,
+                                       key_end, self.query_groups, self.key_groups)
+        row_kept = positive | ~(scores > self.row_thresholds[row_start:row_end, None])
+        if self.key_thresholds is None:
+            return row_kept, None
+        return row_kept, positive | ~(scores > self.key_thresholds[None, key_start:key_end])
+
+
+class KeyLabels(NamedTuple):
+    """The per-key tensors of a key block that say which of its pairs are masked, offset or
+    filtered; None where not given. In the ring they travel with their keys."""
+
+    key_groups: torch.Tensor | None = None  # [k]
+    key_owners: torch.Tensor | None = None  # [k], hardness
+    guide_keys: torch.Tensor | None = None  # [k, c_g], the score filter's guide
+    key_thresholds: torch.Tensor | None = None  # [k], the score filter's column thresholds
+
+
+class BlockLabels(NamedTuple):
+    """What the block ops take for one (row block, key block) pair."""
+
+    mask: GroupMask | None
+    hardness: HardnessOffset | None
+    score_filter: ScoreFilter | None
+
+
 class PairLabels(NamedTuple):
     """The per-row and per-key tensors that say which (row, key) pairs are masked
-    (:class:`GroupMask`) or offset (:class:`HardnessOffset`): this process's rows and its own
-    keys, None where not given. A schedule hands them to every key block, the key tensors
-    travelling with their keys."""
+    (:class:`GroupMask`), offset (:class:`HardnessOffset`), filtered (:class:`ScoreFilter`) or
+    positives (``group_positives``): this process's rows and its own keys, None where not given.
+    A schedule hands them to every key block (:meth:`block`), the key tensors
+    (:class:`KeyLabels`) travelling with their keys."""
 
     query_groups: torch.Tensor | None = None  # [m]
     key_groups: torch.Tensor | None = None  # [k]
     query_ids: torch.Tensor | None = None  # [m]
     key_owners: torch.Tensor | None = None  # [k]
-    positive_keys: torch.Tensor | None = None  # [m] global key indices, when either is given
+    positive_keys: torch.Tensor | None = None  # [m] global key indices, when a block needs them
+    guide_queries: torch.Tensor | None = None  # [m, c_g]
+    guide_keys: torch.Tensor | None = None  # [k, c_g]
+    row_thresholds: torch.Tensor | None = None  # [m], the score filter's (computed by the schedule's caller)
+    key_thresholds: torch.Tensor | None = None  # [k], the score filter's column thresholds
 
-    def mask(self, key_groups: torch.Tensor | None, key_offset: int) -> GroupMask | None:
-        """The group mask of these rows against a key block (its groups and global offset)."""
-        if self.query_groups is None:
-            return None
-        return GroupMask(self.query_groups, key_groups, self.positive_keys, key_offset)
+    def own_keys(self) -> KeyLabels:
+        """The labels of this process's own keys."""
+        return KeyLabels(self.key_groups, self.key_owners, self.guide_keys, self.key_thresholds)
 
-    def hardness(self, spec: StatsSpec, key_owners: torch.Tensor | None,
-                 key_offset: int) -> HardnessOffset | None:
-        """The hardness offset of these rows against a key block, or None when ``spec`` asks for
-        none."""
-        if not spec.offsets:
-            return None
-        return HardnessOffset(spec.hardness, spec.hardness_strength, self.query_ids, key_owners,
-                              self.positive_keys, key_offset)
+    def block(self, spec: StatsSpec, keys: KeyLabels, key_offset: int) -> BlockLabels:
+        """The mask, hardness offset and score filter of these rows against a key block (its labels
+        and the global index of its first key)."""
+        group_positives = spec.group_positives is not None
+        mask = None
+        if self.query_groups is not None and not group_positives:
+            mask = GroupMask(self.query_groups, keys.key_groups, self.positive_keys, key_offset)
+        positive_groups = (self.query_groups, keys.key_groups) if group_positives else (None, None)
+        hardness = None
+        if spec.offsets:
+            hardness = HardnessOffset(spec.hardness, spec.hardness_strength, self.query_ids, keys.key_owners,
+                                      self.positive_keys, key_offset, *positive_groups)
+        score_filter = None
+        if spec.filters:
+            score_filter = ScoreFilter(self.row_thresholds, keys.key_thresholds if spec.columns else None,
+                                       self.positive_keys, key_offset, self.guide_queries, keys.guide_keys,
+                                       *positive_groups)
+        return BlockLabels(mask, hardness, score_filter)
 
 
 def resolve_precision(precision: str, dtype: torch.dtype, device: torch.device) -> Precision:
@@ -218,9 +344,11 @@ class BlockOps(Protocol):
         bias: torch.Tensor | None,
         mask: GroupMask | None,
         hardness: HardnessOffset | None = None,
+        score_filter: ScoreFilter | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return (row_stat [m], col_stat [k] or None) in the accumulation dtype; with
-        ``hardness``, row_stat is over the offset logits, col_stat over the plain ones."""
+        ``hardness``, row_stat is over the offset logits, col_stat over the plain ones; with
+        ``score_filter``, each over the entries its own direction keeps."""
 
     def backward_block(
         self,
@@ -237,10 +365,12 @@ class BlockOps(Protocol):
         grad_queries: torch.Tensor,
         grad_keys: torch.Tensor,
         hardness: HardnessOffset | None = None,
+        score_filter: ScoreFilter | None = None,
     ) -> torch.Tensor:
         """Add G K to ``grad_queries`` [m, c] and G^T Q to ``grad_keys`` [k, c] (both unscaled,
         accumulation dtype, in place) and return the row sums of G [m]. With ``hardness``, the
         row probabilities exp(z - row_stat) are of the offset logits (the column ones are not).
+        With ``score_filter``, each direction's term is zero where its direction leaves it out.
 
         ``row_stat`` and ``col_stat`` are the complete statistics (over every key and every row
         of the whole problem), not this block's partial ones.
@@ -261,10 +391,12 @@ class OnePassSigmoidOps(BlockOps, Protocol):
         mask: GroupMask | None,
         grad_queries: torch.Tensor,
         grad_keys: torch.Tensor,
+        score_filter: ScoreFilter | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The sigmoid row statistic [m] of this block and, from the same logits, G K added to
         ``grad_queries`` and G^T Q to ``grad_keys`` for G_ij = sigmoid(z_ij) (every row weight
-        1; zero where masked), as ``backward_block`` adds them. Returns (row_stat, row sums of G)."""
+        1; zero where masked or filtered), as ``backward_block`` adds them. Returns (row_stat, row
+        sums of G)."""
 
 
 def takes_one_pass(ops) -> bool:

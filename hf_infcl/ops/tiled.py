@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .spec import GroupMask, HardnessOffset, StatsSpec, accumulation_dtype, resolve_precision
+from .spec import GroupMask, HardnessOffset, ScoreFilter, StatsSpec, accumulation_dtype, resolve_precision
 
 # Above this, softplus(z) == z to well under float64 resolution of the row sums we form.
 _SOFTPLUS_LINEAR_ABOVE = 40.0
@@ -66,7 +66,7 @@ class TorchTiles:
         return logits, dots
 
     def _logit_tiles(self, spec, queries, keys, scale, bias, hardness: HardnessOffset | None = None):
-        """(r0, r1, k0, k1, query tile, key tile, logits, row logits) of every tile, in the
+        """(r0, r1, k0, k1, query tile, key tile, logits, row logits, dots) of every tile, in the
         accumulation dtype; the row logits are the logits with the hardness offset (the same
         tensor without one). The caller's loop body runs under ``spec``'s matmul precision too."""
         acc = accumulation_dtype(queries.dtype)
@@ -80,10 +80,10 @@ class TorchTiles:
                 row_logits = logits
                 if hardness is not None:
                     row_logits = hardness.offset_logits(logits, dots, r0, r1, k0, k1)
-                yield r0, r1, k0, k1, q_tile, k_tile, logits, row_logits
+                yield r0, r1, k0, k1, q_tile, k_tile, logits, row_logits, dots
 
     def forward_block(self, spec, queries, keys, scale, bias, mask: GroupMask | None,
-                      hardness: HardnessOffset | None = None):
+                      hardness: HardnessOffset | None = None, score_filter: ScoreFilter | None = None):
         acc = accumulation_dtype(queries.dtype)
         m, k = queries.shape[0], keys.shape[0]
         device = queries.device
@@ -94,19 +94,20 @@ class TorchTiles:
         col_stat = torch.full((k,), float("-inf"), dtype=acc, device=device) if spec.columns else None
 
         tiles = self._logit_tiles(spec, queries, keys, scale, bias, hardness)
-        for r0, r1, k0, k1, _, _, logits, row_logits in tiles:
-            allowed = None if mask is None else mask.allowed(r0, r1, k0, k1)
+        for r0, r1, k0, k1, _, _, logits, row_logits, dots in tiles:
+            row_allowed, col_allowed = _allowed(mask, score_filter, dots, r0, r1, k0, k1)
             if spec.loss == "sigmoid":
                 terms = F.softplus(logits, threshold=_SOFTPLUS_LINEAR_ABOVE)
-                if allowed is not None:
-                    terms = terms.masked_fill(~allowed, 0.0)
+                if row_allowed is not None:
+                    terms = terms.masked_fill(~row_allowed, 0.0)
                 row_stat[r0:r1] += terms.sum(dim=1)
                 continue
-            if allowed is not None:
-                logits = logits.masked_fill(~allowed, float("-inf"))
-                row_logits = row_logits.masked_fill(~allowed, float("-inf"))
+            if row_allowed is not None:
+                row_logits = row_logits.masked_fill(~row_allowed, float("-inf"))
             row_stat[r0:r1] = torch.logaddexp(row_stat[r0:r1], torch.logsumexp(row_logits, dim=1))
             if col_stat is not None:
+                if col_allowed is not None:
+                    logits = logits.masked_fill(~col_allowed, float("-inf"))
                 col_stat[k0:k1] = torch.logaddexp(col_stat[k0:k1], torch.logsumexp(logits, dim=0))
         return row_stat, col_stat
 
@@ -125,41 +126,60 @@ class TorchTiles:
         grad_queries,
         grad_keys,
         hardness: HardnessOffset | None = None,
+        score_filter: ScoreFilter | None = None,
     ):
         acc = accumulation_dtype(queries.dtype)
         row_sums = torch.zeros(queries.shape[0], dtype=acc, device=queries.device)
         tiles = self._logit_tiles(spec, queries, keys, scale, bias, hardness)
-        for r0, r1, k0, k1, q_tile, k_tile, logits, row_logits in tiles:
+        for r0, r1, k0, k1, q_tile, k_tile, logits, row_logits, dots in tiles:
+            row_allowed, col_allowed = _allowed(mask, score_filter, dots, r0, r1, k0, k1)
+            # where(), not a product: a masked entry may hold inf * 0 = nan.
             if spec.loss == "sigmoid":
-                grad_logits = row_weight[r0:r1, None] * torch.sigmoid(logits)
+                grad_logits = _where(row_allowed, row_weight[r0:r1, None] * torch.sigmoid(logits))
             else:
-                grad_logits = row_weight[r0:r1, None] * torch.exp(row_logits - row_stat[r0:r1, None])
+                row_probs = torch.exp(row_logits - row_stat[r0:r1, None])
+                grad_logits = _where(row_allowed, row_weight[r0:r1, None] * row_probs)
                 if col_weight is not None:
-                    grad_logits += col_weight[None, k0:k1] * torch.exp(logits - col_stat[None, k0:k1])
-            if mask is not None:
-                # where(), not a product: a masked entry may hold inf * 0 = nan.
-                allowed = mask.allowed(r0, r1, k0, k1)
-                grad_logits = torch.where(allowed, grad_logits, torch.zeros_like(grad_logits))
+                    col_probs = torch.exp(logits - col_stat[None, k0:k1])
+                    grad_logits += _where(col_allowed, col_weight[None, k0:k1] * col_probs)
             _add_products(grad_logits, q_tile, k_tile, grad_queries[r0:r1], grad_keys[k0:k1], row_sums[r0:r1])
         return row_sums
 
     def forward_backward_block(self, spec, queries, keys, scale, bias, mask: GroupMask | None, grad_queries,
-                               grad_keys):
+                               grad_keys, score_filter: ScoreFilter | None = None):
         """The sigmoid loss's one pass (``OnePassSigmoidOps``): each tile's logits give its
         softplus row sums and, with every row weight 1, G = sigmoid(z) and the two products."""
         acc = accumulation_dtype(queries.dtype)
         row_stat = torch.zeros(queries.shape[0], dtype=acc, device=queries.device)
         row_sums = torch.zeros(queries.shape[0], dtype=acc, device=queries.device)
-        for r0, r1, k0, k1, q_tile, k_tile, logits, _ in self._logit_tiles(spec, queries, keys, scale, bias):
+        tiles = self._logit_tiles(spec, queries, keys, scale, bias)
+        for r0, r1, k0, k1, q_tile, k_tile, logits, _, dots in tiles:
+            allowed, _ = _allowed(mask, score_filter, dots, r0, r1, k0, k1)
             terms = F.softplus(logits, threshold=_SOFTPLUS_LINEAR_ABOVE)
             grad_logits = torch.sigmoid(logits)
-            if mask is not None:
-                allowed = mask.allowed(r0, r1, k0, k1)
+            if allowed is not None:
                 terms = terms.masked_fill(~allowed, 0.0)
                 grad_logits = grad_logits.masked_fill(~allowed, 0.0)
             row_stat[r0:r1] += terms.sum(dim=1)
             _add_products(grad_logits, q_tile, k_tile, grad_queries[r0:r1], grad_keys[k0:k1], row_sums[r0:r1])
         return row_stat, row_sums
+
+
+def _allowed(mask: GroupMask | None, score_filter: ScoreFilter | None, dots, r0, r1, k0, k1):
+    """(row tile, column tile) of booleans, True where the entry counts in the row's statistic and in
+    the key's column statistic; None where everything counts. The column tile is None too without a
+    column statistic."""
+    allowed = None if mask is None else mask.allowed(r0, r1, k0, k1)
+    if score_filter is None:
+        return allowed, allowed
+    row_kept, col_kept = score_filter.kept(dots, r0, r1, k0, k1)
+    if allowed is None:
+        return row_kept, col_kept
+    return allowed & row_kept, None if col_kept is None else allowed & col_kept
+
+
+def _where(allowed: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
+    return values if allowed is None else torch.where(allowed, values, torch.zeros_like(values))
 
 
 def _add_products(grad_logits, q_tile, k_tile, grad_queries, grad_keys, row_sums) -> None:

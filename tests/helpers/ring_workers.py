@@ -47,6 +47,10 @@ class Scenario:
     slice_bytes: int | None = None  # force the backward's key gradients to travel in many slices
     hardness: str | None = None  # a hardness_mode, with strength HARDNESS_STRENGTH
     label_smoothing: float = 0.0
+    group_positives: str | None = None
+    margin: float | None = None  # false_negative_margin
+    strategy: str = "absolute"  # false_negative_strategy
+    guide: bool = False  # guide embeddings (of width GUIDE_WIDTH, no gradient) for the score filter
 
 
 SCENARIOS = {
@@ -95,8 +99,43 @@ SCENARIOS = {
         symmetric=False, label_smoothing=0.3, custom_positives=True, backend="torch",
         rows={2: (2, 4), 3: (1, 3, 2)}, keys={2: (5, 6), 3: (3, 4, 4)},
     ),
+    # Several positives per row: the groups' pairs span ranks; the keys' positive parts travel with
+    # the column statistic, their gradients with the key gradients' slices.
+    "group_positives_any": Scenario(
+        groups=True, custom_positives=True, group_positives="any",
+        rows={2: (4, 3), 3: (3, 0, 3)}, keys={2: (6, 4), 3: (4, 3, 3)}, slice_bytes=2 * FEATURE_WIDTH * 8,
+    ),
+    "group_positives_each_one_direction": Scenario(
+        symmetric=False, groups=True, group_positives="each", backend="torch",
+        rows={2: (3, 4), 3: (2, 3, 2)}, keys={2: (5, 4), 3: (2, 5, 3)},
+    ),
+    "group_positives_each_symmetric": Scenario(
+        groups=True, group_positives="each", rows={2: (5, 2), 3: (2, 2, 3)}, keys={2: (5, 3), 3: (2, 4, 3)},
+    ),
+    "group_positives_sigmoid": Scenario(
+        loss="sigmoid", bias=True, groups=True, group_positives="any",
+        rows={2: (3, 3), 3: (2, 0, 2)}, keys={2: (4, 3), 3: (2, 3, 2)},
+    ),
+    # The score filter: the guide's key blocks and the keys' column thresholds travel with the keys.
+    "filter_absolute": Scenario(
+        margin=0.2, rows={2: (5, 2), 3: (3, 0, 2)}, keys={2: (6, 3), 3: (4, 2, 3)},
+        slice_bytes=2 * FEATURE_WIDTH * 8,
+    ),
+    "filter_guide_relative_groups": Scenario(
+        groups=True, custom_positives=True, margin=-0.1, strategy="relative", guide=True,
+        rows={2: (4, 3), 3: (3, 1, 3)}, keys={2: (5, 4), 3: (4, 3, 3)}, slice_bytes=2 * FEATURE_WIDTH * 8,
+    ),
+    "filter_guide_group_positives": Scenario(
+        groups=True, custom_positives=True, group_positives="each", margin=0.1, guide=True,
+        rows={2: (4, 2), 3: (2, 2, 2)}, keys={2: (6, 4), 3: (3, 4, 3)},
+    ),
+    "filter_sigmoid_one_direction": Scenario(
+        loss="sigmoid", bias=True, margin=-0.3, backend="torch",
+        rows={2: (3, 3), 3: (2, 1, 3)}, keys={2: (4, 5), 3: (3, 3, 4)},
+    ),
 }
 HARDNESS_STRENGTH = 3.0
+GUIDE_WIDTH = 3
 
 
 class TinyDualEncoder(nn.Module):
@@ -131,6 +170,9 @@ def global_batch(scenario: Scenario, world_size: int, seed: int):
         # Make each positive's input resemble its row's, as a trained pairing would.
         positives = part["positives"] if part["positives"] is not None else torch.arange(m)
         part["key_inputs"][positives] += part["query_inputs"]
+        if scenario.guide:
+            part["guide_queries"] = torch.randn(m, GUIDE_WIDTH, generator=gen, dtype=torch.float64)
+            part["guide_keys"] = torch.randn(k, GUIDE_WIDTH, generator=gen, dtype=torch.float64)
         parts.append(part)
     if scenario.hardness is not None:
         add_hardness_ids(parts, rows, keys, gen)
@@ -175,9 +217,9 @@ def concatenated(parts):
         "query_groups": torch.cat([p["query_groups"] for p in parts]) if groups else None,
         "key_groups": torch.cat([p["key_groups"] for p in parts]) if groups else None,
     }
-    if "query_ids" in parts[0]:
-        batch.update(query_ids=torch.cat([p["query_ids"] for p in parts]),
-                     key_owners=torch.cat([p["key_owners"] for p in parts]))
+    for name in ("query_ids", "key_owners", "guide_queries", "guide_keys"):
+        if name in parts[0]:
+            batch[name] = torch.cat([p[name] for p in parts])
     return batch
 
 
@@ -190,6 +232,9 @@ def train_step(model, batch, scenario, backend, process_group):
         positives=batch["positives"], query_groups=batch["query_groups"], key_groups=batch["key_groups"],
         reduction="mean", process_group=process_group, backend=backend,
         **hardness_arguments(scenario.hardness, batch), label_smoothing=scenario.label_smoothing,
+        group_positives=scenario.group_positives, false_negative_margin=scenario.margin,
+        false_negative_strategy=scenario.strategy, guide_queries=batch.get("guide_queries"),
+        guide_keys=batch.get("guide_keys"),
     )
     loss.backward()
     module = getattr(model, "module", model)  # DDP wraps the encoder
@@ -278,6 +323,22 @@ def disagreement_cases(rank: int, world_size: int):
             **ids, process_group="auto"),
         "label_smoothing": lambda: contrastive_loss(
             _features(3), _features(3), label_smoothing=0.1 if rank == 0 else 0.0, process_group="auto"),
+        "group_positives": lambda: contrastive_loss(
+            _features(3), _features(3), query_groups=torch.arange(3), key_groups=torch.arange(3),
+            group_positives="any" if rank == last else "each", process_group="auto"),
+        "false_negative_margin": lambda: contrastive_loss(
+            _features(3), _features(3), false_negative_margin=0.1 if rank == 0 else 0.2,
+            process_group="auto"),
+        "margin_given": lambda: contrastive_loss(
+            _features(3), _features(3), false_negative_margin=0.1 if rank == last else None,
+            process_group="auto"),
+        "false_negative_strategy": lambda: contrastive_loss(
+            _features(3), _features(3), false_negative_margin=0.1,
+            false_negative_strategy="relative" if rank == 0 else "absolute", process_group="auto"),
+        "guide_width": lambda: contrastive_loss(
+            _features(3), _features(3), false_negative_margin=0.1,
+            guide_queries=_features(3, 2 + (rank == 0)), guide_keys=_features(3, 2 + (rank == 0)),
+            process_group="auto"),
         # One rank's own argument check fails: it raises its own error, the others are told.
         "bad_positives_on_one_rank": lambda: contrastive_loss(
             _features(3), _features(3), positives=torch.tensor([0, 1, 7 if rank == 1 else 2]),
@@ -320,9 +381,24 @@ def run_reductions(rank: int, world_size: int):
         }
 
 
-# name: (loss, bias or None, hardness_mode or None)
-TRITON_LOSSES = {"softmax_symmetric": ("softmax", None, None), "sigmoid_with_bias": ("sigmoid", -1.5, None),
-                 "softmax_hard_negatives": ("softmax", None, "hard_negatives")}
+# name: (loss, bias or None, hardness_mode or None, several positives and the score filter: their
+# contrastive_loss arguments, "guide" for the parts' guide embeddings)
+TRITON_LOSSES = {
+    "softmax_symmetric": ("softmax", None, None, {}),
+    "sigmoid_with_bias": ("sigmoid", -1.5, None, {}),
+    "softmax_hard_negatives": ("softmax", None, "hard_negatives", {}),
+    "softmax_group_positives_filter": ("softmax", None, None,
+                                       dict(group_positives="any", false_negative_margin=0.3)),
+    "sigmoid_filter_guide": ("sigmoid", -1.5, None, dict(false_negative_margin=-0.1, guide=True)),
+}
+
+
+def objective_arguments(objectives: dict, batch) -> dict:
+    """``TRITON_LOSSES``' objectives as contrastive_loss's arguments for a batch (its guide)."""
+    arguments = {name: value for name, value in objectives.items() if name != "guide"}
+    if objectives.get("guide"):
+        arguments.update(guide_queries=batch["guide_queries"], guide_keys=batch["guide_keys"])
+    return arguments
 
 
 def triton_inputs(world_size: int):
@@ -339,6 +415,8 @@ def triton_inputs(world_size: int):
             "positives": torch.randperm(k, generator=gen)[:m],
             "query_groups": torch.randint(0, 3, (m,), generator=gen),
             "key_groups": torch.randint(0, 3, (k,), generator=gen),
+            "guide_queries": torch.randn(m, GUIDE_WIDTH, generator=gen),
+            "guide_keys": torch.randn(k, GUIDE_WIDTH, generator=gen),
         })
     add_hardness_ids(parts, rows, keys, gen)
     return parts
@@ -353,7 +431,7 @@ def run_triton(rank: int, world_size: int):
         return None
     part = triton_inputs(world_size)[rank]
     results = {}
-    for name, (loss, bias_value, hardness) in TRITON_LOSSES.items():
+    for name, (loss, bias_value, hardness, objectives) in TRITON_LOSSES.items():
         queries = part["queries"].clone().requires_grad_(True)
         keys = part["keys"].clone().requires_grad_(True)
         scale = torch.tensor(4.0, requires_grad=True)
@@ -363,7 +441,7 @@ def run_triton(rank: int, world_size: int):
             query_groups=part["query_groups"], key_groups=part["key_groups"], process_group="auto",
             backend=TritonBlocks(tile_rows=2, tile_keys=4, poison=True),
             precision="ieee",  # exact fp32: this checks the ring's plumbing, not TF32 rounding
-            **hardness_arguments(hardness, part),
+            **hardness_arguments(hardness, part), **objective_arguments(objectives, part),
         )
         value.backward()
         results[name] = {"value": value.detach(), "queries": queries.grad, "keys": keys.grad,

@@ -80,11 +80,14 @@ def loss_and_grads(case, dtype, backend, *, loss, symmetric, use_bias, precision
     k = case["keys"].to(dtype).requires_grad_(True)
     scale = torch.tensor(case["scale"], dtype=acc, requires_grad=True)
     bias = torch.tensor(case["bias"], dtype=acc, requires_grad=True) if use_bias else None
+    # several positives and the score filter (its guide in the features' dtype)
+    objectives = {name: value.to(dtype) if torch.is_tensor(value) else value
+                  for name, value in case.get("objectives", {}).items()}
     per_row = contrastive_loss(
         q, k, scale, bias, loss=loss, symmetric=symmetric, positives=case["positives"],
         query_groups=case["query_groups"], key_groups=case["key_groups"], reduction=reduction,
         backend=backend, precision=precision, **case.get("hardness", {}),
-        label_smoothing=case.get("label_smoothing", 0.0),
+        label_smoothing=case.get("label_smoothing", 0.0), **objectives,
     )
     if reduction == "none":
         total = (per_row.double() * case["row_weights"]).sum()
@@ -107,6 +110,9 @@ def errors_against_reference(case, dtype, blocks, precision, options) -> dict:
     """Each output's :func:`relative_error` against the float64 reference, which sees the same
     rounded inputs, upcast: only the kernels' arithmetic differs."""
     rounded = dict(case, queries=case["queries"].to(dtype).double(), keys=case["keys"].to(dtype).double())
+    if "objectives" in case:  # the guide rounded too
+        rounded["objectives"] = {name: value.to(dtype).double() if torch.is_tensor(value) else value
+                                 for name, value in case["objectives"].items()}
     expected = loss_and_grads(rounded, torch.float64, "reference", **options)
     got = loss_and_grads(case, dtype, blocks, precision=precision, **options)
     assert set(got) == set(expected)
@@ -665,13 +671,14 @@ def test_a_kernel_key_launched_before_skips_the_autotuner(monkeypatch, tmp_path)
     assert runs == {"_stats_kernel": 1, "_grad_tile_kernel": 1}
 
 
-@pytest.mark.parametrize("route", ["softmax", "softmax-two-pass", "sigmoid-one-pass", "positives"])
+@pytest.mark.parametrize("route", ["softmax", "softmax-two-pass", "sigmoid-one-pass", "positives",
+                                   "filter-positives", "filter-shared-positive"])
 def test_value_checks_raise_before_the_first_kernel(route, monkeypatch):
     """The Triton block ops make one process's value checks (scale > 0, positives in range)
     after preparing their operands, just before the loss's first kernel (for the statistics
     kernel: in its launch, just before the kernel): the error names the argument, and no
     kernel of the loss (statistics, gradient tiles, the sigmoid one pass's GEMM) has run."""
-    from hf_infcl.ops.triton import stats, super_tiles
+    from hf_infcl.ops.triton import blocks, stats, super_tiles
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel of the loss ran before the values were checked")
@@ -684,6 +691,7 @@ def test_value_checks_raise_before_the_first_kernel(route, monkeypatch):
     monkeypatch.setattr(stats, "merge_partials", no_kernel)
     for name in ("grad_tile", "sigmoid_from_dots", "add_product"):
         monkeypatch.setattr(super_tiles, name, no_kernel)
+    monkeypatch.setattr(blocks, "combine_rows", no_kernel)  # the positives' scores, the filter's thresholds
     gen = torch.Generator().manual_seed(11)
     queries = torch.randn(9, 8, generator=gen).requires_grad_(True)
     keys = torch.randn(12, 8, generator=gen).requires_grad_(True)
@@ -696,6 +704,14 @@ def test_value_checks_raise_before_the_first_kernel(route, monkeypatch):
     elif route == "positives":
         arguments.update(logit_scale=5.0, positives=torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 12]))
         named = "positives"
+    elif route == "filter-positives":
+        arguments.update(logit_scale=5.0, positives=torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 12]),
+                         false_negative_margin=0.1)
+        named = "positives"
+    elif route == "filter-shared-positive":
+        arguments.update(logit_scale=5.0, positives=torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 7]),
+                         false_negative_margin=0.1)
+        named = "positives: two rows share a positive key"
     with pytest.raises(ValueError, match=named):
         contrastive_loss(queries, keys, **arguments)
 
@@ -744,3 +760,134 @@ def test_launch_past_the_autotuner_equals_a_plain_launch(case):
     past_the_tuner = run(plain[3])
     assert_same_launch(past_the_tuner, plain, exact=True)
     assert not launch._COMPILED
+
+
+# ------------------------------------------------------------------------------------------------
+# Several positives per row and the score filter (docs/contract.md): the positive parts outside the
+# kernels, the filter's row and column masks inside (FILTER, GUIDE, GROUP_POSITIVES).
+
+# name: (margin, strategy, guide width or None)
+OBJECTIVE_FILTERS = {"nofilter": (None, "absolute", None), "absolute": (0.05, "absolute", None),
+                     "negative-relative": (-0.2, "relative", None), "guide": (0.1, "absolute", 24)}
+OBJECTIVE_CASES = [(loss_name, mode, name) for loss_name in LOSSES for mode in (None, "any", "each")
+                   for name in OBJECTIVE_FILTERS if (mode, name) != (None, "nofilter")]
+OBJECTIVE_SHAPES = [(7, 19, 40), (33, 71, 3), (19, 45, 32), (13, 13, 20)]
+
+
+def with_objectives(case, dtype, mode, filter_name, seed):
+    """``case`` with several positives and the filter under ``case["objectives"]``; for the TF32
+    modes the features (and the guide) already TF32 values, so that the kernels' rounding to TF32
+    changes nothing and the float64 reference takes the filter's decisions from the same scores."""
+    from hf_infcl.ops.triton.operands import round_to_tf32
+
+    margin, strategy, guide_width = OBJECTIVE_FILTERS[filter_name]
+    gen = torch.Generator().manual_seed(seed)
+    m, k = case["queries"].shape[0], case["keys"].shape[0]
+    objectives = dict(group_positives=mode, false_negative_margin=margin, false_negative_strategy=strategy)
+    if guide_width is not None:
+        objectives.update(guide_queries=torch.randn(m, guide_width, generator=gen, dtype=torch.float64),
+                          guide_keys=torch.randn(k, guide_width, generator=gen, dtype=torch.float64))
+    case = dict(case, objectives=objectives)
+    if dtype == "tf32":
+        def tf32(tensor):
+            return round_to_tf32(tensor.float()).double()
+
+        case.update(queries=tf32(case["queries"]), keys=tf32(case["keys"]))
+        for name in ("guide_queries", "guide_keys"):
+            if name in objectives:
+                objectives[name] = tf32(objectives[name])
+    return case
+
+
+def _distinct_groups(m, k, seed):
+    """Groups with several rows and keys each (ids beyond the rows' too, so some keys are nobody's)."""
+    gen = torch.Generator().manual_seed(seed)
+    n_groups = max(2, m // 3)
+    query_groups = torch.randint(0, n_groups, (m,), generator=gen)
+    return query_groups, torch.randint(0, n_groups + 2, (k,), generator=gen)
+
+
+@pytest.mark.parametrize("loss_name,mode,filter_name", OBJECTIVE_CASES,
+                         ids=[f"{lo}-{mo}-{f}" for lo, mo, f in OBJECTIVE_CASES])
+def test_objectives_match_float64_reference(loss_name, mode, filter_name):
+    """Each case in one of the precision modes and shapes, in turn, so that every mode meets every
+    option; groups that hold several rows and keys, custom positives, hard negatives; the sigmoid
+    loss's cases alternate between per-row losses and a mean (its one pass, which the filter routes
+    through the fused kernel)."""
+    index = OBJECTIVE_CASES.index((loss_name, mode, filter_name))
+    mode_name = list(MODES)[index % len(MODES)]
+    dtype, precision, blocks = MODES[mode_name]
+    shape = OBJECTIVE_SHAPES[index % len(OBJECTIVE_SHAPES)]
+    seed = random.randrange(2**31)
+    case = random_case(*shape, groups=False, custom_positives=True, seed=seed)
+    case["query_groups"], case["key_groups"] = _distinct_groups(*shape[:2], seed)
+    case = with_objectives(case, "tf32" if "tf32" in mode_name else dtype, mode, filter_name, seed)
+    options = dict(LOSSES[loss_name])
+    if loss_name.startswith("sigmoid") and index % 2:
+        options["reduction"] = "mean"
+    errors = errors_against_reference(case, dtype, blocks, precision, options)
+    assert max(errors.values()) < TOLERANCE[mode_name], (seed, mode_name, errors)
+
+
+@pytest.mark.parametrize("route", list(FULL_ROUTES))
+@pytest.mark.parametrize("mode", [None, "each"])
+@pytest.mark.parametrize("loss_name", list(LOSSES))
+def test_whole_blocks_with_the_filter_match_float64_reference(loss_name, mode, route):
+    """The FULL path (no tile past an end, no group mask: no ``allowed`` tile at all) with the
+    filter's masks, a guide, both forward routes."""
+    m, k, c = FULL_SHAPE
+    seed = random.randrange(2**31)
+    case = random_case(m, k, c, groups=False, custom_positives=True, seed=seed)
+    if mode is not None:
+        case["query_groups"], case["key_groups"] = _distinct_groups(m, k, seed)
+    case = with_objectives(case, torch.float32, mode, "guide", seed)
+    errors = errors_against_reference(case, torch.float32, FULL_ROUTES[route], "ieee", LOSSES[loss_name])
+    assert max(errors.values()) < TOLERANCE["fp32-ieee"], (seed, errors)
+
+
+@pytest.mark.parametrize("filter_name", ["absolute", "guide"])
+@pytest.mark.parametrize("mode", [None, "any"])
+def test_two_pass_forward_with_the_filter_matches_reference(mode, filter_name):
+    """The column-major column pass (fused_columns=False) takes the keys' thresholds, and the
+    guide in its (keys, rows) roles."""
+    seed = random.randrange(2**31)
+    case = random_case(33, 71, 20, groups=False, custom_positives=True, seed=seed)
+    case["query_groups"], case["key_groups"] = _distinct_groups(33, 71, seed)
+    case = with_objectives(case, torch.float32, mode, filter_name, seed)
+    errors = errors_against_reference(case, torch.float32, TWO_PASS, "ieee", LOSSES["softmax-sym"])
+    assert max(errors.values()) < TOLERANCE["fp32-ieee"], (seed, errors)
+
+
+@pytest.mark.parametrize("hardness_mode", HARDNESS_MODES)
+def test_hardness_offset_with_group_positives_matches_reference(hardness_mode):
+    """GROUP_POSITIVES in the hardness offset: no key of a row's group is offset."""
+    seed = random.randrange(2**31)
+    case = random_case(19, 45, 32, groups=False, custom_positives=True, seed=seed)
+    case["query_groups"], case["key_groups"] = _distinct_groups(19, 45, seed)
+    case = with_hardness(case, hardness_mode, 4.0, seed)
+    case = with_objectives(case, torch.float32, "any", "absolute", seed)
+    errors = errors_against_reference(case, torch.float32, BLOCKS, "ieee", LOSSES["softmax-sym"])
+    assert max(errors.values()) < TOLERANCE["fp32-ieee"], (seed, errors)
+
+
+def test_kernels_without_the_options_are_unchanged():
+    """The new switches are compile-time constants that are off by default: a launch without them
+    passes FILTER, GUIDE and GROUP_POSITIVES False, so Triton compiles the same kernel as before."""
+    from hf_infcl.ops.triton import grad_tile, stats
+
+    seen = []
+    for kernel in (stats.STATS_KERNEL.body, grad_tile.GRAD_TILE_KERNEL.body):
+        assert {"FILTER", "GUIDE", "GROUP_POSITIVES"} <= set(kernel.arg_names)
+    original = stats.launch
+
+    def recording(kernel, grid, device, *args, **kwargs):
+        seen.append({name: kwargs[name] for name in ("FILTER", "GUIDE", "GROUP_POSITIVES")})
+        return original(kernel, grid, device, *args, **kwargs)
+
+    stats.launch = recording
+    try:
+        case = random_case(7, 19, 40, groups=True, custom_positives=True, seed=1)
+        loss_and_grads(case, torch.float32, BLOCKS, loss="softmax", symmetric=True, use_bias=False)
+    finally:
+        stats.launch = original
+    assert seen and all(not any(flags.values()) for flags in seen)

@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 
 from ..key_blocks import combine_rows as torch_combine_rows
-from ..spec import GroupMask, HardnessOffset, StatsSpec
+from ..spec import GroupMask, HardnessOffset, ScoreFilter, StatsSpec
 from ..tiled import TorchTiles
 from ..value_check import run_deferred_check
 from . import gluon_sigmoid, stats
@@ -35,12 +35,13 @@ from .device import INTERPRET
 from .operands import (
     HALF_TYPES,
     ROW_LABELS,
+    ROW_STATISTIC_ONLY,
     Operands,
     dot_operands,
     gemm_operands,
+    is_tf32,
     kernel_operands,
     label_arguments,
-    mask_arguments,
     resolved,
     scalar,
     sliced,
@@ -104,11 +105,12 @@ class TritonBlocks:
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
 
     def forward_block(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None,
-                      hardness: HardnessOffset | None = None):
+                      hardness: HardnessOffset | None = None, score_filter: ScoreFilter | None = None):
         if queries.dtype == torch.float64:
             run_deferred_check()
-            return TorchTiles().forward_block(spec, queries, keys, scale, bias, mask, hardness=hardness)
-        problem = self._prepare(spec, queries, keys, scale, bias, mask, hardness)
+            return TorchTiles().forward_block(spec, queries, keys, scale, bias, mask, hardness=hardness,
+                                              score_filter=score_filter)
+        problem = self._prepare(spec, queries, keys, scale, bias, mask, hardness, score_filter)
         spec, operands = problem.spec, problem.kernel
         queries, keys, scale, bias = operands.queries, operands.keys, operands.scale, problem.bias
         if spec.columns and self.fused_columns:
@@ -122,18 +124,19 @@ class TritonBlocks:
         if spec.columns:
             col_stat = stats.logit_stats(
                 keys, queries, scale, bias, sigmoid=False, columns=True, precision=spec.precision,
-                splits=self.stat_splits, out=self._stat_buffer(keys, queries), **mask_arguments(mask),
+                splits=self.stat_splits, out=self._stat_buffer(keys, queries),
+                **{name: value for name, value in problem.labels.items() if name not in ROW_STATISTIC_ONLY},
             )
         return row_stat, col_stat
 
     def backward_block(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None,
                        row_stat, col_stat, row_weight, col_weight, grad_queries, grad_keys,
-                       hardness: HardnessOffset | None = None):
+                       hardness: HardnessOffset | None = None, score_filter: ScoreFilter | None = None):
         if queries.dtype == torch.float64:
             return TorchTiles().backward_block(spec, queries, keys, scale, bias, mask, row_stat, col_stat,
                                                row_weight, col_weight, grad_queries, grad_keys,
-                                               hardness=hardness)
-        problem = self._prepare(spec, queries, keys, scale, bias, mask, hardness)
+                                               hardness=hardness, score_filter=score_filter)
+        problem = self._prepare(spec, queries, keys, scale, bias, mask, hardness, score_filter)
         row_sums = torch.zeros(queries.shape[0], dtype=torch.float32, device=queries.device)
         g_factor = g_scale(problem.gemm.queries.dtype, row_weight, col_weight)
         route = GradTileRoute(problem.route_arguments(row_sums, g_factor), row_stat, row_weight, col_stat,
@@ -143,17 +146,17 @@ class TritonBlocks:
         return row_sums
 
     def forward_backward_block(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None,
-                               grad_queries, grad_keys):
+                               grad_queries, grad_keys, score_filter: ScoreFilter | None = None):
         """The sigmoid loss's one pass (``OnePassSigmoidOps``): the backward's super-tiles with
         every row weight 1, each tile's softplus row sums taken from the same logits (whose dot
         products ``sigmoid_logits`` says who computes)."""
         if queries.dtype == torch.float64:
             run_deferred_check()
             return TorchTiles().forward_backward_block(spec, queries, keys, scale, bias, mask, grad_queries,
-                                                       grad_keys)
+                                                       grad_keys, score_filter=score_filter)
         if spec.loss != "sigmoid":
             raise ValueError("the one-pass route is for the sigmoid loss")
-        problem = self._prepare(spec, queries, keys, scale, bias, mask, None)
+        problem = self._prepare(spec, queries, keys, scale, bias, mask, None, score_filter)
         f32 = dict(dtype=torch.float32, device=queries.device)
         ones = torch.ones(queries.shape[0], **f32)
         row_stat, row_sums = torch.zeros(queries.shape[0], **f32), torch.zeros(queries.shape[0], **f32)
@@ -161,7 +164,7 @@ class TritonBlocks:
         arguments = problem.route_arguments(row_sums, g_factor, softplus_sums=row_stat)
         if self._gluon_dots(problem):
             route = GluonRoute(arguments)
-        elif self.sigmoid_logits != "fused":
+        elif self.sigmoid_logits != "fused" and score_filter is None:  # (the fused kernel filters)
             dots = dot_operands(problem.gemm, problem.kernel, problem.kernel.scale)
             route = CublasDotsRoute(arguments, dots, problem.gemm.queries.dtype, self.poison)
         else:
@@ -180,14 +183,14 @@ class TritonBlocks:
 
     # ----------------------------------------------------------------------------------------
 
-    def _prepare(self, spec: StatsSpec, queries, keys, scale, bias, mask, hardness) -> _Problem:
+    def _prepare(self, spec: StatsSpec, queries, keys, scale, bias, mask, hardness, score_filter) -> _Problem:
         """The checked inputs as the kernels and GEMMs take them (:mod:`.operands`)."""
         self._check(queries, keys)
         spec = resolved(spec, queries)
         kernel = kernel_operands(spec, queries, keys, scale, self.tf32_via_fp16)
         gemm = gemm_operands(spec, queries, keys, kernel, self.tf32_via_fp16)
         return _Problem(spec, kernel, gemm, None if bias is None else scalar(bias),
-                        label_arguments(mask, hardness, kernel))
+                        label_arguments(mask, hardness, kernel, score_filter, is_tf32(spec, queries)))
 
     def _walk(self, problem: _Problem, route, grad_queries, grad_keys, g_factor) -> None:
         m, k = problem.kernel.queries.shape[0], problem.kernel.keys.shape[0]

@@ -25,7 +25,9 @@ from .jit_math import (
     exp_in_units,
     hardness_offset_logits,
     in_units,
+    kept_by_score,
     log2_units,
+    positive_pairs,
     scale_and_bias,
     scaled_logits,
     sigmoid_and_softplus,
@@ -43,9 +45,11 @@ def _grad_tile_kernel(
     q_ptr, k_ptr, q_desc, k_desc, g_ptr, row_sums_ptr, softplus_sums_ptr, scale_ptr, bias_ptr,
     inv_g_scale_ptr, row_stat_ptr, col_stat_ptr, row_weight_ptr, col_weight_ptr,
     row_group_ptr, key_group_ptr, positive_ptr, key_offset, query_id_ptr, key_owner_ptr, hardness_ptr,
-    n_rows, n_keys, c, stride_q, stride_k, stride_g, size_class,
+    guide_q_ptr, guide_k_ptr, row_threshold_ptr, key_threshold_ptr,
+    n_rows, n_keys, c, stride_q, stride_k, stride_g, size_class, c_guide, stride_guide_q, stride_guide_k,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
     ONE_PASS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, HARDNESS: tl.constexpr,
+    FILTER: tl.constexpr, GUIDE: tl.constexpr, GROUP_POSITIVES: tl.constexpr,
     SCALED_G: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     FULL: tl.constexpr, LOG2: tl.constexpr,
@@ -65,16 +69,34 @@ def _grad_tile_kernel(
         allowed = allowed_pairs(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
                                 positive_ptr, key_offset, HAS_MASK)
     logits = scaled_logits(dots, scale, bias, HAS_BIAS)
+    if FILTER:
+        # The score filter: each direction's term where its own threshold keeps the entry.
+        if GUIDE:
+            scores = dot_tile(guide_q_ptr, guide_k_ptr, None, None, row_index, key_index, row_valid,
+                              key_valid, 0, 0, c_guide, stride_guide_q, stride_guide_k, BLOCK_M, BLOCK_N,
+                              BLOCK_K, PRECISION, UPCAST, False, False)
+        else:
+            scores = dots
+        positive = positive_pairs(row_index, key_index, row_valid, key_valid, positive_ptr, key_offset,
+                                  row_group_ptr, key_group_ptr, GROUP_POSITIVES)
+        row_kept = kept_by_score(scores, positive, row_threshold_ptr, row_index, row_valid, True)
+        if COLUMNS:
+            column_kept = kept_by_score(scores, positive, key_threshold_ptr, key_index, key_valid, False)
     if ONE_PASS:
         # The sigmoid loss's one pass: unit row weights, and the softplus row sums (the row
         # statistic) from the same logits and the same exponential.
         grad, softplus_terms = sigmoid_and_softplus(logits)
         if HAS_MASK or not FULL:
             softplus_terms = tl.where(allowed, softplus_terms, 0.0)
+        if FILTER:
+            softplus_terms = tl.where(row_kept, softplus_terms, 0.0)
+            grad = tl.where(row_kept, grad, 0.0)
         tl.atomic_add(softplus_sums_ptr + row_index, tl.sum(softplus_terms, axis=1), mask=row_valid)
     elif SIGMOID:
         row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
         grad = row_weight[:, None] * tl.sigmoid(logits)
+        if FILTER:
+            grad = tl.where(row_kept, grad, 0.0)
     else:
         row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
         row_stat = tl.load(row_stat_ptr + row_index, mask=row_valid, other=0.0)
@@ -82,18 +104,24 @@ def _grad_tile_kernel(
             strength = in_units(tl.load(hardness_ptr).to(tl.float32), LOG2)
             row_logits = hardness_offset_logits(logits, dots, row_index, key_index, row_valid, key_valid,
                                                 query_id_ptr, key_owner_ptr, positive_ptr, key_offset,
-                                                strength, HARDNESS)
+                                                strength, row_group_ptr, key_group_ptr, HARDNESS,
+                                                GROUP_POSITIVES)
         else:
             row_logits = logits
         p_row = exp_in_units(row_logits - in_units(row_stat, LOG2)[:, None], LOG2)
         grad = row_weight[:, None] * p_row
+        if FILTER:  # where(), not a product: a left-out entry may hold 0 * inf = nan
+            grad = tl.where(row_kept, grad, 0.0)
         if COLUMNS:
             col_stat = tl.load(col_stat_ptr + key_index, mask=key_valid, other=0.0)
             col_weight = tl.load(col_weight_ptr + key_index, mask=key_valid, other=0.0)
             # Their own exponential (docs/algorithms.md). Where col_stat is -inf (a key no row may
             # pair with), p_col is inf and col_weight 0: the where() below drops it.
             p_col = exp_in_units(logits - in_units(col_stat, LOG2)[None, :], LOG2)
-            grad += col_weight[None, :] * p_col
+            if FILTER:
+                grad += tl.where(column_kept, col_weight[None, :] * p_col, 0.0)
+            else:
+                grad += col_weight[None, :] * p_col
     if HAS_MASK or not FULL:
         # where(), not a product: a masked entry may hold 0 * inf = nan.
         grad = tl.where(allowed, grad, 0.0)
@@ -142,6 +170,10 @@ def grad_tile(
     row_groups: torch.Tensor | None = None, key_groups: torch.Tensor | None = None,
     positive_keys: torch.Tensor | None = None, key_offset: int = 0, query_ids: torch.Tensor | None = None,
     key_owners: torch.Tensor | None = None, hardness: int = 0, hardness_strength: torch.Tensor | None = None,
+    # the score filter and group_positives (as .stats.logit_stats takes them)
+    row_thresholds: torch.Tensor | None = None, key_thresholds: torch.Tensor | None = None,
+    guide_queries: torch.Tensor | None = None, guide_keys: torch.Tensor | None = None,
+    group_positives: bool = False,
     config: triton.Config | None = None, descriptors: tuple | None = None,
 ) -> triton.Config:
     """Write G / g_scale of ``queries`` x ``keys`` into ``g_out`` [rows, keys] (a view whose last
@@ -159,6 +191,10 @@ def grad_tile(
     ``hardness``, ``hardness_strength``, ``query_ids``, ``key_owners``: the row probabilities are
     of the offset logits, as in :func:`.stats.logit_stats`; the column ones are not.
 
+    ``row_thresholds``, ``key_thresholds`` (with a column statistic), ``guide_queries``,
+    ``guide_keys``, ``group_positives``: the score filter, as in :func:`.stats.logit_stats`: each
+    direction's term of G is zero where its own threshold leaves the entry out.
+
     ``config``: what an earlier call returned, for a call with the same tuning key (the same
     ``size_class``, width and dtypes, the same options): launched past the autotuner
     (:func:`.launch.launch`).
@@ -168,8 +204,10 @@ def grad_tile(
     """
     n_rows, c = queries.shape
     n_keys = keys.shape[0]
-    has_mask = row_groups is not None
+    has_mask = row_groups is not None and not group_positives
     columns = col_stat is not None
+    filters = row_thresholds is not None
+    guided = guide_queries is not None
     dummy = unused_pointer(queries.device)
     grid = lambda meta: (triton.cdiv(n_rows, meta["BLOCK_M"]), triton.cdiv(n_keys, meta["BLOCK_N"]))  # noqa: E731
     one_pass = softplus_sums is not None
@@ -185,12 +223,17 @@ def grad_tile(
         queries, keys, q_desc, k_desc, g_out, row_sums, softplus_sums if one_pass else dummy, scale,
         bias if bias is not None else dummy, inv_g_scale if inv_g_scale is not None else dummy,
         row_stat, col_stat if columns else dummy, row_weight, col_weight if columns else dummy,
-        row_groups if has_mask else dummy, key_groups if has_mask else dummy,
-        *pair_pointers(has_mask, hardness, positive_keys, key_offset, query_ids, key_owners,
+        row_groups if row_groups is not None else dummy, key_groups if key_groups is not None else dummy,
+        *pair_pointers(has_mask or filters, hardness, positive_keys, key_offset, query_ids, key_owners,
                        hardness_strength, dummy),
+        *(tensor if tensor is not None else dummy
+          for tensor in (guide_queries, guide_keys, row_thresholds, key_thresholds if columns else None)),
         n_rows, n_keys, c, queries.stride(0), keys.stride(0), g_out.stride(0),
         size_class if size_class is not None else problem_size_class(n_rows, n_keys),
+        guide_queries.shape[1] if guided else 0, guide_queries.stride(0) if guided else 0,
+        guide_keys.stride(0) if guided else 0,
         HAS_BIAS=bias is not None, HAS_MASK=has_mask, COLUMNS=columns, SIGMOID=sigmoid, ONE_PASS=one_pass,
         PRECISION=dot_precision(queries.dtype, precision), UPCAST=INTERPRET, HARDNESS=hardness,
+        FILTER=filters, GUIDE=guided, GROUP_POSITIVES=group_positives,
         SCALED_G=inv_g_scale is not None, TMA=tma, config=config,
     )

@@ -197,16 +197,51 @@ def allowed_pairs(row_index, key_index, row_valid, key_valid, row_group_ptr, key
 
 
 @triton.jit
+def positive_pairs(row_index, key_index, row_valid, key_valid, positive_ptr, key_offset, row_group_ptr,
+                   key_group_ptr, GROUP_POSITIVES: tl.constexpr):
+    """Boolean [rows, keys] tile: key j is one of row i's positives, its own (``positive_ptr``, global
+    key indices) and with GROUP_POSITIVES every key of its group (docs/contract.md, "Several
+    positives per row"). Entries past the ends are meaningless: callers mask them with ``allowed``."""
+    positive = tl.load(positive_ptr + row_index, mask=row_valid, other=-1)
+    is_positive = positive[:, None] == (key_offset + key_index)[None, :]
+    if GROUP_POSITIVES:
+        row_group = tl.load(row_group_ptr + row_index, mask=row_valid, other=0)
+        key_group = tl.load(key_group_ptr + key_index, mask=key_valid, other=0)
+        is_positive = is_positive | (row_group[:, None] == key_group[None, :])
+    return is_positive
+
+
+@triton.jit
+def kept_by_score(scores, positive, threshold_ptr, index, valid, ROWS: tl.constexpr):
+    """Boolean [rows, keys] tile of the score filter (docs/contract.md, "False negatives by score"):
+    True where the entry stays, i.e. it is a positive or its score is not above the threshold of
+    its row (ROWS; ``index`` the rows) or of its key (``index`` the keys). A NaN score stays."""
+    threshold = tl.load(threshold_ptr + index, mask=valid, other=0.0)
+    if ROWS:
+        above = scores > threshold[:, None]
+    else:
+        above = scores > threshold[None, :]
+    return positive | (above == 0)
+
+
+@triton.jit
 def hardness_offset_logits(logits, dots, row_index, key_index, row_valid, key_valid, query_id_ptr,
-                           key_owner_ptr, positive_ptr, key_offset, strength, HARDNESS: tl.constexpr):
+                           key_owner_ptr, positive_ptr, key_offset, strength, row_group_ptr, key_group_ptr,
+                           HARDNESS: tl.constexpr, GROUP_POSITIVES: tl.constexpr):
     """The row statistic's logits of a [rows, keys] tile: ``logits`` + strength * dots where the
     contract's hardness offset selects (HARDNESS: 1 in-batch, 2 hard, 3 all negatives; a negative
-    owner is nobody's, a row's positive is never offset). The offset is a constant of the loss,
-    so the backward's G keeps flowing through the scaled dots only."""
+    owner is nobody's, a row's positive is never offset, with GROUP_POSITIVES none of its group).
+    The offset is a constant of the loss, so the backward's G keeps flowing through the scaled
+    dots only."""
     query_id = tl.load(query_id_ptr + row_index, mask=row_valid, other=-1)
     owner = tl.load(key_owner_ptr + key_index, mask=key_valid, other=-1)
-    positive = tl.load(positive_ptr + row_index, mask=row_valid, other=-1)
-    selected = (owner[None, :] >= 0) & (positive[:, None] != (key_offset + key_index)[None, :])
+    if GROUP_POSITIVES:
+        is_positive = positive_pairs(row_index, key_index, row_valid, key_valid, positive_ptr, key_offset,
+                                     row_group_ptr, key_group_ptr, GROUP_POSITIVES)
+        selected = (owner[None, :] >= 0) & (is_positive == 0)
+    else:
+        positive = tl.load(positive_ptr + row_index, mask=row_valid, other=-1)
+        selected = (owner[None, :] >= 0) & (positive[:, None] != (key_offset + key_index)[None, :])
     if HARDNESS == 1:
         selected = selected & (owner[None, :] != query_id[:, None])
     elif HARDNESS == 2:

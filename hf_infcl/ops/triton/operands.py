@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..spec import GroupMask, HardnessOffset, StatsSpec, resolve_precision
+from ..spec import GroupMask, HardnessOffset, ScoreFilter, StatsSpec, resolve_precision
 
 HALF_TYPES = (torch.float16, torch.bfloat16)
 TINY = torch.finfo(torch.float32).tiny
@@ -135,8 +135,10 @@ def scalar(value: torch.Tensor) -> torch.Tensor:
 
 
 # The launchers' per-row and per-key label arguments (what a super-tile or row chunk slices).
-ROW_LABELS = ("row_groups", "positive_keys", "query_ids")
-KEY_LABELS = ("key_groups", "key_owners")
+ROW_LABELS = ("row_groups", "positive_keys", "query_ids", "row_thresholds", "guide_queries")
+KEY_LABELS = ("key_groups", "key_owners", "key_thresholds", "guide_keys")
+# The row statistic's own arguments, which a column statistic's launch leaves out.
+ROW_STATISTIC_ONLY = ("query_ids", "key_owners", "hardness", "hardness_strength", "row_thresholds")
 
 
 def sliced(arguments: dict, names: tuple[str, ...], start: int, end: int) -> dict:
@@ -156,22 +158,63 @@ def mask_arguments(mask: GroupMask | None) -> dict:
     )
 
 
-def label_arguments(mask: GroupMask | None, hardness: HardnessOffset | None, kernel: Operands) -> dict:
-    """The launchers' arguments of the group mask and of the hardness offset (the row
-    statistic's, and the backward's). The offset's strength multiplies the kernels' dot products,
-    which are those of the fp16 copies when fp32 runs as scaled fp16: it takes their factors."""
+def label_arguments(mask: GroupMask | None, hardness: HardnessOffset | None, kernel: Operands,
+                    score_filter: ScoreFilter | None = None, tf32: bool = False) -> dict:
+    """The launchers' arguments of the group mask, of the hardness offset (the row statistic's,
+    and the backward's) and of the score filter. The offset's strength multiplies the kernels' dot
+    products, and the filter's thresholds (without a guide) are compared with them: they are those
+    of the fp16 copies when fp32 runs as scaled fp16, so both take the copies' factors. ``tf32``:
+    fp32 operands multiplied with TF32, whose guide is rounded to TF32 as the operands are."""
     arguments = mask_arguments(mask)
-    if hardness is None:
-        return arguments
-    device = hardness.query_ids.device
-    strength = torch.tensor(hardness.strength, dtype=torch.float32, device=device)
     factor = product(kernel.queries_max, kernel.keys_max)
-    return dict(
-        arguments,
-        query_ids=hardness.query_ids.to(torch.int64).contiguous(),
-        key_owners=hardness.key_owners.to(torch.int64).contiguous(),
-        positive_keys=hardness.positive_keys.to(torch.int64).contiguous(),
-        key_offset=int(hardness.key_offset),
-        hardness=hardness.mode_code,
-        hardness_strength=strength if factor is None else strength * factor,
-    )
+    if hardness is not None:
+        device = hardness.query_ids.device
+        strength = torch.tensor(hardness.strength, dtype=torch.float32, device=device)
+        arguments.update(
+            query_ids=hardness.query_ids.to(torch.int64).contiguous(),
+            key_owners=hardness.key_owners.to(torch.int64).contiguous(),
+            positive_keys=hardness.positive_keys.to(torch.int64).contiguous(),
+            key_offset=int(hardness.key_offset),
+            hardness=hardness.mode_code,
+            hardness_strength=strength if factor is None else strength * factor,
+        )
+        if hardness.query_groups is not None:
+            arguments.update(_positive_groups(hardness.query_groups, hardness.key_groups))
+    if score_filter is not None:
+        guided = score_filter.guide_queries is not None
+        arguments.update(_filter_arguments(score_filter, None if guided else factor, tf32))
+    return arguments
+
+
+def _positive_groups(query_groups, key_groups) -> dict:
+    """The launchers' arguments of ``group_positives``: the groups say which keys are positives (and
+    mask nothing)."""
+    return dict(row_groups=query_groups.to(torch.int64).contiguous(),
+                key_groups=key_groups.to(torch.int64).contiguous(), group_positives=True)
+
+
+def _filter_arguments(score_filter: ScoreFilter, factor: torch.Tensor | None, tf32: bool) -> dict:
+    """The launchers' arguments of the score filter: fp32 thresholds in the units of what they are
+    compared with (divided by ``factor``, the scaled copies' factor, if any), the guide (contiguous
+    rows; rounded to TF32 with ``tf32``), the positives."""
+
+    def thresholds(values):
+        if values is None:
+            return None
+        values = values.to(torch.float32)
+        return (values if factor is None else values / factor).contiguous()
+
+    arguments = dict(positive_keys=score_filter.positive_keys.to(torch.int64).contiguous(),
+                     key_offset=int(score_filter.key_offset),
+                     row_thresholds=thresholds(score_filter.row_thresholds))
+    if score_filter.key_thresholds is not None:
+        arguments["key_thresholds"] = thresholds(score_filter.key_thresholds)
+    if score_filter.guide_queries is not None:
+        guides = tuple(guide.detach().contiguous() for guide in (score_filter.guide_queries,
+                                                                 score_filter.guide_keys))
+        if tf32:
+            guides = tuple(round_to_tf32(guide) for guide in guides)
+        arguments.update(guide_queries=guides[0], guide_keys=guides[1])
+    if score_filter.query_groups is not None:
+        arguments.update(_positive_groups(score_filter.query_groups, score_filter.key_groups))
+    return arguments

@@ -29,8 +29,10 @@ from .jit_math import (
     exp_in_units,
     hardness_offset_logits,
     in_units,
+    kept_by_score,
     log2_units,
     log_in_units,
+    positive_pairs,
     scale_and_bias,
     scaled_logits,
     softplus,
@@ -46,9 +48,12 @@ _STATS_SHAPES = [*BASE_SHAPES, (64, 64, 64, 4, 3), (64, 128, 128, 4, 3)]
 def _stats_kernel(
     outer_ptr, inner_ptr, out_ptr, col_partial_ptr, scale_ptr, bias_ptr,
     row_group_ptr, key_group_ptr, positive_ptr, key_offset, query_id_ptr, key_owner_ptr, hardness_ptr,
+    guide_outer_ptr, guide_inner_ptr, row_threshold_ptr, key_threshold_ptr,
     n_outer, n_inner, c, stride_outer, stride_inner, inner_per_split, size_class,
+    c_guide, stride_guide_outer, stride_guide_inner,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
     FUSED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, HARDNESS: tl.constexpr,
+    FILTER: tl.constexpr, GUIDE: tl.constexpr, GROUP_POSITIVES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     FULL: tl.constexpr, LOG2: tl.constexpr,
 ):
@@ -84,22 +89,52 @@ def _stats_kernel(
             else:
                 allowed = allowed_pairs(outer_index, inner_index, outer_valid, inner_valid,
                                         row_group_ptr, key_group_ptr, positive_ptr, key_offset, HAS_MASK)
+        if FILTER:
+            # The score filter: ``kept`` masks this program's statistic (the rows', or with COLUMNS
+            # the keys'), ``column_kept`` the fused column partials.
+            if GUIDE:
+                scores = dot_tile(guide_outer_ptr, guide_inner_ptr, None, None, outer_index, inner_index,
+                                  outer_valid, inner_valid, 0, 0, c_guide, stride_guide_outer,
+                                  stride_guide_inner, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST, False,
+                                  False)
+            else:
+                scores = dots
+            if COLUMNS:  # keys outer: the masks are built in (rows, keys) order, then transposed
+                positive = positive_pairs(inner_index, outer_index, inner_valid, outer_valid, positive_ptr,
+                                          key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES)
+                kept = tl.trans(kept_by_score(tl.trans(scores), positive, key_threshold_ptr, outer_index,
+                                              outer_valid, False))
+            else:
+                positive = positive_pairs(outer_index, inner_index, outer_valid, inner_valid, positive_ptr,
+                                          key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES)
+                kept = kept_by_score(scores, positive, row_threshold_ptr, outer_index, outer_valid, True)
+                if FUSED_COLUMNS:
+                    column_kept = kept_by_score(scores, positive, key_threshold_ptr, inner_index, inner_valid,
+                                                False)
         if SIGMOID:
             terms = softplus(logits)
             if HAS_MASK or not FULL:
                 terms = tl.where(allowed, terms, 0.0)
+            if FILTER:
+                terms = tl.where(kept, terms, 0.0)
             running_sum += tl.sum(terms, axis=1)
         else:
-            if HARDNESS != 0:
-                # The columns' logits, kept before the rows' offset replaces them.
+            if HARDNESS != 0 or (FILTER and FUSED_COLUMNS):
+                # The columns' logits, kept before the rows' offset or filter replaces them.
                 plain_logits = logits
                 if HAS_MASK or not FULL:
                     plain_logits = tl.where(allowed, logits, float("-inf"))
+                if FILTER and FUSED_COLUMNS:
+                    plain_logits = tl.where(column_kept, plain_logits, float("-inf"))
+            if HARDNESS != 0:
                 logits = hardness_offset_logits(logits, dots, outer_index, inner_index, outer_valid,
                                                 inner_valid, query_id_ptr, key_owner_ptr, positive_ptr,
-                                                key_offset, strength, HARDNESS)
+                                                key_offset, strength, row_group_ptr, key_group_ptr, HARDNESS,
+                                                GROUP_POSITIVES)
             if HAS_MASK or not FULL:
                 logits = tl.where(allowed, logits, float("-inf"))
+            if FILTER:
+                logits = tl.where(kept, logits, float("-inf"))
             # The tile's own row maxima shift its exponentials. A row with nothing allowed has
             # max -inf: shift by 0 there.
             tile_max = tl.max(logits, axis=1)
@@ -114,7 +149,7 @@ def _stats_kernel(
             if FUSED_COLUMNS:
                 # The same tile's column log-sum-exp over this program's rows: one partial per
                 # (row block, key), merged by the launcher. Saves the second forward pass.
-                if HARDNESS != 0:  # the columns' statistic is of the plain logits, without the offset
+                if HARDNESS != 0 or FILTER:  # the columns' own logits: no offset, their own filter
                     col_lse = column_lse(plain_logits, LOG2)
                 else:
                     col_lse = column_lse(logits, LOG2)
@@ -192,6 +227,10 @@ def logit_stats(
     # the hardness offset
     query_ids: torch.Tensor | None = None, key_owners: torch.Tensor | None = None, hardness: int = 0,
     hardness_strength: torch.Tensor | None = None,
+    # the score filter, and group_positives (row_groups and key_groups: the positives' groups)
+    row_thresholds: torch.Tensor | None = None, key_thresholds: torch.Tensor | None = None,
+    guide_queries: torch.Tensor | None = None, guide_keys: torch.Tensor | None = None,
+    group_positives: bool = False,
 ) -> torch.Tensor:
     """Row statistic of ``outer`` against ``inner`` (queries, keys), or with ``columns=True`` the
     column log-sum-exp (outer = keys, inner = queries). fp32 [n_outer].
@@ -209,28 +248,42 @@ def logit_stats(
     operands' dot products) times the dots where ``query_ids`` [n_outer] and ``key_owners``
     [n_inner] select (docs/contract.md, "Hardness offset"); ``positive_keys`` must be given.
     The column partials stay of the plain logits.
+
+    The score filter (docs/contract.md, "False negatives by score"): ``row_thresholds`` [rows] (the
+    row statistic's) and ``key_thresholds`` [keys] (the column statistic's and the column
+    partials'), in the units of these operands' dot products, compared with the dot products or,
+    given ``guide_queries`` [rows, c_g] and ``guide_keys`` [keys, c_g], the guide's; positives
+    (``positive_keys``, and with ``group_positives`` every key of the row's group, whose groups are
+    then ``row_groups``/``key_groups`` and mask nothing) are never left out.
     """
     n_outer, c = outer.shape
     n_inner = inner.shape[0]
     splits, inner_per_split = inner_splits(n_outer, n_inner, outer.device, splits)
     if out is None:
         out = torch.empty((splits, n_outer), dtype=torch.float32, device=outer.device)
-    has_mask = row_groups is not None
+    has_mask = row_groups is not None and not group_positives
     dummy = unused_pointer(outer.device)
     grid = lambda meta: (triton.cdiv(n_outer, meta["BLOCK_M"]), splits)  # noqa: E731
     fused = column_partials is not None
+    filters = row_thresholds is not None or key_thresholds is not None
+    guide_outer, guide_inner = (guide_keys, guide_queries) if columns else (guide_queries, guide_keys)
+    guided = guide_outer is not None
     launch(
         STATS_KERNEL, grid, outer.device,
         outer, inner, out, column_partials if fused else dummy, scale,
         bias if bias is not None else dummy,
-        row_groups if has_mask else dummy, key_groups if has_mask else dummy,
-        *pair_pointers(has_mask, hardness, positive_keys, key_offset, query_ids, key_owners,
+        row_groups if row_groups is not None else dummy, key_groups if key_groups is not None else dummy,
+        *pair_pointers(has_mask or filters, hardness, positive_keys, key_offset, query_ids, key_owners,
                        hardness_strength, dummy),
+        *(tensor if tensor is not None else dummy
+          for tensor in (guide_outer, guide_inner, row_thresholds, key_thresholds)),
         n_outer, n_inner, c, outer.stride(0), inner.stride(0), inner_per_split,
         problem_size_class(n_outer, n_inner),
+        guide_outer.shape[1] if guided else 0, guide_outer.stride(0) if guided else 0,
+        guide_inner.stride(0) if guided else 0,
         HAS_BIAS=bias is not None, HAS_MASK=has_mask, COLUMNS=columns, SIGMOID=sigmoid,
         FUSED_COLUMNS=fused, PRECISION=dot_precision(outer.dtype, precision), UPCAST=INTERPRET,
-        HARDNESS=hardness,
+        HARDNESS=hardness, FILTER=filters, GUIDE=guided, GROUP_POSITIVES=group_positives,
     )
     if splits == 1:
         return out[0]

@@ -1,0 +1,198 @@
+"""Several positives per row (docs/contract.md, "Several positives per row"): the positive parts of
+the loss from the sparse list of (row, key) pairs with j in P(i), outside the kernels.
+
+With ``group_positives`` the keys of a row's group are its positives, so the groups leave nothing
+out of the statistics: the kernels run as without groups. What changes is what each term
+subtracts, its positive part over the pairs:
+
+    softmax "any":   LSE_{j in P(i)} z_ij            (rows)    LSE_{i in R(j)} z_ij   (columns)
+    softmax "each":  sum_{j in P(i)} z_ij and |P(i)|                sum_{i in R(j)} z_ij and |R(j)|
+    sigmoid:         sum_{j in P(i)} z_ij
+
+("each" divides by the count outside, with ordinary autograd). A key block's pairs are found by
+sorting its key groups and looking up each row's group (:func:`block_pairs`): O(pairs + k log k)
+time and O(pairs) memory, linear while the groups are bounded (one group of n rows and n keys
+holds n^2 pairs). The pairs' logits are row-wise dot products, in the accumulation dtype.
+
+Each key block gives partial parts (:func:`block_positive_parts`) that merge like the statistics
+(:func:`merge_positive_parts`), so the ring carries the column parts with its column statistic.
+In the backward, a pair's gradient is one more entry of G (``G_ij += w_ij``), added into the same
+fp32 accumulators as the statistics' G (:func:`add_pair_gradients`) before the single cast to the
+input dtype, where it nearly cancels the statistics' gradient at the positives (the reason
+``hf_infcl.ops.key_blocks`` makes the positive logit an output of its Function).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .spec import StatsSpec, accumulation_dtype
+
+# Pairs per chunk of the gathered [pairs, c] products, so they allocate no large temporaries.
+_CHUNK_ELEMENTS = 2**22
+
+
+class BlockPairs(NamedTuple):
+    """The pairs (i, j) with key j of a block among row i's positives, sorted by row."""
+
+    rows: torch.Tensor  # [n] int64, non-decreasing
+    keys: torch.Tensor  # [n] int64, indices into the block
+
+
+class PositiveParts(NamedTuple):
+    """Positive parts of a set of key blocks (module docstring), in the accumulation dtype. For
+    "any" the parts are log-sum-exps (-inf where no pair), otherwise sums; counts are "each"'s
+    (else None); the column parts are None without a column statistic."""
+
+    rows: torch.Tensor  # [m]
+    columns: torch.Tensor | None  # [k_block]
+    row_counts: torch.Tensor | None  # [m]
+    column_counts: torch.Tensor | None  # [k_block]
+
+
+def takes_log_sum_exp(spec: StatsSpec) -> bool:
+    """Whether the positive parts are log-sum-exps ("any" with the softmax loss) rather than sums."""
+    return spec.loss == "softmax" and spec.group_positives == "any"
+
+
+def counts_positives(spec: StatsSpec) -> bool:
+    """Whether the positive parts come with their counts ("each" with the softmax loss)."""
+    return spec.loss == "softmax" and spec.group_positives == "each"
+
+
+def block_pairs(query_groups: torch.Tensor, positive_keys: torch.Tensor, key_groups: torch.Tensor,
+                key_offset: int) -> BlockPairs:
+    """The pairs of the rows (``query_groups`` [m], their positives' global indices
+    ``positive_keys``) with a key block (``key_groups`` [k_block], global index of its first key
+    ``key_offset``): each row's own positive if it lies in the block, and every key of its group.
+    One host synchronisation (the number of pairs)."""
+    device = key_groups.device
+    m, k = query_groups.shape[0], key_groups.shape[0]
+    if m == 0 or k == 0:
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return BlockPairs(empty, empty)
+    query_groups, key_groups = query_groups.long(), key_groups.long()
+    sorted_groups, order = torch.sort(key_groups, stable=True)
+    first = torch.searchsorted(sorted_groups, query_groups, side="left")
+    in_group = torch.searchsorted(sorted_groups, query_groups, side="right") - first
+    own = positive_keys.long() - key_offset
+    own_here = (own >= 0) & (own < k)
+    own = own.clamp(0, k - 1)
+    own_apart = own_here & (key_groups[own] != query_groups)  # not among its group's keys already
+    counts = in_group + own_apart
+    total = int(counts.sum())
+    rows = torch.repeat_interleave(torch.arange(m, device=device), counts, output_size=total)
+    position = torch.arange(total, device=device) - (torch.cumsum(counts, 0) - counts)[rows]
+    from_group = position < in_group[rows]
+    group_key = order[(first[rows] + position).clamp(max=k - 1)]
+    return BlockPairs(rows, torch.where(from_group, group_key, own[rows]))
+
+
+def _chunks(n: int, width: int):
+    step = max(1, _CHUNK_ELEMENTS // max(1, width))
+    for start in range(0, n, step):
+        yield slice(start, min(start + step, n))
+
+
+def pair_logits(queries, keys, pairs: BlockPairs, scale, bias) -> torch.Tensor:
+    """z of every pair, s <Q_i, K_j> + b, in the accumulation dtype [n]."""
+    acc = accumulation_dtype(queries.dtype)
+    dots = torch.empty(pairs.rows.shape[0], dtype=acc, device=queries.device)
+    for part in _chunks(dots.shape[0], queries.shape[1]):
+        rows = queries[pairs.rows[part]].to(acc)
+        dots[part] = (rows * keys[pairs.keys[part]].to(acc)).sum(dim=1)
+    logits = scale.to(acc) * dots
+    return logits if bias is None else logits + bias.to(acc)
+
+
+def segment_logsumexp(values: torch.Tensor, segments: torch.Tensor, n: int) -> torch.Tensor:
+    """[n]: the log-sum-exp of the ``values`` of each segment (-inf for a segment with none)."""
+    top = torch.full((n,), float("-inf"), dtype=values.dtype, device=values.device)
+    top = top.scatter_reduce(0, segments, values, "amax")
+    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    sums = torch.zeros_like(top).index_add_(0, segments, torch.exp(values - shift[segments]))
+    return shift + torch.log(sums)
+
+
+def empty_positive_parts(spec: StatsSpec, m: int, k: int, dtype, device) -> PositiveParts:
+    """The parts of no pairs at all (what a block without pairs contributes)."""
+    fill = float("-inf") if takes_log_sum_exp(spec) else 0.0
+    counting = counts_positives(spec)
+    return PositiveParts(
+        torch.full((m,), fill, dtype=dtype, device=device),
+        torch.full((k,), fill, dtype=dtype, device=device) if spec.columns else None,
+        torch.zeros(m, dtype=dtype, device=device) if counting else None,
+        torch.zeros(k, dtype=dtype, device=device) if counting and spec.columns else None,
+    )
+
+
+def block_positive_parts(spec: StatsSpec, queries, keys, scale, bias, pairs: BlockPairs) -> PositiveParts:
+    """The partial positive parts of the rows against one key block, from its pairs."""
+    acc = accumulation_dtype(queries.dtype)
+    m, k = queries.shape[0], keys.shape[0]
+    if pairs.rows.numel() == 0:
+        return empty_positive_parts(spec, m, k, acc, queries.device)
+    logits = pair_logits(queries, keys, pairs, scale, bias)
+    if takes_log_sum_exp(spec):
+        rows = segment_logsumexp(logits, pairs.rows, m)
+        columns = segment_logsumexp(logits, pairs.keys, k) if spec.columns else None
+    else:
+        rows = torch.zeros(m, dtype=acc, device=queries.device).index_add_(0, pairs.rows, logits)
+        columns = None
+        if spec.columns:
+            columns = torch.zeros(k, dtype=acc, device=queries.device).index_add_(0, pairs.keys, logits)
+    row_counts = column_counts = None
+    if counts_positives(spec):
+        ones = torch.ones_like(logits)
+        row_counts = torch.zeros(m, dtype=acc, device=queries.device).index_add_(0, pairs.rows, ones)
+        if spec.columns:
+            column_counts = torch.zeros(k, dtype=acc, device=queries.device).index_add_(0, pairs.keys, ones)
+    return PositiveParts(rows, columns, row_counts, column_counts)
+
+
+def merge_parts(spec: StatsSpec, a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """Combine one kind of part of two disjoint sets of pairs (log-sum-exps, or sums)."""
+    if a is None:
+        return b
+    return torch.logaddexp(a, b) if takes_log_sum_exp(spec) else a + b
+
+
+def merge_positive_parts(spec: StatsSpec, a: PositiveParts, b: PositiveParts) -> PositiveParts:
+    """The row parts of two key blocks merged (their column parts are of different keys: ``b``'s
+    are kept)."""
+    row_counts = None if a.row_counts is None else a.row_counts + b.row_counts
+    return PositiveParts(merge_parts(spec, a.rows, b.rows), b.columns, row_counts, b.column_counts)
+
+
+def add_pair_gradients(spec: StatsSpec, queries, keys, scale, bias, pairs: BlockPairs, row_part, row_weight,
+                       column_part, column_weight, grad_queries, grad_keys, row_sums) -> None:
+    """Add the pairs' entries of G to the block's unscaled accumulators (in place): w_ij K_j to
+    ``grad_queries`` [m, c], w_ij Q_i to ``grad_keys`` [k_block, c], w_ij to ``row_sums`` [m], where
+    w_ij is the gradient of the loss with respect to z_ij through the positive parts:
+
+        "any" (softmax):  row_weight_i exp(z_ij - row_part_i) + column_weight_j exp(z_ij - column_part_j)
+        otherwise:        row_weight_i + column_weight_j
+
+    ``row_part`` [m] and ``column_part`` [k_block] are the complete parts (over every key and row of
+    the problem); ``column_part`` and ``column_weight`` are None without a column statistic."""
+    if pairs.rows.numel() == 0:
+        return
+    acc = grad_queries.dtype
+    weight = row_weight.to(acc)[pairs.rows]
+    if takes_log_sum_exp(spec):
+        logits = pair_logits(queries, keys, pairs, scale, bias)
+        weight = weight * torch.exp(logits - row_part.to(acc)[pairs.rows])
+        if column_weight is not None:
+            column_probability = torch.exp(logits - column_part.to(acc)[pairs.keys])
+            column_weight = column_weight.to(acc)[pairs.keys] * column_probability
+    elif column_weight is not None:
+        column_weight = column_weight.to(acc)[pairs.keys]
+    if column_weight is not None:
+        weight = weight + column_weight
+    for part in _chunks(weight.shape[0], queries.shape[1]):
+        rows, keys_of_pairs, w = pairs.rows[part], pairs.keys[part], weight[part, None]
+        grad_queries.index_add_(0, rows, w * keys[keys_of_pairs].to(acc))
+        grad_keys.index_add_(0, keys_of_pairs, w * queries[rows].to(acc))
+    row_sums.index_add_(0, pairs.rows, weight)
