@@ -1,0 +1,119 @@
+"""The objectives beyond plain InfoNCE on one GPU: several positives per row and the false-negative
+score filter, against the plain loss of the same shape, in one run.
+
+Every variant is the symmetric softmax loss on L2-normalised bf16 features [b, c] with a learnable
+log-scale (scale 1/0.07), forward + backward with the gradients of both feature tensors and the
+log-scale, through the public ``hf_infcl.contrastive_loss``:
+
+  plain        no groups, no filter
+  groups-any   ``group_positives="any"``: groups of 5 rows and their 5 keys (COCO's five captions)
+  groups-each  ``group_positives="each"``, the same groups
+  filter       ``false_negative_margin=0.1`` on the model's own (detached) similarities
+  filter-guide the same with a guide of the same width (a second, frozen embedding of the batch)
+
+Times are medians of event-synchronised steps after warm-up (the kernels are autotuned in the
+warm-up, as a training run's first step tunes them); memory is the peak above the inputs. The
+ratio column is each variant's time over ``plain``'s at the same (b, c), measured in the same run.
+No published contrastive kernel has these objectives; the materialised way (a b x b logit and mask
+matrix) does not fit at these sizes.
+
+    python benchmarks/bench_objectives.py --sizes 32k,128k --widths 512,768 --csv out.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from bench_common import (  # this folder is on sys.path
+    Column,
+    csv_path,
+    device_name,
+    format_count,
+    free_memory,
+    median_seconds,
+    parse_count,
+    peak_above,
+    print_table,
+    versions,
+    write_csv,
+)
+
+from hf_infcl import contrastive_loss
+
+VARIANTS = ("plain", "groups-any", "groups-each", "filter", "filter-guide")
+GROUP_SIZE = 5
+
+
+def make_step(variant: str, b: int, c: int, seed: int = 0):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, c, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
+    k = torch.randn(b, c, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
+    log_scale = torch.tensor(2.6593, device="cuda", requires_grad=True)  # log(1/0.07)
+    options = {}
+    if variant.startswith("groups"):
+        groups = torch.arange(b, device="cuda") // GROUP_SIZE
+        options = dict(query_groups=groups, key_groups=groups, group_positives=variant.split("-")[1])
+    elif variant.startswith("filter"):
+        options = dict(false_negative_margin=0.1)
+        if variant == "filter-guide":
+            guide = torch.randn(2, b, c, device="cuda", dtype=torch.bfloat16, generator=generator)
+            guide = F.normalize(guide, dim=-1)
+            options.update(guide_queries=guide[0], guide_keys=guide[1])
+
+    def step():
+        loss = contrastive_loss(F.normalize(q, dim=1), F.normalize(k, dim=1), log_scale.exp(), **options)
+        return torch.autograd.grad(loss, [q, k, log_scale])
+
+    return step
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="32k,128k", help="batch sizes b, e.g. 32k,128k")
+    parser.add_argument("--widths", default="512,768", help="feature widths c (one per size, or one for all)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="variants to run")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    parser.add_argument("--csv", default=None, help="write CSV rows here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("this benchmark needs a CUDA GPU")
+    sizes = [parse_count(text) for text in args.sizes.split(",")]
+    widths = [int(text) for text in args.widths.split(",")]
+    if len(widths) == 1:
+        widths *= len(sizes)
+    if len(widths) != len(sizes):
+        parser.error("--widths takes one width, or one per size")
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
+
+    rows = []
+    for b, c in zip(sizes, widths):
+        plain_ms = None
+        for variant in variants:
+            step = make_step(variant, b, c)
+            step()  # the first call tunes the kernels of this shape
+            seconds = median_seconds(step, args.steps, warmup=2)
+            peak, _ = peak_above(step)
+            ms = seconds * 1e3
+            if variant == "plain":
+                plain_ms = ms
+            rows.append({"variant": variant, "b": b, "c": c, "ms": ms, "peak_mib": peak / 2**20,
+                         "vs_plain": ms / plain_ms if plain_ms else float("nan")})
+            del step
+            free_memory()
+    meta = {"device": device_name(), **versions("torch", "triton", "hf_infcl")}
+    columns = [Column("variant", 13, align="<"), Column("b", 5), Column("c", 5), Column("ms", 9, ".2f"),
+               Column("MiB", 7, ".0f"), Column("x plain", 8, ".3f")]
+    print_table(columns, [(r["variant"], format_count(r["b"]), r["c"], r["ms"], r["peak_mib"], r["vs_plain"])
+                          for r in rows], title=" | ".join(str(value) for value in meta.values()))
+    write_csv(csv_path(args.csv, "bench_objectives.csv"), [{**meta, **row} for row in rows])
+
+
+if __name__ == "__main__":
+    main()
