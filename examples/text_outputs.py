@@ -1,11 +1,12 @@
-"""What the text examples leave in their output folder after training: ``eval_results.json``,
-hf_infcl's model card (with the fields both text examples share), and, when asked, the upload
-of the whole folder to the Hub (``example_cli.push_output_dir``)."""
+"""The text examples' evaluation before and after training, and what they leave in their output
+folder: ``eval_results.json``, hf_infcl's model card (with the fields both text examples share),
+and, when asked, the upload of the whole folder to the Hub (``example_cli.push_output_dir``)."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 
@@ -50,3 +51,27 @@ def save_results_and_card(args, script_args, data, trainer, *, before, after, tr
         **card_fields,
     )
 
+
+
+def train_and_evaluate(trainer, evaluate, say) -> tuple[dict, dict, float]:
+    """``evaluate()`` before and after ``trainer.train()``, each said in a line: (before, after,
+    training seconds), what ``save_results_and_card`` records. GPU peak memory counts from here."""
+    before = evaluate()
+    say("before: " + ", ".join(f"{k} {v:.3f}" for k, v in before.items()))
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    train_started = time.perf_counter()
+    trainer.train()
+    train_seconds = time.perf_counter() - train_started
+    after = evaluate()
+    say("after:  " + ", ".join(f"{k} {v:.3f}" for k, v in after.items()))
+    return before, after, train_seconds
+
+
+def finish_run(say, started: float, train_seconds: float, output_dir: str, hub) -> None:
+    """The last line of a text example's run (its time and where it saved), then the Hub upload
+    when ``--push_to_hub`` asked for one (``hub``: an ``example_cli.HubPush``, or None)."""
+    say(f"done in {time.perf_counter() - started:.1f} s ({train_seconds:.1f} s training); "
+        f"saved to {os.path.abspath(output_dir)}")
+    if hub is not None:
+        hub.push()

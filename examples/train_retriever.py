@@ -43,7 +43,6 @@ any work, and so is ``--push_to_hub`` (token, Hub reachable, repo id).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -52,7 +51,7 @@ import torch
 
 from example_cli import POSITIVE, HubPush, argument_parser, close_process_group, fail, parse_with_defaults
 from retrieval_metrics import embed_texts, retrieval_metrics
-from text_outputs import save_results_and_card
+from text_outputs import finish_run, save_results_and_card, train_and_evaluate
 from text_pairs import TEXT_EXAMPLE_RULES, TEXT_TRAINING_DEFAULTS, TextPairArguments, TextPairs
 
 # {dataset}: wordnet, stdlib (where WordNet is not installed) or the --dataset file's name
@@ -305,15 +304,7 @@ def main(argv=None):
     evaluate = lambda: evaluate_retrieval(  # noqa: E731
         model, tokenizer, data.held_out, script_args.eval_batch_size, script_args.max_seq_length, args.device
     )
-    before = evaluate()
-    say("before: " + ", ".join(f"{k} {v:.3f}" for k, v in before.items()))
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    train_started = time.perf_counter()
-    trainer.train()
-    train_seconds = time.perf_counter() - train_started
-    after = evaluate()
-    say("after:  " + ", ".join(f"{k} {v:.3f}" for k, v in after.items()))
+    before, after, train_seconds = train_and_evaluate(trainer, evaluate, say)
 
     trainer.save_model(args.output_dir)
     if main_process:
@@ -335,12 +326,7 @@ def main(argv=None):
             mask_false_negatives=True,
             logit_scale=float(model.log_logit_scale.detach().exp()),
         )
-    say(
-        f"done in {time.perf_counter() - started:.1f} s ({train_seconds:.1f} s training); "
-        f"saved to {os.path.abspath(args.output_dir)}"
-    )
-    if hub is not None:
-        hub.push()
+    finish_run(say, started, train_seconds, args.output_dir, hub)
     return before, after
 
 

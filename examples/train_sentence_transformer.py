@@ -20,7 +20,6 @@ flags are checked before any work, and so is ``--push_to_hub`` (token, Hub reach
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -30,7 +29,7 @@ from hf_infcl.ops.options import PRECISIONS, Precision
 
 from example_cli import POSITIVE, HubPush, argument_parser, close_process_group, parse_with_defaults
 from retrieval_metrics import retrieval_metrics
-from text_outputs import save_results_and_card
+from text_outputs import finish_run, save_results_and_card, train_and_evaluate
 from text_pairs import TEXT_EXAMPLE_RULES, TEXT_TRAINING_DEFAULTS, TextPairArguments
 
 # {dataset}: wordnet, stdlib (where WordNet is not installed) or the --dataset file's name
@@ -135,15 +134,7 @@ def main(argv=None):
     )
 
     evaluate = lambda: evaluate_retrieval(model, data.held_out, script_args.eval_batch_size)  # noqa: E731
-    before = evaluate()
-    say("before: " + ", ".join(f"{k} {v:.3f}" for k, v in before.items()))
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    train_started = time.perf_counter()
-    trainer.train()
-    train_seconds = time.perf_counter() - train_started
-    after = evaluate()
-    say("after:  " + ", ".join(f"{k} {v:.3f}" for k, v in after.items()))
+    before, after, train_seconds = train_and_evaluate(trainer, evaluate, say)
 
     if trainer.is_world_process_zero():
         model.save_pretrained(args.output_dir)
@@ -157,12 +148,7 @@ def main(argv=None):
             logit_scale=script_args.scale,
             tags=["sentence-transformers", "sentence-similarity"],
         )
-    say(
-        f"done in {time.perf_counter() - started:.1f} s ({train_seconds:.1f} s training); "
-        f"saved to {os.path.abspath(args.output_dir)}"
-    )
-    if hub is not None:
-        hub.push()
+    finish_run(say, started, train_seconds, args.output_dir, hub)
     return before, after
 
 

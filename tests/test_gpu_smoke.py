@@ -50,14 +50,7 @@ def _run_case(case: str, store) -> str:
 def test_case_list_covers_every_model_family_and_option():
     """The smoke suite keeps what the issue that created it asked for (this part runs on CPU)."""
     names = set(CASES)
-    models = [
-        "clip",
-        "siglip",
-        "siglip2",
-        "dual-encoder",
-        "align",
-        "clap",
-    ]
+    models = ["clip", "siglip", "siglip2", "dual-encoder", "align", "clap"]
     for model in models:
         assert {f"trainer-{model}-whole-batch", f"trainer-{model}-chunk16",
                 f"trainer-{model}-chunk16-cuda-graphs"} <= names

@@ -178,6 +178,17 @@ HARDNESS_CASES = [
 ]
 
 
+def _check_other_routes(problem, **options):
+    """The same problem through the TF32 emulation (scaled fp16) and the two-pass forward, where
+    they apply."""
+    from hf_infcl.ops.triton import TritonBlocks
+
+    if problem[3] == "tf32":
+        _check_against_float64(*problem, backend=TritonBlocks(poison=True, tf32_via_fp16=True), **options)
+    if problem[4] == "softmax-sym":
+        _check_against_float64(*problem, backend=TritonBlocks(poison=True, fused_columns=False), **options)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", HARDNESS_CASES,
                          ids=[_case_id(c[:6]) + f"-{c[6]}" for c in HARDNESS_CASES])
@@ -189,12 +200,7 @@ def test_gpu_hardness_offset_matches_float64_reference(case):
     *problem, hardness_mode = case
     blocks = TritonBlocks(tile_rows=1536, tile_keys=2560, poison=True, column_buffer_entries=2**15)
     _check_against_float64(*problem, backend=blocks, hardness_mode=hardness_mode)
-    if problem[3] == "tf32":
-        _check_against_float64(*problem, backend=TritonBlocks(poison=True, tf32_via_fp16=True),
-                               hardness_mode=hardness_mode)
-    if problem[4] == "softmax-sym":
-        _check_against_float64(*problem, backend=TritonBlocks(poison=True, fused_columns=False),
-                               hardness_mode=hardness_mode)
+    _check_other_routes(problem, hardness_mode=hardness_mode)
 
 
 def _objectives(mode, filter_name):
@@ -248,12 +254,7 @@ def test_gpu_objectives_match_float64_reference(case):
     _check_against_float64(*problem, backend=blocks, objectives=objectives)
     if problem[4] == "sigmoid":
         _check_against_float64(*problem, backend=blocks, objectives=objectives, reduction="mean")
-    if problem[3] == "tf32":
-        _check_against_float64(*problem, backend=TritonBlocks(poison=True, tf32_via_fp16=True),
-                               objectives=objectives)
-    if problem[4] == "softmax-sym":
-        _check_against_float64(*problem, backend=TritonBlocks(poison=True, fused_columns=False),
-                               objectives=objectives)
+    _check_other_routes(problem, objectives=objectives)
 
 
 TWO_PASS_CASES = [

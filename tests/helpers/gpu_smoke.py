@@ -232,14 +232,7 @@ def _cases():
         cases[f"first-sigmoid-step-{m}x{c}"] = (run_first_sigmoid_step, (m, c))
     for loss_name in ("softmax-sym", "sigmoid"):
         cases[f"compile-{loss_name}"] = (run_compile_case, (loss_name,))
-    model_names = [
-        "clip",
-        "siglip",
-        "siglip2",
-        "dual-encoder",
-        "align",
-        "clap",
-    ]
+    model_names = ["clip", "siglip", "siglip2", "dual-encoder", "align", "clap"]
     for model_name in model_names:
         for chunk_size in (None, 16):
             name = f"trainer-{model_name}-" + ("whole-batch" if chunk_size is None else f"chunk{chunk_size}")
