@@ -639,12 +639,28 @@ def _gist_operands(columns: list[Tensor], contrast_anchors: bool, contrast_posit
     return torch.cat([anchor, positive], dim=1), torch.cat(keys)
 
 
-def _check_gather(gather_across_devices) -> None:
-    if gather_across_devices:
-        raise ValueError(
-            "gather_across_devices=True is not supported by InfCLGISTLoss yet: each process's negatives "
-            "stay local; use gather_across_devices=False, or CachedGISTEmbedLoss to gather them"
-        )
+def _gathering_world() -> tuple[int, int]:
+    """(rank, world size) of the default group GIST gathers over; (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _marked_by_process(guide_rows: Tensor, guide_keys: Tensor, examples: int, contrast_anchors: bool,
+                       margin: float, rank: int, world_size: int) -> tuple[Tensor, Tensor]:
+    """The guide rows and keys with ``world_size`` more coordinates that leave out every other
+    process's anchor keys (docs/contract.md, "GIST", the one-call form): ``e_rank`` on each row,
+    ``C * (1 - e_rank)`` on this process's anchor keys (keys ``examples .. 2 * examples``), so
+    another process's anchor scores above any threshold; GIST gathers the candidates, not the anchors."""
+    marks = guide_rows.new_zeros(len(guide_rows), world_size)
+    marks[:, rank] = 1.0
+    far = guide_keys.new_zeros(len(guide_keys), world_size)
+    if contrast_anchors:
+        far[examples:2 * examples] = 3.0 + 2.0 * abs(margin)  # > 1 + |margin|, above every threshold
+        far[examples:2 * examples, rank] = 0.0
+    return torch.cat([guide_rows, marks], dim=1), torch.cat([guide_keys, far], dim=1)
 
 
 def _check_gist_models(model, guide, caches: bool) -> bool:
@@ -708,11 +724,13 @@ class InfCLGISTLoss(CachedLossMixin, nn.Module):
         margin_strategy, margin: GIST's false-negative filter ("absolute" or "relative").
         contrast_anchors, contrast_positives: include the anchor-anchor and positive-positive
             cosines among the candidates (GIST's defaults: both).
-        gather_across_devices: only False (each process's negatives local) for now; True raises
-            ``ValueError``.
+        gather_across_devices: with several processes, every process's positives and negatives
+            (and positive-positive keys) are candidates of this process's anchors, the anchor-anchor
+            block staying local, as GIST's all-gather does; computed by the hf_infcl ring, no
+            embedding gathered. False (default): each process's negatives local.
 
     Every hyperparameter is a plain attribute read at each forward: ``loss.margin = 0.1`` takes
-    effect at the next step, as in GIST (``gather_across_devices`` is checked when assigned).
+    effect at the next step, as in GIST.
     On CPU the loss runs in hf_infcl's tiled PyTorch backend, on CUDA in its default route.
     """
 
@@ -753,15 +771,6 @@ class InfCLGISTLoss(CachedLossMixin, nn.Module):
         self.uses_gradient_cache = caches
         # The guide's mini-batch embeddings of the current cached forward, one list per column.
         self._guide_columns: list[list[Tensor]] | None = None
-
-    @property
-    def gather_across_devices(self) -> bool:
-        return self._gather_across_devices
-
-    @gather_across_devices.setter
-    def gather_across_devices(self, value: bool) -> None:
-        _check_gather(value)
-        self._gather_across_devices = value
 
     def _guide_features(self, features: dict[str, Any]) -> dict[str, Any]:
         """The guide's inputs for these texts: the model's own features, or the texts decoded with
@@ -836,10 +845,15 @@ class InfCLGISTLoss(CachedLossMixin, nn.Module):
         blocks = (self.contrast_anchors, self.contrast_positives)
         rows, keys = _gist_operands(embeddings, *blocks)
         guide_rows, guide_keys = _gist_operands(guide_embeddings, *blocks)
+        rank, world_size = _gathering_world() if self.gather_across_devices else (0, 1)
+        if world_size > 1:
+            guide_rows, guide_keys = _marked_by_process(guide_rows, guide_keys, len(target),
+                                                        self.contrast_anchors, float(self.margin), rank,
+                                                        world_size)
         return contrastive_loss(
             rows, keys, logit_scale=1.0 / self.temperature, loss="softmax", symmetric=False, reduction="mean",
             false_negative_margin=float(self.margin), false_negative_strategy=self.margin_strategy,
-            guide_queries=guide_rows, guide_keys=guide_keys,
+            guide_queries=guide_rows, guide_keys=guide_keys, process_group="auto" if world_size > 1 else None,
         )
 
     def get_config_dict(self) -> dict[str, Any]:

@@ -3,12 +3,12 @@ CachedGISTEmbedLoss, offline, on CPU.
 
 Parity: a tiny BERT (dropout on, replayed by both) trained under a frozen tiny guide (eval mode,
 other weights); the same seed before each loss; the loss value and every parameter gradient must
-equal theirs, for every option GIST has, in float64 (the same function, to rounding) and in fp32
+equal theirs, for every option GIST has (``gather_across_devices`` over two gloo processes too),
+in float64 (the same function, to rounding) and in fp32
 (1e-5 at temperature 0.05). At GIST's default temperature 0.01 the fp32 gradients agree to 1e-4
 only: the logits are about 100, and hf_infcl takes each positive logit from its own row-wise dot
 product, whose rounding (ulp(100) ~ 8e-6) differs from the tile's, where GIST's cross-entropy reads
-both from one matrix. Then their checks, config, citation and the refusal of what is not built
-(``gather_across_devices=True``).
+both from one matrix. Then their checks, config and citation.
 """
 
 from __future__ import annotations
@@ -276,13 +276,30 @@ def test_static_embedding_is_refused_as_they_refuse_it(guide):
             losses.InfCLGISTLoss(model, guide, mini_batch_size=mini_batch_size)
 
 
-def test_gather_across_devices_is_refused_by_name(tiny_model, guide):
-    with pytest.raises(ValueError, match="gather_across_devices"):
-        losses.InfCLGISTLoss(tiny_model, guide, gather_across_devices=True)
-    loss = losses.InfCLGISTLoss(tiny_model, guide)
-    with pytest.raises(ValueError, match="gather_across_devices"):
-        loss.gather_across_devices = True
-    assert loss.get_config_dict()["gather_across_devices"] is False
+def test_two_processes_match_gist_gathered_across_devices(model_dirs, tmp_path):
+    """gather_across_devices=True over gloo: each rank's loss and gradients equal GIST's all-gather
+    (float64), the anchor-anchor block staying local."""
+    import torch.multiprocessing as mp
+
+    from tests.helpers.gist_workers import GIST_SCENARIOS, run_gist_rank
+
+    args = (2, str(tmp_path / "init"), *map(str, model_dirs), str(tmp_path))
+    # fork: the children inherit the imported libraries
+    mp.start_processes(run_gist_rank, args=args, nprocs=2, join=True, start_method="fork")
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    assert [results.get("error") for results in ranks] == [None, None]
+    assert all(results.keys() == GIST_SCENARIOS.keys() for results in ranks)
+    for (rank, results), name in itertools.product(enumerate(ranks), GIST_SCENARIOS):
+        step = results[name]
+        try:
+            assert_same_step(step["sentence_transformers"], step["infcl"])
+        except AssertionError as error:
+            raise AssertionError(f"rank {rank}, scenario {name}: {error}") from None
+
+
+def test_gather_across_devices_in_one_process_is_the_local_loss(model64, guide64):
+    columns = text_columns(ROWS, 3, seed=23)
+    assert_parity(model64, guide64, columns, None, margin=0.1, gather_across_devices=True)
 
 
 @pytest.mark.gpu
