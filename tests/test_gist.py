@@ -6,9 +6,9 @@ other weights); the same seed before each loss; the loss value and every paramet
 equal theirs, for every option GIST has (``gather_across_devices`` over two gloo processes too),
 in float64 (the same function, to rounding) and in fp32
 (1e-5 at temperature 0.05). At GIST's default temperature 0.01 the fp32 gradients agree to 1e-4
-only: the logits are about 100, and hf_infcl takes each positive logit from its own row-wise dot
-product, whose rounding (ulp(100) ~ 8e-6) differs from the tile's, where GIST's cross-entropy reads
-both from one matrix. Then their checks, config and citation.
+only: the logits are about 100 (ulp ~ 8e-6) and the loss small, and hf_infcl rounds each row's
+log-sum-exp and its positive logit (its own row-wise product) apart, where GIST's cross-entropy
+reads both from one matrix. Then their checks, config and citation.
 """
 
 from __future__ import annotations
