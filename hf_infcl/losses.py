@@ -1,4 +1,5 @@
-"""sentence-transformers adapter: ``losses.InfCLLoss``, a drop-in for MNRL, MNSRL and CachedMNRL.
+"""sentence-transformers adapter: ``losses.InfCLLoss``, a drop-in for MNRL, MNSRL and CachedMNRL, and
+``losses.InfCLGISTLoss``, a drop-in for GISTEmbedLoss and CachedGISTEmbedLoss (its own docstring).
 
 ``from hf_infcl import losses; loss = losses.InfCLLoss(model)`` inside a
 ``SentenceTransformerTrainer``. The loss is the one of sentence-transformers'
