@@ -1,4 +1,5 @@
-"""sentence-transformers adapter: ``losses.InfCLLoss``, a drop-in for MNRL, MNSRL and CachedMNRL.
+"""sentence-transformers adapter: ``losses.InfCLLoss``, a drop-in for MNRL, MNSRL and CachedMNRL, and
+``losses.InfCLGISTLoss``, a drop-in for GISTEmbedLoss and CachedGISTEmbedLoss (its own docstring).
 
 ``from hf_infcl import losses; loss = losses.InfCLLoss(model)`` inside a
 ``SentenceTransformerTrainer``. The loss is the one of sentence-transformers'
@@ -61,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 try:  # sentence-transformers >= 6: the shared GradCache machinery and the merged column forward
     from sentence_transformers import util as _st_util
-    from sentence_transformers.base.losses.gradcache import CachedLossMixin
+    from sentence_transformers.base.losses.gradcache import CachedLossMixin, _create_minibatch
     from sentence_transformers.base.losses.merged_forward import embed_columns as _st_embed_columns
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -611,4 +612,268 @@ def _has_static_embedding(model) -> bool:
     return isinstance(first, StaticEmbedding)
 
 
-__all__ = ["InfCLLoss", "INFCL_CITATION"]
+# --------------------------------------------------------------------------------------------
+# GISTEmbedLoss / CachedGISTEmbedLoss (docs/contract.md, "GIST (sentence-transformers)").
+
+GIST_CITATION = """
+@misc{solatorio2024gistembed,
+    title={GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning},
+    author={Aivin V. Solatorio},
+    year={2024},
+    eprint={2402.16829},
+    archivePrefix={arXiv},
+    primaryClass={cs.LG}
+}
+"""
+
+
+def _gist_operands(columns: list[Tensor], contrast_anchors: bool, contrast_positives: bool):
+    """(rows, keys) of GIST's one call from normalised columns (anchor, positive, negatives...):
+    rows ``[a_i, p_i]`` and key blocks ``[p_j, 0]``, ``[a_j, 0]``, ``[0, p_j]``, ``[n_j, 0]``
+    (unpadded rows ``a_i`` without ``contrast_positives``); row i's positive is key i."""
+    anchor, positive, *negatives = columns
+    blocks = [positive, *([anchor] if contrast_anchors else [])]
+    if not contrast_positives:
+        return anchor, torch.cat([*blocks, *negatives])
+    keys = [_in_half(block, False) for block in blocks] + [_in_half(positive, True)]
+    keys += [_in_half(negative, False) for negative in negatives]
+    return torch.cat([anchor, positive], dim=1), torch.cat(keys)
+
+
+def _gathering_world() -> tuple[int, int]:
+    """(rank, world size) of the default group GIST gathers over; (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _marked_by_process(guide_rows: Tensor, guide_keys: Tensor, examples: int, contrast_anchors: bool,
+                       margin: float, rank: int, world_size: int) -> tuple[Tensor, Tensor]:
+    """The guide rows and keys with ``world_size`` more coordinates that leave out every other
+    process's anchor keys (docs/contract.md, "GIST", the one-call form): ``e_rank`` on each row,
+    ``C * (1 - e_rank)`` on this process's anchor keys (keys ``examples .. 2 * examples``), so
+    another process's anchor scores above any threshold; GIST gathers the candidates, not the anchors."""
+    marks = guide_rows.new_zeros(len(guide_rows), world_size)
+    marks[:, rank] = 1.0
+    far = guide_keys.new_zeros(len(guide_keys), world_size)
+    if contrast_anchors:
+        far[examples:2 * examples] = 3.0 + 2.0 * abs(margin)  # > 1 + |margin|, above every threshold
+        far[examples:2 * examples, rank] = 0.0
+    return torch.cat([guide_rows, marks], dim=1), torch.cat([guide_keys, far], dim=1)
+
+
+def _check_gist_models(model, guide, caches: bool) -> bool:
+    """GISTEmbedLoss's (and, when caching, CachedGISTEmbedLoss's) checks of the two models, in their
+    order and words; returns whether the guide must re-tokenise the texts (their rule)."""
+    from transformers import PreTrainedTokenizerBase
+
+    if caches and _has_static_embedding(model):
+        raise ValueError(
+            "CachedGISTEmbedLoss is not compatible with a SentenceTransformer model based on a "
+            "StaticEmbedding. Consider using GISTEmbedLoss instead. (InfCLGISTLoss: leave mini_batch_size "
+            "and mini_batch_num_tokens None)"
+        )
+    if not hasattr(model, "tokenizer") or not hasattr(guide, "tokenizer"):
+        raise ValueError("Both the training model and the guiding model must have a tokenizer attribute.")
+    if not isinstance(model.tokenizer, PreTrainedTokenizerBase) or not isinstance(
+        guide.tokenizer, PreTrainedTokenizerBase
+    ):
+        raise ValueError(
+            "Both the training model and the guiding model must use a PreTrainedTokenizer from transformers."
+        )
+    # another vocabulary, or a guide that would truncate the model's texts shorter
+    must_retokenize = (model.tokenizer.get_vocab() != guide.tokenizer.get_vocab()
+                       or guide.max_seq_length < model.max_seq_length)
+    if must_retokenize and not caches and _has_static_embedding(model):
+        raise ValueError(
+            "If we must retokenize because the guide model has a different tokenizer, "
+            "then the Sentence Transformer model must not be based on a StaticEmbedding."
+        )
+    return must_retokenize
+
+
+class InfCLGISTLoss(CachedLossMixin, nn.Module):
+    """GISTEmbed's guided loss without a batch x batch matrix: a drop-in for GISTEmbedLoss
+    (``mini_batch_size=None``) and CachedGISTEmbedLoss (``mini_batch_size`` set).
+
+    The loss is GIST's cross-entropy over the anchor-positive, anchor-anchor
+    (``contrast_anchors``), positive-positive (``contrast_positives``) and anchor-negative cosines
+    divided by ``temperature``, each candidate left out when the guide scores it above the
+    anchor-positive guide score minus the margin (``margin_strategy`` "absolute":
+    ``margin``; "relative": ``|score| * margin``), the positive itself always kept. It is ONE
+    ``hf_infcl.contrastive_loss`` call with the guide's embeddings as ``guide_queries`` /
+    ``guide_keys`` (docs/contract.md, "GIST (sentence-transformers)"), so neither the model's nor
+    the guide's similarity matrix is ever stored. Any number of negatives columns with
+    ``mini_batch_size``; at most one without, as GISTEmbedLoss.
+
+    Args:
+        model: the SentenceTransformer model to train.
+        guide: the SentenceTransformer guide; its embeddings are computed without gradient. When
+            its vocabulary differs from the model's, or its ``max_seq_length`` is shorter, the
+            texts are decoded with the model's tokenizer and re-tokenised for the guide, as in GIST.
+        temperature: divides the cosines (``1 / temperature`` is the logit scale).
+        mini_batch_size: None embeds the whole batch with gradients, as GISTEmbedLoss. An integer
+            embeds it in chunks of that many texts with gradient caching (dropout replayed), as
+            CachedGISTEmbedLoss, and computes the loss of the whole batch in one fused call.
+            Where it differs from GISTEmbedLoss: the guide then embeds in the same mini-batches too
+            (as CachedGISTEmbedLoss does), so its memory is bounded by the mini-batch as well.
+        mini_batch_num_tokens: mini-batches packed by token count, as CachedGISTEmbedLoss; given
+            alone, it turns gradient caching on.
+        show_progress_bar: show the mini-batch progress of gradient caching.
+        margin_strategy, margin: GIST's false-negative filter ("absolute" or "relative").
+        contrast_anchors, contrast_positives: include the anchor-anchor and positive-positive
+            cosines among the candidates (GIST's defaults: both).
+        gather_across_devices: with several processes, every process's positives and negatives
+            (and positive-positive keys) are candidates of this process's anchors, the anchor-anchor
+            block staying local, as GIST's all-gather does; computed by the hf_infcl ring, no
+            embedding gathered. False (default): each process's negatives local.
+
+    Every hyperparameter is a plain attribute read at each forward: ``loss.margin = 0.1`` takes
+    effect at the next step, as in GIST.
+    On CPU the loss runs in hf_infcl's tiled PyTorch backend, on CUDA in its default route.
+    """
+
+    def __init__(
+        self,
+        model,
+        guide,
+        temperature: float = 0.01,
+        mini_batch_size: int | None = None,
+        mini_batch_num_tokens: int | None = None,
+        show_progress_bar: bool = False,
+        margin_strategy: Literal["absolute", "relative"] = "absolute",
+        margin: float = 0.0,
+        contrast_anchors: bool = True,
+        contrast_positives: bool = True,
+        gather_across_devices: bool = False,
+    ) -> None:
+        super().__init__()
+        caches = mini_batch_size is not None or mini_batch_num_tokens is not None
+        self.must_retokenize = _check_gist_models(model, guide, caches)
+        caches = _caches_gradients(model, mini_batch_size, mini_batch_num_tokens)
+        if margin_strategy not in ("absolute", "relative"):
+            raise ValueError("margin_strategy must be 'absolute' or 'relative'.")
+        self.model = model
+        self.guide = guide
+        if self.must_retokenize:
+            self.tokenizer = model.tokenizer
+        self.temperature = temperature
+        self.mini_batch_size = mini_batch_size
+        self.mini_batch_num_tokens = mini_batch_num_tokens
+        self.show_progress_bar = show_progress_bar
+        self.margin_strategy = margin_strategy
+        self.margin = margin
+        self.contrast_anchors = contrast_anchors
+        self.contrast_positives = contrast_positives
+        self.gather_across_devices = gather_across_devices
+        # See InfCLLoss: MatryoshkaLoss reads this to decorate calculate_loss instead of the forward.
+        self.uses_gradient_cache = caches
+        # The guide's mini-batch embeddings of the current cached forward, one list per column.
+        self._guide_columns: list[list[Tensor]] | None = None
+
+    def _guide_features(self, features: dict[str, Any]) -> dict[str, Any]:
+        """The guide's inputs for these texts: the model's own features, or the texts decoded with
+        the model's tokenizer and preprocessed by the guide when it must re-tokenise."""
+        if not self.must_retokenize:
+            return dict(features)  # a shallow copy: the guide writes its outputs into it
+        from sentence_transformers.util import batch_to_device
+
+        input_ids = features["input_ids"]
+        if "cu_seq_lens_q" in features:  # flattened inputs: one token stream, cut at the offsets
+            stream, bounds = input_ids[0].tolist(), features["cu_seq_lens_q"].tolist()
+            input_ids = [stream[begin:end] for begin, end in zip(bounds[:-1], bounds[1:])]
+        texts = self.tokenizer.batch_decode(input_ids, skip_special_tokens=True)
+        return batch_to_device(self.guide.preprocess(texts), self.guide.device)
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        sentence_features = list(sentence_features)
+        cached = self.mini_batch_size is not None or self.mini_batch_num_tokens is not None
+        if not cached and len(sentence_features) not in (2, 3):
+            raise ValueError(f"Expected 2 or 3 embeddings, got {len(sentence_features)}")  # GIST's words
+        _check_columns(sentence_features, cached)
+        if cached:
+            check_no_batch_statistics(self.model, "mini_batch_size=None, mini_batch_num_tokens=None")
+            self._guide_columns = []
+            try:
+                return self.forward_cached(sentence_features, labels)
+            finally:
+                self._guide_columns = None
+        # GIST's order: the model's columns first, then the guide's (the same RNG draws as GIST).
+        guide_features = [dict(features) for features in sentence_features]
+        embeddings = _embed_columns(self.model, sentence_features)
+        with torch.no_grad():
+            if self.must_retokenize:
+                guide_features = [self._guide_features(features) for features in sentence_features]
+            guide_embeddings = _embed_columns(self.guide, guide_features)
+        return self.compute_loss_from_embeddings(embeddings, guide_embeddings)
+
+    def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
+        """The mixin's mini-batch embedding, then (in the first, gradient-free pass only) the guide's
+        embedding of the same texts, kept for ``calculate_loss``."""
+        reps, random_state = super().embed_minibatch(sentence_feature, begin, end, with_grad,
+                                                     copy_random_state, random_state)
+        if not with_grad and self._guide_columns is not None:
+            if begin == 0:  # every column's mini-batches start at 0
+                self._guide_columns.append([])
+            with torch.no_grad():
+                guide_features = self._guide_features(_create_minibatch(sentence_feature, begin, end))
+                self._guide_columns[-1].append(self.guide(guide_features)["sentence_embedding"].detach())
+        return reps, random_state
+
+    def calculate_loss(
+        self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
+    ) -> Tensor:
+        """The GradCache loss step: the whole batch's loss in one fused call (the mixin's contract)."""
+        guide = [torch.cat(column) for column in self._guide_columns]
+        loss = self.compute_loss_from_embeddings([torch.cat(column) for column in reps], guide)
+        if with_backward:
+            loss.backward()
+            loss = loss.detach()
+        return loss
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor],
+                                     guide_embeddings: list[Tensor]) -> Tensor:
+        """The loss from the model's and the guide's embeddings of each column (anchors, positives,
+        then negatives columns)."""
+        common = functools.reduce(torch.promote_types, [column.dtype for column in embeddings])
+        # GIST's cosine: normalised embeddings, dotted
+        embeddings = [F.normalize(column.to(common), p=2, dim=-1) for column in embeddings]
+        target = embeddings[0]
+        guide_embeddings = [F.normalize(column.detach().to(device=target.device, dtype=common), p=2, dim=-1)
+                            for column in guide_embeddings]
+        blocks = (self.contrast_anchors, self.contrast_positives)
+        rows, keys = _gist_operands(embeddings, *blocks)
+        guide_rows, guide_keys = _gist_operands(guide_embeddings, *blocks)
+        rank, world_size = _gathering_world() if self.gather_across_devices else (0, 1)
+        if world_size > 1:
+            guide_rows, guide_keys = _marked_by_process(guide_rows, guide_keys, len(target),
+                                                        self.contrast_anchors, float(self.margin), rank,
+                                                        world_size)
+        return contrastive_loss(
+            rows, keys, logit_scale=1.0 / self.temperature, loss="softmax", symmetric=False, reduction="mean",
+            false_negative_margin=float(self.margin), false_negative_strategy=self.margin_strategy,
+            guide_queries=guide_rows, guide_keys=guide_keys, process_group="auto" if world_size > 1 else None,
+        )
+
+    def get_config_dict(self) -> dict[str, Any]:
+        """CachedGISTEmbedLoss's keys (GISTEmbedLoss's and the mini-batch settings)."""
+        return {
+            "guide": self.guide,
+            "temperature": self.temperature,
+            "mini_batch_size": self.mini_batch_size,
+            "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            "margin_strategy": self.margin_strategy,
+            "margin": self.margin,
+            "contrast_anchors": self.contrast_anchors,
+            "contrast_positives": self.contrast_positives,
+            "gather_across_devices": self.gather_across_devices,
+        }
+
+    @property
+    def citation(self) -> str:
+        return GIST_CITATION
+
+
+__all__ = ["InfCLLoss", "InfCLGISTLoss", "INFCL_CITATION", "GIST_CITATION"]
