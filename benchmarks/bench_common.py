@@ -86,6 +86,19 @@ def median_seconds(fn: Callable[[], object], steps: int, warmup: int = 0) -> flo
     return statistics.median(time_steps(fn, steps, warmup))
 
 
+def one_size_parser(description: str, rows: int):
+    """A parser for the scripts that look at one problem size: ``--b`` rows (and keys, default
+    ``rows``), ``--c`` features, ``--loss``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--b", type=int, default=rows, help="rows, and as many keys")
+    parser.add_argument("--c", type=int, default=512, help="feature width")
+    parser.add_argument("--loss", choices=["softmax", "sigmoid"], default="softmax")
+    return parser
+
+
 # ---- memory ----------------------------------------------------------------------------------
 
 

@@ -19,18 +19,15 @@ a server CPU). This script measures both sides for one size:
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
+from bench_common import one_size_parser  # this folder is on sys.path
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--b", type=int, default=8192)
-    parser.add_argument("--c", type=int, default=512)
-    parser.add_argument("--loss", choices=["softmax", "sigmoid"], default="softmax")
+    parser = one_size_parser(__doc__, rows=8192)
     parser.add_argument("--steps", type=int, default=20, help="steps whose issue time is measured")
     args = parser.parse_args()
 

@@ -7,21 +7,17 @@ apart, and a per-kernel table from torch.profiler, for one size. It reads one in
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 import triton
+from bench_common import one_size_parser  # this folder is on sys.path
 
 from hf_infcl import contrastive_loss
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--b", type=int, default=32768)
-    parser.add_argument("--c", type=int, default=512)
+    parser = one_size_parser(__doc__, rows=32768)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    parser.add_argument("--loss", choices=["softmax", "sigmoid"], default="softmax")
     parser.add_argument("--tile-rows", type=int, default=None, help="backward super-tile rows")
     parser.add_argument("--tile-keys", type=int, default=None, help="backward super-tile keys")
     parser.add_argument("--sigmoid-logits", choices=["gemm", "fused"], default="gemm",
