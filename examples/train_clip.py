@@ -33,7 +33,7 @@ from typing import Literal
 import torch
 
 from hf_infcl.models import contrastive_loss_kind
-from hf_infcl.ops.options import BACKENDS, PRECISIONS, BackendName, LossKind, Precision
+from hf_infcl.ops.options import BACKENDS, PRECISIONS, BackendName, LossKind, Precision, check_chunking
 from hf_infcl.sharding import full_value, vectorise_scalar_parameters
 
 import clip_outputs
@@ -233,10 +233,11 @@ def parse_arguments(argv=None):
              f"got {model_args.tiny_width}")
     if model_args.image_size % model_args.patch_size:
         fail(f"--patch_size {model_args.patch_size} must divide --image_size {model_args.image_size}")
-    if args.offload and not args.chunk_size:
-        fail("--offload needs --chunk_size: without chunks the whole batch is on the device")
-    if args.reduce_every_chunk and not args.chunk_size:
-        fail("--reduce_every_chunk needs --chunk_size: without chunks there is one backward per step")
+    try:  # the library's one chunk rule, spelled as this script's flags
+        chunked = {"--offload": args.offload, "--reduce_every_chunk": args.reduce_every_chunk}
+        check_chunking(args.chunk_size, chunked, name="--chunk_size")
+    except ValueError as error:
+        fail(str(error))
     if data_args.streaming:
         if args.max_steps <= 0:
             fail("--streaming needs --max_steps: a stream has no length to count epochs in")
