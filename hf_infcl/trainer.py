@@ -171,18 +171,15 @@ class InfCLTrainer(Trainer):
                                   groups="group_column", filtered=self.args.false_negative_margin is not None)
             return given
         own = self.family.label_smoothing if self.loss_kind == "softmax" else 0.0
-        if own and self.args.false_negative_margin is not None:
-            raise ValueError(
-                f"{type(unwrap_model(self.model)).__name__}'s own loss smooths its labels by {own} (what "
-                "label_smoothing=None takes), which is not defined with false_negative_margin: set "
-                "label_smoothing=0.0, or leave false_negative_margin unset"
-            )
-        if own and self.args.group_column is not None:
-            raise ValueError(
-                f"{type(unwrap_model(self.model)).__name__}'s own loss smooths its labels by {own} (what "
-                "label_smoothing=None takes), which is not defined with group_column (a row's candidates "
-                "would be its allowed keys only): set label_smoothing=0.0, or leave group_column unset"
-            )
+        conflicts = {"false_negative_margin": "", "group_column": " (a row's candidates would be its allowed "
+                     "keys only)"}
+        for option, why in conflicts.items():
+            if own and getattr(self.args, option) is not None:
+                raise ValueError(
+                    f"{type(unwrap_model(self.model)).__name__}'s own loss smooths its labels by {own} (what "
+                    f"label_smoothing=None takes), which is not defined with {option}{why}: set "
+                    f"label_smoothing=0.0, or leave {option} unset"
+                )
         return own
 
     def _is_fsdp2(self) -> bool:
