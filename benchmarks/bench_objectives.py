@@ -18,6 +18,10 @@ No published contrastive kernel has these objectives; the materialised way (a b 
 matrix) does not fit at these sizes.
 
     python benchmarks/bench_objectives.py --sizes 32k,128k --widths 512,768 --csv out.csv
+    python benchmarks/bench_objectives.py --sizes 32k --widths 512 --profile   # kernels of one step
+
+``--profile`` prints, per variant, one step's GPU time by kernel and its sum next to the step's
+time (their difference is time the GPU waited for the host).
 """
 
 from __future__ import annotations
@@ -70,6 +74,20 @@ def make_step(variant: str, b: int, c: int, seed: int = 0):
     return step
 
 
+def profile(step, name: str, ms: float, rows: int = 10) -> None:
+    """One more step under torch.profiler: its GPU time by kernel."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernel_ms = sum(event.self_device_time_total for event in events) / 1e3
+    print(f"\n# {name}: {kernel_ms:.2f} ms of kernels in a {ms:.2f} ms step")
+    print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,6 +96,7 @@ def main(argv=None):
     parser.add_argument("--variants", default=",".join(VARIANTS), help="variants to run")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     parser.add_argument("--csv", default=None, help="write CSV rows here")
+    parser.add_argument("--profile", action="store_true", help="print each variant's kernels (one step)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA GPU")
@@ -103,6 +122,8 @@ def main(argv=None):
             ms = seconds * 1e3
             if variant == "plain":
                 plain_ms = ms
+            if args.profile:
+                profile(step, f"{variant} {format_count(b)}/{c}", ms)
             rows.append({"variant": variant, "b": b, "c": c, "ms": ms, "peak_mib": peak / 2**20,
                          "vs_plain": ms / plain_ms if plain_ms else float("nan")})
             del step

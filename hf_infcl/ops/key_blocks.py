@@ -42,7 +42,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from . import score_filter
-from .positive_pairs import add_pair_gradients, block_pairs, block_positive_parts
+from .positive_pairs import BlockPairs, add_pair_gradients, block_pairs, block_positive_parts
 from .spec import BlockOps, OnePassSigmoidOps, PairLabels, StatsSpec, accumulation_dtype, takes_one_pass
 from .value_check import run_deferred_check
 
@@ -66,7 +66,7 @@ class KeyBlockSchedule(Protocol):
 
     # Optional: forward_with_gradients(spec, ops, queries, keys, scale, bias, labels) ->
     # (row_stat, UnitGradients, positive parts or None), the sigmoid loss's one pass, with
-    # add_positive_pairs(spec, queries, keys, scale, bias, labels, PositiveGradients, grad_queries,
+    # add_positive_pairs(spec, ops, queries, keys, scale, bias, labels, PositiveGradients, grad_queries,
     # grad_keys, row_sums) for its group_positives.
 
 
@@ -78,6 +78,7 @@ class PositiveGradients(NamedTuple):
     row_weight: torch.Tensor  # [m]
     column_part: torch.Tensor | None  # [k], with a column statistic
     column_weight: torch.Tensor | None  # [k]
+    pairs: BlockPairs | None = None  # the forward's pairs of one process's block, if it kept them
 
 
 class UnitGradients(NamedTuple):
@@ -99,18 +100,27 @@ class SingleBlock:
         return 0
 
     def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels):
+        pairs = self._pairs(spec, labels)  # before the first kernel: its synchronisation waits on little
         block = labels.block(spec, labels.own_keys(), 0)
         row_stat, col_stat = ops.forward_block(spec, queries, keys, scale, bias, block.mask,
                                                hardness=block.hardness, score_filter=block.score_filter)
-        return row_stat, col_stat, self._positive_parts(spec, queries, keys, scale, bias, labels)
+        return row_stat, col_stat, self._positive_parts(spec, queries, keys, scale, bias, pairs,
+                                                        row_combiner(ops))
 
     @staticmethod
-    def _positive_parts(spec: StatsSpec, queries, keys, scale, bias, labels: PairLabels):
-        """The positive parts of ``group_positives`` (None without)."""
+    def _pairs(spec: StatsSpec, labels: PairLabels) -> BlockPairs | None:
+        """The positive pairs of ``group_positives`` (None without): one host synchronisation."""
         if spec.group_positives is None:
             return None
-        pairs = block_pairs(labels.query_groups, labels.positive_keys, labels.key_groups, 0)
-        return block_positive_parts(spec, queries, keys, scale, bias, pairs)
+        return block_pairs(labels.query_groups, labels.positive_keys, labels.key_groups, 0)
+
+    @staticmethod
+    def _positive_parts(spec: StatsSpec, queries, keys, scale, bias, pairs: BlockPairs | None, combine):
+        """The positive parts of ``pairs`` (None without), which keep the pairs for the backward."""
+        if pairs is None:
+            return None
+        parts = block_positive_parts(spec, queries, keys, scale, bias, pairs, combine)
+        return parts._replace(pairs=pairs)
 
     def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
                               labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat,
@@ -125,23 +135,27 @@ class SingleBlock:
                                       grad_col_stat.to(acc) if columns else None, grad_queries, grad_keys,
                                       hardness=block.hardness, score_filter=block.score_filter)
         if positives is not None:
-            self.add_positive_pairs(spec, queries, keys, scale, bias, labels, positives, grad_queries,
+            self.add_positive_pairs(spec, ops, queries, keys, scale, bias, labels, positives, grad_queries,
                                     grad_keys, row_sums)
         return grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums
 
-    def add_positive_pairs(self, spec: StatsSpec, queries, keys, scale, bias, labels: PairLabels,
-                           positives: PositiveGradients, grad_queries, grad_keys, row_sums) -> None:
+    def add_positive_pairs(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
+                           labels: PairLabels, positives: PositiveGradients, grad_queries, grad_keys,
+                           row_sums) -> None:
         """Add the positive pairs' entries of G into the accumulators (in place): with the statistics'
-        in the backward, or on the one-pass route into its scaled unit-weight gradients."""
-        pairs = block_pairs(labels.query_groups, labels.positive_keys, labels.key_groups, 0)
-        add_pair_gradients(spec, queries, keys, scale, bias, pairs, *positives, grad_queries, grad_keys,
-                           row_sums)
+        in the backward, or on the one-pass route into its scaled unit-weight gradients. The pairs
+        are the forward's where it kept them, else found again."""
+        pairs = positives.pairs if positives.pairs is not None else self._pairs(spec, labels)
+        add_pair_gradients(spec, queries, keys, scale, bias, pairs, positives.row_part, positives.row_weight,
+                           positives.column_part, positives.column_weight, grad_queries, grad_keys, row_sums,
+                           row_combiner(ops))
 
     def forward_with_gradients(self, spec: StatsSpec, ops: OnePassSigmoidOps, queries, keys, scale, bias,
                                labels: PairLabels):
         """The sigmoid loss's one pass: (row_stat, unit-weight gradients, positive parts or None), see
         :class:`UnitGradients`."""
         acc = accumulation_dtype(queries.dtype)
+        pairs = self._pairs(spec, labels)
         grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
         grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
         block = labels.block(spec, labels.own_keys(), 0)
@@ -149,7 +163,8 @@ class SingleBlock:
                                                         grad_queries, grad_keys,
                                                         score_filter=block.score_filter)
         unit = UnitGradients(grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums)
-        return row_stat, unit, self._positive_parts(spec, queries, keys, scale, bias, labels)
+        parts = self._positive_parts(spec, queries, keys, scale, bias, pairs, row_combiner(ops))
+        return row_stat, unit, parts
 
 
 SINGLE_BLOCK = SingleBlock()
@@ -165,6 +180,7 @@ class ForwardStats(NamedTuple):
     positive_counts: torch.Tensor  # [m] |P(i)| ("each"), else empty
     column_counts: torch.Tensor  # [k] |R(j)| ("each", columns), else empty
     unit: UnitGradients | None
+    pairs: BlockPairs | None = None  # group_positives on one process: the pairs, for the backward
 
 
 def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
@@ -192,8 +208,9 @@ def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, qu
     if parts is None:
         positive = positive_logits(queries, keys, positives, scale, bias, row_combiner(ops))
         return ForwardStats(row_stat, col_stat, positive, empty(), empty(), empty(), unit)
-    counts_and_columns = (empty() if t is None else t for t in parts[1:])
-    return ForwardStats(row_stat, col_stat, parts.rows, *counts_and_columns, unit)
+    counts_and_columns = (empty() if t is None else t for t in (parts.columns, parts.row_counts,
+                                                                 parts.column_counts))
+    return ForwardStats(row_stat, col_stat, parts.rows, *counts_and_columns, unit, parts.pairs)
 
 
 def one_pass(spec: StatsSpec, schedule: KeyBlockSchedule, ops: BlockOps) -> bool:
@@ -206,18 +223,19 @@ def one_pass(spec: StatsSpec, schedule: KeyBlockSchedule, ops: BlockOps) -> bool
 def stats_backward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
                    positives, labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat,
                    grad_positive_logit, needs=(True, True, True, True), unit: UnitGradients | None = None,
-                   positive_parts=None, grad_column_positive=None):
+                   positive_parts=None, grad_column_positive=None, pairs: BlockPairs | None = None):
     """(d queries, d keys, d scale, d bias) from the statistics' gradients; ``needs`` says which of
     the four are wanted (None is returned for the others). With the forward's ``unit``
     gradients, no tile is computed again. With ``group_positives``, ``positive_parts`` are the
     forward's (rows' [m], columns' [k] or empty) and ``grad_positive_logit`` and
-    ``grad_column_positive`` their gradients."""
+    ``grad_column_positive`` their gradients, and ``pairs`` the forward's positive pairs where it
+    kept them (:attr:`ForwardStats.pairs`; None: the schedule finds them again)."""
     pair_gradients = None
     if spec.group_positives is not None:
         row_part, column_part = positive_parts
         columns = spec.columns
         pair_gradients = PositiveGradients(row_part, grad_positive_logit, column_part if columns else None,
-                                           grad_column_positive if columns else None)
+                                           grad_column_positive if columns else None, pairs)
         grad_positive_logit = None  # the pairs' gradients go into the accumulators
     if unit is not None and pair_gradients is None:
         return finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive_logit,
@@ -231,8 +249,8 @@ def stats_backward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, q
         (_, unit_keys), = unit.key_slices  # the one pass is one process's: a single block
         grad_queries, grad_keys = unit.queries * weight[:, None], unit_keys * weight[0]
         row_sums = unit.row_sums * weight
-        schedule.add_positive_pairs(spec, queries, keys, scale, bias, labels, pair_gradients, grad_queries,
-                                    grad_keys, row_sums)
+        schedule.add_positive_pairs(spec, ops, queries, keys, scale, bias, labels, pair_gradients,
+                                    grad_queries, grad_keys, row_sums)
         return finish_gradients(needs, queries, keys, scale, bias, positives, None, grad_queries,
                                 [((0, keys.shape[0]), grad_keys)], row_sums, combine=row_combiner(ops))
     grad_queries, key_slices, row_sums = schedule.backward_accumulators(
@@ -285,7 +303,7 @@ class KeyBlockLogitStats(torch.autograd.Function):
         ctx.save_for_backward(queries, keys, scale, bias, positives, query_groups, key_groups, query_ids,
                               key_owners, guide_queries, guide_keys, stats.row_stat, stats.col_stat,
                               stats.positive, stats.column_positive)
-        ctx.spec, ctx.ops, ctx.schedule, ctx.unit = spec, ops, schedule, stats.unit
+        ctx.spec, ctx.ops, ctx.schedule, ctx.unit, ctx.pairs = spec, ops, schedule, stats.unit, stats.pairs
         ctx.mark_non_differentiable(stats.positive_counts, stats.column_counts)
         return stats[:6]
 
@@ -302,7 +320,7 @@ class KeyBlockLogitStats(torch.autograd.Function):
                 ctx.schedule, ctx.spec, ctx.ops, queries, keys, scale, bias, positives, labels, row_stat,
                 col_stat, grad_row_stat, grad_col_stat, _zeros_for_none(grad_positive, positive),
                 needs=ctx.needs_input_grad[:4], unit=ctx.unit, positive_parts=(positive, column_positive),
-                grad_column_positive=_zeros_for_none(grad_column_positive, column_positive))
+                grad_column_positive=_zeros_for_none(grad_column_positive, column_positive), pairs=ctx.pairs)
         return (*grads, *(None,) * 10)
 
 
@@ -322,7 +340,7 @@ class RowCombiner(Protocol):
     may offer a faster one as a ``combine_rows`` method (the Triton backend: one kernel launch)."""
 
     def __call__(self, *, rows: int, sources, source_index, source_weight=None, entry_rows=None,
-                 accumulator=None, weight=None, out=None, scale=None, dot_with=None): ...
+                 accumulator=None, weight=None, out=None, scale=None, dot_with=None, dot_index=None): ...
 
 
 def row_combiner(ops) -> RowCombiner:
@@ -331,7 +349,7 @@ def row_combiner(ops) -> RowCombiner:
 
 
 def combine_rows(*, rows: int, sources, source_index, source_weight=None, entry_rows=None, accumulator=None,
-                 weight=None, out=None, scale=None, dot_with=None):
+                 weight=None, out=None, scale=None, dot_with=None, dot_index=None):
     """For each row r < ``rows``, in the accumulation dtype of ``sources``:
 
         v_r = weight_r * accumulator[r] + sum over the entries t of row r of
@@ -344,11 +362,12 @@ def combine_rows(*, rows: int, sources, source_index, source_weight=None, entry_
     None counts as zeros, ``weight`` None as 1 (a 0-d ``weight`` is every row's, a [rows] one
     each row's own), ``source_weight`` None as 1. Writes ``out[r] = scale * v_r`` in ``out``'s
     dtype (if ``out`` is given) and returns the dot products ``<v_r, dot_with[r]>`` [rows] (if
-    ``dot_with`` is given, else None).
+    ``dot_with`` is given, else None), or ``<v_r, dot_with[dot_index[r]]>`` with ``dot_index``.
 
     The epilogues' uses: dQ_i = s (w_i (G K)_i + a_i K_p(i)) with d scale from <., Q_i> (one entry
     per row); dK_j = s (w (G^T Q)_j + sum_{i: p(i) = j} a_i Q_i) (entries sorted by positive);
-    the positive logits <Q_i, K_p(i)> (no accumulator, no output). This version runs in row chunks
+    the positive logits <Q_i, K_p(i)> (no accumulator, no output); the dot products of a list
+    of (row, key) pairs (one entry per pair, ``dot_index`` the rows). This version runs in row chunks
     of torch ops (no full-size fp32 temporaries) and reads the chunks' entry ranges with one host
     synchronisation.
     """
@@ -382,7 +401,8 @@ def combine_rows(*, rows: int, sources, source_index, source_weight=None, entry_
             else:
                 block.index_add_(0, targets, added)
         if dots is not None:
-            dots[part] = (block * dot_with[part].to(acc)).sum(dim=1)
+            partners = dot_with[part] if dot_index is None else dot_with[dot_index[part]]
+            dots[part] = (block * partners.to(acc)).sum(dim=1)
         if out is not None:
             out[part] = (block * scale.to(acc)).to(out.dtype)
     return dots

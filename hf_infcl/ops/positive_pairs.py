@@ -30,9 +30,6 @@ import torch
 
 from .spec import StatsSpec, accumulation_dtype
 
-# Pairs per chunk of the gathered [pairs, c] products, so they allocate no large temporaries.
-_CHUNK_ELEMENTS = 2**22
-
 
 class BlockPairs(NamedTuple):
     """The pairs (i, j) with key j of a block among row i's positives, sorted by row."""
@@ -50,6 +47,7 @@ class PositiveParts(NamedTuple):
     columns: torch.Tensor | None  # [k_block]
     row_counts: torch.Tensor | None  # [m]
     column_counts: torch.Tensor | None  # [k_block]
+    pairs: BlockPairs | None = None  # the pairs they came from, where a caller keeps them
 
 
 def takes_log_sum_exp(spec: StatsSpec) -> bool:
@@ -90,20 +88,13 @@ def block_pairs(query_groups: torch.Tensor, positive_keys: torch.Tensor, key_gro
     return BlockPairs(rows, torch.where(from_group, group_key, own[rows]))
 
 
-def _chunks(n: int, width: int):
-    step = max(1, _CHUNK_ELEMENTS // max(1, width))
-    for start in range(0, n, step):
-        yield slice(start, min(start + step, n))
-
-
-def pair_logits(queries, keys, pairs: BlockPairs, scale, bias) -> torch.Tensor:
-    """z of every pair, s <Q_i, K_j> + b, in the accumulation dtype [n]."""
+def pair_logits(queries, keys, pairs: BlockPairs, scale, bias, combine) -> torch.Tensor:
+    """z of every pair, s <Q_i, K_j> + b, in the accumulation dtype [n]; ``combine``: the block ops'
+    row primitive (:func:`hf_infcl.ops.key_blocks.combine_rows`), one entry per pair."""
     acc = accumulation_dtype(queries.dtype)
-    dots = torch.empty(pairs.rows.shape[0], dtype=acc, device=queries.device)
-    for part in _chunks(dots.shape[0], queries.shape[1]):
-        rows = queries[pairs.rows[part]].to(acc)
-        dots[part] = (rows * keys[pairs.keys[part]].to(acc)).sum(dim=1)
-    logits = scale.to(acc) * dots
+    dots = combine(rows=pairs.rows.shape[0], sources=keys, source_index=pairs.keys, dot_with=queries,
+                   dot_index=pairs.rows)
+    logits = scale.to(acc) * dots.to(acc)
     return logits if bias is None else logits + bias.to(acc)
 
 
@@ -128,13 +119,15 @@ def empty_positive_parts(spec: StatsSpec, m: int, k: int, dtype, device) -> Posi
     )
 
 
-def block_positive_parts(spec: StatsSpec, queries, keys, scale, bias, pairs: BlockPairs) -> PositiveParts:
-    """The partial positive parts of the rows against one key block, from its pairs."""
+def block_positive_parts(spec: StatsSpec, queries, keys, scale, bias, pairs: BlockPairs,
+                         combine) -> PositiveParts:
+    """The partial positive parts of the rows against one key block, from its pairs (``combine``:
+    see :func:`pair_logits`)."""
     acc = accumulation_dtype(queries.dtype)
     m, k = queries.shape[0], keys.shape[0]
     if pairs.rows.numel() == 0:
         return empty_positive_parts(spec, m, k, acc, queries.device)
-    logits = pair_logits(queries, keys, pairs, scale, bias)
+    logits = pair_logits(queries, keys, pairs, scale, bias, combine)
     if takes_log_sum_exp(spec):
         rows = segment_logsumexp(logits, pairs.rows, m)
         columns = segment_logsumexp(logits, pairs.keys, k) if spec.columns else None
@@ -167,7 +160,7 @@ def merge_positive_parts(spec: StatsSpec, a: PositiveParts, b: PositiveParts) ->
 
 
 def add_pair_gradients(spec: StatsSpec, queries, keys, scale, bias, pairs: BlockPairs, row_part, row_weight,
-                       column_part, column_weight, grad_queries, grad_keys, row_sums) -> None:
+                       column_part, column_weight, grad_queries, grad_keys, row_sums, combine) -> None:
     """Add the pairs' entries of G to the block's unscaled accumulators (in place): w_ij K_j to
     ``grad_queries`` [m, c], w_ij Q_i to ``grad_keys`` [k_block, c], w_ij to ``row_sums`` [m], where
     w_ij is the gradient of the loss with respect to z_ij through the positive parts:
@@ -176,13 +169,15 @@ def add_pair_gradients(spec: StatsSpec, queries, keys, scale, bias, pairs: Block
         otherwise:        row_weight_i + column_weight_j
 
     ``row_part`` [m] and ``column_part`` [k_block] are the complete parts (over every key and row of
-    the problem); ``column_part`` and ``column_weight`` are None without a column statistic."""
+    the problem); ``column_part`` and ``column_weight`` are None without a column statistic. Both
+    products go through ``combine`` (:func:`hf_infcl.ops.key_blocks.combine_rows`), each row's or
+    key's pairs as one range of entries: no atomics, no [pairs, c] temporaries."""
     if pairs.rows.numel() == 0:
         return
     acc = grad_queries.dtype
     weight = row_weight.to(acc)[pairs.rows]
     if takes_log_sum_exp(spec):
-        logits = pair_logits(queries, keys, pairs, scale, bias)
+        logits = pair_logits(queries, keys, pairs, scale, bias, combine)
         weight = weight * torch.exp(logits - row_part.to(acc)[pairs.rows])
         if column_weight is not None:
             column_probability = torch.exp(logits - column_part.to(acc)[pairs.keys])
@@ -191,8 +186,12 @@ def add_pair_gradients(spec: StatsSpec, queries, keys, scale, bias, pairs: Block
         column_weight = column_weight.to(acc)[pairs.keys]
     if column_weight is not None:
         weight = weight + column_weight
-    for part in _chunks(weight.shape[0], queries.shape[1]):
-        rows, keys_of_pairs, w = pairs.rows[part], pairs.keys[part], weight[part, None]
-        grad_queries.index_add_(0, rows, w * keys[keys_of_pairs].to(acc))
-        grad_keys.index_add_(0, keys_of_pairs, w * queries[rows].to(acc))
+    one = torch.ones((), dtype=acc, device=grad_queries.device)
+    # In place: each output row is read, then written, by the same step of the combiner.
+    combine(rows=grad_queries.shape[0], sources=keys, source_index=pairs.keys, source_weight=weight,
+            entry_rows=pairs.rows, accumulator=grad_queries, out=grad_queries, scale=one)
+    by_key = torch.argsort(pairs.keys, stable=True)
+    combine(rows=grad_keys.shape[0], sources=queries, source_index=pairs.rows[by_key],
+            source_weight=weight[by_key], entry_rows=pairs.keys[by_key], accumulator=grad_keys, out=grad_keys,
+            scale=one)
     row_sums.index_add_(0, pairs.rows, weight)

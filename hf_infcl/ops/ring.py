@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .key_blocks import row_combiner
 from .options import (
     FALSE_NEGATIVE_STRATEGIES,
     GROUP_POSITIVES,
@@ -416,7 +417,8 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, labels: PairLab
             if grouped:
                 pairs = block_pairs(labels.query_groups, labels.positive_keys, key_labels.key_groups,
                                     key_offset)
-                partial_positives = block_positive_parts(spec, queries, block_keys, scale, bias, pairs)
+                partial_positives = block_positive_parts(spec, queries, block_keys, scale, bias, pairs,
+                                                         row_combiner(ops))
         row_stat = merge_row_stats(spec, row_stat, partial_row)
         if grouped:
             positives = merge_positive_parts(spec, positives, partial_positives)
@@ -593,7 +595,7 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLa
                         columns = (block_cols[2, lo:hi_real], block_cols[3, lo:hi_real])
                     add_pair_gradients(spec, queries, slice_keys, scale, bias, pairs, positives.row_part,
                                        positives.row_weight, *columns, grad_queries,
-                                       accumulator[: hi_real - lo], row_sums)
+                                       accumulator[: hi_real - lo], row_sums, row_combiner(ops))
             key_grads.send_on(index, accumulator)
         if step < n - 1:
             blocks.advance(keep_spare=step < n - 2)

@@ -16,15 +16,16 @@ _MAX_BLOCK = 64 if INTERPRET else 1024
 @triton.jit
 def _combine_rows_kernel(
     out_ptr, accumulator_ptr, weight_ptr, sources_ptr, source_index_ptr, source_weight_ptr, offsets_ptr,
-    scale_ptr, dot_with_ptr, dots_ptr, width, n_sources, stride_out, stride_accumulator, stride_sources,
-    stride_dot_with, stride_weight, stride_source_weight,
+    scale_ptr, dot_with_ptr, dot_index_ptr, dots_ptr, width, n_sources, stride_out, stride_accumulator,
+    stride_sources, stride_dot_with, stride_weight, stride_source_weight,
     HAS_OUT: tl.constexpr, HAS_ACCUMULATOR: tl.constexpr, WEIGHT: tl.constexpr,
     HAS_SOURCE_WEIGHT: tl.constexpr, ONE_ENTRY_PER_ROW: tl.constexpr, INDEXED: tl.constexpr,
-    HAS_DOTS: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_DOTS: tl.constexpr, DOT_INDEXED: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """One program per row r: v = w * accumulator[r] + sum_t source_weight[t] * sources[source_index[t]]
     over the row's entries t in [offsets[r], offsets[r + 1]) (t = r with ONE_ENTRY_PER_ROW), in
-    fp32; stores scale * v into out[r] and <v, dot_with[r]> into dots[r]. WEIGHT: 0 none, 1 one
+    fp32; stores scale * v into out[r] and <v, dot_with[r]> (DOT_INDEXED: dot_with[dot_index[r]])
+    into dots[r]. WEIGHT: 0 none, 1 one
     per row, 2 one for all rows. Without INDEXED, entry t takes sources[t], and (one entry per
     row) rows from n_sources on have none."""
     row = tl.program_id(0).to(tl.int64)
@@ -44,6 +45,9 @@ def _combine_rows_kernel(
     else:
         weight = 1.0
     scale = tl.load(scale_ptr).to(tl.float32) if HAS_OUT else 1.0
+    partner = row
+    if DOT_INDEXED:
+        partner = tl.load(dot_index_ptr + row).to(tl.int64)
     dot = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for column_start in range(0, width, BLOCK_C):
         columns = column_start + tl.arange(0, BLOCK_C)
@@ -63,7 +67,7 @@ def _combine_rows_kernel(
                 added = added * tl.load(source_weight_ptr + entry * stride_source_weight).to(tl.float32)
             value += added
         if HAS_DOTS:
-            dot += value * tl.load(dot_with_ptr + row * stride_dot_with + columns, mask=valid,
+            dot += value * tl.load(dot_with_ptr + partner * stride_dot_with + columns, mask=valid,
                                    other=0.0).to(tl.float32)
         if HAS_OUT:
             tl.store(out_ptr + row * stride_out + columns, (value * scale).to(out_ptr.dtype.element_ty),
@@ -73,7 +77,7 @@ def _combine_rows_kernel(
 
 
 def combine_rows(*, rows: int, sources, source_index, source_weight=None, entry_rows=None, accumulator=None,
-                 weight=None, out=None, scale=None, dot_with=None):
+                 weight=None, out=None, scale=None, dot_with=None, dot_index=None):
     """:func:`hf_infcl.ops.key_blocks.combine_rows` in one launch (fp32 arithmetic; sources of
     fp32, fp16 or bf16, an fp32 accumulator). No host synchronisation: the rows' entry ranges
     are found on the device, and ``source_index`` None (the identity) needs none."""
@@ -91,6 +95,7 @@ def combine_rows(*, rows: int, sources, source_index, source_weight=None, entry_
     # The weights are read through their strides: a loss's backward hands in expanded ones
     # (stride 0), which need no copy.
     source_index = None if source_index is None else source_index.contiguous()
+    dot_index = None if dot_index is None else dot_index.contiguous()
 
     def pointer(tensor):  # an empty slice's address may lie past its allocation: never passed
         return dummy if tensor is None or tensor.numel() == 0 else tensor
@@ -103,12 +108,12 @@ def combine_rows(*, rows: int, sources, source_index, source_weight=None, entry_
             raise ValueError("combine_rows needs rows with unit column stride")
     _combine_rows_kernel[(rows,)](
         pointer(out), pointer(accumulator), pointer(weight), pointer(sources), pointer(source_index),
-        pointer(source_weight), pointer(offsets), pointer(scale), pointer(dot_with), pointer(dots), width,
-        sources.shape[0], stride(out), stride(accumulator), sources.stride(0), stride(dot_with),
-        stride(weight) if weight_kind == 1 else 0, stride(source_weight),
+        pointer(source_weight), pointer(offsets), pointer(scale), pointer(dot_with), pointer(dot_index),
+        pointer(dots), width, sources.shape[0], stride(out), stride(accumulator), sources.stride(0),
+        stride(dot_with), stride(weight) if weight_kind == 1 else 0, stride(source_weight),
         HAS_OUT=out is not None, HAS_ACCUMULATOR=accumulator is not None, WEIGHT=weight_kind,
         HAS_SOURCE_WEIGHT=source_weight is not None, ONE_ENTRY_PER_ROW=entry_rows is None,
-        INDEXED=source_index is not None, HAS_DOTS=dot_with is not None,
+        INDEXED=source_index is not None, HAS_DOTS=dot_with is not None, DOT_INDEXED=dot_index is not None,
         BLOCK_C=min(_MAX_BLOCK, triton.next_power_of_2(width)), num_warps=4,
     )
     return dots

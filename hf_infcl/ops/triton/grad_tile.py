@@ -21,15 +21,15 @@ from .jit_math import (
     allowed_pairs,
     dot_precision,
     dot_tile,
+    even_guide_k,
     even_k,
     exp_in_units,
     hardness_offset_logits,
     in_units,
-    kept_by_score,
     log2_units,
-    positive_pairs,
     scale_and_bias,
     scaled_logits,
+    score_filter_masks,
     sigmoid_and_softplus,
 )
 from .launch import BASE_SHAPES, autotuned, launch, problem_size_class
@@ -52,7 +52,7 @@ def _grad_tile_kernel(
     FILTER: tl.constexpr, GUIDE: tl.constexpr, GROUP_POSITIVES: tl.constexpr,
     SCALED_G: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    FULL: tl.constexpr, LOG2: tl.constexpr,
+    EVEN_GUIDE_K: tl.constexpr, FULL: tl.constexpr, LOG2: tl.constexpr,
 ):
     row_index = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     key_index = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -60,6 +60,16 @@ def _grad_tile_kernel(
     key_valid = key_index < n_keys
 
     scale, bias = scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS, LOG2)
+    if FILTER and GUIDE:
+        # The guide's scores first, turned into the masks before the model's dot products: the two
+        # fp32 tiles are never held at once.
+        guide_scores = dot_tile(guide_q_ptr, guide_k_ptr, None, None, row_index, key_index, row_valid,
+                                key_valid, 0, 0, c_guide, stride_guide_q, stride_guide_k, BLOCK_M, BLOCK_N,
+                                BLOCK_K, PRECISION, UPCAST, EVEN_GUIDE_K, False)
+        row_kept, column_kept = score_filter_masks(guide_scores, row_index, key_index, row_valid, key_valid,
+                                                   positive_ptr, key_offset, row_group_ptr, key_group_ptr,
+                                                   row_threshold_ptr, key_threshold_ptr, False, COLUMNS,
+                                                   GROUP_POSITIVES)
     dots = dot_tile(q_ptr, k_ptr, q_desc, k_desc, row_index, key_index, row_valid, key_valid,
                     tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N, c, stride_q, stride_k,
                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST, EVEN_K, TMA)
@@ -69,19 +79,11 @@ def _grad_tile_kernel(
         allowed = allowed_pairs(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
                                 positive_ptr, key_offset, HAS_MASK)
     logits = scaled_logits(dots, scale, bias, HAS_BIAS)
-    if FILTER:
-        # The score filter: each direction's term where its own threshold keeps the entry.
-        if GUIDE:
-            scores = dot_tile(guide_q_ptr, guide_k_ptr, None, None, row_index, key_index, row_valid,
-                              key_valid, 0, 0, c_guide, stride_guide_q, stride_guide_k, BLOCK_M, BLOCK_N,
-                              BLOCK_K, PRECISION, UPCAST, False, False)
-        else:
-            scores = dots
-        positive = positive_pairs(row_index, key_index, row_valid, key_valid, positive_ptr, key_offset,
-                                  row_group_ptr, key_group_ptr, GROUP_POSITIVES)
-        row_kept = kept_by_score(scores, positive, row_threshold_ptr, row_index, row_valid, True)
-        if COLUMNS:
-            column_kept = kept_by_score(scores, positive, key_threshold_ptr, key_index, key_valid, False)
+    if FILTER and not GUIDE:
+        row_kept, column_kept = score_filter_masks(dots, row_index, key_index, row_valid, key_valid,
+                                                   positive_ptr, key_offset, row_group_ptr, key_group_ptr,
+                                                   row_threshold_ptr, key_threshold_ptr, False, COLUMNS,
+                                                   GROUP_POSITIVES)
     if ONE_PASS:
         # The sigmoid loss's one pass: unit row weights, and the softplus row sums (the row
         # statistic) from the same logits and the same exponential.
@@ -151,6 +153,7 @@ def _set_descriptor_blocks(nargs: dict) -> None:
 
 GRAD_HEURISTICS = {
     "EVEN_K": even_k,
+    "EVEN_GUIDE_K": even_guide_k,
     "LOG2": log2_units,
     "FULL": lambda args: args["n_rows"] % args["BLOCK_M"] == 0 and args["n_keys"] % args["BLOCK_N"] == 0,
 }

@@ -34,6 +34,11 @@ def even_k(args: dict) -> bool:
     return args["c"] % args["BLOCK_K"] == 0
 
 
+def even_guide_k(args: dict) -> bool:
+    """EVEN_GUIDE_K: the same for the score filter's guide, of width ``c_guide`` (0 without one)."""
+    return args["c_guide"] % args["BLOCK_K"] == 0
+
+
 def log2_units(args: dict) -> bool:
     """LOG2: the softmax loss's logits are held in log2 units (scale, bias and hardness strength
     times log2(e); statistics converted where they are loaded or stored), so that each
@@ -222,6 +227,29 @@ def kept_by_score(scores, positive, threshold_ptr, index, valid, ROWS: tl.conste
     else:
         above = scores > threshold[None, :]
     return positive | (above == 0)
+
+
+@triton.jit
+def score_filter_masks(scores, outer_index, inner_index, outer_valid, inner_valid, positive_ptr,
+                       key_offset, row_group_ptr, key_group_ptr, row_threshold_ptr, key_threshold_ptr,
+                       KEYS_OUTER: tl.constexpr, FUSED_COLUMNS: tl.constexpr, GROUP_POSITIVES: tl.constexpr):
+    """The score filter's masks of an (outer, inner) tile of ``scores`` (rows outer, or keys with
+    KEYS_OUTER): ``kept`` for the outer vectors' statistic, ``column_kept`` for the column statistic
+    of the same tile with rows outer (FUSED_COLUMNS; else ``kept`` again, unused)."""
+    if KEYS_OUTER:  # keys outer: the masks are built in (rows, keys) order, then transposed
+        positive = positive_pairs(inner_index, outer_index, inner_valid, outer_valid, positive_ptr,
+                                  key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES)
+        kept = tl.trans(kept_by_score(tl.trans(scores), positive, key_threshold_ptr, outer_index,
+                                      outer_valid, False))
+        column_kept = kept
+    else:
+        positive = positive_pairs(outer_index, inner_index, outer_valid, inner_valid, positive_ptr,
+                                  key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES)
+        kept = kept_by_score(scores, positive, row_threshold_ptr, outer_index, outer_valid, True)
+        column_kept = kept
+        if FUSED_COLUMNS:
+            column_kept = kept_by_score(scores, positive, key_threshold_ptr, inner_index, inner_valid, False)
+    return kept, column_kept
 
 
 @triton.jit

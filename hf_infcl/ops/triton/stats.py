@@ -25,16 +25,16 @@ from .jit_math import (
     column_lse,
     dot_precision,
     dot_tile,
+    even_guide_k,
     even_k,
     exp_in_units,
     hardness_offset_logits,
     in_units,
-    kept_by_score,
     log2_units,
     log_in_units,
-    positive_pairs,
     scale_and_bias,
     scaled_logits,
+    score_filter_masks,
     softplus,
 )
 from .launch import BASE_SHAPES, autotuned, launch, problem_size_class
@@ -55,7 +55,7 @@ def _stats_kernel(
     FUSED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, HARDNESS: tl.constexpr,
     FILTER: tl.constexpr, GUIDE: tl.constexpr, GROUP_POSITIVES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    FULL: tl.constexpr, LOG2: tl.constexpr,
+    EVEN_GUIDE_K: tl.constexpr, FULL: tl.constexpr, LOG2: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
@@ -73,6 +73,17 @@ def _stats_kernel(
     for n0 in range(inner_start, inner_end, BLOCK_N):
         inner_index = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         inner_valid = inner_index < inner_end
+        if FILTER and GUIDE:
+            # The guide's scores first, turned into the masks before the model's dot products: the
+            # two fp32 tiles are never held at once.
+            guide_scores = dot_tile(guide_outer_ptr, guide_inner_ptr, None, None, outer_index, inner_index,
+                                    outer_valid, inner_valid, 0, 0, c_guide, stride_guide_outer,
+                                    stride_guide_inner, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                                    EVEN_GUIDE_K, False)
+            kept, column_kept = score_filter_masks(guide_scores, outer_index, inner_index, outer_valid,
+                                                   inner_valid, positive_ptr, key_offset, row_group_ptr,
+                                                   key_group_ptr, row_threshold_ptr, key_threshold_ptr,
+                                                   COLUMNS, FUSED_COLUMNS, GROUP_POSITIVES)
         # Pointer loads (TMA False): this kernel reads its tiles faster that way than through
         # tensor descriptors, unlike the gradient-tile kernel.
         dots = dot_tile(outer_ptr, inner_ptr, None, None, outer_index, inner_index, outer_valid, inner_valid,
@@ -89,28 +100,11 @@ def _stats_kernel(
             else:
                 allowed = allowed_pairs(outer_index, inner_index, outer_valid, inner_valid,
                                         row_group_ptr, key_group_ptr, positive_ptr, key_offset, HAS_MASK)
-        if FILTER:
-            # The score filter: ``kept`` masks this program's statistic (the rows', or with COLUMNS
-            # the keys'), ``column_kept`` the fused column partials.
-            if GUIDE:
-                scores = dot_tile(guide_outer_ptr, guide_inner_ptr, None, None, outer_index, inner_index,
-                                  outer_valid, inner_valid, 0, 0, c_guide, stride_guide_outer,
-                                  stride_guide_inner, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST, False,
-                                  False)
-            else:
-                scores = dots
-            if COLUMNS:  # keys outer: the masks are built in (rows, keys) order, then transposed
-                positive = positive_pairs(inner_index, outer_index, inner_valid, outer_valid, positive_ptr,
-                                          key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES)
-                kept = tl.trans(kept_by_score(tl.trans(scores), positive, key_threshold_ptr, outer_index,
-                                              outer_valid, False))
-            else:
-                positive = positive_pairs(outer_index, inner_index, outer_valid, inner_valid, positive_ptr,
-                                          key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES)
-                kept = kept_by_score(scores, positive, row_threshold_ptr, outer_index, outer_valid, True)
-                if FUSED_COLUMNS:
-                    column_kept = kept_by_score(scores, positive, key_threshold_ptr, inner_index, inner_valid,
-                                                False)
+        if FILTER and not GUIDE:
+            kept, column_kept = score_filter_masks(dots, outer_index, inner_index, outer_valid, inner_valid,
+                                                   positive_ptr, key_offset, row_group_ptr, key_group_ptr,
+                                                   row_threshold_ptr, key_threshold_ptr, COLUMNS,
+                                                   FUSED_COLUMNS, GROUP_POSITIVES)
         if SIGMOID:
             terms = softplus(logits)
             if HAS_MASK or not FULL:
@@ -175,6 +169,7 @@ def _stats_kernel(
 # without a group mask no tile needs a mask.
 STATS_HEURISTICS = {
     "EVEN_K": even_k,
+    "EVEN_GUIDE_K": even_guide_k,
     "LOG2": log2_units,
     "FULL": lambda args: (args["n_outer"] % args["BLOCK_M"] == 0 and args["n_inner"] % args["BLOCK_N"] == 0
                           and args["inner_per_split"] % args["BLOCK_N"] == 0),
