@@ -396,3 +396,41 @@ def test_two_processes_of_different_sizes_equal_the_oracle_on_the_whole_batch(tm
                 # DDP averages the ranks' gradients: each rank's is world_size times its share
                 torch.testing.assert_close(actual / world_size, want[rows], **FLOAT64,
                                            msg=f"{name}, rank {rank}, column {column}")
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA: the default route (Triton when it imports)
+
+
+def threshold_gap(embeddings, margin):
+    """The smallest distance of any cosine of any direction from its row's absolute threshold."""
+    anchors, positives = (F.normalize(column, p=2, dim=-1) for column in embeddings[:2])
+    docs = torch.cat([F.normalize(column, p=2, dim=-1) for column in embeddings[1:]])
+    threshold = (anchors * positives).sum(-1, keepdim=True) - margin
+    scores = torch.cat([anchors @ docs.T, anchors @ anchors.T, positives @ anchors.T, positives @ docs.T], 1)
+    return (scores - threshold).abs().min().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [
+    pytest.param({}, id="q2d"), pytest.param(MNSRL, id="symmetric"),
+    pytest.param({"directions": (Q2D, Q2Q, D2D)}, id="q2q+d2d-joint"),
+])
+def test_on_cuda_through_the_default_route(options):
+    """fp32 embeddings on CUDA, exact fp32 products, against the float64 oracle on the same (rounded)
+    embeddings; drawn so that no score lies within 1e-5 of its threshold, where rounding could decide."""
+    for seed in range(100):
+        embeddings = [column.float().double() for column in random_embeddings(3, seed, rows=64, width=32)]
+        if threshold_gap(embeddings, 0.1) > 1e-5:
+            break
+    else:
+        raise AssertionError("no seed keeps every score 1e-5 from its threshold")
+    loss = losses.InfCLLoss(None, scale=20.0, precision="ieee", margin=0.1, **options)
+    inputs = [column.float().cuda().requires_grad_() for column in embeddings]
+    value = loss.compute_loss_from_embeddings(inputs)
+    actual = torch.autograd.grad(value, inputs)
+    references = [column.clone().requires_grad_() for column in embeddings]
+    expected = margin_oracle(references, 20.0, True, 0.1, **options)
+    torch.testing.assert_close(value.double().cpu(), expected.detach(), rtol=1e-4, atol=1e-5)
+    for got, want in zip(actual, torch.autograd.grad(expected, references)):
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-5)
