@@ -14,6 +14,16 @@ MultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss (which refuses 
 at construction) and InfCLLoss without caching, the batch doubles until one training step fails
 (out of memory) or the cap is reached. The bar: InfCLLoss trains batch 256k on one GPU.
 
+Part 3, GIST (``--parts gist``, sizes 16k, 64k and 256k pairs by default): a MiniLM-shaped BERT with
+random weights as the model and a second one (other random weights, frozen, eval mode) as the guide,
+every text 32 tokens, both under bf16 autocast, ``mini_batch_size=256``: CachedGISTEmbedLoss and
+InfCLGISTLoss (temperature 0.01, GIST's defaults otherwise) against InfCLLoss without a guide
+(``scale = 1 / 0.01``). One warm-up step, then two timed steps up to 16k and one above; a loss that
+fails at a size (out of memory) is recorded so and not tried at the larger sizes. Each row of
+InfCLGISTLoss and CachedGISTEmbedLoss carries its step time over InfCLLoss's (``step_vs_infcl``) and
+its peak minus InfCLLoss's (``peak_vs_infcl_gib``) at the same size. The targets: InfCLGISTLoss
+<= 1.3x InfCLLoss's step at 16k and 64k, its peak within 0.5 GiB of InfCLLoss's, and it trains 256k.
+
 Set-up as the SentenceTransformerTrainer runs it with ``bf16=True``: the model's forward runs
 under bf16 autocast and returns fp32 embeddings (what Accelerate's mixed precision does), so both
 losses see fp32 embeddings (torch's default fp32 matmul for the built-in losses; TF32 in hf_infcl's
@@ -28,6 +38,7 @@ metadata.
     python benchmarks/bench_sentence_transformers.py                  # both parts, about 5 min on H100
     python benchmarks/bench_sentence_transformers.py --sizes 4k --static-max 64k   # quick look
     python benchmarks/bench_sentence_transformers.py --parts minilm --sizes 4k,16k --rounds 2 --profile
+    python benchmarks/bench_sentence_transformers.py --parts gist      # 16k, 64k, 256k: about 8 min on H100
 
 ``--rounds`` measures the two losses in turn that many times (medians over every timed step), so
 that a drift of the machine does not favour the loss measured first; ``--profile`` adds a table of
@@ -72,6 +83,10 @@ MINILM_CONFIG = {  # sentence-transformers/all-MiniLM-L6-v2's config.json, for t
     "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1, "layer_norm_eps": 1e-12,
 }
 STATIC_WIDTH = 1024
+GIST_TOKENS = 32  # every text of the GIST part is this long
+GIST_TEMPERATURE = 0.01  # GIST's default; InfCLLoss takes scale = 1 / temperature
+GIST_SIZES = "16k,64k,256k"
+MINILM_SIZES = "4k,16k,64k"
 
 
 def gib(n_bytes: float) -> float:
@@ -100,7 +115,9 @@ def minilm_model(device):
     return model, source
 
 
-def _random_minilm_modules():
+def _random_minilm_modules(seed: int = 0, max_seq_length: int = 64):
+    """A MiniLM-shaped BERT, its random weights drawn from ``seed``; the same vocabulary whatever
+    the seed (so that a guide built the same way needs no re-tokenisation)."""
     from sentence_transformers.models import Normalize, Pooling, Transformer
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
@@ -108,10 +125,22 @@ def _random_minilm_modules():
     vocab = ["[PAD]"] + [f"[unused{i}]" for i in range(99)] + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     vocab += [f"tok{i}" for i in range(MINILM_CONFIG["vocab_size"] - len(vocab))]
     BertTokenizerFast(vocab={token: i for i, token in enumerate(vocab)}).save_pretrained(folder)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     BertModel(BertConfig(**MINILM_CONFIG)).save_pretrained(folder)
     pooling = Pooling(MINILM_CONFIG["hidden_size"], "mean")
-    return [Transformer(str(folder), max_seq_length=64), pooling, Normalize()]
+    return [Transformer(str(folder), max_seq_length=max_seq_length), pooling, Normalize()]
+
+
+def gist_models(device):
+    """(model, guide): two MiniLM-shaped BERTs with different random weights, GIST_TOKENS long; the
+    guide frozen in eval mode, as a loaded guide is. Both run under bf16 autocast."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(modules=_random_minilm_modules(0, GIST_TOKENS), device=str(device))
+    guide = SentenceTransformer(modules=_random_minilm_modules(1, GIST_TOKENS), device=str(device))
+    model.train()
+    guide.eval().requires_grad_(False)
+    return autocast_forward(model, device), autocast_forward(guide, device)
 
 
 def minilm_tokenizer():
@@ -157,14 +186,16 @@ def autocast_forward(model, device):
 # Synthetic batches: token ids in the shape the model's own preprocessing gives
 
 
-def minilm_columns(model, batch: int, n_columns: int, device, generator):
+def minilm_columns(model, batch: int, n_columns: int, device, generator, tokens=(16, 64)):
+    """``n_columns`` columns of ``batch`` texts, each between ``tokens[0]`` and ``tokens[1]`` tokens."""
     template = dict(model.preprocess(["a"])) if hasattr(model, "preprocess") else dict(model.tokenize(["a"]))
+    shortest, longest = tokens
     columns = []
     for _ in range(n_columns):
-        lengths = torch.randint(16, 65, (batch,), generator=generator)
-        positions = torch.arange(64)
+        lengths = torch.randint(shortest, longest + 1, (batch,), generator=generator)
+        positions = torch.arange(longest)
         attention_mask = (positions[None, :] < lengths[:, None]).long()
-        input_ids = torch.randint(1000, MINILM_CONFIG["vocab_size"], (batch, 64), generator=generator)
+        input_ids = torch.randint(1000, MINILM_CONFIG["vocab_size"], (batch, longest), generator=generator)
         input_ids[:, 0] = 101  # [CLS]
         input_ids[torch.arange(batch), lengths - 1] = 102  # [SEP]
         input_ids = input_ids * attention_mask
@@ -380,6 +411,61 @@ def run_static(max_batch, start_batch, device, record, meta):
         free_memory()
 
 
+def gist_repeats(batch: int) -> int:
+    """Timed steps after the one warm-up: two up to 16k, one above (a 256k step takes about a minute)."""
+    return 2 if batch <= parse_count("16k") else 1
+
+
+def run_gist(sizes, device, record, meta):
+    """InfCLLoss (no guide), InfCLGISTLoss and CachedGISTEmbedLoss, mini_batch_size 256, at each size;
+    a loss that fails at a size (out of memory) is not tried at the larger ones."""
+    from sentence_transformers import losses as st_losses
+
+    from hf_infcl import losses
+
+    model, guide = gist_models(device)
+    meta["gist"] = (f"MiniLM-L6 config, random weights (model seed 0, guide seed 1), {GIST_TOKENS} tokens, "
+                    f"temperature {GIST_TEMPERATURE}")
+    guided = {"guide": guide, "temperature": GIST_TEMPERATURE, "mini_batch_size": MINI_BATCH_SIZE}
+    loss_classes = {  # InfCLLoss first: the others' rows carry their ratio to it
+        "InfCLLoss": (losses.InfCLLoss, {"scale": 1 / GIST_TEMPERATURE, "mini_batch_size": MINI_BATCH_SIZE}),
+        "InfCLGISTLoss": (losses.InfCLGISTLoss, guided),
+        "CachedGIST": (st_losses.CachedGISTEmbedLoss, guided),
+    }
+    failed = {}
+    generator = torch.Generator().manual_seed(2)
+    for batch in sizes:
+        columns = minilm_columns(model, batch, 2, device, generator, tokens=(GIST_TOKENS, GIST_TOKENS))
+        baseline = None
+        for name, (loss_class, options) in loss_classes.items():
+            row = {"part": "gist", "loss": name, "batch": batch, "mini_batch_size": MINI_BATCH_SIZE}
+            if name in failed:
+                record({**row, "status": f"skipped after {failed[name]}"})
+                continue
+            loss_module = loss_class(model, **options)
+            try:
+                step_seconds, peak, timer = measure_steps(model, loss_module, columns, gist_repeats(batch))
+            except Exception as error:  # noqa: BLE001 - an OOM is a result, anything else is reported
+                failed[name] = "OOM" if is_out_of_memory(error) else f"error: {type(error).__name__}: {error}"
+                record({**row, "status": failed[name]})
+            else:
+                row.update(status="ok", step_s=round(statistics.median(step_seconds), 4),
+                           steps=len(step_seconds), step_times=" ".join(f"{t:.3f}" for t in step_seconds),
+                           loss_part_s=round(statistics.median(timer.seconds[1:]), 5), peak_gib=gib(peak))
+                if name == "InfCLLoss":
+                    baseline = row
+                elif baseline is not None:
+                    row.update(step_vs_infcl=round(row["step_s"] / baseline["step_s"], 3),
+                               peak_vs_infcl_gib=round(row["peak_gib"] - baseline["peak_gib"], 3))
+                record(row)
+            del loss_module
+            free_memory(model)
+        del columns
+        free_memory()
+    del model, guide, guided, loss_classes
+    free_memory()
+
+
 def print_results(rows, meta):
     print("\n# sentence-transformers training steps,", meta["device"])
     print(f"# torch {meta['torch']}, sentence-transformers {meta['sentence_transformers']}, "
@@ -421,11 +507,34 @@ def print_results(rows, meta):
                 detail = f"  (step {last['step_s']:.3f} s, peak {last['peak_gib']:.2f} GiB)"
             print(f"  {name:<11} {meta.get(f'static_largest_{name}', '-')}{detail}")
         print("  (bar: InfCLLoss trains 256k)")
+    gist = {(r["batch"], r["loss"]): r for r in rows if r["part"] == "gist"}
+    if gist:
+        print(f"\nGIST: {meta.get('gist', '-')}, bf16 autocast, mini_batch_size {MINI_BATCH_SIZE} "
+              "(step s | step peak GiB)")
+        names = ("InfCLLoss", "InfCLGISTLoss", "CachedGIST")
+        columns = [Column("batch", 6), *(Column(name, 18, gap=" | ") for name in names),
+                   Column("GIST/InfCL step x | peak +GiB", align="<", gap=" | "),
+                   Column("CachedGIST/InfCLGIST step x", align="<", gap=" | ")]
+        lines = []
+        for batch in sorted({b for b, _ in gist}):
+            found = [gist.get((batch, name), {}) for name in names]
+            cells = [f"{r['step_s']:8.3f} | {r['peak_gib']:6.2f}" if r.get("status") == "ok"
+                     else str(r.get("status", "-"))[:18] for r in found]
+            ours, theirs = found[1], found[2]
+            ratio = (f"{ours['step_vs_infcl']:5.2f}x | {ours['peak_vs_infcl_gib']:+6.2f}"
+                     if "step_vs_infcl" in ours else "")
+            speedup = (f"{theirs['step_s'] / ours['step_s']:6.1f}x"
+                       if ours.get("status") == "ok" and theirs.get("status") == "ok" else "")
+            lines.append((format_count(batch), *cells, ratio, speedup))
+        print_table(columns, lines)
+        print("(targets: InfCLGISTLoss <= 1.3x InfCLLoss's step at 16k and 64k, its peak within 0.5 GiB of "
+              "InfCLLoss's, and it trains at 256k)")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="4k,16k,64k", help="MiniLM batch sizes")
+    parser.add_argument("--sizes", default=None, help="batch sizes of the minilm and gist parts "
+                        f"(default {MINILM_SIZES} and {GIST_SIZES})")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed steps per MiniLM configuration and round")
     parser.add_argument("--rounds", type=int, default=1,
@@ -435,7 +544,7 @@ def main(argv=None):
                         "(GPU time by kernel)")
     parser.add_argument("--static-start", default="16k", help="first StaticEmbedding batch size")
     parser.add_argument("--static-max", default="512k", help="largest StaticEmbedding batch size tried")
-    parser.add_argument("--parts", default="minilm,static", help="which parts to run")
+    parser.add_argument("--parts", default="minilm,static", help="which parts to run: minilm, static, gist")
     parser.add_argument("--csv", default=None, help="CSV (default $OUT/bench_sentence_transformers.csv)")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests the script (no memory)")
     args = parser.parse_args(argv)
@@ -452,7 +561,8 @@ def main(argv=None):
     }
 
     fields = ["part", "loss", "batch", "mini_batch_size", "status", "step_s", "steps", "step_times",
-              "loss_part_s", "peak_gib", "loss_part_peak_gib", "device", "torch", "triton",
+              "loss_part_s", "peak_gib", "loss_part_peak_gib", "step_vs_infcl", "peak_vs_infcl_gib",
+              "device", "torch", "triton",
               "sentence_transformers", "hf_infcl", "hf_infcl_backend"]
     rows = []
     path = csv_path(args.csv, "bench_sentence_transformers.csv")
@@ -466,11 +576,20 @@ def main(argv=None):
 
         started = time.perf_counter()
         parts = set(args.parts.split(","))
+        unknown = parts - {"minilm", "static", "gist"}
+        if unknown:
+            parser.error(f"--parts: unknown {sorted(unknown)}; choose among minilm, static, gist")
+
+        def sizes(default):
+            return [parse_count(size) for size in (args.sizes or default).split(",")]
+
         if "minilm" in parts:
-            run_minilm([parse_count(s) for s in args.sizes.split(",")], args.repeats, device, record, meta,
-                       rounds=args.rounds, profile=args.profile)
+            run_minilm(sizes(MINILM_SIZES), args.repeats, device, record, meta, rounds=args.rounds,
+                       profile=args.profile)
         if "static" in parts:
             run_static(parse_count(args.static_max), parse_count(args.static_start), device, record, meta)
+        if "gist" in parts:
+            run_gist(sizes(GIST_SIZES), device, record, meta)
     print(f"\n(total {time.perf_counter() - started:.0f} s)")
     print_results(rows, meta)
 

@@ -20,6 +20,9 @@ batch x batch score matrix:
 - ``hardness_mode`` with ``hardness_strength > 0``: MNRL's detached offset on the selected
   ``query_to_doc`` negatives, computed inside the same call (``contrastive_loss``'s
   ``hardness_mode``, with each example's id and each document's owner);
+- ``margin`` / ``margin_strategy``: GIST's false-negative filter with the model as its own guide,
+  ``contrastive_loss``'s ``false_negative_margin`` without guide tensors (its scores are the very
+  products of the call, detached);
 - with several processes and ``gather_across_devices=True`` the loss runs over every process's rows
   and keys with the hf_infcl ring (instead of an all-gather of the embeddings); the default,
   False as in sentence-transformers, keeps negatives local to each process.
@@ -49,12 +52,14 @@ from .loss import contrastive_loss
 from .ops.options import (
     HARDNESS_MODES,
     BackendName,
+    FalseNegativeStrategy,
     HardnessMode,
     LossOptions,
     OptionAttribute,
     Precision,
     check_choice,
     check_hardness_strength,
+    check_objective_options,
     check_option,
 )
 
@@ -160,6 +165,23 @@ def _check_hardness(hardness_mode, hardness_strength) -> None:
             f"hardness_mode={hardness_mode!r} is set but hardness_strength=0.0, so hardness weighting has no "
             "effect. Set hardness_strength to a positive value to enable hardness weighting."
         )
+
+
+def _checked_margin(margin, margin_strategy, directions, partition_mode) -> float | None:
+    """The one check of InfCLLoss's score filter (``hf_infcl.ops.options``'s, under GIST's names),
+    against the partition it filters; returns the margin as a float (or None: no filter)."""
+    margin = check_objective_options(None, margin, margin_strategy,
+                                     names=("group_positives", "margin", "margin_strategy"))
+    if margin is not None and partition_mode == "joint" and DOC_TO_QUERY in directions:
+        # The second copy of the positive pair would be a candidate scoring exactly the positive's
+        # score: the filter would keep or drop it by rounding at margin 0, drop it for any margin > 0.
+        raise ValueError(
+            f"margin={margin!r} is not defined with partition_mode='joint' and 'doc_to_query' in directions: "
+            "the joint softmax holds each positive pair twice (query_to_doc and doc_to_query), and the "
+            "filter cannot tell the second copy from a false negative. Use partition_mode='per_direction' "
+            "(with directions=('query_to_doc', 'doc_to_query')), drop 'doc_to_query', or leave margin None."
+        )
+    return margin
 
 
 def _process_rank() -> int:
@@ -344,6 +366,19 @@ class InfCLLoss(CachedLossMixin, nn.Module):
             positive). The other directions (``per_direction``'s ``doc_to_query`` included) keep
             their plain logits. Computed inside the fused kernels, across processes too; both are
             assignable later, as in MNRL (checked; a mode with strength 0 warns, as in MNRL).
+        margin_strategy, margin: false-negative filtering by the model's own scores, under the
+            names of GISTEmbedLoss (whose rule it is, with the model as its own guide; the rule of
+            Qwen3-Embedding and NV-Retriever). ``margin=None`` (default) filters nothing: MNRL's
+            loss. With a finite float, anchor i's candidate j is left out when its similarity
+            (``similarity_fct``, unscaled, detached) exceeds the positive pair's minus the margin:
+            ``s_ij > s_ip - margin`` ("absolute", default) or ``s_ij > s_ip - |s_ip| * margin``
+            ("relative"); the positive is always kept. Every direction's candidates are filtered
+            against the threshold of its example's positive pair (``doc_to_query``: the queries
+            scored from the positive). A negative margin leaves out only candidates more than
+            ``|margin|`` above the positive (Qwen3-Embedding: -0.1 on the cosine). Not defined with
+            ``"doc_to_query"`` under ``partition_mode="joint"`` (that softmax holds the positive pair
+            twice; ValueError). Computed inside the fused kernels (the mask is never stored), across
+            processes too; both are assignable later (checked).
 
     Inputs:
         (anchor, positive) pairs, or (anchor, positive, negative_1, ..., negative_n) tuples;
@@ -378,6 +413,8 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         partition_mode: PartitionMode = MNRL_DEFAULT[1],
         hardness_mode: HardnessMode | None = None,
         hardness_strength: float = 0.0,
+        margin_strategy: FalseNegativeStrategy = "absolute",
+        margin: float | None = None,
     ) -> None:
         super().__init__()
         _check_scale(scale)
@@ -387,7 +424,9 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         check_option("backend", backend, block_ops=False)
         self.options = LossOptions(loss="softmax", symmetric=symmetric, reduction="mean", backend=backend,
                                    precision=precision)
+        self._margin_filter = (None, "absolute")  # no filter until checked against the partition
         self._set_partition(*_with_symmetric(symmetric, directions, partition_mode))
+        self._set_margin_filter(margin, margin_strategy)
         _check_hardness(hardness_mode, hardness_strength)
         self._hardness = (hardness_mode, hardness_strength)
         caches = _caches_gradients(model, mini_batch_size, mini_batch_num_tokens)
@@ -442,7 +481,9 @@ class InfCLLoss(CachedLossMixin, nn.Module):
 
     def _set_partition(self, directions, partition_mode) -> None:
         # nn.Module.__setattr__ keeps plain values as plain attributes.
-        self._directions = _checked_directions(directions, partition_mode)
+        directions = _checked_directions(directions, partition_mode)
+        _checked_margin(*self._margin_filter, directions, partition_mode)
+        self._directions = directions
         self._partition_mode = partition_mode
         # contrastive_loss's column term is per_direction's doc_to_query term (docs/contract.md).
         symmetric = partition_mode == "per_direction" and DOC_TO_QUERY in self._directions
@@ -465,6 +506,26 @@ class InfCLLoss(CachedLossMixin, nn.Module):
     def hardness_strength(self, value) -> None:
         _check_hardness(self.hardness_mode, value)
         self._hardness = (self.hardness_mode, value)
+
+    @property
+    def margin(self) -> float | None:
+        return self._margin_filter[0]
+
+    @margin.setter
+    def margin(self, value) -> None:
+        self._set_margin_filter(value, self.margin_strategy)
+
+    @property
+    def margin_strategy(self) -> str:
+        return self._margin_filter[1]
+
+    @margin_strategy.setter
+    def margin_strategy(self, value) -> None:
+        self._set_margin_filter(self.margin, value)
+
+    def _set_margin_filter(self, margin, margin_strategy) -> None:
+        margin = _checked_margin(margin, margin_strategy, self.directions, self.partition_mode)
+        self._margin_filter = (margin, margin_strategy)
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
@@ -510,11 +571,15 @@ class InfCLLoss(CachedLossMixin, nn.Module):
         )
         if hardness:
             labels.update(hardness_mode=hardness_mode, hardness_strength=float(hardness_strength))
+        margin, margin_strategy = self._margin_filter
         return contrastive_loss(
             queries,
             keys,
             logit_scale=self.scale,
             process_group="auto" if self.gather_across_devices else None,
+            # the filter's scores are these very products, detached: the model as its own guide
+            false_negative_margin=margin,
+            false_negative_strategy=margin_strategy,
             **labels,
             **self.options.as_kwargs(),
         )
@@ -529,6 +594,8 @@ class InfCLLoss(CachedLossMixin, nn.Module):
             "partition_mode": self.partition_mode,
             "hardness_mode": self.hardness_mode,
             "hardness_strength": self.hardness_strength,
+            "margin_strategy": self.margin_strategy,
+            "margin": self.margin,
             "mini_batch_size": self.mini_batch_size,
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
             "symmetric": self.symmetric,

@@ -407,6 +407,8 @@ def test_config_and_citation(tiny_model):
         "partition_mode": "per_direction",
         "hardness_mode": None,
         "hardness_strength": 0.0,
+        "margin_strategy": "absolute",
+        "margin": None,
         "mini_batch_size": 8,
         "mini_batch_num_tokens": None,
         "symmetric": True,
