@@ -60,16 +60,6 @@ def _grad_tile_kernel(
     key_valid = key_index < n_keys
 
     scale, bias = scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS, LOG2)
-    if FILTER and GUIDE:
-        # The guide's scores first, turned into the masks before the model's dot products: the two
-        # fp32 tiles are never held at once.
-        guide_scores = dot_tile(guide_q_ptr, guide_k_ptr, None, None, row_index, key_index, row_valid,
-                                key_valid, 0, 0, c_guide, stride_guide_q, stride_guide_k, BLOCK_M, BLOCK_N,
-                                BLOCK_K, PRECISION, UPCAST, EVEN_GUIDE_K, False)
-        row_kept, column_kept = score_filter_masks(guide_scores, row_index, key_index, row_valid, key_valid,
-                                                   positive_ptr, key_offset, row_group_ptr, key_group_ptr,
-                                                   row_threshold_ptr, key_threshold_ptr, False, COLUMNS,
-                                                   GROUP_POSITIVES)
     dots = dot_tile(q_ptr, k_ptr, q_desc, k_desc, row_index, key_index, row_valid, key_valid,
                     tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N, c, stride_q, stride_k,
                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST, EVEN_K, TMA)
@@ -79,8 +69,14 @@ def _grad_tile_kernel(
         allowed = allowed_pairs(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
                                 positive_ptr, key_offset, HAS_MASK)
     logits = scaled_logits(dots, scale, bias, HAS_BIAS)
-    if FILTER and not GUIDE:
-        row_kept, column_kept = score_filter_masks(dots, row_index, key_index, row_valid, key_valid,
+    if FILTER:
+        # The score filter: each direction's term where its own threshold keeps the entry.
+        scores = dots
+        if GUIDE:
+            scores = dot_tile(guide_q_ptr, guide_k_ptr, None, None, row_index, key_index, row_valid,
+                              key_valid, 0, 0, c_guide, stride_guide_q, stride_guide_k, BLOCK_M, BLOCK_N,
+                              BLOCK_K, PRECISION, UPCAST, EVEN_GUIDE_K, False)
+        row_kept, column_kept = score_filter_masks(scores, row_index, key_index, row_valid, key_valid,
                                                    positive_ptr, key_offset, row_group_ptr, key_group_ptr,
                                                    row_threshold_ptr, key_threshold_ptr, False, COLUMNS,
                                                    GROUP_POSITIVES)

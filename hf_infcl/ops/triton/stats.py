@@ -73,17 +73,6 @@ def _stats_kernel(
     for n0 in range(inner_start, inner_end, BLOCK_N):
         inner_index = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         inner_valid = inner_index < inner_end
-        if FILTER and GUIDE:
-            # The guide's scores first, turned into the masks before the model's dot products: the
-            # two fp32 tiles are never held at once.
-            guide_scores = dot_tile(guide_outer_ptr, guide_inner_ptr, None, None, outer_index, inner_index,
-                                    outer_valid, inner_valid, 0, 0, c_guide, stride_guide_outer,
-                                    stride_guide_inner, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
-                                    EVEN_GUIDE_K, False)
-            kept, column_kept = score_filter_masks(guide_scores, outer_index, inner_index, outer_valid,
-                                                   inner_valid, positive_ptr, key_offset, row_group_ptr,
-                                                   key_group_ptr, row_threshold_ptr, key_threshold_ptr,
-                                                   COLUMNS, FUSED_COLUMNS, GROUP_POSITIVES)
         # Pointer loads (TMA False): this kernel reads its tiles faster that way than through
         # tensor descriptors, unlike the gradient-tile kernel.
         dots = dot_tile(outer_ptr, inner_ptr, None, None, outer_index, inner_index, outer_valid, inner_valid,
@@ -100,8 +89,14 @@ def _stats_kernel(
             else:
                 allowed = allowed_pairs(outer_index, inner_index, outer_valid, inner_valid,
                                         row_group_ptr, key_group_ptr, positive_ptr, key_offset, HAS_MASK)
-        if FILTER and not GUIDE:
-            kept, column_kept = score_filter_masks(dots, outer_index, inner_index, outer_valid, inner_valid,
+        if FILTER:
+            scores = dots
+            if GUIDE:
+                scores = dot_tile(guide_outer_ptr, guide_inner_ptr, None, None, outer_index, inner_index,
+                                  outer_valid, inner_valid, 0, 0, c_guide, stride_guide_outer,
+                                  stride_guide_inner, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                                  EVEN_GUIDE_K, False)
+            kept, column_kept = score_filter_masks(scores, outer_index, inner_index, outer_valid, inner_valid,
                                                    positive_ptr, key_offset, row_group_ptr, key_group_ptr,
                                                    row_threshold_ptr, key_threshold_ptr, COLUMNS,
                                                    FUSED_COLUMNS, GROUP_POSITIVES)
