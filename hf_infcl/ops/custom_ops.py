@@ -42,7 +42,7 @@ build the op's schema.)
 import torch
 from torch import Tensor
 
-from .key_blocks import SINGLE_BLOCK, UnitGradients, stats_backward, stats_forward
+from .key_blocks import SINGLE_BLOCK, UnitGradients, contract_dtypes, stats_backward, stats_forward
 from .options import BLOCK_BACKENDS, choice_error
 from .spec import PairLabels, StatsSpec, accumulation_dtype
 from .tiled import TorchTiles
@@ -101,6 +101,8 @@ def logit_stats(
             PairLabels(query_groups, key_groups, query_ids, key_owners, guide_queries=guide_queries,
                        guide_keys=guide_keys),
         )
+    # The op's outputs are what its backward is given: the statistics in the accumulation dtype.
+    stats = contract_dtypes(stats, queries.dtype)
     outputs = stats.row_stat, stats.col_stat, stats.positive
     parts = stats.column_positive, stats.positive_counts, stats.column_counts
     if stats.unit is None:
