@@ -42,10 +42,10 @@ build the op's schema.)
 import torch
 from torch import Tensor
 
-from .key_blocks import SINGLE_BLOCK, UnitGradients, contract_dtypes, stats_backward, stats_forward
+from .key_blocks import SINGLE_BLOCK, UnitGradients, stats_backward, stats_forward
 from .options import BLOCK_BACKENDS, choice_error
 from .spec import PairLabels, StatsSpec, accumulation_dtype
-from .tiled import TorchTiles
+from .tiled import TorchTiles, statistics_dtype
 from .value_check import deferred_check
 
 BACKEND_NAMES = BLOCK_BACKENDS  # the named backends an op can run: what "auto" resolves to
@@ -101,8 +101,6 @@ def logit_stats(
             PairLabels(query_groups, key_groups, query_ids, key_owners, guide_queries=guide_queries,
                        guide_keys=guide_keys),
         )
-    # The op's outputs are what its backward is given: the statistics in the accumulation dtype.
-    stats = contract_dtypes(stats, queries.dtype)
     outputs = stats.row_stat, stats.col_stat, stats.positive
     parts = stats.column_positive, stats.positive_counts, stats.column_counts
     if stats.unit is None:
@@ -128,10 +126,11 @@ def _logit_stats_fake(queries, keys, scale, bias, positives, query_groups, key_g
     acc = accumulation_dtype(queries.dtype)
     (m, c), k = queries.shape, keys.shape[0]
 
-    def vector(length):
-        return queries.new_empty((length,), dtype=acc)
+    def vector(length, dtype=acc):
+        return queries.new_empty((length,), dtype=dtype)
 
-    stats = (vector(m), vector(k if columns else 0), vector(m))
+    stat = statistics_dtype(loss, queries.dtype) if backend == "torch" else acc
+    stats = (vector(m, stat), vector(k, stat) if columns else vector(0), vector(m))
     grouped = group_positives is not None
     counting = grouped and loss == "softmax" and group_positives == "each"
     parts = (vector(k if grouped and columns else 0), vector(m if counting else 0),

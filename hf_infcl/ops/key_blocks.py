@@ -196,14 +196,6 @@ def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, qu
     return ForwardStats(row_stat, col_stat, parts.rows, *counts_and_columns, unit)
 
 
-def contract_dtypes(stats: ForwardStats, dtype: torch.dtype) -> ForwardStats:
-    """``stats`` with the statistics in the accumulation dtype of ``dtype``, as the Function's outputs
-    are; block ops may keep them more exact (:mod:`hf_infcl.ops.tiled`: float64), which the
-    backward is given from the forward's own ``stats``."""
-    acc = accumulation_dtype(dtype)
-    return stats._replace(row_stat=stats.row_stat.to(acc), col_stat=stats.col_stat.to(acc))
-
-
 def one_pass(spec: StatsSpec, schedule: KeyBlockSchedule, ops: BlockOps) -> bool:
     """Whether the forward computes the gradients too (``StatsSpec.gradients_in_forward``, where
     the schedule and the block ops offer it)."""
@@ -295,7 +287,7 @@ class KeyBlockLogitStats(torch.autograd.Function):
                               stats.positive, stats.column_positive)
         ctx.spec, ctx.ops, ctx.schedule, ctx.unit = spec, ops, schedule, stats.unit
         ctx.mark_non_differentiable(stats.positive_counts, stats.column_counts)
-        return contract_dtypes(stats, queries.dtype)[:6]
+        return stats[:6]
 
     @staticmethod
     def backward(ctx, grad_row_stat, grad_col_stat, grad_positive, grad_column_positive, *_grad_counts):

@@ -7,8 +7,8 @@ O((m + k) * c + tile_rows * tile_keys), never O(m * k).
 Tiles are computed in the accumulation dtype (fp32, or fp64 for fp64 inputs): half-precision
 inputs are upcast one tile at a time, so the logits are never rounded to bf16.
 
-The softmax loss's log-sum-exps are kept in float64 (``forward_block`` returns them so), whatever
-the inputs: at a logit scale of 100 an fp32 log-sum-exp near 100 is off by up to 4e-6, and that
+The softmax loss's log-sum-exps are kept in float64 (:func:`statistics_dtype`), whatever the
+inputs: at a logit scale of 100 an fp32 log-sum-exp near 100 is off by up to 4e-6, and that
 error scales every probability of its row in the backward. Each tile's log-sum-exp is its max
 (exact) plus the log of a sum of exp(z - max) (small, so exact to fp32's relative precision),
 added in float64; the backward subtracts the statistic from the logits in two fp32 steps, its
@@ -93,14 +93,14 @@ class TorchTiles:
 
     def forward_block(self, spec, queries, keys, scale, bias, mask: GroupMask | None,
                       hardness: HardnessOffset | None = None, score_filter: ScoreFilter | None = None):
-        acc = accumulation_dtype(queries.dtype)
         m, k = queries.shape[0], keys.shape[0]
         device = queries.device
+        stat = statistics_dtype(spec.loss, queries.dtype)
         if spec.loss == "softmax":
-            row_stat = torch.full((m,), float("-inf"), dtype=_LSE_DTYPE, device=device)
+            row_stat = torch.full((m,), float("-inf"), dtype=stat, device=device)
         else:
-            row_stat = torch.zeros(m, dtype=acc, device=device)
-        col_stat = torch.full((k,), float("-inf"), dtype=_LSE_DTYPE, device=device) if spec.columns else None
+            row_stat = torch.zeros(m, dtype=stat, device=device)
+        col_stat = torch.full((k,), float("-inf"), dtype=stat, device=device) if spec.columns else None
 
         tiles = self._logit_tiles(spec, queries, keys, scale, bias, hardness)
         for r0, r1, k0, k1, _, _, logits, row_logits, dots in tiles:
@@ -172,6 +172,13 @@ class TorchTiles:
             row_stat[r0:r1] += terms.sum(dim=1)
             _add_products(grad_logits, q_tile, k_tile, grad_queries[r0:r1], grad_keys[k0:k1], row_sums[r0:r1])
         return row_stat, row_sums
+
+
+def statistics_dtype(loss: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of :class:`TorchTiles`' row and column statistics for inputs of ``dtype``: float64
+    for the softmax loss's log-sum-exps (the module docstring says why), else the accumulation
+    dtype."""
+    return _LSE_DTYPE if loss == "softmax" else accumulation_dtype(dtype)
 
 
 def _logsumexp(logits: torch.Tensor, dim: int) -> torch.Tensor:
