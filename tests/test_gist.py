@@ -4,11 +4,10 @@ CachedGISTEmbedLoss, offline, on CPU.
 Parity: a tiny BERT (dropout on, replayed by both) trained under a frozen tiny guide (eval mode,
 other weights); the same seed before each loss; the loss value and every parameter gradient must
 equal theirs, for every option GIST has (``gather_across_devices`` over two gloo processes too),
-in float64 (the same function, to rounding) and in fp32
-(1e-5 at temperature 0.05). At GIST's default temperature 0.01 the fp32 gradients agree to 1e-4
-only: the logits are about 100 (ulp ~ 8e-6) and the loss small, and hf_infcl rounds each row's
-log-sum-exp and its positive logit (its own row-wise product) apart, where GIST's cross-entropy
-reads both from one matrix. Then their checks, config and citation.
+in float64 (the same function, to rounding) and in fp32 (1e-5), at GIST's default temperature 0.01
+too, where the logits are about 100: that needs the tiled backend's log-sum-exps kept finer than
+fp32 (an fp32 one near 100 is off by up to 4e-6 and scales its whole row's probabilities).
+Then their checks, config and citation.
 """
 
 from __future__ import annotations
@@ -116,12 +115,10 @@ def test_parity(model64, guide64, mini_batch_size, negative_columns, margin_stra
 
 
 @pytest.mark.parametrize("mini_batch_size", CACHED)
-@pytest.mark.parametrize("temperature, tolerance", [(0.05, TOLERANCE), (0.01, {"rtol": 1e-4, "atol": 1e-4})],
-                         ids=["temperature0.05", "temperature0.01"])
-def test_parity_in_fp32(tiny_model, guide, mini_batch_size, temperature, tolerance):
+@pytest.mark.parametrize("temperature", [0.05, 0.01], ids=["temperature0.05", "temperature0.01"])
+def test_parity_in_fp32(tiny_model, guide, mini_batch_size, temperature):
     columns = text_columns(ROWS, 3, seed=13)
-    assert_parity(tiny_model, guide, columns, mini_batch_size, tolerance=tolerance, margin=0.1,
-                  temperature=temperature)
+    assert_parity(tiny_model, guide, columns, mini_batch_size, margin=0.1, temperature=temperature)
 
 
 CONTRASTS = list(itertools.product([True, False], repeat=2))

@@ -45,7 +45,7 @@ from torch import Tensor
 from .key_blocks import SINGLE_BLOCK, UnitGradients, stats_backward, stats_forward
 from .options import BLOCK_BACKENDS, choice_error
 from .spec import PairLabels, StatsSpec, accumulation_dtype
-from .tiled import TorchTiles
+from .tiled import TorchTiles, statistics_dtype
 from .value_check import deferred_check
 
 BACKEND_NAMES = BLOCK_BACKENDS  # the named backends an op can run: what "auto" resolves to
@@ -126,10 +126,11 @@ def _logit_stats_fake(queries, keys, scale, bias, positives, query_groups, key_g
     acc = accumulation_dtype(queries.dtype)
     (m, c), k = queries.shape, keys.shape[0]
 
-    def vector(length):
-        return queries.new_empty((length,), dtype=acc)
+    def vector(length, dtype=acc):
+        return queries.new_empty((length,), dtype=dtype)
 
-    stats = (vector(m), vector(k if columns else 0), vector(m))
+    stat = statistics_dtype(loss, queries.dtype) if backend == "torch" else acc
+    stats = (vector(m, stat), vector(k, stat) if columns else vector(0), vector(m))
     grouped = group_positives is not None
     counting = grouped and loss == "softmax" and group_positives == "each"
     parts = (vector(k if grouped and columns else 0), vector(m if counting else 0),

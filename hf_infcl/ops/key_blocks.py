@@ -201,7 +201,7 @@ def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, qu
         row_stat, col_stat, parts = schedule.forward_stats(spec, ops, queries, keys, scale, bias, labels)
 
     def empty():  # a new one each time: a custom op's outputs may not alias each other
-        return row_stat.new_empty(0)
+        return queries.new_empty(0, dtype=accumulation_dtype(queries.dtype))
 
     if col_stat is None:
         col_stat = empty()

@@ -29,7 +29,7 @@ import torch
 
 from . import custom_ops, ring
 from .key_blocks import SINGLE_BLOCK, KeyBlockLogitStats
-from .spec import BlockOps, StatsSpec
+from .spec import BlockOps, StatsSpec, accumulation_dtype
 from .value_check import deferred_check
 
 __all__ = ["LogitStats", "announcing_rejections", "backend_name", "logit_stats", "select_block_ops"]
@@ -91,7 +91,10 @@ def logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups,
             queries, keys, scale, bias, positives, labels, spec, select_block_ops(backend, queries.device),
             validate,
         )
-    return LogitStats(row_stat, col_stat, positive_logit, queries.shape[0], *positive_parts)
+    # Block ops may keep the statistics finer (the "torch" backend's are float64) for their own
+    # backward; the loss is assembled in the accumulation dtype.
+    acc = accumulation_dtype(queries.dtype)
+    return LogitStats(row_stat.to(acc), col_stat.to(acc), positive_logit, queries.shape[0], *positive_parts)
 
 
 @torch.compiler.disable

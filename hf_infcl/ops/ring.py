@@ -413,6 +413,9 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, labels: PairLab
             partial_row, partial_col = ops.forward_block(
                 spec, queries, block_keys, scale, bias, block.mask, hardness=block.hardness,
                 score_filter=block.score_filter)
+            # the ring's statistics and transfers are in the accumulation dtype, whatever the ops keep
+            partial_row = partial_row.to(acc)
+            partial_col = None if partial_col is None else partial_col.to(acc)
             partial_positives = None
             if grouped:
                 pairs = block_pairs(labels.query_groups, labels.positive_keys, key_labels.key_groups,

@@ -6,6 +6,13 @@ O((m + k) * c + tile_rows * tile_keys), never O(m * k).
 
 Tiles are computed in the accumulation dtype (fp32, or fp64 for fp64 inputs): half-precision
 inputs are upcast one tile at a time, so the logits are never rounded to bf16.
+
+The softmax loss's log-sum-exps are kept in float64 (:func:`statistics_dtype`), whatever the
+inputs: at a logit scale of 100 an fp32 log-sum-exp near 100 is off by up to 4e-6, and that
+error scales every probability of its row in the backward. Each tile's log-sum-exp is its max
+(exact) plus the log of a sum of exp(z - max) (small, so exact to fp32's relative precision),
+added in float64; the backward subtracts the statistic from the logits in two fp32 steps, its
+fp32 value then the rest (:func:`_probabilities`), so the tiles themselves stay in fp32.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import torch.nn.functional as F
 
 from .spec import GroupMask, HardnessOffset, ScoreFilter, StatsSpec, accumulation_dtype, resolve_precision
 
+# The softmax statistics' dtype, whatever the inputs' (the module docstring says why).
+_LSE_DTYPE = torch.float64
 # Above this, softplus(z) == z to well under float64 resolution of the row sums we form.
 _SOFTPLUS_LINEAR_ABOVE = 40.0
 
@@ -84,14 +93,14 @@ class TorchTiles:
 
     def forward_block(self, spec, queries, keys, scale, bias, mask: GroupMask | None,
                       hardness: HardnessOffset | None = None, score_filter: ScoreFilter | None = None):
-        acc = accumulation_dtype(queries.dtype)
         m, k = queries.shape[0], keys.shape[0]
         device = queries.device
+        stat = statistics_dtype(spec.loss, queries.dtype)
         if spec.loss == "softmax":
-            row_stat = torch.full((m,), float("-inf"), dtype=acc, device=device)
+            row_stat = torch.full((m,), float("-inf"), dtype=stat, device=device)
         else:
-            row_stat = torch.zeros(m, dtype=acc, device=device)
-        col_stat = torch.full((k,), float("-inf"), dtype=acc, device=device) if spec.columns else None
+            row_stat = torch.zeros(m, dtype=stat, device=device)
+        col_stat = torch.full((k,), float("-inf"), dtype=stat, device=device) if spec.columns else None
 
         tiles = self._logit_tiles(spec, queries, keys, scale, bias, hardness)
         for r0, r1, k0, k1, _, _, logits, row_logits, dots in tiles:
@@ -104,11 +113,11 @@ class TorchTiles:
                 continue
             if row_allowed is not None:
                 row_logits = row_logits.masked_fill(~row_allowed, float("-inf"))
-            row_stat[r0:r1] = torch.logaddexp(row_stat[r0:r1], torch.logsumexp(row_logits, dim=1))
+            row_stat[r0:r1] = torch.logaddexp(row_stat[r0:r1], _logsumexp(row_logits, dim=1))
             if col_stat is not None:
                 if col_allowed is not None:
                     logits = logits.masked_fill(~col_allowed, float("-inf"))
-                col_stat[k0:k1] = torch.logaddexp(col_stat[k0:k1], torch.logsumexp(logits, dim=0))
+                col_stat[k0:k1] = torch.logaddexp(col_stat[k0:k1], _logsumexp(logits, dim=0))
         return row_stat, col_stat
 
     def backward_block(
@@ -137,10 +146,10 @@ class TorchTiles:
             if spec.loss == "sigmoid":
                 grad_logits = _where(row_allowed, row_weight[r0:r1, None] * torch.sigmoid(logits))
             else:
-                row_probs = torch.exp(row_logits - row_stat[r0:r1, None])
+                row_probs = _probabilities(row_logits, row_stat[r0:r1, None])
                 grad_logits = _where(row_allowed, row_weight[r0:r1, None] * row_probs)
                 if col_weight is not None:
-                    col_probs = torch.exp(logits - col_stat[None, k0:k1])
+                    col_probs = _probabilities(logits, col_stat[None, k0:k1])
                     grad_logits += _where(col_allowed, col_weight[None, k0:k1] * col_probs)
             _add_products(grad_logits, q_tile, k_tile, grad_queries[r0:r1], grad_keys[k0:k1], row_sums[r0:r1])
         return row_sums
@@ -163,6 +172,31 @@ class TorchTiles:
             row_stat[r0:r1] += terms.sum(dim=1)
             _add_products(grad_logits, q_tile, k_tile, grad_queries[r0:r1], grad_keys[k0:k1], row_sums[r0:r1])
         return row_stat, row_sums
+
+
+def statistics_dtype(loss: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of :class:`TorchTiles`' row and column statistics for inputs of ``dtype``: float64
+    for the softmax loss's log-sum-exps (the module docstring says why), else the accumulation
+    dtype."""
+    return _LSE_DTYPE if loss == "softmax" else accumulation_dtype(dtype)
+
+
+def _logsumexp(logits: torch.Tensor, dim: int) -> torch.Tensor:
+    """``torch.logsumexp`` of one tile, the max added to the log of the sum in float64 (the module
+    docstring says why)."""
+    top = logits.amax(dim=dim, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # all -inf, an inf or a NaN
+    log_sum = torch.log(torch.exp(logits - top).sum(dim=dim))
+    return top.squeeze(dim).to(_LSE_DTYPE) + log_sum.to(_LSE_DTYPE)
+
+
+def _probabilities(logits: torch.Tensor, stat: torch.Tensor) -> torch.Tensor:
+    """exp(logits - stat) in the logits' dtype, ``stat`` (float64, or the logits' dtype) subtracted
+    as its value in that dtype and then the rest: near the row's largest logits the first
+    difference is exact, so the result is as exact as the logits."""
+    high = stat.to(logits.dtype)
+    rest = torch.where(torch.isfinite(stat), stat - high, torch.zeros_like(stat)).to(logits.dtype)
+    return torch.exp((logits - high) - rest)
 
 
 def _allowed(mask: GroupMask | None, score_filter: ScoreFilter | None, dots, r0, r1, k0, k1):
