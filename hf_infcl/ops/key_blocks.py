@@ -104,8 +104,9 @@ class SingleBlock:
         block = labels.block(spec, labels.own_keys(), 0)
         row_stat, col_stat = ops.forward_block(spec, queries, keys, scale, bias, block.mask,
                                                hardness=block.hardness, score_filter=block.score_filter)
-        return row_stat, col_stat, self._positive_parts(spec, queries, keys, scale, bias, pairs,
-                                                        row_combiner(ops))
+        parts = self._positive_parts(spec, queries, keys, scale, bias, pairs, row_combiner(ops),
+                                     row_stat.dtype)
+        return row_stat, col_stat, parts
 
     @staticmethod
     def _pairs(spec: StatsSpec, labels: PairLabels) -> BlockPairs | None:
@@ -115,11 +116,12 @@ class SingleBlock:
         return block_pairs(labels.query_groups, labels.positive_keys, labels.key_groups, 0)
 
     @staticmethod
-    def _positive_parts(spec: StatsSpec, queries, keys, scale, bias, pairs: BlockPairs | None, combine):
+    def _positive_parts(spec: StatsSpec, queries, keys, scale, bias, pairs: BlockPairs | None, combine,
+                        statistics_dtype):
         """The positive parts of ``pairs`` (None without), which keep the pairs for the backward."""
         if pairs is None:
             return None
-        parts = block_positive_parts(spec, queries, keys, scale, bias, pairs, combine)
+        parts = block_positive_parts(spec, queries, keys, scale, bias, pairs, combine, statistics_dtype)
         return parts._replace(pairs=pairs)
 
     def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
@@ -163,7 +165,8 @@ class SingleBlock:
                                                         grad_queries, grad_keys,
                                                         score_filter=block.score_filter)
         unit = UnitGradients(grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums)
-        parts = self._positive_parts(spec, queries, keys, scale, bias, pairs, row_combiner(ops))
+        parts = self._positive_parts(spec, queries, keys, scale, bias, pairs, row_combiner(ops),
+                                     row_stat.dtype)
         return row_stat, unit, parts
 
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from .spec import StatsSpec, accumulation_dtype
+from .spec import StatsSpec, accumulation_dtype, probabilities
 
 
 class BlockPairs(NamedTuple):
@@ -98,13 +98,17 @@ def pair_logits(queries, keys, pairs: BlockPairs, scale, bias, combine) -> torch
     return logits if bias is None else logits + bias.to(acc)
 
 
-def segment_logsumexp(values: torch.Tensor, segments: torch.Tensor, n: int) -> torch.Tensor:
-    """[n]: the log-sum-exp of the ``values`` of each segment (-inf for a segment with none)."""
+def segment_logsumexp(values: torch.Tensor, segments: torch.Tensor, n: int, dtype=None) -> torch.Tensor:
+    """[n]: the log-sum-exp of the ``values`` of each segment (-inf for a segment with none), in
+    ``dtype`` (default the values'): each segment's max (exact) plus the log of its small sum, added
+    in that dtype, as the statistics the parts are compared with are formed (the "torch" block
+    ops keep theirs in float64)."""
     top = torch.full((n,), float("-inf"), dtype=values.dtype, device=values.device)
     top = top.scatter_reduce(0, segments, values, "amax")
     shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     sums = torch.zeros_like(top).index_add_(0, segments, torch.exp(values - shift[segments]))
-    return shift + torch.log(sums)
+    dtype = dtype or values.dtype
+    return shift.to(dtype) + torch.log(sums).to(dtype)
 
 
 def empty_positive_parts(spec: StatsSpec, m: int, k: int, dtype, device) -> PositiveParts:
@@ -119,18 +123,20 @@ def empty_positive_parts(spec: StatsSpec, m: int, k: int, dtype, device) -> Posi
     )
 
 
-def block_positive_parts(spec: StatsSpec, queries, keys, scale, bias, pairs: BlockPairs,
-                         combine) -> PositiveParts:
+def block_positive_parts(spec: StatsSpec, queries, keys, scale, bias, pairs: BlockPairs, combine,
+                         statistics_dtype=None) -> PositiveParts:
     """The partial positive parts of the rows against one key block, from its pairs (``combine``:
-    see :func:`pair_logits`)."""
+    see :func:`pair_logits`); "any"'s log-sum-exps in ``statistics_dtype``, that of the block
+    ops' statistics (default the accumulation dtype), so that the backward's two probabilities of
+    a positive pair, which nearly cancel, are rounded alike."""
     acc = accumulation_dtype(queries.dtype)
     m, k = queries.shape[0], keys.shape[0]
     if pairs.rows.numel() == 0:
         return empty_positive_parts(spec, m, k, acc, queries.device)
     logits = pair_logits(queries, keys, pairs, scale, bias, combine)
     if takes_log_sum_exp(spec):
-        rows = segment_logsumexp(logits, pairs.rows, m)
-        columns = segment_logsumexp(logits, pairs.keys, k) if spec.columns else None
+        rows = segment_logsumexp(logits, pairs.rows, m, statistics_dtype)
+        columns = segment_logsumexp(logits, pairs.keys, k, statistics_dtype) if spec.columns else None
     else:
         rows = torch.zeros(m, dtype=acc, device=queries.device).index_add_(0, pairs.rows, logits)
         columns = None
@@ -178,9 +184,9 @@ def add_pair_gradients(spec: StatsSpec, queries, keys, scale, bias, pairs: Block
     weight = row_weight.to(acc)[pairs.rows]
     if takes_log_sum_exp(spec):
         logits = pair_logits(queries, keys, pairs, scale, bias, combine)
-        weight = weight * torch.exp(logits - row_part.to(acc)[pairs.rows])
+        weight = weight * probabilities(logits, row_part[pairs.rows])
         if column_weight is not None:
-            column_probability = torch.exp(logits - column_part.to(acc)[pairs.keys])
+            column_probability = probabilities(logits, column_part[pairs.keys])
             column_weight = column_weight.to(acc)[pairs.keys] * column_probability
     elif column_weight is not None:
         column_weight = column_weight.to(acc)[pairs.keys]

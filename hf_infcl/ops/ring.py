@@ -421,7 +421,7 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, labels: PairLab
                 pairs = block_pairs(labels.query_groups, labels.positive_keys, key_labels.key_groups,
                                     key_offset)
                 partial_positives = block_positive_parts(spec, queries, block_keys, scale, bias, pairs,
-                                                         row_combiner(ops))
+                                                         row_combiner(ops), partial_row.dtype)
         row_stat = merge_row_stats(spec, row_stat, partial_row)
         if grouped:
             positives = merge_positive_parts(spec, positives, partial_positives)

@@ -402,3 +402,12 @@ class OnePassSigmoidOps(BlockOps, Protocol):
 def takes_one_pass(ops) -> bool:
     """Whether a block-ops object offers the sigmoid loss's one-pass route."""
     return callable(getattr(ops, "forward_backward_block", None))
+
+
+def probabilities(logits: torch.Tensor, stat: torch.Tensor) -> torch.Tensor:
+    """exp(logits - stat) in the logits' dtype, ``stat`` (float64, or the logits' dtype) subtracted
+    as its value in that dtype and then the rest: near the row's largest logits the first
+    difference is exact, so the result is as exact as the logits."""
+    high = stat.to(logits.dtype)
+    rest = torch.where(torch.isfinite(stat), stat - high, torch.zeros_like(stat)).to(logits.dtype)
+    return torch.exp((logits - high) - rest)

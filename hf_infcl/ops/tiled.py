@@ -12,7 +12,7 @@ inputs: at a logit scale of 100 an fp32 log-sum-exp near 100 is off by up to 4e-
 error scales every probability of its row in the backward. Each tile's log-sum-exp is its max
 (exact) plus the log of a sum of exp(z - max) (small, so exact to fp32's relative precision),
 added in float64; the backward subtracts the statistic from the logits in two fp32 steps, its
-fp32 value then the rest (:func:`_probabilities`), so the tiles themselves stay in fp32.
+fp32 value then the rest (:func:`~hf_infcl.ops.spec.probabilities`), so the tiles themselves stay in fp32.
 """
 
 from __future__ import annotations
@@ -23,7 +23,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .spec import GroupMask, HardnessOffset, ScoreFilter, StatsSpec, accumulation_dtype, resolve_precision
+from .spec import (
+    GroupMask,
+    HardnessOffset,
+    ScoreFilter,
+    StatsSpec,
+    accumulation_dtype,
+    probabilities,
+    resolve_precision,
+)
 
 # The softmax statistics' dtype, whatever the inputs' (the module docstring says why).
 _LSE_DTYPE = torch.float64
@@ -146,10 +154,10 @@ class TorchTiles:
             if spec.loss == "sigmoid":
                 grad_logits = _where(row_allowed, row_weight[r0:r1, None] * torch.sigmoid(logits))
             else:
-                row_probs = _probabilities(row_logits, row_stat[r0:r1, None])
+                row_probs = probabilities(row_logits, row_stat[r0:r1, None])
                 grad_logits = _where(row_allowed, row_weight[r0:r1, None] * row_probs)
                 if col_weight is not None:
-                    col_probs = _probabilities(logits, col_stat[None, k0:k1])
+                    col_probs = probabilities(logits, col_stat[None, k0:k1])
                     grad_logits += _where(col_allowed, col_weight[None, k0:k1] * col_probs)
             _add_products(grad_logits, q_tile, k_tile, grad_queries[r0:r1], grad_keys[k0:k1], row_sums[r0:r1])
         return row_sums
@@ -188,15 +196,6 @@ def _logsumexp(logits: torch.Tensor, dim: int) -> torch.Tensor:
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # all -inf, an inf or a NaN
     log_sum = torch.log(torch.exp(logits - top).sum(dim=dim))
     return top.squeeze(dim).to(_LSE_DTYPE) + log_sum.to(_LSE_DTYPE)
-
-
-def _probabilities(logits: torch.Tensor, stat: torch.Tensor) -> torch.Tensor:
-    """exp(logits - stat) in the logits' dtype, ``stat`` (float64, or the logits' dtype) subtracted
-    as its value in that dtype and then the rest: near the row's largest logits the first
-    difference is exact, so the result is as exact as the logits."""
-    high = stat.to(logits.dtype)
-    rest = torch.where(torch.isfinite(stat), stat - high, torch.zeros_like(stat)).to(logits.dtype)
-    return torch.exp((logits - high) - rest)
 
 
 def _allowed(mask: GroupMask | None, score_filter: ScoreFilter | None, dots, r0, r1, k0, k1):
