@@ -76,7 +76,8 @@ def make_step(variant: str, b: int, c: int, seed: int = 0):
 
 def profile(step, name: str, ms: float, rows: int = 10) -> None:
     """One more step under torch.profiler: its GPU time by kernel."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
