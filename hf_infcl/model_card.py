@@ -240,6 +240,7 @@ def render_model_card(kind: str, *, template_path: str | os.PathLike | None = No
         settings=settings,
         results=rows,
         repo_id=repo_id,
+        loss=facts.get("loss") or "softmax",  # the usage's probabilities: sigmoid or softmax
         example_prompts=list(prompts),
         usage=facts.get("usage") or _default_usage(kind, card_data.library_name, repo_id),
         hf_infcl_version=installed_version(),

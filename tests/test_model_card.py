@@ -3,6 +3,9 @@ push uploads exactly the model files (checked with a fake HfApi: nothing leaves 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 hub = pytest.importorskip("huggingface_hub")
@@ -56,7 +59,7 @@ def test_clip_card_parses_with_hub_metadata():
         "| encoder chunk (GradCache) | 256 |",
         "| processes | 2 |",
         "| peak GPU memory (GiB, per process) | 3.25 |",
-        'CLIPModel.from_pretrained("someone/tiny-clip-digits")',
+        'AutoModel.from_pretrained("someone/tiny-clip-digits")',
         "All emojis designed by OpenMoji",
         "a ring of 2 processes",
         "['a photo of the handwritten digit zero']",
@@ -162,3 +165,46 @@ def test_push_uploads_model_processor_card_but_not_training_states(tmp_path):
     assert {op.path_in_repo for op in operations} == expected == set(files_to_push(out))
     for op in operations:  # each operation points at the real file of that name
         assert op.path_or_fileobj == str(out / op.path_in_repo)
+
+
+@pytest.mark.parametrize("family, loss", [("clip", "softmax"), ("siglip", "sigmoid"), ("siglip2", "sigmoid")])
+def test_clip_card_usage_runs_for_each_family(tmp_path, monkeypatch, family, loss):
+    """The card's "How to use" code, run as a reader would, on a checkpoint of each family the
+    CLIP template serves (saved offline): it loads through the Auto classes and prints one
+    probability per label, softmax-normalised for the softmax loss, sigmoid for SigLIP's."""
+    import contextlib
+    import io
+    import re
+
+    import numpy as np
+    from PIL import Image
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from tiny_clip import build_tiny_clip_and_processor
+
+    labels = ["a photo of the digit zero", "a photo of the digit one"]
+    # SigLIP 2's processor call applies its checkpoints' defaults (16 x 16 patches, up to 256 of
+    # them; texts padded to 64 tokens) over the saved processor's: the tiny model takes them.
+    options = dict(patch_size=16, image_size=32, max_text_length=64) if family == "siglip2" else {}
+    model, processor = build_tiny_clip_and_processor(labels, family=family, **options)
+    checkpoint = tmp_path / "checkpoint"
+    model.save_pretrained(checkpoint)
+    processor.save_pretrained(checkpoint)
+    text = render_model_card("clip", **dict(CLIP_FACTS, loss=loss, repo_id=str(checkpoint),
+                                            example_prompts=labels))
+    code = re.search(r"## How to use\n\n```python\n(.*?)```", text, re.S).group(1)
+    pixels = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "image.png")
+    monkeypatch.chdir(tmp_path)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "model_card_usage", "exec"), {})
+    probabilities = eval(printed.getvalue())  # the dict the snippet prints
+    assert list(probabilities) == labels
+    values = np.array(list(probabilities.values()))
+    assert np.all((values > 0) & (values < 1))
+    if loss == "softmax":
+        assert values.sum() == pytest.approx(1.0, abs=1e-6)
+        assert "torch.sigmoid" not in code
+    else:
+        assert "torch.sigmoid" in code and 'padding="max_length"' in code
