@@ -242,7 +242,8 @@ def main(argv=None):
 
     data = script_args.load_pairs(seed=args.seed)
     model = load_model(script_args, data, str(args.device))
-    args.prompts = side_prompts(model) or None  # the prompts evaluate_retrieval puts before each side
+    if not args.prompts:  # --prompts, when given, is the Trainer's own and wins in training
+        args.prompts = side_prompts(model) or None  # the prompts evaluate_retrieval puts before each side
     train = Dataset.from_dict({"anchor": [q for q, _ in data.train], "positive": [p for _, p in data.train]})
     loss = losses.InfCLLoss(
         model,

