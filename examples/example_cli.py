@@ -8,6 +8,8 @@
   (``--learning_rate 3e-4`` or ``--learning_rate=3e-4``).
 - :func:`check_numeric_flags`: every numeric flag checked before any work, with a one-line error
   that names the flag (``--global_batch_size must be > 0, got 0``).
+- :func:`given_value`, :func:`preset_defaults`: a flag's value read before parsing, and the
+  defaults a text example's ``--preset`` sets (its own, bf16 where supported, the output folder).
 - :func:`check_output_dir`: ``--output_dir`` is a folder that can be written, checked before any
   work (a run must not train for an hour and then fail to save).
 - :func:`check_data_file`: a data file with no rows (empty, blank, a CSV header alone) named in one
@@ -129,6 +131,32 @@ def parse_with_defaults(parser, argv, default_output_dir: str, defaults: dict[st
         fail(str(error))
     check_numeric_flags(parsed, rules)
     return parsed
+
+
+def given_value(argv, flag: str) -> str | None:
+    """The value of ``flag`` in ``argv`` (``--flag v`` or ``--flag=v``), read before parsing: for a
+    flag such as ``--preset`` that changes the parser's defaults."""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(f"{flag}="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def preset_defaults(argv, presets: dict[str, dict], defaults: dict[str, object], output_dir: str):
+    """(preset name or None, defaults, output folder) for ``argv``'s ``--preset`` (one of ``presets``,
+    each with its own ``"defaults"``): the preset's defaults over ``defaults``, bf16 on a GPU that has
+    it, and ``output_dir``'s ``{dataset}`` named after the preset. An unknown preset ends the run."""
+    preset = given_value(argv, "--preset")
+    if preset is None:
+        return None, dict(defaults), output_dir
+    if preset not in presets:
+        fail(f"--preset must be one of {', '.join(presets)}; got {preset!r}")
+    defaults = {**defaults, **presets[preset]["defaults"]}
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        defaults["bf16"] = True
+    return preset, defaults, output_dir.format(dataset=preset)
 
 
 def check_output_dir(path: str) -> None:

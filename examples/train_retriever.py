@@ -49,7 +49,16 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from example_cli import POSITIVE, HubPush, argument_parser, close_process_group, fail, parse_with_defaults
+from decoder_text import RETRIEVAL_INSTRUCTION, train_bpe_tokenizer
+from example_cli import (
+    POSITIVE,
+    HubPush,
+    argument_parser,
+    close_process_group,
+    fail,
+    parse_with_defaults,
+    preset_defaults,
+)
 from retrieval_metrics import embed_texts, retrieval_metrics
 from text_outputs import finish_run, save_results_and_card, train_and_evaluate
 from text_pairs import TEXT_EXAMPLE_RULES, TEXT_TRAINING_DEFAULTS, TextPairArguments, TextPairs
@@ -75,7 +84,7 @@ PRESETS = {
     ),
 }
 # The instruction a preset puts before each query (Qwen3-Embedding / gte-Qwen2 / E5-mistral style).
-PRESET_INSTRUCTION = "Instruct: Given a definition or a description, retrieve what it describes\nQuery: "
+PRESET_INSTRUCTION = RETRIEVAL_INSTRUCTION
 
 
 @dataclass
@@ -191,51 +200,16 @@ def build_parser():
     return argument_parser((RetrieverArguments, InfCLTrainingArguments))
 
 
-def given_preset(argv) -> str | None:
-    """The ``--preset`` value in ``argv`` (before parsing: a preset changes the parser's defaults)."""
-    for i, arg in enumerate(argv):
-        if arg == "--preset" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--preset="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def parse_arguments(argv=None):
     """(RetrieverArguments, InfCLTrainingArguments) of ``argv``, every numeric flag checked."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    preset = given_preset(argv)
-    if preset is not None and preset not in PRESETS:
-        fail(f"--preset must be one of {', '.join(PRESETS)}; got {preset!r}")
-    defaults = dict(DEFAULTS)
-    if preset is not None:
-        defaults.update(PRESETS[preset]["defaults"])
-        defaults["output_dir"] = f"outputs/retriever-{preset}"
-        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-            defaults["bf16"] = True
-    output_dir = defaults.pop("output_dir", DEFAULT_OUTPUT_DIR)
+    preset, defaults, output_dir = preset_defaults(argv, PRESETS, DEFAULTS, DEFAULT_OUTPUT_DIR)
     script_args, args = parse_with_defaults(build_parser(), argv, output_dir, defaults, NUMERIC_RULES)
     if script_args.pooling is not None and script_args.pooling not in ("cls", "mean", "last"):
         fail(f"--pooling must be one of cls, mean, last; got {script_args.pooling!r}")
     if preset is not None and script_args.query_instruction is None:
         script_args.query_instruction = PRESET_INSTRUCTION
     return script_args, args
-
-
-def train_bpe_tokenizer(texts, vocab_size):
-    """A byte-level BPE tokenizer trained on ``texts`` (offline, seconds), with ``<|endoftext|>`` as its
-    EOS and padding token and no special token added to a text, as Qwen2's tokenizer does."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    core.train_from_iterator(texts, trainer=trainer)
-    eos = "<|endoftext|>"
-    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=eos, pad_token=eos)
 
 
 def build_model_and_tokenizer(script_args, data):

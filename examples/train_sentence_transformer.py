@@ -12,6 +12,27 @@ before and after training by ``hf_infcl.metrics`` (recall@1/10 and MRR of each q
 among all distinct held-out passages), the same metric and tie rule as ``train_retriever.py``
 and ``InfCLTrainer``'s evaluation.
 
+A decoder embedder (``--preset``), built as Qwen3-Embedding is: a Qwen3 model, last-token pooling
+(``Pooling(pooling_mode="lasttoken")``; the tokenizer ends every text with EOS), ``Normalize``, and a
+query prompt saved with the model (sentence-transformers' ``prompts``: ``encode(...,
+prompt_name="query")``), trained in bf16 (on a GPU that has it) with gradient checkpointing and
+``InfCLLoss(mini_batch_size=...)``:
+
+    python examples/train_sentence_transformer.py --preset qwen3-0.6b \
+        --model_name_or_path Qwen/Qwen3-Embedding-0.6B --per_device_train_batch_size 1024   # one GPU
+    python examples/train_sentence_transformer.py --preset qwen3-tiny     # the same path in seconds, CPU
+
+``qwen3-0.6b`` is Qwen3-Embedding-0.6B's layout (hidden 1024, 28 layers, 16 query / 8 key-value
+heads of 128, intermediate 3072, vocabulary 151669, rope theta 1e6); ``--model_name_or_path``
+(Qwen/Qwen3-Embedding-0.6B, Qwen/Qwen3-0.6B or a local folder of a Qwen3/Qwen2/Llama-style model)
+loads that checkpoint's weights and tokenizer. Without it nothing is downloaded: the layout is built
+from its config with random weights and a byte-level BPE tokenizer is trained on the run's texts,
+which checks the pipeline and the memory of a step, not the quality of an embedder. ``qwen3-tiny``
+is the same architecture at hidden 64 and 2 layers, for CI. A preset's defaults (learning rate
+2e-5 for qwen3-0.6b and 1e-3 for qwen3-tiny, 128 / 64 tokens, mini-batches of 64 / 16 texts, bf16
+where supported, gradient checkpointing, the query prompt ``--query_prompt``) give way to any flag
+given.
+
 With no arguments: 1024 training pairs, 16 steps of 64, 1000 held out (under a minute on a
 2-core CPU). Every ``SentenceTransformerTrainingArguments`` flag works (``--learning_rate``,
 ``--max_steps``, ``--bf16``, ``--push_to_hub``, ...), plus ``--precision`` of the loss. Numeric
@@ -20,14 +41,24 @@ flags are checked before any work, and so is ``--push_to_hub`` (token, Hub reach
 
 from __future__ import annotations
 
+import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from hf_infcl.ops.options import PRECISIONS, Precision
 
-from example_cli import POSITIVE, HubPush, argument_parser, close_process_group, parse_with_defaults
+from decoder_text import RETRIEVAL_INSTRUCTION, end_texts_with_eos, train_bpe_tokenizer
+from example_cli import (
+    POSITIVE,
+    HubPush,
+    argument_parser,
+    close_process_group,
+    parse_with_defaults,
+    preset_defaults,
+)
 from retrieval_metrics import retrieval_metrics
 from text_outputs import finish_run, save_results_and_card, train_and_evaluate
 from text_pairs import TEXT_EXAMPLE_RULES, TEXT_TRAINING_DEFAULTS, TextPairArguments
@@ -35,9 +66,45 @@ from text_pairs import TEXT_EXAMPLE_RULES, TEXT_TRAINING_DEFAULTS, TextPairArgum
 # {dataset}: wordnet, stdlib (where WordNet is not installed) or the --dataset file's name
 DEFAULT_OUTPUT_DIR = "outputs/sentence-transformer-{dataset}"
 
+# Qwen3-Embedding-0.6B's layout (its backbone is Qwen3-0.6B's, without the language-model head).
+QWEN3_0_6B = dict(
+    hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, vocab_size=151669, max_position_embeddings=32768,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
+    tie_word_embeddings=True, hidden_act="silu",
+)
+PRESETS = {
+    "qwen3-0.6b": dict(
+        config=QWEN3_0_6B, tokenizer_vocab=16384,
+        defaults={"learning_rate": 2e-5, "max_seq_length": 128, "mini_batch_size": 64,
+                  "activation_checkpointing": True},
+    ),
+    "qwen3-tiny": dict(
+        config=dict(QWEN3_0_6B, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1024,
+                    max_position_embeddings=512),
+        tokenizer_vocab=1024,
+        defaults={"learning_rate": 1e-3, "max_seq_length": 64, "mini_batch_size": 16,
+                  "activation_checkpointing": True},
+    ),
+}
+
 
 @dataclass
 class ScriptArguments(TextPairArguments):
+    preset: str | None = field(
+        default=None,
+        metadata={"help": "A decoder embedder: qwen3-0.6b (Qwen3-Embedding-0.6B's layout; random weights "
+                  "unless --model_name_or_path names a checkpoint) or qwen3-tiny (the same at hidden 64, "
+                  "for tests). Last-token pooling, EOS appended, Normalize, a query prompt, bf16 where "
+                  "supported, gradient checkpointing, --mini_batch_size."},
+    )
+    query_prompt: str | None = field(
+        default=None,
+        metadata={"help": "Text put before every query (the anchor column) in training and evaluation, "
+                  "saved as the model's 'query' prompt (default: the model's own; with --preset, a "
+                  "retrieval instruction 'Instruct: ...\\nQuery: ')."},
+    )
     scale: float = field(default=20.0, metadata={"help": "1 / temperature, as MultipleNegativesRankingLoss."})
     symmetric: bool = field(default=False, metadata={"help": "Also the passage -> query direction."})
     mini_batch_size: int | None = field(default=None, metadata={"help": "GradCache chunk of texts."})
@@ -65,17 +132,27 @@ NUMERIC_RULES = {
 DEFAULTS = TEXT_TRAINING_DEFAULTS
 
 
+def side_prompts(model) -> dict[str, str]:
+    """{column: prompt}: the model's non-empty 'query' prompt before the anchors and 'document'
+    prompt before the passages, the same in training as in :func:`evaluate_retrieval`."""
+    prompts = model.prompts or {}
+    columns = {"anchor": prompts.get("query"), "positive": prompts.get("document")}
+    return {column: prompt for column, prompt in columns.items() if prompt}
+
+
 @torch.no_grad()
 def evaluate_retrieval(model, pairs, batch_size=256):
-    """recall@1/10 and MRR of each held-out query's passage among all distinct held-out passages."""
+    """recall@1/10 and MRR of each held-out query's passage among all distinct held-out passages,
+    each side with its prompt (:func:`side_prompts`)."""
     passages = list(dict.fromkeys(p for _, p in pairs))
     passage_id = {p: i for i, p in enumerate(passages)}
+    prompts = side_prompts(model)
 
-    def embed(texts):
-        return model.encode(texts, batch_size=batch_size, convert_to_tensor=True, normalize_embeddings=True,
-                            show_progress_bar=False).float()
+    def embed(texts, column):
+        return model.encode(texts, prompt=prompts.get(column), batch_size=batch_size, convert_to_tensor=True,
+                            normalize_embeddings=True, show_progress_bar=False).float()
 
-    queries, docs = embed([q for q, _ in pairs]), embed(passages)
+    queries, docs = embed([q for q, _ in pairs], "anchor"), embed(passages, "positive")
     query_ids = torch.tensor([passage_id[p] for _, p in pairs], device=docs.device)
     passage_ids = torch.arange(len(passages), device=docs.device)
     return retrieval_metrics(queries, docs, query_ids, passage_ids, ks=(1, 10))
@@ -89,13 +166,64 @@ def build_parser():
 
 
 def parse_arguments(argv=None):
-    """(ScriptArguments, SentenceTransformerTrainingArguments) of ``argv``, every flag checked."""
-    return parse_with_defaults(build_parser(), argv, DEFAULT_OUTPUT_DIR, DEFAULTS, NUMERIC_RULES)
+    """(ScriptArguments, SentenceTransformerTrainingArguments) of ``argv``, every flag checked; a
+    ``--preset`` sets its own defaults first."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    preset, defaults, output_dir = preset_defaults(argv, PRESETS, DEFAULTS, DEFAULT_OUTPUT_DIR)
+    script_args, args = parse_with_defaults(build_parser(), argv, output_dir, defaults, NUMERIC_RULES)
+    if preset is not None and script_args.query_prompt is None:
+        script_args.query_prompt = RETRIEVAL_INSTRUCTION
+    return script_args, args
+
+
+def save_random_decoder(preset, texts, folder) -> None:
+    """The preset's layout with random weights and a tokenizer trained on ``texts``, saved into
+    ``folder`` with ``save_pretrained``: what a checkpoint would hold, so that both load alike."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    tokenizer = train_bpe_tokenizer(texts, preset["tokenizer_vocab"])
+    eos = tokenizer.eos_token_id
+    config = Qwen3Config(**preset["config"], bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    Qwen3Model(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def build_decoder_embedder(script_args, data, device):
+    """A SentenceTransformer of the preset: Transformer (the checkpoint ``--model_name_or_path``, else
+    the preset's layout with random weights) -> last-token Pooling -> Normalize, with the query prompt."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = script_args.model_name_or_path
+        if not path:
+            texts = [text for pair in data.train for text in pair] + [script_args.query_prompt or ""]
+            save_random_decoder(PRESETS[script_args.preset], texts, folder)
+            path = folder
+        transformer = Transformer(path, max_seq_length=script_args.max_seq_length)
+    end_texts_with_eos(transformer.tokenizer)
+    pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode="lasttoken")
+    return SentenceTransformer(modules=[transformer, pooling, Normalize()], device=device,
+                               prompts={"query": script_args.query_prompt or "", "document": ""})
+
+
+def load_model(script_args, data, device):
+    """The SentenceTransformer to train: a preset's decoder embedder, or the checkpoint (default:
+    all-MiniLM-L6-v2) as saved; ``--query_prompt`` becomes its 'query' prompt."""
+    from sentence_transformers import SentenceTransformer
+
+    if script_args.preset:
+        return build_decoder_embedder(script_args, data, device)
+    model = SentenceTransformer(script_args.model_path(), device=device)
+    model.max_seq_length = script_args.max_seq_length
+    if script_args.query_prompt is not None:
+        model.prompts = {**(model.prompts or {}), "query": script_args.query_prompt}
+    return model
 
 
 def main(argv=None):
     from datasets import Dataset
-    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+    from sentence_transformers import SentenceTransformerTrainer
 
     try:  # sentence-transformers >= 6.1 moved it
         from sentence_transformers.sentence_transformer.training_args import BatchSamplers
@@ -113,9 +241,9 @@ def main(argv=None):
     started = time.perf_counter()
 
     data = script_args.load_pairs(seed=args.seed)
-    model_path = script_args.model_path()
-    model = SentenceTransformer(model_path, device=str(args.device))
-    model.max_seq_length = script_args.max_seq_length
+    model = load_model(script_args, data, str(args.device))
+    if not args.prompts:  # --prompts, when given, is the Trainer's own and wins in training
+        args.prompts = side_prompts(model) or None  # the prompts evaluate_retrieval puts before each side
     train = Dataset.from_dict({"anchor": [q for q, _ in data.train], "positive": [p for _, p in data.train]})
     loss = losses.InfCLLoss(
         model,
@@ -128,6 +256,14 @@ def main(argv=None):
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=loss)
     say = print if trainer.is_world_process_zero() else (lambda *a, **k: None)
     world = trainer.accelerator.num_processes
+    if script_args.preset:
+        backbone = model[0].config
+        weights = f"weights of {script_args.model_name_or_path}" if script_args.model_name_or_path else (
+            "random weights, a tokenizer trained here")
+        parameters = sum(p.numel() for p in model.parameters())
+        say(f"preset {script_args.preset}: {backbone.model_type}, {backbone.num_hidden_layers} layers, "
+            f"hidden {backbone.hidden_size}, {parameters / 1e6:.1f} M parameters "
+            f"({weights}); pooling {model[1].pooling_mode}, mini-batch {script_args.mini_batch_size}")
     say(
         f"{data.description}: {len(data.train)} training pairs, {len(data.held_out)} held out; "
         f"contrastive batch {args.per_device_train_batch_size * world}"
@@ -138,9 +274,15 @@ def main(argv=None):
 
     if trainer.is_world_process_zero():
         model.save_pretrained(args.output_dir)
+        card_args, card_fields = script_args, {}
+        if script_args.preset and not script_args.model_name_or_path:  # no base model: say what was trained
+            card_args = replace(script_args, model_name_or_path="")
+            card_fields = dict(model_description=f"the {script_args.preset} preset's Qwen3 layout, "
+                               "trained from random weights")
         # Replaces sentence-transformers' own README with the hf_infcl card (same metadata style).
         save_results_and_card(
-            args, script_args, data, trainer, before=before, after=after, train_seconds=train_seconds,
+            args, card_args, data, trainer, before=before, after=after, train_seconds=train_seconds,
+            **card_fields,
             library_name="sentence-transformers",
             chunk_size=script_args.mini_batch_size,
             loss="softmax",

