@@ -1,0 +1,99 @@
+"""``losses.InfCLLoss`` and ``losses.InfCLGISTLoss`` trained by ``SentenceTransformerTrainer`` on a
+sharded model, two processes on CPU over gloo (``tests/helpers/sentence_transformers_sharded_workers.py``).
+
+Under FSDP2, two SGD steps with dropout on, without and with ``mini_batch_size``, move every
+parameter as the Trainer's DDP does on the same data, and a cached step gathers each FSDP2 unit
+once and reduce-scatters its gradients once (sentence-transformers' own replays would do both for
+every mini-batch). With ``mini_batch_size``, DeepSpeed is refused at the first forward.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.offline import run_two_processes
+from tests.test_fsdp import assert_same_grads
+
+REPO = Path(__file__).resolve().parent.parent
+LOSSES = ("mnrl", "gist")
+RUNS = [f"{loss}{suffix}" for loss in LOSSES for suffix in ("", "-cached")]
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory) -> dict[str, dict]:
+    pytest.importorskip("torch.distributed.fsdp")
+    out = tmp_path_factory.mktemp("st_fsdp")
+    run_two_processes(REPO / "tests" / "helpers" / "sentence_transformers_sharded_workers.py", out)
+    runs = {name: torch.load(out / f"{name}.pt") for name in (f"{engine}-{run}" for engine in ("ddp", "fsdp")
+                                                                for run in RUNS)}
+    runs["start"] = torch.load(out / "start.pt")
+    return runs
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_sentence_transformers_under_fsdp2_matches_ddp(fsdp_runs, run):
+    reference, sharded = fsdp_runs[f"ddp-{run}"], fsdp_runs[f"fsdp-{run}"]
+    assert sharded["units"] == 3  # the two BertLayers and the root: the model is sharded
+    assert_same_grads(sharded["parameters"], reference["parameters"], tolerance=1e-5)
+    assert len(reference["losses"]) == 2
+    for got, want in zip(sharded["losses"], reference["losses"], strict=True):
+        assert math.isclose(got, want, rel_tol=1e-5), run
+    # the steps moved the encoder, so agreeing above says something
+    start = fsdp_runs["start"]
+    moved = max(float((reference["parameters"][name] - value).norm() / value.norm())
+                for name, value in start.items() if "encoder" in name)
+    assert moved > 1e-3
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_sentence_transformers_cached_loss_under_fsdp2_gathers_and_reduces_once_per_step(fsdp_runs, loss):
+    """Three mini-batches per column and rank: without the loss's FSDP2 handling each of the six
+    replays would reduce-scatter (18 per step) and gather again (30)."""
+    cached = fsdp_runs[f"fsdp-{loss}-cached"]
+    units = cached["units"]
+    assert cached["steps"] == [{"all_gather": units, "reduce_scatter": units}] * 2
+    # without caching, one backward: FSDP2 itself reduces once
+    assert [step["reduce_scatter"] for step in fsdp_runs[f"fsdp-{loss}"]["steps"]] == [units] * 2
+
+
+class EngineStandIn(torch.nn.Module):
+    """What sentence-transformers' Trainer puts in the loss under ``deepspeed=...``: a module with
+    DeepSpeed's accumulation-boundary API (the engine itself needs DeepSpeed's initialisation)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def set_gradient_accumulation_boundary(self, boundary: bool) -> None:
+        raise AssertionError("the refusal comes before any use of the engine")
+
+    def forward(self, features):
+        raise AssertionError("the refusal comes before any embedding")
+
+
+@pytest.mark.parametrize("loss_class", ["InfCLLoss", "InfCLGISTLoss"])
+def test_sentence_transformers_cached_loss_refuses_deepspeed(tmp_path, loss_class):
+    from hf_infcl import losses
+    from tests.helpers.sentence_transformers_fixtures import (
+        build_tiny_model_dir,
+        features,
+        load_tiny_model,
+        text_columns,
+    )
+
+    model = load_tiny_model(build_tiny_model_dir(tmp_path / "model"))
+    guide = (model,) if loss_class == "InfCLGISTLoss" else ()
+    loss = getattr(losses, loss_class)(model, *guide, mini_batch_size=2)
+    batch = features(model, text_columns(4, 2, seed=5))
+    loss.model = EngineStandIn(model)  # what the Trainer does at its first step under DeepSpeed
+    with pytest.raises(ValueError, match=rf"{loss_class} with mini_batch_size.*DeepSpeed.*fsdp_config"):
+        loss(batch, None)
+    # without caching the loss does not refuse (it calls the engine's forward)
+    loss.mini_batch_size = None
+    loss.uses_gradient_cache = False
+    with pytest.raises(AssertionError, match="before any embedding"):
+        loss(batch, None)
