@@ -386,8 +386,8 @@ class InfCLLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
         labels are ignored. Every negative column is a candidate for every anchor of the batch.
 
     Sharded models: under FSDP2 a cached step gathers each unit once and reduce-scatters once
-    (``hf_infcl.sharded_replays``); under DeepSpeed ``mini_batch_size`` is refused (ValueError at the
-    first forward).
+    (``hf_infcl.sharded_replays``); under DeepSpeed ZeRO-2/3 the loss trains without caching, and
+    ``mini_batch_size`` is refused (ValueError at the first forward).
 
     Example:
         ::

@@ -4,7 +4,8 @@ sharded model, two processes on CPU over gloo (``tests/helpers/sentence_transfor
 Under FSDP2, two SGD steps with dropout on, without and with ``mini_batch_size``, move every
 parameter as the Trainer's DDP does on the same data, and a cached step gathers each FSDP2 unit
 once and reduce-scatters its gradients once (sentence-transformers' own replays would do both for
-every mini-batch). With ``mini_batch_size``, DeepSpeed is refused at the first forward.
+every mini-batch). Under DeepSpeed ZeRO-2 and ZeRO-3 (its CPU accelerator) the uncached losses
+match DDP the same way, and ``mini_batch_size`` is refused at the first step.
 """
 
 from __future__ import annotations
@@ -19,34 +20,52 @@ from tests.helpers.offline import run_two_processes
 from tests.test_fsdp import assert_same_grads
 
 REPO = Path(__file__).resolve().parent.parent
+WORKER = REPO / "tests" / "helpers" / "sentence_transformers_sharded_workers.py"
 LOSSES = ("mnrl", "gist")
 RUNS = [f"{loss}{suffix}" for loss in LOSSES for suffix in ("", "-cached")]
+STAGES = ("zero2", "zero3")
+
+
+def load_runs(out: Path, engines) -> dict[str, dict]:
+    runs = {f"{engine}-{run}": torch.load(out / f"{engine}-{run}.pt") for engine in ("ddp", *engines)
+            for run in RUNS}
+    runs["start"] = torch.load(out / "start.pt")
+    return runs
 
 
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory) -> dict[str, dict]:
     pytest.importorskip("torch.distributed.fsdp")
     out = tmp_path_factory.mktemp("st_fsdp")
-    run_two_processes(REPO / "tests" / "helpers" / "sentence_transformers_sharded_workers.py", out)
-    runs = {name: torch.load(out / f"{name}.pt") for name in (f"{engine}-{run}" for engine in ("ddp", "fsdp")
-                                                                for run in RUNS)}
-    runs["start"] = torch.load(out / "start.pt")
-    return runs
+    run_two_processes(WORKER, out, "fsdp")
+    return load_runs(out, ["fsdp"])
 
 
-@pytest.mark.parametrize("run", RUNS)
-def test_sentence_transformers_under_fsdp2_matches_ddp(fsdp_runs, run):
-    reference, sharded = fsdp_runs[f"ddp-{run}"], fsdp_runs[f"fsdp-{run}"]
-    assert sharded["units"] == 3  # the two BertLayers and the root: the model is sharded
+@pytest.fixture(scope="module")
+def deepspeed_runs(tmp_path_factory) -> dict[str, dict]:
+    pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp("st_deepspeed")
+    run_two_processes(WORKER, out, "deepspeed", env={"DS_ACCELERATOR": "cpu"})
+    return load_runs(out, STAGES)
+
+
+def check_matches_ddp(runs: dict[str, dict], name: str, run: str) -> None:
+    reference, sharded = runs[f"ddp-{run}"], runs[f"{name}-{run}"]
     assert_same_grads(sharded["parameters"], reference["parameters"], tolerance=1e-5)
     assert len(reference["losses"]) == 2
     for got, want in zip(sharded["losses"], reference["losses"], strict=True):
         assert math.isclose(got, want, rel_tol=1e-5), run
     # the steps moved the encoder, so agreeing above says something
-    start = fsdp_runs["start"]
+    start = runs["start"]
     moved = max(float((reference["parameters"][name] - value).norm() / value.norm())
                 for name, value in start.items() if "encoder" in name)
     assert moved > 1e-3
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_sentence_transformers_under_fsdp2_matches_ddp(fsdp_runs, run):
+    assert fsdp_runs[f"fsdp-{run}"]["units"] == 3  # the two BertLayers and the root: the model is sharded
+    check_matches_ddp(fsdp_runs, "fsdp", run)
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -58,6 +77,23 @@ def test_sentence_transformers_cached_loss_under_fsdp2_gathers_and_reduces_once_
     assert cached["steps"] == [{"all_gather": units, "reduce_scatter": units}] * 2
     # without caching, one backward: FSDP2 itself reduces once
     assert [step["reduce_scatter"] for step in fsdp_runs[f"fsdp-{loss}"]["steps"]] == [units] * 2
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("stage", STAGES)
+def test_sentence_transformers_under_deepspeed_matches_ddp_without_caching(deepspeed_runs, stage, loss):
+    check_matches_ddp(deepspeed_runs, stage, loss)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("stage", STAGES)
+def test_sentence_transformers_cached_loss_under_deepspeed_is_refused_at_the_first_step(deepspeed_runs, stage,
+                                                                                       loss):
+    run = deepspeed_runs[f"{stage}-{loss}-cached"]
+    loss_class = {"mnrl": "InfCLLoss", "gist": "InfCLGISTLoss"}[loss]
+    assert run["refused"] is not None, "trained under DeepSpeed with mini_batch_size"
+    assert run["refused"].startswith(f"{loss_class} with mini_batch_size or mini_batch_num_tokens")
+    assert "fsdp_config" in run["refused"] and run["steps"] == []  # before any step ended
 
 
 class EngineStandIn(torch.nn.Module):

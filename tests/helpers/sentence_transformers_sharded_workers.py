@@ -1,6 +1,6 @@
 """Worker for the sharded sentence-transformers tests (``tests/test_sentence_transformers_sharded.py``).
 
-    torchrun --nproc_per_node 2 tests/helpers/sentence_transformers_sharded_workers.py OUT
+    torchrun --nproc_per_node 2 tests/helpers/sentence_transformers_sharded_workers.py OUT [fsdp|deepspeed]
 
 ``SentenceTransformerTrainer`` trains the tiny BERT of ``sentence_transformers_fixtures`` (dropout
 on) for two SGD steps on 6 (anchor, positive) pairs per rank and step with ``losses.InfCLLoss``
@@ -9,7 +9,10 @@ as its guide, each without and with ``mini_batch_size=2`` (three replays per col
 
 * ``ddp-*``: the Trainer's DDP (the reference);
 * ``fsdp-*``: FSDP2 (``fully_shard`` on each ``BertLayer`` and the root), switched on for CPU as
-  ``trainer_fsdp_workers.CpuFsdpMixin`` does.
+  ``trainer_fsdp_workers.CpuFsdpMixin`` does;
+* with ``deepspeed``, ``zero2-*`` and ``zero3-*`` instead (DeepSpeed's CPU accelerator,
+  ``DS_ACCELERATOR=cpu``), whose cached runs are expected to be refused at the first step: the
+  message is recorded instead of parameters.
 
 FSDP2's all-gathers and reduce-scatters (one call per unit each) are counted per optimizer step.
 Rank 0 writes the starting parameters, and each run's full parameters, logged losses, counts and
@@ -27,23 +30,37 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from hf_infcl.sharding import full_value  # noqa: E402
 from tests.helpers.sentence_transformers_fixtures import (  # noqa: E402
     build_tiny_model_dir,
     load_tiny_model,
     text_columns,
 )
 from tests.helpers.trainer_fixtures import end_worker_process  # noqa: E402
-from tests.helpers.trainer_fsdp_workers import CpuFsdpMixin  # noqa: E402
+from tests.helpers.trainer_fsdp_workers import CpuFsdpMixin, full_parameters  # noqa: E402
 
 ROWS_PER_RANK = 6
 STEPS = 2
 MINI_BATCH = 2
 FSDP = dict(fsdp="full_shard", fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["BertLayer"]})
 LOSSES = ("mnrl", "gist")
-# name -> (engine arguments, loss, mini_batch_size)
-RUNS = {f"{engine}-{loss}{'-cached' if cached else ''}": (arguments, loss, MINI_BATCH if cached else None)
-        for engine, arguments in (("ddp", {}), ("fsdp", FSDP)) for loss in LOSSES for cached in (False, True)}
+
+
+def zero(stage: int) -> dict:
+    """The Trainer's ``deepspeed`` argument for ZeRO ``stage`` (nothing persists under ZeRO-3)."""
+    return {"deepspeed": {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto", "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}}
+
+
+ENGINES = {"fsdp": {"fsdp": FSDP}, "deepspeed": {"zero2": zero(2), "zero3": zero(3)}}
+
+
+def runs(engine: str) -> dict[str, tuple[dict, str, int | None]]:
+    """name -> (the Trainer's engine arguments, loss, mini_batch_size) of ``engine``'s runs and DDP's."""
+    return {f"{name}-{loss}{'-cached' if cached else ''}": (arguments, loss, MINI_BATCH if cached else None)
+            for name, arguments in {"ddp": {}, **ENGINES[engine]}.items()
+            for loss in LOSSES for cached in (False, True)}
 
 
 class CollectiveCounter:
@@ -84,11 +101,14 @@ def build_loss(kind: str, model, guide, mini_batch_size):
                             backend="torch")
 
 
-def train(name: str, out_dir: Path, model_dir: Path, guide_dir: Path, dataset, counter) -> dict:
+def train(name: str, run, out_dir: Path, model_dir: Path, guide_dir: Path, dataset, counter) -> dict:
     from sentence_transformers import SentenceTransformerTrainingArguments
     from transformers import TrainerCallback
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    engine_arguments, kind, mini_batch_size = RUNS[name]
+    engine_arguments, kind, mini_batch_size = run
+    # the previous run's ZeRO-3 arguments would make loading partition the model (zero.Init)
+    unset_hf_deepspeed_config()
     model = load_tiny_model(model_dir)
     guide = load_tiny_model(guide_dir).eval()
     args = SentenceTransformerTrainingArguments(
@@ -110,14 +130,21 @@ def train(name: str, out_dir: Path, model_dir: Path, guide_dir: Path, dataset, c
     trainer = trainer_class()(model=model, args=args, train_dataset=dataset, loss=loss,
                               callbacks=[CountPerStep()])
     assert trainer.is_fsdp_enabled == name.startswith("fsdp"), name
+    assert trainer.is_deepspeed_enabled == name.startswith("zero"), name
+    if trainer.is_deepspeed_enabled and mini_batch_size is not None:
+        try:  # refused at the first step, on every rank alike
+            trainer.train()
+        except ValueError as error:
+            return {"refused": str(error), "steps": steps}
+        return {"refused": None}
     trainer.train()
     units = sum(1 for module in trainer.model.modules() if hasattr(module, "set_reshard_after_backward"))
-    parameters = {key: full_value(value).detach().clone() for key, value in trainer.model.named_parameters()}
+    parameters = full_parameters(trainer)
     return {"parameters": parameters, "steps": steps, "units": units,
             "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]}
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, engine: str = "fsdp") -> None:
     from datasets import Dataset
 
     torch.set_num_threads(1)
@@ -130,16 +157,21 @@ def main(out_dir: str) -> None:
     anchors, positives = text_columns(ROWS_PER_RANK * world_size * STEPS, 2, seed=3)
     dataset = Dataset.from_dict({"anchor": anchors, "positive": positives})
     counter = CollectiveCounter()
+    if engine == "deepspeed":
+        # On CPU, TrainingArguments leaves DeepSpeed's own communication uninitialised.
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
     if rank == 0:
         start = {key: value.detach().clone() for key, value in load_tiny_model(model_dir).named_parameters()}
         torch.save(start, out / "start.pt")
-    for name in RUNS:
-        result = train(name, out, model_dir, guide_dir, dataset, counter)
+    for name, run in runs(engine).items():
+        result = train(name, run, out, model_dir, guide_dir, dataset, counter)
         if rank == 0:
             torch.save(result, out / f"{name}.pt")
         dist.barrier()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
     end_worker_process()
