@@ -10,8 +10,11 @@ mini-batch's forward and backward. :class:`ShardedReplaysMixin` makes a cached s
 gather each unit once (:func:`hf_infcl.sharding.fsdp_gather_once`) and reduce-scatter once, at
 the last replay (:func:`hf_infcl.sharding.fsdp_no_sync` around the others).
 
-DeepSpeed is refused at the first cached forward (:func:`check_cached_engine`): its engine's
-backward, which the Trainer calls on the loss, would run the replays' backwards inside it.
+With gradient accumulation the Trainer's own ``no_sync`` holds the replays of every micro-batch
+but the last unreduced, and is left alone. DeepSpeed is refused at the first cached forward
+(:func:`check_cached_engine`): the replays' backwards would run inside the engine's backward (the
+Trainer calls it on the loss), which ZeRO's gradient hooks do not support (ZeRO-2 stops with
+"Gradient computed twice").
 """
 
 from __future__ import annotations
@@ -36,10 +39,18 @@ def check_cached_engine(model, loss_name: str) -> None:
     if hasattr(model, "set_gradient_accumulation_boundary"):
         raise ValueError(
             f"{loss_name} with mini_batch_size or mini_batch_num_tokens (gradient caching) does not "
-            "support DeepSpeed yet (the engine's backward would run every mini-batch's replay inside "
-            "it); train it under FSDP2 (fsdp=..., fsdp_config={'version': 2}) or DDP, or leave "
-            "mini_batch_size and mini_batch_num_tokens None"
+            "support DeepSpeed yet (its mini-batches would be replayed inside the engine's backward, "
+            "which ZeRO's gradient hooks do not support); train it under FSDP2 (fsdp=..., "
+            "fsdp_config={'version': 2}) or DDP, or leave mini_batch_size and mini_batch_num_tokens None"
         )
+
+
+def _reduces_gradients(module) -> bool:
+    """Whether FSDP2 reduces ``module``'s gradients at its next backward: False inside an outer
+    ``no_sync`` (the Trainer's, on the micro-batches of a gradient-accumulation step but the last)."""
+    groups = [group for unit in module.modules() if hasattr(unit, "_get_fsdp_state")
+              for group in unit._get_fsdp_state()._fsdp_param_groups]
+    return all(group.reduce_grads for group in groups)
 
 
 def _reshard_after_forward() -> bool:
@@ -59,26 +70,30 @@ class ShardedReplaysMixin:
 
     # Replays still to come in the current cached step under FSDP2; None outside one.
     _replays_left: int | None = None
+    # The step's fsdp_gather_once, entered from the first pass to the end of the last replay.
+    _gather_once: contextlib.AbstractContextManager | None = None
     # fsdp_no_sync(self.model) while entered: from the first pass to the last replay's forward.
     _no_sync: contextlib.AbstractContextManager | None = None
 
     def forward_cached(self, sentence_features, labels=None):
         check_cached_engine(self.model, type(self).__name__)
+        # a step whose backward never ran must not leave its gradient sync off for this one
+        self._end_step()
         if not (torch.is_grad_enabled() and is_fsdp2_module(self.model)):
             return super().forward_cached(sentence_features, labels)
-        # an evaluation forward may have left the root gathered: gather_once reshards it at the end
-        gather_once = fsdp_gather_once(self.model, reshard_after_forward=_reshard_after_forward())
-        gather_once.__enter__()
-        self._no_sync = fsdp_no_sync(self.model)
-        self._no_sync.__enter__()
+        self._gather_once = fsdp_gather_once(self.model, reshard_after_forward=_reshard_after_forward())
+        self._gather_once.__enter__()
+        if _reduces_gradients(self.model):  # else an outer no_sync keeps every replay unreduced
+            self._no_sync = fsdp_no_sync(self.model)
+            self._no_sync.__enter__()
         self._replays_left = 0
         try:
             loss = super().forward_cached(sentence_features, labels)
         except BaseException:
-            self._end_step(gather_once)
+            self._end_step()
             raise
         # Tensor hooks run in the order they were registered: this one after the mixin's replays.
-        loss.register_hook(lambda grad: self._end_step(gather_once))
+        loss.register_hook(lambda grad: self._end_step())
         return loss
 
     def _sync_from_here(self) -> None:
@@ -87,10 +102,13 @@ class ShardedReplaysMixin:
             no_sync, self._no_sync = self._no_sync, None
             no_sync.__exit__(None, None, None)
 
-    def _end_step(self, gather_once) -> None:
+    def _end_step(self) -> None:
+        """Sync back on and every unit resharded; nothing outside a cached step under FSDP2."""
         self._replays_left = None
         self._sync_from_here()
-        gather_once.__exit__(None, None, None)
+        if self._gather_once is not None:
+            gather_once, self._gather_once = self._gather_once, None
+            gather_once.__exit__(None, None, None)
 
     def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
         if self._replays_left is not None:

@@ -26,9 +26,9 @@ RUNS = [f"{loss}{suffix}" for loss in LOSSES for suffix in ("", "-cached")]
 STAGES = ("zero2", "zero3")
 
 
-def load_runs(out: Path, engines) -> dict[str, dict]:
+def load_runs(out: Path, engines, extra_runs=()) -> dict[str, dict]:
     runs = {f"{engine}-{run}": torch.load(out / f"{engine}-{run}.pt") for engine in ("ddp", *engines)
-            for run in RUNS}
+            for run in (*RUNS, *extra_runs)}
     runs["start"] = torch.load(out / "start.pt")
     return runs
 
@@ -38,7 +38,9 @@ def fsdp_runs(tmp_path_factory) -> dict[str, dict]:
     pytest.importorskip("torch.distributed.fsdp")
     out = tmp_path_factory.mktemp("st_fsdp")
     run_two_processes(WORKER, out, "fsdp")
-    return load_runs(out, ["fsdp"])
+    runs = load_runs(out, ["fsdp"], ["mnrl-cached-accumulate"])
+    runs["abandoned_forward"] = torch.load(out / "abandoned_forward.pt")
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +79,21 @@ def test_sentence_transformers_cached_loss_under_fsdp2_gathers_and_reduces_once_
     assert cached["steps"] == [{"all_gather": units, "reduce_scatter": units}] * 2
     # without caching, one backward: FSDP2 itself reduces once
     assert [step["reduce_scatter"] for step in fsdp_runs[f"fsdp-{loss}"]["steps"]] == [units] * 2
+
+
+def test_sentence_transformers_cached_loss_under_fsdp2_with_gradient_accumulation(fsdp_runs):
+    """Two micro-batches per optimizer step: the Trainer's no_sync holds the first one's replays
+    unreduced too, so the step still reduce-scatters once (each micro-batch gathers once)."""
+    sharded = fsdp_runs["fsdp-mnrl-cached-accumulate"]
+    check_matches_ddp(fsdp_runs, "fsdp", "mnrl-cached-accumulate")
+    units = sharded["units"]
+    assert sharded["steps"] == [{"all_gather": 2 * units, "reduce_scatter": units}] * 2
+
+
+def test_sentence_transformers_cached_loss_under_fsdp2_after_a_forward_without_backward(fsdp_runs):
+    """The abandoned forward left gradient sync off and the units gathered; the next cached step
+    puts both back first, so it reduce-scatters once per unit (three units: layers and root)."""
+    assert fsdp_runs["abandoned_forward"] == {"all_gather": 3, "reduce_scatter": 3}
 
 
 @pytest.mark.parametrize("loss", LOSSES)

@@ -5,7 +5,8 @@
 ``SentenceTransformerTrainer`` trains the tiny BERT of ``sentence_transformers_fixtures`` (dropout
 on) for two SGD steps on 6 (anchor, positive) pairs per rank and step with ``losses.InfCLLoss``
 (the ring: ``gather_across_devices=True``), and ``losses.InfCLGISTLoss`` with a second tiny model
-as its guide, each without and with ``mini_batch_size=2`` (three replays per column and rank):
+as its guide, each without and with ``mini_batch_size=2`` (three replays per column and rank),
+and ``InfCLLoss`` cached again with two micro-batches of 3 pairs per step (``-accumulate``):
 
 * ``ddp-*``: the Trainer's DDP (the reference);
 * ``fsdp-*``: FSDP2 (``fully_shard`` on each ``BertLayer`` and the root), switched on for CPU as
@@ -14,7 +15,8 @@ as its guide, each without and with ``mini_batch_size=2`` (three replays per col
   ``DS_ACCELERATOR=cpu``), whose cached runs are expected to be refused at the first step: the
   message is recorded instead of parameters.
 
-FSDP2's all-gathers and reduce-scatters (one call per unit each) are counted per optimizer step.
+FSDP2's all-gathers and reduce-scatters (one call per unit each) are counted per optimizer step,
+and in a step after a cached forward whose backward never ran (``abandoned_forward``).
 Rank 0 writes the starting parameters, and each run's full parameters, logged losses, counts and
 number of FSDP2 units, to OUT.
 """
@@ -56,11 +58,19 @@ def zero(stage: int) -> dict:
 ENGINES = {"fsdp": {"fsdp": FSDP}, "deepspeed": {"zero2": zero(2), "zero3": zero(3)}}
 
 
+# two micro-batches of half the rows per optimizer step
+ACCUMULATE = {"gradient_accumulation_steps": 2, "per_device_train_batch_size": ROWS_PER_RANK // 2}
+
+
 def runs(engine: str) -> dict[str, tuple[dict, str, int | None]]:
-    """name -> (the Trainer's engine arguments, loss, mini_batch_size) of ``engine``'s runs and DDP's."""
-    return {f"{name}-{loss}{'-cached' if cached else ''}": (arguments, loss, MINI_BATCH if cached else None)
-            for name, arguments in {"ddp": {}, **ENGINES[engine]}.items()
-            for loss in LOSSES for cached in (False, True)}
+    """name -> (the Trainer's arguments, loss, mini_batch_size) of ``engine``'s runs and DDP's."""
+    named = {f"{name}-{loss}{'-cached' if cached else ''}": (arguments, loss, MINI_BATCH if cached else None)
+             for name, arguments in {"ddp": {}, **ENGINES[engine]}.items()
+             for loss in LOSSES for cached in (False, True)}
+    if engine == "fsdp":  # the Trainer's no_sync around the cached step of a micro-batch but the last
+        named.update({f"{name}-mnrl-cached-accumulate": ({**arguments, **ACCUMULATE}, "mnrl", MINI_BATCH)
+                      for name, arguments in (("ddp", {}), ("fsdp", FSDP))})
+    return named
 
 
 class CollectiveCounter:
@@ -106,17 +116,18 @@ def train(name: str, run, out_dir: Path, model_dir: Path, guide_dir: Path, datas
     from transformers import TrainerCallback
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    engine_arguments, kind, mini_batch_size = run
+    arguments, kind, mini_batch_size = run
     # the previous run's ZeRO-3 arguments would make loading partition the model (zero.Init)
     unset_hf_deepspeed_config()
     model = load_tiny_model(model_dir)
     guide = load_tiny_model(guide_dir).eval()
-    args = SentenceTransformerTrainingArguments(
+    settings = dict(
         output_dir=str(out_dir / name), max_steps=STEPS, per_device_train_batch_size=ROWS_PER_RANK,
         learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", warmup_steps=0, use_cpu=True,
         report_to="none", save_strategy="no", logging_steps=1, seed=0, dataloader_num_workers=0,
-        disable_tqdm=True, ddp_find_unused_parameters=True, **engine_arguments,
+        disable_tqdm=True, ddp_find_unused_parameters=True,
     )
+    args = SentenceTransformerTrainingArguments(**{**settings, **arguments})
     steps = []
 
     class CountPerStep(TrainerCallback):
@@ -142,6 +153,28 @@ def train(name: str, run, out_dir: Path, model_dir: Path, guide_dir: Path, datas
     parameters = full_parameters(trainer)
     return {"parameters": parameters, "steps": steps, "units": units,
             "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]}
+
+
+def abandoned_forward(model_dir: Path, counter) -> dict:
+    """A cached forward under FSDP2 whose backward never runs (an exception between them, or a
+    forward for logging), then a whole step: that step must still reduce-scatter once per unit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_infcl import losses
+    from tests.helpers.sentence_transformers_fixtures import features
+
+    model = load_tiny_model(model_dir)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model[0].auto_model.encoder.layer:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    loss = losses.InfCLLoss(model, mini_batch_size=MINI_BATCH, backend="torch")
+    batch = features(model, text_columns(ROWS_PER_RANK, 2, seed=10 + dist.get_rank()))
+    loss([dict(column) for column in batch], None)  # no backward
+    counter.take()
+    loss([dict(column) for column in batch], None).backward()
+    return counter.take()
 
 
 def main(out_dir: str, engine: str = "fsdp") -> None:
@@ -170,6 +203,10 @@ def main(out_dir: str, engine: str = "fsdp") -> None:
         if rank == 0:
             torch.save(result, out / f"{name}.pt")
         dist.barrier()
+    if engine == "fsdp":
+        counts = abandoned_forward(model_dir, counter)
+        if rank == 0:
+            torch.save(counts, out / "abandoned_forward.pt")
 
 
 if __name__ == "__main__":
