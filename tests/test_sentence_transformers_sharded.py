@@ -150,3 +150,30 @@ def test_sentence_transformers_cached_loss_refuses_deepspeed(tmp_path, loss_clas
     loss.uses_gradient_cache = False
     with pytest.raises(AssertionError, match="before any embedding"):
         loss(batch, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
+def test_sentence_transformers_sharded_matches_ddp_on_two_gpus(tmp_path, engine):
+    """The Trainer's own FSDP2 (and DeepSpeed with NCCL) on two CUDA devices, the losses in exact
+    fp32: the CPU tests' checks at 1e-4."""
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    run_two_processes(WORKER, tmp_path, engine, cuda=True)
+    if engine == "fsdp":
+        runs = load_runs(tmp_path, ["fsdp"], ["mnrl-cached-accumulate"])
+        matched = [("fsdp", run) for run in (*RUNS, "mnrl-cached-accumulate")]
+        refused = []
+    else:
+        runs = load_runs(tmp_path, STAGES)
+        matched = [(stage, loss) for stage in STAGES for loss in LOSSES]
+        refused = [f"{stage}-{loss}-cached" for stage in STAGES for loss in LOSSES]
+    for name, run in matched:
+        sharded, reference = runs[f"{name}-{run}"], runs[f"ddp-{run}"]
+        assert_same_grads(sharded["parameters"], reference["parameters"], tolerance=1e-4)
+    for loss in LOSSES if engine == "fsdp" else ():
+        cached = runs[f"fsdp-{loss}-cached"]
+        assert cached["steps"] == [{"all_gather": cached["units"], "reduce_scatter": cached["units"]}] * 2
+    assert all(runs[name]["refused"] for name in refused)

@@ -15,6 +15,8 @@ and ``InfCLLoss`` cached again with two micro-batches of 3 pairs per step (``-ac
   ``DS_ACCELERATOR=cpu``), whose cached runs are expected to be refused at the first step: the
   message is recorded instead of parameters.
 
+On CUDA (``cuda`` in the test) the Trainer's own FSDP2 runs, the losses in exact fp32.
+
 FSDP2's all-gathers and reduce-scatters (one call per unit each) are counted per optimizer step,
 and in a step after a cached forward whose backward never ran (``abandoned_forward``).
 Rank 0 writes the starting parameters, and each run's full parameters, logged losses, counts and
@@ -96,6 +98,9 @@ class CollectiveCounter:
 def trainer_class():
     from sentence_transformers import SentenceTransformerTrainer
 
+    if torch.cuda.is_available():  # the Trainer's own FSDP2
+        return SentenceTransformerTrainer
+
     class CpuFsdpSentenceTransformerTrainer(CpuFsdpMixin, SentenceTransformerTrainer):
         """SentenceTransformerTrainer under FSDP2 on CPU."""
 
@@ -107,8 +112,9 @@ def build_loss(kind: str, model, guide, mini_batch_size):
 
     if kind == "gist":
         return losses.InfCLGISTLoss(model, guide, mini_batch_size=mini_batch_size, gather_across_devices=True)
-    return losses.InfCLLoss(model, mini_batch_size=mini_batch_size, gather_across_devices=True,
-                            backend="torch")
+    # on CUDA in exact fp32, so that the engines agree to rounding
+    numerics = {"backend": "auto", "precision": "ieee"} if torch.cuda.is_available() else {"backend": "torch"}
+    return losses.InfCLLoss(model, mini_batch_size=mini_batch_size, gather_across_devices=True, **numerics)
 
 
 def train(name: str, run, out_dir: Path, model_dir: Path, guide_dir: Path, dataset, counter) -> dict:
@@ -121,9 +127,12 @@ def train(name: str, run, out_dir: Path, model_dir: Path, guide_dir: Path, datas
     unset_hf_deepspeed_config()
     model = load_tiny_model(model_dir)
     guide = load_tiny_model(guide_dir).eval()
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:  # where the features are; FSDP2 moves the model only when it is prepared
+        guide.to(torch.device("cuda", int(os.environ["LOCAL_RANK"])))
     settings = dict(
         output_dir=str(out_dir / name), max_steps=STEPS, per_device_train_batch_size=ROWS_PER_RANK,
-        learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", warmup_steps=0, use_cpu=True,
+        learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", warmup_steps=0, use_cpu=not on_gpu,
         report_to="none", save_strategy="no", logging_steps=1, seed=0, dataloader_num_workers=0,
         disable_tqdm=True, ddp_find_unused_parameters=True,
     )
@@ -194,7 +203,7 @@ def main(out_dir: str, engine: str = "fsdp") -> None:
         # On CPU, TrainingArguments leaves DeepSpeed's own communication uninitialised.
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     if rank == 0:
         start = {key: value.detach().clone() for key, value in load_tiny_model(model_dir).named_parameters()}
         torch.save(start, out / "start.pt")
@@ -203,7 +212,7 @@ def main(out_dir: str, engine: str = "fsdp") -> None:
         if rank == 0:
             torch.save(result, out / f"{name}.pt")
         dist.barrier()
-    if engine == "fsdp":
+    if engine == "fsdp" and not torch.cuda.is_available():
         counts = abandoned_forward(model_dir, counter)
         if rank == 0:
             torch.save(counts, out / "abandoned_forward.pt")
