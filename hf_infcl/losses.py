@@ -62,6 +62,7 @@ from .ops.options import (
     check_objective_options,
     check_option,
 )
+from .sharded_replays import ShardedReplaysMixin
 
 logger = logging.getLogger(__name__)
 
@@ -315,7 +316,7 @@ def _embed_columns(model, sentence_features):
     return _st_embed_columns(model, sentence_features)
 
 
-class InfCLLoss(CachedLossMixin, nn.Module):
+class InfCLLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
     """Exact in-batch-negatives contrastive loss (InfoNCE) without a batch x batch matrix (Inf-CL).
 
     Args:
@@ -383,6 +384,10 @@ class InfCLLoss(CachedLossMixin, nn.Module):
     Inputs:
         (anchor, positive) pairs, or (anchor, positive, negative_1, ..., negative_n) tuples;
         labels are ignored. Every negative column is a candidate for every anchor of the batch.
+
+    Sharded models: under FSDP2 a cached step gathers each unit once and reduce-scatters once
+    (``hf_infcl.sharded_replays``); under DeepSpeed ZeRO-2/3 the loss trains without caching, and
+    ``mini_batch_size`` is refused (ValueError at the first forward).
 
     Example:
         ::
@@ -761,7 +766,7 @@ def _check_gist_models(model, guide, caches: bool) -> bool:
     return must_retokenize
 
 
-class InfCLGISTLoss(CachedLossMixin, nn.Module):
+class InfCLGISTLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
     """GISTEmbed's guided loss without a batch x batch matrix: a drop-in for GISTEmbedLoss
     (``mini_batch_size=None``) and CachedGISTEmbedLoss (``mini_batch_size`` set).
 
@@ -777,7 +782,9 @@ class InfCLGISTLoss(CachedLossMixin, nn.Module):
 
     Args:
         model: the SentenceTransformer model to train.
-        guide: the SentenceTransformer guide; its embeddings are computed without gradient. When
+        guide: the SentenceTransformer guide; its embeddings are computed without gradient, and its
+            parameters are frozen (``requires_grad_(False)``, unless it is ``model`` itself), which keeps
+            them out of the Trainer's optimizer, as FSDP2 needs. When
             its vocabulary differs from the model's, or its ``max_seq_length`` is shorter, the
             texts are decoded with the model's tokenizer and re-tokenised for the guide, as in GIST.
         temperature: divides the cosines (``1 / temperature`` is the logit scale).
@@ -798,7 +805,8 @@ class InfCLGISTLoss(CachedLossMixin, nn.Module):
             embedding gathered. False (default): each process's negatives local.
 
     Every hyperparameter is a plain attribute read at each forward: ``loss.margin = 0.1`` takes
-    effect at the next step, as in GIST.
+    effect at the next step, as in GIST. Sharded models as ``InfCLLoss``: FSDP2 cached or not;
+    under DeepSpeed ``mini_batch_size`` is refused.
     On CPU the loss runs in hf_infcl's tiled PyTorch backend, on CUDA in its default route.
     """
 
@@ -823,7 +831,9 @@ class InfCLGISTLoss(CachedLossMixin, nn.Module):
         if margin_strategy not in ("absolute", "relative"):
             raise ValueError("margin_strategy must be 'absolute' or 'relative'.")
         self.model = model
-        self.guide = guide
+        # Never trained (embedded without gradient); frozen, its parameters stay out of the Trainer's
+        # optimizer, whose FSDP2 preparation refuses parameters outside the sharded model.
+        self.guide = guide if guide is model else guide.requires_grad_(False)
         if self.must_retokenize:
             self.tokenizer = model.tokenizer
         self.temperature = temperature

@@ -83,8 +83,9 @@ DEEPSPEED_VARIANTS = {
 }
 
 
-class CpuFsdpTrainer(InfCLTrainer):
-    """InfCLTrainer whose Accelerator runs FSDP2 on CPU (Accelerate itself allows it on GPUs only)."""
+class CpuFsdpMixin:
+    """Put before a transformers Trainer class: its Accelerator runs FSDP2 on CPU (Accelerate
+    itself allows it on GPUs only)."""
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
@@ -99,6 +100,10 @@ class CpuFsdpTrainer(InfCLTrainer):
         for shared in (state.__dict__, PartialState._shared_state):
             shared["distributed_type"] = DistributedType.FSDP
         self.is_fsdp_enabled = True
+
+
+class CpuFsdpTrainer(CpuFsdpMixin, InfCLTrainer):
+    """InfCLTrainer whose Accelerator runs FSDP2 on CPU."""
 
 
 def full_parameters(trainer) -> dict[str, torch.Tensor]:

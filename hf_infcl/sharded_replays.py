@@ -1,0 +1,122 @@
+"""The cached sentence-transformers losses (``losses.InfCLLoss`` / ``InfCLGISTLoss`` with
+``mini_batch_size``) on a model sharded by FSDP2.
+
+sentence-transformers' ``CachedLossMixin`` embeds every mini-batch without gradient, computes the
+loss, and replays each mini-batch with gradient from a hook on the loss tensor, one backward per
+mini-batch. Under DDP its hook keeps all replays but the last in ``no_sync``; under FSDP2
+(``fully_shard``, in place, so the loss's ``model`` is the sharded module) nothing would: every
+replay's backward would reduce-scatter, and every unit would be gathered again for each
+mini-batch's forward and backward. :class:`ShardedReplaysMixin` makes a cached step under FSDP2
+gather each unit once (:func:`hf_infcl.sharding.fsdp_gather_once`) and reduce-scatter once, at
+the last replay (:func:`hf_infcl.sharding.fsdp_no_sync` around the others).
+
+With gradient accumulation the Trainer's own ``no_sync`` holds the replays of every micro-batch
+but the last unreduced, and is left alone. DeepSpeed is refused at the first cached forward
+(:func:`check_cached_engine`): the replays' backwards would run inside the engine's backward (the
+Trainer calls it on the loss), which ZeRO's gradient hooks do not support (ZeRO-2 stops with
+"Gradient computed twice").
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .sharding import fsdp_gather_once, fsdp_no_sync
+
+__all__ = ["ShardedReplaysMixin", "check_cached_engine", "is_fsdp2_module"]
+
+
+def is_fsdp2_module(module) -> bool:
+    """Whether ``module`` is wrapped by FSDP2's ``fully_shard`` (the sharded root the loss calls)."""
+    return hasattr(module, "set_requires_gradient_sync") and hasattr(module, "set_reshard_after_forward")
+
+
+def check_cached_engine(model, loss_name: str) -> None:
+    """Refuse the engines a cached loss cannot train under: a DeepSpeed engine (what
+    sentence-transformers' Trainer puts in the loss under ``deepspeed=...``)."""
+    if hasattr(model, "set_gradient_accumulation_boundary"):
+        raise ValueError(
+            f"{loss_name} with mini_batch_size or mini_batch_num_tokens (gradient caching) does not "
+            "support DeepSpeed yet (its mini-batches would be replayed inside the engine's backward, "
+            "which ZeRO's gradient hooks do not support); train it under FSDP2 (fsdp=..., "
+            "fsdp_config={'version': 2}) or DDP, or leave mini_batch_size and mini_batch_num_tokens None"
+        )
+
+
+def _reduces_gradients(module) -> bool:
+    """Whether FSDP2 reduces ``module``'s gradients at its next backward: False inside an outer
+    ``no_sync`` (the Trainer's, on the micro-batches of a gradient-accumulation step but the last)."""
+    groups = [group for unit in module.modules() if hasattr(unit, "_get_fsdp_state")
+              for group in unit._get_fsdp_state()._fsdp_param_groups]
+    return all(group.reduce_grads for group in groups)
+
+
+def _reshard_after_forward() -> bool:
+    """``reshard_after_forward`` of Accelerate's FSDP plugin (what ``fully_shard`` was given), True
+    when there is none."""
+    from accelerate.state import AcceleratorState
+
+    plugin = AcceleratorState._shared_state.get("fsdp_plugin")
+    return bool(getattr(plugin, "reshard_after_forward", True))
+
+
+class ShardedReplaysMixin:
+    """Put before ``CachedLossMixin`` among a loss's bases. Under FSDP2 a cached forward with
+    gradient gathers each unit of ``self.model`` once for the step (the no-grad pass and every
+    replay), keeps gradient reduction off for every replay but the last, and reshards when the
+    last replay is done; anything else runs ``CachedLossMixin`` unchanged."""
+
+    # Replays still to come in the current cached step under FSDP2; None outside one.
+    _replays_left: int | None = None
+    # The step's fsdp_gather_once, entered from the first pass to the end of the last replay.
+    _gather_once: contextlib.AbstractContextManager | None = None
+    # fsdp_no_sync(self.model) while entered: from the first pass to the last replay's forward.
+    _no_sync: contextlib.AbstractContextManager | None = None
+
+    def forward_cached(self, sentence_features, labels=None):
+        check_cached_engine(self.model, type(self).__name__)
+        # a step whose backward never ran must not leave its gradient sync off for this one
+        self._end_step()
+        if not (torch.is_grad_enabled() and is_fsdp2_module(self.model)):
+            return super().forward_cached(sentence_features, labels)
+        self._gather_once = fsdp_gather_once(self.model, reshard_after_forward=_reshard_after_forward())
+        self._gather_once.__enter__()
+        if _reduces_gradients(self.model):  # else an outer no_sync keeps every replay unreduced
+            self._no_sync = fsdp_no_sync(self.model)
+            self._no_sync.__enter__()
+        self._replays_left = 0
+        try:
+            loss = super().forward_cached(sentence_features, labels)
+        except BaseException:
+            self._end_step()
+            raise
+        # Tensor hooks run in the order they were registered: this one after the mixin's replays.
+        loss.register_hook(lambda grad: self._end_step())
+        return loss
+
+    def _sync_from_here(self) -> None:
+        """Gradient reduction back on: the next backward reduce-scatters what the replays accumulated."""
+        if self._no_sync is not None:
+            no_sync, self._no_sync = self._no_sync, None
+            no_sync.__exit__(None, None, None)
+
+    def _end_step(self) -> None:
+        """Sync back on and every unit resharded; nothing outside a cached step under FSDP2."""
+        self._replays_left = None
+        self._sync_from_here()
+        if self._gather_once is not None:
+            gather_once, self._gather_once = self._gather_once, None
+            gather_once.__exit__(None, None, None)
+
+    def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
+        if self._replays_left is not None:
+            if not with_grad:
+                self._replays_left += 1  # every mini-batch of the first pass is replayed once
+            else:
+                self._replays_left -= 1
+                if self._replays_left == 0:  # this replay's backward reduce-scatters everything
+                    self._sync_from_here()
+        return super().embed_minibatch(sentence_feature, begin, end, with_grad, copy_random_state,
+                                       random_state)
