@@ -531,7 +531,7 @@ def test_push_without_hub_model_id_names_the_hub_repo_in_the_card(tmp_path, monk
     assert hub.calls[:2] == ["whoami", "create_repo"] and hub.calls[-1] == "create_commit"
     assert hub.uploads["repo"] == "someone/tiny-digits" and "README.md" in hub.uploads["files"]
     card = huggingface_hub.ModelCard.load(out / "README.md")
-    assert 'CLIPModel.from_pretrained("someone/tiny-digits")' in card.text
+    assert 'AutoModel.from_pretrained("someone/tiny-digits")' in card.text
     assert str(tmp_path) not in card.text
     assert "pushed to https://huggingface.co/someone/tiny-digits" in capsys.readouterr().out
 
