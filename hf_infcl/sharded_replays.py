@@ -19,12 +19,14 @@ backward (ZeRO-2 stops at the second replay with "Gradient computed twice").
 :func:`hf_infcl.sharding.deepspeed_hold_reduction` keeps every replay but the last accumulating
 in ``.grad``, so the last one hands ZeRO the whole gradient, once; the engine's boundary and
 step stay the Trainer's. Every trainable parameter must take part in the last mini-batch's forward
-(as in any dense encoder): one used only by earlier mini-batches keeps its gradient unreduced.
+(as in any dense encoder): one used only by earlier mini-batches would keep its gradient
+unreduced, and is refused (ValueError) when the replays end.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -75,6 +77,10 @@ class ShardedReplaysMixin:
     # fsdp_no_sync or deepspeed_hold_reduction of self.model while entered: from the first pass to
     # the last replay's forward.
     _no_sync: contextlib.AbstractContextManager | None = None
+    # Under DeepSpeed: names of the parameters whose gradient is held (a replay but the last gave
+    # one, the last has not), and the hooks that keep that record; None outside a cached step.
+    _held: set[str] | None = None
+    _held_hooks: list | None = None
 
     def forward_cached(self, sentence_features, labels=None):
         # a step whose backward never ran must not leave its gradient sync off for this one
@@ -84,6 +90,7 @@ class ShardedReplaysMixin:
         if is_deepspeed_engine(self.model):
             self._no_sync = deepspeed_hold_reduction(self.model)
             self._no_sync.__enter__()
+            self._watch_held(self.model)
         elif is_fsdp2_module(self.model):
             self._gather_once = fsdp_gather_once(self.model, reshard_after_forward=_reshard_after_forward())
             self._gather_once.__enter__()
@@ -99,8 +106,33 @@ class ShardedReplaysMixin:
             self._end_step()
             raise
         # Tensor hooks run in the order they were registered: this one after the mixin's replays.
-        loss.register_hook(lambda grad: self._end_step())
+        loss.register_hook(lambda grad: self._after_replays())
         return loss
+
+    def _watch_held(self, engine) -> None:
+        """Keep ``_held`` for the trainable parameters of ``engine``'s module."""
+        self._held = set()
+
+        def record(param, name):
+            if getattr(param, "ds_grad_is_ready", True):
+                self._held.discard(name)
+            else:
+                self._held.add(name)
+        self._held_hooks = [param.register_post_accumulate_grad_hook(functools.partial(record, name=name))
+                            for name, param in engine.module.named_parameters() if param.requires_grad]
+
+    def _after_replays(self) -> None:
+        """End the step; refuse a gradient still held, which ZeRO would never reduce (its parameter
+        took part in a mini-batch but not in the last one: a mixture of experts, say)."""
+        held = sorted(self._held or ())
+        self._end_step()
+        if held:
+            raise ValueError(
+                f"{type(self).__name__} with mini_batch_size or mini_batch_num_tokens under DeepSpeed needs "
+                "every trainable parameter that a mini-batch uses to be used by the step's last mini-batch "
+                f"too (ZeRO reduces the gradients at the last replay); {', '.join(held[:5])} were not. "
+                "Train it under FSDP2 or DDP, or leave mini_batch_size and mini_batch_num_tokens None"
+            )
 
     def _sync_from_here(self) -> None:
         """Gradient reduction back on: the next backward reduces what the replays accumulated."""
@@ -113,6 +145,9 @@ class ShardedReplaysMixin:
         DeepSpeed."""
         self._replays_left = None
         self._sync_from_here()
+        for hook in self._held_hooks or ():
+            hook.remove()
+        self._held = self._held_hooks = None
         if self._gather_once is not None:
             gather_once, self._gather_once = self._gather_once, None
             gather_once.__exit__(None, None, None)

@@ -197,6 +197,46 @@ def test_sentence_transformers_sharded_matches_ddp_on_two_gpus(tmp_path, engine)
         assert cached["steps"] == [{"all_gather": cached["units"], "reduce_scatter": cached["units"]}] * 2
 
 
+class FirstReplayOnlyEngine(EngineStandIn):
+    """An engine stand-in whose model has a parameter (``extra``) that only the first forward
+    with gradient uses, as an expert of a mixture that no row of the last mini-batch is routed to."""
+
+    replays = 0
+
+    def forward(self, features):
+        output = self.module(features)
+        if torch.is_grad_enabled():
+            self.replays += 1
+            if self.replays == 1:
+                output["sentence_embedding"] = output["sentence_embedding"] + self.module.extra.sum() * 0
+        return output
+
+
+def test_sentence_transformers_cached_loss_under_deepspeed_refuses_a_parameter_missing_from_the_last_replay(
+        tmp_path):
+    """Its gradient would stay held in ``.grad``, never reduced: refused at the end of the replays."""
+    from hf_infcl import losses
+    from tests.helpers.sentence_transformers_fixtures import (
+        build_tiny_model_dir,
+        features,
+        load_tiny_model,
+        text_columns,
+    )
+
+    model = load_tiny_model(build_tiny_model_dir(tmp_path / "model"))
+    model.extra = torch.nn.Parameter(torch.randn(3))
+    loss = losses.InfCLLoss(model, mini_batch_size=2, backend="torch")
+    batch = features(model, text_columns(4, 2, seed=5))
+    loss.model = FirstReplayOnlyEngine(model)
+    with pytest.raises(ValueError, match=r"InfCLLoss with mini_batch_size.*DeepSpeed.*; extra were not"):
+        loss([dict(column) for column in batch], None).backward()
+    assert all(param.ds_grad_is_ready for param in model.parameters())  # the step was ended first
+    # used by the last replay too, it is reduced with the rest
+    loss.model = EngineStandIn(model)
+    loss([dict(column) for column in batch], None).backward()
+    assert loss._held is None
+
+
 def test_deepspeed_hold_reduction_restores_the_flag_and_refuses_a_plain_module():
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
     model[1].requires_grad_(False)
