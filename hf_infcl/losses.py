@@ -385,9 +385,9 @@ class InfCLLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
         (anchor, positive) pairs, or (anchor, positive, negative_1, ..., negative_n) tuples;
         labels are ignored. Every negative column is a candidate for every anchor of the batch.
 
-    Sharded models: under FSDP2 a cached step gathers each unit once and reduce-scatters once
-    (``hf_infcl.sharded_replays``); under DeepSpeed ZeRO-2/3 the loss trains without caching, and
-    ``mini_batch_size`` is refused (ValueError at the first forward).
+    Sharded models: under FSDP2 a cached step gathers each unit once and reduce-scatters once;
+    under DeepSpeed ZeRO-2/3 a cached step hands ZeRO each gradient once, at the last replay
+    (``hf_infcl.sharded_replays``).
 
     Example:
         ::
@@ -805,8 +805,8 @@ class InfCLGISTLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
             embedding gathered. False (default): each process's negatives local.
 
     Every hyperparameter is a plain attribute read at each forward: ``loss.margin = 0.1`` takes
-    effect at the next step, as in GIST. Sharded models as ``InfCLLoss``: FSDP2 cached or not;
-    under DeepSpeed ``mini_batch_size`` is refused.
+    effect at the next step, as in GIST. Sharded models (FSDP2, DeepSpeed ZeRO-2/3), cached or
+    not, as ``InfCLLoss``.
     On CPU the loss runs in hf_infcl's tiled PyTorch backend, on CUDA in its default route.
     """
 

@@ -1,5 +1,5 @@
 """The cached sentence-transformers losses (``losses.InfCLLoss`` / ``InfCLGISTLoss`` with
-``mini_batch_size``) on a model sharded by FSDP2.
+``mini_batch_size``) on a model sharded by FSDP2 or DeepSpeed ZeRO.
 
 sentence-transformers' ``CachedLossMixin`` embeds every mini-batch without gradient, computes the
 loss, and replays each mini-batch with gradient from a hook on the loss tensor, one backward per
@@ -11,21 +11,28 @@ gather each unit once (:func:`hf_infcl.sharding.fsdp_gather_once`) and reduce-sc
 the last replay (:func:`hf_infcl.sharding.fsdp_no_sync` around the others).
 
 With gradient accumulation the Trainer's own ``no_sync`` holds the replays of every micro-batch
-but the last unreduced, and is left alone. DeepSpeed is refused at the first cached forward
-(:func:`check_cached_engine`): the replays' backwards would run inside the engine's backward (the
-Trainer calls it on the loss), which ZeRO's gradient hooks do not support (ZeRO-2 stops with
-"Gradient computed twice").
+but the last unreduced, and is left alone.
+
+Under DeepSpeed (the loss's ``model`` is the engine) the replays run inside the engine's backward,
+which the Trainer calls on the loss, and ZeRO takes each parameter's gradient once per engine
+backward (ZeRO-2 stops at the second replay with "Gradient computed twice").
+:func:`hf_infcl.sharding.deepspeed_hold_reduction` keeps every replay but the last accumulating
+in ``.grad``, so the last one hands ZeRO the whole gradient, once; the engine's boundary and
+step stay the Trainer's. Every trainable parameter must take part in the last mini-batch's forward
+(as in any dense encoder): one used only by earlier mini-batches would keep its gradient
+unreduced, and is refused (ValueError) when the replays end.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
-from .sharding import fsdp_gather_once, fsdp_no_sync
+from .sharding import deepspeed_hold_reduction, fsdp_gather_once, fsdp_no_sync
 
-__all__ = ["ShardedReplaysMixin", "check_cached_engine", "is_fsdp2_module"]
+__all__ = ["ShardedReplaysMixin", "is_deepspeed_engine", "is_fsdp2_module"]
 
 
 def is_fsdp2_module(module) -> bool:
@@ -33,16 +40,10 @@ def is_fsdp2_module(module) -> bool:
     return hasattr(module, "set_requires_gradient_sync") and hasattr(module, "set_reshard_after_forward")
 
 
-def check_cached_engine(model, loss_name: str) -> None:
-    """Refuse the engines a cached loss cannot train under: a DeepSpeed engine (what
-    sentence-transformers' Trainer puts in the loss under ``deepspeed=...``)."""
-    if hasattr(model, "set_gradient_accumulation_boundary"):
-        raise ValueError(
-            f"{loss_name} with mini_batch_size or mini_batch_num_tokens (gradient caching) does not "
-            "support DeepSpeed yet (its mini-batches would be replayed inside the engine's backward, "
-            "which ZeRO's gradient hooks do not support); train it under FSDP2 (fsdp=..., "
-            "fsdp_config={'version': 2}) or DDP, or leave mini_batch_size and mini_batch_num_tokens None"
-        )
+def is_deepspeed_engine(module) -> bool:
+    """Whether ``module`` is a DeepSpeed engine (what sentence-transformers' Trainer puts in the
+    loss under ``deepspeed=...``)."""
+    return hasattr(module, "set_gradient_accumulation_boundary")
 
 
 def _reduces_gradients(module) -> bool:
@@ -66,26 +67,38 @@ class ShardedReplaysMixin:
     """Put before ``CachedLossMixin`` among a loss's bases. Under FSDP2 a cached forward with
     gradient gathers each unit of ``self.model`` once for the step (the no-grad pass and every
     replay), keeps gradient reduction off for every replay but the last, and reshards when the
-    last replay is done; anything else runs ``CachedLossMixin`` unchanged."""
+    last replay is done; under DeepSpeed it holds ZeRO's reduction for every replay but the last;
+    anything else runs ``CachedLossMixin`` unchanged."""
 
-    # Replays still to come in the current cached step under FSDP2; None outside one.
+    # Replays still to come in the current cached step under FSDP2 or DeepSpeed; None outside one.
     _replays_left: int | None = None
     # The step's fsdp_gather_once, entered from the first pass to the end of the last replay.
     _gather_once: contextlib.AbstractContextManager | None = None
-    # fsdp_no_sync(self.model) while entered: from the first pass to the last replay's forward.
+    # fsdp_no_sync or deepspeed_hold_reduction of self.model while entered: from the first pass to
+    # the last replay's forward.
     _no_sync: contextlib.AbstractContextManager | None = None
+    # Under DeepSpeed: names of the parameters whose gradient is held (a replay but the last gave
+    # one, the last has not), and the hooks that keep that record; None outside a cached step.
+    _held: set[str] | None = None
+    _held_hooks: list | None = None
 
     def forward_cached(self, sentence_features, labels=None):
-        check_cached_engine(self.model, type(self).__name__)
         # a step whose backward never ran must not leave its gradient sync off for this one
         self._end_step()
-        if not (torch.is_grad_enabled() and is_fsdp2_module(self.model)):
+        if not torch.is_grad_enabled():
             return super().forward_cached(sentence_features, labels)
-        self._gather_once = fsdp_gather_once(self.model, reshard_after_forward=_reshard_after_forward())
-        self._gather_once.__enter__()
-        if _reduces_gradients(self.model):  # else an outer no_sync keeps every replay unreduced
-            self._no_sync = fsdp_no_sync(self.model)
+        if is_deepspeed_engine(self.model):
+            self._no_sync = deepspeed_hold_reduction(self.model)
             self._no_sync.__enter__()
+            self._watch_held(self.model)
+        elif is_fsdp2_module(self.model):
+            self._gather_once = fsdp_gather_once(self.model, reshard_after_forward=_reshard_after_forward())
+            self._gather_once.__enter__()
+            if _reduces_gradients(self.model):  # else an outer no_sync keeps every replay unreduced
+                self._no_sync = fsdp_no_sync(self.model)
+                self._no_sync.__enter__()
+        else:
+            return super().forward_cached(sentence_features, labels)
         self._replays_left = 0
         try:
             loss = super().forward_cached(sentence_features, labels)
@@ -93,25 +106,54 @@ class ShardedReplaysMixin:
             self._end_step()
             raise
         # Tensor hooks run in the order they were registered: this one after the mixin's replays.
-        loss.register_hook(lambda grad: self._end_step())
+        loss.register_hook(lambda grad: self._after_replays())
         return loss
 
+    def _watch_held(self, engine) -> None:
+        """Keep ``_held`` for the trainable parameters of ``engine``'s module."""
+        self._held = set()
+
+        def record(param, name):
+            if getattr(param, "ds_grad_is_ready", True):
+                self._held.discard(name)
+            else:
+                self._held.add(name)
+        self._held_hooks = [param.register_post_accumulate_grad_hook(functools.partial(record, name=name))
+                            for name, param in engine.module.named_parameters() if param.requires_grad]
+
+    def _after_replays(self) -> None:
+        """End the step; refuse a gradient still held, which ZeRO would never reduce (its parameter
+        took part in a mini-batch but not in the last one: a mixture of experts, say)."""
+        held = sorted(self._held or ())
+        self._end_step()
+        if held:
+            raise ValueError(
+                f"{type(self).__name__} with mini_batch_size or mini_batch_num_tokens under DeepSpeed needs "
+                "every trainable parameter that a mini-batch uses to be used by the step's last mini-batch "
+                f"too (ZeRO reduces the gradients at the last replay); {', '.join(held[:5])} were not. "
+                "Train it under FSDP2 or DDP, or leave mini_batch_size and mini_batch_num_tokens None"
+            )
+
     def _sync_from_here(self) -> None:
-        """Gradient reduction back on: the next backward reduce-scatters what the replays accumulated."""
+        """Gradient reduction back on: the next backward reduces what the replays accumulated."""
         if self._no_sync is not None:
             no_sync, self._no_sync = self._no_sync, None
             no_sync.__exit__(None, None, None)
 
     def _end_step(self) -> None:
-        """Sync back on and every unit resharded; nothing outside a cached step under FSDP2."""
+        """Sync back on and every unit resharded; nothing outside a cached step under FSDP2 or
+        DeepSpeed."""
         self._replays_left = None
         self._sync_from_here()
+        for hook in self._held_hooks or ():
+            hook.remove()
+        self._held = self._held_hooks = None
         if self._gather_once is not None:
             gather_once, self._gather_once = self._gather_once, None
             gather_once.__exit__(None, None, None)
 
     def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
-        if self._replays_left is not None:
+        if self._replays_left is not None:  # a cached step under FSDP2 or DeepSpeed
             if not with_grad:
                 self._replays_left += 1  # every mini-batch of the first pass is replayed once
             else:

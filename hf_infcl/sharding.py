@@ -5,7 +5,9 @@ own loop:
 
 - :func:`fsdp_no_sync`, :func:`deepspeed_no_sync`: the ``no_sync`` of a cached step
   (:func:`hf_infcl.grad_cache.cached_step`) under FSDP2 and DeepSpeed, so the replays accumulate
-  and the last one reduces; :func:`fsdp_gather_once`: FSDP2 gathers each unit once per cached step;
+  and the last one reduces; :func:`deepspeed_hold_reduction`: the same for backwards that run
+  inside one engine backward (replays from a hook on the loss); :func:`fsdp_gather_once`: FSDP2
+  gathers each unit once per cached step;
 - :func:`vectorise_scalar_parameters`: ``fully_shard`` refuses 0-d parameters and DeepSpeed cannot
   broadcast them, so CLIP's ``logit_scale`` trains as a 1-element vector (the models broadcast it
   the same way);
@@ -27,9 +29,9 @@ import contextlib
 import torch
 
 __all__ = [
-    "accumulate_sharded_grad", "deepspeed_no_sync", "fsdp_gather_once", "fsdp_no_sync", "full_value",
-    "is_dtensor", "is_zero3_parameter", "keep_gathered_under_zero3", "prepare_for_sharding",
-    "scalar_state_dict", "vectorise_scalar_parameters",
+    "accumulate_sharded_grad", "deepspeed_hold_reduction", "deepspeed_no_sync", "fsdp_gather_once",
+    "fsdp_no_sync", "full_value", "is_dtensor", "is_zero3_parameter", "keep_gathered_under_zero3",
+    "prepare_for_sharding", "scalar_state_dict", "vectorise_scalar_parameters",
 ]
 
 
@@ -140,6 +142,27 @@ def deepspeed_no_sync(engine):
         yield
     finally:
         engine.set_gradient_accumulation_boundary(boundary)
+
+
+@contextlib.contextmanager
+def deepspeed_hold_reduction(engine):
+    """Inside, ZeRO (stages 1-3) leaves the gradients of ``engine``'s parameters accumulating in
+    their ``.grad`` instead of taking them for reduction; the first backward after the exit
+    reduces everything accumulated, once. For backwards that run inside one ``engine.backward``
+    (a cached loss's replays, from a hook on the loss tensor): ZeRO takes each parameter's gradient
+    once per engine backward (a second one stops it with "Gradient computed twice"), so
+    :func:`deepspeed_no_sync`, which works per engine backward, cannot serve there. It sets
+    ``ds_grad_is_ready``, DeepSpeed's own flag for a parameter used in a loop within one backward."""
+    if not hasattr(engine, "set_gradient_accumulation_boundary"):
+        raise TypeError(f"deepspeed_hold_reduction needs a DeepSpeed engine, got {type(engine).__name__}")
+    params = [param for param in engine.module.parameters() if param.requires_grad]
+    for param in params:
+        param.ds_grad_is_ready = False
+    try:
+        yield
+    finally:
+        for param in params:
+            param.ds_grad_is_ready = True
 
 
 def keep_gathered_under_zero3(module: torch.nn.Module, params) -> None:

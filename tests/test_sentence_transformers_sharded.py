@@ -4,8 +4,9 @@ sharded model, two processes on CPU over gloo (``tests/helpers/sentence_transfor
 Under FSDP2, two SGD steps with dropout on, without and with ``mini_batch_size``, move every
 parameter as the Trainer's DDP does on the same data, and a cached step gathers each FSDP2 unit
 once and reduce-scatters its gradients once (sentence-transformers' own replays would do both for
-every mini-batch). Under DeepSpeed ZeRO-2 and ZeRO-3 (its CPU accelerator) the uncached losses
-match DDP the same way, and ``mini_batch_size`` is refused at the first step.
+every mini-batch). Under DeepSpeed ZeRO-2 and ZeRO-3 (its CPU accelerator) the losses match DDP
+the same way, and a cached step reduces what one uncached backward reduces (ZeRO-2 alone would stop
+at the second replay with "Gradient computed twice").
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_infcl.sharding import deepspeed_hold_reduction
 from tests.helpers.offline import run_two_processes
 from tests.test_fsdp import assert_same_grads
 
@@ -24,6 +26,7 @@ WORKER = REPO / "tests" / "helpers" / "sentence_transformers_sharded_workers.py"
 LOSSES = ("mnrl", "gist")
 RUNS = [f"{loss}{suffix}" for loss in LOSSES for suffix in ("", "-cached")]
 STAGES = ("zero2", "zero3")
+ACCUMULATE = "mnrl-cached-accumulate"
 
 
 def load_runs(out: Path, engines, extra_runs=()) -> dict[str, dict]:
@@ -38,7 +41,7 @@ def fsdp_runs(tmp_path_factory) -> dict[str, dict]:
     pytest.importorskip("torch.distributed.fsdp")
     out = tmp_path_factory.mktemp("st_fsdp")
     run_two_processes(WORKER, out, "fsdp")
-    runs = load_runs(out, ["fsdp"], ["mnrl-cached-accumulate"])
+    runs = load_runs(out, ["fsdp"], [ACCUMULATE])
     runs["abandoned_forward"] = torch.load(out / "abandoned_forward.pt")
     return runs
 
@@ -48,7 +51,7 @@ def deepspeed_runs(tmp_path_factory) -> dict[str, dict]:
     pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp("st_deepspeed")
     run_two_processes(WORKER, out, "deepspeed", env={"DS_ACCELERATOR": "cpu"})
-    return load_runs(out, STAGES)
+    return load_runs(out, STAGES, [ACCUMULATE])
 
 
 def check_matches_ddp(runs: dict[str, dict], name: str, run: str) -> None:
@@ -84,8 +87,8 @@ def test_sentence_transformers_cached_loss_under_fsdp2_gathers_and_reduces_once_
 def test_sentence_transformers_cached_loss_under_fsdp2_with_gradient_accumulation(fsdp_runs):
     """Two micro-batches per optimizer step: the Trainer's no_sync holds the first one's replays
     unreduced too, so the step still reduce-scatters once (each micro-batch gathers once)."""
-    sharded = fsdp_runs["fsdp-mnrl-cached-accumulate"]
-    check_matches_ddp(fsdp_runs, "fsdp", "mnrl-cached-accumulate")
+    sharded = fsdp_runs[f"fsdp-{ACCUMULATE}"]
+    check_matches_ddp(fsdp_runs, "fsdp", ACCUMULATE)
     units = sharded["units"]
     assert sharded["steps"] == [{"all_gather": 2 * units, "reduce_scatter": units}] * 2
 
@@ -96,40 +99,54 @@ def test_sentence_transformers_cached_loss_under_fsdp2_after_a_forward_without_b
     assert fsdp_runs["abandoned_forward"] == {"all_gather": 3, "reduce_scatter": 3}
 
 
-@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("run", [*RUNS, ACCUMULATE])
 @pytest.mark.parametrize("stage", STAGES)
-def test_sentence_transformers_under_deepspeed_matches_ddp_without_caching(deepspeed_runs, stage, loss):
-    check_matches_ddp(deepspeed_runs, stage, loss)
+def test_sentence_transformers_under_deepspeed_matches_ddp(deepspeed_runs, stage, run):
+    check_matches_ddp(deepspeed_runs, stage, run)
 
 
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("stage", STAGES)
-def test_sentence_transformers_cached_loss_under_deepspeed_is_refused_at_the_first_step(deepspeed_runs, stage,
-                                                                                       loss):
-    run = deepspeed_runs[f"{stage}-{loss}-cached"]
-    loss_class = {"mnrl": "InfCLLoss", "gist": "InfCLGISTLoss"}[loss]
-    assert run["refused"] is not None, "trained under DeepSpeed with mini_batch_size"
-    assert run["refused"].startswith(f"{loss_class} with mini_batch_size or mini_batch_num_tokens")
-    assert "fsdp_config" in run["refused"] and run["steps"] == []  # before any step ended
+def test_sentence_transformers_cached_loss_under_deepspeed_reduces_once_per_step(deepspeed_runs, stage, loss):
+    """Three mini-batches per column and rank: the cached step's reductions carry as many elements
+    as the uncached step's single backward (each parameter's gradient is reduced once)."""
+    uncached = [step["reduced"] for step in deepspeed_runs[f"{stage}-{loss}"]["steps"]]
+    cached = [step["reduced"] for step in deepspeed_runs[f"{stage}-{loss}-cached"]["steps"]]
+    assert len(uncached) == 2 and uncached[0] > 0
+    assert cached == uncached
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_sentence_transformers_cached_loss_under_deepspeed_with_gradient_accumulation(deepspeed_runs, stage):
+    """Two micro-batches per optimizer step: ZeRO reduces at each micro-batch's engine backward
+    (its own design under accumulation), so a step reduces twice what one backward does, once per
+    micro-batch, not once per replay."""
+    once = deepspeed_runs[f"{stage}-mnrl"]["steps"][0]["reduced"]
+    assert [step["reduced"] for step in deepspeed_runs[f"{stage}-{ACCUMULATE}"]["steps"]] == [2 * once] * 2
 
 
 class EngineStandIn(torch.nn.Module):
     """What sentence-transformers' Trainer puts in the loss under ``deepspeed=...``: a module with
-    DeepSpeed's accumulation-boundary API (the engine itself needs DeepSpeed's initialisation)."""
+    DeepSpeed's accumulation-boundary API around the model (the engine itself needs DeepSpeed's
+    initialisation)."""
 
     def __init__(self, module):
         super().__init__()
         self.module = module
 
     def set_gradient_accumulation_boundary(self, boundary: bool) -> None:
-        raise AssertionError("the refusal comes before any use of the engine")
+        raise AssertionError("the replays leave the engine's boundary alone")
 
     def forward(self, features):
-        raise AssertionError("the refusal comes before any embedding")
+        return self.module(features)
 
 
 @pytest.mark.parametrize("loss_class", ["InfCLLoss", "InfCLGISTLoss"])
-def test_sentence_transformers_cached_loss_refuses_deepspeed(tmp_path, loss_class):
+def test_sentence_transformers_cached_loss_holds_deepspeed_reduction_until_the_last_replay(tmp_path,
+                                                                                          loss_class):
+    """What ZeRO reads when a parameter's gradient has accumulated (``ds_grad_is_ready``): False
+    for every replay's backward but the last, True at the last and after the step; the gradient is
+    the uncached loss's."""
     from hf_infcl import losses
     from tests.helpers.sentence_transformers_fixtures import (
         build_tiny_model_dir,
@@ -138,18 +155,26 @@ def test_sentence_transformers_cached_loss_refuses_deepspeed(tmp_path, loss_clas
         text_columns,
     )
 
-    model = load_tiny_model(build_tiny_model_dir(tmp_path / "model"))
-    guide = (model,) if loss_class == "InfCLGISTLoss" else ()
-    loss = getattr(losses, loss_class)(model, *guide, mini_batch_size=2)
+    model = load_tiny_model(build_tiny_model_dir(tmp_path / "model")).double().eval()
+    guide = (load_tiny_model(build_tiny_model_dir(tmp_path / "guide", seed=1)).double().eval(),) \
+        if loss_class == "InfCLGISTLoss" else ()
+    numerics = {} if guide else {"backend": "torch"}
+    loss = getattr(losses, loss_class)(model, *guide, mini_batch_size=2, **numerics)
     batch = features(model, text_columns(4, 2, seed=5))
+    watched = next(model.parameters())
+    ready = []
+    watched.register_post_accumulate_grad_hook(lambda param: ready.append(param.ds_grad_is_ready))
     loss.model = EngineStandIn(model)  # what the Trainer does at its first step under DeepSpeed
-    with pytest.raises(ValueError, match=rf"{loss_class} with mini_batch_size.*DeepSpeed.*fsdp_config"):
-        loss(batch, None)
-    # without caching the loss does not refuse (it calls the engine's forward)
+    loss([dict(column) for column in batch], None).backward()
+    assert ready == [False, False, False, True]  # two columns of two mini-batches
+    assert all(param.ds_grad_is_ready for param in model.parameters())
+    cached = watched.grad.clone()
+    model.zero_grad()
+    loss.model = model
     loss.mini_batch_size = None
     loss.uses_gradient_cache = False
-    with pytest.raises(AssertionError, match="before any embedding"):
-        loss(batch, None)
+    loss([dict(column) for column in batch], None).backward()
+    torch.testing.assert_close(cached, watched.grad, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.gpu
@@ -162,18 +187,67 @@ def test_sentence_transformers_sharded_matches_ddp_on_two_gpus(tmp_path, engine)
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     run_two_processes(WORKER, tmp_path, engine, cuda=True)
-    if engine == "fsdp":
-        runs = load_runs(tmp_path, ["fsdp"], ["mnrl-cached-accumulate"])
-        matched = [("fsdp", run) for run in (*RUNS, "mnrl-cached-accumulate")]
-        refused = []
-    else:
-        runs = load_runs(tmp_path, STAGES)
-        matched = [(stage, loss) for stage in STAGES for loss in LOSSES]
-        refused = [f"{stage}-{loss}-cached" for stage in STAGES for loss in LOSSES]
-    for name, run in matched:
+    names = ["fsdp"] if engine == "fsdp" else list(STAGES)
+    runs = load_runs(tmp_path, names, [ACCUMULATE])
+    for name, run in [(name, run) for name in names for run in (*RUNS, ACCUMULATE)]:
         sharded, reference = runs[f"{name}-{run}"], runs[f"ddp-{run}"]
         assert_same_grads(sharded["parameters"], reference["parameters"], tolerance=1e-4)
     for loss in LOSSES if engine == "fsdp" else ():
         cached = runs[f"fsdp-{loss}-cached"]
         assert cached["steps"] == [{"all_gather": cached["units"], "reduce_scatter": cached["units"]}] * 2
-    assert all(runs[name]["refused"] for name in refused)
+
+
+class FirstReplayOnlyEngine(EngineStandIn):
+    """An engine stand-in whose model has a parameter (``extra``) that only the first forward
+    with gradient uses, as an expert of a mixture that no row of the last mini-batch is routed to."""
+
+    replays = 0
+
+    def forward(self, features):
+        output = self.module(features)
+        if torch.is_grad_enabled():
+            self.replays += 1
+            if self.replays == 1:
+                output["sentence_embedding"] = output["sentence_embedding"] + self.module.extra.sum() * 0
+        return output
+
+
+def test_sentence_transformers_cached_loss_under_deepspeed_refuses_a_parameter_missing_from_the_last_replay(
+        tmp_path):
+    """Its gradient would stay held in ``.grad``, never reduced: refused at the end of the replays."""
+    from hf_infcl import losses
+    from tests.helpers.sentence_transformers_fixtures import (
+        build_tiny_model_dir,
+        features,
+        load_tiny_model,
+        text_columns,
+    )
+
+    model = load_tiny_model(build_tiny_model_dir(tmp_path / "model"))
+    model.extra = torch.nn.Parameter(torch.randn(3))
+    loss = losses.InfCLLoss(model, mini_batch_size=2, backend="torch")
+    batch = features(model, text_columns(4, 2, seed=5))
+    loss.model = FirstReplayOnlyEngine(model)
+    with pytest.raises(ValueError, match=r"InfCLLoss with mini_batch_size.*DeepSpeed.*; extra were not"):
+        loss([dict(column) for column in batch], None).backward()
+    assert all(param.ds_grad_is_ready for param in model.parameters())  # the step was ended first
+    # used by the last replay too, it is reduced with the rest
+    loss.model = EngineStandIn(model)
+    loss([dict(column) for column in batch], None).backward()
+    assert loss._held is None
+
+
+def test_deepspeed_hold_reduction_restores_the_flag_and_refuses_a_plain_module():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    model[1].requires_grad_(False)
+
+    def flags():
+        return [getattr(param, "ds_grad_is_ready", None) for param in model.parameters()]
+
+    with pytest.raises(RuntimeError, match="inside"), deepspeed_hold_reduction(EngineStandIn(model)):
+        assert flags() == [False, False, None, None]  # the trainable parameters only
+        raise RuntimeError("inside")
+    assert flags() == [True, True, None, None]
+    refusal = "deepspeed_hold_reduction needs a DeepSpeed engine, got Sequential"
+    with pytest.raises(TypeError, match=refusal), deepspeed_hold_reduction(model):
+        pass
