@@ -29,8 +29,9 @@ algorithms"), where the linear rule, made for SGD, gives a fine-tuned model step
 at 64k; the warm-up covers the first steps of a large rate.
 
 Evaluation: each held-out definition against ALL distinct passages of both splits (1.75 x 10^5
-candidate words with both dictionaries), recall@1, recall@10 and MRR (``hf_infcl.metrics.retrieval_metrics``, the examples'
-rule: ties count against the answer); plus the starting model's scores (batch 0 in the CSV).
+candidate words with both dictionaries): recall@1, recall@10 and MRR
+(``hf_infcl.metrics.retrieval_metrics``, the examples' rule: ties count against the answer); plus
+the starting model's scores (batch 0 in the CSV).
 
 One GPU call has 10 minutes, so run one or two batches per call; every run appends a row to the CSV
 (``--csv``, default ``$OUT/bench_batch_scaling.csv`` when ``$OUT`` is set), and split calls combine:
@@ -532,7 +533,7 @@ def write_plot(rows: list[dict], path: str) -> str:
     import matplotlib.pyplot as plt
 
     latest = {(variant(row), int(row["batch"])): row for row in rows}
-    figure, quality = plt.subplots(figsize=(7, 4.5))
+    figure, quality = plt.subplots(figsize=(9, 4.5))
     seconds_axis = quality.twinx()
     names = sorted({name for name, batch in latest if batch})
     for name, style in zip(names, ["-", "--", "-.", ":"] * len(names)):
@@ -556,11 +557,14 @@ def write_plot(rows: list[dict], path: str) -> str:
         if name == "untrained":
             quality.axhline(float(row["mrr"]), color="tab:purple", linestyle=":", label="MRR untrained")
     quality.set_xscale("log", base=2)
+    trained = sorted({batch for _, batch in latest if batch})
+    quality.set_xticks(trained, [format_count(batch) for batch in trained])
     quality.set_xlabel("batch (pairs per step)")
     quality.set_ylabel("held-out retrieval")
     seconds_axis.set_ylabel("seconds per epoch")
     handles = [h for axis in (quality, seconds_axis) for h in axis.get_legend_handles_labels()[0]]
-    quality.legend(handles, [h.get_label() for h in handles], fontsize="small", loc="lower left")
+    quality.legend(handles, [h.get_label() for h in handles], fontsize="small", loc="upper left",
+                   bbox_to_anchor=(1.12, 1))  # beside the plot: the lines stay readable
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
