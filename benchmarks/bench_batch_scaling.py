@@ -239,7 +239,8 @@ def load_split(args, log=print) -> DictionarySplit:
         pairs = pairs[: args.max_pairs]
     split = split_by_word(pairs, args.held_out_pairs, args.seed)
     log(
-        f"pairs: {sum(map(len, sources))} read, {len(pairs)} after deduplication; {len(split.train)} train, "
+        f"pairs: {sum(map(len, sources))} read, {len(pairs)} used (deduplicated, --max-senses, --max-pairs); "
+        f"{len(split.train)} train, "
         f"{len(split.held_out)} held out, {split.dropped} dropped (they name a held-out passage's word); "
         f"{len(split.candidates())} candidate passages"
     )
@@ -563,8 +564,13 @@ def write_plot(rows: list[dict], path: str) -> str:
     quality.set_ylabel("held-out retrieval")
     seconds_axis.set_ylabel("seconds per epoch")
     handles = [h for axis in (quality, seconds_axis) for h in axis.get_legend_handles_labels()[0]]
-    quality.legend(handles, [h.get_label() for h in handles], fontsize="small", loc="upper left",
-                   bbox_to_anchor=(1.12, 1))  # beside the plot: the lines stay readable
+    quality.legend(
+        handles,
+        [h.get_label() for h in handles],
+        fontsize="small",
+        loc="upper left",
+        bbox_to_anchor=(1.12, 1),
+    )  # beside the plot: the lines stay readable
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

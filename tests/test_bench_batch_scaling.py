@@ -249,6 +249,24 @@ def test_smoke_run_appends_rows_and_writes_the_table_and_plot(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
+    "variant, label",
+    [
+        (["--margin", "0.1"], "infcl, margin 0.1"),
+        (["--guide", "initial", "--margin", "0.05"], "infcl, margin 0.05, guide initial"),
+    ],
+)
+def test_the_filter_variants_run_and_are_told_apart_in_the_table(tmp_path, variant, label, capsys):
+    write_dictd(tmp_path, dictionary_entries(synthetic_pairs()))
+    rows_path = tmp_path / "rows.csv"
+    study.main(smoke_arguments(tmp_path, rows_path, "--batches", "16", *variant))
+    (row,) = study.read_rows(str(rows_path))
+    assert study.variant(row) == label and 0 < float(row["mrr"]) <= 1
+    capsys.readouterr()
+    study.main(["--table", "--csv", str(rows_path)])
+    assert f"| {label} | 16 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
     "argv, flag",
     [
         (["--batches", "1"], "--batches"),
