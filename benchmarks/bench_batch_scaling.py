@@ -31,7 +31,9 @@ at 64k; the warm-up covers the first steps of a large rate.
 Evaluation: each held-out definition against ALL distinct passages of both splits (1.75 x 10^5
 candidate words with both dictionaries): recall@1, recall@10 and MRR
 (``hf_infcl.metrics.retrieval_metrics``, the examples' rule: ties count against the answer); plus
-the starting model's scores (batch 0 in the CSV).
+the starting model's scores (batch 0 in the CSV). A definition's answer is its own passage only,
+WordNet's synset list or GCIDE's headword: a WordNet gloss of "dog" that ranks GCIDE's "dog" first
+counts as a miss (strict, and the same at every batch).
 
 One GPU call has 10 minutes, so run one or two batches per call; every run appends a row to the CSV
 (``--csv``, default ``$OUT/bench_batch_scaling.csv`` when ``$OUT`` is set), and split calls combine:
