@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from example_cli import fail
+from example_cli import checkpoint_folder, fail
 from training_curves import save_training_curves
 
 
@@ -52,15 +52,9 @@ def resume_point(resume_from: str | None, output_dir: str, total_steps: int, log
     (a folder, or 'latest': the last checkpoint-<step> of ``output_dir``). A schedule of
     ``total_steps`` that has already ended ends the run (exit 2) saying so: training 0 steps and
     writing a new card over the finished run's is never what a resume means."""
-    if not resume_from:
+    checkpoint = checkpoint_folder(resume_from, output_dir)
+    if checkpoint is None:
         return None, 0, RunHistory(total_steps)
-    checkpoint = resume_from
-    if resume_from == "latest":
-        from transformers.trainer_utils import get_last_checkpoint
-
-        checkpoint = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-        if checkpoint is None:
-            fail(f"--resume_from_checkpoint latest: no checkpoint-* folder in {output_dir}")
     step = int(checkpoint.rstrip("/").rsplit("-", 1)[-1])
     saved = RunHistory.load(checkpoint)
     planned = f"; the run saved there planned {saved.total_steps}" if saved else ""

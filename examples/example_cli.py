@@ -12,6 +12,8 @@
   defaults a text example's ``--preset`` sets (its own, bf16 where supported, the output folder).
 - :func:`check_output_dir`: ``--output_dir`` is a folder that can be written, checked before any
   work (a run must not train for an hour and then fail to save).
+- :func:`checkpoint_folder`: ``--resume_from_checkpoint``'s folder (a path, or ``latest``: the last
+  ``checkpoint-<step>`` of ``--output_dir``), checked to be a checkpoint before any work.
 - :func:`check_data_file`: a data file with no rows (empty, blank, a CSV header alone) named in one
   line, before ``datasets`` fails on it with a long traceback.
 - :func:`accelerate_on_cpu`, :func:`trackers`, :func:`tracker_config`: what ``train_clip.py`` tells
@@ -172,6 +174,29 @@ def check_output_dir(path: str) -> None:
         fail(f"--output_dir {path} cannot be made: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK):
         fail(f"--output_dir {path} cannot be written: {existing} is not writable")
+
+
+def checkpoint_folder(resume_from: str | None, output_dir: str, marker: str | None = None) -> str | None:
+    """The checkpoint folder ``--resume_from_checkpoint`` names (None when not given): the folder
+    itself, or for ``latest`` the last ``checkpoint-<step>`` of ``output_dir``. A folder that is
+    missing, or lacks the file ``marker`` every checkpoint of the run's kind holds, ends the run
+    in one line naming the flag."""
+    if not resume_from:
+        return None
+    if resume_from == "latest":
+        from transformers.trainer_utils import get_last_checkpoint
+
+        checkpoint = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        if checkpoint is None:
+            fail(f"--resume_from_checkpoint latest: no checkpoint-* folder in {output_dir}")
+        return checkpoint
+    if not os.path.isdir(resume_from):
+        fail(f"--resume_from_checkpoint {resume_from}: no such folder (a checkpoint-<step> folder of a "
+             "previous run, or 'latest')")
+    if marker is not None and not os.path.isfile(os.path.join(resume_from, marker)):
+        fail(f"--resume_from_checkpoint {resume_from} is not a checkpoint: it has no {marker} (pass a "
+             "checkpoint-<step> folder of a previous run, or 'latest')")
+    return resume_from
 
 
 def check_data_file(path: str, flag: str = "--dataset") -> None:
