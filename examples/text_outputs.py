@@ -1,6 +1,8 @@
 """The text examples' evaluation before and after training, and what they leave in their output
 folder: ``eval_results.json``, hf_infcl's model card (with the fields both text examples share),
-and, when asked, the upload of the whole folder to the Hub (``example_cli.push_output_dir``)."""
+and, when asked, the upload of the whole folder to the Hub (``example_cli.push_output_dir``); and
+:func:`resume_checkpoint`, the Trainer checkpoint ``--resume_from_checkpoint`` names, checked before
+any work (the Trainer reads that field only when it is handed to ``train``)."""
 
 from __future__ import annotations
 
@@ -53,15 +55,43 @@ def save_results_and_card(args, script_args, data, trainer, *, before, after, tr
 
 
 
-def train_and_evaluate(trainer, evaluate, say) -> tuple[dict, dict, float]:
-    """``evaluate()`` before and after ``trainer.train()``, each said in a line: (before, after,
-    training seconds), what ``save_results_and_card`` records. GPU peak memory counts from here."""
+def resume_checkpoint(args) -> str | None:
+    """The Trainer checkpoint folder to resume from: ``args.resume_from_checkpoint`` (a folder, or
+    ``latest``: the last checkpoint-<step> of ``--output_dir``), else None. A folder without the
+    Trainer's state, or one whose step already ends ``--max_steps``, ends the run in one line."""
+    from transformers.trainer import TRAINER_STATE_NAME
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from example_cli import checkpoint_folder, fail, is_main_process
+
+    checkpoint = checkpoint_folder(args.resume_from_checkpoint, args.output_dir, TRAINER_STATE_NAME)
+    if checkpoint is None:
+        last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+        if last is not None and is_main_process():
+            print(f"note: {args.output_dir} holds checkpoints up to {last}; this run starts from step 0 "
+                  "(--resume_from_checkpoint latest goes on from it)", flush=True)
+        return None
+    with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as handle:
+        step = json.load(handle)["global_step"]
+    if 0 < args.max_steps <= step:  # the Trainer would train 0 steps and save over the finished run
+        fail(f"--resume_from_checkpoint {checkpoint}: the checkpoint is at step {step}, where this run's "
+             f"--max_steps {args.max_steps} has already ended: nothing to train; pass a larger --max_steps "
+             "to train on")
+    return checkpoint
+
+
+def train_and_evaluate(trainer, evaluate, say, resume_from: str | None = None) -> tuple[dict, dict, float]:
+    """``evaluate()`` before and after ``trainer.train(resume_from_checkpoint=resume_from)``, each said
+    in a line: (before, after, training seconds), what ``save_results_and_card`` records. GPU peak
+    memory counts from here."""
     before = evaluate()
     say("before: " + ", ".join(f"{k} {v:.3f}" for k, v in before.items()))
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     train_started = time.perf_counter()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from)
+    if resume_from is not None:
+        say(f"resumed from {resume_from}: trained to step {trainer.state.global_step}")
     train_seconds = time.perf_counter() - train_started
     after = evaluate()
     say("after:  " + ", ".join(f"{k} {v:.3f}" for k, v in after.items()))

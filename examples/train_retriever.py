@@ -39,6 +39,8 @@ Every ``TrainingArguments`` flag works (``--learning_rate``, ``--max_steps``, ``
 ``--push_to_hub``, ...), plus InfCLTrainingArguments' ``--chunk_size``, ``--offload``,
 ``--loss_backend``, ``--precision``, ``--contrastive_loss``. Numeric flags are checked before
 any work, and so is ``--push_to_hub`` (token, Hub reachable, repo id).
+``--resume_from_checkpoint`` (a ``checkpoint-<step>`` folder that ``--save_strategy steps`` saved, or
+``latest``: the last in ``--output_dir``) goes on from that checkpoint to the uninterrupted run's end.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from example_cli import (
     preset_defaults,
 )
 from retrieval_metrics import embed_texts, retrieval_metrics
-from text_outputs import finish_run, save_results_and_card, train_and_evaluate
+from text_outputs import finish_run, resume_checkpoint, save_results_and_card, train_and_evaluate
 from text_pairs import TEXT_EXAMPLE_RULES, TEXT_TRAINING_DEFAULTS, TextPairArguments, TextPairs
 
 # {dataset}: wordnet, stdlib (where WordNet is not installed) or the --dataset file's name
@@ -250,6 +252,7 @@ def main(argv=None):
 
     script_args, args = parse_arguments(argv)
     script_args.set_output_dir(args, DEFAULT_OUTPUT_DIR)
+    resume_from = resume_checkpoint(args)  # the Trainer reads the flag only when train() is handed it
     hub = HubPush.checked(args)  # now, not after training; pushed with our card at the end
     args.push_to_hub = False  # the Trainer's own push would upload a second time, with its own card
     started = time.perf_counter()
@@ -278,7 +281,7 @@ def main(argv=None):
     evaluate = lambda: evaluate_retrieval(  # noqa: E731
         model, tokenizer, data.held_out, script_args.eval_batch_size, script_args.max_seq_length, args.device
     )
-    before, after, train_seconds = train_and_evaluate(trainer, evaluate, say)
+    before, after, train_seconds = train_and_evaluate(trainer, evaluate, say, resume_from)
 
     trainer.save_model(args.output_dir)
     if main_process:

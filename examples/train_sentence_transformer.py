@@ -37,6 +37,8 @@ With no arguments: 1024 training pairs, 16 steps of 64, 1000 held out (under a m
 2-core CPU). Every ``SentenceTransformerTrainingArguments`` flag works (``--learning_rate``,
 ``--max_steps``, ``--bf16``, ``--push_to_hub``, ...), plus ``--precision`` of the loss. Numeric
 flags are checked before any work, and so is ``--push_to_hub`` (token, Hub reachable, repo id).
+``--resume_from_checkpoint`` (a ``checkpoint-<step>`` folder that ``--save_strategy steps`` saved, or
+``latest``: the last in ``--output_dir``) goes on from that checkpoint to the uninterrupted run's end.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from example_cli import (
     preset_defaults,
 )
 from retrieval_metrics import retrieval_metrics
-from text_outputs import finish_run, save_results_and_card, train_and_evaluate
+from text_outputs import finish_run, resume_checkpoint, save_results_and_card, train_and_evaluate
 from text_pairs import TEXT_EXAMPLE_RULES, TEXT_TRAINING_DEFAULTS, TextPairArguments
 
 # {dataset}: wordnet, stdlib (where WordNet is not installed) or the --dataset file's name
@@ -234,6 +236,7 @@ def main(argv=None):
 
     script_args, args = parse_arguments(argv)
     script_args.set_output_dir(args, DEFAULT_OUTPUT_DIR)
+    resume_from = resume_checkpoint(args)  # the Trainer reads the flag only when train() is handed it
     # In-batch negatives: a batch must not hold the same passage twice (it would be a false negative).
     args.batch_sampler = BatchSamplers.NO_DUPLICATES
     hub = HubPush.checked(args)  # now, not after training; pushed with our card at the end
@@ -270,7 +273,7 @@ def main(argv=None):
     )
 
     evaluate = lambda: evaluate_retrieval(model, data.held_out, script_args.eval_batch_size)  # noqa: E731
-    before, after, train_seconds = train_and_evaluate(trainer, evaluate, say)
+    before, after, train_seconds = train_and_evaluate(trainer, evaluate, say, resume_from)
 
     if trainer.is_world_process_zero():
         model.save_pretrained(args.output_dir)

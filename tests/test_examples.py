@@ -1169,3 +1169,95 @@ def test_train_clip_on_parquet_shards_reports_skipped_rows(tmp_path, capsys):
     waits = [point["data_wait_seconds"] for point in curves]
     assert waits == sorted(waits) and waits[0] >= 0  # cumulative
     assert "skipped 2 rows of the data: 1 empty caption, 1 image does not decode" in output
+
+
+# ---- --resume_from_checkpoint in the text examples ------------------------------------------------
+
+TINY_TEXT_RUNS = {
+    "train_retriever": ["--preset", "qwen2-tiny", "--chunk_size", "8"],
+    "train_sentence_transformer": ["--preset", "qwen3-tiny", "--mini_batch_size", "8"],
+}
+
+
+def saved_weights(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def recording_first_step(module, monkeypatch) -> list[int]:
+    """The Trainer's global step at each optimizer step's start, recorded through a callback added
+    to the Trainer the example builds (the first entry: the step the run starts from)."""
+    from transformers import TrainerCallback
+
+    steps = []
+
+    class FirstStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            steps.append(state.global_step)
+
+    train_and_evaluate = module.train_and_evaluate
+
+    def recording(trainer, *args, **kwargs):
+        trainer.add_callback(FirstStep())
+        return train_and_evaluate(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(module, "train_and_evaluate", recording)
+    return steps
+
+
+@pytest.mark.parametrize("script", list(TINY_TEXT_RUNS))
+def test_text_examples_resume_from_a_checkpoint_to_the_uninterrupted_run(script, tmp_path, monkeypatch,
+                                                                         capsys):
+    """4 steps saved at step 2; a second run resumed from checkpoint-2 starts at step 2 (the Trainer's
+    state) and ends with the weights of the uninterrupted run, bit for bit (same data order, optimizer,
+    schedule and random state; the tiny presets have no dropout)."""
+    module = text_example(script)
+    steps = recording_first_step(module, monkeypatch)
+    common = [*TINY_TEXT_RUNS[script], "--max_train_pairs", "64", "--held_out_pairs", "16",
+              "--per_device_train_batch_size", "16", "--max_seq_length", "32", "--max_steps", "4",
+              "--learning_rate", "3e-3"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    module.main([*common, "--output_dir", str(whole), "--save_strategy", "steps", "--save_steps", "2"])
+    assert steps == [0, 1, 2, 3]
+    steps.clear()
+    module.main([*common, "--output_dir", str(resumed),
+                 "--resume_from_checkpoint", str(whole / "checkpoint-2")])
+    assert steps == [2, 3]
+    assert f"resumed from {whole / 'checkpoint-2'}: trained to step 4" in capsys.readouterr().out
+    expected, got = saved_weights(whole), saved_weights(resumed)
+    assert expected.keys() == got.keys()
+    start = saved_weights(whole / "checkpoint-2")
+    assert any(not torch.equal(start[name], expected[name]) for name in expected)  # steps 3-4 moved them
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("script", list(TINY_TEXT_RUNS))
+def test_text_examples_refuse_a_resume_folder_that_is_not_a_checkpoint(script, tmp_path, monkeypatch, capsys):
+    """--resume_from_checkpoint names a missing folder, one without the Trainer's state, 'latest' of a
+    folder without checkpoints, or a checkpoint whose step ends --max_steps: one line, before any work."""
+    module = forbid_work(script, monkeypatch)
+    out = tmp_path / "out"
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    cases = [
+        (str(tmp_path / "missing"), f"--resume_from_checkpoint {tmp_path / 'missing'}: no such folder"),
+        (str(plain), f"--resume_from_checkpoint {plain} is not a checkpoint: it has no trainer_state.json"),
+        ("latest", f"--resume_from_checkpoint latest: no checkpoint-* folder in {out}"),
+    ]
+    for resume_from, message in cases:
+        error = one_line_error(module, ["--output_dir", str(out), "--resume_from_checkpoint", resume_from],
+                               capsys)
+        assert f"error: {message}" in error, error
+    finished = out / "checkpoint-4"
+    finished.mkdir(parents=True)
+    (finished / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
+    error = one_line_error(module, ["--output_dir", str(out), "--resume_from_checkpoint", "latest",
+                                    "--max_steps", "4"], capsys)
+    assert (f"error: --resume_from_checkpoint {finished}: the checkpoint is at step 4, where this run's "
+            "--max_steps 4 has already ended") in error, error
+    with pytest.raises(AssertionError, match="started work"):  # no --resume_from_checkpoint: from step 0
+        module.main(["--output_dir", str(out)])
+    assert (f"note: {out} holds checkpoints up to {finished}; this run starts from step 0 "
+            "(--resume_from_checkpoint latest goes on from it)") in capsys.readouterr().out
