@@ -42,7 +42,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from . import score_filter
-from .positive_pairs import BlockPairs, add_pair_gradients, block_pairs, block_positive_parts
+from .positive_pairs import BlockPairs, PendingPairs, add_pair_gradients, block_positive_parts, count_pairs
 from .spec import BlockOps, OnePassSigmoidOps, PairLabels, StatsSpec, accumulation_dtype, takes_one_pass
 from .value_check import run_deferred_check
 
@@ -100,20 +100,31 @@ class SingleBlock:
         return 0
 
     def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels):
-        pairs = self._pairs(spec, labels)  # before the first kernel: its synchronisation waits on little
+        pending = self._pending_pairs(spec, labels)  # counted before the kernel, listed after it is queued
         block = labels.block(spec, labels.own_keys(), 0)
         row_stat, col_stat = ops.forward_block(spec, queries, keys, scale, bias, block.mask,
                                                hardness=block.hardness, score_filter=block.score_filter)
+        pairs = self._listed(pending)
         parts = self._positive_parts(spec, queries, keys, scale, bias, pairs, row_combiner(ops),
                                      row_stat.dtype)
         return row_stat, col_stat, parts
 
     @staticmethod
-    def _pairs(spec: StatsSpec, labels: PairLabels) -> BlockPairs | None:
-        """The positive pairs of ``group_positives`` (None without): one host synchronisation."""
+    def _pending_pairs(spec: StatsSpec, labels: PairLabels) -> PendingPairs | BlockPairs | None:
+        """The positive pairs of ``group_positives`` (None without), counted but not yet listed:
+        queue the first kernel, then :meth:`_listed` (the host synchronisation waits on the count
+        only, while the kernel runs)."""
         if spec.group_positives is None:
             return None
-        return block_pairs(labels.query_groups, labels.positive_keys, labels.key_groups, 0)
+        return count_pairs(labels.query_groups, labels.positive_keys, labels.key_groups, 0)
+
+    @staticmethod
+    def _listed(pending: PendingPairs | BlockPairs | None) -> BlockPairs | None:
+        return pending.pairs() if isinstance(pending, PendingPairs) else pending
+
+    def _pairs(self, spec: StatsSpec, labels: PairLabels) -> BlockPairs | None:
+        """The positive pairs of ``group_positives`` (None without), listed at once."""
+        return self._listed(self._pending_pairs(spec, labels))
 
     @staticmethod
     def _positive_parts(spec: StatsSpec, queries, keys, scale, bias, pairs: BlockPairs | None, combine,
@@ -157,13 +168,14 @@ class SingleBlock:
         """The sigmoid loss's one pass: (row_stat, unit-weight gradients, positive parts or None), see
         :class:`UnitGradients`."""
         acc = accumulation_dtype(queries.dtype)
-        pairs = self._pairs(spec, labels)
+        pending = self._pending_pairs(spec, labels)
         grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
         grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
         block = labels.block(spec, labels.own_keys(), 0)
         row_stat, row_sums = ops.forward_backward_block(spec, queries, keys, scale, bias, block.mask,
                                                         grad_queries, grad_keys,
                                                         score_filter=block.score_filter)
+        pairs = self._listed(pending)
         unit = UnitGradients(grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums)
         parts = self._positive_parts(spec, queries, keys, scale, bias, pairs, row_combiner(ops),
                                      row_stat.dtype)

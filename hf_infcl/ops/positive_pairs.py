@@ -10,7 +10,7 @@ subtracts, its positive part over the pairs:
     sigmoid:         sum_{j in P(i)} z_ij
 
 ("each" divides by the count outside, with ordinary autograd). A key block's pairs are found by
-sorting its key groups and looking up each row's group (:func:`block_pairs`): O(pairs + k log k)
+sorting its key groups and looking up each row's group (:func:`count_pairs`): O(pairs + k log k)
 time and O(pairs) memory, linear while the groups are bounded (one group of n rows and n keys
 holds n^2 pairs). The pairs' logits are row-wise dot products, in the accumulation dtype.
 
@@ -60,12 +60,46 @@ def counts_positives(spec: StatsSpec) -> bool:
     return spec.loss == "softmax" and spec.group_positives == "each"
 
 
-def block_pairs(query_groups: torch.Tensor, positive_keys: torch.Tensor, key_groups: torch.Tensor,
-                key_offset: int) -> BlockPairs:
+class PendingPairs:
+    """A key block's pairs in two steps (:func:`count_pairs`, then :meth:`pairs`): the pair counts
+    are queued on the device and their total starts its copy to the host at once, so that a caller
+    can queue the first kernel before it waits for that number (the pairs' one host
+    synchronisation then waits on the count, not on the kernel)."""
+
+    def __init__(self, in_group, first, own, order, counts, k: int):
+        self._parts = (in_group, first, own, order, counts)
+        self._k = k
+        total = counts.sum()
+        if total.device.type == "cuda":
+            # pinned, so that the copy is asynchronous; the event marks its end
+            self._total = torch.empty((), dtype=total.dtype, pin_memory=True).copy_(total, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._total, self._copied = total, None
+
+    def pairs(self) -> BlockPairs:
+        """The pairs, sorted by row: waits for the total (the host synchronisation), then lists them."""
+        in_group, first, own, order, counts = self._parts
+        if self._copied is not None:
+            self._copied.synchronize()
+        total = int(self._total)
+        device = counts.device
+        row_numbers = torch.arange(counts.shape[0], device=device)
+        rows = torch.repeat_interleave(row_numbers, counts, output_size=total)
+        position = torch.arange(total, device=device) - (torch.cumsum(counts, 0) - counts)[rows]
+        from_group = position < in_group[rows]
+        group_key = order[(first[rows] + position).clamp(max=self._k - 1)]
+        return BlockPairs(rows, torch.where(from_group, group_key, own[rows]))
+
+
+def count_pairs(query_groups: torch.Tensor, positive_keys: torch.Tensor, key_groups: torch.Tensor,
+                key_offset: int) -> PendingPairs | BlockPairs:
     """The pairs of the rows (``query_groups`` [m], their positives' global indices
     ``positive_keys``) with a key block (``key_groups`` [k_block], global index of its first key
     ``key_offset``): each row's own positive if it lies in the block, and every key of its group.
-    One host synchronisation (the number of pairs)."""
+    Returned pending (:class:`PendingPairs`), or as the empty :class:`BlockPairs` when there are
+    no rows or keys."""
     device = key_groups.device
     m, k = query_groups.shape[0], key_groups.shape[0]
     if m == 0 or k == 0:
@@ -80,12 +114,14 @@ def block_pairs(query_groups: torch.Tensor, positive_keys: torch.Tensor, key_gro
     own = own.clamp(0, k - 1)
     own_apart = own_here & (key_groups[own] != query_groups)  # not among its group's keys already
     counts = in_group + own_apart
-    total = int(counts.sum())
-    rows = torch.repeat_interleave(torch.arange(m, device=device), counts, output_size=total)
-    position = torch.arange(total, device=device) - (torch.cumsum(counts, 0) - counts)[rows]
-    from_group = position < in_group[rows]
-    group_key = order[(first[rows] + position).clamp(max=k - 1)]
-    return BlockPairs(rows, torch.where(from_group, group_key, own[rows]))
+    return PendingPairs(in_group, first, own, order, counts, k)
+
+
+def block_pairs(query_groups: torch.Tensor, positive_keys: torch.Tensor, key_groups: torch.Tensor,
+                key_offset: int) -> BlockPairs:
+    """:func:`count_pairs`, listed at once (one host synchronisation: the number of pairs)."""
+    pending = count_pairs(query_groups, positive_keys, key_groups, key_offset)
+    return pending if isinstance(pending, BlockPairs) else pending.pairs()
 
 
 def pair_logits(queries, keys, pairs: BlockPairs, scale, bias, combine) -> torch.Tensor:
