@@ -23,7 +23,11 @@ from tests.helpers.hardness_cases import with_hardness
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 (run through tests/test_triton.py)", allow_module_level=True)
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from hf_infcl.ops.triton import TritonBlocks  # noqa: E402  (after the interpreter check)
+from hf_infcl.ops.triton.jit_math import round_to_tf32 as jit_round_to_tf32  # noqa: E402
 
 # Small super-tiles, split statistics and a small column-partial buffer, so that every case
 # crosses several tiles of every kernel, several row chunks of the fused forward, and merges
@@ -891,3 +895,28 @@ def test_kernels_without_the_options_are_unchanged():
     finally:
         stats.launch = original
     assert seen and all(not any(flags.values()) for flags in seen)
+
+
+
+@triton.jit
+def _rounded_copy(source_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """out = the kernels' rounding to TF32 of source (what dot_tile's ROUND_TF32 applies)."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = offsets < n
+    tl.store(out_ptr + offsets, jit_round_to_tf32(tl.load(source_ptr + offsets, mask=valid)), mask=valid)
+
+
+def test_kernel_rounding_to_tf32_equals_the_operand_copies():
+    """dot_tile's ROUND_TF32 (the score filter's guide, rounded as the kernels load it) gives the
+    bits of operands.round_to_tf32 (the kernels' rounded operand copies), on random magnitudes and
+    halfway cases, where truncating would differ."""
+    from hf_infcl.ops.triton.operands import round_to_tf32
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(4096, generator=gen) * torch.logspace(-20, 20, 4096).to(torch.float32)
+    halfway = torch.randint(0, 2**20, (512,), generator=gen, dtype=torch.int32) * 0x2000 + 0x1000 + 0x3F000000
+    x = torch.cat([x, halfway.view(torch.float32), -halfway.view(torch.float32)])
+    out = torch.full_like(x, float("nan"))
+    _rounded_copy[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), BLOCK=256)
+    assert torch.equal(out.view(torch.int32), round_to_tf32(x).view(torch.int32))
+    assert not torch.equal(out, (x.view(torch.int32) & -0x2000).view(torch.float32)), "truncation would pass"

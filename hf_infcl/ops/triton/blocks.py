@@ -39,7 +39,6 @@ from .operands import (
     Operands,
     dot_operands,
     gemm_operands,
-    is_tf32,
     kernel_operands,
     label_arguments,
     resolved,
@@ -190,7 +189,7 @@ class TritonBlocks:
         kernel = kernel_operands(spec, queries, keys, scale, self.tf32_via_fp16)
         gemm = gemm_operands(spec, queries, keys, kernel, self.tf32_via_fp16)
         return _Problem(spec, kernel, gemm, None if bias is None else scalar(bias),
-                        label_arguments(mask, hardness, kernel, score_filter, is_tf32(spec, queries)))
+                        label_arguments(mask, hardness, kernel, score_filter))
 
     def _walk(self, problem: _Problem, route, grad_queries, grad_keys, g_factor) -> None:
         m, k = problem.kernel.queries.shape[0], problem.kernel.keys.shape[0]

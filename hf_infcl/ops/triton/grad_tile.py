@@ -27,6 +27,7 @@ from .jit_math import (
     hardness_offset_logits,
     in_units,
     log2_units,
+    round_guide,
     scale_and_bias,
     scaled_logits,
     score_filter_masks,
@@ -52,7 +53,7 @@ def _grad_tile_kernel(
     FILTER: tl.constexpr, GUIDE: tl.constexpr, GROUP_POSITIVES: tl.constexpr,
     SCALED_G: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    EVEN_GUIDE_K: tl.constexpr, FULL: tl.constexpr, LOG2: tl.constexpr,
+    EVEN_GUIDE_K: tl.constexpr, ROUND_GUIDE: tl.constexpr, FULL: tl.constexpr, LOG2: tl.constexpr,
 ):
     row_index = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     key_index = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -75,7 +76,7 @@ def _grad_tile_kernel(
         if GUIDE:
             scores = dot_tile(guide_q_ptr, guide_k_ptr, None, None, row_index, key_index, row_valid,
                               key_valid, 0, 0, c_guide, stride_guide_q, stride_guide_k, BLOCK_M, BLOCK_N,
-                              BLOCK_K, PRECISION, UPCAST, EVEN_GUIDE_K, False)
+                              BLOCK_K, PRECISION, UPCAST, EVEN_GUIDE_K, False, ROUND_GUIDE)
         row_kept, column_kept = score_filter_masks(scores, row_index, key_index, row_valid, key_valid,
                                                    positive_ptr, key_offset, row_group_ptr, key_group_ptr,
                                                    row_threshold_ptr, key_threshold_ptr, False, COLUMNS,
@@ -150,6 +151,7 @@ def _set_descriptor_blocks(nargs: dict) -> None:
 GRAD_HEURISTICS = {
     "EVEN_K": even_k,
     "EVEN_GUIDE_K": even_guide_k,
+    "ROUND_GUIDE": round_guide("guide_q_ptr"),
     "LOG2": log2_units,
     "FULL": lambda args: args["n_rows"] % args["BLOCK_M"] == 0 and args["n_keys"] % args["BLOCK_N"] == 0,
 }

@@ -39,6 +39,13 @@ def even_guide_k(args: dict) -> bool:
     return args["c_guide"] % args["BLOCK_K"] == 0
 
 
+def round_guide(guide_name: str):
+    """ROUND_GUIDE's rule, for the kernel whose guide argument is ``guide_name``: an fp32 guide
+    multiplied with TF32 is rounded to TF32 as it is loaded (:func:`dot_tile`'s ROUND_TF32), as
+    the fp32 operands are before the kernels."""
+    return lambda args: args["PRECISION"] == "tf32" and args[guide_name].dtype == torch.float32
+
+
 def log2_units(args: dict) -> bool:
     """LOG2: the softmax loss's logits are held in log2 units (scale, bias and hardness strength
     times log2(e); statistics converted where they are loaded or stored), so that each
@@ -52,7 +59,8 @@ def log2_units(args: dict) -> bool:
 @triton.jit
 def dot_tile(a_ptr, b_ptr, a_desc, b_desc, a_index, b_index, a_valid, b_valid, a_start, b_start, c,
              stride_a, stride_b, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
-             PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
+             PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+             ROUND_TF32: tl.constexpr = False):
     """<A_a, B_b> for a BLOCK_A x BLOCK_B tile, walking the width c in BLOCK_K chunks (fp32).
 
     TMA: the chunks come through the tensor descriptors ``a_desc`` / ``b_desc`` (blocks of
@@ -61,7 +69,11 @@ def dot_tile(a_ptr, b_ptr, a_desc, b_desc, a_index, b_index, a_valid, b_valid, a
     ``a_valid`` / ``b_valid``) read row 0 instead of being masked, so the loads carry no mask at
     all when BLOCK_K divides c (``EVEN_K``). Either way the dot products of rows past the end are
     meaningless, and every caller discards them with where() on its ``allowed`` tile, never with
-    a product."""
+    a product.
+
+    ROUND_TF32 (fp32 operands through pointers): each chunk rounded to TF32 to nearest as it is
+    loaded (:func:`round_to_tf32`), what the kernels' operands get as rounded copies
+    (``operands.round_to_tf32``); the score filter's guide is rounded here, without a copy."""
     acc = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
     if TMA:
         for c0 in range(0, c, BLOCK_K):
@@ -87,8 +99,20 @@ def dot_tile(a_ptr, b_ptr, a_desc, b_desc, a_index, b_index, a_valid, b_valid, a
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
+        if ROUND_TF32:
+            a = round_to_tf32(a)
+            b = round_to_tf32(b)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
     return acc
+
+
+@triton.jit
+def round_to_tf32(x):
+    """fp32 values rounded to the nearest TF32 value (10 mantissa bits, ties away from zero): half
+    a unit of the last kept bit added to the bit pattern, the dropped bits cleared (the tensor
+    cores' TF32 input truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -217,16 +241,16 @@ def positive_pairs(row_index, key_index, row_valid, key_valid, positive_ptr, key
 
 
 @triton.jit
-def kept_by_score(scores, positive, threshold_ptr, index, valid, ROWS: tl.constexpr):
-    """Boolean [rows, keys] tile of the score filter (docs/contract.md, "False negatives by score"):
-    True where the entry stays, i.e. it is a positive or its score is not above the threshold of
-    its row (ROWS; ``index`` the rows) or of its key (``index`` the keys). A NaN score stays."""
+def not_above(scores, threshold_ptr, index, valid, ROWS: tl.constexpr):
+    """Boolean [rows, keys] tile of the score filter's threshold test (docs/contract.md, "False
+    negatives by score"): True where the score is not above the threshold of its row (ROWS;
+    ``index`` the rows) or of its key (``index`` the keys). A NaN score stays."""
     threshold = tl.load(threshold_ptr + index, mask=valid, other=0.0)
     if ROWS:
         above = scores > threshold[:, None]
     else:
         above = scores > threshold[None, :]
-    return positive | (above == 0)
+    return above == 0
 
 
 @triton.jit
@@ -235,21 +259,42 @@ def score_filter_masks(scores, outer_index, inner_index, outer_valid, inner_vali
                        KEYS_OUTER: tl.constexpr, FUSED_COLUMNS: tl.constexpr, GROUP_POSITIVES: tl.constexpr):
     """The score filter's masks of an (outer, inner) tile of ``scores`` (rows outer, or keys with
     KEYS_OUTER): ``kept`` for the outer vectors' statistic, ``column_kept`` for the column statistic
-    of the same tile with rows outer (FUSED_COLUMNS; else ``kept`` again, unused)."""
+    of the same tile with rows outer (FUSED_COLUMNS; else ``kept`` again, unused). An entry stays
+    when its score is not above the threshold, or when it is a positive."""
     if KEYS_OUTER:  # keys outer: the masks are built in (rows, keys) order, then transposed
-        positive = positive_pairs(inner_index, outer_index, inner_valid, outer_valid, positive_ptr,
-                                  key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES)
-        kept = tl.trans(kept_by_score(tl.trans(scores), positive, key_threshold_ptr, outer_index,
-                                      outer_valid, False))
+        kept = not_above(tl.trans(scores), key_threshold_ptr, outer_index, outer_valid, False)
+        kept = tl.trans(kept_positives(kept, inner_index, outer_index, inner_valid, outer_valid, positive_ptr,
+                                       key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES))
         column_kept = kept
     else:
-        positive = positive_pairs(outer_index, inner_index, outer_valid, inner_valid, positive_ptr,
-                                  key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES)
-        kept = kept_by_score(scores, positive, row_threshold_ptr, outer_index, outer_valid, True)
+        kept = not_above(scores, row_threshold_ptr, outer_index, outer_valid, True)
+        kept = kept_positives(kept, outer_index, inner_index, outer_valid, inner_valid, positive_ptr,
+                              key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES)
         column_kept = kept
         if FUSED_COLUMNS:
-            column_kept = kept_by_score(scores, positive, key_threshold_ptr, inner_index, inner_valid, False)
+            column_kept = not_above(scores, key_threshold_ptr, inner_index, inner_valid, False)
+            column_kept = kept_positives(column_kept, outer_index, inner_index, outer_valid, inner_valid,
+                                         positive_ptr, key_offset, row_group_ptr, key_group_ptr,
+                                         GROUP_POSITIVES)
     return kept, column_kept
+
+
+@triton.jit
+def kept_positives(kept, row_index, key_index, row_valid, key_valid, positive_ptr, key_offset, row_group_ptr,
+                   key_group_ptr, GROUP_POSITIVES: tl.constexpr):
+    """``kept`` [rows, keys] with every positive entry (:func:`positive_pairs`) set. Without
+    GROUP_POSITIVES a row has one positive, so most tiles hold none: the range of the tile's
+    positives is tested against its keys first, and the entries only where they overlap."""
+    if GROUP_POSITIVES:
+        kept = kept | positive_pairs(row_index, key_index, row_valid, key_valid, positive_ptr, key_offset,
+                                     row_group_ptr, key_group_ptr, GROUP_POSITIVES)
+    else:
+        positive = tl.load(positive_ptr + row_index, mask=row_valid, other=-1)
+        global_key = key_offset + key_index
+        if (tl.max(positive, axis=0) >= tl.min(global_key, axis=0)) & (
+                tl.min(positive, axis=0) <= tl.max(global_key, axis=0)):
+            kept = kept | (positive[:, None] == global_key[None, :])
+    return kept
 
 
 @triton.jit

@@ -159,12 +159,11 @@ def mask_arguments(mask: GroupMask | None) -> dict:
 
 
 def label_arguments(mask: GroupMask | None, hardness: HardnessOffset | None, kernel: Operands,
-                    score_filter: ScoreFilter | None = None, tf32: bool = False) -> dict:
+                    score_filter: ScoreFilter | None = None) -> dict:
     """The launchers' arguments of the group mask, of the hardness offset (the row statistic's,
     and the backward's) and of the score filter. The offset's strength multiplies the kernels' dot
     products, and the filter's thresholds (without a guide) are compared with them: they are those
-    of the fp16 copies when fp32 runs as scaled fp16, so both take the copies' factors. ``tf32``:
-    fp32 operands multiplied with TF32, whose guide is rounded to TF32 as the operands are."""
+    of the fp16 copies when fp32 runs as scaled fp16, so both take the copies' factors."""
     arguments = mask_arguments(mask)
     factor = product(kernel.queries_max, kernel.keys_max)
     if hardness is not None:
@@ -182,7 +181,7 @@ def label_arguments(mask: GroupMask | None, hardness: HardnessOffset | None, ker
             arguments.update(_positive_groups(hardness.query_groups, hardness.key_groups))
     if score_filter is not None:
         guided = score_filter.guide_queries is not None
-        arguments.update(_filter_arguments(score_filter, None if guided else factor, tf32))
+        arguments.update(_filter_arguments(score_filter, None if guided else factor))
     return arguments
 
 
@@ -193,10 +192,10 @@ def _positive_groups(query_groups, key_groups) -> dict:
                 key_groups=key_groups.to(torch.int64).contiguous(), group_positives=True)
 
 
-def _filter_arguments(score_filter: ScoreFilter, factor: torch.Tensor | None, tf32: bool) -> dict:
+def _filter_arguments(score_filter: ScoreFilter, factor: torch.Tensor | None) -> dict:
     """The launchers' arguments of the score filter: fp32 thresholds in the units of what they are
     compared with (divided by ``factor``, the scaled copies' factor, if any), the guide (contiguous
-    rows; rounded to TF32 with ``tf32``), the positives."""
+    rows), the positives."""
 
     def thresholds(values):
         if values is None:
@@ -210,11 +209,9 @@ def _filter_arguments(score_filter: ScoreFilter, factor: torch.Tensor | None, tf
     if score_filter.key_thresholds is not None:
         arguments["key_thresholds"] = thresholds(score_filter.key_thresholds)
     if score_filter.guide_queries is not None:
-        guides = tuple(guide.detach().contiguous() for guide in (score_filter.guide_queries,
-                                                                 score_filter.guide_keys))
-        if tf32:
-            guides = tuple(round_to_tf32(guide) for guide in guides)
-        arguments.update(guide_queries=guides[0], guide_keys=guides[1])
+        # fp32 guides multiplied with TF32 are rounded as the kernels load them (no copies).
+        arguments.update(guide_queries=score_filter.guide_queries.detach().contiguous(),
+                         guide_keys=score_filter.guide_keys.detach().contiguous())
     if score_filter.query_groups is not None:
         arguments.update(_positive_groups(score_filter.query_groups, score_filter.key_groups))
     return arguments

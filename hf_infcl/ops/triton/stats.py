@@ -32,6 +32,7 @@ from .jit_math import (
     in_units,
     log2_units,
     log_in_units,
+    round_guide,
     scale_and_bias,
     scaled_logits,
     score_filter_masks,
@@ -55,7 +56,7 @@ def _stats_kernel(
     FUSED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, HARDNESS: tl.constexpr,
     FILTER: tl.constexpr, GUIDE: tl.constexpr, GROUP_POSITIVES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    EVEN_GUIDE_K: tl.constexpr, FULL: tl.constexpr, LOG2: tl.constexpr,
+    EVEN_GUIDE_K: tl.constexpr, ROUND_GUIDE: tl.constexpr, FULL: tl.constexpr, LOG2: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
@@ -95,7 +96,7 @@ def _stats_kernel(
                 scores = dot_tile(guide_outer_ptr, guide_inner_ptr, None, None, outer_index, inner_index,
                                   outer_valid, inner_valid, 0, 0, c_guide, stride_guide_outer,
                                   stride_guide_inner, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
-                                  EVEN_GUIDE_K, False)
+                                  EVEN_GUIDE_K, False, ROUND_GUIDE)
             kept, column_kept = score_filter_masks(scores, outer_index, inner_index, outer_valid, inner_valid,
                                                    positive_ptr, key_offset, row_group_ptr, key_group_ptr,
                                                    row_threshold_ptr, key_threshold_ptr, COLUMNS,
@@ -165,6 +166,7 @@ def _stats_kernel(
 STATS_HEURISTICS = {
     "EVEN_K": even_k,
     "EVEN_GUIDE_K": even_guide_k,
+    "ROUND_GUIDE": round_guide("guide_outer_ptr"),
     "LOG2": log2_units,
     "FULL": lambda args: (args["n_outer"] % args["BLOCK_M"] == 0 and args["n_inner"] % args["BLOCK_N"] == 0
                           and args["inner_per_split"] % args["BLOCK_N"] == 0),
