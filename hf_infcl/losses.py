@@ -707,9 +707,15 @@ def _gist_operands(columns: list[Tensor], contrast_anchors: bool, contrast_posit
     blocks = [positive, *([anchor] if contrast_anchors else [])]
     if not contrast_positives:
         return anchor, torch.cat([*blocks, *negatives])
-    keys = [_in_half(block, False) for block in blocks] + [_in_half(positive, True)]
-    keys += [_in_half(negative, False) for negative in negatives]
-    return torch.cat([anchor, positive], dim=1), torch.cat(keys)
+    # Written block by block into one zeroed tensor: no padded copy of each block besides it.
+    blocks = [(block, 0) for block in blocks] + [(positive, 1)] + [(negative, 0) for negative in negatives]
+    width = anchor.shape[1]
+    keys = anchor.new_zeros(sum(len(block) for block, _ in blocks), 2 * width)
+    start = 0
+    for block, half in blocks:
+        keys[start:start + len(block), half * width:(half + 1) * width] = block
+        start += len(block)
+    return torch.cat([anchor, positive], dim=1), keys
 
 
 def _gathering_world() -> tuple[int, int]:
@@ -903,8 +909,12 @@ class InfCLGISTLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
         self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
     ) -> Tensor:
         """The GradCache loss step: the whole batch's loss in one fused call (the mixin's contract)."""
-        guide = [torch.cat(column) for column in self._guide_columns]
-        loss = self.compute_loss_from_embeddings([torch.cat(column) for column in reps], guide)
+        # Each column's mini-batches joined once and kept joined (MatryoshkaLoss calls this again
+        # per dimension), so the chunks are not held beside their copy.
+        self._guide_columns = [[torch.cat(column)] if len(column) > 1 else column
+                               for column in self._guide_columns]
+        loss = self.compute_loss_from_embeddings([torch.cat(column) for column in reps],
+                                                 [column[0] for column in self._guide_columns])
         if with_backward:
             loss.backward()
             loss = loss.detach()
@@ -915,17 +925,19 @@ class InfCLGISTLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
         """The loss from the model's and the guide's embeddings of each column (anchors, positives,
         then negatives columns)."""
         common = functools.reduce(torch.promote_types, [column.dtype for column in embeddings])
-        # GIST's cosine: normalised embeddings, dotted
-        embeddings = [F.normalize(column.to(common), p=2, dim=-1) for column in embeddings]
-        target = embeddings[0]
-        guide_embeddings = [F.normalize(column.detach().to(device=target.device, dtype=common), p=2, dim=-1)
-                            for column in guide_embeddings]
+        examples, device = len(embeddings[0]), embeddings[0].device
         blocks = (self.contrast_anchors, self.contrast_positives)
-        rows, keys = _gist_operands(embeddings, *blocks)
-        guide_rows, guide_keys = _gist_operands(guide_embeddings, *blocks)
+        # GIST's cosine: normalised embeddings, dotted. Only the padded operands stay alive through
+        # the loss call (the normalised columns are not kept beside them).
+        rows, keys = _gist_operands([F.normalize(column.to(common), p=2, dim=-1) for column in embeddings],
+                                    *blocks)
+        guide_rows, guide_keys = _gist_operands(
+            [F.normalize(column.detach().to(device=device, dtype=common), p=2, dim=-1)
+             for column in guide_embeddings], *blocks)
+        del embeddings, guide_embeddings
         rank, world_size = _gathering_world() if self.gather_across_devices else (0, 1)
         if world_size > 1:
-            guide_rows, guide_keys = _marked_by_process(guide_rows, guide_keys, len(target),
+            guide_rows, guide_keys = _marked_by_process(guide_rows, guide_keys, examples,
                                                         self.contrast_anchors, float(self.margin), rank,
                                                         world_size)
         return contrastive_loss(
