@@ -416,9 +416,10 @@ def gist_repeats(batch: int) -> int:
     return 2 if batch <= parse_count("16k") else 1
 
 
-def run_gist(sizes, device, record, meta):
-    """InfCLLoss (no guide), InfCLGISTLoss and CachedGISTEmbedLoss, mini_batch_size 256, at each size;
-    a loss that fails at a size (out of memory) is not tried at the larger ones."""
+def run_gist(sizes, device, record, meta, losses_to_run=None):
+    """InfCLLoss (no guide), InfCLGISTLoss and CachedGISTEmbedLoss (``losses_to_run``: those named;
+    default all), mini_batch_size 256, at each size; a loss that fails at a size (out of memory) is
+    not tried at the larger ones."""
     from sentence_transformers import losses as st_losses
 
     from hf_infcl import losses
@@ -432,6 +433,8 @@ def run_gist(sizes, device, record, meta):
         "InfCLGISTLoss": (losses.InfCLGISTLoss, guided),
         "CachedGIST": (st_losses.CachedGISTEmbedLoss, guided),
     }
+    if losses_to_run is not None:
+        loss_classes = {name: value for name, value in loss_classes.items() if name in losses_to_run}
     failed = {}
     generator = torch.Generator().manual_seed(2)
     for batch in sizes:
@@ -545,6 +548,8 @@ def main(argv=None):
     parser.add_argument("--static-start", default="16k", help="first StaticEmbedding batch size")
     parser.add_argument("--static-max", default="512k", help="largest StaticEmbedding batch size tried")
     parser.add_argument("--parts", default="minilm,static", help="which parts to run: minilm, static, gist")
+    parser.add_argument("--gist-losses", default=None,
+                        help="GIST: losses to run among InfCLLoss, InfCLGISTLoss, CachedGIST (default all)")
     parser.add_argument("--csv", default=None, help="CSV (default $OUT/bench_sentence_transformers.csv)")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests the script (no memory)")
     args = parser.parse_args(argv)
@@ -589,7 +594,8 @@ def main(argv=None):
         if "static" in parts:
             run_static(parse_count(args.static_max), parse_count(args.static_start), device, record, meta)
         if "gist" in parts:
-            run_gist(sizes(GIST_SIZES), device, record, meta)
+            run_gist(sizes(GIST_SIZES), device, record, meta,
+                     None if args.gist_losses is None else args.gist_losses.split(","))
     print(f"\n(total {time.perf_counter() - started:.0f} s)")
     print_results(rows, meta)
 

@@ -241,16 +241,16 @@ def positive_pairs(row_index, key_index, row_valid, key_valid, positive_ptr, key
 
 
 @triton.jit
-def not_above(scores, threshold_ptr, index, valid, ROWS: tl.constexpr):
-    """Boolean [rows, keys] tile of the score filter's threshold test (docs/contract.md, "False
-    negatives by score"): True where the score is not above the threshold of its row (ROWS;
-    ``index`` the rows) or of its key (``index`` the keys). A NaN score stays."""
+def kept_by_score(scores, positive, threshold_ptr, index, valid, ROWS: tl.constexpr):
+    """Boolean [rows, keys] tile of the score filter (docs/contract.md, "False negatives by score"):
+    True where the entry stays, i.e. it is a positive or its score is not above the threshold of
+    its row (ROWS; ``index`` the rows) or of its key (``index`` the keys). A NaN score stays."""
     threshold = tl.load(threshold_ptr + index, mask=valid, other=0.0)
     if ROWS:
         above = scores > threshold[:, None]
     else:
         above = scores > threshold[None, :]
-    return above == 0
+    return positive | (above == 0)
 
 
 @triton.jit
@@ -259,42 +259,21 @@ def score_filter_masks(scores, outer_index, inner_index, outer_valid, inner_vali
                        KEYS_OUTER: tl.constexpr, FUSED_COLUMNS: tl.constexpr, GROUP_POSITIVES: tl.constexpr):
     """The score filter's masks of an (outer, inner) tile of ``scores`` (rows outer, or keys with
     KEYS_OUTER): ``kept`` for the outer vectors' statistic, ``column_kept`` for the column statistic
-    of the same tile with rows outer (FUSED_COLUMNS; else ``kept`` again, unused). An entry stays
-    when its score is not above the threshold, or when it is a positive."""
+    of the same tile with rows outer (FUSED_COLUMNS; else ``kept`` again, unused)."""
     if KEYS_OUTER:  # keys outer: the masks are built in (rows, keys) order, then transposed
-        kept = not_above(tl.trans(scores), key_threshold_ptr, outer_index, outer_valid, False)
-        kept = tl.trans(kept_positives(kept, inner_index, outer_index, inner_valid, outer_valid, positive_ptr,
-                                       key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES))
+        positive = positive_pairs(inner_index, outer_index, inner_valid, outer_valid, positive_ptr,
+                                  key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES)
+        kept = tl.trans(kept_by_score(tl.trans(scores), positive, key_threshold_ptr, outer_index,
+                                      outer_valid, False))
         column_kept = kept
     else:
-        kept = not_above(scores, row_threshold_ptr, outer_index, outer_valid, True)
-        kept = kept_positives(kept, outer_index, inner_index, outer_valid, inner_valid, positive_ptr,
-                              key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES)
+        positive = positive_pairs(outer_index, inner_index, outer_valid, inner_valid, positive_ptr,
+                                  key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES)
+        kept = kept_by_score(scores, positive, row_threshold_ptr, outer_index, outer_valid, True)
         column_kept = kept
         if FUSED_COLUMNS:
-            column_kept = not_above(scores, key_threshold_ptr, inner_index, inner_valid, False)
-            column_kept = kept_positives(column_kept, outer_index, inner_index, outer_valid, inner_valid,
-                                         positive_ptr, key_offset, row_group_ptr, key_group_ptr,
-                                         GROUP_POSITIVES)
+            column_kept = kept_by_score(scores, positive, key_threshold_ptr, inner_index, inner_valid, False)
     return kept, column_kept
-
-
-@triton.jit
-def kept_positives(kept, row_index, key_index, row_valid, key_valid, positive_ptr, key_offset, row_group_ptr,
-                   key_group_ptr, GROUP_POSITIVES: tl.constexpr):
-    """``kept`` [rows, keys] with every positive entry (:func:`positive_pairs`) set. Without
-    GROUP_POSITIVES a row has one positive, so most tiles hold none: the range of the tile's
-    positives is tested against its keys first, and the entries only where they overlap."""
-    if GROUP_POSITIVES:
-        kept = kept | positive_pairs(row_index, key_index, row_valid, key_valid, positive_ptr, key_offset,
-                                     row_group_ptr, key_group_ptr, GROUP_POSITIVES)
-    else:
-        positive = tl.load(positive_ptr + row_index, mask=row_valid, other=-1)
-        global_key = key_offset + key_index
-        if (tl.max(positive, axis=0) >= tl.min(global_key, axis=0)) & (
-                tl.min(positive, axis=0) <= tl.max(global_key, axis=0)):
-            kept = kept | (positive[:, None] == global_key[None, :])
-    return kept
 
 
 @triton.jit
