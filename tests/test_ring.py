@@ -80,8 +80,9 @@ def ranks(request):
         shutil.rmtree(out_dir, ignore_errors=True)
 
 
-@pytest.mark.parametrize("scenario", sorted(ring_workers.SCENARIOS))
-def test_ddp_step_equals_one_process_on_the_concatenated_batch(ranks, scenario):
+def assert_step_matches_one_process(ranks: list[dict], scenario: str) -> None:
+    """Every rank's gradients and updated parameters after the DDP step of ``scenario`` equal those
+    of one process on the concatenated batch (rank 0's float64 reference)."""
     reference = ranks[0]["scenarios"][scenario]
     for rank, result in enumerate(ranks):
         mine = result["scenarios"][scenario]
@@ -97,14 +98,23 @@ def test_ddp_step_equals_one_process_on_the_concatenated_batch(ranks, scenario):
             torch.testing.assert_close(mine["ring_params"][name], expected, **TOLERANCE)
 
 
-@pytest.mark.parametrize("scenario", sorted(ring_workers.SCENARIOS))
-def test_logged_loss_is_the_global_mean(ranks, scenario):
+def assert_logged_loss_is_the_global_mean(ranks: list[dict], scenario: str) -> None:
     reference_loss = ranks[0]["scenarios"][scenario]["reference_loss"]
     for result in ranks:
         torch.testing.assert_close(result["scenarios"][scenario]["logged_loss"], reference_loss, **TOLERANCE)
-    # The ranks' values differ (uneven batches): the test above is not comparing one number.
+    # The ranks' values differ (uneven batches): the comparison is not of one number.
     per_rank = ranks[0]["scenarios"][scenario]["per_rank_losses"]
     assert len(set(per_rank.tolist())) == len(ranks)
+
+
+@pytest.mark.parametrize("scenario", sorted(ring_workers.SCENARIOS))
+def test_ddp_step_equals_one_process_on_the_concatenated_batch(ranks, scenario):
+    assert_step_matches_one_process(ranks, scenario)
+
+
+@pytest.mark.parametrize("scenario", sorted(ring_workers.SCENARIOS))
+def test_logged_loss_is_the_global_mean(ranks, scenario):
+    assert_logged_loss_is_the_global_mean(ranks, scenario)
 
 
 SAME_ERROR_EVERYWHERE = {

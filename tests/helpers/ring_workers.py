@@ -32,7 +32,8 @@ TILES = TorchTiles(tile_rows=2, tile_keys=3)
 
 @dataclass(frozen=True)
 class Scenario:
-    """One DDP training step: loss options and the rows/keys each rank holds, per world size."""
+    """One DDP training step: loss options and the rows/keys each rank holds, per world size (4:
+    the two-node launch of ``tests/test_multinode.py``, for the scenarios that have it)."""
 
     loss: str = "softmax"
     symmetric: bool = True
@@ -55,11 +56,13 @@ class Scenario:
 
 SCENARIOS = {
     "softmax_symmetric": Scenario(
-        rows={2: (5, 2), 3: (3, 0, 2)}, keys={2: (5, 2), 3: (3, 0, 2)}, process_group="world",
+        rows={2: (5, 2), 3: (3, 0, 2), 4: (3, 1, 0, 4)}, keys={2: (5, 2), 3: (3, 0, 2), 4: (3, 1, 0, 4)},
+        process_group="world",
     ),
     "hard_negatives": Scenario(
         # n=2: rank 1 has one row and two hard negatives; n=3: rank 1 has hard negatives only.
-        rows={2: (4, 1), 3: (4, 0, 2)}, keys={2: (6, 3), 3: (5, 3, 2)}, slice_bytes=3 * FEATURE_WIDTH * 8,
+        rows={2: (4, 1), 3: (4, 0, 2), 4: (2, 4, 1, 0)}, keys={2: (6, 3), 3: (5, 3, 2), 4: (3, 6, 2, 3)},
+        slice_bytes=3 * FEATURE_WIDTH * 8,
     ),
     "hard_negatives_one_direction": Scenario(
         symmetric=False, rows={2: (3, 2), 3: (2, 3, 1)}, keys={2: (5, 2), 3: (2, 5, 3)}, backend="torch",
@@ -72,7 +75,8 @@ SCENARIOS = {
         rows={2: (1, 1), 3: (1, 1, 1)}, keys={2: (1, 1), 3: (1, 1, 1)},
     ),
     "sigmoid_with_bias": Scenario(
-        loss="sigmoid", bias=True, rows={2: (4, 2), 3: (2, 0, 3)}, keys={2: (5, 2), 3: (3, 2, 3)},
+        loss="sigmoid", bias=True, rows={2: (4, 2), 3: (2, 0, 3), 4: (2, 3, 1, 2)},
+        keys={2: (5, 2), 3: (3, 2, 3), 4: (3, 3, 2, 4)},
     ),
     "sigmoid_groups": Scenario(
         loss="sigmoid", bias=True, groups=True,
@@ -81,7 +85,8 @@ SCENARIOS = {
     # Key owners spanning ranks travel with their key blocks (in slices in the backward).
     "hardness_in_batch_groups": Scenario(
         groups=True, custom_positives=True, hardness="in_batch_negatives",
-        rows={2: (4, 2), 3: (3, 0, 2)}, keys={2: (6, 4), 3: (4, 3, 3)}, slice_bytes=2 * FEATURE_WIDTH * 8,
+        rows={2: (4, 2), 3: (3, 0, 2), 4: (2, 3, 0, 2)}, keys={2: (6, 4), 3: (4, 3, 3), 4: (3, 4, 2, 3)},
+        slice_bytes=2 * FEATURE_WIDTH * 8,
     ),
     "hardness_hard_negatives_one_direction": Scenario(
         symmetric=False, hardness="hard_negatives", backend="torch",
@@ -103,7 +108,8 @@ SCENARIOS = {
     # the column statistic, their gradients with the key gradients' slices.
     "group_positives_any": Scenario(
         groups=True, custom_positives=True, group_positives="any",
-        rows={2: (4, 3), 3: (3, 0, 3)}, keys={2: (6, 4), 3: (4, 3, 3)}, slice_bytes=2 * FEATURE_WIDTH * 8,
+        rows={2: (4, 3), 3: (3, 0, 3), 4: (3, 1, 2, 3)}, keys={2: (6, 4), 3: (4, 3, 3), 4: (4, 3, 3, 3)},
+        slice_bytes=2 * FEATURE_WIDTH * 8,
     ),
     "group_positives_each_one_direction": Scenario(
         symmetric=False, groups=True, group_positives="each", backend="torch",
@@ -123,7 +129,8 @@ SCENARIOS = {
     ),
     "filter_guide_relative_groups": Scenario(
         groups=True, custom_positives=True, margin=-0.1, strategy="relative", guide=True,
-        rows={2: (4, 3), 3: (3, 1, 3)}, keys={2: (5, 4), 3: (4, 3, 3)}, slice_bytes=2 * FEATURE_WIDTH * 8,
+        rows={2: (4, 3), 3: (3, 1, 3), 4: (3, 1, 2, 2)}, keys={2: (5, 4), 3: (4, 3, 3), 4: (4, 3, 3, 3)},
+        slice_bytes=2 * FEATURE_WIDTH * 8,
     ),
     "filter_guide_group_positives": Scenario(
         groups=True, custom_positives=True, group_positives="each", margin=0.1, guide=True,
