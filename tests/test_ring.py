@@ -197,6 +197,25 @@ def test_ring_schedule_switches_leave_out_the_transfers_or_the_compute(ranks):
         torch.testing.assert_close(runs["after"]["queries"], full["queries"], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("case", sorted(ring_workers.TRAFFIC_CASES))
+def test_bytes_sent_per_rank_are_the_readme_formula(ranks, case):
+    """The README's count ("What crosses the network"): per rank and step, the forward sends the
+    key block (k_max x c, input dtype) n - 1 times and, for the symmetric softmax loss, its column
+    log-sum-exp (k_max, accumulation dtype) n times; the backward sends the key block n - 1 times
+    with, for the symmetric loss, the column statistic and its gradient (2 k_max), and the key
+    gradients (k_max x c, accumulation dtype) n times."""
+    loss, symmetric, dtype = ring_workers.TRAFFIC_CASES[case]
+    n, c = len(ranks), ring_workers.TRAFFIC_WIDTH
+    k_max = max(ring_workers.traffic_keys(rank) for rank in range(n))
+    element = torch.finfo(dtype).bits // 8
+    accumulator = 8 if dtype == torch.float64 else 4
+    columns = loss == "softmax" and symmetric
+    forward = (n - 1) * k_max * c * element + columns * n * k_max * accumulator
+    backward = (n - 1) * k_max * (c * element + columns * 2 * accumulator) + n * k_max * c * accumulator
+    for result in ranks:
+        assert result["traffic"][case] == {"forward": forward, "backward": backward}
+
+
 @pytest.mark.parametrize("loss_name", sorted(ring_workers.TRITON_LOSSES))
 def test_ring_over_triton_block_ops_matches_float64(ranks, loss_name):
     if ranks[0]["triton"] is None:

@@ -511,6 +511,47 @@ def run_schedules(rank: int, world_size: int):
     return results
 
 
+# name -> (loss, symmetric, dtype): the calls whose point-to-point bytes are counted.
+TRAFFIC_CASES = {
+    "softmax_symmetric_bf16": ("softmax", True, torch.bfloat16),
+    "softmax_one_direction_fp32": ("softmax", False, torch.float32),
+    "sigmoid_fp64": ("sigmoid", True, torch.float64),
+}
+TRAFFIC_WIDTH = 6
+
+
+def traffic_keys(rank: int) -> int:
+    """Keys of each rank in the traffic count (uneven: the blocks travel padded to the largest)."""
+    return 3 + 2 * rank
+
+
+def run_traffic(rank: int, world_size: int):
+    """Bytes this rank sends point to point in one forward and one backward of each of
+    ``TRAFFIC_CASES``, counted at ``dist.batch_isend_irecv`` (the size exchange, an all_gather, is
+    not counted)."""
+    sent = [0]
+    original = dist.batch_isend_irecv
+
+    def counted(ops):
+        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return original(ops)
+    results = {}
+    dist.batch_isend_irecv = counted
+    try:
+        for name, (loss, symmetric, dtype) in TRAFFIC_CASES.items():
+            queries = _features(2 + rank, TRAFFIC_WIDTH, dtype, seed=90 + rank).requires_grad_(True)
+            keys = _features(traffic_keys(rank), TRAFFIC_WIDTH, dtype, seed=95 + rank).requires_grad_(True)
+            sent[0] = 0
+            value = contrastive_loss(queries, keys, 3.0, loss=loss, symmetric=symmetric, process_group="auto",
+                                     backend=TILES)
+            forward = sent[0]
+            value.backward()
+            results[name] = {"forward": forward, "backward": sent[0] - forward}
+    finally:
+        dist.batch_isend_irecv = original
+    return results
+
+
 def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     """Entry point of one spawned rank; writes its results (or its traceback) under out_dir."""
     try:
@@ -528,6 +569,7 @@ def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         results["triton"] = run_triton(rank, world_size)
         results["group_of_one"] = run_group_of_one(rank)
         results["schedules"] = run_schedules(rank, world_size)
+        results["traffic"] = run_traffic(rank, world_size)
         dist.barrier()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
