@@ -1,14 +1,17 @@
-r"""The ring across GPUs: time and per-GPU memory of the symmetric loss at a global batch, against
-one GPU at the same global batch, and how much of the communication the compute hides.
+r"""The ring across GPUs: time and per-GPU memory of the symmetric softmax loss (or the sigmoid loss,
+``--loss``) at a global batch, against one GPU at the same global batch, and how much of the
+communication the compute hides.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_ring.py   # ring on 2 GPUs + 1-GPU rows
     torchrun --standalone --nproc_per_node 1 benchmarks/bench_ring.py   # 1-GPU rows only
     torchrun --standalone --nproc_per_node 4 benchmarks/bench_ring.py --sizes 256k,1m,4m \
         --one-gpu-max 1m --compute-max 1m                                # 4 GPUs, 4M without the slow rows
+    torchrun --standalone --nproc_per_node 2 benchmarks/bench_ring.py --loss both   # softmax and sigmoid
 
 Every rank holds b/n L2-normalised rows and their b/n positive keys (bf16, c=768 by default) and
-runs forward + backward of ``contrastive_loss(..., process_group=WORLD)`` (symmetric softmax,
-scale 1/0.07, gradients of queries, keys and scale). Rows of the table, per global b:
+runs forward + backward of ``contrastive_loss(..., process_group=WORLD)`` (symmetric softmax, or
+sigmoid with bias -10; scale 1/0.07; gradients of queries, keys, scale and bias). Rows of the
+table, per loss and global b (the CSV's ``loss_kind``; ``loss`` is the loss's value):
 
   ring        one step on n GPUs: wall time (slowest rank), peak memory above the inputs (the
               largest over ranks; it includes the returned input gradients).
@@ -62,6 +65,8 @@ from hf_infcl.ops.logit_stats import select_block_ops  # noqa: E402
 LOGIT_SCALE = 1 / 0.07
 DEVICE = torch.device("cuda")  # "--cpu" (a dry run of this script over gloo) switches it
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SIGMOID_BIAS = -10.0  # SigLIP's initial bias
+LOSS_CHOICES = {"softmax": ("softmax",), "sigmoid": ("sigmoid",), "both": ("softmax", "sigmoid")}
 
 
 def timed(step, iters: int, warmup: int, group=None) -> list[float]:
@@ -76,45 +81,46 @@ def features(rows: int, width: int, dtype, seed: int):
     return queries.to(dtype), keys.to(dtype)
 
 
-def loss_step(queries, keys, backend, group):
-    """One forward + backward; returns the loss value."""
+def loss_step(queries, keys, backend, group, loss_kind):
+    """One forward + backward of the ``loss_kind`` loss ("softmax" or "sigmoid"); returns its value."""
     q = queries.detach().requires_grad_(True)
     k = keys.detach().requires_grad_(True)
     scale = torch.tensor(LOGIT_SCALE, device=DEVICE, requires_grad=True)
-    loss = contrastive_loss(q, k, scale, process_group=group, backend=backend)
-    grads = torch.autograd.grad(loss, [q, k, scale])
+    bias = torch.tensor(SIGMOID_BIAS, device=DEVICE, requires_grad=True) if loss_kind == "sigmoid" else None
+    loss = contrastive_loss(q, k, scale, bias, loss=loss_kind, process_group=group, backend=backend)
+    grads = torch.autograd.grad(loss, [t for t in (q, k, scale, bias) if t is not None])
     del grads
     return loss.detach()
 
 
-def compute_only_step(queries, keys, backend, group):
+def compute_only_step(queries, keys, backend, group, loss_kind):
     """The ring's forward + backward with its transfers left out (``ring.schedule``): every block
     computation of the real schedule, on blocks of the real shapes."""
     with ring.schedule(transfer=False):
-        return loss_step(queries, keys, backend, group)
+        return loss_step(queries, keys, backend, group, loss_kind)
 
 
-def comm_only_step(queries, keys, backend, group):
+def comm_only_step(queries, keys, backend, group, loss_kind):
     """The ring's forward + backward with its block computations left out: every transfer of the
     real schedule, with its sizes and order."""
     with ring.schedule(compute=False):
-        return loss_step(queries, keys, backend, group)
+        return loss_step(queries, keys, backend, group, loss_kind)
 
 
-_WARMED_UP = []  # set by the first measure_step of the run
+_WARMED_UP = set()  # the losses whose first step of the run has run
 
 
-def measure_step(step, args, group=None) -> tuple[list[float], int, float]:
+def measure_step(step, args, group=None, loss_kind="softmax") -> tuple[list[float], int, float]:
     """(seconds per step, peak bytes above the inputs, loss) of ``step`` (which returns the loss).
 
     The first step gives all three. A step slower than ``--slow-step-s`` is not repeated (the
     large sizes would otherwise take minutes each); faster ones get ``--warmup`` + ``--iters``.
     """
-    if not _WARMED_UP:
-        # The first step of the run compiles and autotunes the kernels (tens of seconds on
+    if loss_kind not in _WARMED_UP:
+        # The first step of each loss compiles and autotunes its kernels (tens of seconds on
         # several processes); the tuned configs then serve every size of the same class.
         step()
-        _WARMED_UP.append(True)
+        _WARMED_UP.add(loss_kind)
     first = []  # (peak bytes, loss) of the first measured step
     first_time = timed(lambda: first.append(peak_above(step)), 1, 0, group)
     peak, loss = first[0]
@@ -123,9 +129,12 @@ def measure_step(step, args, group=None) -> tuple[list[float], int, float]:
     return timed(step, args.iters, args.warmup, group), peak, float(loss)
 
 
-def measure_ring(queries, keys, args, group, world_size: int, with_compute: bool) -> list[dict]:
+def measure_ring(queries, keys, args, group, world_size: int, with_compute: bool,
+                 loss_kind: str) -> list[dict]:
     """Rows "ring", "compute" (when ``with_compute``) and "comm" for one global batch."""
-    times, peak, loss = measure_step(lambda: loss_step(queries, keys, args.backend, group), args, group)
+    def step(run):
+        return lambda: run(queries, keys, args.backend, group, loss_kind)
+    times, peak, loss = measure_step(step(loss_step), args, group, loss_kind)
     memory = torch.tensor([peak], device=DEVICE, dtype=torch.float64)
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
     ring_loss = torch.tensor([loss], device=DEVICE)
@@ -134,16 +143,17 @@ def measure_ring(queries, keys, args, group, world_size: int, with_compute: bool
                  loss=float(ring_loss) / world_size)]
     iters, warmup = (1, 0) if len(times) == 1 else (args.iters, args.warmup)
     if with_compute:
-        compute = timed(lambda: compute_only_step(queries, keys, args.backend, group), iters, warmup, group)
+        compute = timed(step(compute_only_step), iters, warmup, group)
         rows.append(dict(what="compute", ms=1e3 * statistics.median(compute)))
-    comm = timed(lambda: comm_only_step(queries, keys, args.backend, group), max(iters, 3), 1, group)
+    comm = timed(step(comm_only_step), max(iters, 3), 1, group)
     rows.append(dict(what="comm", ms=1e3 * statistics.median(comm)))
     return rows
 
 
-def measure_one_gpu(all_queries, all_keys, args) -> dict:
+def measure_one_gpu(all_queries, all_keys, args, loss_kind: str) -> dict:
     """Row "one-gpu": the whole global batch on this GPU alone."""
-    times, peak, loss = measure_step(lambda: loss_step(all_queries, all_keys, args.backend, None), args)
+    times, peak, loss = measure_step(lambda: loss_step(all_queries, all_keys, args.backend, None, loss_kind),
+                                     args, loss_kind=loss_kind)
     return dict(what="one-gpu", ms=1e3 * statistics.median(times), peak_gib=peak / 2**30, loss=loss)
 
 
@@ -156,6 +166,8 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--backend", default="auto", help="auto, triton or torch")
+    parser.add_argument("--loss", choices=sorted(LOSS_CHOICES), default="softmax",
+                        help="the symmetric softmax loss, the sigmoid loss (bias -10), or both in turn")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--slow-step-s", type=float, default=4.0,
@@ -189,14 +201,16 @@ def main() -> int:
     device = device_name(DEVICE)
     rows = []
 
-    for b in (parse_count(s) for s in args.sizes.split(",")):
+    sizes = [parse_count(s) for s in args.sizes.split(",")]
+    for b in sizes:
         if b % world_size:
             raise SystemExit(f"global batch {b} is not divisible by {world_size} processes")
+    for loss_kind, b in ((loss_kind, b) for loss_kind in LOSS_CHOICES[args.loss] for b in sizes):
         queries, keys = features(b // world_size, args.width, dtype, seed=rank)
         with_compute = args.compute_max is None or b <= parse_count(args.compute_max)
         measured = []
         if world_size > 1:
-            measured = measure_ring(queries, keys, args, group, world_size, with_compute)
+            measured = measure_ring(queries, keys, args, group, world_size, with_compute, loss_kind)
         if not args.no_one_gpu and (args.one_gpu_max is None or b <= parse_count(args.one_gpu_max)):
             # The same global batch on rank 0 alone: gather the ranks' features there.
             gathered_q = [torch.empty_like(queries) for _ in range(world_size)]
@@ -207,7 +221,7 @@ def main() -> int:
             if rank == 0:
                 all_queries, all_keys = torch.cat(gathered_q), torch.cat(gathered_k)
                 del gathered_q, gathered_k
-                single = measure_one_gpu(all_queries, all_keys, args)
+                single = measure_one_gpu(all_queries, all_keys, args, loss_kind)
                 if measured:
                     single["loss_rel_diff"] = abs(measured[0]["loss"] - single["loss"]) / abs(single["loss"])
                 measured.append(single)
@@ -217,14 +231,16 @@ def main() -> int:
             dist.barrier()
         for row in measured:
             rows.append(dict(b=b, world_size=world_size, width=args.width, dtype=args.dtype,
-                             backend=backend_name, device=device, torch=torch.__version__, **row))
+                             loss_kind=loss_kind, backend=backend_name, device=device,
+                             torch=torch.__version__, **row))
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
 
     if rank == 0:
         if write_csv(csv_path, rows):
             print(f"wrote {csv_path}", flush=True)
-        print_results(rows, world_size)
+        for loss_kind in LOSS_CHOICES[args.loss]:
+            print_results([row for row in rows if row["loss_kind"] == loss_kind], world_size)
     dist.destroy_process_group()
     return 0
 
@@ -241,7 +257,8 @@ def print_results(rows, world_size: int):
         by_size.setdefault(row["b"], {})[row["what"]] = row
     device = rows[0]["device"] if rows else "?"
     backend = rows[0]["backend"] if rows else "?"
-    title = (f"\nring benchmark: {world_size} x {device}, backend {backend}, "
+    title = (f"\nring benchmark, {rows[0]['loss_kind'] if rows else '?'} loss: {world_size} x {device}, "
+             f"backend {backend}, "
              f"c={rows[0]['width'] if rows else '?'}, {rows[0]['dtype'] if rows else '?'}")
     columns = [Column("b", 6)] + [
         Column(name, width, spec, missing="-")

@@ -8,7 +8,9 @@ Run on a machine with 2 (or more) GPUs:
 ``--cpu`` runs the same checks over gloo on CPU, a dry run of the script itself.)
 
 Each rank holds its own uneven slice of a global batch (one case gives a rank no rows at all),
-calls ``contrastive_loss(..., process_group=WORLD)`` with the Triton backend when it is
+with the options of each case (hard negatives, groups, the hardness offset, several positives per
+row, the score filter by the model's own scores or by a guide's), calls
+``contrastive_loss(..., process_group=WORLD)`` with the Triton backend when it is
 importable (else the tiled PyTorch one) in fp32 and bf16, and backpropagates. Every rank
 compares its gradients of its queries and keys, and the group's total gradient of the scale and
 bias, with float64 autograd through the materialised reference on the concatenated batch (the
@@ -39,6 +41,8 @@ from hf_infcl.ops import ring  # noqa: E402
 # Relative (to the largest entry) max error allowed per dtype. fp32 runs with TF32 ("auto").
 TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 2e-2}
 LOGIT_SCALE = 1 / 0.07
+HARDNESS_STRENGTH = 5.0
+GROUP_COUNT = 50
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,11 @@ class Case:
     groups: bool = False
     custom_positives: bool = False
     slice_bytes: int | None = None  # force the backward's key gradients into several slices
+    hardness: str | None = None  # a hardness_mode, with strength HARDNESS_STRENGTH
+    group_positives: str | None = None
+    margin: float | None = None  # false_negative_margin
+    strategy: str = "absolute"  # false_negative_strategy
+    guide_width: int | None = None  # guide embeddings of this width for the score filter
 
 
 CASES = {
@@ -62,15 +71,32 @@ CASES = {
                                         custom_positives=True),
     "sigmoid-bias": Case(256, rows=(1024, 900), keys=(1024, 1000), loss="sigmoid", bias=True),
     "zero_row_rank": Case(768, rows=(1200, 0), keys=(1200, 257)),
+    # The options added to the ring since the cases above; width 256 keeps the tuning keys few.
+    "hardness-in_batch-groups": Case(256, rows=(1000, 700), keys=(1200, 800), groups=True,
+                                     custom_positives=True, hardness="in_batch_negatives"),
+    "hardness-hard_negatives-one_direction": Case(256, rows=(700, 900), keys=(1100, 1000), symmetric=False,
+                                                  hardness="hard_negatives"),
+    "group_positives-any": Case(256, rows=(900, 600), keys=(1000, 800), groups=True, group_positives="any"),
+    "group_positives-each": Case(256, rows=(600, 900), keys=(700, 1100), groups=True, custom_positives=True,
+                                 group_positives="each"),
+    "sigmoid-group_positives": Case(256, rows=(800, 700), keys=(900, 700), loss="sigmoid", bias=True,
+                                    groups=True, group_positives="any"),
+    # Positives score about 0.7, other keys about 0 +- 0.06 (0.12 for the guide): these margins leave
+    # out several percent of the keys, so that the filter is at work.
+    "filter-absolute": Case(256, rows=(1000, 700), keys=(1100, 900), margin=0.6),
+    "filter-relative-one_direction": Case(256, rows=(700, 800), keys=(900, 800), symmetric=False,
+                                          margin=0.85, strategy="relative"),
+    "filter-guide-c64": Case(256, rows=(900, 600), keys=(1000, 700), margin=0.5, guide_width=64),
 }
 
 
 def global_case(case: Case, world_size: int, seed: int):
     """The whole batch in float64 on CPU (the same on every rank), split per rank."""
     gen = torch.Generator().manual_seed(seed)
+    rows = [case.rows[r % len(case.rows)] for r in range(world_size)]
     parts = []
     for r in range(world_size):
-        m, k = case.rows[r % len(case.rows)], case.keys[r % len(case.keys)]
+        m, k = rows[r], case.keys[r % len(case.keys)]
         queries = F.normalize(torch.randn(m, case.width, generator=gen, dtype=torch.float64), dim=1)
         keys = F.normalize(torch.randn(k, case.width, generator=gen, dtype=torch.float64), dim=1)
         positives = torch.randperm(k, generator=gen)[:m] if case.custom_positives else torch.arange(m)
@@ -79,10 +105,37 @@ def global_case(case: Case, world_size: int, seed: int):
             "queries": queries,
             "keys": keys,
             "positives": positives if case.custom_positives else None,
-            "query_groups": torch.randint(0, 50, (m,), generator=gen) if case.groups else None,
-            "key_groups": torch.randint(0, 50, (k,), generator=gen) if case.groups else None,
+            "query_groups": torch.randint(0, GROUP_COUNT, (m,), generator=gen) if case.groups else None,
+            "key_groups": torch.randint(0, GROUP_COUNT, (k,), generator=gen) if case.groups else None,
         })
+        if case.hardness is not None:
+            # Row ids unique in the whole group; each key owned by a row of any rank, or by nobody
+            # (-1); a row's positive is its own.
+            start = sum(rows[:r])
+            owners = torch.randint(-1, max(1, sum(rows)), (k,), generator=gen)
+            owners[positives] = torch.arange(start, start + m)
+            parts[-1].update(query_ids=torch.arange(start, start + m), key_owners=owners)
+        if case.guide_width is not None:
+            guide_queries, guide_keys = (
+                F.normalize(torch.randn(n, case.guide_width, generator=gen, dtype=torch.float64), dim=1)
+                for n in (m, k))
+            guide_keys[positives] = F.normalize(guide_keys[positives] + guide_queries, dim=1)
+            parts[-1].update(guide_queries=guide_queries, guide_keys=guide_keys)
     return parts
+
+
+def option_arguments(case: Case, batch: dict, dtype, device) -> dict:
+    """``contrastive_loss``'s hardness, several-positives and score-filter arguments for a batch (a
+    rank's part or the concatenated batch), the guide in ``dtype`` as the loss requires."""
+    arguments = dict(group_positives=case.group_positives, false_negative_margin=case.margin,
+                     false_negative_strategy=case.strategy)
+    if case.hardness is not None:
+        arguments.update(hardness_mode=case.hardness, hardness_strength=HARDNESS_STRENGTH,
+                         query_ids=batch["query_ids"].to(device), key_owners=batch["key_owners"].to(device))
+    if case.guide_width is not None:
+        arguments.update({name: batch[name].to(device=device, dtype=dtype)
+                          for name in ("guide_queries", "guide_keys")})
+    return arguments
 
 
 def ring_gradients(case: Case, part: dict, dtype, device, backend):
@@ -93,7 +146,8 @@ def ring_gradients(case: Case, part: dict, dtype, device, backend):
     moved = {name: None if part[name] is None else part[name].to(device)
              for name in ("positives", "query_groups", "key_groups")}
     value = contrastive_loss(queries, keys, scale, bias, loss=case.loss, symmetric=case.symmetric,
-                             reduction="mean", process_group=dist.group.WORLD, backend=backend, **moved)
+                             reduction="mean", process_group=dist.group.WORLD, backend=backend, **moved,
+                             **option_arguments(case, part, dtype, device))
     value.backward()
     grads = {"queries": queries.grad, "keys": keys.grad, "scale": scale.grad}
     if case.bias:
@@ -124,12 +178,18 @@ def one_process_gradients(case: Case, parts: list[dict], dtype, device, backend)
     if case.groups:
         groups = {name: torch.cat([p[name] for p in parts]).to(device)
                   for name in ("query_groups", "key_groups")}
+    # The ids, and the guide rounded to ``dtype`` as the ring's is (then computed in compute_dtype).
+    whole = {name: torch.cat([p[name] for p in parts])
+             for name in ("query_ids", "key_owners") if name in parts[0]}
+    whole.update({name: torch.cat([p[name] for p in parts]).to(dtype).to(compute_dtype)
+                  for name in ("guide_queries", "guide_keys") if name in parts[0]})
     scalar_dtype = torch.float64 if backend == "reference" else torch.float32
     scale = torch.tensor(LOGIT_SCALE, dtype=scalar_dtype, device=device, requires_grad=True)
     bias = torch.tensor(-10.0, dtype=scalar_dtype, device=device, requires_grad=True) if case.bias else None
     total = contrastive_loss(queries, keys, scale, bias, loss=case.loss, symmetric=case.symmetric,
                              positives=torch.cat(positives).to(device), reduction="sum",
-                             backend=backend, **groups)
+                             backend=backend, **groups,
+                             **option_arguments(case, whole, compute_dtype, device))
     total = total * (world_size / queries.shape[0])
     total.backward()
     grads = {"queries": queries.grad, "keys": keys.grad, "scale": scale.grad}
@@ -203,7 +263,7 @@ def main() -> int:
             dist.all_reduce(flags)
             line = " ".join(f"{key}={error:.1e}" for key, error in errors.items())
             line += " | one GPU: " + " ".join(f"{key}={error:.1e}" for key, error in baseline.items())
-            print(f"[rank {rank}] {name:28s} {str(dtype):15s} {'ok' if ok else 'FAIL'}  {line}", flush=True)
+            print(f"[rank {rank}] {name:38s} {str(dtype):15s} {'ok' if ok else 'FAIL'}  {line}", flush=True)
             if flags.item() > 0:
                 failures.append((name, str(dtype)))
     dist.barrier()

@@ -35,7 +35,7 @@ from tests.helpers.trainer_fixtures import (
     trained_parameters,
     trainer_arguments,
 )
-from tests.helpers.trainer_workers import TWO_PROCESS_SETTINGS, VARIANTS
+from tests.helpers.trainer_workers import PAIRS, TWO_PROCESS_SETTINGS, VARIANTS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -91,17 +91,22 @@ def test_two_processes_match_one_process_on_the_concatenated_batch(tmp_path):
     """torchrun, 2 ranks x 8 pairs (DDP, gloo, the ring), cached with offload and uncached ==
     1 process x 16 pairs, uncached: parameters after two steps, logged loss and accuracy."""
     run_two_processes(os.path.join(REPO, "tests", "helpers", "trainer_workers.py"), tmp_path, timeout=300)
+    assert_trainer_runs_match_one_process(tmp_path)
 
-    single = train(tmp_path / "single", tiny_clip(dropout=0.0), PairDataset(clip_batch(16)),
-                   per_device_train_batch_size=16, **TWO_PROCESS_SETTINGS)
+
+def assert_trainer_runs_match_one_process(out_dir) -> None:
+    """What ``tests/helpers/trainer_workers.py`` wrote under ``out_dir`` (every variant: parameters
+    after two steps, logged loss and accuracy) equals one process trained on all its pairs."""
+    single = train(out_dir / "single", tiny_clip(dropout=0.0), PairDataset(clip_batch(PAIRS)),
+                   per_device_train_batch_size=PAIRS, **TWO_PROCESS_SETTINGS)
     one_logs = [entry for entry in single.state.log_history if "loss" in entry]
     for variant in VARIANTS:
-        assert_same_parameters(torch.load(tmp_path / f"parameters-{variant}.pt"), trained_parameters(single))
-        with open(tmp_path / f"log_history-{variant}.json") as handle:
-            two_logs = [entry for entry in json.load(handle) if "loss" in entry]
-        for two, one in zip(two_logs, one_logs, strict=True):
-            assert math.isclose(two["loss"], one["loss"], rel_tol=1e-5), variant  # the global mean
-            assert math.isclose(two["accuracy"], one["accuracy"], abs_tol=1e-6), variant
+        assert_same_parameters(torch.load(out_dir / f"parameters-{variant}.pt"), trained_parameters(single))
+        with open(out_dir / f"log_history-{variant}.json") as handle:
+            several_logs = [entry for entry in json.load(handle) if "loss" in entry]
+        for several, one in zip(several_logs, one_logs, strict=True):
+            assert math.isclose(several["loss"], one["loss"], rel_tol=1e-5), variant  # the global mean
+            assert math.isclose(several["accuracy"], one["accuracy"], abs_tol=1e-6), variant
 
 
 # ---- against transformers' own Trainer and the model's own loss -----------------------------

@@ -32,7 +32,8 @@ TILES = TorchTiles(tile_rows=2, tile_keys=3)
 
 @dataclass(frozen=True)
 class Scenario:
-    """One DDP training step: loss options and the rows/keys each rank holds, per world size."""
+    """One DDP training step: loss options and the rows/keys each rank holds, per world size (4:
+    the two-node launch of ``tests/test_multinode.py``, for the scenarios that have it)."""
 
     loss: str = "softmax"
     symmetric: bool = True
@@ -55,11 +56,13 @@ class Scenario:
 
 SCENARIOS = {
     "softmax_symmetric": Scenario(
-        rows={2: (5, 2), 3: (3, 0, 2)}, keys={2: (5, 2), 3: (3, 0, 2)}, process_group="world",
+        rows={2: (5, 2), 3: (3, 0, 2), 4: (3, 1, 0, 4)}, keys={2: (5, 2), 3: (3, 0, 2), 4: (3, 1, 0, 4)},
+        process_group="world",
     ),
     "hard_negatives": Scenario(
         # n=2: rank 1 has one row and two hard negatives; n=3: rank 1 has hard negatives only.
-        rows={2: (4, 1), 3: (4, 0, 2)}, keys={2: (6, 3), 3: (5, 3, 2)}, slice_bytes=3 * FEATURE_WIDTH * 8,
+        rows={2: (4, 1), 3: (4, 0, 2), 4: (2, 4, 1, 0)}, keys={2: (6, 3), 3: (5, 3, 2), 4: (3, 6, 2, 3)},
+        slice_bytes=3 * FEATURE_WIDTH * 8,
     ),
     "hard_negatives_one_direction": Scenario(
         symmetric=False, rows={2: (3, 2), 3: (2, 3, 1)}, keys={2: (5, 2), 3: (2, 5, 3)}, backend="torch",
@@ -72,7 +75,8 @@ SCENARIOS = {
         rows={2: (1, 1), 3: (1, 1, 1)}, keys={2: (1, 1), 3: (1, 1, 1)},
     ),
     "sigmoid_with_bias": Scenario(
-        loss="sigmoid", bias=True, rows={2: (4, 2), 3: (2, 0, 3)}, keys={2: (5, 2), 3: (3, 2, 3)},
+        loss="sigmoid", bias=True, rows={2: (4, 2), 3: (2, 0, 3), 4: (2, 3, 1, 2)},
+        keys={2: (5, 2), 3: (3, 2, 3), 4: (3, 3, 2, 4)},
     ),
     "sigmoid_groups": Scenario(
         loss="sigmoid", bias=True, groups=True,
@@ -81,7 +85,8 @@ SCENARIOS = {
     # Key owners spanning ranks travel with their key blocks (in slices in the backward).
     "hardness_in_batch_groups": Scenario(
         groups=True, custom_positives=True, hardness="in_batch_negatives",
-        rows={2: (4, 2), 3: (3, 0, 2)}, keys={2: (6, 4), 3: (4, 3, 3)}, slice_bytes=2 * FEATURE_WIDTH * 8,
+        rows={2: (4, 2), 3: (3, 0, 2), 4: (2, 3, 0, 2)}, keys={2: (6, 4), 3: (4, 3, 3), 4: (3, 4, 2, 3)},
+        slice_bytes=2 * FEATURE_WIDTH * 8,
     ),
     "hardness_hard_negatives_one_direction": Scenario(
         symmetric=False, hardness="hard_negatives", backend="torch",
@@ -103,7 +108,8 @@ SCENARIOS = {
     # the column statistic, their gradients with the key gradients' slices.
     "group_positives_any": Scenario(
         groups=True, custom_positives=True, group_positives="any",
-        rows={2: (4, 3), 3: (3, 0, 3)}, keys={2: (6, 4), 3: (4, 3, 3)}, slice_bytes=2 * FEATURE_WIDTH * 8,
+        rows={2: (4, 3), 3: (3, 0, 3), 4: (3, 1, 2, 3)}, keys={2: (6, 4), 3: (4, 3, 3), 4: (4, 3, 3, 3)},
+        slice_bytes=2 * FEATURE_WIDTH * 8,
     ),
     "group_positives_each_one_direction": Scenario(
         symmetric=False, groups=True, group_positives="each", backend="torch",
@@ -123,7 +129,8 @@ SCENARIOS = {
     ),
     "filter_guide_relative_groups": Scenario(
         groups=True, custom_positives=True, margin=-0.1, strategy="relative", guide=True,
-        rows={2: (4, 3), 3: (3, 1, 3)}, keys={2: (5, 4), 3: (4, 3, 3)}, slice_bytes=2 * FEATURE_WIDTH * 8,
+        rows={2: (4, 3), 3: (3, 1, 3), 4: (3, 1, 2, 2)}, keys={2: (5, 4), 3: (4, 3, 3), 4: (4, 3, 3, 3)},
+        slice_bytes=2 * FEATURE_WIDTH * 8,
     ),
     "filter_guide_group_positives": Scenario(
         groups=True, custom_positives=True, group_positives="each", margin=0.1, guide=True,
@@ -504,6 +511,47 @@ def run_schedules(rank: int, world_size: int):
     return results
 
 
+# name -> (loss, symmetric, dtype): the calls whose point-to-point bytes are counted.
+TRAFFIC_CASES = {
+    "softmax_symmetric_bf16": ("softmax", True, torch.bfloat16),
+    "softmax_one_direction_fp32": ("softmax", False, torch.float32),
+    "sigmoid_fp64": ("sigmoid", True, torch.float64),
+}
+TRAFFIC_WIDTH = 6
+
+
+def traffic_keys(rank: int) -> int:
+    """Keys of each rank in the traffic count (uneven: the blocks travel padded to the largest)."""
+    return 3 + 2 * rank
+
+
+def run_traffic(rank: int, world_size: int):
+    """Bytes this rank sends point to point in one forward and one backward of each of
+    ``TRAFFIC_CASES``, counted at ``dist.batch_isend_irecv`` (the size exchange, an all_gather, is
+    not counted)."""
+    sent = [0]
+    original = dist.batch_isend_irecv
+
+    def counted(ops):
+        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return original(ops)
+    results = {}
+    dist.batch_isend_irecv = counted
+    try:
+        for name, (loss, symmetric, dtype) in TRAFFIC_CASES.items():
+            queries = _features(2 + rank, TRAFFIC_WIDTH, dtype, seed=90 + rank).requires_grad_(True)
+            keys = _features(traffic_keys(rank), TRAFFIC_WIDTH, dtype, seed=95 + rank).requires_grad_(True)
+            sent[0] = 0
+            value = contrastive_loss(queries, keys, 3.0, loss=loss, symmetric=symmetric, process_group="auto",
+                                     backend=TILES)
+            forward = sent[0]
+            value.backward()
+            results[name] = {"forward": forward, "backward": sent[0] - forward}
+    finally:
+        dist.batch_isend_irecv = original
+    return results
+
+
 def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     """Entry point of one spawned rank; writes its results (or its traceback) under out_dir."""
     try:
@@ -521,6 +569,7 @@ def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         results["triton"] = run_triton(rank, world_size)
         results["group_of_one"] = run_group_of_one(rank)
         results["schedules"] = run_schedules(rank, world_size)
+        results["traffic"] = run_traffic(rank, world_size)
         dist.barrier()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
