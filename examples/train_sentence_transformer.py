@@ -209,6 +209,25 @@ def build_decoder_embedder(script_args, data, device):
                                prompts={"query": script_args.query_prompt or "", "document": ""})
 
 
+def leave_parameterless_norms_to_the_fsdp2_root() -> None:
+    """Accelerate's FSDP2 preparation gives the model's last child whose class name holds "Norm" a unit
+    of its own: for a SentenceTransformer that is ``Normalize``, which has no parameters to shard and
+    which ``fully_shard`` cannot wrap (sentence-transformers' modules derive from ``ABC`` first: "object
+    layout differs"). Such a module is left to the root's unit instead; idempotent."""
+    from accelerate.utils import fsdp_utils
+
+    find_final_norm = fsdp_utils._find_final_norm
+    if getattr(find_final_norm, "skips_parameterless", False):
+        return
+
+    def final_norm_with_parameters(model):
+        norm = find_final_norm(model)
+        return norm if norm is not None and any(True for _ in norm.parameters()) else None
+
+    final_norm_with_parameters.skips_parameterless = True
+    fsdp_utils._find_final_norm = final_norm_with_parameters
+
+
 def load_model(script_args, data, device):
     """The SentenceTransformer to train: a preset's decoder embedder, or the checkpoint (default:
     all-MiniLM-L6-v2) as saved; ``--query_prompt`` becomes its 'query' prompt."""
@@ -257,6 +276,8 @@ def main(argv=None):
         gather_across_devices=True,  # negatives from every process: the contrastive batch is global
     )
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=loss)
+    if trainer.is_fsdp_enabled:  # Normalize ends every model here
+        leave_parameterless_norms_to_the_fsdp2_root()
     say = print if trainer.is_world_process_zero() else (lambda *a, **k: None)
     world = trainer.accelerator.num_processes
     if script_args.preset:
