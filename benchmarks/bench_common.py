@@ -215,6 +215,7 @@ def append_csv_row(path: str | None, row: dict, fields: Sequence[str]) -> None:
     one process at a time gather in one file; a file with other columns is refused (ValueError)."""
     if not path:
         return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     new = not os.path.isfile(path) or os.path.getsize(path) == 0
     if not new:
         with open(path, newline="") as handle:

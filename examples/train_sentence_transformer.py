@@ -43,6 +43,7 @@ flags are checked before any work, and so is ``--push_to_hub`` (token, Hub reach
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -181,12 +182,17 @@ def parse_arguments(argv=None):
 def save_random_decoder(preset, texts, folder) -> None:
     """The preset's layout with random weights and a tokenizer trained on ``texts``, saved into
     ``folder`` with ``save_pretrained``: what a checkpoint would hold, so that both load alike."""
+    from safetensors.torch import save_file
     from transformers import Qwen3Config, Qwen3Model
 
     tokenizer = train_bpe_tokenizer(texts, preset["tokenizer_vocab"])
     eos = tokenizer.eos_token_id
     config = Qwen3Config(**preset["config"], bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
-    Qwen3Model(config).save_pretrained(folder)
+    weights = {name: tensor.contiguous() for name, tensor in Qwen3Model(config).state_dict().items()}
+    # Each process writes its own folder: save_pretrained writes on rank 0 alone once a process
+    # group exists (torchrun, accelerate launch), and the others would find their folder empty.
+    config.save_pretrained(folder)
+    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(folder)
 
 

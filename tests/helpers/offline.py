@@ -30,15 +30,17 @@ def offline_env(tmp_path) -> dict:
     return env
 
 
-def run_two_processes(script, *args, timeout: int = 600, cuda: bool = False, env: dict | None = None) -> None:
+def run_two_processes(script, *args, timeout: int = 600, cuda: bool = False, env: dict | None = None,
+                      processes: int = 2) -> None:
     """``torchrun --nproc_per_node 2 script *args`` on a free port with this checkout importable
     and one thread per process; fails the test with the workers' output unless both succeed.
-    ``cuda=False`` hides the GPUs (gloo on CPU); ``env`` adds variables."""
+    ``cuda=False`` hides the GPUs (gloo on CPU); ``env`` adds variables; ``processes`` other than
+    two, for a script that must run under torchrun whatever its number of processes."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(port), str(script), *map(str, args)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+               "--master_port", str(port), str(script), *map(str, args)]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {}),
                    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if not cuda:
