@@ -7,7 +7,7 @@
   :func:`free_memory` (all zero / no-ops when CUDA is not in use, so CPU smoke runs go through);
 - failures: :func:`is_out_of_memory`;
 - records: :func:`device_name`, :func:`versions`, :func:`csv_path`, :class:`CsvLog`,
-  :func:`write_csv`;
+  :func:`write_csv`, :func:`append_csv_row`;
 - output: :class:`Column` and :func:`print_table`.
 """
 
@@ -208,6 +208,25 @@ def write_csv(path: str | None, rows: Iterable[dict], fields: Sequence[str] | No
         for row in rows:
             log.write(row)
     return path
+
+
+def append_csv_row(path: str | None, row: dict, fields: Sequence[str]) -> None:
+    """Add ``row`` to the CSV at ``path`` (its header first when the file is new), so that runs made
+    one process at a time gather in one file; a file with other columns is refused (ValueError)."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    new = not os.path.isfile(path) or os.path.getsize(path) == 0
+    if not new:
+        with open(path, newline="") as handle:
+            header = next(csv.reader(handle), [])
+        if header != list(fields):
+            raise ValueError(f"CSV {path} has other columns ({', '.join(header)}); give a new file")
+    with open(path, "a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(fields), extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerow({key: "" if row.get(key) is None else row[key] for key in fields})
 
 
 # ---- output ----------------------------------------------------------------------------------

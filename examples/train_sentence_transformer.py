@@ -43,6 +43,8 @@ flags are checked before any work, and so is ``--push_to_hub`` (token, Hub reach
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import tempfile
 import time
@@ -181,12 +183,17 @@ def parse_arguments(argv=None):
 def save_random_decoder(preset, texts, folder) -> None:
     """The preset's layout with random weights and a tokenizer trained on ``texts``, saved into
     ``folder`` with ``save_pretrained``: what a checkpoint would hold, so that both load alike."""
+    from safetensors.torch import save_file
     from transformers import Qwen3Config, Qwen3Model
 
     tokenizer = train_bpe_tokenizer(texts, preset["tokenizer_vocab"])
     eos = tokenizer.eos_token_id
     config = Qwen3Config(**preset["config"], bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
-    Qwen3Model(config).save_pretrained(folder)
+    weights = {name: tensor.contiguous() for name, tensor in Qwen3Model(config).state_dict().items()}
+    # Each process writes its own folder: save_pretrained writes on rank 0 alone once a process
+    # group exists (torchrun, accelerate launch), and the others would find their folder empty.
+    config.save_pretrained(folder)
+    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(folder)
 
 
@@ -207,6 +214,52 @@ def build_decoder_embedder(script_args, data, device):
     pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode="lasttoken")
     return SentenceTransformer(modules=[transformer, pooling, Normalize()], device=device,
                                prompts={"query": script_args.query_prompt or "", "document": ""})
+
+
+@contextlib.contextmanager
+def whole_parameters(model, dtensors: bool = True):
+    """A context in which a sharded model holds its whole parameters on every process (a collective:
+    every process enters it), so that ``encode`` and ``save_pretrained`` run outside the training
+    step: parameters partitioned by DeepSpeed ZeRO-3 are gathered in place; with ``dtensors``, FSDP2's
+    DTensors are replaced by their gathered values until the context ends (FSDP2's own forward
+    hooks gather for ``encode``, so evaluation leaves them alone). Nothing to do for a whole model."""
+    from hf_infcl.sharding import full_value, is_dtensor, is_zero3_parameter
+
+    partitioned = [param for param in model.parameters() if is_zero3_parameter(param)]
+    if partitioned:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(partitioned):
+            yield
+        return
+    sharded = [(module, name, param) for module in model.modules()
+               for name, param in module._parameters.items() if dtensors and is_dtensor(param)]
+    for module, name, param in sharded:
+        module._parameters[name] = torch.nn.Parameter(full_value(param).detach(), requires_grad=False)
+    try:
+        yield
+    finally:
+        for module, name, param in sharded:
+            module._parameters[name] = param
+
+
+def leave_parameterless_norms_to_the_fsdp2_root() -> None:
+    """Accelerate's FSDP2 preparation gives the model's last child whose class name holds "Norm" a unit
+    of its own: for a SentenceTransformer that is ``Normalize``, which has no parameters to shard and
+    which ``fully_shard`` cannot wrap (sentence-transformers' modules derive from ``ABC`` first: "object
+    layout differs"). Such a module is left to the root's unit instead; idempotent."""
+    from accelerate.utils import fsdp_utils
+
+    find_final_norm = fsdp_utils._find_final_norm
+    if getattr(find_final_norm, "skips_parameterless", False):
+        return
+
+    def final_norm_with_parameters(model):
+        norm = find_final_norm(model)
+        return norm if norm is not None and any(True for _ in norm.parameters()) else None
+
+    final_norm_with_parameters.skips_parameterless = True
+    fsdp_utils._find_final_norm = final_norm_with_parameters
 
 
 def load_model(script_args, data, device):
@@ -257,6 +310,8 @@ def main(argv=None):
         gather_across_devices=True,  # negatives from every process: the contrastive batch is global
     )
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=loss)
+    if trainer.is_fsdp_enabled:  # Normalize ends every model here
+        leave_parameterless_norms_to_the_fsdp2_root()
     say = print if trainer.is_world_process_zero() else (lambda *a, **k: None)
     world = trainer.accelerator.num_processes
     if script_args.preset:
@@ -272,11 +327,18 @@ def main(argv=None):
         f"contrastive batch {args.per_device_train_batch_size * world}"
     )
 
-    evaluate = lambda: evaluate_retrieval(model, data.held_out, script_args.eval_batch_size)  # noqa: E731
+    def evaluate():
+        with whole_parameters(model, dtensors=False):  # every process evaluates, so every process gathers
+            return evaluate_retrieval(model, data.held_out, script_args.eval_batch_size)
+
     before, after, train_seconds = train_and_evaluate(trainer, evaluate, say, resume_from)
 
+    with whole_parameters(model):  # gathered by every process, saved by the first
+        if trainer.is_world_process_zero():
+            # sentence-transformers' card runs the model (FSDP2's hooks would gather on this process
+            # alone); the hf_infcl card below replaces it anyway
+            model.save_pretrained(args.output_dir, create_model_card=not trainer.is_fsdp_enabled)
     if trainer.is_world_process_zero():
-        model.save_pretrained(args.output_dir)
         card_args, card_fields = script_args, {}
         if script_args.preset and not script_args.model_name_or_path:  # no base model: say what was trained
             card_args = replace(script_args, model_name_or_path="")

@@ -35,12 +35,14 @@ def offline_env(tmp_path) -> dict:
     return env
 
 
-def run_two_processes(script, *args, timeout: int = 600, cuda: bool = False, env: dict | None = None) -> None:
+def run_two_processes(script, *args, timeout: int = 600, cuda: bool = False, env: dict | None = None,
+                      processes: int = 2) -> None:
     """``torchrun --nproc_per_node 2 script *args`` on a free port with this checkout importable
-    and one thread per process; fails the test with the workers' output unless both succeed.
-    ``cuda=False`` hides the GPUs (gloo on CPU); ``env`` adds variables."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), str(script), *map(str, args)]
+    and one thread per process; fails the test with the workers' output unless all succeed.
+    ``cuda=False`` hides the GPUs (gloo on CPU); ``env`` adds variables; ``processes`` other than
+    two, for a script that must run under torchrun whatever its number of processes."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+               "--master_port", str(_free_port()), str(script), *map(str, args)]
     finished = subprocess.run(command, env=_worker_environment(cuda, env), capture_output=True, text=True,
                               timeout=timeout)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-5000:]
