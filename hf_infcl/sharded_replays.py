@@ -50,8 +50,19 @@ def _reduces_gradients(module) -> bool:
     """Whether FSDP2 reduces ``module``'s gradients at its next backward: False inside an outer
     ``no_sync`` (the Trainer's, on the micro-batches of a gradient-accumulation step but the last)."""
     groups = [group for unit in module.modules() if hasattr(unit, "_get_fsdp_state")
-              for group in unit._get_fsdp_state()._fsdp_param_groups]
+              for group in fsdp_param_groups(unit._get_fsdp_state())]
     return all(group.reduce_grads for group in groups)
+
+
+def fsdp_param_groups(state) -> list:
+    """The parameter groups of an FSDP2 unit's state: ``_fsdp_param_groups`` where torch keeps a
+    list (one group per mesh), else the single ``_fsdp_param_group`` of earlier releases (torch
+    2.11), which is None for a unit without parameters."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 def _reshard_after_forward() -> bool:

@@ -251,3 +251,17 @@ def test_deepspeed_hold_reduction_restores_the_flag_and_refuses_a_plain_module()
     refusal = "deepspeed_hold_reduction needs a DeepSpeed engine, got Sequential"
     with pytest.raises(TypeError, match=refusal), deepspeed_hold_reduction(model):
         pass
+
+
+def test_fsdp_param_groups_reads_either_torch_layout():
+    """FSDP2's per-unit state keeps a list of parameter groups on newer torch and a single group
+    (None without parameters) on torch 2.11, the GPU image's: the reduction check must read both
+    (on 2.11 the plural name raised AttributeError at the first cached step)."""
+    from types import SimpleNamespace
+
+    from hf_infcl.sharded_replays import fsdp_param_groups
+
+    first, second = SimpleNamespace(reduce_grads=True), SimpleNamespace(reduce_grads=False)
+    assert fsdp_param_groups(SimpleNamespace(_fsdp_param_groups=[first, second])) == [first, second]
+    assert fsdp_param_groups(SimpleNamespace(_fsdp_param_group=first)) == [first]
+    assert fsdp_param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
