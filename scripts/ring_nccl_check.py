@@ -5,7 +5,9 @@ Run on a machine with 2 (or more) GPUs:
     torchrun --standalone --nproc_per_node 2 scripts/ring_nccl_check.py
 
 (``tests/test_ring.py::test_nccl_ring_parity_script`` runs it when two GPUs are visible;
-``--cpu`` runs the same checks over gloo on CPU, a dry run of the script itself.)
+``--cpu`` runs the same checks over gloo on CPU, a dry run of the script itself; ``--only A,B``
+runs the cases whose names contain A or B, e.g. ``--only filter,positives`` after a kernel change
+of the score filter, where a cold machine tunes every new kernel key first.)
 
 Each rank holds its own uneven slice of a global batch (one case gives a rank no rows at all),
 with the options of each case (hard negatives, groups, the hardness offset, several positives per
@@ -205,6 +207,21 @@ def relative_error(value: torch.Tensor, expected: torch.Tensor) -> float:
     return float((value.double() - expected).abs().max() / scale)
 
 
+def selected_cases(arguments: list[str]) -> set[str]:
+    """The case names to run: all, or with ``--only A,B`` those containing A or B (an error naming
+    ``--only`` if none does)."""
+    if "--only" not in arguments:
+        return set(CASES)
+    position = arguments.index("--only")
+    if position + 1 == len(arguments):
+        raise SystemExit("--only needs a comma-separated list of parts of case names")
+    parts = arguments[position + 1].split(",")
+    wanted = {name for name in CASES if any(part and part in name for part in parts)}
+    if not wanted:
+        raise SystemExit(f"--only {arguments[position + 1]!r} matches no case; the cases: {', '.join(CASES)}")
+    return wanted
+
+
 def main() -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     on_cpu = "--cpu" in sys.argv  # a dry run of this script over gloo, without GPUs
@@ -229,7 +246,10 @@ def main() -> int:
     failures = []
     started = time.perf_counter()
     default_slice_bytes = ring._MAX_SLICE_BYTES
+    wanted = selected_cases(sys.argv[1:])
     for index, (name, case) in enumerate(CASES.items()):
+        if name not in wanted:
+            continue
         parts = global_case(case, world_size, seed=100 + index)
         for dtype in (torch.float32, torch.bfloat16):
             ring._MAX_SLICE_BYTES = case.slice_bytes or default_slice_bytes
@@ -268,7 +288,7 @@ def main() -> int:
                 failures.append((name, str(dtype)))
     dist.barrier()
     if rank == 0:
-        print(f"checked {len(CASES) * 2} cases in {time.perf_counter() - started:.1f} s", flush=True)
+        print(f"checked {len(wanted) * 2} cases in {time.perf_counter() - started:.1f} s", flush=True)
         print("ALL PASSED" if not failures else f"FAILED: {sorted(set(failures))}", flush=True)
     dist.destroy_process_group()
     return 1 if failures else 0
