@@ -61,8 +61,9 @@ def distillation_loss(queries, keys, teacher_queries, teacher_keys, scale, teach
         "scale": float(np.sum(grad_z * x)),
     }
     if lam < 1.0:  # the softmax loss of tests/helpers/oracle.py, its value per row and its gradients
-        nce, _ = contract_loss(q, k, scale, symmetric=symmetric, positives=positives, reduction="none")
-        _, nce_grads = contract_loss(q, k, scale, symmetric=symmetric, positives=positives, reduction=reduction)
+        options = dict(symmetric=symmetric, positives=positives)
+        nce, _ = contract_loss(q, k, scale, reduction="none", **options)
+        _, nce_grads = contract_loss(q, k, scale, reduction=reduction, **options)
         per_row = per_row + (1.0 - lam) * nce
         grads = {name: grad + (1.0 - lam) * nce_grads[name] for name, grad in grads.items()}
     value = per_row if reduction == "none" else float(np.sum(per_row * weight))
