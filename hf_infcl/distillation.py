@@ -85,7 +85,6 @@ def contrastive_distillation_loss(
                                            None, None, reduction, backend, precision)
     check_second_embeddings(queries, keys, teacher_queries, teacher_keys, "teacher", required=True)
     teacher_scale = _teacher_scale(teacher_logit_scale, queries)
-    teacher_queries, teacher_keys = teacher_queries.detach(), teacher_keys.detach()
     # As contrastive_loss: its inputs' dtype and precision, whatever autocast says.
     with torch.autocast(queries.device.type, enabled=False):
         if backend == "reference":
