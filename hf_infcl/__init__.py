@@ -1,7 +1,8 @@
 """hf_infcl: exact, memory-linear contrastive loss (Inf-CL) for the Hugging Face stack.
 
-Plain PyTorch: ``hf_infcl.contrastive_loss`` / ``hf_infcl.InfCLLoss``, with the block backends
-``TorchTiles`` and ``TritonBlocks``. The Trainer integration (``InfCLTrainer``,
+Plain PyTorch: ``hf_infcl.contrastive_loss`` / ``hf_infcl.InfCLLoss`` and
+``hf_infcl.contrastive_distillation_loss`` (in-batch distillation from a teacher's embeddings),
+with the block backends ``TorchTiles`` and ``TritonBlocks``. The Trainer integration (``InfCLTrainer``,
 ``InfCLTrainingArguments``), ``DualEncoder``, ``TritonBlocks`` (it needs Triton) and
 ``hf_infcl.losses`` (sentence-transformers) are imported lazily, so ``import hf_infcl`` stays light.
 """
@@ -9,6 +10,7 @@ Plain PyTorch: ``hf_infcl.contrastive_loss`` / ``hf_infcl.InfCLLoss``, with the 
 from importlib import import_module
 from importlib import metadata as _metadata
 
+from .distillation import contrastive_distillation_loss
 from .loss import InfCLLoss, contrastive_loss
 from .ops.tiled import TorchTiles
 
@@ -28,7 +30,7 @@ _LAZY = {
     "losses": ".losses",
 }
 
-__all__ = ["contrastive_loss", "InfCLLoss", "TorchTiles", *_LAZY]
+__all__ = ["contrastive_loss", "contrastive_distillation_loss", "InfCLLoss", "TorchTiles", *_LAZY]
 
 
 def __getattr__(name):

@@ -422,39 +422,48 @@ def _check_objectives(queries, keys, query_groups, group_positives, false_negati
     if group_positives is not None and query_groups is None:
         raise ValueError(f"group_positives={group_positives!r} needs query_groups and key_groups (the keys "
                          "of a row's group are its positives)")
-    if (guide_queries is None) != (guide_keys is None):
-        given, missing = "guide_queries", "guide_keys"
-        if guide_queries is None:
-            given, missing = missing, given
-        raise ValueError(f"{given} was given without {missing}; the guide's similarities need both")
-    if guide_queries is not None:
-        if false_negative_margin is None:
-            raise ValueError("guide_queries/guide_keys were given without false_negative_margin; the guide "
-                             "only scores keys for the score filter")
-        _check_guide(queries, keys, guide_queries, guide_keys)
+    check_second_embeddings(queries, keys, guide_queries, guide_keys, "guide", required=False)
+    if guide_queries is not None and false_negative_margin is None:
+        raise ValueError("guide_queries/guide_keys were given without false_negative_margin; the guide "
+                         "only scores keys for the score filter")
     return Objectives(group_positives, false_negative_margin, false_negative_strategy, guide_queries,
                       guide_keys)
 
 
-def _check_guide(queries, keys, guide_queries, guide_keys) -> None:
-    for name, guide, features, role in (("guide_queries", guide_queries, queries, "queries"),
-                                        ("guide_keys", guide_keys, keys, "keys")):
-        _check_features(name, guide)
+def check_second_embeddings(queries, keys, second_queries, second_keys, model: str, *,
+                            required: bool) -> None:
+    """The one check of a second model's embeddings of the same rows and keys, ``{model}_queries``
+    and ``{model}_keys`` (the score filter's guide, distillation's teacher): both or neither (both
+    when ``required``), 2-D floating point, of the dtype and device of ``queries`` and ``keys``, with
+    their row counts, of one nonzero width of their own. They are compared with ``queries`` and
+    ``keys`` only where these are 2-D tensors; their own checks follow."""
+    names = (f"{model}_queries", f"{model}_keys")
+    given = [name for name, tensor in zip(names, (second_queries, second_keys)) if tensor is not None]
+    if len(given) == 1:
+        missing = names[1 - names.index(given[0])]
+        raise ValueError(f"{given[0]} was given without {missing}; the {model}'s similarities need both")
+    if not given:
+        if required:
+            raise TypeError(f"{names[0]} and {names[1]} must be torch.Tensors, got None")
+        return
+    for name, second, features, role in ((names[0], second_queries, queries, "queries"),
+                                         (names[1], second_keys, keys, "keys")):
+        _check_features(name, second)
         if not (torch.is_tensor(features) and features.ndim == 2):
             continue  # the features' own check names them
-        if guide.dtype != features.dtype:
-            raise TypeError(f"{name} has dtype {guide.dtype} but {role} have {features.dtype}; they must "
+        if second.dtype != features.dtype:
+            raise TypeError(f"{name} has dtype {second.dtype} but {role} have {features.dtype}; they must "
                             "match")
-        if guide.device != features.device:
-            raise ValueError(f"{name} is on {guide.device} but {role} are on {features.device}")
-        if guide.shape[0] != features.shape[0]:
-            raise ValueError(f"{name} has {guide.shape[0]} rows but {role} has {features.shape[0]}; the "
-                             f"guide embeds the same {role}")
-    if guide_queries.shape[1] != guide_keys.shape[1]:
-        raise ValueError(f"guide_queries have width {guide_queries.shape[1]} but guide_keys have width "
-                         f"{guide_keys.shape[1]}; they must match")
-    if guide_queries.shape[1] == 0:
-        raise ValueError("guide_queries and guide_keys have width 0")
+        if second.device != features.device:
+            raise ValueError(f"{name} is on {second.device} but {role} are on {features.device}")
+        if second.shape[0] != features.shape[0]:
+            raise ValueError(f"{name} has {second.shape[0]} rows but {role} has {features.shape[0]}; the "
+                             f"{model} embeds the same {role}")
+    if second_queries.shape[1] != second_keys.shape[1]:
+        raise ValueError(f"{names[0]} have width {second_queries.shape[1]} but {names[1]} have width "
+                         f"{second_keys.shape[1]}; they must match")
+    if second_queries.shape[1] == 0:
+        raise ValueError(f"{names[0]} and {names[1]} have width 0")
 
 
 def _check_hardness(loss, queries, keys, hardness_mode, hardness_strength, query_ids, key_owners):

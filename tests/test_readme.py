@@ -34,6 +34,10 @@ CHECKS = {
         "assert torch.isfinite(loss), loss\n"
         "assert images.grad is not None and queries.grad is not None and torch.isfinite(queries.grad).all()\n"
     ),
+    "In-batch distillation": (
+        "assert torch.isfinite(loss) and loss > 0, loss\n"
+        "assert queries.grad is not None and torch.isfinite(documents.grad).all()\n"
+    ),
     "Training with the transformers Trainer": "assert trainer.state.global_step == args.max_steps\n",
     "sentence-transformers": "assert trainer.state.global_step == args.max_steps\n",
 }

@@ -124,6 +124,16 @@ def check_label_smoothing(label_smoothing, loss: str, *, grouped: bool = False, 
                          "be the keys the filter keeps); leave one of them out")
 
 
+def check_distillation_weight(value, name: str = "distillation_weight") -> float:
+    """The one check of distillation's mix (docs/contract.md, "Distillation over the batch"): a number
+    in [0, 1], the weight of the KL term against the softmax loss's; returned as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1], got {type(value).__name__}")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+    return float(value)
+
+
 def check_objective_options(group_positives, false_negative_margin, false_negative_strategy, *,
                             names=("group_positives", "false_negative_margin", "false_negative_strategy")
                             ) -> float | None:
@@ -235,7 +245,8 @@ __all__ = [
     "BACKENDS", "BLOCK_BACKENDS", "FALSE_NEGATIVE_STRATEGIES", "GROUP_POSITIVES", "HARDNESS_MODES", "LOSSES",
     "PRECISIONS", "REDUCTIONS", "BackendName", "BlockBackend", "FalseNegativeStrategy", "GroupPositives",
     "HardnessMode", "LossKind", "LossOptions", "OptionAttribute", "Precision", "Reduction", "check_bool",
-    "check_choice", "check_chunk_size", "check_chunking", "check_false_negative_margin", "check_hardness",
+    "check_choice", "check_chunk_size", "check_chunking", "check_distillation_weight",
+    "check_false_negative_margin", "check_hardness",
     "check_hardness_strength", "check_label_smoothing", "check_objective_options", "check_option",
     "choice_error", "wire_codes",
 ]

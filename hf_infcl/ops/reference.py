@@ -85,6 +85,34 @@ def per_row_loss(
     return (row_term + column_term) / 2
 
 
+def distillation_per_row_loss(queries, keys, logit_scale, teacher_queries, teacher_keys,
+                              teacher_logit_scale, *, symmetric: bool = True,
+                              positives: torch.Tensor | None = None,
+                              distillation_weight: float = 1.0) -> torch.Tensor:
+    """Per-row loss of docs/contract.md's "Distillation over the batch" [m]: the KL divergence of the
+    student's softmax from the teacher's, over keys (and over rows at each row's positive key for
+    ``symmetric``), mixed with :func:`per_row_loss`'s softmax loss by ``distillation_weight``. The
+    teacher is a constant (detached)."""
+    compute_dtype = torch.float64 if queries.dtype == torch.float64 else torch.float32
+    z = logit_scale.to(compute_dtype) * (queries.to(compute_dtype) @ keys.to(compute_dtype).T)
+    teacher = teacher_queries.detach().to(compute_dtype) @ teacher_keys.detach().to(compute_dtype).T
+    t = teacher_logit_scale.detach().to(compute_dtype) * teacher
+
+    def kl(dim):  # KL(softmax(t) || softmax(z)) along dim
+        log_student, log_teacher = F.log_softmax(z, dim=dim), F.log_softmax(t, dim=dim)
+        return (log_teacher.exp() * (log_teacher - log_student)).sum(dim=dim)
+
+    distillation = kl(1)
+    if symmetric:
+        m = queries.shape[0]
+        at_positives = torch.arange(m, device=z.device) if positives is None else positives
+        distillation = (distillation + kl(0)[at_positives]) / 2
+    if distillation_weight == 1.0:
+        return distillation
+    contrastive = per_row_loss(queries, keys, logit_scale, symmetric=symmetric, positives=positives)
+    return distillation_weight * distillation + (1.0 - distillation_weight) * contrastive
+
+
 def _pair_masks(dots, positives, query_groups, key_groups, group_positives, false_negative_margin,
                 false_negative_strategy, guide_queries, guide_keys):
     """(positive, allowed, column_allowed), boolean [m, k]: key j is one of row i's positives; key j

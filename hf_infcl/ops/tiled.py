@@ -23,6 +23,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .distillation import (
+    DistillationSpec,
+    SoftTargetGradients,
+    SoftTargetStats,
+    TeacherLogits,
+    empty_soft_target_stats,
+    merge_soft_target_stats,
+)
 from .spec import (
     GroupMask,
     HardnessOffset,
@@ -181,6 +189,34 @@ class TorchTiles:
             _add_products(grad_logits, q_tile, k_tile, grad_queries[r0:r1], grad_keys[k0:k1], row_sums[r0:r1])
         return row_stat, row_sums
 
+    def distillation_forward_block(self, spec: DistillationSpec, queries, keys, scale,
+                                   teacher: TeacherLogits):
+        """In-batch distillation's statistics (:class:`~hf_infcl.ops.distillation.DistillationBlockOps`),
+        each tile's merged into the running ones as a log-sum-exp is, in float64 as the softmax
+        loss's."""
+        rows = empty_soft_target_stats(queries.shape[0], _LSE_DTYPE, queries.device)
+        columns = empty_soft_target_stats(keys.shape[0], _LSE_DTYPE, queries.device) if spec.columns else None
+        for r0, r1, k0, k1, _, _, logits, _, _ in self._logit_tiles(spec, queries, keys, scale, None):
+            teacher_logits = teacher.tile(r0, r1, k0, k1, logits.dtype)
+            _merge_into(rows, slice(r0, r1), _soft_target_tile(logits, teacher_logits, dim=1))
+            if columns is not None:
+                _merge_into(columns, slice(k0, k1), _soft_target_tile(logits, teacher_logits, dim=0))
+        return rows, columns
+
+    def distillation_backward_block(self, spec: DistillationSpec, queries, keys, scale,
+                                    teacher: TeacherLogits, rows: SoftTargetGradients,
+                                    columns: SoftTargetGradients | None, grad_queries, grad_keys):
+        acc = accumulation_dtype(queries.dtype)
+        row_sums = torch.zeros(queries.shape[0], dtype=acc, device=queries.device)
+        tiles = self._logit_tiles(spec, queries, keys, scale, None)
+        for r0, r1, k0, k1, q_tile, k_tile, logits, _, _ in tiles:
+            teacher_logits = teacher.tile(r0, r1, k0, k1, logits.dtype)
+            grad_logits = _soft_target_gradient(logits, teacher_logits, rows, slice(r0, r1), dim=1)
+            if columns is not None:
+                grad_logits += _soft_target_gradient(logits, teacher_logits, columns, slice(k0, k1), dim=0)
+            _add_products(grad_logits, q_tile, k_tile, grad_queries[r0:r1], grad_keys[k0:k1], row_sums[r0:r1])
+        return row_sums
+
 
 def statistics_dtype(loss: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype of :class:`TorchTiles`' row and column statistics for inputs of ``dtype``: float64
@@ -220,3 +256,30 @@ def _add_products(grad_logits, q_tile, k_tile, grad_queries, grad_keys, row_sums
     grad_queries.addmm_(grad_logits, k_tile)
     grad_keys.addmm_(grad_logits.T, q_tile)
     row_sums += grad_logits.sum(dim=1)
+
+
+def _soft_target_tile(logits, teacher_logits, dim: int) -> SoftTargetStats:
+    """One tile's distillation statistics along ``dim`` (1: each row's over the tile's keys, 0: each
+    key's over its rows), in float64."""
+    teacher_lse = _logsumexp(teacher_logits, dim)
+    teacher_probs = probabilities(teacher_logits, teacher_lse.unsqueeze(dim))
+    gap = (teacher_probs * (teacher_logits - logits)).sum(dim=dim).to(_LSE_DTYPE)
+    return SoftTargetStats(_logsumexp(logits, dim), teacher_lse, gap)
+
+
+def _merge_into(stats: SoftTargetStats, part: slice, tile: SoftTargetStats) -> None:
+    """Merge a tile's statistics into the running ones of the rows (or keys) ``part``, in place."""
+    merged = merge_soft_target_stats(SoftTargetStats(*(running[part] for running in stats)), tile)
+    for running, value in zip(stats, merged):
+        running[part] = value
+
+
+def _soft_target_gradient(logits, teacher_logits, direction: SoftTargetGradients, part: slice, dim: int):
+    """One direction's share of a tile's G: student_weight * P - target_weight * T, the weights and
+    log-sum-exps those of the rows (``dim`` 1) or keys (``dim`` 0) ``part``."""
+    def along(values):
+        return values[part].unsqueeze(dim)
+
+    student = along(direction.student_weight) * probabilities(logits, along(direction.student_lse))
+    teacher = along(direction.target_weight) * probabilities(teacher_logits, along(direction.teacher_lse))
+    return student - teacher
