@@ -29,11 +29,13 @@ TOLERANCE = {"rtol": 1e-6, "atol": 1e-9}
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _spawn(world_size: int, out_dir: str) -> list[dict]:
+def _spawn(world_size: int, out_dir: str, worker=ring_workers.worker) -> list[dict]:
+    """Run ``worker(rank, world_size, init_file, out_dir)`` in ``world_size`` spawned processes; return
+    what each wrote to ``out_dir/rank{r}.pt``, or fail with what they raised (or that they hung)."""
     context = mp.get_context("spawn")
     init_file = os.path.join(out_dir, "init")
     processes = [
-        context.Process(target=ring_workers.worker, args=(rank, world_size, init_file, out_dir))
+        context.Process(target=worker, args=(rank, world_size, init_file, out_dir))
         for rank in range(world_size)
     ]
     # The Triton block ops run in Triton's interpreter on CPU, which Triton reads when it is first
