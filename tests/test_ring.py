@@ -139,14 +139,19 @@ SAME_ERROR_EVERYWHERE = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(SAME_ERROR_EVERYWHERE))
-def test_disagreeing_ranks_raise_the_same_error_on_every_rank(ranks, case):
+def assert_same_error_everywhere(ranks: list[dict], case: str, fragment: str) -> None:
+    """Every rank raised the same ValueError for disagreement ``case``, its message holding ``fragment``."""
     raised = [result["raised"][case] for result in ranks]
     assert all(r is not None for r in raised), f"some rank did not raise: {raised}"
     assert all(r == raised[0] for r in raised), f"ranks raised different errors: {raised}"
     kind, message = raised[0]
     assert kind == "ValueError"
-    assert SAME_ERROR_EVERYWHERE[case] in message
+    assert fragment in message
+
+
+@pytest.mark.parametrize("case", sorted(SAME_ERROR_EVERYWHERE))
+def test_disagreeing_ranks_raise_the_same_error_on_every_rank(ranks, case):
+    assert_same_error_everywhere(ranks, case, SAME_ERROR_EVERYWHERE[case])
 
 
 def test_one_rank_rejecting_its_arguments_stops_every_rank(ranks):

@@ -11,15 +11,13 @@ asserted here: a failure must reach pytest, not die in a child.
 
 from __future__ import annotations
 
-import os
-import traceback
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from hf_infcl import TorchTiles, contrastive_distillation_loss, contrastive_loss
+from tests.helpers.ring_workers import record_raised, run_rank
 
 FEATURE_WIDTH = 4
 SCALE = 1.7
@@ -39,6 +37,7 @@ class Case:
     custom_positives: bool = False
     reduction: str = "mean"
     backend: object = TILES
+    dtype: torch.dtype = torch.float64  # of the features (the inputs are drawn in float64)
     rows: dict = field(default_factory=dict)
     keys: dict = field(default_factory=dict)
 
@@ -63,6 +62,11 @@ CASES = {
     "mixed_symmetric_none": Case(
         reduction="none", distillation_weight=0.6, custom_positives=True,
         rows={2: (3, 3), 3: (2, 2, 0)}, keys={2: (5, 4), 3: (3, 4, 1)},
+    ),
+    # fp32 features: fp32 tiles and accumulators, the statistics still travelling in float64
+    "mixed_symmetric_fp32": Case(
+        distillation_weight=0.5, teacher_width=6, dtype=torch.float32,
+        rows={2: (4, 2), 3: (2, 0, 3)}, keys={2: (5, 4), 3: (3, 2, 4)},
     ),
     # key blocks of one row: the backward's key gradients travel as a single slice
     "one_key_per_rank": Case(
@@ -105,16 +109,18 @@ def concatenated(parts: list[dict]) -> dict:
 
 def run_case(case: Case, part: dict) -> dict:
     """This rank's value and the gradients of (the sum of) it."""
-    queries = part["queries"].clone().requires_grad_(True)
-    keys = part["keys"].clone().requires_grad_(True)
-    scale = torch.tensor(SCALE, dtype=torch.float64, requires_grad=True)
+    queries = part["queries"].to(case.dtype).requires_grad_(True)
+    keys = part["keys"].to(case.dtype).requires_grad_(True)
+    scale = torch.tensor(SCALE, dtype=case.dtype, requires_grad=True)
     value = contrastive_distillation_loss(
-        queries, keys, part["teacher_queries"], part["teacher_keys"], scale, TEACHER_SCALE,
+        queries, keys, part["teacher_queries"].to(case.dtype), part["teacher_keys"].to(case.dtype), scale,
+        TEACHER_SCALE,
         symmetric=case.symmetric, positives=part["positives"], distillation_weight=case.distillation_weight,
         reduction=case.reduction, process_group="auto", backend=case.backend,
     )
     value.sum().backward()
-    return {"value": value.detach(), "queries": queries.grad, "keys": keys.grad, "scale": scale.grad}
+    results = {"value": value.detach(), "queries": queries.grad, "keys": keys.grad, "scale": scale.grad}
+    return {name: tensor.double() for name, tensor in results.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,13 +168,7 @@ def after_errors_inputs(rank: int) -> tuple[torch.Tensor, ...]:
 
 
 def run_disagreements(rank: int, world_size: int):
-    raised = {}
-    for name, call in disagreement_cases(rank, world_size).items():
-        try:
-            call()
-            raised[name] = None
-        except Exception as error:  # recorded for the test process to judge
-            raised[name] = (type(error).__name__, str(error))
+    raised = record_raised(disagreement_cases(rank, world_size))
     # The group must still be in step afterwards: a correct loss right after all those errors.
     after = contrastive_distillation_loss(*after_errors_inputs(rank), 2.0, 3.0, distillation_weight=0.5,
                                           reduction="sum", process_group="auto", backend=TILES)
@@ -178,19 +178,11 @@ def run_disagreements(rank: int, world_size: int):
 
 def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     """Entry point of one spawned rank; writes its results (or its traceback) under out_dir."""
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=60),
-        )
-        results = {"cases": {name: run_case(case, case_inputs(case, world_size, seed=index)[rank])
-                             for index, (name, case) in enumerate(CASES.items())}}
-        results["raised"], results["after_errors"] = run_disagreements(rank, world_size)
-        dist.barrier()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    run_rank(rank, world_size, init_file, out_dir, collect_results)
+
+
+def collect_results(rank: int, world_size: int) -> dict:
+    results = {"cases": {name: run_case(case, case_inputs(case, world_size, seed=index)[rank])
+                         for index, (name, case) in enumerate(CASES.items())}}
+    results["raised"], results["after_errors"] = run_disagreements(rank, world_size)
+    return results
