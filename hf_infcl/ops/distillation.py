@@ -12,7 +12,9 @@ so that KL_i = gap_i + student_lse_i - teacher_lse_i. The backward needs only th
 (O(m + k) numbers): G_ij = a_i exp(z_ij - student_lse_i) - b_i exp(t_ij - teacher_lse_i) (plus the
 columns' terms), with a and b the gradients of student_lse and gap (d gap_i / d z_ij is minus the
 teacher's probability; the teacher's log-sum-exp has no gradient). The teacher's logits are
-recomputed per tile from its embeddings, as the score filter's guide scores are.
+recomputed per tile from its embeddings, as the score filter's guide scores are. The autograd
+Function runs over a schedule of key blocks: one process's own (:data:`ONE_PROCESS`), or the ring's
+(:mod:`hf_infcl.ops.distillation_ring`).
 """
 
 from __future__ import annotations
