@@ -17,10 +17,12 @@ from .loss import (
     _resolve_process_group,
     check_second_embeddings,
 )
-from .ops import reference
-from .ops.distillation import DistillationLogitStats, DistillationSpec, distillation_block_ops
+from .ops import reference, ring
+from .ops.distillation import ONE_PROCESS, DistillationLogitStats, DistillationSpec, distillation_block_ops
+from .ops.distillation_ring import DistillationRing
+from .ops.logit_stats import announcing_rejections
 from .ops.options import BackendName, Precision, Reduction, check_distillation_weight
-from .ops.spec import BlockOps, accumulation_dtype, resolve_precision
+from .ops.spec import BlockOps, StatsSpec, accumulation_dtype, resolve_precision
 
 
 def contrastive_distillation_loss(
@@ -62,44 +64,63 @@ def contrastive_distillation_loss(
         distillation_weight: ``w`` in [0, 1]; the loss is ``(1 - w) * InfoNCE + w * KL`` per row
             (InfoNCE with the same ``symmetric`` and positives). 1 (the default): the KL alone.
         process_group: ``None`` (or ``"auto"`` outside ``torch.distributed``, or a group of one
-            process): this process's rows and keys. The ring across processes is not there yet: a
-            group of several processes raises ``ValueError``.
+            process): this process's rows and keys. A group of several processes (``"auto"``: the
+            default group when ``torch.distributed`` is initialised): every rank passes its own rows,
+            keys and the teacher's embeddings of them, and each row's KL runs over every key of the
+            group (the student's and the teacher's key blocks travel a ring, as
+            :func:`hf_infcl.contrastive_loss`'s do; nothing is gathered). Ranks may hold different
+            numbers of rows, none included; ``"mean"`` is then (n / M) times the sum of this rank's
+            rows (M rows in the group), so that DDP's average of the gradients is the global mean's;
+            ``positives`` index this rank's own keys.
+            Every rank must pass the same options (widths, the teacher's width, dtype, ``symmetric``,
+            ``distillation_weight``, ``reduction``, ``precision``), or every rank raises
+            ``ValueError``.
         backend: ``"auto"`` and ``"torch"`` run the tile-wise PyTorch block ops on any device, CUDA
             included (Triton kernels for distillation are to come; ``"triton"`` raises
-            ``ValueError``); ``"reference"`` materialises the logits (small inputs); or a block-ops
-            object offering ``distillation_forward_block``/``distillation_backward_block``, such as
+            ``ValueError``); ``"reference"`` materialises the logits (small inputs, one process); or a
+            block-ops object offering ``distillation_forward_block``/``distillation_backward_block``, such as
             ``TorchTiles(256, 256)``.
 
     Returns:
         The reduced loss (a scalar), or the per-row losses ``[m]`` for ``reduction="none"``.
     """
-    _, world_size = _resolve_process_group(process_group)
-    if world_size > 1:
-        raise ValueError("process_group: contrastive_distillation_loss runs on one process for now (the ring "
-                         "across processes is to come); pass process_group=None")
-    if isinstance(backend, str) and backend == "triton":
-        raise ValueError("backend='triton': contrastive_distillation_loss has no Triton kernels yet; pass "
-                         "'auto' or 'torch' (the tile-wise PyTorch backend, CUDA included)")
-    distillation_weight = check_distillation_weight(distillation_weight)
-    scale, _, positives = _check_arguments(queries, keys, logit_scale, None, "softmax", symmetric, positives,
-                                           None, None, reduction, backend, precision)
-    check_second_embeddings(queries, keys, teacher_queries, teacher_keys, "teacher", required=True)
-    teacher_scale = _teacher_scale(teacher_logit_scale, queries)
+    group, world_size = _resolve_process_group(process_group)
+    in_ring = world_size > 1
+    # A rank whose checks fail tells the others (waiting in the ring's option exchange) first.
+    device = queries.device if torch.is_tensor(queries) else None
+    with announcing_rejections(group if in_ring else None, device):
+        if isinstance(backend, str) and backend == "triton":
+            raise ValueError("backend='triton': contrastive_distillation_loss has no Triton kernels yet; "
+                             "pass 'auto' or 'torch' (the tile-wise PyTorch backend, CUDA included)")
+        distillation_weight = check_distillation_weight(distillation_weight)
+        scale, _, positives = _check_arguments(queries, keys, logit_scale, None, "softmax", symmetric,
+                                               positives, None, None, reduction, backend, precision,
+                                               in_ring=in_ring)
+        check_second_embeddings(queries, keys, teacher_queries, teacher_keys, "teacher", required=True)
+        teacher_scale = _teacher_scale(teacher_logit_scale, queries)
+        ops = None if backend == "reference" else distillation_block_ops(backend)
     # As contrastive_loss: its inputs' dtype and precision, whatever autocast says.
     with torch.autocast(queries.device.type, enabled=False):
-        if backend == "reference":
+        if backend == "reference":  # one process: the checks refuse it in a ring
             per_row = reference.distillation_per_row_loss(
                 queries, keys, scale, teacher_queries, teacher_keys, teacher_scale, symmetric=symmetric,
                 positives=positives, distillation_weight=distillation_weight)
-        else:
-            spec = DistillationSpec(columns=symmetric,
-                                    precision=resolve_precision(precision, queries.dtype, queries.device))
-            ops = distillation_block_ops(backend)
-            stats = DistillationLogitStats.apply(queries, keys, scale, teacher_queries, teacher_keys,
-                                                 teacher_scale, positives, spec, ops)
-            per_row = _per_row_loss(stats, positives, symmetric, distillation_weight)
-            per_row = per_row.to(accumulation_dtype(queries.dtype))
-        return _reduce(per_row, reduction, total_rows=queries.shape[0], world_size=1)
+            return _reduce(per_row, reduction, total_rows=queries.shape[0], world_size=1)
+        spec = DistillationSpec(columns=symmetric,
+                                precision=resolve_precision(precision, queries.dtype, queries.device))
+        schedule, total_rows = ONE_PROCESS, queries.shape[0]
+        if in_ring:
+            layout = ring.exchange_layout(group, queries, keys, StatsSpec(loss="softmax", columns=symmetric,
+                                                                          precision=spec.precision),
+                                          has_bias=False, has_groups=False, reduction=reduction,
+                                          teacher_width=teacher_queries.shape[1],
+                                          distillation_weight=distillation_weight)
+            schedule, total_rows = DistillationRing(layout), layout.total_rows
+        stats = DistillationLogitStats.apply(queries, keys, scale, teacher_queries, teacher_keys,
+                                             teacher_scale, positives, spec, ops, schedule)
+        per_row = _per_row_loss(stats, positives, symmetric, distillation_weight)
+        per_row = per_row.to(accumulation_dtype(queries.dtype))
+        return _reduce(per_row, reduction, total_rows=total_rows, world_size=world_size)
 
 
 def _teacher_scale(teacher_logit_scale, queries) -> torch.Tensor:

@@ -257,13 +257,12 @@ def test_block_ops_without_distillation_are_refused():
         contrastive_distillation_loss(**_arguments(backend=NoDistillation()))
 
 
-def test_a_process_group_of_several_processes_is_refused(monkeypatch):
-    import hf_infcl.distillation as distillation
-
-    monkeypatch.setattr(distillation, "_resolve_process_group", lambda group: (group, 2))
-    with pytest.raises(ValueError, match="process_group: contrastive_distillation_loss runs on one process"):
-        contrastive_distillation_loss(**_arguments(process_group="auto"))
-
+def test_process_group_auto_outside_torch_distributed_is_this_process():
+    """Several processes run the ring (tests/test_distillation_ring.py); "auto" without
+    torch.distributed is this process's rows and keys, bit for bit."""
+    arguments = _arguments(symmetric=True, distillation_weight=0.4, backend=SMALL_TILES)
+    local = contrastive_distillation_loss(**arguments)
+    assert torch.equal(contrastive_distillation_loss(**arguments, process_group="auto"), local)
 
 # --------------------------------------------------------------------------------------------
 # GPU: "auto" runs the torch tiles on CUDA until the Triton kernels exist

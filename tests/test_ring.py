@@ -29,11 +29,13 @@ TOLERANCE = {"rtol": 1e-6, "atol": 1e-9}
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _spawn(world_size: int, out_dir: str) -> list[dict]:
+def _spawn(world_size: int, out_dir: str, worker=ring_workers.worker) -> list[dict]:
+    """Run ``worker(rank, world_size, init_file, out_dir)`` in ``world_size`` spawned processes; return
+    what each wrote to ``out_dir/rank{r}.pt``, or fail with what they raised (or that they hung)."""
     context = mp.get_context("spawn")
     init_file = os.path.join(out_dir, "init")
     processes = [
-        context.Process(target=ring_workers.worker, args=(rank, world_size, init_file, out_dir))
+        context.Process(target=worker, args=(rank, world_size, init_file, out_dir))
         for rank in range(world_size)
     ]
     # The Triton block ops run in Triton's interpreter on CPU, which Triton reads when it is first
@@ -137,14 +139,19 @@ SAME_ERROR_EVERYWHERE = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(SAME_ERROR_EVERYWHERE))
-def test_disagreeing_ranks_raise_the_same_error_on_every_rank(ranks, case):
+def assert_same_error_everywhere(ranks: list[dict], case: str, fragment: str) -> None:
+    """Every rank raised the same ValueError for disagreement ``case``, its message holding ``fragment``."""
     raised = [result["raised"][case] for result in ranks]
     assert all(r is not None for r in raised), f"some rank did not raise: {raised}"
     assert all(r == raised[0] for r in raised), f"ranks raised different errors: {raised}"
     kind, message = raised[0]
     assert kind == "ValueError"
-    assert SAME_ERROR_EVERYWHERE[case] in message
+    assert fragment in message
+
+
+@pytest.mark.parametrize("case", sorted(SAME_ERROR_EVERYWHERE))
+def test_disagreeing_ranks_raise_the_same_error_on_every_rank(ranks, case):
+    assert_same_error_everywhere(ranks, case, SAME_ERROR_EVERYWHERE[case])
 
 
 def test_one_rank_rejecting_its_arguments_stops_every_rank(ranks):

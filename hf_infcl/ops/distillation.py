@@ -12,7 +12,9 @@ so that KL_i = gap_i + student_lse_i - teacher_lse_i. The backward needs only th
 (O(m + k) numbers): G_ij = a_i exp(z_ij - student_lse_i) - b_i exp(t_ij - teacher_lse_i) (plus the
 columns' terms), with a and b the gradients of student_lse and gap (d gap_i / d z_ij is minus the
 teacher's probability; the teacher's log-sum-exp has no gradient). The teacher's logits are
-recomputed per tile from its embeddings, as the score filter's guide scores are.
+recomputed per tile from its embeddings, as the score filter's guide scores are. The autograd
+Function runs over a schedule of key blocks: one process's own (:data:`ONE_PROCESS`), or the ring's
+(:mod:`hf_infcl.ops.distillation_ring`).
 """
 
 from __future__ import annotations
@@ -123,11 +125,47 @@ def distillation_block_ops(backend) -> DistillationBlockOps:
     return backend
 
 
+class DistillationSchedule(Protocol):
+    """Which key blocks a process's rows meet, as :class:`~hf_infcl.ops.key_blocks.KeyBlockSchedule`
+    is for the contrastive loss: :data:`ONE_PROCESS`, or the ring
+    (:class:`~hf_infcl.ops.distillation_ring.DistillationRing`)."""
+
+    def forward(self, spec: DistillationSpec, ops: DistillationBlockOps, queries, keys, scale,
+                teacher: TeacherLogits) -> tuple[SoftTargetStats, SoftTargetStats | None]:
+        """(this process's rows' statistics [m] over every key, its keys' [k] over every row or None
+        without columns)."""
+
+    def backward(self, spec: DistillationSpec, ops: DistillationBlockOps, queries, keys, scale,
+                 teacher: TeacherLogits, rows: SoftTargetGradients, columns: SoftTargetGradients | None):
+        """(unscaled G K [m, c], unscaled G^T Q as ((start, end), accumulator) slices of this process's
+        keys, row sums of G [m]), in the accumulation dtype, for
+        :func:`~hf_infcl.ops.key_blocks.finish_gradients`."""
+
+
+class OneProcess:
+    """The :class:`DistillationSchedule` of one process: its own keys are the only block."""
+
+    def forward(self, spec, ops, queries, keys, scale, teacher):
+        return ops.distillation_forward_block(spec, queries, keys, scale, teacher)
+
+    def backward(self, spec, ops, queries, keys, scale, teacher, rows, columns):
+        acc = accumulation_dtype(queries.dtype)
+        grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
+        grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
+        row_sums = ops.distillation_backward_block(spec, queries, keys, scale, teacher, rows, columns,
+                                                   grad_queries, grad_keys)
+        return grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums
+
+
+ONE_PROCESS = OneProcess()
+
+
 class DistillationLogitStats(torch.autograd.Function):
     """(queries, keys, scale, teacher_queries, teacher_keys, teacher_scale, positives) ->
     (student_lse [m], teacher_lse [m], gap [m], the same three over the rows for each key [k] (or
-    empty without columns), positive logits z_{i,p(i)} [m]) of one process. The teacher's
-    log-sum-exps have no gradient, and the teacher's tensors get none.
+    empty without columns), positive logits z_{i,p(i)} [m]) of this process's rows and keys over
+    every key and row of ``schedule`` (:data:`ONE_PROCESS`, or the ring). The teacher's log-sum-exps have
+    no gradient, and the teacher's tensors get none.
 
     The positive logits are an output for the reason :mod:`hf_infcl.ops.key_blocks` gives: their
     gradient (the mixed-in softmax loss's) is summed with G's in the fp32 accumulators.
@@ -135,15 +173,15 @@ class DistillationLogitStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, queries, keys, scale, teacher_queries, teacher_keys, teacher_scale, positives,
-                spec: DistillationSpec, ops: DistillationBlockOps):
+                spec: DistillationSpec, ops: DistillationBlockOps, schedule: DistillationSchedule):
         teacher = TeacherLogits(teacher_queries, teacher_keys, teacher_scale)
-        rows, columns = ops.distillation_forward_block(spec, queries, keys, scale, teacher)
+        rows, columns = schedule.forward(spec, ops, queries, keys, scale, teacher)
         if columns is None:  # new tensors each: outputs may not alias each other
             columns = SoftTargetStats(*(rows.gap.new_empty(0) for _ in range(3)))
         positive = positive_logits(queries, keys, positives, scale, None, row_combiner(ops))
         ctx.save_for_backward(queries, keys, scale, teacher_queries, teacher_keys, teacher_scale, positives,
                               rows.student_lse, rows.teacher_lse, columns.student_lse, columns.teacher_lse)
-        ctx.spec, ctx.ops = spec, ops
+        ctx.spec, ctx.ops, ctx.schedule = spec, ops, schedule
         ctx.mark_non_differentiable(rows.teacher_lse, columns.teacher_lse)
         return (*rows, *columns, positive)
 
@@ -161,17 +199,14 @@ class DistillationLogitStats(torch.autograd.Function):
             if spec.columns:
                 columns = SoftTargetGradients(col_lse, col_teacher_lse, _weight(grad_col_lse, col_lse, acc),
                                               _weight(grad_col_gap, col_lse, acc))
-            grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
-            grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
             teacher = TeacherLogits(teacher_queries, teacher_keys, teacher_scale)
-            row_sums = ops.distillation_backward_block(spec, queries, keys, scale, teacher, rows, columns,
-                                                       grad_queries, grad_keys)
+            grad_queries, key_slices, row_sums = ctx.schedule.backward(spec, ops, queries, keys, scale,
+                                                                       teacher, rows, columns)
             grad_positive = _weight(grad_positive, row_lse, acc)
             needs = (*ctx.needs_input_grad[:3], False)  # no bias
             grads = finish_gradients(needs, queries, keys, scale, None, positives, grad_positive,
-                                     grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums,
-                                     combine=row_combiner(ops))
-        return (*grads[:3], None, None, None, None, None, None)
+                                     grad_queries, key_slices, row_sums, combine=row_combiner(ops))
+        return (*grads[:3], None, None, None, None, None, None, None)
 
 
 def _weight(grad: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -90,9 +90,10 @@ _LAYOUT_FIELDS = (
     "ok", "rows", "keys", "width", "dtype", "loss", "columns", "precision", "device_type",
     "has_bias", "has_groups", "reduction", "hardness", "hardness_strength", "label_smoothing",
     "group_positives", "filters", "false_negative_margin", "false_negative_strategy", "guide_width",
+    "teacher_width", "distillation_weight",
 )
 # the others are small integers
-_FLOAT_FIELDS = ("hardness_strength", "label_smoothing", "false_negative_margin")
+_FLOAT_FIELDS = ("hardness_strength", "label_smoothing", "false_negative_margin", "distillation_weight")
 # The options' codes come from their vocabularies (hf_infcl.ops.options); the dtype and device codes
 # are the ring's own.
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -212,9 +213,12 @@ def announce_rejected_arguments(group, device: torch.device | None = None) -> No
 
 def exchange_layout(group, queries, keys, spec: StatsSpec, has_bias: bool, has_groups: bool,
                     reduction: str = "mean", label_smoothing: float = 0.0,
-                    guide_width: int | None = None) -> RingLayout:
+                    guide_width: int | None = None, teacher_width: int | None = None,
+                    distillation_weight: float | None = None) -> RingLayout:
     """Exchange sizes and options with every rank of ``group``; raise the same error everywhere
-    when they disagree. ``guide_width``: the score filter's guide's width, None without a guide."""
+    when they disagree. ``guide_width``: the score filter's guide's width, None without a guide;
+    ``teacher_width`` and ``distillation_weight``: in-batch distillation's
+    (:mod:`hf_infcl.ops.distillation_ring`), None for the contrastive loss."""
     values = {
         "ok": 1,
         "rows": queries.shape[0],
@@ -236,6 +240,8 @@ def exchange_layout(group, queries, keys, spec: StatsSpec, has_bias: bool, has_g
         "false_negative_margin": spec.false_negative_margin if spec.filters else 0.0,
         "false_negative_strategy": _STRATEGY_CODES[spec.false_negative_strategy] if spec.filters else 0,
         "guide_width": -1 if guide_width is None else guide_width,
+        "teacher_width": -1 if teacher_width is None else teacher_width,
+        "distillation_weight": -1.0 if distillation_weight is None else distillation_weight,
     }
     table = _all_gather_layout(
         group, [float(values[name]) for name in _LAYOUT_FIELDS], _metadata_device(group, queries.device)
@@ -263,7 +269,7 @@ def _check_agreement(columns: dict[str, list[int]]) -> None:
     rejected = [rank for rank, ok in enumerate(columns["ok"]) if not ok]
     if rejected:
         raise ValueError(
-            f"rank(s) {rejected} of the process group rejected their arguments to contrastive_loss "
+            f"rank(s) {rejected} of the process group rejected their arguments to the loss "
             "(see the error raised there); every rank stops"
         )
 
@@ -288,6 +294,10 @@ def _check_agreement(columns: dict[str, list[int]]) -> None:
         "false_negative_margin": ("false_negative_margin", str),
         "false_negative_strategy": ("false_negative_strategy", _decoder({None: 0, **_STRATEGY_CODES})),
         "guide_width": ("the width of guide_queries/guide_keys", lambda v: "no guide" if v < 0 else str(v)),
+        "teacher_width": ("the width of teacher_queries/teacher_keys (distillation)",
+                          lambda v: "no teacher (contrastive_loss)" if v < 0 else str(v)),
+        "distillation_weight": ("distillation_weight",
+                                lambda v: "none (contrastive_loss)" if v < 0 else str(v)),
     }
     for field, (what, decode) in names.items():
         if len(set(columns[field])) > 1:

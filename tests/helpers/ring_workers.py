@@ -354,14 +354,20 @@ def disagreement_cases(rank: int, world_size: int):
     }
 
 
-def run_disagreements(rank: int, world_size: int):
+def record_raised(calls: dict) -> dict:
+    """Run each call; name -> (type name, message) of what it raised, or None."""
     raised = {}
-    for name, call in disagreement_cases(rank, world_size).items():
+    for name, call in calls.items():
         try:
             call()
             raised[name] = None
         except Exception as error:  # recorded for the test process to judge
             raised[name] = (type(error).__name__, str(error))
+    return raised
+
+
+def run_disagreements(rank: int, world_size: int):
+    raised = record_raised(disagreement_cases(rank, world_size))
     # The group must still be in step afterwards: a correct loss right after all those errors.
     queries, keys = _features(2 + rank, seed=rank), _features(3 + rank, seed=10 + rank)
     after = contrastive_loss(queries, keys, 3.0, process_group="auto", reduction="sum")
@@ -554,22 +560,33 @@ def run_traffic(rank: int, world_size: int):
 
 def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     """Entry point of one spawned rank; writes its results (or its traceback) under out_dir."""
+    # (TRITON_INTERPRET=1, for the Triton block ops on CPU, is set by the parent before the
+    # spawn: Triton is already imported by the time this runs.)
+    run_rank(rank, world_size, init_file, out_dir, collect_results)
+
+
+def collect_results(rank: int, world_size: int) -> dict:
+    scenarios = {name: run_scenario(name, s, rank, world_size) for name, s in SCENARIOS.items()}
+    results = {"scenarios": scenarios}
+    results["raised"], results["after_errors"] = run_disagreements(rank, world_size)
+    results["reductions"] = run_reductions(rank, world_size)
+    results["triton"] = run_triton(rank, world_size)
+    results["group_of_one"] = run_group_of_one(rank)
+    results["schedules"] = run_schedules(rank, world_size)
+    results["traffic"] = run_traffic(rank, world_size)
+    return results
+
+
+def run_rank(rank: int, world_size: int, init_file: str, out_dir: str, collect) -> None:
+    """One spawned rank of a gloo group: writes ``collect(rank, world_size)`` to out_dir/rank{r}.pt,
+    or its traceback to out_dir/rank{r}.error."""
     try:
-        # (TRITON_INTERPRET=1, for the Triton block ops on CPU, is set by the parent before the
-        # spawn: Triton is already imported by the time this runs.)
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=60),
         )
-        scenarios = {name: run_scenario(name, s, rank, world_size) for name, s in SCENARIOS.items()}
-        results = {"scenarios": scenarios}
-        results["raised"], results["after_errors"] = run_disagreements(rank, world_size)
-        results["reductions"] = run_reductions(rank, world_size)
-        results["triton"] = run_triton(rank, world_size)
-        results["group_of_one"] = run_group_of_one(rank)
-        results["schedules"] = run_schedules(rank, world_size)
-        results["traffic"] = run_traffic(rank, world_size)
+        results = collect(rank, world_size)
         dist.barrier()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
