@@ -761,9 +761,7 @@ def _check_gist_models(model, guide, caches: bool) -> bool:
         raise ValueError(
             "Both the training model and the guiding model must use a PreTrainedTokenizer from transformers."
         )
-    # another vocabulary, or a guide that would truncate the model's texts shorter
-    must_retokenize = (model.tokenizer.get_vocab() != guide.tokenizer.get_vocab()
-                       or guide.max_seq_length < model.max_seq_length)
+    must_retokenize = _must_retokenize(model, guide)
     if must_retokenize and not caches and _has_static_embedding(model):
         raise ValueError(
             "If we must retokenize because the guide model has a different tokenizer, "
@@ -772,7 +770,83 @@ def _check_gist_models(model, guide, caches: bool) -> bool:
     return must_retokenize
 
 
-class InfCLGISTLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
+def _must_retokenize(model, frozen) -> bool:
+    """GIST's rule for a second model (guide or teacher) given the model's features: re-tokenise
+    when its vocabulary differs or it would truncate the model's texts shorter."""
+    return (model.tokenizer.get_vocab() != frozen.tokenizer.get_vocab()
+            or frozen.max_seq_length < model.max_seq_length)
+
+
+class FrozenModelColumnsMixin:
+    """A second SentenceTransformer (GIST's guide, a distillation teacher) that embeds every column
+    without gradient beside ``self.model``: put before ``CachedLossMixin`` among a loss's bases.
+
+    The loss names the second model by the ``frozen_model`` property (a property, so that the module
+    is registered once, under the loss's own name for it), and sets ``must_retokenize`` and, when it
+    is True, ``tokenizer`` (the model's, to decode the texts). Cached, the second model embeds each
+    mini-batch of the gradient-free pass only, kept in ``_frozen_columns`` (one list per column)
+    while ``forward_cached`` runs inside :meth:`_collecting_frozen_columns`.
+    """
+
+    must_retokenize: bool = False
+    # The second model's mini-batch embeddings of the current cached forward, one list per column.
+    _frozen_columns: list[list[Tensor]] | None = None
+
+    @property
+    def frozen_model(self):
+        raise NotImplementedError
+
+    def _frozen_features(self, features: dict[str, Any]) -> dict[str, Any]:
+        """The second model's inputs for these texts: the model's own features, or the texts decoded
+        with the model's tokenizer and preprocessed by the second model when it must re-tokenise."""
+        if not self.must_retokenize:
+            return dict(features)  # a shallow copy: the second model writes its outputs into it
+        from sentence_transformers.util import batch_to_device
+
+        input_ids = features["input_ids"]
+        if "cu_seq_lens_q" in features:  # flattened inputs: one token stream, cut at the offsets
+            stream, bounds = input_ids[0].tolist(), features["cu_seq_lens_q"].tolist()
+            input_ids = [stream[begin:end] for begin, end in zip(bounds[:-1], bounds[1:])]
+        texts = self.tokenizer.batch_decode(input_ids, skip_special_tokens=True)
+        return batch_to_device(self.frozen_model.preprocess(texts), self.frozen_model.device)
+
+    def _embed_frozen_columns(self, sentence_features: list[dict[str, Any]]) -> list[Tensor]:
+        """The second model's embeddings of whole columns, without gradient."""
+        with torch.no_grad():
+            features = [self._frozen_features(column) for column in sentence_features]
+            return _embed_columns(self.frozen_model, features)
+
+    def _forward_cached_with_frozen_columns(self, sentence_features, labels):
+        """``forward_cached``, the second model's mini-batch embeddings collected meanwhile."""
+        self._frozen_columns = []
+        try:
+            return self.forward_cached(sentence_features, labels)
+        finally:
+            self._frozen_columns = None
+
+    def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
+        """The mixin's mini-batch embedding, then (in the first, gradient-free pass only) the second
+        model's embedding of the same texts, kept for ``calculate_loss``."""
+        reps, random_state = super().embed_minibatch(sentence_feature, begin, end, with_grad,
+                                                     copy_random_state, random_state)
+        if not with_grad and self._frozen_columns is not None:
+            if begin == 0:  # every column's mini-batches start at 0
+                self._frozen_columns.append([])
+            with torch.no_grad():
+                features = self._frozen_features(_create_minibatch(sentence_feature, begin, end))
+                self._frozen_columns[-1].append(self.frozen_model(features)["sentence_embedding"].detach())
+        return reps, random_state
+
+    def _joined_frozen_columns(self) -> list[Tensor]:
+        """The second model's embeddings of each column, its mini-batches joined once and kept joined
+        (MatryoshkaLoss calls ``calculate_loss`` again per dimension), so the chunks are not held
+        beside their copy."""
+        self._frozen_columns = [[torch.cat(column)] if len(column) > 1 else column
+                                for column in self._frozen_columns]
+        return [column[0] for column in self._frozen_columns]
+
+
+class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixin, nn.Module):
     """GISTEmbed's guided loss without a batch x batch matrix: a drop-in for GISTEmbedLoss
     (``mini_batch_size=None``) and CachedGISTEmbedLoss (``mini_batch_size`` set).
 
@@ -853,22 +927,6 @@ class InfCLGISTLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
         self.gather_across_devices = gather_across_devices
         # See InfCLLoss: MatryoshkaLoss reads this to decorate calculate_loss instead of the forward.
         self.uses_gradient_cache = caches
-        # The guide's mini-batch embeddings of the current cached forward, one list per column.
-        self._guide_columns: list[list[Tensor]] | None = None
-
-    def _guide_features(self, features: dict[str, Any]) -> dict[str, Any]:
-        """The guide's inputs for these texts: the model's own features, or the texts decoded with
-        the model's tokenizer and preprocessed by the guide when it must re-tokenise."""
-        if not self.must_retokenize:
-            return dict(features)  # a shallow copy: the guide writes its outputs into it
-        from sentence_transformers.util import batch_to_device
-
-        input_ids = features["input_ids"]
-        if "cu_seq_lens_q" in features:  # flattened inputs: one token stream, cut at the offsets
-            stream, bounds = input_ids[0].tolist(), features["cu_seq_lens_q"].tolist()
-            input_ids = [stream[begin:end] for begin, end in zip(bounds[:-1], bounds[1:])]
-        texts = self.tokenizer.batch_decode(input_ids, skip_special_tokens=True)
-        return batch_to_device(self.guide.preprocess(texts), self.guide.device)
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
@@ -878,47 +936,27 @@ class InfCLGISTLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
         _check_columns(sentence_features, cached)
         if cached:
             check_no_batch_statistics(self.model, "mini_batch_size=None, mini_batch_num_tokens=None")
-            self._guide_columns = []
-            try:
-                return self.forward_cached(sentence_features, labels)
-            finally:
-                self._guide_columns = None
-        # GIST's order: the model's columns first, then the guide's (the same RNG draws as GIST).
+            return self._forward_cached_with_frozen_columns(sentence_features, labels)
+        # GIST's order: the model's columns first, then the guide's (the same RNG draws as GIST);
+        # the guide reads copies of the features, taken before the model writes its outputs into them.
         guide_features = [dict(features) for features in sentence_features]
         embeddings = _embed_columns(self.model, sentence_features)
-        with torch.no_grad():
-            if self.must_retokenize:
-                guide_features = [self._guide_features(features) for features in sentence_features]
-            guide_embeddings = _embed_columns(self.guide, guide_features)
-        return self.compute_loss_from_embeddings(embeddings, guide_embeddings)
-
-    def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
-        """The mixin's mini-batch embedding, then (in the first, gradient-free pass only) the guide's
-        embedding of the same texts, kept for ``calculate_loss``."""
-        reps, random_state = super().embed_minibatch(sentence_feature, begin, end, with_grad,
-                                                     copy_random_state, random_state)
-        if not with_grad and self._guide_columns is not None:
-            if begin == 0:  # every column's mini-batches start at 0
-                self._guide_columns.append([])
-            with torch.no_grad():
-                guide_features = self._guide_features(_create_minibatch(sentence_feature, begin, end))
-                self._guide_columns[-1].append(self.guide(guide_features)["sentence_embedding"].detach())
-        return reps, random_state
+        return self.compute_loss_from_embeddings(embeddings, self._embed_frozen_columns(guide_features))
 
     def calculate_loss(
         self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
     ) -> Tensor:
         """The GradCache loss step: the whole batch's loss in one fused call (the mixin's contract)."""
-        # Each column's mini-batches joined once and kept joined (MatryoshkaLoss calls this again
-        # per dimension), so the chunks are not held beside their copy.
-        self._guide_columns = [[torch.cat(column)] if len(column) > 1 else column
-                               for column in self._guide_columns]
         loss = self.compute_loss_from_embeddings([torch.cat(column) for column in reps],
-                                                 [column[0] for column in self._guide_columns])
+                                                 self._joined_frozen_columns())
         if with_backward:
             loss.backward()
             loss = loss.detach()
         return loss
+
+    @property
+    def frozen_model(self):
+        return self.guide
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor],
                                      guide_embeddings: list[Tensor]) -> Tensor:
