@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .batch_statistics import check_no_batch_statistics
+from .distillation import contrastive_distillation_loss
 from .loss import contrastive_loss
 from .ops.options import (
     HARDNESS_MODES,
@@ -58,6 +59,7 @@ from .ops.options import (
     OptionAttribute,
     Precision,
     check_choice,
+    check_distillation_weight,
     check_hardness_strength,
     check_objective_options,
     check_option,
@@ -617,12 +619,13 @@ class InfCLLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
         return INFCL_CITATION
 
 
-def _check_scale(scale) -> None:
+def _check_scale(scale, name: str = "scale") -> None:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a positive float, got {type(scale).__name__}")
+        raise TypeError(f"{name} must be a positive float, got {type(scale).__name__}")
     if not scale > 0:
         # MNRL's words, then the value: code matching MNRL's message keeps working
-        raise ValueError(f"Scale must be a positive value. Got scale={scale!r}.")
+        subject = "Scale" if name == "scale" else name
+        raise ValueError(f"{subject} must be a positive value. Got {name}={scale!r}.")
 
 
 def _caches_gradients(model, mini_batch_size, mini_batch_num_tokens) -> bool:
@@ -1003,4 +1006,231 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixi
         return GIST_CITATION
 
 
-__all__ = ["InfCLLoss", "InfCLGISTLoss", "INFCL_CITATION", "GIST_CITATION"]
+# --------------------------------------------------------------------------------------------
+# In-batch distillation (docs/contract.md, "Distillation over the batch").
+
+
+def _check_teacher_model(model, teacher) -> bool:
+    """The checks of a teacher model against the student; returns whether the teacher must
+    re-tokenise the texts (GIST's rule for its guide)."""
+    from transformers import PreTrainedTokenizerBase
+
+    if teacher is model:
+        raise ValueError("teacher is the model being trained; the teacher is frozen, so pass another "
+                         "SentenceTransformer (a copy of the model, for self-distillation)")
+    if not callable(teacher) or not hasattr(teacher, "tokenizer"):
+        raise TypeError(f"teacher must be a SentenceTransformer (or None), got {type(teacher).__name__}")
+    if getattr(model, "tokenizer", None) is teacher.tokenizer:
+        return False
+    if not (isinstance(getattr(model, "tokenizer", None), PreTrainedTokenizerBase)
+            and isinstance(teacher.tokenizer, PreTrainedTokenizerBase)):
+        raise ValueError("teacher: a teacher with a tokenizer of its own needs the model and the teacher to "
+                         "use PreTrainedTokenizers from transformers (to tell whether it must re-tokenise "
+                         "the texts); or precompute its embeddings into the dataset's label column")
+    must_retokenize = _must_retokenize(model, teacher)
+    if must_retokenize and _has_static_embedding(model):
+        raise ValueError("teacher: a teacher with another tokenizer re-tokenises the model's texts, which a "
+                         "StaticEmbedding model's inputs cannot be decoded into; precompute its embeddings "
+                         "into the dataset's label column")
+    return must_retokenize
+
+
+def _teacher_columns_from_labels(labels, columns: int, rows: int) -> list[Tensor]:
+    """The teacher's embeddings of each column from ``labels`` ``[rows, columns, teacher_dim]``,
+    after the one check of that layout."""
+    if labels is None:
+        raise ValueError("labels: InfCLDistillLoss without a teacher model takes the teacher's embeddings "
+                         f"from the dataset's label column, shape [batch, {columns}, teacher_dim] (anchor, "
+                         "positive, negatives in column order); got no labels. Add that column, or pass "
+                         "teacher=SentenceTransformer(...)")
+    if not torch.is_tensor(labels) or not labels.is_floating_point():
+        raise TypeError("labels must be a floating-point tensor of the teacher's embeddings, shape "
+                        f"[batch, {columns}, teacher_dim]; got "
+                        f"{labels.dtype if torch.is_tensor(labels) else type(labels).__name__}")
+    if labels.ndim != 3 or labels.shape[:2] != (rows, columns) or labels.shape[2] == 0:
+        raise ValueError(f"labels must hold the teacher's embeddings of every text, shape [batch, columns, "
+                         f"teacher_dim] = [{rows}, {columns}, teacher_dim] (anchor, positive, negatives in "
+                         f"column order); got {list(labels.shape)}")
+    return list(labels.unbind(1))
+
+
+class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixin, nn.Module):
+    """In-batch distillation without a batch x batch matrix: the KL divergence of the model's softmax
+    over EVERY candidate of the batch from a teacher's, optionally mixed with InfoNCE
+    (:func:`hf_infcl.contrastive_distillation_loss`; docs/contract.md, "Distillation over the batch").
+
+    Where sentence-transformers' ``DistillKLDivLoss`` compares each anchor with its own listed
+    candidates only, here every anchor's distribution runs over every positive and negative of the
+    batch: anchors are the rows; the positives, then each negatives column, are the keys (as in
+    ``InfCLLoss``). The student's logits are ``scale`` times the cosines of its embeddings, the
+    teacher's ``teacher_scale`` times the cosines of the teacher's embeddings (of any width).
+
+    Args:
+        model: the SentenceTransformer model to train (the student).
+        teacher: None (default): the teacher's embeddings come from the dataset, precomputed, in its
+            label column (``labels``), shape ``[batch, n_columns, teacher_dim]``: for every example
+            the teacher's embedding of each text column in column order (anchor, positive,
+            negative_1, ...), the layout of sentence-transformers' ``EmbedDistillLoss`` for
+            per-column teacher embeddings. Or a SentenceTransformer that embeds the same texts,
+            without gradient, at each step; its parameters are frozen (``requires_grad_(False)``,
+            which keeps them out of the Trainer's optimizer), it is used in the mode it is in (put
+            it in ``eval()`` for targets without dropout), and when its vocabulary differs from the
+            model's, or its ``max_seq_length`` is shorter, the texts are decoded and re-tokenised for
+            it, as GISTEmbedLoss does with its guide. Labels and a teacher model together raise.
+        scale: the student's logit scale (``1 / temperature``), as in ``InfCLLoss``.
+        teacher_scale: the teacher's logit scale; None (default) is ``scale``.
+        distillation_weight: ``w`` in [0, 1]: the loss is ``(1 - w) * InfoNCE + w * KL`` per anchor
+            (InfoNCE as ``InfCLLoss`` with the same ``symmetric``); 1: the KL alone.
+        symmetric: also the column term (the KL over the anchors at each anchor's positive),
+            averaged with the row term, as MultipleNegativesSymmetricRankingLoss averages its two.
+        mini_batch_size, mini_batch_num_tokens, show_progress_bar: gradient caching as in
+            ``InfCLLoss``; a teacher model then embeds the same mini-batches, without gradient, in
+            the gradient-free pass only.
+        backend, precision: the hf_infcl backend (``"auto"``, ``"torch"`` or ``"reference"``; the
+            distillation has no Triton kernels yet, so ``"auto"`` runs the tiled PyTorch loss on
+            every device) and matmul precision, as in ``InfCLLoss``.
+
+    Inputs:
+        (anchor, positive[, negative_1, ..., negative_n]) columns; labels: the teacher's embeddings
+        ``[batch, n_columns, teacher_dim]`` unless a teacher model is given.
+
+    Under ``MatryoshkaLoss`` the student's embeddings are truncated, the teacher's not (it is the
+    target), except that ``MatryoshkaLoss`` without gradient caching truncates labels whose width is
+    the model's own. With several processes each process distils over its own batch (the ring for
+    distillation is to come). Sharded models (FSDP2, DeepSpeed ZeRO-2/3) as ``InfCLLoss``.
+
+    Example:
+        ::
+
+            from hf_infcl import losses
+            loss = losses.InfCLDistillLoss(student, teacher=teacher, teacher_scale=50.0, mini_batch_size=64)
+            trainer = SentenceTransformerTrainer(model=student, train_dataset=dataset, loss=loss)
+    """
+
+    def __init__(
+        self,
+        model,
+        teacher=None,
+        scale: float = 20.0,
+        teacher_scale: float | None = None,
+        distillation_weight: float = 1.0,
+        symmetric: bool = False,
+        mini_batch_size: int | None = None,
+        mini_batch_num_tokens: int | None = None,
+        show_progress_bar: bool = False,
+        backend: BackendName = "auto",
+        precision: Precision = "auto",
+    ) -> None:
+        super().__init__()
+        _check_scale(scale)
+        teacher_scale = scale if teacher_scale is None else teacher_scale
+        _check_scale(teacher_scale, "teacher_scale")
+        distillation_weight = check_distillation_weight(distillation_weight)
+        check_option("symmetric", symmetric)
+        # A backend name only, not a block-ops object: get_config_dict saves it as JSON.
+        check_option("backend", backend, block_ops=False)
+        check_option("precision", precision)
+        self.must_retokenize = teacher is not None and _check_teacher_model(model, teacher)
+        caches = _caches_gradients(model, mini_batch_size, mini_batch_num_tokens)
+        self.model = model
+        # Never trained; frozen, its parameters stay out of the Trainer's optimizer (as GIST's guide).
+        self.teacher = None if teacher is None else teacher.requires_grad_(False)
+        if self.must_retokenize:
+            self.tokenizer = model.tokenizer
+        self.scale = float(scale)
+        self.teacher_scale = float(teacher_scale)
+        self.distillation_weight = distillation_weight
+        self.symmetric = symmetric
+        self.mini_batch_size = mini_batch_size
+        self.mini_batch_num_tokens = mini_batch_num_tokens
+        self.show_progress_bar = show_progress_bar
+        self.backend = backend
+        self.precision = precision
+        # See InfCLLoss: MatryoshkaLoss reads this to decorate calculate_loss instead of the forward.
+        self.uses_gradient_cache = caches
+
+    @property
+    def frozen_model(self):
+        return self.teacher
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        sentence_features = list(sentence_features)
+        cached = self.mini_batch_size is not None or self.mini_batch_num_tokens is not None
+        _check_columns(sentence_features, cached)
+        self._check_teacher_source(labels, sentence_features)
+        if cached:
+            check_no_batch_statistics(self.model, "mini_batch_size=None, mini_batch_num_tokens=None")
+            if self.teacher is None:
+                return self.forward_cached(sentence_features, labels)
+            return self._forward_cached_with_frozen_columns(sentence_features, labels)
+        if self.teacher is None:
+            return self.compute_loss_from_embeddings(_embed_columns(self.model, sentence_features),
+                                                     self._teacher_columns(labels))
+        # The teacher reads copies of the features, taken before the model writes its outputs into them.
+        teacher_features = [dict(features) for features in sentence_features]
+        embeddings = _embed_columns(self.model, sentence_features)
+        return self.compute_loss_from_embeddings(embeddings, self._embed_frozen_columns(teacher_features))
+
+    def _check_teacher_source(self, labels, sentence_features) -> None:
+        """Exactly one source of the teacher's embeddings, and labels of the documented layout."""
+        if self.teacher is not None:
+            if labels is not None:
+                raise ValueError("labels were given and so was a teacher model: InfCLDistillLoss takes the "
+                                 "teacher's embeddings from one of them; drop the dataset's label column, or "
+                                 "pass teacher=None to use it")
+            return
+        _teacher_columns_from_labels(labels, len(sentence_features), _column_rows(sentence_features[0]))
+
+    def _teacher_columns(self, labels) -> list[Tensor]:
+        return _teacher_columns_from_labels(labels, labels.shape[1], labels.shape[0])
+
+    def calculate_loss(
+        self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
+    ) -> Tensor:
+        """The GradCache loss step: the whole batch's loss in one fused call (the mixin's contract)."""
+        teacher = self._teacher_columns(labels) if self.teacher is None else self._joined_frozen_columns()
+        loss = self.compute_loss_from_embeddings([torch.cat(column) for column in reps], teacher)
+        if with_backward:
+            loss.backward()
+            loss = loss.detach()
+        return loss
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor],
+                                     teacher_embeddings: list[Tensor]) -> Tensor:
+        """The loss from the model's and the teacher's embeddings of each column (anchors, positives,
+        then negatives columns)."""
+        if len(embeddings) < 2 or len(teacher_embeddings) != len(embeddings):
+            raise ValueError(f"Expected at least 2 embedding columns and the teacher's of each; got "
+                             f"{len(embeddings)} and {len(teacher_embeddings)}")
+        common = functools.reduce(torch.promote_types, [column.dtype for column in embeddings])
+        device = embeddings[0].device
+        # The cosine of both models: normalised embeddings, dotted.
+        student = [F.normalize(column.to(common), p=2, dim=-1) for column in embeddings]
+        teacher = [F.normalize(column.detach().to(device=device, dtype=common), p=2, dim=-1)
+                   for column in teacher_embeddings]
+        return contrastive_distillation_loss(
+            student[0], torch.cat(student[1:]), teacher[0], torch.cat(teacher[1:]),
+            logit_scale=self.scale, teacher_logit_scale=self.teacher_scale, symmetric=self.symmetric,
+            distillation_weight=self.distillation_weight, reduction="mean", backend=self.backend,
+            precision=self.precision,
+        )
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {
+            "teacher": self.teacher,
+            "scale": self.scale,
+            "teacher_scale": self.teacher_scale,
+            "distillation_weight": self.distillation_weight,
+            "symmetric": self.symmetric,
+            "mini_batch_size": self.mini_batch_size,
+            "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            "backend": self.backend,
+            "precision": self.precision,
+        }
+
+    @property
+    def citation(self) -> str:
+        return INFCL_CITATION
+
+
+__all__ = ["InfCLLoss", "InfCLGISTLoss", "InfCLDistillLoss", "INFCL_CITATION", "GIST_CITATION"]
