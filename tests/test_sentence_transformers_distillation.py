@@ -75,11 +75,18 @@ def retokenizing_teacher(tmp_path_factory):
     return with_width(load_tiny_model(folder), TEACHER_DIM, seed=6).double().eval()
 
 
+def batch_on(model, columns) -> list[dict]:
+    """Tokenised features of each column on the model's device (the Trainer moves them there)."""
+    from sentence_transformers.util import batch_to_device
+
+    return [batch_to_device(column, model.device) for column in features(model, columns)]
+
+
 def teacher_labels(teacher, columns) -> torch.Tensor:
     """The teacher's embeddings of every text, [rows, columns, dim], tokenised by the teacher itself
     (as a dataset's label column precomputed with ``teacher.encode`` holds them)."""
     with torch.no_grad():
-        batches = features(teacher, columns)
+        batches = batch_on(teacher, columns)
         return torch.stack([teacher(batch)["sentence_embedding"] for batch in batches], dim=1)
 
 
@@ -97,7 +104,7 @@ def reference_loss(student_columns, teacher_columns, scale, teacher_scale, symme
         return F.kl_div(F.log_softmax(student_logits, 1), F.log_softmax(teacher_logits, 1), log_target=True,
                         reduction="none").sum(1)
 
-    targets = torch.arange(m)
+    targets = torch.arange(m, device=z.device)
     distillation = kl(z, t)
     contrastive = F.cross_entropy(z, targets, reduction="none")
     if symmetric:  # the column term: over the anchors, at each anchor's positive key
@@ -130,7 +137,7 @@ def embed_in_mini_batches(model, batch, mini_batch_size):
 def reference_step(model, teacher_columns, columns, mini_batch_size, seed, **options):
     """The reference's loss and gradients on the embeddings the model gives under ``seed``."""
     def compute():
-        batch = features(model, columns)
+        batch = batch_on(model, columns)
         if mini_batch_size is None:
             embeddings = embed_columns(model, batch)
         else:
@@ -140,7 +147,7 @@ def reference_step(model, teacher_columns, columns, mini_batch_size, seed, **opt
 
 
 def loss_step(model, loss_module, columns, seed, labels=None):
-    return step(model, lambda: loss_module(features(model, columns), labels), seed)
+    return step(model, lambda: loss_module(batch_on(model, columns), labels), seed)
 
 
 def assert_same_step(expected, actual, tolerance=FLOAT64):
@@ -377,3 +384,25 @@ def test_trainer_run(model_dirs, teacher, tmp_path, source):
     assert len(logged) == 2 and all(0 < value < float("inf") for value in logged)
     assert any(not torch.equal(p, before[name]) for name, p in model.named_parameters())
     assert all(torch.equal(p, teacher_before[name]) for name, p in float_teacher.named_parameters())
+    model.save(str(tmp_path / "model"))
+    card = (tmp_path / "model" / "README.md").read_text()
+    assert "hf_infcl.losses.InfCLDistillLoss" in card and '"teacher_scale": 30.0' in card
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mini_batch_size", CACHED)
+def test_on_cuda_against_float64(model_dirs, mini_batch_size):
+    """On CUDA (the default route: the tiled PyTorch distillation) the loss and gradients are the
+    float64 reference's, with the teacher from labels and from a model."""
+    student = load_tiny_model(model_dirs[0]).double().cuda()
+    cuda_teacher = with_width(load_tiny_model(model_dirs[1]), TEACHER_DIM, seed=5).double().cuda().eval()
+    columns = text_columns(ROWS, 3, seed=91)
+    labels = teacher_labels(cuda_teacher, columns)
+    options = {"symmetric": True, "distillation_weight": 0.5, "teacher_scale": 30.0}
+    expected = reference_step(student, labels.unbind(1), columns, mini_batch_size, 2, **resolved(options))
+    options["mini_batch_size"] = mini_batch_size
+    from_labels = loss_step(student, losses.InfCLDistillLoss(student, **options), columns, 2, labels)
+    assert from_labels[0].device.type == "cuda"
+    assert_same_step(expected, from_labels)
+    from_model = losses.InfCLDistillLoss(student, teacher=cuda_teacher, **options)
+    assert_same_step(expected, loss_step(student, from_model, columns, 2))
