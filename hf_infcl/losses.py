@@ -1,5 +1,6 @@
-"""sentence-transformers adapter: ``losses.InfCLLoss``, a drop-in for MNRL, MNSRL and CachedMNRL, and
-``losses.InfCLGISTLoss``, a drop-in for GISTEmbedLoss and CachedGISTEmbedLoss (its own docstring).
+"""sentence-transformers adapter: ``losses.InfCLLoss``, a drop-in for MNRL, MNSRL and CachedMNRL,
+``losses.InfCLGISTLoss``, a drop-in for GISTEmbedLoss and CachedGISTEmbedLoss, and
+``losses.InfCLDistillLoss``, in-batch distillation from a teacher's embeddings (their own docstrings).
 
 ``from hf_infcl import losses; loss = losses.InfCLLoss(model)`` inside a
 ``SentenceTransformerTrainer``. The loss is the one of sentence-transformers'
