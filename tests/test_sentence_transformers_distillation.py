@@ -188,6 +188,21 @@ def test_teacher_embeddings_from_labels_against_float64(student, teacher, mini_b
 
 
 @pytest.mark.parametrize("mini_batch_size", CACHED)
+def test_fp32_model_against_float64(model_dirs, teacher, mini_batch_size):
+    """An fp32 model (labels in the collator's fp32): the loss computes in fp32, within 1e-5 of float64
+    on the same embeddings."""
+    model = load_tiny_model(model_dirs[0])
+    columns = text_columns(ROWS, 3, seed=22)
+    labels = teacher_labels(teacher, columns).float()
+    options = {"symmetric": True, "distillation_weight": 0.5}
+    expected = reference_step(model, labels.unbind(1), columns, mini_batch_size, 8, **resolved(options))
+    actual = loss_step(model, losses.InfCLDistillLoss(model, mini_batch_size=mini_batch_size, **options),
+                       columns, 8, labels)
+    assert actual[0].dtype == torch.float32
+    assert_same_step((expected[0].float(), expected[1]), actual, {"rtol": 1e-5, "atol": 1e-5})
+
+
+@pytest.mark.parametrize("mini_batch_size", CACHED)
 @pytest.mark.parametrize("options", OPTIONS[:2])
 def test_teacher_model_equals_its_labels(student, teacher, mini_batch_size, options):
     columns = text_columns(ROWS, 3, seed=12)
