@@ -30,6 +30,7 @@ from tests.helpers.sentence_transformers_fixtures import (  # noqa: E402
     load_tiny_model,
     text_columns,
 )
+from tests.test_gist import assert_same_step  # noqa: E402  (float64: 1e-9 relative; fp32: 1e-5)
 
 FLOAT64 = {"rtol": 1e-9, "atol": 1e-12}
 ROWS = 8
@@ -150,16 +151,6 @@ def loss_step(model, loss_module, columns, seed, labels=None):
     return step(model, lambda: loss_module(batch_on(model, columns), labels), seed)
 
 
-def assert_same_step(expected, actual, tolerance=FLOAT64):
-    (expected_loss, expected_grads), (actual_loss, actual_grads) = expected, actual
-    assert actual_loss.dtype == expected_loss.dtype
-    torch.testing.assert_close(actual_loss, expected_loss, **tolerance)
-    assert actual_grads.keys() == expected_grads.keys() and len(expected_grads) > 0
-    for name, expected_grad in expected_grads.items():
-        torch.testing.assert_close(actual_grads[name], expected_grad, **tolerance,
-                                   msg=lambda message, n=name: f"{n}: {message}")
-
-
 OPTIONS = [
     pytest.param({}, id="kl"),
     pytest.param({"symmetric": True, "teacher_scale": 7.0}, id="symmetric-teacher_scale7"),
@@ -199,7 +190,7 @@ def test_fp32_model_against_float64(model_dirs, teacher, mini_batch_size):
     actual = loss_step(model, losses.InfCLDistillLoss(model, mini_batch_size=mini_batch_size, **options),
                        columns, 8, labels)
     assert actual[0].dtype == torch.float32
-    assert_same_step((expected[0].float(), expected[1]), actual, {"rtol": 1e-5, "atol": 1e-5})
+    assert_same_step((expected[0].float(), expected[1]), actual)  # fp32: 1e-5
 
 
 @pytest.mark.parametrize("mini_batch_size", CACHED)
@@ -362,6 +353,13 @@ def test_one_source_of_the_teacher(student, teacher, mini_batch_size):
 def test_bad_arguments_are_refused_at_construction(student, kwargs, error, match):
     with pytest.raises(error, match=match):
         losses.InfCLDistillLoss(student, **kwargs)
+
+
+def test_the_triton_backend_is_refused_at_the_first_step(student, teacher):
+    """The distillation has no Triton kernels yet: contrastive_distillation_loss refuses the name."""
+    loss = losses.InfCLDistillLoss(student, teacher=teacher, backend="triton")
+    with pytest.raises(ValueError, match="backend='triton'"):
+        loss(batch_on(student, text_columns(ROWS, 2, seed=23)), None)
 
 
 def test_the_model_as_its_own_teacher_is_refused(student):
