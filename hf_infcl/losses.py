@@ -1036,9 +1036,8 @@ def _check_teacher_model(model, teacher) -> bool:
     return must_retokenize
 
 
-def _teacher_columns_from_labels(labels, columns: int, rows: int) -> list[Tensor]:
-    """The teacher's embeddings of each column from ``labels`` ``[rows, columns, teacher_dim]``,
-    after the one check of that layout."""
+def _check_teacher_labels(labels, columns: int, rows: int) -> None:
+    """The one check of the teacher's embeddings in ``labels``: ``[rows, columns, teacher_dim]``."""
     if labels is None:
         raise ValueError("labels: InfCLDistillLoss without a teacher model takes the teacher's embeddings "
                          f"from the dataset's label column, shape [batch, {columns}, teacher_dim] (anchor, "
@@ -1052,7 +1051,6 @@ def _teacher_columns_from_labels(labels, columns: int, rows: int) -> list[Tensor
         raise ValueError(f"labels must hold the teacher's embeddings of every text, shape [batch, columns, "
                          f"teacher_dim] = [{rows}, {columns}, teacher_dim] (anchor, positive, negatives in "
                          f"column order); got {list(labels.shape)}")
-    return list(labels.unbind(1))
 
 
 class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixin, nn.Module):
@@ -1166,7 +1164,7 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossM
             return self._forward_cached_with_frozen_columns(sentence_features, labels)
         if self.teacher is None:
             return self.compute_loss_from_embeddings(_embed_columns(self.model, sentence_features),
-                                                     self._teacher_columns(labels))
+                                                     list(labels.unbind(1)))
         # The teacher reads copies of the features, taken before the model writes its outputs into them.
         teacher_features = [dict(features) for features in sentence_features]
         embeddings = _embed_columns(self.model, sentence_features)
@@ -1180,16 +1178,13 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossM
                                  "teacher's embeddings from one of them; drop the dataset's label column, or "
                                  "pass teacher=None to use it")
             return
-        _teacher_columns_from_labels(labels, len(sentence_features), _column_rows(sentence_features[0]))
-
-    def _teacher_columns(self, labels) -> list[Tensor]:
-        return _teacher_columns_from_labels(labels, labels.shape[1], labels.shape[0])
+        _check_teacher_labels(labels, len(sentence_features), _column_rows(sentence_features[0]))
 
     def calculate_loss(
         self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
     ) -> Tensor:
         """The GradCache loss step: the whole batch's loss in one fused call (the mixin's contract)."""
-        teacher = self._teacher_columns(labels) if self.teacher is None else self._joined_frozen_columns()
+        teacher = list(labels.unbind(1)) if self.teacher is None else self._joined_frozen_columns()
         loss = self.compute_loss_from_embeddings([torch.cat(column) for column in reps], teacher)
         if with_backward:
             loss.backward()
