@@ -397,6 +397,7 @@ def test_trainer_run(model_dirs, teacher, tmp_path, source):
     assert len(logged) == 2 and all(0 < value < float("inf") for value in logged)
     assert any(not torch.equal(p, before[name]) for name, p in model.named_parameters())
     assert all(torch.equal(p, teacher_before[name]) for name, p in float_teacher.named_parameters())
+    assert not float_teacher.training  # the Trainer switches the model's mode, not the teacher's
     model.save(str(tmp_path / "model"))
     card = (tmp_path / "model" / "README.md").read_text()
     assert "hf_infcl.losses.InfCLDistillLoss" in card and '"teacher_scale": 30.0' in card
