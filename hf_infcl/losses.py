@@ -1,5 +1,6 @@
-"""sentence-transformers adapter: ``losses.InfCLLoss``, a drop-in for MNRL, MNSRL and CachedMNRL, and
-``losses.InfCLGISTLoss``, a drop-in for GISTEmbedLoss and CachedGISTEmbedLoss (its own docstring).
+"""sentence-transformers adapter: ``losses.InfCLLoss``, a drop-in for MNRL, MNSRL and CachedMNRL,
+``losses.InfCLGISTLoss``, a drop-in for GISTEmbedLoss and CachedGISTEmbedLoss, and
+``losses.InfCLDistillLoss``, in-batch distillation from a teacher's embeddings (their own docstrings).
 
 ``from hf_infcl import losses; loss = losses.InfCLLoss(model)`` inside a
 ``SentenceTransformerTrainer``. The loss is the one of sentence-transformers'
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .batch_statistics import check_no_batch_statistics
+from .distillation import contrastive_distillation_loss
 from .loss import contrastive_loss
 from .ops.options import (
     HARDNESS_MODES,
@@ -58,6 +60,7 @@ from .ops.options import (
     OptionAttribute,
     Precision,
     check_choice,
+    check_distillation_weight,
     check_hardness_strength,
     check_objective_options,
     check_option,
@@ -617,12 +620,13 @@ class InfCLLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
         return INFCL_CITATION
 
 
-def _check_scale(scale) -> None:
+def _check_scale(scale, name: str = "scale") -> None:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a positive float, got {type(scale).__name__}")
+        raise TypeError(f"{name} must be a positive float, got {type(scale).__name__}")
     if not scale > 0:
         # MNRL's words, then the value: code matching MNRL's message keeps working
-        raise ValueError(f"Scale must be a positive value. Got scale={scale!r}.")
+        subject = "Scale" if name == "scale" else name
+        raise ValueError(f"{subject} must be a positive value. Got {name}={scale!r}.")
 
 
 def _caches_gradients(model, mini_batch_size, mini_batch_num_tokens) -> bool:
@@ -761,9 +765,7 @@ def _check_gist_models(model, guide, caches: bool) -> bool:
         raise ValueError(
             "Both the training model and the guiding model must use a PreTrainedTokenizer from transformers."
         )
-    # another vocabulary, or a guide that would truncate the model's texts shorter
-    must_retokenize = (model.tokenizer.get_vocab() != guide.tokenizer.get_vocab()
-                       or guide.max_seq_length < model.max_seq_length)
+    must_retokenize = _must_retokenize(model, guide)
     if must_retokenize and not caches and _has_static_embedding(model):
         raise ValueError(
             "If we must retokenize because the guide model has a different tokenizer, "
@@ -772,7 +774,83 @@ def _check_gist_models(model, guide, caches: bool) -> bool:
     return must_retokenize
 
 
-class InfCLGISTLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
+def _must_retokenize(model, frozen) -> bool:
+    """GIST's rule for a second model (guide or teacher) given the model's features: re-tokenise
+    when its vocabulary differs or it would truncate the model's texts shorter."""
+    return (model.tokenizer.get_vocab() != frozen.tokenizer.get_vocab()
+            or frozen.max_seq_length < model.max_seq_length)
+
+
+class FrozenModelColumnsMixin:
+    """A second SentenceTransformer (GIST's guide, a distillation teacher) that embeds every column
+    without gradient beside ``self.model``: put before ``CachedLossMixin`` among a loss's bases.
+
+    The loss names the second model by the ``frozen_model`` property (a property, so that the module
+    is registered once, under the loss's own name for it), and sets ``must_retokenize`` and, when it
+    is True, ``tokenizer`` (the model's, to decode the texts). Cached, the second model embeds each
+    mini-batch of the gradient-free pass only, kept in ``_frozen_columns`` (one list per column)
+    while ``forward_cached`` runs inside :meth:`_collecting_frozen_columns`.
+    """
+
+    must_retokenize: bool = False
+    # The second model's mini-batch embeddings of the current cached forward, one list per column.
+    _frozen_columns: list[list[Tensor]] | None = None
+
+    @property
+    def frozen_model(self):
+        raise NotImplementedError
+
+    def _frozen_features(self, features: dict[str, Any]) -> dict[str, Any]:
+        """The second model's inputs for these texts: the model's own features, or the texts decoded
+        with the model's tokenizer and preprocessed by the second model when it must re-tokenise."""
+        if not self.must_retokenize:
+            return dict(features)  # a shallow copy: the second model writes its outputs into it
+        from sentence_transformers.util import batch_to_device
+
+        input_ids = features["input_ids"]
+        if "cu_seq_lens_q" in features:  # flattened inputs: one token stream, cut at the offsets
+            stream, bounds = input_ids[0].tolist(), features["cu_seq_lens_q"].tolist()
+            input_ids = [stream[begin:end] for begin, end in zip(bounds[:-1], bounds[1:])]
+        texts = self.tokenizer.batch_decode(input_ids, skip_special_tokens=True)
+        return batch_to_device(self.frozen_model.preprocess(texts), self.frozen_model.device)
+
+    def _embed_frozen_columns(self, sentence_features: list[dict[str, Any]]) -> list[Tensor]:
+        """The second model's embeddings of whole columns, without gradient."""
+        with torch.no_grad():
+            features = [self._frozen_features(column) for column in sentence_features]
+            return _embed_columns(self.frozen_model, features)
+
+    def _forward_cached_with_frozen_columns(self, sentence_features, labels):
+        """``forward_cached``, the second model's mini-batch embeddings collected meanwhile."""
+        self._frozen_columns = []
+        try:
+            return self.forward_cached(sentence_features, labels)
+        finally:
+            self._frozen_columns = None
+
+    def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
+        """The mixin's mini-batch embedding, then (in the first, gradient-free pass only) the second
+        model's embedding of the same texts, kept for ``calculate_loss``."""
+        reps, random_state = super().embed_minibatch(sentence_feature, begin, end, with_grad,
+                                                     copy_random_state, random_state)
+        if not with_grad and self._frozen_columns is not None:
+            if begin == 0:  # every column's mini-batches start at 0
+                self._frozen_columns.append([])
+            with torch.no_grad():
+                features = self._frozen_features(_create_minibatch(sentence_feature, begin, end))
+                self._frozen_columns[-1].append(self.frozen_model(features)["sentence_embedding"].detach())
+        return reps, random_state
+
+    def _joined_frozen_columns(self) -> list[Tensor]:
+        """The second model's embeddings of each column, its mini-batches joined once and kept joined
+        (MatryoshkaLoss calls ``calculate_loss`` again per dimension), so the chunks are not held
+        beside their copy."""
+        self._frozen_columns = [[torch.cat(column)] if len(column) > 1 else column
+                                for column in self._frozen_columns]
+        return [column[0] for column in self._frozen_columns]
+
+
+class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixin, nn.Module):
     """GISTEmbed's guided loss without a batch x batch matrix: a drop-in for GISTEmbedLoss
     (``mini_batch_size=None``) and CachedGISTEmbedLoss (``mini_batch_size`` set).
 
@@ -853,22 +931,6 @@ class InfCLGISTLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
         self.gather_across_devices = gather_across_devices
         # See InfCLLoss: MatryoshkaLoss reads this to decorate calculate_loss instead of the forward.
         self.uses_gradient_cache = caches
-        # The guide's mini-batch embeddings of the current cached forward, one list per column.
-        self._guide_columns: list[list[Tensor]] | None = None
-
-    def _guide_features(self, features: dict[str, Any]) -> dict[str, Any]:
-        """The guide's inputs for these texts: the model's own features, or the texts decoded with
-        the model's tokenizer and preprocessed by the guide when it must re-tokenise."""
-        if not self.must_retokenize:
-            return dict(features)  # a shallow copy: the guide writes its outputs into it
-        from sentence_transformers.util import batch_to_device
-
-        input_ids = features["input_ids"]
-        if "cu_seq_lens_q" in features:  # flattened inputs: one token stream, cut at the offsets
-            stream, bounds = input_ids[0].tolist(), features["cu_seq_lens_q"].tolist()
-            input_ids = [stream[begin:end] for begin, end in zip(bounds[:-1], bounds[1:])]
-        texts = self.tokenizer.batch_decode(input_ids, skip_special_tokens=True)
-        return batch_to_device(self.guide.preprocess(texts), self.guide.device)
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
@@ -878,47 +940,27 @@ class InfCLGISTLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
         _check_columns(sentence_features, cached)
         if cached:
             check_no_batch_statistics(self.model, "mini_batch_size=None, mini_batch_num_tokens=None")
-            self._guide_columns = []
-            try:
-                return self.forward_cached(sentence_features, labels)
-            finally:
-                self._guide_columns = None
-        # GIST's order: the model's columns first, then the guide's (the same RNG draws as GIST).
+            return self._forward_cached_with_frozen_columns(sentence_features, labels)
+        # GIST's order: the model's columns first, then the guide's (the same RNG draws as GIST);
+        # the guide reads copies of the features, taken before the model writes its outputs into them.
         guide_features = [dict(features) for features in sentence_features]
         embeddings = _embed_columns(self.model, sentence_features)
-        with torch.no_grad():
-            if self.must_retokenize:
-                guide_features = [self._guide_features(features) for features in sentence_features]
-            guide_embeddings = _embed_columns(self.guide, guide_features)
-        return self.compute_loss_from_embeddings(embeddings, guide_embeddings)
-
-    def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
-        """The mixin's mini-batch embedding, then (in the first, gradient-free pass only) the guide's
-        embedding of the same texts, kept for ``calculate_loss``."""
-        reps, random_state = super().embed_minibatch(sentence_feature, begin, end, with_grad,
-                                                     copy_random_state, random_state)
-        if not with_grad and self._guide_columns is not None:
-            if begin == 0:  # every column's mini-batches start at 0
-                self._guide_columns.append([])
-            with torch.no_grad():
-                guide_features = self._guide_features(_create_minibatch(sentence_feature, begin, end))
-                self._guide_columns[-1].append(self.guide(guide_features)["sentence_embedding"].detach())
-        return reps, random_state
+        return self.compute_loss_from_embeddings(embeddings, self._embed_frozen_columns(guide_features))
 
     def calculate_loss(
         self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
     ) -> Tensor:
         """The GradCache loss step: the whole batch's loss in one fused call (the mixin's contract)."""
-        # Each column's mini-batches joined once and kept joined (MatryoshkaLoss calls this again
-        # per dimension), so the chunks are not held beside their copy.
-        self._guide_columns = [[torch.cat(column)] if len(column) > 1 else column
-                               for column in self._guide_columns]
         loss = self.compute_loss_from_embeddings([torch.cat(column) for column in reps],
-                                                 [column[0] for column in self._guide_columns])
+                                                 self._joined_frozen_columns())
         if with_backward:
             loss.backward()
             loss = loss.detach()
         return loss
+
+    @property
+    def frozen_model(self):
+        return self.guide
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor],
                                      guide_embeddings: list[Tensor]) -> Tensor:
@@ -965,4 +1007,226 @@ class InfCLGISTLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
         return GIST_CITATION
 
 
-__all__ = ["InfCLLoss", "InfCLGISTLoss", "INFCL_CITATION", "GIST_CITATION"]
+# --------------------------------------------------------------------------------------------
+# In-batch distillation (docs/contract.md, "Distillation over the batch").
+
+
+def _check_teacher_model(model, teacher) -> bool:
+    """The checks of a teacher model against the student; returns whether the teacher must
+    re-tokenise the texts (GIST's rule for its guide)."""
+    from transformers import PreTrainedTokenizerBase
+
+    if teacher is model:
+        raise ValueError("teacher is the model being trained; the teacher is frozen, so pass another "
+                         "SentenceTransformer (a copy of the model, for self-distillation)")
+    if not callable(teacher) or not hasattr(teacher, "tokenizer"):
+        raise TypeError(f"teacher must be a SentenceTransformer (or None), got {type(teacher).__name__}")
+    if getattr(model, "tokenizer", None) is teacher.tokenizer:
+        return False
+    if not (isinstance(getattr(model, "tokenizer", None), PreTrainedTokenizerBase)
+            and isinstance(teacher.tokenizer, PreTrainedTokenizerBase)):
+        raise ValueError("teacher: a teacher with a tokenizer of its own needs the model and the teacher to "
+                         "use PreTrainedTokenizers from transformers (to tell whether it must re-tokenise "
+                         "the texts); or precompute its embeddings into the dataset's label column")
+    must_retokenize = _must_retokenize(model, teacher)
+    if must_retokenize and _has_static_embedding(model):
+        raise ValueError("teacher: a teacher with another tokenizer re-tokenises the model's texts, which a "
+                         "StaticEmbedding model's inputs cannot be decoded into; precompute its embeddings "
+                         "into the dataset's label column")
+    return must_retokenize
+
+
+def _check_teacher_labels(labels, columns: int, rows: int) -> None:
+    """The one check of the teacher's embeddings in ``labels``: ``[rows, columns, teacher_dim]``."""
+    if labels is None:
+        raise ValueError("labels: InfCLDistillLoss without a teacher model takes the teacher's embeddings "
+                         f"from the dataset's label column, shape [batch, {columns}, teacher_dim] (anchor, "
+                         "positive, negatives in column order); got no labels. Add that column, or pass "
+                         "teacher=SentenceTransformer(...)")
+    if not torch.is_tensor(labels) or not labels.is_floating_point():
+        raise TypeError("labels must be a floating-point tensor of the teacher's embeddings, shape "
+                        f"[batch, {columns}, teacher_dim]; got "
+                        f"{labels.dtype if torch.is_tensor(labels) else type(labels).__name__}")
+    if labels.ndim != 3 or labels.shape[:2] != (rows, columns) or labels.shape[2] == 0:
+        raise ValueError(f"labels must hold the teacher's embeddings of every text, shape [batch, columns, "
+                         f"teacher_dim] = [{rows}, {columns}, teacher_dim] (anchor, positive, negatives in "
+                         f"column order); got {list(labels.shape)}")
+
+
+class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixin, nn.Module):
+    """In-batch distillation without a batch x batch matrix: the KL divergence of the model's softmax
+    over EVERY candidate of the batch from a teacher's, optionally mixed with InfoNCE
+    (:func:`hf_infcl.contrastive_distillation_loss`; docs/contract.md, "Distillation over the batch").
+
+    Where sentence-transformers' ``DistillKLDivLoss`` compares each anchor with its own listed
+    candidates only, here every anchor's distribution runs over every positive and negative of the
+    batch: anchors are the rows; the positives, then each negatives column, are the keys (as in
+    ``InfCLLoss``). The student's logits are ``scale`` times the cosines of its embeddings, the
+    teacher's ``teacher_scale`` times the cosines of the teacher's embeddings (of any width).
+
+    Args:
+        model: the SentenceTransformer model to train (the student).
+        teacher: None (default): the teacher's embeddings come from the dataset, precomputed, in its
+            label column (``labels``), shape ``[batch, n_columns, teacher_dim]``: for every example
+            the teacher's embedding of each text column in column order (anchor, positive,
+            negative_1, ...), the layout of sentence-transformers' ``EmbedDistillLoss`` for
+            per-column teacher embeddings. Or a SentenceTransformer that embeds the same texts,
+            without gradient, at each step; its parameters are frozen (``requires_grad_(False)``,
+            which keeps them out of the Trainer's optimizer), it is used in the mode it is in (put
+            it in ``eval()`` for targets without dropout), and when its vocabulary differs from the
+            model's, or its ``max_seq_length`` is shorter, the texts are decoded and re-tokenised for
+            it, as GISTEmbedLoss does with its guide. Labels and a teacher model together raise.
+        scale: the student's logit scale (``1 / temperature``), as in ``InfCLLoss``.
+        teacher_scale: the teacher's logit scale; None (default) is ``scale``.
+        distillation_weight: ``w`` in [0, 1]: the loss is ``(1 - w) * InfoNCE + w * KL`` per anchor
+            (InfoNCE as ``InfCLLoss`` with the same ``symmetric``); 1: the KL alone.
+        symmetric: also the column term (the KL over the anchors at each anchor's positive),
+            averaged with the row term, as MultipleNegativesSymmetricRankingLoss averages its two.
+        mini_batch_size, mini_batch_num_tokens, show_progress_bar: gradient caching as in
+            ``InfCLLoss``; a teacher model then embeds the same mini-batches, without gradient, in
+            the gradient-free pass only.
+        backend, precision: the hf_infcl backend (``"auto"``, ``"torch"`` or ``"reference"``; the
+            distillation has no Triton kernels yet, so ``"auto"`` runs the tiled PyTorch loss on
+            every device) and matmul precision, as in ``InfCLLoss``.
+
+    Inputs:
+        (anchor, positive[, negative_1, ..., negative_n]) columns; labels: the teacher's embeddings
+        ``[batch, n_columns, teacher_dim]`` unless a teacher model is given.
+
+    Under ``MatryoshkaLoss`` the student's embeddings are truncated, the teacher's not (it is the
+    target), except that ``MatryoshkaLoss`` without gradient caching truncates labels whose width is
+    the model's own. With several processes each process distils over its own batch (the ring for
+    distillation is to come). Sharded models (FSDP2, DeepSpeed ZeRO-2/3) as ``InfCLLoss``.
+
+    Example:
+        ::
+
+            from hf_infcl import losses
+            loss = losses.InfCLDistillLoss(student, teacher=teacher, teacher_scale=50.0, mini_batch_size=64)
+            trainer = SentenceTransformerTrainer(model=student, train_dataset=dataset, loss=loss)
+    """
+
+    def __init__(
+        self,
+        model,
+        teacher=None,
+        scale: float = 20.0,
+        teacher_scale: float | None = None,
+        distillation_weight: float = 1.0,
+        symmetric: bool = False,
+        mini_batch_size: int | None = None,
+        mini_batch_num_tokens: int | None = None,
+        show_progress_bar: bool = False,
+        backend: BackendName = "auto",
+        precision: Precision = "auto",
+    ) -> None:
+        super().__init__()
+        _check_scale(scale)
+        teacher_scale = scale if teacher_scale is None else teacher_scale
+        _check_scale(teacher_scale, "teacher_scale")
+        distillation_weight = check_distillation_weight(distillation_weight)
+        check_option("symmetric", symmetric)
+        # A backend name only, not a block-ops object: get_config_dict saves it as JSON.
+        check_option("backend", backend, block_ops=False)
+        check_option("precision", precision)
+        self.must_retokenize = teacher is not None and _check_teacher_model(model, teacher)
+        caches = _caches_gradients(model, mini_batch_size, mini_batch_num_tokens)
+        self.model = model
+        # Never trained; frozen, its parameters stay out of the Trainer's optimizer (as GIST's guide).
+        self.teacher = None if teacher is None else teacher.requires_grad_(False)
+        if self.must_retokenize:
+            self.tokenizer = model.tokenizer
+        self.scale = float(scale)
+        self.teacher_scale = float(teacher_scale)
+        self.distillation_weight = distillation_weight
+        self.symmetric = symmetric
+        self.mini_batch_size = mini_batch_size
+        self.mini_batch_num_tokens = mini_batch_num_tokens
+        self.show_progress_bar = show_progress_bar
+        self.backend = backend
+        self.precision = precision
+        # See InfCLLoss: MatryoshkaLoss reads this to decorate calculate_loss instead of the forward.
+        self.uses_gradient_cache = caches
+
+    @property
+    def frozen_model(self):
+        return self.teacher
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        sentence_features = list(sentence_features)
+        cached = self.mini_batch_size is not None or self.mini_batch_num_tokens is not None
+        _check_columns(sentence_features, cached)
+        self._check_teacher_source(labels, sentence_features)
+        if cached:
+            check_no_batch_statistics(self.model, "mini_batch_size=None, mini_batch_num_tokens=None")
+            if self.teacher is None:
+                return self.forward_cached(sentence_features, labels)
+            return self._forward_cached_with_frozen_columns(sentence_features, labels)
+        if self.teacher is None:
+            return self.compute_loss_from_embeddings(_embed_columns(self.model, sentence_features),
+                                                     list(labels.unbind(1)))
+        # The teacher reads copies of the features, taken before the model writes its outputs into them.
+        teacher_features = [dict(features) for features in sentence_features]
+        embeddings = _embed_columns(self.model, sentence_features)
+        return self.compute_loss_from_embeddings(embeddings, self._embed_frozen_columns(teacher_features))
+
+    def _check_teacher_source(self, labels, sentence_features) -> None:
+        """Exactly one source of the teacher's embeddings, and labels of the documented layout."""
+        if self.teacher is not None:
+            if labels is not None:
+                raise ValueError("labels were given and so was a teacher model: InfCLDistillLoss takes the "
+                                 "teacher's embeddings from one of them; drop the dataset's label column, or "
+                                 "pass teacher=None to use it")
+            return
+        _check_teacher_labels(labels, len(sentence_features), _column_rows(sentence_features[0]))
+
+    def calculate_loss(
+        self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
+    ) -> Tensor:
+        """The GradCache loss step: the whole batch's loss in one fused call (the mixin's contract)."""
+        teacher = list(labels.unbind(1)) if self.teacher is None else self._joined_frozen_columns()
+        loss = self.compute_loss_from_embeddings([torch.cat(column) for column in reps], teacher)
+        if with_backward:
+            loss.backward()
+            loss = loss.detach()
+        return loss
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor],
+                                     teacher_embeddings: list[Tensor]) -> Tensor:
+        """The loss from the model's and the teacher's embeddings of each column (anchors, positives,
+        then negatives columns)."""
+        if len(embeddings) < 2 or len(teacher_embeddings) != len(embeddings):
+            raise ValueError(f"Expected at least 2 embedding columns and the teacher's of each; got "
+                             f"{len(embeddings)} and {len(teacher_embeddings)}")
+        common = functools.reduce(torch.promote_types, [column.dtype for column in embeddings])
+        device = embeddings[0].device
+        # The cosine of both models: normalised embeddings, dotted.
+        student = [F.normalize(column.to(common), p=2, dim=-1) for column in embeddings]
+        teacher = [F.normalize(column.detach().to(device=device, dtype=common), p=2, dim=-1)
+                   for column in teacher_embeddings]
+        return contrastive_distillation_loss(
+            student[0], torch.cat(student[1:]), teacher[0], torch.cat(teacher[1:]),
+            logit_scale=self.scale, teacher_logit_scale=self.teacher_scale, symmetric=self.symmetric,
+            distillation_weight=self.distillation_weight, reduction="mean", backend=self.backend,
+            precision=self.precision,
+        )
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {
+            "teacher": self.teacher,
+            "scale": self.scale,
+            "teacher_scale": self.teacher_scale,
+            "distillation_weight": self.distillation_weight,
+            "symmetric": self.symmetric,
+            "mini_batch_size": self.mini_batch_size,
+            "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            "backend": self.backend,
+            "precision": self.precision,
+        }
+
+    @property
+    def citation(self) -> str:
+        return INFCL_CITATION
+
+
+__all__ = ["InfCLLoss", "InfCLGISTLoss", "InfCLDistillLoss", "INFCL_CITATION", "GIST_CITATION"]

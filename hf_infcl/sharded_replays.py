@@ -1,5 +1,5 @@
-"""The cached sentence-transformers losses (``losses.InfCLLoss`` / ``InfCLGISTLoss`` with
-``mini_batch_size``) on a model sharded by FSDP2 or DeepSpeed ZeRO.
+"""The cached sentence-transformers losses (``losses.InfCLLoss`` / ``InfCLGISTLoss`` /
+``InfCLDistillLoss`` with ``mini_batch_size``) on a model sharded by FSDP2 or DeepSpeed ZeRO.
 
 sentence-transformers' ``CachedLossMixin`` embeds every mini-batch without gradient, computes the
 loss, and replays each mini-batch with gradient from a hook on the loss tensor, one backward per

@@ -1,5 +1,6 @@
-"""``losses.InfCLLoss`` and ``losses.InfCLGISTLoss`` trained by ``SentenceTransformerTrainer`` on a
-sharded model, two processes on CPU over gloo (``tests/helpers/sentence_transformers_sharded_workers.py``).
+"""``losses.InfCLLoss``, ``losses.InfCLGISTLoss`` and ``losses.InfCLDistillLoss`` trained by
+``SentenceTransformerTrainer`` on a sharded model, two processes on CPU over gloo
+(``tests/helpers/sentence_transformers_sharded_workers.py``).
 
 Under FSDP2, two SGD steps with dropout on, without and with ``mini_batch_size``, move every
 parameter as the Trainer's DDP does on the same data, and a cached step gathers each FSDP2 unit
@@ -23,7 +24,7 @@ from tests.test_fsdp import assert_same_grads
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "helpers" / "sentence_transformers_sharded_workers.py"
-LOSSES = ("mnrl", "gist")
+LOSSES = ("mnrl", "gist", "distill")
 RUNS = [f"{loss}{suffix}" for loss in LOSSES for suffix in ("", "-cached")]
 STAGES = ("zero2", "zero3")
 ACCUMULATE = "mnrl-cached-accumulate"
@@ -141,7 +142,7 @@ class EngineStandIn(torch.nn.Module):
         return self.module(features)
 
 
-@pytest.mark.parametrize("loss_class", ["InfCLLoss", "InfCLGISTLoss"])
+@pytest.mark.parametrize("loss_class", ["InfCLLoss", "InfCLGISTLoss", "InfCLDistillLoss"])
 def test_sentence_transformers_cached_loss_holds_deepspeed_reduction_until_the_last_replay(tmp_path,
                                                                                           loss_class):
     """What ZeRO reads when a parameter's gradient has accumulated (``ds_grad_is_ready``): False
@@ -157,7 +158,7 @@ def test_sentence_transformers_cached_loss_holds_deepspeed_reduction_until_the_l
 
     model = load_tiny_model(build_tiny_model_dir(tmp_path / "model")).double().eval()
     guide = (load_tiny_model(build_tiny_model_dir(tmp_path / "guide", seed=1)).double().eval(),) \
-        if loss_class == "InfCLGISTLoss" else ()
+        if loss_class != "InfCLLoss" else ()  # GIST's guide, or the distillation's teacher
     numerics = {} if guide else {"backend": "torch"}
     loss = getattr(losses, loss_class)(model, *guide, mini_batch_size=2, **numerics)
     batch = features(model, text_columns(4, 2, seed=5))

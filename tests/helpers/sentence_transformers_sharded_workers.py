@@ -4,9 +4,10 @@
 
 ``SentenceTransformerTrainer`` trains the tiny BERT of ``sentence_transformers_fixtures`` (dropout
 on) for two SGD steps on 6 (anchor, positive) pairs per rank and step with ``losses.InfCLLoss``
-(the ring: ``gather_across_devices=True``), and ``losses.InfCLGISTLoss`` with a second tiny model
-as its guide, each without and with ``mini_batch_size=2`` (three replays per column and rank),
-and ``InfCLLoss`` cached again with two micro-batches of 3 pairs per step (``-accumulate``):
+(the ring: ``gather_across_devices=True``), ``losses.InfCLGISTLoss`` with a second tiny model
+as its guide, and ``losses.InfCLDistillLoss`` with that model as its teacher, each without and
+with ``mini_batch_size=2`` (three replays per column and rank), and ``InfCLLoss`` cached again
+with two micro-batches of 3 pairs per step (``-accumulate``):
 
 * ``ddp-*``: the Trainer's DDP (the reference);
 * ``fsdp-*``: FSDP2 (``fully_shard`` on each ``BertLayer`` and the root), switched on for CPU as
@@ -47,7 +48,7 @@ ROWS_PER_RANK = 6
 STEPS = 2
 MINI_BATCH = 2
 FSDP = dict(fsdp="full_shard", fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["BertLayer"]})
-LOSSES = ("mnrl", "gist")
+LOSSES = ("mnrl", "gist", "distill")
 
 
 def zero(stage: int) -> dict:
@@ -145,6 +146,9 @@ def build_loss(kind: str, model, guide, mini_batch_size):
         return losses.InfCLGISTLoss(model, guide, mini_batch_size=mini_batch_size, gather_across_devices=True)
     # on CUDA in exact fp32, so that the engines agree to rounding
     numerics = {"backend": "auto", "precision": "ieee"} if torch.cuda.is_available() else {"backend": "torch"}
+    if kind == "distill":  # the guide as a frozen teacher; each process distils over its own batch
+        return losses.InfCLDistillLoss(model, teacher=guide, mini_batch_size=mini_batch_size,
+                                       distillation_weight=0.5, **numerics)
     return losses.InfCLLoss(model, mini_batch_size=mini_batch_size, gather_across_devices=True, **numerics)
 
 
