@@ -59,6 +59,7 @@ from .ops.options import (
     LossOptions,
     OptionAttribute,
     Precision,
+    check_bool,
     check_choice,
     check_distillation_weight,
     check_hardness_strength,
@@ -1088,6 +1089,10 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossM
         backend, precision: the hf_infcl backend (``"auto"``, ``"torch"`` or ``"reference"``; the
             distillation has no Triton kernels yet, so ``"auto"`` runs the tiled PyTorch loss on
             every device) and matmul precision, as in ``InfCLLoss``.
+        gather_across_devices: with several processes, every anchor's distributions run over every
+            process's candidates (the student's and the teacher's key blocks travel the hf_infcl
+            ring; nothing is gathered), as ``InfCLLoss``'s option. False (default): each process
+            distils over its own batch.
 
     Inputs:
         (anchor, positive[, negative_1, ..., negative_n]) columns; labels: the teacher's embeddings
@@ -1095,8 +1100,7 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossM
 
     Under ``MatryoshkaLoss`` the student's embeddings are truncated, the teacher's not (it is the
     target), except that ``MatryoshkaLoss`` without gradient caching truncates labels whose width is
-    the model's own. With several processes each process distils over its own batch (the ring for
-    distillation is to come). Sharded models (FSDP2, DeepSpeed ZeRO-2/3) as ``InfCLLoss``.
+    the model's own. Sharded models (FSDP2, DeepSpeed ZeRO-2/3) as ``InfCLLoss``.
 
     Example:
         ::
@@ -1119,9 +1123,11 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossM
         show_progress_bar: bool = False,
         backend: BackendName = "auto",
         precision: Precision = "auto",
+        gather_across_devices: bool = False,
     ) -> None:
         super().__init__()
         _check_scale(scale)
+        check_bool("gather_across_devices", gather_across_devices)
         teacher_scale = scale if teacher_scale is None else teacher_scale
         _check_scale(teacher_scale, "teacher_scale")
         distillation_weight = check_distillation_weight(distillation_weight)
@@ -1145,6 +1151,7 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossM
         self.show_progress_bar = show_progress_bar
         self.backend = backend
         self.precision = precision
+        self.gather_across_devices = gather_across_devices
         # See InfCLLoss: MatryoshkaLoss reads this to decorate calculate_loss instead of the forward.
         self.uses_gradient_cache = caches
 
@@ -1208,7 +1215,7 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossM
             student[0], torch.cat(student[1:]), teacher[0], torch.cat(teacher[1:]),
             logit_scale=self.scale, teacher_logit_scale=self.teacher_scale, symmetric=self.symmetric,
             distillation_weight=self.distillation_weight, reduction="mean", backend=self.backend,
-            precision=self.precision,
+            precision=self.precision, process_group="auto" if self.gather_across_devices else None,
         )
 
     def get_config_dict(self) -> dict[str, Any]:
@@ -1222,6 +1229,7 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossM
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
             "backend": self.backend,
             "precision": self.precision,
+            "gather_across_devices": self.gather_across_devices,
         }
 
     @property

@@ -294,7 +294,7 @@ def test_config_and_citation(student, teacher):
     assert loss.get_config_dict() == {
         "teacher": teacher, "scale": 10.0, "teacher_scale": 10.0, "distillation_weight": 0.5,
         "symmetric": False, "mini_batch_size": 4, "mini_batch_num_tokens": None, "backend": "auto",
-        "precision": "auto",
+        "precision": "auto", "gather_across_devices": False,
     }
     assert losses.InfCLDistillLoss(student, teacher_scale=50.0).get_config_dict()["teacher"] is None
     assert losses.InfCLDistillLoss(student, teacher_scale=50.0).get_config_dict()["teacher_scale"] == 50.0
@@ -344,6 +344,7 @@ def test_one_source_of_the_teacher(student, teacher, mini_batch_size):
     pytest.param({"distillation_weight": 1.5}, ValueError, r"distillation_weight must be in \[0, 1\]",
                  id="weight"),
     pytest.param({"symmetric": 1}, TypeError, "symmetric", id="symmetric"),
+    pytest.param({"gather_across_devices": "yes"}, TypeError, "gather_across_devices", id="gather"),
     pytest.param({"backend": "nope"}, ValueError, "backend", id="backend"),
     pytest.param({"mini_batch_size": 0}, ValueError, "mini_batch_size must be a positive integer",
                  id="mini_batch_size"),
@@ -420,3 +421,63 @@ def test_on_cuda_against_float64(model_dirs, mini_batch_size):
     assert_same_step(expected, from_labels)
     from_model = losses.InfCLDistillLoss(student, teacher=cuda_teacher, **options)
     assert_same_step(expected, loss_step(student, from_model, columns, 2))
+
+
+# --------------------------------------------------------------------------------------------
+# gather_across_devices: two gloo processes of different sizes against the whole batch
+
+RING_ROWS = (3, 5)
+RING_OPTIONS = {
+    "kl": {"scale": 3.0, "teacher_scale": 5.0},
+    "symmetric-mixed": {"scale": 2.0, "symmetric": True, "distillation_weight": 0.6},
+}
+
+
+def ring_columns(seed: int, width: int):
+    """Anchor, positive and one negatives column of the whole batch, float64."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(sum(RING_ROWS), width, generator=generator, dtype=torch.float64) for _ in range(3)]
+
+
+def run_distillation_rank(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    from pathlib import Path
+
+    from tests.helpers.sentence_transformers_workers import rank_process
+
+    with rank_process(rank, world_size, init_file, Path(out_dir) / f"distill-rank{rank}.pt") as results:
+        rows = slice(sum(RING_ROWS[:rank]), sum(RING_ROWS[:rank + 1]))
+        student = [column[rows].requires_grad_() for column in ring_columns(21, width=6)]
+        teacher = [column[rows] for column in ring_columns(22, width=4)]
+        for name, options in RING_OPTIONS.items():
+            loss = losses.InfCLDistillLoss(None, gather_across_devices=True, backend="torch", **options)
+            value = loss.compute_loss_from_embeddings(student, teacher)
+            results[name] = (value.detach(), torch.autograd.grad(value, student))
+
+
+def test_gather_across_devices_runs_over_every_process_candidates(tmp_path):
+    """Each anchor's distributions over every process's positives and negatives (the ring), the
+    processes holding 3 and 5 examples: the mean of the processes' losses is the float64 loss of the
+    whole batch, and each process's gradient (times 1 / processes, DDP's average) its rows' part."""
+    import torch.multiprocessing as mp
+
+    world_size = len(RING_ROWS)
+    mp.start_processes(run_distillation_rank, args=(world_size, str(tmp_path / "init"), str(tmp_path)),
+                       nprocs=world_size, join=True, start_method="fork")
+    ranks = [torch.load(tmp_path / f"distill-rank{rank}.pt", weights_only=False)
+             for rank in range(world_size)]
+    for rank, result in enumerate(ranks):
+        assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
+    for name, options in RING_OPTIONS.items():
+        student = [column.requires_grad_() for column in ring_columns(21, width=6)]
+        teacher = ring_columns(22, width=4)
+        expected = reference_loss(student, teacher, options["scale"],
+                                  options.get("teacher_scale", options["scale"]),
+                                  options.get("symmetric", False), options.get("distillation_weight", 1.0))
+        gradients = torch.autograd.grad(expected, student)
+        torch.testing.assert_close(sum(result[name][0] for result in ranks) / world_size, expected.detach(),
+                                   **FLOAT64, msg=name)
+        for rank, result in enumerate(ranks):
+            rows = slice(sum(RING_ROWS[:rank]), sum(RING_ROWS[:rank + 1]))
+            for column, (actual, want) in enumerate(zip(result[name][1], gradients, strict=True)):
+                torch.testing.assert_close(actual / world_size, want[rows], **FLOAT64,
+                                           msg=f"{name}, rank {rank}, column {column}")
