@@ -89,9 +89,7 @@ def contrastive_distillation_loss(
     # A rank whose checks fail tells the others (waiting in the ring's option exchange) first.
     device = queries.device if torch.is_tensor(queries) else None
     with announcing_rejections(group if in_ring else None, device):
-        if isinstance(backend, str) and backend == "triton":
-            raise ValueError("backend='triton': contrastive_distillation_loss has no Triton kernels yet; "
-                             "pass 'auto' or 'torch' (the tile-wise PyTorch backend, CUDA included)")
+        check_distillation_backend(backend)
         distillation_weight = check_distillation_weight(distillation_weight)
         scale, _, positives = _check_arguments(queries, keys, logit_scale, None, "softmax", symmetric,
                                                positives, None, None, reduction, backend, precision,
@@ -121,6 +119,13 @@ def contrastive_distillation_loss(
         per_row = _per_row_loss(stats, positives, symmetric, distillation_weight)
         per_row = per_row.to(accumulation_dtype(queries.dtype))
         return _reduce(per_row, reduction, total_rows=total_rows, world_size=world_size)
+
+
+def check_distillation_backend(backend, name: str = "backend") -> None:
+    """The distillation's one backend rule beyond ``contrastive_loss``'s: no Triton kernels yet."""
+    if isinstance(backend, str) and backend == "triton":
+        raise ValueError(f"{name}='triton': contrastive_distillation_loss has no Triton kernels yet; "
+                         "pass 'auto' or 'torch' (the tile-wise PyTorch backend, CUDA included)")
 
 
 def _teacher_scale(teacher_logit_scale, queries) -> torch.Tensor:

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .batch_statistics import check_no_batch_statistics
-from .distillation import contrastive_distillation_loss
+from .distillation import check_distillation_backend, contrastive_distillation_loss
 from .loss import contrastive_loss
 from .ops.options import (
     HARDNESS_MODES,
@@ -1134,6 +1134,7 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossM
         check_option("symmetric", symmetric)
         # A backend name only, not a block-ops object: get_config_dict saves it as JSON.
         check_option("backend", backend, block_ops=False)
+        check_distillation_backend(backend)
         check_option("precision", precision)
         self.must_retokenize = teacher is not None and _check_teacher_model(model, teacher)
         caches = _caches_gradients(model, mini_batch_size, mini_batch_num_tokens)

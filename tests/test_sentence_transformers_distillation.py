@@ -356,11 +356,10 @@ def test_bad_arguments_are_refused_at_construction(student, kwargs, error, match
         losses.InfCLDistillLoss(student, **kwargs)
 
 
-def test_the_triton_backend_is_refused_at_the_first_step(student, teacher):
-    """The distillation has no Triton kernels yet: contrastive_distillation_loss refuses the name."""
-    loss = losses.InfCLDistillLoss(student, teacher=teacher, backend="triton")
+def test_the_triton_backend_is_refused_at_construction(student, teacher):
+    """The distillation has no Triton kernels yet: refused before any step embeds a batch."""
     with pytest.raises(ValueError, match="backend='triton'"):
-        loss(batch_on(student, text_columns(ROWS, 2, seed=23)), None)
+        losses.InfCLDistillLoss(student, teacher=teacher, backend="triton")
 
 
 def test_the_model_as_its_own_teacher_is_refused(student):
