@@ -299,12 +299,13 @@ def _column_rows(features: dict[str, Any]) -> int:
     raise ValueError(f"cannot tell how many texts a column holds from its features {sorted(features)}")
 
 
-def _check_columns(sentence_features: list[dict[str, Any]], cached: bool) -> None:
+def _check_columns(sentence_features: list[dict[str, Any]], cached: bool, loss_name: str) -> None:
+    """At least two columns of equal length; ``loss_name`` is named in the message."""
     if len(sentence_features) < 2:
         # the words of MNRL (which embeds first) and of CachedMNRL, then what the columns are
         counted = "inputs" if cached else "embeddings"
         raise ValueError(
-            f"Expected at least 2 {counted}, got {len(sentence_features)}: InfCLLoss needs the columns "
+            f"Expected at least 2 {counted}, got {len(sentence_features)}: {loss_name} needs the columns "
             "(anchor, positive[, negative_1, ...])"
         )
     rows = [_column_rows(features) for features in sentence_features]
@@ -539,7 +540,7 @@ class InfCLLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
         cached = self.mini_batch_size is not None or self.mini_batch_num_tokens is not None
-        _check_columns(sentence_features, cached)
+        _check_columns(sentence_features, cached, type(self).__name__)
         if cached:
             # at each forward, not at construction: the trainer sets the layers' modes at every step
             check_no_batch_statistics(self.model, "mini_batch_size=None, mini_batch_num_tokens=None")
@@ -938,7 +939,7 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixi
         cached = self.mini_batch_size is not None or self.mini_batch_num_tokens is not None
         if not cached and len(sentence_features) not in (2, 3):
             raise ValueError(f"Expected 2 or 3 embeddings, got {len(sentence_features)}")  # GIST's words
-        _check_columns(sentence_features, cached)
+        _check_columns(sentence_features, cached, type(self).__name__)
         if cached:
             check_no_batch_statistics(self.model, "mini_batch_size=None, mini_batch_num_tokens=None")
             return self._forward_cached_with_frozen_columns(sentence_features, labels)
@@ -1163,7 +1164,7 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossM
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
         cached = self.mini_batch_size is not None or self.mini_batch_num_tokens is not None
-        _check_columns(sentence_features, cached)
+        _check_columns(sentence_features, cached, type(self).__name__)
         self._check_teacher_source(labels, sentence_features)
         if cached:
             check_no_batch_statistics(self.model, "mini_batch_size=None, mini_batch_num_tokens=None")

@@ -480,3 +480,10 @@ def test_gather_across_devices_runs_over_every_process_candidates(tmp_path):
             for column, (actual, want) in enumerate(zip(result[name][1], gradients, strict=True)):
                 torch.testing.assert_close(actual / world_size, want[rows], **FLOAT64,
                                            msg=f"{name}, rank {rank}, column {column}")
+
+
+@pytest.mark.parametrize("loss_class", [losses.InfCLLoss, losses.InfCLDistillLoss])
+def test_a_single_column_is_refused_naming_the_loss(student, loss_class):
+    one_column = batch_on(student, text_columns(ROWS, 1, seed=24))
+    with pytest.raises(ValueError, match=f"got 1: {loss_class.__name__} needs the columns"):
+        loss_class(student)(one_column, None)
