@@ -49,6 +49,7 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify
 from .batch_statistics import check_no_batch_statistics
 from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs
+from .distillation import contrastive_distillation_loss
 from .grad_cache import cached_step
 from .loss import Objectives, _contrastive_loss
 from .metrics import (
@@ -74,7 +75,7 @@ from .sharding import (
     prepare_for_sharding,
     scalar_state_dict,
 )
-from .training_args import InfCLTrainingArguments
+from .training_args import TEACHER_COLUMNS, InfCLTrainingArguments
 
 __all__ = ["InfCLTrainer"]
 
@@ -119,6 +120,7 @@ class InfCLTrainer(Trainer):
                           "gets no gradient (with DDP, set ddp_find_unused_parameters=True)", stacklevel=2)
         self.family.check_loss_options(self.loss_kind, args.symmetric)
         self.label_smoothing = self._label_smoothing()
+        self._check_distillation()
         if args.logit_scale_max is not None:
             self.add_callback(ClampLogitScale(args.logit_scale_max))
         # [sum of top-1 accuracy, sum of each logged scale (_scale_names), steps] since the last log
@@ -182,6 +184,36 @@ class InfCLTrainer(Trainer):
                 )
         return own
 
+    def _check_distillation(self) -> None:
+        """What ``distillation_weight`` cannot be combined with: the distillation loss
+        (``contrastive_distillation_loss``) is the softmax loss's KL over every key, without
+        groups, score filter, label smoothing or Triton kernels."""
+        args = self.args
+        if args.distillation_weight is None:
+            if args.teacher_logit_scale is not None:
+                raise ValueError(f"teacher_logit_scale={args.teacher_logit_scale!r} needs "
+                                 "distillation_weight (the weight of the KL against the teacher)")
+            return
+        prefix = f"distillation_weight={args.distillation_weight!r}"
+        if not self.family.distillable:
+            raise ValueError(f"{prefix} is not defined for {type(unwrap_model(self.model)).__name__}, whose "
+                             "loss is not one softmax loss with one scale; leave distillation_weight unset")
+        if self.loss_kind != "softmax":
+            raise ValueError(f"{prefix} distils the teacher's softmax over the keys, but the loss is "
+                             f"{self.loss_kind!r} (contrastive_loss, or the model's logit_bias): set "
+                             "contrastive_loss='softmax'")
+        for option in ("group_column", "false_negative_margin"):
+            if getattr(args, option) is not None:
+                raise ValueError(f"{prefix} is not defined with {option} (the KL runs over every key of "
+                                 f"the batch); leave one of them unset")
+        if self.label_smoothing:
+            source = ("label_smoothing" if args.label_smoothing is not None else
+                      f"{type(unwrap_model(self.model)).__name__}'s own loss (label_smoothing=None)")
+            raise ValueError(f"{prefix} is not defined with label smoothing ({source} smooths by "
+                             f"{self.label_smoothing}): set label_smoothing=0.0")
+        if args.loss_backend == "triton":
+            raise ValueError(f"{prefix} has no Triton kernels yet: set loss_backend='auto' or 'torch'")
+
     def _is_fsdp2(self) -> bool:
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         return self.is_fsdp_enabled and getattr(plugin, "fsdp_version", 1) == 2
@@ -200,8 +232,11 @@ class InfCLTrainer(Trainer):
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
         column = self.args.group_column
-        if column is not None and column not in self._signature_columns:
-            self._signature_columns = [*self._signature_columns, column]
+        # the teacher's embeddings travel with the batch to the loss, past remove_unused_columns
+        teacher = TEACHER_COLUMNS if self.args.distillation_weight is not None else ()
+        for column in (self.args.group_column, *teacher):
+            if column is not None and column not in self._signature_columns:
+                self._signature_columns = [*self._signature_columns, column]
 
     def get_train_dataloader(self):
         dataloader = super().get_train_dataloader()
@@ -234,13 +269,35 @@ class InfCLTrainer(Trainer):
             raise KeyError(f"group_column={column!r} is not in the batch (keys: {sorted(inputs)})")
         return torch.as_tensor(inputs[column]).to(device)
 
-    def _contrastive(self, model, queries, keys, groups, *values, process_group="auto"):
+    def _teacher(self, inputs, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The teacher's embeddings of this process's rows and keys (``TEACHER_COLUMNS``) on
+        ``device``, or None without distillation. They need no gradient."""
+        if self.args.distillation_weight is None:
+            return None
+        missing = [column for column in TEACHER_COLUMNS if column not in inputs]
+        if missing:
+            raise KeyError(f"distillation_weight needs the teacher's embeddings in the batch: "
+                           f"{', '.join(missing)} missing (keys: {sorted(inputs)})")
+        return tuple(torch.as_tensor(inputs[column]).detach().to(device) for column in TEACHER_COLUMNS)
+
+    def _contrastive(self, model, queries, keys, groups, *values, process_group="auto", teacher=None):
         """The family's loss (``ModelFamily.loss``: the model's own, from the values of its loss
-        parameters) over ``contrastive_loss`` with this run's options."""
+        parameters) over ``contrastive_loss`` with this run's options; with ``teacher`` (its
+        embeddings of the rows and keys), over ``contrastive_distillation_loss``."""
         dtype = torch.promote_types(queries.dtype, keys.dtype)
 
         def configured_loss(rows, cols, scale, bias, symmetric=self.args.symmetric):
-            # The options were checked once, by InfCLTrainingArguments and _label_smoothing.
+            # The options were checked once, by InfCLTrainingArguments, _label_smoothing and
+            # _check_distillation.
+            if teacher is not None:
+                teacher_scale = self.args.teacher_logit_scale
+                return contrastive_distillation_loss(
+                    rows.to(dtype), cols.to(dtype), *(embeds.to(dtype) for embeds in teacher), scale,
+                    scale.detach() if teacher_scale is None else teacher_scale, symmetric=symmetric,
+                    distillation_weight=self.args.distillation_weight, reduction="mean",
+                    process_group=process_group, backend=self.args.loss_backend,
+                    precision=self.args.precision,
+                )
             return _contrastive_loss(
                 rows.to(dtype), cols.to(dtype), scale, bias, positives=None, query_groups=groups,
                 key_groups=groups, process_group=process_group, loss=self.loss_kind, symmetric=symmetric,
@@ -256,7 +313,8 @@ class InfCLTrainer(Trainer):
         self._keep_loss_params_gathered(model)
         queries, keys = self.family.encode_pairs(model, inputs)
         groups = self._groups(inputs, queries.device)
-        loss = self._contrastive(model, queries, keys, groups, *self._loss_params(model))
+        loss = self._contrastive(model, queries, keys, groups, *self._loss_params(model),
+                                 teacher=self._teacher(inputs, queries.device))
         if model.training:
             self._track(queries.detach(), keys.detach(), model, groups)
         if return_outputs:
@@ -277,6 +335,7 @@ class InfCLTrainer(Trainer):
         encoder_inputs = {name: inputs[name] for name in (*names.query, *names.key)
                           if inputs.get(name) is not None}
         groups = self._groups(inputs, self.args.device)
+        teacher = self._teacher(inputs, self.args.device)
         ga_steps = self.current_gradient_accumulation_steps
         if self._is_fsdp2():
             # The loss parameters are read sharded (cached_step gathers their full value and
@@ -307,7 +366,7 @@ class InfCLTrainer(Trainer):
             forward_context = self.accelerator.autocast
 
         def loss_fn(queries, keys, *params):
-            return self._contrastive(model, queries, keys, groups, *params)
+            return self._contrastive(model, queries, keys, groups, *params, teacher=teacher)
 
         def scale_for_backward(loss):
             # what Trainer.training_step + Accelerator.backward do to the loss before backward

@@ -1,0 +1,67 @@
+"""Worker for the several-process distillation test of InfCLTrainer:
+``torchrun --nproc_per_node 2 tests/helpers/trainer_distillation_workers.py OUT``.
+
+For each variant in ``VARIANTS`` (gradient caching with chunks of 4 and offload; no caching),
+each rank trains the same tiny CLIP on its share of 16 rows with the teacher's embeddings of
+them in the batch (DDP over gloo, the distillation loss through the ring) for two SGD steps; rank
+0 writes the parameters to OUT for the test to compare with a float64 loop on all 16 rows.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from hf_infcl import InfCLTrainer  # noqa: E402
+from hf_infcl.training_args import TEACHER_COLUMNS  # noqa: E402
+from tests.helpers.trainer_fixtures import (  # noqa: E402
+    PairDataset,
+    clip_batch,
+    end_worker_process,
+    tiny_clip,
+    trained_parameters,
+    trainer_arguments,
+)
+from tests.helpers.trainer_workers import PAIRS, TWO_PROCESS_SETTINGS, VARIANTS  # noqa: E402
+
+__all__ = ["SETTINGS", "TEACHER_WIDTH", "VARIANTS", "distillation_batch", "teacher_columns"]
+
+TEACHER_WIDTH = 5
+SETTINGS = {**TWO_PROCESS_SETTINGS, "learning_rate": 0.5, "distillation_weight": 0.7,
+            "teacher_logit_scale": 20.0}
+
+
+def teacher_columns(rows: int, seed: int = 7) -> dict[str, torch.Tensor]:
+    """A teacher's embeddings of the rows and keys: random, L2-normalised, of their own width."""
+    generator = torch.Generator().manual_seed(seed)
+    normalize = torch.nn.functional.normalize
+    return {column: normalize(torch.randn(rows, TEACHER_WIDTH, generator=generator), dim=-1)
+            for column in TEACHER_COLUMNS}
+
+
+def distillation_batch() -> dict[str, torch.Tensor]:
+    """``PAIRS`` CLIP pairs with a teacher's embeddings of their rows and keys."""
+    return {**clip_batch(PAIRS), **teacher_columns(PAIRS)}
+
+
+def main(out_dir: str) -> None:
+    torch.set_num_threads(1)
+    world_size = int(os.environ["WORLD_SIZE"])
+    for name, (chunk_size, offload) in VARIANTS.items():
+        args = trainer_arguments(os.path.join(out_dir, name), per_device_train_batch_size=PAIRS // world_size,
+                                 chunk_size=chunk_size, offload=offload, **SETTINGS)
+        trainer = InfCLTrainer(model=tiny_clip(dropout=0.0), args=args,
+                               train_dataset=PairDataset(distillation_batch()))
+        assert trainer.accelerator.num_processes == world_size, trainer.accelerator.num_processes
+        trainer.train()
+        if trainer.accelerator.is_main_process:
+            torch.save(trained_parameters(trainer), os.path.join(out_dir, f"parameters-{name}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    end_worker_process()
