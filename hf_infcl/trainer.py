@@ -4,6 +4,8 @@ The Trainer keeps its loop, checkpoints, logging and callbacks. This subclass ch
 
 - ``compute_loss``: embeddings from the model (``hf_infcl.models``) and ``contrastive_loss`` over
   the whole contrastive batch (every process's rows, through the ring when several processes run);
+  with ``distillation_weight``, ``contrastive_distillation_loss`` against the teacher's embeddings
+  the batches carry (``TEACHER_COLUMNS``);
 - ``training_step`` when ``chunk_size`` is set: the cached three-phase step of
   ``hf_infcl.grad_cache`` (one gradient reduction per step under DDP or FSDP2, optional data
   offload); under FSDP2, 0-d parameters become 1-element vectors for ``fully_shard`` and are

@@ -231,8 +231,8 @@ class InfCLTrainingArguments(TrainingArguments):
                           "KL(teacher's softmax || student's) per row, w in [0, 1] "
                           "(hf_infcl.contrastive_distillation_loss). The batches carry the teacher's "
                           "embeddings of the rows and keys in the columns teacher_query_embeds and "
-                          "teacher_key_embeds ([batch, teacher_dim] each). Softmax loss only. None: no "
-                          "distillation."},
+                          "teacher_key_embeds ([batch, teacher_dim] each). Softmax loss only; evaluation's "
+                          "losses stay the contrastive loss. None: no distillation."},
     )
     teacher_logit_scale: float | None = field(
         default=None,
