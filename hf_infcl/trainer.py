@@ -52,7 +52,7 @@ from .batch_statistics import check_no_batch_statistics
 from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs
 from .distillation import contrastive_distillation_loss
-from .grad_cache import cached_step
+from .grad_cache import cached_step, split_batch, to_device
 from .loss import Objectives, _contrastive_loss
 from .metrics import (
     input_fingerprints,
@@ -94,12 +94,20 @@ class InfCLTrainer(Trainer):
     CLAP; or ``query_*`` + ``doc_*``); row i of one tower is the positive of row i of the other.
     Everything else is the ``Trainer`` API.
 
+    With ``args.distillation_weight``, the loss distils a teacher over every key of the batch
+    (``contrastive_distillation_loss``): the batches carry its embeddings of their rows and keys
+    (``teacher_query_embeds``, ``teacher_key_embeds``), or ``teacher``, a model of the student's
+    family (the same batch entries), embeds each batch without gradient, in the cached step's
+    chunks when ``chunk_size`` is set. The Trainer puts it in eval mode, freezes it and moves it to
+    the device: one full copy per process, outside DDP, FSDP and DeepSpeed.
+
     ``args`` may be a plain ``TrainingArguments``: it is converted to ``InfCLTrainingArguments``
     with every field as the user set it and the contrastive fields at their defaults (a subclass
     with fields of its own is refused, naming them).
     """
 
-    def __init__(self, model=None, args: InfCLTrainingArguments | None = None, *more, **kwargs):
+    def __init__(self, model=None, args: InfCLTrainingArguments | None = None, *more, teacher=None,
+                 **kwargs):
         if model is None:
             raise ValueError("InfCLTrainer needs a model (model_init is not supported)")
         if args is None:
@@ -109,6 +117,7 @@ class InfCLTrainer(Trainer):
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError("InfCLTrainer computes the contrastive loss itself; drop compute_loss_func")
         self.family = model_family(model)  # TypeError for models we cannot take embeddings from
+        self.teacher = teacher
         super().__init__(model, args, *more, **kwargs)
         self._check_combinations()
         sharded = self._is_fsdp2() or self.is_deepspeed_enabled
@@ -123,6 +132,9 @@ class InfCLTrainer(Trainer):
         self.family.check_loss_options(self.loss_kind, args.symmetric)
         self.label_smoothing = self._label_smoothing()
         self._check_distillation()
+        if teacher is not None:
+            # a constant target: no gradient, no dropout; one copy per process, outside DDP/FSDP
+            teacher.eval().requires_grad_(False).to(args.device)
         if args.logit_scale_max is not None:
             self.add_callback(ClampLogitScale(args.logit_scale_max))
         # [sum of top-1 accuracy, sum of each logged scale (_scale_names), steps] since the last log
@@ -195,7 +207,17 @@ class InfCLTrainer(Trainer):
             if args.teacher_logit_scale is not None:
                 raise ValueError(f"teacher_logit_scale={args.teacher_logit_scale!r} needs "
                                  "distillation_weight (the weight of the KL against the teacher)")
+            if self.teacher is not None:
+                raise ValueError("teacher needs distillation_weight (the weight of the KL against the "
+                                 "teacher's softmax)")
             return
+        if self.teacher is not None:
+            teacher_family = model_family(self.teacher)  # TypeError for models we cannot embed with
+            if not teacher_family.distillable or teacher_family.inputs != self.family.inputs:
+                raise ValueError(f"teacher must embed the student's batch as one of its kind does: a "
+                                 f"{type(unwrap_model(self.teacher)).__name__} cannot teach a "
+                                 f"{type(unwrap_model(self.model)).__name__} (for another tokenizer or "
+                                 f"family, precompute its embeddings into {' and '.join(TEACHER_COLUMNS)})")
         prefix = f"distillation_weight={args.distillation_weight!r}"
         if not self.family.distillable:
             raise ValueError(f"{prefix} is not defined for {type(unwrap_model(self.model)).__name__}, whose "
@@ -235,7 +257,8 @@ class InfCLTrainer(Trainer):
         super()._set_signature_columns_if_needed()
         column = self.args.group_column
         # the teacher's embeddings travel with the batch to the loss, past remove_unused_columns
-        teacher = TEACHER_COLUMNS if self.args.distillation_weight is not None else ()
+        precomputed = self.args.distillation_weight is not None and self.teacher is None
+        teacher = TEACHER_COLUMNS if precomputed else ()
         for column in (self.args.group_column, *teacher):
             if column is not None and column not in self._signature_columns:
                 self._signature_columns = [*self._signature_columns, column]
@@ -271,30 +294,58 @@ class InfCLTrainer(Trainer):
             raise KeyError(f"group_column={column!r} is not in the batch (keys: {sorted(inputs)})")
         return torch.as_tensor(inputs[column]).to(device)
 
-    def _teacher(self, inputs, device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The teacher's embeddings of this process's rows and keys (``TEACHER_COLUMNS``) on
-        ``device``, or None without distillation. They need no gradient."""
+    def _teacher(self, inputs, device, chunk_size: int | None = None) -> tuple | None:
+        """``(teacher's row embeddings, its key embeddings, its scale)`` of this process's batch on
+        ``device``, or None without distillation: the ``teacher`` model's, embedded without
+        gradient in chunks of ``chunk_size`` rows, or the batch's ``TEACHER_COLUMNS``. The scale is
+        ``teacher_logit_scale``, else the teacher model's own, else None (the student's)."""
         if self.args.distillation_weight is None:
             return None
-        missing = [column for column in TEACHER_COLUMNS if column not in inputs]
+        given = [column for column in TEACHER_COLUMNS if column in inputs]
+        scale = self.args.teacher_logit_scale
+        if self.teacher is not None:
+            if given:
+                raise ValueError(f"the batch carries {', '.join(given)} and InfCLTrainer has a teacher "
+                                 "model; give the teacher's embeddings one way")
+            rows, keys = self._embed_with_teacher(inputs, device, chunk_size)
+            if scale is None:
+                family = model_family(self.teacher)
+                scale = family.scale_and_bias(self.teacher, *family.scale_parameters(self.teacher))[0]
+            return rows, keys, scale
+        missing = [column for column in TEACHER_COLUMNS if column not in given]
         if missing:
             raise KeyError(f"distillation_weight needs the teacher's embeddings in the batch: "
                            f"{', '.join(missing)} missing (keys: {sorted(inputs)})")
-        return tuple(torch.as_tensor(inputs[column]).detach().to(device) for column in TEACHER_COLUMNS)
+        rows, keys = (torch.as_tensor(inputs[column]).detach().to(device) for column in TEACHER_COLUMNS)
+        return rows, keys, scale
+
+    @torch.no_grad()
+    def _embed_with_teacher(self, inputs, device, chunk_size):
+        """The teacher model's embeddings of the batch's rows and keys on ``device``, one chunk of
+        ``chunk_size`` rows at a time (the whole batch for None), under the student's autocast."""
+        family = model_family(self.teacher)
+        towers = _select(inputs, (*family.inputs.query, *family.inputs.key))
+        rows, keys = [], []
+        with self.compute_loss_context_manager():
+            for chunk in split_batch(towers, chunk_size):
+                chunk_rows, chunk_keys = family.encode_pairs(self.teacher, to_device(chunk, device))
+                rows.append(chunk_rows)
+                keys.append(chunk_keys)
+        return torch.cat(rows), torch.cat(keys)
 
     def _contrastive(self, model, queries, keys, groups, *values, process_group="auto", teacher=None):
         """The family's loss (``ModelFamily.loss``: the model's own, from the values of its loss
-        parameters) over ``contrastive_loss`` with this run's options; with ``teacher`` (its
-        embeddings of the rows and keys), over ``contrastive_distillation_loss``."""
+        parameters) over ``contrastive_loss`` with this run's options; with ``teacher`` (what
+        ``_teacher`` returns), over ``contrastive_distillation_loss``."""
         dtype = torch.promote_types(queries.dtype, keys.dtype)
 
         def configured_loss(rows, cols, scale, bias, symmetric=self.args.symmetric):
             # The options were checked once, by InfCLTrainingArguments, _label_smoothing and
             # _check_distillation.
             if teacher is not None:
-                teacher_scale = self.args.teacher_logit_scale
+                teacher_rows, teacher_keys, teacher_scale = teacher
                 return contrastive_distillation_loss(
-                    rows.to(dtype), cols.to(dtype), *(embeds.to(dtype) for embeds in teacher), scale,
+                    rows.to(dtype), cols.to(dtype), teacher_rows.to(dtype), teacher_keys.to(dtype), scale,
                     scale.detach() if teacher_scale is None else teacher_scale, symmetric=symmetric,
                     distillation_weight=self.args.distillation_weight, reduction="mean",
                     process_group=process_group, backend=self.args.loss_backend,
@@ -337,7 +388,7 @@ class InfCLTrainer(Trainer):
         encoder_inputs = {name: inputs[name] for name in (*names.query, *names.key)
                           if inputs.get(name) is not None}
         groups = self._groups(inputs, self.args.device)
-        teacher = self._teacher(inputs, self.args.device)
+        teacher = self._teacher(inputs, self.args.device, self.args.chunk_size)
         ga_steps = self.current_gradient_accumulation_steps
         if self._is_fsdp2():
             # The loss parameters are read sharded (cached_step gathers their full value and

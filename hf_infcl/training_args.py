@@ -231,14 +231,16 @@ class InfCLTrainingArguments(TrainingArguments):
                           "KL(teacher's softmax || student's) per row, w in [0, 1] "
                           "(hf_infcl.contrastive_distillation_loss). The batches carry the teacher's "
                           "embeddings of the rows and keys in the columns teacher_query_embeds and "
-                          "teacher_key_embeds ([batch, teacher_dim] each). Softmax loss only; evaluation's "
+                          "teacher_key_embeds ([batch, teacher_dim] each), or InfCLTrainer(teacher=...) "
+                          "embeds them. Softmax loss only; evaluation's "
                           "losses stay the contrastive loss. None: no distillation."},
     )
     teacher_logit_scale: float | None = field(
         default=None,
         metadata={"help": "With distillation_weight: the teacher's logit scale (its inverse temperature), "
-                          "which multiplies the dot products of its embeddings. None: the student's scale "
-                          "of the step, without gradient."},
+                          "which multiplies the dot products of its embeddings. None: a teacher model's own "
+                          "scale (InfCLTrainer(teacher=...)), else the student's of the step, without "
+                          "gradient."},
     )
 
     def __post_init__(self):

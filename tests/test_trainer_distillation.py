@@ -12,7 +12,13 @@ from hf_infcl import InfCLTrainer, InfCLTrainingArguments, contrastive_distillat
 from hf_infcl.models import model_family
 from hf_infcl.training_args import TEACHER_COLUMNS
 from tests.helpers.offline import run_two_processes
-from tests.helpers.trainer_distillation_workers import SETTINGS, VARIANTS, distillation_batch, teacher_columns
+from tests.helpers.trainer_distillation_workers import (
+    SETTINGS,
+    VARIANTS,
+    clip_teacher,
+    distillation_batch,
+    teacher_columns,
+)
 from tests.helpers.trainer_fixtures import (
     PairDataset,
     clip_batch,
@@ -40,9 +46,9 @@ MODELS = {
 }
 
 
-def train(path, model, columns, **settings):
+def train(path, model, columns, teacher=None, **settings):
     trainer = InfCLTrainer(model=model, args=trainer_arguments(path, **STEPS, **settings),
-                           train_dataset=PairDataset(columns))
+                           train_dataset=PairDataset(columns), teacher=teacher)
     trainer.train()
     return trainer
 
@@ -120,15 +126,19 @@ def test_teacher_columns_survive_remove_unused_columns(tmp_path):
 
 
 def test_two_processes_with_teacher_embeddings_match_one_process(tmp_path):
-    """torchrun, 2 ranks x 8 rows (DDP, gloo, the distillation ring), cached and uncached == the
-    float64 loop on all 16 rows."""
+    """torchrun, 2 ranks x 8 rows (DDP, gloo, the distillation ring), cached and uncached, the
+    teacher's embeddings in the batch or from a teacher model == the float64 loop on all 16 rows."""
     run_two_processes(os.path.join(REPO, "tests", "helpers", "trainer_distillation_workers.py"), tmp_path,
                       timeout=300)
-    expected = float64_steps(tiny_clip(dropout=0.0), distillation_batch(), SETTINGS["max_steps"],
-                             SETTINGS["learning_rate"], SETTINGS["distillation_weight"],
-                             SETTINGS["teacher_logit_scale"])
-    for variant in VARIANTS:
-        assert_same_parameters(torch.load(tmp_path / f"parameters-{variant}.pt"), expected)
+    batch = distillation_batch()
+    teacher_embeds, teacher_scale = float64_teacher_columns(clip_teacher(), batch)
+    sources = {"columns": (batch, SETTINGS["teacher_logit_scale"]),
+               "model": ({**batch, **teacher_embeds}, teacher_scale)}
+    for source, (columns, scale) in sources.items():
+        expected = float64_steps(tiny_clip(dropout=0.0), columns, SETTINGS["max_steps"],
+                                 SETTINGS["learning_rate"], SETTINGS["distillation_weight"], scale)
+        for variant in VARIANTS:
+            assert_same_parameters(torch.load(tmp_path / f"parameters-{source}-{variant}.pt"), expected)
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -197,3 +207,77 @@ def test_teacher_embeddings_of_other_row_counts_are_refused(tmp_path):
     with pytest.raises(ValueError, match="^teacher_queries has 7 rows but queries has 8"):
         trainer.compute_loss(trainer.model, batch)
 
+
+
+# ---- a teacher model ------------------------------------------------------------------------
+
+
+TEACHERS = {
+    "clip": (lambda: tiny_clip(dropout=0.0), lambda: clip_batch(ROWS), clip_teacher),
+    "dual-encoder": (lambda: tiny_dual_encoder(shared=False, dropout=0.0), lambda: pair_text_batch(ROWS),
+                     lambda: tiny_dual_encoder(shared=True, dropout=0.1, seed=3)),
+}
+
+
+def float64_teacher_columns(teacher, batch) -> tuple[dict[str, torch.Tensor], float]:
+    """The teacher model's float64 embeddings of the batch in eval mode, and its own scale."""
+    teacher = teacher.double().eval()
+    family = model_family(teacher)
+    with torch.no_grad():
+        embeds = family.encode_pairs(teacher, {name: value.double() if value.is_floating_point() else value
+                                               for name, value in batch.items()})
+        scale = family.scale_and_bias(teacher, *family.scale_parameters(teacher))[0]
+    return dict(zip(TEACHER_COLUMNS, embeds)), float(scale)
+
+
+@pytest.mark.parametrize("kind", list(TEACHERS))
+@pytest.mark.parametrize("chunk_size", [None, 4], ids=["uncached", "cached"])
+def test_training_with_a_teacher_model_matches_a_float64_loop(tmp_path, kind, chunk_size):
+    """A teacher model (eval mode, frozen, its own scale) embeds each batch, whole or in the cached
+    chunks: two steps equal the float64 loop on its float64 embeddings."""
+    build, batch, build_teacher = TEACHERS[kind]
+    batch = batch()
+    teacher_embeds, teacher_scale = float64_teacher_columns(build_teacher(), batch)
+    expected = float64_steps(build(), {**batch, **teacher_embeds}, 2, STEPS["learning_rate"], 0.7,
+                             teacher_scale)
+    teacher = build_teacher()
+    before = {name: param.detach().clone() for name, param in teacher.named_parameters()}
+    rows_seen = []
+    teacher.register_forward_hook(lambda module, args, kwargs, output: rows_seen.append(
+        next(value.shape[0] for value in kwargs.values() if torch.is_tensor(value))), with_kwargs=True)
+    trainer = train(tmp_path, build(), batch, distillation_weight=0.7, chunk_size=chunk_size,
+                    offload=chunk_size is not None, teacher=teacher)
+    assert_same_parameters(trained_parameters(trainer), expected)
+    assert rows_seen == ([ROWS] * 2 if chunk_size is None else [chunk_size] * (2 * ROWS // chunk_size))
+    assert not teacher.training and not any(param.requires_grad for param in teacher.parameters())
+    for name, param in teacher.named_parameters():
+        assert torch.equal(param, before[name]), name  # the teacher stays as it was
+
+
+def test_teacher_logit_scale_overrides_the_teacher_models_own(tmp_path):
+    batch = clip_batch(ROWS)
+    teacher_embeds, _ = float64_teacher_columns(clip_teacher(), batch)
+    expected = float64_steps(tiny_clip(dropout=0.0), {**batch, **teacher_embeds}, 2, STEPS["learning_rate"],
+                             1.0, 15.0)
+    trainer = train(tmp_path, tiny_clip(dropout=0.0), batch, distillation_weight=1.0,
+                    teacher_logit_scale=15.0, teacher=clip_teacher())
+    assert_same_parameters(trained_parameters(trainer), expected)
+
+
+def test_what_a_teacher_model_cannot_do_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="^teacher needs distillation_weight"):
+        InfCLTrainer(model=tiny_clip(), args=trainer_arguments(tmp_path), teacher=clip_teacher())
+    with pytest.raises(ValueError, match="^teacher must embed the student's batch as one of its kind does: a "
+                                         "DualEncoder cannot teach a CLIPModel"):
+        InfCLTrainer(model=tiny_clip(), args=trainer_arguments(tmp_path, distillation_weight=0.5),
+                     teacher=tiny_dual_encoder())
+    with pytest.raises(TypeError, match="is not a supported contrastive model"):
+        InfCLTrainer(model=tiny_clip(), args=trainer_arguments(tmp_path, distillation_weight=0.5),
+                     teacher=torch.nn.Linear(2, 2))
+    trainer = InfCLTrainer(model=tiny_clip(), args=trainer_arguments(tmp_path, distillation_weight=0.5),
+                           teacher=clip_teacher())
+    trainer._set_signature_columns_if_needed()
+    assert not set(TEACHER_COLUMNS) & set(trainer._signature_columns)  # the teacher model gives them
+    with pytest.raises(ValueError, match="^the batch carries teacher_query_embeds, teacher_key_embeds and "
+                                         "InfCLTrainer has a teacher model"):
+        trainer.compute_loss(trainer.model, {**clip_batch(8), **teacher_columns(8)})

@@ -1,10 +1,11 @@
 """Worker for the several-process distillation test of InfCLTrainer:
 ``torchrun --nproc_per_node 2 tests/helpers/trainer_distillation_workers.py OUT``.
 
-For each variant in ``VARIANTS`` (gradient caching with chunks of 4 and offload; no caching),
-each rank trains the same tiny CLIP on its share of 16 rows with the teacher's embeddings of
-them in the batch (DDP over gloo, the distillation loss through the ring) for two SGD steps; rank
-0 writes the parameters to OUT for the test to compare with a float64 loop on all 16 rows.
+For each variant in ``VARIANTS`` (gradient caching with chunks of 4 and offload; no caching) and
+each source of the teacher's embeddings (``columns``: precomputed in the batch, without
+``teacher_logit_scale`` for the model), each rank trains the same tiny CLIP on its share of 16
+rows (DDP over gloo, the distillation loss through the ring) for two SGD steps; rank 0 writes the
+parameters to OUT for the test to compare with a float64 loop on all 16 rows.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from tests.helpers.trainer_fixtures import (  # noqa: E402
     clip_batch,
     end_worker_process,
     tiny_clip,
+    tiny_clip_config,
     trained_parameters,
     trainer_arguments,
 )
 from tests.helpers.trainer_workers import PAIRS, TWO_PROCESS_SETTINGS, VARIANTS  # noqa: E402
 
-__all__ = ["SETTINGS", "TEACHER_WIDTH", "VARIANTS", "distillation_batch", "teacher_columns"]
+__all__ = ["SETTINGS", "TEACHER_WIDTH", "VARIANTS", "clip_teacher", "distillation_batch", "teacher_columns"]
 
 TEACHER_WIDTH = 5
 SETTINGS = {**TWO_PROCESS_SETTINGS, "learning_rate": 0.5, "distillation_weight": 0.7,
@@ -43,6 +45,19 @@ def teacher_columns(rows: int, seed: int = 7) -> dict[str, torch.Tensor]:
             for column in TEACHER_COLUMNS}
 
 
+def clip_teacher():
+    """A tiny CLIP of another width (6) and with dropout, which the Trainer must switch off."""
+    from transformers import CLIPModel
+
+    torch.manual_seed(3)
+    config = tiny_clip_config(dropout=0.1)
+    config.projection_dim = 6
+    with torch.no_grad():
+        model = CLIPModel(config)
+        model.logit_scale.fill_(3.0)  # its own scale, exp(3), unlike the student's
+    return model.train()
+
+
 def distillation_batch() -> dict[str, torch.Tensor]:
     """``PAIRS`` CLIP pairs with a teacher's embeddings of their rows and keys."""
     return {**clip_batch(PAIRS), **teacher_columns(PAIRS)}
@@ -51,16 +66,24 @@ def distillation_batch() -> dict[str, torch.Tensor]:
 def main(out_dir: str) -> None:
     torch.set_num_threads(1)
     world_size = int(os.environ["WORLD_SIZE"])
-    for name, (chunk_size, offload) in VARIANTS.items():
-        args = trainer_arguments(os.path.join(out_dir, name), per_device_train_batch_size=PAIRS // world_size,
-                                 chunk_size=chunk_size, offload=offload, **SETTINGS)
-        trainer = InfCLTrainer(model=tiny_clip(dropout=0.0), args=args,
-                               train_dataset=PairDataset(distillation_batch()))
-        assert trainer.accelerator.num_processes == world_size, trainer.accelerator.num_processes
-        trainer.train()
-        if trainer.accelerator.is_main_process:
-            torch.save(trained_parameters(trainer), os.path.join(out_dir, f"parameters-{name}.pt"))
-
+    for source in ("columns", "model"):
+        batch, settings, teacher = distillation_batch(), dict(SETTINGS), None
+        if source == "model":
+            batch = {name: value for name, value in batch.items() if name not in TEACHER_COLUMNS}
+            settings["teacher_logit_scale"] = None  # the teacher model's own
+        for name, (chunk_size, offload) in VARIANTS.items():
+            args = trainer_arguments(os.path.join(out_dir, f"{source}-{name}"), chunk_size=chunk_size,
+                                     per_device_train_batch_size=PAIRS // world_size, offload=offload,
+                                     **settings)
+            if source == "model":
+                teacher = clip_teacher()
+            trainer = InfCLTrainer(model=tiny_clip(dropout=0.0), args=args, train_dataset=PairDataset(batch),
+                                   teacher=teacher)
+            assert trainer.accelerator.num_processes == world_size, trainer.accelerator.num_processes
+            trainer.train()
+            if trainer.accelerator.is_main_process:
+                torch.save(trained_parameters(trainer),
+                           os.path.join(out_dir, f"parameters-{source}-{name}.pt"))
 
 if __name__ == "__main__":
     main(sys.argv[1])
