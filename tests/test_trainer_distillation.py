@@ -281,3 +281,30 @@ def test_what_a_teacher_model_cannot_do_is_refused(tmp_path):
     with pytest.raises(ValueError, match="^the batch carries teacher_query_embeds, teacher_key_embeds and "
                                          "InfCLTrainer has a teacher model"):
         trainer.compute_loss(trainer.model, {**clip_batch(8), **teacher_columns(8)})
+
+
+# ---- GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_teacher_model_on_gpu_matches_float64_and_bf16_trains(tmp_path):
+    """On CUDA: exact fp32 (precision='ieee'; a text dual encoder, no TF32 convolutions), cached
+    with offload and a teacher model, equals the float64 loop on the host; bf16 mixed precision
+    gives finite losses (the teacher's embeddings cast to the student's dtype)."""
+    if torch.cuda.device_count() > 1:
+        pytest.skip("one process sees several GPUs, so the Trainer would use DataParallel, which "
+                    "InfCLTrainer refuses; run with CUDA_VISIBLE_DEVICES=0")
+    build, batch, build_teacher = TEACHERS["dual-encoder"]
+    batch = batch()
+    teacher_embeds, teacher_scale = float64_teacher_columns(build_teacher(), batch)
+    expected = float64_steps(build(), {**batch, **teacher_embeds}, 2, STEPS["learning_rate"], 0.7,
+                             teacher_scale)
+    trainer = train(tmp_path / "fp32", build(), batch, teacher=build_teacher(), use_cpu=False,
+                    precision="ieee", distillation_weight=0.7, chunk_size=4, offload=True)
+    assert next(trainer.teacher.parameters()).device.type == "cuda"
+    actual = {name: value.cpu() for name, value in trained_parameters(trainer).items()}
+    assert_same_parameters(actual, expected, rtol=1e-4, atol=1e-5)
+    bf16 = train(tmp_path / "bf16", build(), batch, teacher=build_teacher(), use_cpu=False, bf16=True,
+                 distillation_weight=0.7, chunk_size=4, offload=True)
+    losses = [entry["loss"] for entry in bf16.state.log_history if "loss" in entry]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(loss)) for loss in losses)
