@@ -5,7 +5,7 @@ The Trainer keeps its loop, checkpoints, logging and callbacks. This subclass ch
 - ``compute_loss``: embeddings from the model (``hf_infcl.models``) and ``contrastive_loss`` over
   the whole contrastive batch (every process's rows, through the ring when several processes run);
   with ``distillation_weight``, ``contrastive_distillation_loss`` against the teacher's embeddings
-  the batches carry (``TEACHER_COLUMNS``);
+  the batches carry (``TEACHER_COLUMNS``) or a ``teacher`` model computes;
 - ``training_step`` when ``chunk_size`` is set: the cached three-phase step of
   ``hf_infcl.grad_cache`` (one gradient reduction per step under DDP or FSDP2, optional data
   offload); under FSDP2, 0-d parameters become 1-element vectors for ``fully_shard`` and are
@@ -364,10 +364,10 @@ class InfCLTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         self._keep_loss_params_gathered(model)
+        teacher = self._teacher(inputs, self.args.device)  # a batch without it fails before the forward
         queries, keys = self.family.encode_pairs(model, inputs)
         groups = self._groups(inputs, queries.device)
-        loss = self._contrastive(model, queries, keys, groups, *self._loss_params(model),
-                                 teacher=self._teacher(inputs, queries.device))
+        loss = self._contrastive(model, queries, keys, groups, *self._loss_params(model), teacher=teacher)
         if model.training:
             self._track(queries.detach(), keys.detach(), model, groups)
         if return_outputs:
