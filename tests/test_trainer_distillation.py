@@ -125,6 +125,22 @@ def test_teacher_columns_survive_remove_unused_columns(tmp_path):
     assert not set(TEACHER_COLUMNS) & set(plain._signature_columns)
 
 
+def test_a_datasets_table_keeps_the_teacher_columns(tmp_path):
+    """A datasets.Dataset with the teacher's embeddings as list columns and a column the model does
+    not take: remove_unused_columns drops that one only, the default collator stacks the rest, and
+    the training equals the float64 loop."""
+    datasets = pytest.importorskip("datasets")
+    columns = {**clip_batch(ROWS), **teacher_columns(ROWS)}
+    table = datasets.Dataset.from_dict({**{name: value.tolist() for name, value in columns.items()},
+                                        "caption": [f"caption {i}" for i in range(ROWS)]})
+    expected = float64_steps(tiny_clip(dropout=0.0), columns, 2, STEPS["learning_rate"], 1.0, 20.0)
+    trainer = InfCLTrainer(model=tiny_clip(dropout=0.0), train_dataset=table,
+                           args=trainer_arguments(tmp_path, distillation_weight=1.0, teacher_logit_scale=20.0,
+                                                  **STEPS))
+    trainer.train()
+    assert_same_parameters(trained_parameters(trainer), expected)
+
+
 def test_two_processes_with_teacher_embeddings_match_one_process(tmp_path):
     """torchrun, 2 ranks x 8 rows (DDP, gloo, the distillation ring), cached and uncached, the
     teacher's embeddings in the batch or from a teacher model == the float64 loop on all 16 rows."""
