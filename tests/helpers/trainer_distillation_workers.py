@@ -5,7 +5,9 @@ For each variant in ``VARIANTS`` (gradient caching with chunks of 4 and offload;
 each source of the teacher's embeddings (``columns``: precomputed in the batch, without
 ``teacher_logit_scale`` for the model), each rank trains the same tiny CLIP on its share of 16
 rows (DDP over gloo, the distillation loss through the ring) for two SGD steps; rank 0 writes the
-parameters to OUT for the test to compare with a float64 loop on all 16 rows.
+parameters to OUT for the test to compare with a float64 loop on all 16 rows. Then the same with
+the teacher's columns under FSDP2 (``FSDP_VARIANTS``: uncached, and cached with one gradient
+reduction per step), on CPU through ``tests/helpers/trainer_fsdp_workers.py``'s Trainer.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ from tests.helpers.trainer_fixtures import (  # noqa: E402
     trained_parameters,
     trainer_arguments,
 )
+from tests.helpers.trainer_fsdp_workers import CpuFsdpTrainer, fsdp_variants, full_parameters  # noqa: E402
 from tests.helpers.trainer_workers import PAIRS, TWO_PROCESS_SETTINGS, VARIANTS  # noqa: E402
 
-__all__ = ["SETTINGS", "TEACHER_WIDTH", "VARIANTS", "clip_teacher", "distillation_batch", "teacher_columns"]
+__all__ = ["FSDP_VARIANTS", "SETTINGS", "TEACHER_WIDTH", "VARIANTS", "clip_teacher", "distillation_batch",
+           "teacher_columns"]
 
 TEACHER_WIDTH = 5
+FSDP_VARIANTS = ("fsdp", "fsdp-chunk-step")
 SETTINGS = {**TWO_PROCESS_SETTINGS, "learning_rate": 0.5, "distillation_weight": 0.7,
             "teacher_logit_scale": 20.0}
 
@@ -84,6 +89,18 @@ def main(out_dir: str) -> None:
             if trainer.accelerator.is_main_process:
                 torch.save(trained_parameters(trainer),
                            os.path.join(out_dir, f"parameters-{source}-{name}.pt"))
+    sharded = fsdp_variants("CLIPEncoderLayer")
+    trainer_class = InfCLTrainer if torch.cuda.is_available() else CpuFsdpTrainer
+    for name in FSDP_VARIANTS:
+        args = trainer_arguments(os.path.join(out_dir, f"columns-{name}"),
+                                 per_device_train_batch_size=PAIRS // world_size, **SETTINGS, **sharded[name])
+        trainer = trainer_class(model=tiny_clip(dropout=0.0), args=args,
+                                train_dataset=PairDataset(distillation_batch()))
+        assert trainer.is_fsdp_enabled
+        trainer.train()
+        parameters = full_parameters(trainer)  # every rank takes part in the gather
+        if trainer.accelerator.is_main_process:
+            torch.save(parameters, os.path.join(out_dir, f"parameters-columns-{name}.pt"))
 
 if __name__ == "__main__":
     main(sys.argv[1])
