@@ -55,7 +55,7 @@ def train(path, model, columns, teacher=None, **settings):
 
 
 def float64_steps(model, columns, steps: int, learning_rate: float, distillation_weight: float,
-                  teacher_logit_scale: float | None) -> dict[str, torch.Tensor]:
+                  teacher_logit_scale: float | None, symmetric: bool = True) -> dict[str, torch.Tensor]:
     """``steps`` SGD steps of the float64 model on the whole batch with the materialised
     distillation loss; the student's scale of the step, detached, when the teacher's is None."""
     model = model.double()
@@ -67,7 +67,7 @@ def float64_steps(model, columns, steps: int, learning_rate: float, distillation
         teacher_scale = scale.detach() if teacher_logit_scale is None else teacher_logit_scale
         loss = contrastive_distillation_loss(queries, keys, *(batch[column] for column in TEACHER_COLUMNS),
                                              scale, teacher_scale, distillation_weight=distillation_weight,
-                                             backend="reference")
+                                             symmetric=symmetric, backend="reference")
         model.zero_grad()
         loss.backward()
         with torch.no_grad():
@@ -84,23 +84,25 @@ def assert_same_parameters(actual, expected, rtol=1e-5, atol=1e-5):
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
-@pytest.mark.parametrize(("distillation_weight", "teacher_logit_scale"), [(1.0, 20.0), (0.7, None)],
-                         ids=["kl-teacher-scale", "mixed-student-scale"])
+@pytest.mark.parametrize(("distillation_weight", "teacher_logit_scale", "symmetric"),
+                         [(1.0, 20.0, True), (0.7, None, True), (0.7, 20.0, False)],
+                         ids=["kl-teacher-scale", "mixed-student-scale", "mixed-one-direction"])
 def test_training_with_teacher_embeddings_matches_a_float64_loop(tmp_path, kind, distillation_weight,
-                                                                 teacher_logit_scale):
+                                                                 teacher_logit_scale, symmetric):
     """Two steps, uncached and cached (chunks of 4, with offload), equal two float64 SGD steps of
     contrastive_distillation_loss on the same batch (the teacher of another width)."""
     build, batch = MODELS[kind]
     columns = {**batch(), **teacher_columns(ROWS)}
-    settings = dict(distillation_weight=distillation_weight, teacher_logit_scale=teacher_logit_scale)
+    settings = dict(distillation_weight=distillation_weight, teacher_logit_scale=teacher_logit_scale,
+                    symmetric=symmetric)
     expected = float64_steps(build(), columns, 2, STEPS["learning_rate"], distillation_weight,
-                             teacher_logit_scale)
+                             teacher_logit_scale, symmetric)
     uncached = train(tmp_path / "uncached", build(), columns, **settings)
     assert_same_parameters(trained_parameters(uncached), expected)
     cached = train(tmp_path / "cached", build(), columns, chunk_size=4, offload=True, **settings)
     assert_same_parameters(trained_parameters(cached), expected)
     # the distillation changed the training: without it the parameters differ
-    plain = float64_steps(build(), columns, 2, STEPS["learning_rate"], 0.0, None)
+    plain = float64_steps(build(), columns, 2, STEPS["learning_rate"], 0.0, None, symmetric)
     assert max((plain[name] - expected[name]).abs().max().item() for name in expected) > 1e-3
 
 
