@@ -112,6 +112,8 @@ class ModelFamily:
         rows, keys: what the two sides are called in metric names (``eval_{rows}_to_{keys}_...``).
         inputs: the batch entries each tower reads.
         label_smoothing: the label smoothing of the model's own loss (the Trainer's default).
+        distillable: whether its loss is one softmax loss with one scale, which distillation's KL
+            replaces (``InfCLTrainingArguments.distillation_weight``).
     """
 
     name: str
@@ -120,6 +122,7 @@ class ModelFamily:
     inputs: TowerInputs
     REQUIRED: tuple[str, ...] = ()  # attributes a model of the family has
     label_smoothing: float = 0.0
+    distillable: bool = True
 
     def encode_rows(self, model, batch: dict) -> torch.Tensor:
         """L2-normalised row embeddings of ``batch`` (the feature method of the unwrapped model)."""
@@ -266,6 +269,7 @@ class ClapFamily(ClipFamily):
     value and gradients."""
 
     name, rows, keys = "clap", "audio", "text"
+    distillable = False  # two text-to-audio terms, a scale each
     inputs = TowerInputs(AUDIO_INPUTS, CLAP_TEXT_INPUTS)
     REQUIRED = ("get_audio_features", "get_text_features", "logit_scale_a", "logit_scale_t")
     FEATURES = ("get_audio_features", "get_text_features")

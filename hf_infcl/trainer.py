@@ -4,6 +4,8 @@ The Trainer keeps its loop, checkpoints, logging and callbacks. This subclass ch
 
 - ``compute_loss``: embeddings from the model (``hf_infcl.models``) and ``contrastive_loss`` over
   the whole contrastive batch (every process's rows, through the ring when several processes run);
+  with ``distillation_weight``, ``contrastive_distillation_loss`` against the teacher's embeddings
+  the batches carry (``TEACHER_COLUMNS``) or a ``teacher`` model computes;
 - ``training_step`` when ``chunk_size`` is set: the cached three-phase step of
   ``hf_infcl.grad_cache`` (one gradient reduction per step under DDP or FSDP2, optional data
   offload); under FSDP2, 0-d parameters become 1-element vectors for ``fully_shard`` and are
@@ -49,7 +51,8 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify
 from .batch_statistics import check_no_batch_statistics
 from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs
-from .grad_cache import cached_step
+from .distillation import contrastive_distillation_loss
+from .grad_cache import cached_step, split_batch, to_device
 from .loss import Objectives, _contrastive_loss
 from .metrics import (
     input_fingerprints,
@@ -74,7 +77,7 @@ from .sharding import (
     prepare_for_sharding,
     scalar_state_dict,
 )
-from .training_args import InfCLTrainingArguments
+from .training_args import TEACHER_COLUMNS, InfCLTrainingArguments
 
 __all__ = ["InfCLTrainer"]
 
@@ -91,12 +94,20 @@ class InfCLTrainer(Trainer):
     CLAP; or ``query_*`` + ``doc_*``); row i of one tower is the positive of row i of the other.
     Everything else is the ``Trainer`` API.
 
+    With ``args.distillation_weight``, the loss distils a teacher over every key of the batch
+    (``contrastive_distillation_loss``): the batches carry its embeddings of their rows and keys
+    (``teacher_query_embeds``, ``teacher_key_embeds``), or ``teacher``, a model of the student's
+    family (the same batch entries), embeds each batch without gradient, in the cached step's
+    chunks when ``chunk_size`` is set. The Trainer puts it in eval mode, freezes it and moves it to
+    the device: one full copy per process, outside DDP, FSDP and DeepSpeed.
+
     ``args`` may be a plain ``TrainingArguments``: it is converted to ``InfCLTrainingArguments``
     with every field as the user set it and the contrastive fields at their defaults (a subclass
     with fields of its own is refused, naming them).
     """
 
-    def __init__(self, model=None, args: InfCLTrainingArguments | None = None, *more, **kwargs):
+    def __init__(self, model=None, args: InfCLTrainingArguments | None = None, *more, teacher=None,
+                 **kwargs):
         if model is None:
             raise ValueError("InfCLTrainer needs a model (model_init is not supported)")
         if args is None:
@@ -106,6 +117,7 @@ class InfCLTrainer(Trainer):
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError("InfCLTrainer computes the contrastive loss itself; drop compute_loss_func")
         self.family = model_family(model)  # TypeError for models we cannot take embeddings from
+        self.teacher = teacher
         super().__init__(model, args, *more, **kwargs)
         self._check_combinations()
         sharded = self._is_fsdp2() or self.is_deepspeed_enabled
@@ -119,6 +131,10 @@ class InfCLTrainer(Trainer):
                           "gets no gradient (with DDP, set ddp_find_unused_parameters=True)", stacklevel=2)
         self.family.check_loss_options(self.loss_kind, args.symmetric)
         self.label_smoothing = self._label_smoothing()
+        self._check_distillation()
+        if teacher is not None:
+            # a constant target: no gradient, no dropout; one copy per process, outside DDP/FSDP
+            teacher.eval().requires_grad_(False).to(args.device)
         if args.logit_scale_max is not None:
             self.add_callback(ClampLogitScale(args.logit_scale_max))
         # [sum of top-1 accuracy, sum of each logged scale (_scale_names), steps] since the last log
@@ -182,6 +198,46 @@ class InfCLTrainer(Trainer):
                 )
         return own
 
+    def _check_distillation(self) -> None:
+        """What ``distillation_weight`` cannot be combined with: the distillation loss
+        (``contrastive_distillation_loss``) is the softmax loss's KL over every key, without
+        groups, score filter, label smoothing or Triton kernels."""
+        args = self.args
+        if args.distillation_weight is None:
+            if args.teacher_logit_scale is not None:
+                raise ValueError(f"teacher_logit_scale={args.teacher_logit_scale!r} needs "
+                                 "distillation_weight (the weight of the KL against the teacher)")
+            if self.teacher is not None:
+                raise ValueError("teacher needs distillation_weight (the weight of the KL against the "
+                                 "teacher's softmax)")
+            return
+        if self.teacher is not None:
+            teacher_family = model_family(self.teacher)  # TypeError for models we cannot embed with
+            if not teacher_family.distillable or teacher_family.inputs != self.family.inputs:
+                raise ValueError(f"teacher must embed the student's batch as one of its kind does: a "
+                                 f"{type(unwrap_model(self.teacher)).__name__} cannot teach a "
+                                 f"{type(unwrap_model(self.model)).__name__} (for another tokenizer or "
+                                 f"family, precompute its embeddings into {' and '.join(TEACHER_COLUMNS)})")
+        prefix = f"distillation_weight={args.distillation_weight!r}"
+        if not self.family.distillable:
+            raise ValueError(f"{prefix} is not defined for {type(unwrap_model(self.model)).__name__}, whose "
+                             "loss is not one softmax loss with one scale; leave distillation_weight unset")
+        if self.loss_kind != "softmax":
+            raise ValueError(f"{prefix} distils the teacher's softmax over the keys, but the loss is "
+                             f"{self.loss_kind!r} (contrastive_loss, or the model's logit_bias): set "
+                             "contrastive_loss='softmax'")
+        for option in ("group_column", "false_negative_margin"):
+            if getattr(args, option) is not None:
+                raise ValueError(f"{prefix} is not defined with {option} (the KL runs over every key of "
+                                 f"the batch); leave one of them unset")
+        if self.label_smoothing:
+            source = ("label_smoothing" if args.label_smoothing is not None else
+                      f"{type(unwrap_model(self.model)).__name__}'s own loss (label_smoothing=None)")
+            raise ValueError(f"{prefix} is not defined with label smoothing ({source} smooths by "
+                             f"{self.label_smoothing}): set label_smoothing=0.0")
+        if args.loss_backend == "triton":
+            raise ValueError(f"{prefix} has no Triton kernels yet: set loss_backend='auto' or 'torch'")
+
     def _is_fsdp2(self) -> bool:
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         return self.is_fsdp_enabled and getattr(plugin, "fsdp_version", 1) == 2
@@ -200,8 +256,12 @@ class InfCLTrainer(Trainer):
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
         column = self.args.group_column
-        if column is not None and column not in self._signature_columns:
-            self._signature_columns = [*self._signature_columns, column]
+        # the teacher's embeddings travel with the batch to the loss, past remove_unused_columns
+        precomputed = self.args.distillation_weight is not None and self.teacher is None
+        teacher = TEACHER_COLUMNS if precomputed else ()
+        for column in (self.args.group_column, *teacher):
+            if column is not None and column not in self._signature_columns:
+                self._signature_columns = [*self._signature_columns, column]
 
     def get_train_dataloader(self):
         dataloader = super().get_train_dataloader()
@@ -234,13 +294,63 @@ class InfCLTrainer(Trainer):
             raise KeyError(f"group_column={column!r} is not in the batch (keys: {sorted(inputs)})")
         return torch.as_tensor(inputs[column]).to(device)
 
-    def _contrastive(self, model, queries, keys, groups, *values, process_group="auto"):
+    def _teacher(self, inputs, device, chunk_size: int | None = None) -> tuple | None:
+        """``(teacher's row embeddings, its key embeddings, its scale)`` of this process's batch on
+        ``device``, or None without distillation: the ``teacher`` model's, embedded without
+        gradient in chunks of ``chunk_size`` rows, or the batch's ``TEACHER_COLUMNS``. The scale is
+        ``teacher_logit_scale``, else the teacher model's own, else None (the student's)."""
+        if self.args.distillation_weight is None:
+            return None
+        given = [column for column in TEACHER_COLUMNS if column in inputs]
+        scale = self.args.teacher_logit_scale
+        if self.teacher is not None:
+            if given:
+                raise ValueError(f"the batch carries {', '.join(given)} and InfCLTrainer has a teacher "
+                                 "model; give the teacher's embeddings one way")
+            rows, keys = self._embed_with_teacher(inputs, device, chunk_size)
+            if scale is None:
+                family = model_family(self.teacher)
+                scale = family.scale_and_bias(self.teacher, *family.scale_parameters(self.teacher))[0]
+            return rows, keys, scale
+        missing = [column for column in TEACHER_COLUMNS if column not in given]
+        if missing:
+            raise KeyError(f"distillation_weight needs the teacher's embeddings in the batch: "
+                           f"{', '.join(missing)} missing (keys: {sorted(inputs)})")
+        rows, keys = (torch.as_tensor(inputs[column]).detach().to(device) for column in TEACHER_COLUMNS)
+        return rows, keys, scale
+
+    @torch.no_grad()
+    def _embed_with_teacher(self, inputs, device, chunk_size):
+        """The teacher model's embeddings of the batch's rows and keys on ``device``, one chunk of
+        ``chunk_size`` rows at a time (the whole batch for None), under the student's autocast."""
+        family = model_family(self.teacher)
+        towers = _select(inputs, (*family.inputs.query, *family.inputs.key))
+        rows, keys = [], []
+        with self.compute_loss_context_manager():
+            for chunk in split_batch(towers, chunk_size):
+                chunk_rows, chunk_keys = family.encode_pairs(self.teacher, to_device(chunk, device))
+                rows.append(chunk_rows)
+                keys.append(chunk_keys)
+        return torch.cat(rows), torch.cat(keys)
+
+    def _contrastive(self, model, queries, keys, groups, *values, process_group="auto", teacher=None):
         """The family's loss (``ModelFamily.loss``: the model's own, from the values of its loss
-        parameters) over ``contrastive_loss`` with this run's options."""
+        parameters) over ``contrastive_loss`` with this run's options; with ``teacher`` (what
+        ``_teacher`` returns), over ``contrastive_distillation_loss``."""
         dtype = torch.promote_types(queries.dtype, keys.dtype)
 
         def configured_loss(rows, cols, scale, bias, symmetric=self.args.symmetric):
-            # The options were checked once, by InfCLTrainingArguments and _label_smoothing.
+            # The options were checked once, by InfCLTrainingArguments, _label_smoothing and
+            # _check_distillation.
+            if teacher is not None:
+                teacher_rows, teacher_keys, teacher_scale = teacher
+                return contrastive_distillation_loss(
+                    rows.to(dtype), cols.to(dtype), teacher_rows.to(dtype), teacher_keys.to(dtype), scale,
+                    scale.detach() if teacher_scale is None else teacher_scale, symmetric=symmetric,
+                    distillation_weight=self.args.distillation_weight, reduction="mean",
+                    process_group=process_group, backend=self.args.loss_backend,
+                    precision=self.args.precision,
+                )
             return _contrastive_loss(
                 rows.to(dtype), cols.to(dtype), scale, bias, positives=None, query_groups=groups,
                 key_groups=groups, process_group=process_group, loss=self.loss_kind, symmetric=symmetric,
@@ -254,9 +364,10 @@ class InfCLTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         self._keep_loss_params_gathered(model)
+        teacher = self._teacher(inputs, self.args.device)  # a batch without it fails before the forward
         queries, keys = self.family.encode_pairs(model, inputs)
         groups = self._groups(inputs, queries.device)
-        loss = self._contrastive(model, queries, keys, groups, *self._loss_params(model))
+        loss = self._contrastive(model, queries, keys, groups, *self._loss_params(model), teacher=teacher)
         if model.training:
             self._track(queries.detach(), keys.detach(), model, groups)
         if return_outputs:
@@ -277,6 +388,7 @@ class InfCLTrainer(Trainer):
         encoder_inputs = {name: inputs[name] for name in (*names.query, *names.key)
                           if inputs.get(name) is not None}
         groups = self._groups(inputs, self.args.device)
+        teacher = self._teacher(inputs, self.args.device, self.args.chunk_size)
         ga_steps = self.current_gradient_accumulation_steps
         if self._is_fsdp2():
             # The loss parameters are read sharded (cached_step gathers their full value and
@@ -307,7 +419,7 @@ class InfCLTrainer(Trainer):
             forward_context = self.accelerator.autocast
 
         def loss_fn(queries, keys, *params):
-            return self._contrastive(model, queries, keys, groups, *params)
+            return self._contrastive(model, queries, keys, groups, *params, teacher=teacher)
 
         def scale_for_backward(loss):
             # what Trainer.training_step + Accelerator.backward do to the loss before backward

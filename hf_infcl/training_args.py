@@ -29,16 +29,20 @@ from .ops.options import (
     check_choice,
     check_chunk_size,
     check_chunking,
+    check_distillation_weight,
     check_false_negative_margin,
     check_label_smoothing,
 )
 
-__all__ = ["CHUNK_GRADIENT_SYNCS", "CHUNK_PARAMETER_GATHERS", "FIELD_CHECKS", "InfCLTrainingArguments"]
+__all__ = ["CHUNK_GRADIENT_SYNCS", "CHUNK_PARAMETER_GATHERS", "FIELD_CHECKS", "TEACHER_COLUMNS",
+           "InfCLTrainingArguments"]
 
 ChunkGradientSync = Literal["step", "chunk"]
 CHUNK_GRADIENT_SYNCS: tuple[str, ...] = get_args(ChunkGradientSync)
 ChunkParameterGather = Literal["step", "chunk"]
 CHUNK_PARAMETER_GATHERS: tuple[str, ...] = get_args(ChunkParameterGather)
+# The batch columns of a teacher's precomputed embeddings of the rows and of the keys (distillation_weight).
+TEACHER_COLUMNS: tuple[str, str] = ("teacher_query_embeds", "teacher_key_embeds")
 
 FieldCheck = Callable[[str, Any], None]  # (field name, value) -> None, or a ValueError/TypeError naming it
 
@@ -86,6 +90,12 @@ def _optional_label_smoothing(name: str, value) -> None:
         check_label_smoothing(value, "softmax", name=name)
 
 
+def _optional_distillation_weight(name: str, value) -> None:
+    """None (no distillation), or distillation's mix (its one check)."""
+    if value is not None:
+        check_distillation_weight(value, name)
+
+
 FIELD_CHECKS: dict[str, FieldCheck] = {
     "chunk_size": check_chunk_size,
     "offload": check_bool,
@@ -103,6 +113,8 @@ FIELD_CHECKS: dict[str, FieldCheck] = {
     "chunk_gradient_sync": _choice(CHUNK_GRADIENT_SYNCS),
     "chunk_parameter_gather": _choice(CHUNK_PARAMETER_GATHERS),
     "eval_block_rows": _number(int, above=0),
+    "distillation_weight": _optional_distillation_weight,
+    "teacher_logit_scale": _number(float, above=0, optional=True),
 }
 
 
@@ -212,6 +224,23 @@ class InfCLTrainingArguments(TrainingArguments):
         default=1024,
         metadata={"help": "Rows per block when evaluation ranks every key for each row (memory "
                           "eval_block_rows x eval set size)."},
+    )
+    distillation_weight: float | None = field(
+        default=None,
+        metadata={"help": "Distil a teacher over every key of the batch: the loss is (1 - w) * InfoNCE + w * "
+                          "KL(teacher's softmax || student's) per row, w in [0, 1] "
+                          "(hf_infcl.contrastive_distillation_loss). The batches carry the teacher's "
+                          "embeddings of the rows and keys in the columns teacher_query_embeds and "
+                          "teacher_key_embeds ([batch, teacher_dim] each), or InfCLTrainer(teacher=...) "
+                          "embeds them. Softmax loss only; evaluation's "
+                          "losses stay the contrastive loss. None: no distillation."},
+    )
+    teacher_logit_scale: float | None = field(
+        default=None,
+        metadata={"help": "With distillation_weight: the teacher's logit scale (its inverse temperature), "
+                          "which multiplies the dot products of its embeddings. None: a teacher model's own "
+                          "scale (InfCLTrainer(teacher=...)), else the student's of the step, without "
+                          "gradient."},
     )
 
     def __post_init__(self):
