@@ -276,15 +276,10 @@ def test_static_embedding_is_refused_as_they_refuse_it(guide):
 def test_two_processes_match_gist_gathered_across_devices(model_dirs, tmp_path):
     """gather_across_devices=True over gloo: each rank's loss and gradients equal GIST's all-gather
     (float64), the anchor-anchor block staying local."""
-    import torch.multiprocessing as mp
-
     from tests.helpers.gist_workers import GIST_SCENARIOS, run_gist_rank
+    from tests.helpers.sentence_transformers_workers import spawn_ranks
 
-    args = (2, str(tmp_path / "init"), *map(str, model_dirs), str(tmp_path))
-    # fork: the children inherit the imported libraries
-    mp.start_processes(run_gist_rank, args=args, nprocs=2, join=True, start_method="fork")
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
-    assert [results.get("error") for results in ranks] == [None, None]
+    ranks = spawn_ranks(run_gist_rank, 2, tmp_path, *model_dirs)
     assert all(results.keys() == GIST_SCENARIOS.keys() for results in ranks)
     for (rank, results), name in itertools.product(enumerate(ranks), GIST_SCENARIOS):
         step = results[name]

@@ -476,19 +476,9 @@ def _ring_available() -> bool:
 
 @pytest.mark.skipif(not _ring_available(), reason="needs the hf_infcl ring (hf_infcl/ops/ring.py)")
 def test_two_processes_match_all_gather_losses(tiny_model_dir, tmp_path):
-    import torch.multiprocessing as mp
+    from tests.helpers.sentence_transformers_workers import SCENARIOS, run_rank, spawn_ranks
 
-    from tests.helpers.sentence_transformers_workers import SCENARIOS, run_rank
-
-    world_size = 2
-    # fork: the children inherit the imported libraries instead of importing them again.
-    mp.start_processes(
-        run_rank, args=(world_size, str(tmp_path / "init"), str(tiny_model_dir), str(tmp_path)),
-        nprocs=world_size, join=True, start_method="fork",
-    )
-    for rank in range(world_size):
-        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        assert "error" not in results, f"rank {rank} failed:\n{results['error']}"
+    for rank, results in enumerate(spawn_ranks(run_rank, 2, tmp_path, tiny_model_dir)):
         assert results.keys() == SCENARIOS.keys()
         for name, result in results.items():
             try:
@@ -503,18 +493,11 @@ def test_ddp_cached_step_reduces_gradients_once_and_equals_one_process(tiny_mode
     rank: DDP reduces the gradients once per step (sentence-transformers' cached losses used to
     reduce after every mini-batch: their issue #4027), and the averaged gradients equal one
     process's on the concatenated batch."""
-    import torch.multiprocessing as mp
-
-    from tests.helpers.sentence_transformers_workers import run_ddp_rank
+    from tests.helpers.sentence_transformers_workers import run_ddp_rank, spawn_ranks
 
     world_size = 2
-    mp.start_processes(
-        run_ddp_rank, args=(world_size, str(tmp_path / "init"), str(tiny_model_dir), str(tmp_path)),
-        nprocs=world_size, join=True, start_method="fork",
-    )
-    ranks = [torch.load(tmp_path / f"ddp-rank{rank}.pt", weights_only=False) for rank in range(world_size)]
-    for rank, result in enumerate(ranks):
-        assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
+    ranks = spawn_ranks(run_ddp_rank, world_size, tmp_path, tiny_model_dir, results="ddp-rank")
+    for result in ranks:
         assert result["ddp"]["reductions"] == 1, result["ddp"]["reductions"]
     one_process = ranks[0]["one_process"]
     # each rank returns its share of the global mean: the shares add up to the one-process loss

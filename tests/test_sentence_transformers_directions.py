@@ -360,7 +360,6 @@ def test_two_processes_of_different_sizes_equal_one_process_on_the_concatenated_
     slice of the oracle's (times the world size: DDP averages them). Group ids (or document
     owners) that collided across ranks would leave out (or offset) another rank's keys and fail
     this."""
-    import torch.multiprocessing as mp
 
     from tests.helpers.sentence_transformers_workers import (
         DIRECTION_SETS,
@@ -368,15 +367,11 @@ def test_two_processes_of_different_sizes_equal_one_process_on_the_concatenated_
         UNEQUAL_ROWS,
         direction_embeddings,
         run_directions_rank,
+        spawn_ranks,
     )
 
     world_size = len(UNEQUAL_ROWS)
-    mp.start_processes(run_directions_rank, args=(world_size, str(tmp_path / "init"), str(tmp_path)),
-                       nprocs=world_size, join=True, start_method="fork")
-    ranks = [torch.load(tmp_path / f"directions-rank{rank}.pt", weights_only=False)
-             for rank in range(world_size)]
-    for rank, result in enumerate(ranks):
-        assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
+    ranks = spawn_ranks(run_directions_rank, world_size, tmp_path, results="directions-rank")
     columns = [column.numpy() for column in direction_embeddings()]
     for name, options in DIRECTION_SETS.items():
         expected, gradients = directions_loss(columns[0], columns[1:], DIRECTIONS_SCALE, **options)

@@ -457,15 +457,10 @@ def test_gather_across_devices_runs_over_every_process_candidates(tmp_path):
     """Each anchor's distributions over every process's positives and negatives (the ring), the
     processes holding 3 and 5 examples: the mean of the processes' losses is the float64 loss of the
     whole batch, and each process's gradient (times 1 / processes, DDP's average) its rows' part."""
-    import torch.multiprocessing as mp
+    from tests.helpers.sentence_transformers_workers import spawn_ranks
 
     world_size = len(RING_ROWS)
-    mp.start_processes(run_distillation_rank, args=(world_size, str(tmp_path / "init"), str(tmp_path)),
-                       nprocs=world_size, join=True, start_method="fork")
-    ranks = [torch.load(tmp_path / f"distill-rank{rank}.pt", weights_only=False)
-             for rank in range(world_size)]
-    for rank, result in enumerate(ranks):
-        assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
+    ranks = spawn_ranks(run_distillation_rank, world_size, tmp_path, results="distill-rank")
     for name, options in RING_OPTIONS.items():
         student = [column.requires_grad_() for column in ring_columns(21, width=6)]
         teacher = ring_columns(22, width=4)

@@ -376,14 +376,10 @@ def run_margin_rank(rank: int, world_size: int, init_file: str, out_dir: str) ->
 
 
 def test_two_processes_of_different_sizes_equal_the_oracle_on_the_whole_batch(tmp_path):
-    import torch.multiprocessing as mp
+    from tests.helpers.sentence_transformers_workers import spawn_ranks
 
     world_size = len(UNEQUAL_ROWS)
-    mp.start_processes(run_margin_rank, args=(world_size, str(tmp_path / "init"), str(tmp_path)),
-                       nprocs=world_size, join=True, start_method="fork")
-    ranks = [torch.load(tmp_path / f"margin-rank{rank}.pt", weights_only=False) for rank in range(world_size)]
-    for rank, result in enumerate(ranks):
-        assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
+    ranks = spawn_ranks(run_margin_rank, world_size, tmp_path, results="margin-rank")
     for name, options in RING_SETS.items():
         embeddings = [column.requires_grad_() for column in ring_embeddings()]
         expected = margin_oracle(embeddings, 3.0, True, **options)

@@ -60,6 +60,21 @@ def rank_process(rank: int, world_size: int, init_file: str, out_file: Path):
             dist.destroy_process_group()
 
 
+def spawn_ranks(target, world_size: int, out_dir: Path, *arguments, results: str = "rank") -> list[dict]:
+    """``target(rank, world_size, init_file, *arguments, out_dir)`` on ``world_size`` forked processes
+    (the children inherit the imported libraries); each rank's results dict, read from
+    ``out_dir / f"{results}{rank}.pt"`` (what :func:`rank_process` saves), after failing the test
+    with the traceback of any rank that raised."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(target, args=(world_size, str(out_dir / "init"), *map(str, arguments), str(out_dir)),
+                       nprocs=world_size, join=True, start_method="fork")
+    ranks = [torch.load(out_dir / f"{results}{rank}.pt", weights_only=False) for rank in range(world_size)]
+    for rank, result in enumerate(ranks):
+        assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
+    return ranks
+
+
 def run_rank(rank: int, world_size: int, init_file: str, model_dir: str, out_dir: str) -> None:
     """Entry point of one rank (``torch.multiprocessing`` passes ``rank`` first)."""
     from hf_infcl import losses
