@@ -42,7 +42,14 @@ from typing import NamedTuple, Protocol
 import torch
 
 from . import score_filter
-from .positive_pairs import BlockPairs, PendingPairs, add_pair_gradients, block_positive_parts, count_pairs
+from .positive_pairs import (
+    BlockPairs,
+    PendingPairs,
+    add_pair_gradients,
+    block_positive_parts,
+    count_pairs,
+    listed,
+)
 from .spec import BlockOps, OnePassSigmoidOps, PairLabels, StatsSpec, accumulation_dtype, takes_one_pass
 from .value_check import run_deferred_check
 
@@ -104,7 +111,7 @@ class SingleBlock:
         block = labels.block(spec, labels.own_keys(), 0)
         row_stat, col_stat = ops.forward_block(spec, queries, keys, scale, bias, block.mask,
                                                hardness=block.hardness, score_filter=block.score_filter)
-        pairs = self._listed(pending)
+        pairs = listed(pending)
         parts = self._positive_parts(spec, queries, keys, scale, bias, pairs, row_combiner(ops),
                                      row_stat.dtype)
         return row_stat, col_stat, parts
@@ -112,19 +119,15 @@ class SingleBlock:
     @staticmethod
     def _pending_pairs(spec: StatsSpec, labels: PairLabels) -> PendingPairs | BlockPairs | None:
         """The positive pairs of ``group_positives`` (None without), counted but not yet listed:
-        queue the first kernel, then :meth:`_listed` (the host synchronisation waits on the count
-        only, while the kernel runs)."""
+        queue the first kernel, then :func:`~hf_infcl.ops.positive_pairs.listed` (the host
+        synchronisation waits on the count only, while the kernel runs)."""
         if spec.group_positives is None:
             return None
         return count_pairs(labels.query_groups, labels.positive_keys, labels.key_groups, 0)
 
-    @staticmethod
-    def _listed(pending: PendingPairs | BlockPairs | None) -> BlockPairs | None:
-        return pending.pairs() if isinstance(pending, PendingPairs) else pending
-
     def _pairs(self, spec: StatsSpec, labels: PairLabels) -> BlockPairs | None:
         """The positive pairs of ``group_positives`` (None without), listed at once."""
-        return self._listed(self._pending_pairs(spec, labels))
+        return listed(self._pending_pairs(spec, labels))
 
     @staticmethod
     def _positive_parts(spec: StatsSpec, queries, keys, scale, bias, pairs: BlockPairs | None, combine,
@@ -175,7 +178,7 @@ class SingleBlock:
         row_stat, row_sums = ops.forward_backward_block(spec, queries, keys, scale, bias, block.mask,
                                                         grad_queries, grad_keys,
                                                         score_filter=block.score_filter)
-        pairs = self._listed(pending)
+        pairs = listed(pending)
         unit = UnitGradients(grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums)
         parts = self._positive_parts(spec, queries, keys, scale, bias, pairs, row_combiner(ops),
                                      row_stat.dtype)

@@ -117,11 +117,15 @@ def count_pairs(query_groups: torch.Tensor, positive_keys: torch.Tensor, key_gro
     return PendingPairs(in_group, first, own, order, counts, k)
 
 
+def listed(pending: PendingPairs | BlockPairs | None) -> BlockPairs | None:
+    """The pairs of :func:`count_pairs`' result (listing them if still pending); None stays None."""
+    return pending.pairs() if isinstance(pending, PendingPairs) else pending
+
+
 def block_pairs(query_groups: torch.Tensor, positive_keys: torch.Tensor, key_groups: torch.Tensor,
                 key_offset: int) -> BlockPairs:
     """:func:`count_pairs`, listed at once (one host synchronisation: the number of pairs)."""
-    pending = count_pairs(query_groups, positive_keys, key_groups, key_offset)
-    return pending if isinstance(pending, BlockPairs) else pending.pairs()
+    return listed(count_pairs(query_groups, positive_keys, key_groups, key_offset))
 
 
 def pair_logits(queries, keys, pairs: BlockPairs, scale, bias, combine) -> torch.Tensor:
