@@ -256,7 +256,7 @@ def test_deepspeed_hold_reduction_restores_the_flag_and_refuses_a_plain_module()
 
 def test_fsdp_param_groups_reads_either_torch_layout():
     """FSDP2's per-unit state keeps a list of parameter groups on newer torch and a single group
-    (None without parameters) on torch 2.11, the GPU image's: the reduction check must read both
+    (None without parameters) on torch 2.11: the reduction check must read both
     (on 2.11 the plural name raised AttributeError at the first cached step)."""
     from types import SimpleNamespace
 
