@@ -802,9 +802,18 @@ class FrozenModelColumnsMixin:
     def frozen_model(self):
         raise NotImplementedError
 
+    def _follow_features(self, features: dict[str, Any]) -> None:
+        """Move the second model to the device of the features it embeds. The Trainer moves the loss,
+        and the second model with it, to the model's device when it is built; under FSDP2 and
+        DeepSpeed that is still the CPU, and only the trained model moves to the GPU later."""
+        device = next(value.device for value in features.values() if isinstance(value, Tensor))
+        if self.frozen_model.device != device:
+            self.frozen_model.to(device)
+
     def _frozen_features(self, features: dict[str, Any]) -> dict[str, Any]:
         """The second model's inputs for these texts: the model's own features, or the texts decoded
         with the model's tokenizer and preprocessed by the second model when it must re-tokenise."""
+        self._follow_features(features)
         if not self.must_retokenize:
             return dict(features)  # a shallow copy: the second model writes its outputs into it
         from sentence_transformers.util import batch_to_device

@@ -213,6 +213,18 @@ def test_the_guide_gets_no_gradient(tiny_model, tmp_path):
         assert all(p.grad is None for p in trainable_guide.parameters())
 
 
+def test_the_guide_follows_the_features_to_their_device(tiny_model, model_dirs):
+    """The Trainer moves the loss (the guide inside it) to the model's device when it is built, which
+    under FSDP2 and DeepSpeed is still the CPU: the guide moves to the features' device when it
+    embeds them (here ``meta``, the one other device a CPU has)."""
+    guide_model = load_tiny_model(model_dirs[1]).eval().requires_grad_(False)
+    loss = losses.InfCLGISTLoss(tiny_model, guide_model)
+    loss._follow_features({"input_ids": torch.zeros(2, 3, dtype=torch.long)})
+    assert guide_model.device.type == "cpu"
+    loss._follow_features({"input_ids": torch.zeros(2, 3, dtype=torch.long, device="meta")})
+    assert {p.device.type for p in guide_model.parameters()} == {"meta"}
+
+
 # --------------------------------------------------------------------------------------------
 # Their defaults, config, citation and errors
 
@@ -326,3 +338,21 @@ def test_on_cuda_through_the_default_route(model_dirs, mini_batch_size):
     for name, grad in expected[1].items():
         assert torch.isfinite(actual[1][name]).all(), name
         assert (actual[1][name] - grad).norm() <= 5e-2 * grad.norm() + 1e-6, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mini_batch_size", CACHED)
+def test_a_guide_left_on_the_cpu_follows_the_model_to_cuda(model_dirs, mini_batch_size):
+    """A guide still on the CPU (where FSDP2 and DeepSpeed leave the loss) embeds on the features'
+    GPU, with the same loss and gradients as a guide put there by hand."""
+    model = load_tiny_model(model_dirs[0]).cuda()
+    columns = text_columns(ROWS, 3, seed=92)
+    options = dict(mini_batch_size=mini_batch_size, margin=0.1, temperature=0.05)
+    on_gpu = load_tiny_model(model_dirs[1]).cuda().eval().requires_grad_(False)
+    expected = cuda_step(model, losses.InfCLGISTLoss(model, on_gpu, **options), columns, 3)
+    on_cpu = load_tiny_model(model_dirs[1]).eval().requires_grad_(False)
+    actual = cuda_step(model, losses.InfCLGISTLoss(model, on_cpu, **options), columns, 3)
+    assert on_cpu.device.type == "cuda"
+    torch.testing.assert_close(actual[0], expected[0], rtol=1e-4, atol=1e-5)
+    for name, grad in expected[1].items():
+        torch.testing.assert_close(actual[1][name], grad, rtol=1e-4, atol=1e-5, msg=lambda message, n=name: f"{n}: {message}")
