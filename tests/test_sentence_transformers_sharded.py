@@ -190,9 +190,14 @@ def test_sentence_transformers_sharded_matches_ddp_on_two_gpus(tmp_path, engine)
     run_two_processes(WORKER, tmp_path, engine, cuda=True)
     names = ["fsdp"] if engine == "fsdp" else list(STAGES)
     runs = load_runs(tmp_path, names, [ACCUMULATE])
+    mismatches = []  # every run checked, so that a failure names all the runs it concerns
     for name, run in [(name, run) for name in names for run in (*RUNS, ACCUMULATE)]:
         sharded, reference = runs[f"{name}-{run}"], runs[f"ddp-{run}"]
-        assert_same_grads(sharded["parameters"], reference["parameters"], tolerance=1e-4)
+        try:
+            assert_same_grads(sharded["parameters"], reference["parameters"], tolerance=1e-4)
+        except AssertionError as error:
+            mismatches.append(f"{name}-{run}: {str(error).splitlines()[0]}")
+    assert not mismatches, "\n".join(mismatches)
     for loss in LOSSES if engine == "fsdp" else ():
         cached = runs[f"fsdp-{loss}-cached"]
         assert cached["steps"] == [{"all_gather": cached["units"], "reduce_scatter": cached["units"]}] * 2
