@@ -898,11 +898,15 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixi
             (and positive-positive keys) are candidates of this process's anchors, the anchor-anchor
             block staying local, as GIST's all-gather does; computed by the hf_infcl ring, no
             embedding gathered. False (default): each process's negatives local.
+        backend, precision: as ``hf_infcl.contrastive_loss``'s (not GIST's). The default
+            ("auto") runs hf_infcl's tiled PyTorch backend on CPU and its default route on CUDA,
+            where fp32 embeddings are multiplied in TF32; there a candidate scored within TF32's
+            rounding of the threshold can be kept where GISTEmbedLoss's fp32 matmul leaves it out.
+            ``precision="ieee"`` multiplies them in exact fp32, as GISTEmbedLoss does by default.
 
     Every hyperparameter is a plain attribute read at each forward: ``loss.margin = 0.1`` takes
     effect at the next step, as in GIST. Sharded models (FSDP2, DeepSpeed ZeRO-2/3), cached or
     not, as ``InfCLLoss``.
-    On CPU the loss runs in hf_infcl's tiled PyTorch backend, on CUDA in its default route.
     """
 
     def __init__(
@@ -918,10 +922,15 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixi
         contrast_anchors: bool = True,
         contrast_positives: bool = True,
         gather_across_devices: bool = False,
+        backend: BackendName = "auto",
+        precision: Precision = "auto",
     ) -> None:
         super().__init__()
         caches = mini_batch_size is not None or mini_batch_num_tokens is not None
         self.must_retokenize = _check_gist_models(model, guide, caches)
+        # A backend name only, not a block-ops object: get_config_dict saves it as JSON.
+        check_option("backend", backend, block_ops=False)
+        check_option("precision", precision)
         caches = _caches_gradients(model, mini_batch_size, mini_batch_num_tokens)
         if margin_strategy not in ("absolute", "relative"):
             raise ValueError("margin_strategy must be 'absolute' or 'relative'.")
@@ -940,6 +949,8 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixi
         self.contrast_anchors = contrast_anchors
         self.contrast_positives = contrast_positives
         self.gather_across_devices = gather_across_devices
+        self.backend = backend
+        self.precision = precision
         # See InfCLLoss: MatryoshkaLoss reads this to decorate calculate_loss instead of the forward.
         self.uses_gradient_cache = caches
 
@@ -997,6 +1008,7 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixi
             rows, keys, logit_scale=1.0 / self.temperature, loss="softmax", symmetric=False, reduction="mean",
             false_negative_margin=float(self.margin), false_negative_strategy=self.margin_strategy,
             guide_queries=guide_rows, guide_keys=guide_keys, process_group="auto" if world_size > 1 else None,
+            backend=self.backend, precision=self.precision,
         )
 
     def get_config_dict(self) -> dict[str, Any]:
@@ -1011,6 +1023,8 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixi
             "contrast_anchors": self.contrast_anchors,
             "contrast_positives": self.contrast_positives,
             "gather_across_devices": self.gather_across_devices,
+            "backend": self.backend,
+            "precision": self.precision,
         }
 
     @property

@@ -252,6 +252,20 @@ def test_config_dict_and_citation_are_theirs(tiny_model, guide, mini_batch_size)
     assert ours.uses_gradient_cache == (mini_batch_size is not None)
 
 
+def test_backend_and_precision_are_checked_and_passed_on(tiny_model, guide, model64, guide64):
+    with pytest.raises(ValueError, match="precision"):
+        losses.InfCLGISTLoss(tiny_model, guide, precision="fp8")
+    with pytest.raises(ValueError, match="backend"):
+        losses.InfCLGISTLoss(tiny_model, guide, backend="cuda-graphs")
+    columns = text_columns(ROWS, 2, seed=94)
+    expected = loss_and_gradients(model64, losses.InfCLGISTLoss(model64, guide64, margin=0.1), columns, 5)
+    actual = loss_and_gradients(model64, losses.InfCLGISTLoss(model64, guide64, margin=0.1, backend="reference",
+                                                              precision="ieee"), columns, 5)
+    assert_same_step(expected, actual)
+    config = losses.InfCLGISTLoss(tiny_model, guide, precision="ieee").get_config_dict()
+    assert (config["backend"], config["precision"]) == ("auto", "ieee")
+
+
 def test_their_errors_with_their_words(tiny_model, guide):
     for kwargs in ({"margin_strategy": "cosine"}, {"mini_batch_size": 4, "margin_strategy": "cosine"}):
         with pytest.raises(ValueError, match="margin_strategy must be 'absolute' or 'relative'."):
@@ -338,6 +352,20 @@ def test_on_cuda_through_the_default_route(model_dirs, mini_batch_size):
     for name, grad in expected[1].items():
         assert torch.isfinite(actual[1][name]).all(), name
         assert (actual[1][name] - grad).norm() <= 5e-2 * grad.norm() + 1e-6, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mini_batch_size", CACHED)
+def test_on_cuda_in_exact_fp32_equals_gist(model_dirs, mini_batch_size):
+    """``precision="ieee"`` multiplies fp32 embeddings exactly, as GIST's matmul does on CUDA: the
+    same loss and gradients at fp32's tolerance, the guide's decisions the same."""
+    model = load_tiny_model(model_dirs[0]).cuda()
+    guide_model = load_tiny_model(model_dirs[1]).cuda().eval().requires_grad_(False)
+    columns = text_columns(ROWS, 3, seed=93)
+    options = dict(mini_batch_size=mini_batch_size, margin=0.1, temperature=0.05)
+    expected = cuda_step(model, theirs(model, guide_model, **options), columns, 4)
+    actual = cuda_step(model, losses.InfCLGISTLoss(model, guide_model, precision="ieee", **options), columns, 4)
+    assert_same_step(expected, actual, {"rtol": 1e-4, "atol": 1e-5})
 
 
 @pytest.mark.gpu

@@ -142,10 +142,12 @@ def trainer_class():
 def build_loss(kind: str, model, guide, mini_batch_size):
     from hf_infcl import losses
 
-    if kind == "gist":
-        return losses.InfCLGISTLoss(model, guide, mini_batch_size=mini_batch_size, gather_across_devices=True)
-    # on CUDA in exact fp32, so that the engines agree to rounding
+    # On CUDA in exact fp32, so that the engines agree to rounding: in TF32 a rounding difference of
+    # the first step (the engines clip and reduce in different orders) flips guide decisions.
     numerics = {"backend": "auto", "precision": "ieee"} if torch.cuda.is_available() else {"backend": "torch"}
+    if kind == "gist":
+        return losses.InfCLGISTLoss(model, guide, mini_batch_size=mini_batch_size, gather_across_devices=True,
+                                    **numerics)
     if kind == "distill":  # the guide as a frozen teacher; each process distils over its own batch
         return losses.InfCLDistillLoss(model, teacher=guide, mini_batch_size=mini_batch_size,
                                        distillation_weight=0.5, **numerics)
