@@ -28,9 +28,11 @@ the step's start, weights and optimizer state, and the step's peak). Its targets
 zero3's and fsdp2's peak no higher than none's; on two, the 32k-pairs-per-process run of fsdp2
 (a 64k contrastive batch) trains.
 
-GPU commands (H100; times include building the model, about 1 min):
+GPU commands (H100; times include building the model, about 1 min; a 16k-pair step is about
+2.5e16 flops per loss, near a minute of GPU time, and an H200 had not finished the warm-ups in
+5.3 min, so give ``step`` at its default size 10 min):
 
-    python benchmarks/bench_st_decoder.py step                          # 16k pairs: about 5 min
+    python benchmarks/bench_st_decoder.py step                          # 16k pairs: over 5 min
     python benchmarks/bench_st_decoder.py step --sizes 4k --repeats 2   # a quick look: about 2 min
     for engine in none fsdp2 zero3; do                                  # one GPU: about 2 min each
         torchrun --nproc_per_node 1 benchmarks/bench_st_decoder.py sharded --engine $engine
@@ -190,6 +192,12 @@ def failure_status(error: BaseException) -> str:
     return f"error: {type(error).__name__}: {error}"[:300]
 
 
+def progress(message: str, started: float = time.perf_counter()) -> None:
+    """One line on stderr with the seconds since the script started, so that a run stopped by a
+    time limit still says how far it got."""
+    print(f"[{time.perf_counter() - started:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+
 def run_step_part(opts, meta, record) -> None:
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
@@ -198,6 +206,7 @@ def run_step_part(opts, meta, record) -> None:
     script_args, args = preset_arguments(opts.preset, opts.cpu)
     device = args.device
     model = build_model(script_args, device)
+    progress("model built")
     if args.bf16:
         autocast_like_accelerate(model, device)
     if args.activation_checkpointing:
@@ -220,6 +229,7 @@ def run_step_part(opts, meta, record) -> None:
             record({**base, "loss": name, "pairs": opts.warmup_pairs, "status": f"warm-up {failed[name]}"})
         optimizer.zero_grad(set_to_none=True)
         free_memory()
+        progress(f"{name}: warm-up step done")
     del warmup
     for pairs in opts.sizes:
         columns = token_columns(model, pairs, tokens, generator, device)
@@ -231,6 +241,7 @@ def run_step_part(opts, meta, record) -> None:
                 except Exception as error:  # noqa: BLE001
                     results[name]["status"] = failure_status(error)
                 free_memory()
+                progress(f"{name}: loss alone at {pairs} pairs done")
         for round_index in range(opts.repeats):
             names = list(loss_modules) if round_index % 2 == 0 else list(loss_modules)[::-1]
             for name in names:
@@ -248,6 +259,7 @@ def run_step_part(opts, meta, record) -> None:
                     result["seconds"].append(seconds)
                     result["peaks"].append(peak)
                     result["losses"].append(loss_value)
+                    progress(f"{name}: a step of {pairs} pairs took {seconds:.2f} s")
                 optimizer.zero_grad(set_to_none=True)
                 free_memory()
         rows = {}

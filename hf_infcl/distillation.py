@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from .loss import (
-    _as_scalar_tensor,
-    _check_arguments,
-    _reduce,
-    _resolve_process_group,
+    as_scalar_tensor,
+    check_arguments,
     check_second_embeddings,
+    reduce_per_row,
+    resolve_process_group,
 )
 from .ops import reference, ring
 from .ops.distillation import ONE_PROCESS, DistillationLogitStats, DistillationSpec, distillation_block_ops
@@ -84,14 +84,14 @@ def contrastive_distillation_loss(
     Returns:
         The reduced loss (a scalar), or the per-row losses ``[m]`` for ``reduction="none"``.
     """
-    group, world_size = _resolve_process_group(process_group)
+    group, world_size = resolve_process_group(process_group)
     in_ring = world_size > 1
     # A rank whose checks fail tells the others (waiting in the ring's option exchange) first.
     device = queries.device if torch.is_tensor(queries) else None
     with announcing_rejections(group if in_ring else None, device):
         check_distillation_backend(backend)
         distillation_weight = check_distillation_weight(distillation_weight)
-        scale, _, positives = _check_arguments(queries, keys, logit_scale, None, "softmax", symmetric,
+        scale, _, positives = check_arguments(queries, keys, logit_scale, None, "softmax", symmetric,
                                                positives, None, None, reduction, backend, precision,
                                                in_ring=in_ring)
         check_second_embeddings(queries, keys, teacher_queries, teacher_keys, "teacher", required=True)
@@ -103,7 +103,7 @@ def contrastive_distillation_loss(
             per_row = reference.distillation_per_row_loss(
                 queries, keys, scale, teacher_queries, teacher_keys, teacher_scale, symmetric=symmetric,
                 positives=positives, distillation_weight=distillation_weight)
-            return _reduce(per_row, reduction, total_rows=queries.shape[0], world_size=1)
+            return reduce_per_row(per_row, reduction, total_rows=queries.shape[0], world_size=1)
         spec = DistillationSpec(columns=symmetric,
                                 precision=resolve_precision(precision, queries.dtype, queries.device))
         schedule, total_rows = ONE_PROCESS, queries.shape[0]
@@ -118,7 +118,7 @@ def contrastive_distillation_loss(
                                              teacher_scale, positives, spec, ops, schedule)
         per_row = _per_row_loss(stats, positives, symmetric, distillation_weight)
         per_row = per_row.to(accumulation_dtype(queries.dtype))
-        return _reduce(per_row, reduction, total_rows=total_rows, world_size=world_size)
+        return reduce_per_row(per_row, reduction, total_rows=total_rows, world_size=world_size)
 
 
 def check_distillation_backend(backend, name: str = "backend") -> None:
@@ -131,7 +131,7 @@ def check_distillation_backend(backend, name: str = "backend") -> None:
 def _teacher_scale(teacher_logit_scale, queries) -> torch.Tensor:
     """The teacher's scale as a detached scalar tensor in the accumulation dtype, checked > 0 (a NaN
     passes: non-finite inputs give a NaN loss)."""
-    scale = _as_scalar_tensor("teacher_logit_scale", teacher_logit_scale, accumulation_dtype(queries.dtype),
+    scale = as_scalar_tensor("teacher_logit_scale", teacher_logit_scale, accumulation_dtype(queries.dtype),
                               queries.device, allow_none=False).detach()
     if scale.item() <= 0:
         raise ValueError(f"teacher_logit_scale must be > 0 (it multiplies the teacher's logits), got "

@@ -166,7 +166,7 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
     when it was built, so they are not checked again. ``hardness``: (hardness_mode,
     hardness_strength, query_ids, key_owners) as ``contrastive_loss`` takes them; ``objectives``:
     its several positives and score filter (:class:`Objectives`)."""
-    group, world_size = _resolve_process_group(process_group)
+    group, world_size = resolve_process_group(process_group)
     in_ring = world_size > 1
     # One process makes the checks that read values (scale > 0, positives in range) where the
     # statistics start, still before the first kernel (hf_infcl.ops.value_check says why); under
@@ -175,7 +175,7 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
     device = queries.device if torch.is_tensor(queries) else None
     with announcing_rejections(group if in_ring else None, device):
         objectives = _check_objectives(queries, keys, query_groups, *objectives)
-        scale, bias, positives = _check_arguments(
+        scale, bias, positives = check_arguments(
             queries, keys, logit_scale, logit_bias, loss, symmetric, positives, query_groups, key_groups,
             reduction, backend, precision, in_ring=in_ring, check_values=not deferred,
             options_checked=options_checked,
@@ -196,7 +196,7 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
                                               hardness=(hardness_mode, hardness_strength, query_ids,
                                                         key_owners), label_smoothing=label_smoothing,
                                               objectives=objectives)
-            return _reduce(per_row, reduction, total_rows=queries.shape[0], world_size=1)
+            return reduce_per_row(per_row, reduction, total_rows=queries.shape[0], world_size=1)
         spec = _stats_spec(loss, symmetric, precision, queries, reduction, (queries, keys, scale, bias),
                            hardness_mode, hardness_strength, objectives)
         stats = logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups, spec, backend,
@@ -207,7 +207,7 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
         if label_smoothing:
             per_row = per_row + _smoothing_terms(queries, keys, scale, bias, stats.positive_logit, positives,
                                                  symmetric, label_smoothing, group if in_ring else None)
-        return _reduce(per_row, reduction, total_rows=stats.total_rows, world_size=world_size)
+        return reduce_per_row(per_row, reduction, total_rows=stats.total_rows, world_size=world_size)
 
 
 @torch.compiler.disable
@@ -279,7 +279,7 @@ def assemble_per_row_loss(spec, positives, stats):
     return (row_stat - positive_logit + positive_col_stat - column_positive) / 2
 
 
-def _reduce(per_row: torch.Tensor, reduction: str, total_rows: int, world_size: int) -> torch.Tensor:
+def reduce_per_row(per_row: torch.Tensor, reduction: str, total_rows: int, world_size: int) -> torch.Tensor:
     if reduction == "none":
         return per_row
     if reduction == "sum":
@@ -287,7 +287,7 @@ def _reduce(per_row: torch.Tensor, reduction: str, total_rows: int, world_size: 
     return per_row.sum() * (world_size / total_rows)
 
 
-def _resolve_process_group(process_group):
+def resolve_process_group(process_group):
     """(group, world size) for ``process_group``: None is local; "auto" is the default group."""
     if process_group is None:
         return None, 1
@@ -328,7 +328,7 @@ def _check_index_vector(name, tensor, length, device):
         raise ValueError(f"{name} is on {tensor.device} but queries are on {device}")
 
 
-def _as_scalar_tensor(name, value, dtype, device, allow_none):
+def as_scalar_tensor(name, value, dtype, device, allow_none):
     if value is None:
         if allow_none:
             return None
@@ -346,7 +346,7 @@ def _as_scalar_tensor(name, value, dtype, device, allow_none):
     return value.reshape(()).to(device=device, dtype=dtype)
 
 
-def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, positives,
+def check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, positives,
                      query_groups, key_groups, reduction, backend, precision, in_ring=False,
                      check_values=True, options_checked=False, distinct_positives=False):
     """Validate everything; return (scale tensor, bias tensor or None, positives [m] int64 or None).
@@ -405,8 +405,8 @@ def _check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, po
         _check_index_vector("key_groups", key_groups, n_keys, device)
 
     acc = accumulation_dtype(queries.dtype)
-    scale = _as_scalar_tensor("logit_scale", logit_scale, acc, device, allow_none=False)
-    bias = _as_scalar_tensor("logit_bias", logit_bias, acc, device, allow_none=True)
+    scale = as_scalar_tensor("logit_scale", logit_scale, acc, device, allow_none=False)
+    bias = as_scalar_tensor("logit_bias", logit_bias, acc, device, allow_none=True)
     if check_values:
         _check_values(scale, positives, n_keys, distinct_positives)
     return scale, bias, positives

@@ -259,8 +259,8 @@ def test_backend_and_precision_are_checked_and_passed_on(tiny_model, guide, mode
         losses.InfCLGISTLoss(tiny_model, guide, backend="cuda-graphs")
     columns = text_columns(ROWS, 2, seed=94)
     expected = loss_and_gradients(model64, losses.InfCLGISTLoss(model64, guide64, margin=0.1), columns, 5)
-    actual = loss_and_gradients(model64, losses.InfCLGISTLoss(model64, guide64, margin=0.1, backend="reference",
-                                                              precision="ieee"), columns, 5)
+    exact = losses.InfCLGISTLoss(model64, guide64, margin=0.1, backend="reference", precision="ieee")
+    actual = loss_and_gradients(model64, exact, columns, 5)
     assert_same_step(expected, actual)
     config = losses.InfCLGISTLoss(tiny_model, guide, precision="ieee").get_config_dict()
     assert (config["backend"], config["precision"]) == ("auto", "ieee")
@@ -364,7 +364,8 @@ def test_on_cuda_in_exact_fp32_equals_gist(model_dirs, mini_batch_size):
     columns = text_columns(ROWS, 3, seed=93)
     options = dict(mini_batch_size=mini_batch_size, margin=0.1, temperature=0.05)
     expected = cuda_step(model, theirs(model, guide_model, **options), columns, 4)
-    actual = cuda_step(model, losses.InfCLGISTLoss(model, guide_model, precision="ieee", **options), columns, 4)
+    exact = losses.InfCLGISTLoss(model, guide_model, precision="ieee", **options)
+    actual = cuda_step(model, exact, columns, 4)
     assert_same_step(expected, actual, {"rtol": 1e-4, "atol": 1e-5})
 
 
@@ -383,4 +384,5 @@ def test_a_guide_left_on_the_cpu_follows_the_model_to_cuda(model_dirs, mini_batc
     assert on_cpu.device.type == "cuda"
     torch.testing.assert_close(actual[0], expected[0], rtol=1e-4, atol=1e-5)
     for name, grad in expected[1].items():
-        torch.testing.assert_close(actual[1][name], grad, rtol=1e-4, atol=1e-5, msg=lambda message, n=name: f"{n}: {message}")
+        torch.testing.assert_close(actual[1][name], grad, rtol=1e-4, atol=1e-5,
+                                   msg=lambda message, n=name: f"{n}: {message}")

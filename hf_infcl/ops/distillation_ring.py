@@ -35,12 +35,12 @@ from .distillation import (
 )
 from .ring import (
     RingLayout,
-    _exchange,
-    _key_slices,
-    _padded,
-    _TravellingBlocks,
-    _TravellingKeyGradients,
-    _wait,
+    TravellingBlocks,
+    TravellingKeyGradients,
+    key_slices,
+    padded_block,
+    post_exchange,
+    wait_all,
 )
 from .spec import accumulation_dtype
 from .tiled import statistics_dtype
@@ -69,7 +69,8 @@ def _ring_forward(layout: RingLayout, spec: DistillationSpec, ops, queries, keys
     stat_dtype, device = _stats_dtype(queries), queries.device
     m, k_max, n = queries.shape[0], layout.max_keys, layout.world_size
     rows = empty_soft_target_stats(m, stat_dtype, device)
-    blocks = _TravellingBlocks(layout, [_padded(keys, k_max, 0.0), _padded(teacher.keys, k_max, 0.0)])
+    blocks = TravellingBlocks(layout, [padded_block(keys, k_max, 0.0),
+                                       padded_block(teacher.keys, k_max, 0.0)])
 
     # The running column statistics of the block computed last step, one step behind its keys.
     col_works, col_arrived = None, None
@@ -93,21 +94,21 @@ def _ring_forward(layout: RingLayout, spec: DistillationSpec, ops, queries, keys
         rows = merge_soft_target_stats(rows, partial_rows)
 
         if spec.columns:
-            _wait(col_works)  # the running statistics sent by the previous rank last step
+            wait_all(col_works)  # the running statistics sent by the previous rank last step
             if col_arrived is not None:
                 arrived = SoftTargetStats(*col_arrived[:, :k_owner])
                 partial_cols = merge_soft_target_stats(arrived, partial_cols)
-            outgoing = torch.stack([_padded(t, k_max, fill) for t, fill in zip(partial_cols, _NO_KEYS)])
+            outgoing = torch.stack([padded_block(t, k_max, fill) for t, fill in zip(partial_cols, _NO_KEYS)])
             col_arrived = torch.empty_like(outgoing)
             # At the last step this sends the block's complete statistics home to its owner and
             # receives this rank's own.
-            col_works = _exchange(layout, [outgoing], [col_arrived])
+            col_works = post_exchange(layout, [outgoing], [col_arrived])
         if step < n - 1:
             blocks.advance(keep_spare=step < n - 2)
 
     columns = None
     if spec.columns:
-        _wait(col_works)
+        wait_all(col_works)
         columns = SoftTargetStats(*col_arrived[:, : keys.shape[0]].clone())
     return rows, columns
 
@@ -123,17 +124,17 @@ def _ring_backward(layout: RingLayout, spec: DistillationSpec, ops, queries, key
     grad_queries = torch.zeros(m, width, dtype=acc, device=device)
     row_sums = torch.zeros(m, dtype=acc, device=device)
 
-    own = [_padded(keys, k_max, 0.0), _padded(teacher.keys, k_max, 0.0)]
+    own = [padded_block(keys, k_max, 0.0), padded_block(teacher.keys, k_max, 0.0)]
     if columns is not None:
         # The owner's complete column log-sum-exps and the loss's gradients travel with the keys.
         col_info = torch.zeros(len(columns), k_max, dtype=stat_dtype, device=device)
         for index, values in enumerate(columns):
             col_info[index, : keys.shape[0]] = values.to(stat_dtype)
         own.append(col_info)
-    blocks = _TravellingBlocks(layout, own)
+    blocks = TravellingBlocks(layout, own)
 
-    slices = _key_slices(k_max, width, torch.finfo(acc).bits // 8)
-    key_grads = _TravellingKeyGradients(layout, slices, width, acc, device)
+    slices = key_slices(k_max, width, torch.finfo(acc).bits // 8)
+    key_grads = TravellingKeyGradients(layout, slices, width, acc, device)
     for step in range(n):
         k_owner = layout.keys[layout.owner(step)]
         if step < n - 1:

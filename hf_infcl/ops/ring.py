@@ -315,7 +315,7 @@ def _decoder(codes: dict) -> Callable[[int], str]:
 # Point-to-point plumbing.
 
 
-def _exchange(layout: RingLayout, outgoing: list[torch.Tensor], incoming: list[torch.Tensor]):
+def post_exchange(layout: RingLayout, outgoing: list[torch.Tensor], incoming: list[torch.Tensor]):
     """Post one batch: send ``outgoing`` to the next rank, receive ``incoming`` from the previous.
 
     Returns the works to wait on. Every rank posts its batches in the same order, so they match.
@@ -330,12 +330,12 @@ def _exchange(layout: RingLayout, outgoing: list[torch.Tensor], incoming: list[t
     return dist.batch_isend_irecv(ops)
 
 
-def _wait(works) -> None:
+def wait_all(works) -> None:
     for work in works or ():
         work.wait()
 
 
-def _padded(tensor: torch.Tensor, length: int, fill: float) -> torch.Tensor:
+def padded_block(tensor: torch.Tensor, length: int, fill: float) -> torch.Tensor:
     """``tensor`` as a contiguous block of ``length`` rows (the ring's fixed message size)."""
     if tensor.shape[0] == length and tensor.is_contiguous():
         return tensor
@@ -344,7 +344,7 @@ def _padded(tensor: torch.Tensor, length: int, fill: float) -> torch.Tensor:
     return out
 
 
-class _TravellingBlocks:
+class TravellingBlocks:
     """The key blocks (and whatever travels with them) going round the ring, double-buffered.
 
     ``current`` holds the block of this step; ``post_next`` sends it on and receives the next
@@ -364,11 +364,11 @@ class _TravellingBlocks:
         if self._spare is None:
             self._spare = [torch.empty_like(t) for t in self.current]
         self._incoming, self._spare = self._spare, None
-        self._works = _exchange(self.layout, self.current, self._incoming)
+        self._works = post_exchange(self.layout, self.current, self._incoming)
 
     def advance(self, keep_spare: bool = True) -> None:
         """Make the received block current; ``keep_spare=False`` when no block is to come."""
-        _wait(self._works)
+        wait_all(self._works)
         finished = self.current
         self.current, self._incoming, self._works = self._incoming, None, None
         if finished is not self._own and keep_spare:
@@ -380,7 +380,7 @@ def _travelling_key_labels(labels: PairLabels, k_max: int) -> list[torch.Tensor]
     block, padded, whichever are given: its groups, its hardness owners (-1 pads: nobody's keys),
     its guide keys and its column thresholds (+inf pads: nothing left out)."""
     given = zip(labels.own_keys(), (0, -1, 0.0, float("inf")))
-    return [_padded(tensor, k_max, fill) for tensor, fill in given if tensor is not None]
+    return [padded_block(tensor, k_max, fill) for tensor, fill in given if tensor is not None]
 
 
 def _block_key_labels(labels: PairLabels, travelled: list[torch.Tensor], lo: int, hi: int) -> KeyLabels:
@@ -399,7 +399,8 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, labels: PairLab
     positives = empty_positive_parts(spec, m, 0, acc, device) if grouped else None
 
     compute = layout.schedule.compute
-    blocks = _TravellingBlocks(layout, [_padded(keys, k_max, 0.0), *_travelling_key_labels(labels, k_max)])
+    blocks = TravellingBlocks(layout, [padded_block(keys, k_max, 0.0),
+                                       *_travelling_key_labels(labels, k_max)])
 
     # The running column statistics of the block computed last step, one step behind its keys: the
     # column log-sum-exp, and with group_positives the keys' positive parts (and counts).
@@ -437,20 +438,20 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, labels: PairLab
             positives = merge_positive_parts(spec, positives, partial_positives)
 
         if spec.columns:
-            _wait(col_works)  # the running statistics sent by the previous rank last step
+            wait_all(col_works)  # the running statistics sent by the previous rank last step
             partial = _column_rows(partial_col, partial_positives)
             if col_arrived is not None:
                 partial = _merge_column_rows(spec, col_arrived[:, :k_owner], partial)
-            outgoing = _padded(partial.T, k_max, float("-inf")).T.contiguous()
+            outgoing = padded_block(partial.T, k_max, float("-inf")).T.contiguous()
             col_arrived = torch.empty_like(outgoing)
             # At the last step this sends the block's complete statistics home to its owner and
             # receives this rank's own.
-            col_works = _exchange(layout, [outgoing], [col_arrived])
+            col_works = post_exchange(layout, [outgoing], [col_arrived])
         if step < n - 1:
             blocks.advance(keep_spare=step < n - 2)
 
     if spec.columns:
-        _wait(col_works)
+        wait_all(col_works)
         own_columns = col_arrived[:, : keys.shape[0]].clone()
         col_stat = own_columns[0]
         if grouped:
@@ -480,7 +481,7 @@ def _merge_column_rows(spec: StatsSpec, a: torch.Tensor, b: torch.Tensor) -> tor
     return torch.stack(merged)
 
 
-def _key_slices(k_max: int, width: int, element_bytes: int) -> list[tuple[int, int]]:
+def key_slices(k_max: int, width: int, element_bytes: int) -> list[tuple[int, int]]:
     """Row ranges of a key block in which its gradient accumulator travels: at least two (so that
     a slice's accumulator always arrives while an earlier slice is computed), at most
     ``_MAX_SLICES``, each at most ``_MAX_SLICE_BYTES`` where possible."""
@@ -490,7 +491,7 @@ def _key_slices(k_max: int, width: int, element_bytes: int) -> list[tuple[int, i
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-class _TravellingKeyGradients:
+class TravellingKeyGradients:
     """This rank's share of the key gradients going round the ring in the backward, slice by slice.
 
     Per slice of the key block, the running key gradient of the block this rank computes on next:
@@ -516,7 +517,7 @@ class _TravellingKeyGradients:
     def _wait_pending(self) -> None:
         if self._pending is not None:
             works, sent = self._pending
-            _wait(works)
+            wait_all(works)
             self._spare[:] = [sent]
             self._pending = None
 
@@ -538,7 +539,7 @@ class _TravellingKeyGradients:
         self._wait_pending()
         lo, hi = self.slices[index]
         self.running[index] = self._buffer(hi - lo)
-        self._pending = (_exchange(self.layout, [accumulator], [self.running[index]]), accumulator)
+        self._pending = (post_exchange(self.layout, [accumulator], [self.running[index]]), accumulator)
 
     def arrived(self) -> list[tuple[tuple[int, int], torch.Tensor]]:
         """This rank's own key gradient, complete, as (row range, accumulator) slices."""
@@ -559,7 +560,7 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLa
     grad_queries = torch.zeros(m, width, dtype=acc, device=device)
     row_sums = torch.zeros(m, dtype=acc, device=device)
 
-    own = [_padded(keys, k_max, 0.0), *_travelling_key_labels(labels, k_max)]
+    own = [padded_block(keys, k_max, 0.0), *_travelling_key_labels(labels, k_max)]
     if spec.columns:
         # The owner's complete column statistic and its gradient travel with the keys (and the keys'
         # complete positive parts and their gradients).
@@ -570,11 +571,11 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLa
         for row, values in enumerate(travelling):
             col_info[row, : keys.shape[0]] = values.to(acc)
         own.append(col_info)
-    blocks = _TravellingBlocks(layout, own)
+    blocks = TravellingBlocks(layout, own)
 
     compute = layout.schedule.compute
-    slices = _key_slices(k_max, width, torch.finfo(acc).bits // 8)
-    key_grads = _TravellingKeyGradients(layout, slices, width, acc, device)
+    slices = key_slices(k_max, width, torch.finfo(acc).bits // 8)
+    key_grads = TravellingKeyGradients(layout, slices, width, acc, device)
 
     for step in range(n):
         owner = layout.owner(step)
