@@ -7,9 +7,11 @@ implements is docs/contract.md.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .ops import reference
@@ -27,9 +29,11 @@ from .ops.options import (
     Reduction,
     check_hardness,
     check_label_smoothing,
+    check_matryoshka,
     check_objective_options,
     check_option,
 )
+from .ops.ring import MatryoshkaTerm
 from .ops.spec import BlockOps, StatsSpec, accumulation_dtype, resolve_precision
 from .ops.value_check import check_values as _check_values
 
@@ -59,6 +63,8 @@ def contrastive_loss(
     false_negative_strategy: FalseNegativeStrategy = "absolute",
     guide_queries: torch.Tensor | None = None,
     guide_keys: torch.Tensor | None = None,
+    matryoshka_dims: Sequence[int] | None = None,
+    matryoshka_weights: Sequence[float] | None = None,
 ) -> torch.Tensor:
     """Exact InfoNCE (CLIP) or sigmoid (SigLIP) contrastive loss without a b x b matrix.
 
@@ -121,6 +127,16 @@ def contrastive_loss(
         guide_queries, guide_keys: ``[m, c_g]`` and ``[k, c_g]``, given together and with a margin:
             a guide model's embeddings (GISTEmbedLoss's guide), of the queries' dtype and device;
             they get no gradient. The filter's mask is recomputed per tile, never stored.
+        matryoshka_dims: strictly descending prefix widths ``d_1 > ... > d_D``, each in ``[1, c]``
+            (sentence-transformers' ``MatryoshkaLoss``): the loss is the weighted sum over t of this
+            loss, every other option unchanged, on ``F.normalize(queries[:, :d_t])`` and
+            ``F.normalize(keys[:, :d_t])`` (each prefix L2-normalised row by row; the guide is not
+            truncated). None: the plain loss on the features as given. Computed today as one loss
+            call per dimension (docs/contract.md, "Matryoshka in one call"); across processes every
+            rank must pass the same dims and weights, or every rank raises ``ValueError``.
+        matryoshka_weights: one finite weight >= 0 per dim (None: 1 each); only with
+            ``matryoshka_dims``. With ``reduction="none"`` the per-row losses are the weighted sums
+            of each prefix's per-row losses.
 
     Returns:
         The reduced loss (a scalar), or the per-row losses ``[m]`` for ``reduction="none"``.
@@ -130,11 +146,47 @@ def contrastive_loss(
     """
     objectives = Objectives(group_positives, false_negative_margin, false_negative_strategy, guide_queries,
                             guide_keys)
+    hardness = (hardness_mode, hardness_strength, query_ids, key_owners)
+    if matryoshka_dims is not None or matryoshka_weights is not None:
+        return _matryoshka_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
+                                process_group, loss, symmetric, reduction, backend, precision, hardness,
+                                label_smoothing, objectives, matryoshka_dims, matryoshka_weights)
     return _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
                              process_group, loss, symmetric, reduction, backend, precision,
-                             options_checked=False, hardness=(hardness_mode, hardness_strength, query_ids,
-                                                              key_owners), label_smoothing=label_smoothing,
+                             options_checked=False, hardness=hardness, label_smoothing=label_smoothing,
                              objectives=objectives)
+
+
+def _matryoshka_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
+                     process_group, loss, symmetric, reduction, backend, precision, hardness, label_smoothing,
+                     objectives, matryoshka_dims, matryoshka_weights):
+    """``contrastive_loss`` with ``matryoshka_dims``: the weighted sum of the loss on each
+    re-normalised prefix (docs/contract.md, "Matryoshka in one call"), one loss call per dimension.
+
+    The arguments that slicing would hide are checked on the whole features first (a width or dtype
+    mismatch between queries and keys survives truncation to a common prefix); each call then checks
+    its own, as any call does. ``F.normalize`` of the slices gives autograd the norms' gradients."""
+    group, world_size = resolve_process_group(process_group)
+    in_ring = world_size > 1
+    device = queries.device if torch.is_tensor(queries) else None
+    with announcing_rejections(group if in_ring else None, device):
+        check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, positives, query_groups,
+                        key_groups, reduction, backend, precision, in_ring=in_ring, check_values=False)
+        dims, weights = check_matryoshka(matryoshka_dims, matryoshka_weights, queries.shape[1])
+    total = None
+    for index, (dim, weight) in enumerate(zip(dims, weights)):
+        with torch.autocast(queries.device.type, enabled=False):
+            prefix_queries = F.normalize(queries[:, :dim], dim=1)
+            prefix_keys = F.normalize(keys[:, :dim], dim=1)
+        term = _contrastive_loss(prefix_queries, prefix_keys, logit_scale, logit_bias, positives,
+                                 query_groups, key_groups, process_group, loss, symmetric, reduction, backend,
+                                 precision, options_checked=True, hardness=hardness,
+                                 label_smoothing=label_smoothing, objectives=objectives,
+                                 matryoshka_term=MatryoshkaTerm(index, len(dims), dim, weight))
+        if weight != 1.0:
+            term = weight * term
+        total = term if total is None else total + term
+    return total
 
 
 class Objectives(NamedTuple):
@@ -158,14 +210,17 @@ def _distinct_positives(objectives: Objectives, loss: str, symmetric: bool) -> b
 
 def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
                       process_group, loss, symmetric, reduction, backend, precision, options_checked,
-                      hardness=(None, 0.0, None, None), label_smoothing=0.0, objectives=NO_OBJECTIVES):
+                      hardness=(None, 0.0, None, None), label_smoothing=0.0, objectives=NO_OBJECTIVES,
+                      matryoshka_term=None):
     """``contrastive_loss`` for every entry point: validate, one call for the statistics (one
     process or the ring: :func:`hf_infcl.ops.logit_stats.logit_stats`), assemble, add the label
     smoothing (:func:`hf_infcl.ops.label_smoothing.smoothing_terms`, the same for every backend),
     reduce. ``options_checked``: the caller holds the options as a :class:`LossOptions`, checked
     when it was built, so they are not checked again. ``hardness``: (hardness_mode,
     hardness_strength, query_ids, key_owners) as ``contrastive_loss`` takes them; ``objectives``:
-    its several positives and score filter (:class:`Objectives`)."""
+    its several positives and score filter (:class:`Objectives`); ``matryoshka_term``: which term of
+    a Matryoshka loss this call is (:class:`~hf_infcl.ops.ring.MatryoshkaTerm`), which the ring
+    checks every rank agrees on."""
     group, world_size = resolve_process_group(process_group)
     in_ring = world_size > 1
     # One process makes the checks that read values (scale > 0, positives in range) where the
@@ -202,7 +257,8 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
         stats = logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups, spec, backend,
                             group=group if in_ring else None, reduction=reduction, validate=deferred,
                             query_ids=query_ids, key_owners=key_owners, label_smoothing=label_smoothing,
-                            guide_queries=objectives.guide_queries, guide_keys=objectives.guide_keys)
+                            guide_queries=objectives.guide_queries, guide_keys=objectives.guide_keys,
+                            matryoshka_term=matryoshka_term)
         per_row = assemble_per_row_loss(spec, positives, stats)
         if label_smoothing:
             per_row = per_row + _smoothing_terms(queries, keys, scale, bias, stats.positive_logit, positives,

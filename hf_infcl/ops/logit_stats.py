@@ -52,7 +52,7 @@ class LogitStats(NamedTuple):
 def logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups, spec: StatsSpec,
                 backend, *, group=None, reduction: str = "mean", validate: bool = False, query_ids=None,
                 key_owners=None, label_smoothing: float = 0.0, guide_queries=None,
-                guide_keys=None) -> LogitStats:
+                guide_keys=None, matryoshka_term: ring.MatryoshkaTerm | None = None) -> LogitStats:
     """The statistics of ``spec`` over this process's rows against every key of ``group``.
 
     Args:
@@ -70,11 +70,13 @@ def logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups,
             rank asks for the same (the smoothing's all-reduce follows on every rank or on none).
         guide_queries, guide_keys: the score filter's guide (``spec.false_negative_margin``), or
             None.
+        matryoshka_term: the term of a Matryoshka loss this call computes, or None; the ring checks
+            that every rank computes the same term (:class:`~hf_infcl.ops.ring.MatryoshkaTerm`).
     """
     labels = (query_groups, key_groups, query_ids, key_owners, guide_queries, guide_keys)
     if group is not None:
         return _ring_stats(group, queries, keys, scale, bias, positives, labels, spec, backend, reduction,
-                           label_smoothing)
+                           label_smoothing, matryoshka_term)
     if isinstance(backend, str) and torch.compiler.is_compiling():
         (row_stat, col_stat, positive_logit, _unit_queries, _unit_keys, _unit_row_sums,
          *positive_parts) = custom_ops.logit_stats(
@@ -110,11 +112,12 @@ def _block_ops_stats(queries, keys, scale, bias, positives, labels, spec, ops, v
 
 @torch.compiler.disable
 def _ring_stats(group, queries, keys, scale, bias, positives, labels, spec, backend,
-                reduction, label_smoothing) -> LogitStats:
+                reduction, label_smoothing, matryoshka_term) -> LogitStats:
     query_groups, guide_queries = labels[0], labels[4]
     layout = ring.exchange_layout(group, queries, keys, spec, bias is not None, query_groups is not None,
                                   reduction, label_smoothing,
-                                  guide_width=None if guide_queries is None else guide_queries.shape[1])
+                                  guide_width=None if guide_queries is None else guide_queries.shape[1],
+                                  matryoshka_term=matryoshka_term)
     row_stat, col_stat, positive_logit, *positive_parts = KeyBlockLogitStats.apply(
         queries, keys, scale, bias, positives, *labels, spec, select_block_ops(backend, queries.device),
         layout,

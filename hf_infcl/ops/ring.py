@@ -51,6 +51,7 @@ import contextvars
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -90,10 +91,12 @@ _LAYOUT_FIELDS = (
     "ok", "rows", "keys", "width", "dtype", "loss", "columns", "precision", "device_type",
     "has_bias", "has_groups", "reduction", "hardness", "hardness_strength", "label_smoothing",
     "group_positives", "filters", "false_negative_margin", "false_negative_strategy", "guide_width",
-    "teacher_width", "distillation_weight",
+    "teacher_width", "distillation_weight", "matryoshka_dims", "matryoshka_term", "matryoshka_dim",
+    "matryoshka_weight",
 )
 # the others are small integers
-_FLOAT_FIELDS = ("hardness_strength", "label_smoothing", "false_negative_margin", "distillation_weight")
+_FLOAT_FIELDS = ("hardness_strength", "label_smoothing", "false_negative_margin", "distillation_weight",
+                 "matryoshka_weight")
 # The options' codes come from their vocabularies (hf_infcl.ops.options); the dtype and device codes
 # are the ring's own.
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -142,6 +145,18 @@ def schedule(compute: bool = True, transfer: bool = True):
         yield
     finally:
         _SCHEDULE.reset(token)
+
+
+class MatryoshkaTerm(NamedTuple):
+    """Which term of a Matryoshka loss a ring call computes (docs/contract.md, "Matryoshka in one
+    call"): the loss makes one call per dim, and the layout exchange of each compares these, so
+    that ranks holding other dims or weights raise at the first term where they differ, every rank
+    the same error, instead of making different calls and waiting on each other."""
+
+    index: int  # t, from 0
+    count: int  # D, the number of dims
+    dim: int  # d_t
+    weight: float  # w_t
 
 
 @dataclass(frozen=True)
@@ -214,11 +229,13 @@ def announce_rejected_arguments(group, device: torch.device | None = None) -> No
 def exchange_layout(group, queries, keys, spec: StatsSpec, has_bias: bool, has_groups: bool,
                     reduction: str = "mean", label_smoothing: float = 0.0,
                     guide_width: int | None = None, teacher_width: int | None = None,
-                    distillation_weight: float | None = None) -> RingLayout:
+                    distillation_weight: float | None = None,
+                    matryoshka_term: MatryoshkaTerm | None = None) -> RingLayout:
     """Exchange sizes and options with every rank of ``group``; raise the same error everywhere
     when they disagree. ``guide_width``: the score filter's guide's width, None without a guide;
     ``teacher_width`` and ``distillation_weight``: in-batch distillation's
-    (:mod:`hf_infcl.ops.distillation_ring`), None for the contrastive loss."""
+    (:mod:`hf_infcl.ops.distillation_ring`), None for the contrastive loss; ``matryoshka_term``:
+    the term of a Matryoshka loss this call computes, None outside one."""
     values = {
         "ok": 1,
         "rows": queries.shape[0],
@@ -242,6 +259,10 @@ def exchange_layout(group, queries, keys, spec: StatsSpec, has_bias: bool, has_g
         "guide_width": -1 if guide_width is None else guide_width,
         "teacher_width": -1 if teacher_width is None else teacher_width,
         "distillation_weight": -1.0 if distillation_weight is None else distillation_weight,
+        "matryoshka_dims": 0 if matryoshka_term is None else matryoshka_term.count,
+        "matryoshka_term": -1 if matryoshka_term is None else matryoshka_term.index,
+        "matryoshka_dim": -1 if matryoshka_term is None else matryoshka_term.dim,
+        "matryoshka_weight": -1.0 if matryoshka_term is None else matryoshka_term.weight,
     }
     table = _all_gather_layout(
         group, [float(values[name]) for name in _LAYOUT_FIELDS], _metadata_device(group, queries.device)
@@ -276,7 +297,13 @@ def _check_agreement(columns: dict[str, list[int]]) -> None:
     def per_rank(name, decode=str):
         return ", ".join(f"rank {r}: {decode(v)}" for r, v in enumerate(columns[name]))
 
+    # The Matryoshka fields first: a term's width is its dim, which they name.
     names = {
+        "matryoshka_dims": ("the number of matryoshka_dims", lambda v: str(v) if v else "none"),
+        "matryoshka_dim": ("matryoshka_dims (the prefix width of one term)",
+                           lambda v: "none" if v < 0 else str(v)),
+        "matryoshka_weight": ("matryoshka_weights (the weight of one term)",
+                              lambda v: "none" if v < 0 else str(v)),
         "width": ("the feature width c", str),
         "dtype": ("the dtype of the features", _decoder(_DTYPE_CODES)),
         "device_type": ("the device type", _decoder(_DEVICE_CODES)),
