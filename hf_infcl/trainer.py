@@ -53,7 +53,7 @@ from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs
 from .distillation import check_distillation_backend, contrastive_distillation_loss
 from .grad_cache import cached_step, split_batch, to_device
-from .loss import Objectives, _contrastive_loss
+from .loss import Objectives, _contrastive_loss, _matryoshka_loss
 from .metrics import (
     input_fingerprints,
     relevant_ranks,
@@ -226,10 +226,10 @@ class InfCLTrainer(Trainer):
             raise ValueError(f"{prefix} distils the teacher's softmax over the keys, but the loss is "
                              f"{self.loss_kind!r} (contrastive_loss, or the model's logit_bias): set "
                              "contrastive_loss='softmax'")
-        for option in ("group_column", "false_negative_margin"):
+        for option in ("group_column", "false_negative_margin", "matryoshka_dims"):
             if getattr(args, option) is not None:
                 raise ValueError(f"{prefix} is not defined with {option} (the KL runs over every key of "
-                                 f"the batch); leave one of them unset")
+                                 f"the batch, on the whole embeddings); leave one of them unset")
         if self.label_smoothing:
             source = ("label_smoothing" if args.label_smoothing is not None else
                       f"{type(unwrap_model(self.model)).__name__}'s own loss (label_smoothing=None)")
@@ -350,13 +350,20 @@ class InfCLTrainer(Trainer):
                     process_group=process_group, backend=self.args.loss_backend,
                     precision=self.args.precision,
                 )
+            objectives = Objectives(self.args.group_positives, self.args.false_negative_margin,
+                                    self.args.false_negative_strategy)
+            if self.args.matryoshka_dims is not None:
+                return _matryoshka_loss(
+                    rows.to(dtype), cols.to(dtype), scale, bias, None, groups, groups, process_group,
+                    self.loss_kind, symmetric, "mean", self.args.loss_backend, self.args.precision,
+                    (None, 0.0, None, None), self.label_smoothing, objectives, self.args.matryoshka_dims,
+                    self.args.matryoshka_weights,
+                )
             return _contrastive_loss(
                 rows.to(dtype), cols.to(dtype), scale, bias, positives=None, query_groups=groups,
                 key_groups=groups, process_group=process_group, loss=self.loss_kind, symmetric=symmetric,
                 reduction="mean", backend=self.args.loss_backend, precision=self.args.precision,
-                options_checked=True, label_smoothing=self.label_smoothing,
-                objectives=Objectives(self.args.group_positives, self.args.false_negative_margin,
-                                      self.args.false_negative_strategy),
+                options_checked=True, label_smoothing=self.label_smoothing, objectives=objectives,
             )
 
         return self.family.loss(model, configured_loss, queries, keys, *values)

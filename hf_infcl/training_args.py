@@ -32,6 +32,7 @@ from .ops.options import (
     check_distillation_weight,
     check_false_negative_margin,
     check_label_smoothing,
+    check_matryoshka,
 )
 
 __all__ = ["CHUNK_GRADIENT_SYNCS", "CHUNK_PARAMETER_GATHERS", "FIELD_CHECKS", "TEACHER_COLUMNS",
@@ -243,9 +244,23 @@ class InfCLTrainingArguments(TrainingArguments):
                           "gradient."},
     )
 
+    matryoshka_dims: list[int] | None = field(
+        default=None,
+        metadata={"help": "Matryoshka representation learning: strictly descending prefix widths, e.g. "
+                          "768 512 256 128 64; the loss is the weighted sum of the loss on each prefix of "
+                          "the embeddings, L2-normalised (hf_infcl.contrastive_loss's matryoshka_dims; one "
+                          "loss call per width). None: the loss on the whole embeddings."},
+    )
+    matryoshka_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "With matryoshka_dims: one non-negative weight per width (None: 1 each)."},
+    )
+
     def __post_init__(self):
         for name, check in FIELD_CHECKS.items():  # before TrainingArguments' own work
             check(name, getattr(self, name))
+        # checked together (the widths against the embeddings' at the first loss)
+        check_matryoshka(self.matryoshka_dims, self.matryoshka_weights)
         check_chunking(self.chunk_size, {"offload=True": self.offload,
                                          "chunk_cuda_graphs=True": self.chunk_cuda_graphs})
         super().__post_init__()
