@@ -4,7 +4,8 @@ prefix. The float64 oracle of tests/helpers/oracle_matryoshka.py (the one-pass f
 against finite differences and against the sum of per-prefix losses of the reference backend; every
 backend against it on fresh random inputs over the loss kinds and options (value and the gradients
 of queries, keys, the scale and the bias); one dim equal to the width is the plain loss on
-normalised features; bad input raises before any kernel; two gloo processes with uneven rows equal
+normalised features; the weights scale each term; ``torch.compile(fullgraph=True)`` gives eager's
+numbers; bad input raises before any kernel; two gloo processes with uneven rows equal
 one process on the concatenated batch, and ranks that disagree on the dims all raise;
 sentence-transformers' ``MatryoshkaLoss`` around our loss or MNRL gives the same loss.
 """
