@@ -174,7 +174,7 @@ def _matryoshka_loss(queries, keys, logit_scale, logit_bias, positives, query_gr
                         key_groups, reduction, backend, precision, in_ring=in_ring, check_values=False)
         dims, weights = check_matryoshka(matryoshka_dims, matryoshka_weights, queries.shape[1])
     total = None
-    for index, (dim, weight) in enumerate(zip(dims, weights)):
+    for dim, weight in zip(dims, weights):
         with torch.autocast(queries.device.type, enabled=False):
             prefix_queries = F.normalize(queries[:, :dim], dim=1)
             prefix_keys = F.normalize(keys[:, :dim], dim=1)
@@ -182,7 +182,7 @@ def _matryoshka_loss(queries, keys, logit_scale, logit_bias, positives, query_gr
                                  query_groups, key_groups, process_group, loss, symmetric, reduction, backend,
                                  precision, options_checked=True, hardness=hardness,
                                  label_smoothing=label_smoothing, objectives=objectives,
-                                 matryoshka_term=MatryoshkaTerm(index, len(dims), dim, weight))
+                                 matryoshka_term=MatryoshkaTerm(len(dims), dim, weight))
         if weight != 1.0:
             term = weight * term
         total = term if total is None else total + term

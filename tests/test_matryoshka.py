@@ -4,7 +4,8 @@ prefix. The float64 oracle of tests/helpers/oracle_matryoshka.py (the one-pass f
 against finite differences and against the sum of per-prefix losses of the reference backend; every
 backend against it on fresh random inputs over the loss kinds and options (value and the gradients
 of queries, keys, the scale and the bias); one dim equal to the width is the plain loss on
-normalised features; bad input raises before any kernel; two gloo processes with uneven rows equal
+normalised features; the weights scale each term; ``torch.compile(fullgraph=True)`` gives eager's
+numbers; bad input raises before any kernel; two gloo processes with uneven rows equal
 one process on the concatenated batch, and ranks that disagree on the dims all raise;
 sentence-transformers' ``MatryoshkaLoss`` around our loss or MNRL gives the same loss.
 """
@@ -258,6 +259,25 @@ def test_weights_scale_each_term_and_zero_drops_it():
     assert_close(weighted, 3.0 * parts[0][0] + 0.5 * parts[1][0], 1e-13, "loss")
     for name in ("queries", "keys", "scale"):
         assert_close(weighted_grads[name], 3.0 * parts[0][1][name] + 0.5 * parts[1][1][name], 1e-13, name)
+
+
+def test_compiles_in_one_graph_and_equals_eager():
+    """The slices, the normalisation and the weighted sum are traced around each term's custom op
+    (``hf_infcl.ops.custom_ops``): no graph break, the values and gradients of eager."""
+    case = with_options(make_case(6, 8, 10, (10, 4), (1.0, 0.5), True, seed=21), OPTIONS["softmax-sym"])
+
+    def loss(queries, keys):
+        return contrastive_loss(queries, keys, case["scale"], positives=case["positives"], backend="torch",
+                                matryoshka_dims=case["dims"], matryoshka_weights=case["weights"])
+
+    results = []
+    for fn in (loss, torch.compile(loss, fullgraph=True)):
+        queries, keys = (case[name].clone().requires_grad_() for name in ("queries", "keys"))
+        value = fn(queries, keys)
+        value.backward()
+        results.append((value.detach(), queries.grad, keys.grad))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-12, atol=1e-14)
 
 
 # --------------------------------------------------------------------------------------------

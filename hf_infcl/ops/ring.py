@@ -91,8 +91,7 @@ _LAYOUT_FIELDS = (
     "ok", "rows", "keys", "width", "dtype", "loss", "columns", "precision", "device_type",
     "has_bias", "has_groups", "reduction", "hardness", "hardness_strength", "label_smoothing",
     "group_positives", "filters", "false_negative_margin", "false_negative_strategy", "guide_width",
-    "teacher_width", "distillation_weight", "matryoshka_dims", "matryoshka_term", "matryoshka_dim",
-    "matryoshka_weight",
+    "teacher_width", "distillation_weight", "matryoshka_dims", "matryoshka_dim", "matryoshka_weight",
 )
 # the others are small integers
 _FLOAT_FIELDS = ("hardness_strength", "label_smoothing", "false_negative_margin", "distillation_weight",
@@ -151,9 +150,9 @@ class MatryoshkaTerm(NamedTuple):
     """Which term of a Matryoshka loss a ring call computes (docs/contract.md, "Matryoshka in one
     call"): the loss makes one call per dim, and the layout exchange of each compares these, so
     that ranks holding other dims or weights raise at the first term where they differ, every rank
-    the same error, instead of making different calls and waiting on each other."""
+    the same error, instead of making different calls and waiting on each other. (Ranks that agree
+    on the terms before a call are at the same term: no index needs to travel.)"""
 
-    index: int  # t, from 0
     count: int  # D, the number of dims
     dim: int  # d_t
     weight: float  # w_t
@@ -260,7 +259,6 @@ def exchange_layout(group, queries, keys, spec: StatsSpec, has_bias: bool, has_g
         "teacher_width": -1 if teacher_width is None else teacher_width,
         "distillation_weight": -1.0 if distillation_weight is None else distillation_weight,
         "matryoshka_dims": 0 if matryoshka_term is None else matryoshka_term.count,
-        "matryoshka_term": -1 if matryoshka_term is None else matryoshka_term.index,
         "matryoshka_dim": -1 if matryoshka_term is None else matryoshka_term.dim,
         "matryoshka_weight": -1.0 if matryoshka_term is None else matryoshka_term.weight,
     }

@@ -48,8 +48,8 @@ def matryoshka_loss(queries, keys, scale, bias=None, *, dims, weights=None, redu
     bounds = dims + (0,)
     segments = [slice(bounds[u + 1], bounds[u]) for u in range(len(dims))]
 
-    # The K-loop: each segment's raw dots and squared norms, added into every prefix covering it
-    # (the narrowest prefix first, as the segments come from the right).
+    # The K-loop over the columns from 0: each segment's raw dots and squared norms added to the
+    # running sums, which are prefix t's once the loop has passed column d_t - 1.
     dots, query_sq, key_sq = [], [], []
     running = (0.0, 0.0, 0.0)
     for segment in reversed(segments):
