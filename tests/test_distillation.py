@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import hf_infcl
 from hf_infcl import TorchTiles, contrastive_distillation_loss, contrastive_loss
+from tests.helpers.oracle import central_differences
 from tests.helpers.oracle_distillation import distillation_loss
 
 # Small tiles, so that every statistic is merged across tiles in both directions.
@@ -81,21 +82,12 @@ def test_oracle_gradients_are_the_finite_differences_of_its_value(symmetric, wei
     case = make_case(4, 6, 3, 2, True, seed=11)
     options = dict(symmetric=symmetric, distillation_weight=weight, reduction="mean")
     _, grads = oracle(case, **options)
-    step = 1e-6
 
     def value(**changed):
         return oracle({**case, **changed}, **options)[0]
 
-    for name in ("queries", "keys"):
-        numeric = np.zeros_like(grads[name])
-        for index in np.ndindex(numeric.shape):
-            bump = torch.zeros_like(case[name])
-            bump[index] = step
-            difference = value(**{name: case[name] + bump}) - value(**{name: case[name] - bump})
-            numeric[index] = difference / (2 * step)
-        assert_close(grads[name], numeric, 1e-7, name)
-    numeric_scale = (value(scale=case["scale"] + step) - value(scale=case["scale"] - step)) / (2 * step)
-    assert_close(grads["scale"], numeric_scale, 1e-7, "scale")
+    for name in ("queries", "keys", "scale"):
+        assert_close(grads[name], central_differences(value, case, name), 1e-7, name)
 
 
 # --------------------------------------------------------------------------------------------

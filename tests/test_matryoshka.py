@@ -24,7 +24,9 @@ import torch.nn.functional as F
 
 from hf_infcl import TorchTiles, contrastive_loss
 from tests.helpers import matryoshka_ring_workers as ring_workers
+from tests.helpers.oracle import central_differences
 from tests.helpers.oracle_matryoshka import matryoshka_loss
+from tests.test_ring import assert_same_error_everywhere
 
 # Small tiles, so that every statistic is merged across tiles in both directions.
 SMALL_TILES = TorchTiles(tile_rows=3, tile_keys=4)
@@ -151,22 +153,12 @@ def test_oracle_gradients_are_the_finite_differences_of_its_value(option):
     case = with_options(make_case(4, 6, 7, (7, 4, 1), (1.0, 0.5, 2.0), True, seed=seed_of("fd", option)),
                         OPTIONS[option])
     _, grads = oracle(case)
-    step = 1e-6
 
     def value(**changed):
         return oracle({**case, **changed})[0]
 
-    for name in ("queries", "keys"):
-        numeric = np.zeros_like(grads[name])
-        for index in np.ndindex(numeric.shape):
-            bump = torch.zeros_like(case[name])
-            bump[index] = step
-            difference = value(**{name: case[name] + bump}) - value(**{name: case[name] - bump})
-            numeric[index] = difference / (2 * step)
-        assert_close(grads[name], numeric, 1e-7, name)
-    for name in ("scale", "bias") if case["bias"] is not None else ("scale",):
-        numeric = (value(**{name: case[name] + step}) - value(**{name: case[name] - step})) / (2 * step)
-        assert_close(grads[name], numeric, 1e-7, name)
+    for name in ("queries", "keys", "scale", *(("bias",) if case["bias"] is not None else ())):
+        assert_close(grads[name], central_differences(value, case, name), 1e-7, name)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -414,9 +406,7 @@ SAME_ERROR_EVERYWHERE = {
 
 @pytest.mark.parametrize("case", sorted(SAME_ERROR_EVERYWHERE))
 def test_ranks_disagreeing_on_the_dims_all_raise_the_same_error(ranks, case):
-    raised = [result["raised"][case] for result in ranks]
-    assert raised[0] == raised[1], f"ranks raised different errors: {raised}"
-    assert raised[0][0] == "ValueError" and SAME_ERROR_EVERYWHERE[case] in raised[0][1], raised[0]
+    assert_same_error_everywhere(ranks, case, SAME_ERROR_EVERYWHERE[case])
 
 
 def test_one_rank_rejecting_its_dims_stops_every_rank(ranks):

@@ -19,34 +19,21 @@ from tests.helpers.trainer_fixtures import (
     PairDataset,
     clip_batch,
     one_thread,  # noqa: F401  (fixture)
-    pair_text_batch,
     tiny_clip,
-    tiny_dual_encoder,
     tiny_siglip,
     trained_parameters,
     trainer_arguments,
 )
+from tests.test_trainer_distillation import MODELS as DISTILLATION_MODELS
+from tests.test_trainer_distillation import ROWS, STEPS, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROWS = 12
-# SGD without clipping or schedule: the float64 loop below takes the same steps
-STEPS = dict(per_device_train_batch_size=ROWS, max_steps=2, optim="sgd", learning_rate=0.5,
-             lr_scheduler_type="constant", max_grad_norm=0.0)
-MODELS = {
-    "clip": (lambda: tiny_clip(dropout=0.0), lambda: clip_batch(ROWS)),
-    "siglip": (tiny_siglip, lambda: clip_batch(ROWS)),
-    "dual-encoder": (lambda: tiny_dual_encoder(shared=False, dropout=0.0), lambda: pair_text_batch(ROWS)),
-}
+# The same steps and models as the distillation tests (SGD without clipping or schedule, so that the
+# float64 loop below takes the same steps), and SigLIP for the sigmoid loss.
+MODELS = {**DISTILLATION_MODELS, "siglip": (tiny_siglip, lambda: clip_batch(ROWS))}
 # The tiny CLIP embeds in 8 dimensions, SigLIP and the dual encoder in 16.
 DIMS, WEIGHTS = [8, 4, 2], [1.0, 0.5, 2.0]
-
-
-def train(path, model, columns, **settings):
-    trainer = InfCLTrainer(model=model, args=trainer_arguments(path, **STEPS, **settings),
-                           train_dataset=PairDataset(columns))
-    trainer.train()
-    return trainer
 
 
 def float64_steps(model, columns, dims, weights, steps: int = 2, learning_rate: float = 0.5):

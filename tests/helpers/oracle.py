@@ -203,3 +203,19 @@ def directions_loss(queries, doc_columns, scale, directions, partition_mode, har
         total -= logit(positive) / batch
         add_gradient(positive, -1.0 / batch)
     return total, {"queries": grads["query"], "docs": grads["doc"]}
+
+
+def central_differences(value, case: dict, name: str, step: float = 1e-6):
+    """The numerical gradient of ``value(**{name: ...})`` (a float) at ``case[name]``, a tensor or a
+    scalar, by central differences of ``step``: what an oracle's analytic gradient is checked against."""
+    import torch
+
+    point = case[name]
+    if not torch.is_tensor(point):
+        return (value(**{name: point + step}) - value(**{name: point - step})) / (2 * step)
+    numeric = np.zeros(tuple(point.shape))
+    for index in np.ndindex(numeric.shape):
+        bump = torch.zeros_like(point)
+        bump[index] = step
+        numeric[index] = (value(**{name: point + bump}) - value(**{name: point - bump})) / (2 * step)
+    return numeric
