@@ -554,10 +554,10 @@ class InfCLLoss(nn.Module):
     The options are checked once, here, and held as a frozen :class:`LossOptions` (``.options``);
     ``.loss``, ``.symmetric``, ``.reduction``, ``.backend`` and ``.precision`` read it, and
     assigning one of them replaces it with a checked copy. ``.label_smoothing``,
-    ``.group_positives``, ``.false_negative_margin`` and ``.false_negative_strategy`` are plain
-    attributes, checked here and with the other arguments on every call; ``forward`` takes the
-    score filter's guide tensors. (Not to be confused with ``hf_infcl.losses.InfCLLoss``, the
-    sentence-transformers loss, which takes a model.)
+    ``.group_positives``, ``.false_negative_margin``, ``.false_negative_strategy``,
+    ``.matryoshka_dims`` and ``.matryoshka_weights`` are plain attributes, checked here and with the
+    other arguments on every call; ``forward`` takes the score filter's guide tensors. (Not to be
+    confused with ``hf_infcl.losses.InfCLLoss``, the sentence-transformers loss, which takes a model.)
     """
 
     loss = OptionAttribute()
@@ -581,8 +581,11 @@ class InfCLLoss(nn.Module):
         group_positives: GroupPositives | None = None,
         false_negative_margin: float | None = None,
         false_negative_strategy: FalseNegativeStrategy = "absolute",
+        matryoshka_dims: Sequence[int] | None = None,
+        matryoshka_weights: Sequence[float] | None = None,
     ):
         super().__init__()
+        check_matryoshka(matryoshka_dims, matryoshka_weights)  # the widths against the features' per call
         self.options = LossOptions(loss=loss, symmetric=symmetric, reduction=reduction, backend=backend,
                                    precision=precision)
         false_negative_margin = check_objective_options(group_positives, false_negative_margin,
@@ -592,6 +595,8 @@ class InfCLLoss(nn.Module):
         self.group_positives = group_positives
         self.false_negative_margin = false_negative_margin
         self.false_negative_strategy = false_negative_strategy
+        self.matryoshka_dims = matryoshka_dims
+        self.matryoshka_weights = matryoshka_weights
         self.logit_scale = logit_scale
         self.logit_bias = logit_bias
         self.process_group = process_group
@@ -599,24 +604,20 @@ class InfCLLoss(nn.Module):
     def forward(self, queries, keys, logit_scale=None, logit_bias=None, positives=None,
                 query_groups=None, key_groups=None, guide_queries=None, guide_keys=None):
         options = self.options  # checked when built: not again on every call
+        scale = self.logit_scale if logit_scale is None else logit_scale
+        bias = self.logit_bias if logit_bias is None else logit_bias
+        objectives = Objectives(self.group_positives, self.false_negative_margin,
+                                self.false_negative_strategy, guide_queries, guide_keys)
+        if self.matryoshka_dims is not None or self.matryoshka_weights is not None:
+            return _matryoshka_loss(queries, keys, scale, bias, positives, query_groups, key_groups,
+                                    self.process_group, options.loss, options.symmetric, options.reduction,
+                                    options.backend, options.precision, (None, 0.0, None, None),
+                                    self.label_smoothing, objectives, self.matryoshka_dims,
+                                    self.matryoshka_weights)
         return _contrastive_loss(
-            queries,
-            keys,
-            self.logit_scale if logit_scale is None else logit_scale,
-            self.logit_bias if logit_bias is None else logit_bias,
-            positives,
-            query_groups,
-            key_groups,
-            self.process_group,
-            options.loss,
-            options.symmetric,
-            options.reduction,
-            options.backend,
-            options.precision,
-            options_checked=True,
-            label_smoothing=self.label_smoothing,
-            objectives=Objectives(self.group_positives, self.false_negative_margin,
-                                  self.false_negative_strategy, guide_queries, guide_keys),
+            queries, keys, scale, bias, positives, query_groups, key_groups, self.process_group, options.loss,
+            options.symmetric, options.reduction, options.backend, options.precision, options_checked=True,
+            label_smoothing=self.label_smoothing, objectives=objectives,
         )
 
     def extra_repr(self) -> str:
@@ -628,6 +629,10 @@ class InfCLLoss(nn.Module):
         if self.false_negative_margin is not None:
             extra += (f", false_negative_margin={self.false_negative_margin}, "
                       f"false_negative_strategy={self.false_negative_strategy!r}")
+        if self.matryoshka_dims is not None:
+            extra += f", matryoshka_dims={tuple(self.matryoshka_dims)}"
+            if self.matryoshka_weights is not None:
+                extra += f", matryoshka_weights={tuple(self.matryoshka_weights)}"
         return (
             f"loss={self.loss!r}, symmetric={self.symmetric}, reduction={self.reduction!r}, "
             f"backend={self.backend!r}{extra}"

@@ -253,6 +253,24 @@ def test_weights_scale_each_term_and_zero_drops_it():
         assert_close(weighted_grads[name], 3.0 * parts[0][1][name] + 0.5 * parts[1][1][name], 1e-13, name)
 
 
+def test_the_module_takes_the_dims_as_the_function_does():
+    import hf_infcl
+
+    case = make_case(5, 8, 10, (10, 6, 2), None, True, seed=4)
+    dims, weights = (10, 6, 2), (1.0, 0.5, 2.0)
+    module = hf_infcl.InfCLLoss(logit_scale=case["scale"], backend=SMALL_TILES, matryoshka_dims=dims,
+                                matryoshka_weights=weights)
+    assert "matryoshka_dims=(10, 6, 2), matryoshka_weights=(1.0, 0.5, 2.0)" in repr(module)
+    expected = contrastive_loss(case["queries"], case["keys"], case["scale"], positives=case["positives"],
+                                backend=SMALL_TILES, matryoshka_dims=dims, matryoshka_weights=weights)
+    assert module(case["queries"], case["keys"], positives=case["positives"]).item() == expected.item()
+    module.matryoshka_dims = (11, 6, 2)  # assigned later: checked against the width at the call
+    with pytest.raises(ValueError, match="has a width above the features' width 10"):
+        module(case["queries"], case["keys"], positives=case["positives"])
+    with pytest.raises(ValueError, match="^matryoshka_dims must be strictly descending"):
+        hf_infcl.InfCLLoss(matryoshka_dims=(2, 4))
+
+
 def test_compiles_in_one_graph_and_equals_eager():
     """The slices, the normalisation and the weighted sum are traced around each term's custom op
     (``hf_infcl.ops.custom_ops``): no graph break, the values and gradients of eager."""
