@@ -10,7 +10,7 @@ import logging
 import multiprocessing
 import time
 
-from hf_infcl.ops.triton.tuning_store import TuningStore, tuning_key
+from hf_infcl.ops.triton.tuning_store import SHIPPED_DIRECTORY, TuningStore, file_name, tuning_key
 
 
 class _Config:
@@ -184,3 +184,68 @@ def test_processes_tune_different_keys_side_by_side_and_both_are_saved(tmp_path)
     assert outcomes == [("first", True, 1), ("second", True, 1)]
     saved = json.loads(TuningStore(tmp_path).path("NVIDIA H100 80GB HBM3", "3.6.0").read_text())
     assert sorted(saved["grad_tile"]) == sorted(repr(key) for key in keys)
+
+
+def _ship(folder, key, choice, kernel="grad_tile", device="NVIDIA H100 80GB HBM3", version="3.6.0"):
+    """A shipped file holding ``choice`` for ``key``, as the package ships them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    entry = {"kwargs": dict(choice.kwargs), "num_warps": choice.num_warps, "num_stages": choice.num_stages}
+    (folder / file_name(device, version)).write_text(json.dumps({kernel: {repr(key): entry}}))
+
+
+def test_a_shipped_configuration_loads_without_tuning(tmp_path, caplog):
+    key, shipped = (768, 2, "torch.bfloat16"), _Config({"BLOCK_M": 256, "BLOCK_N": 64}, num_warps=8)
+    _ship(tmp_path / "shipped", key, shipped)
+    tuner = _Tuner()
+    with caplog.at_level(logging.WARNING, logger="hf_infcl"):
+        _run(TuningStore(tmp_path / "store", shipped=tmp_path / "shipped"), tuner, key)
+    assert tuner.tunings == 0 and tuner.cache[key] == shipped
+    assert not caplog.records
+    # another key, device or Triton version is not in it: those tune
+    for other in [dict(key=(512, 2, "torch.bfloat16")), dict(device="NVIDIA H200"), dict(version="3.7.0")]:
+        tuner, store = _Tuner(), TuningStore(tmp_path / "store", shipped=tmp_path / "shipped")
+        _run(store, tuner, other.pop("key", key), **other)
+        assert tuner.tunings == 1, other
+
+
+def test_the_machines_own_choice_comes_before_the_shipped_one_and_retune_ignores_both(tmp_path):
+    key = (768, 2, "torch.bfloat16")
+    _ship(tmp_path / "shipped", key, _Config({"BLOCK_M": 256}))
+    own = _Config({"BLOCK_M": 32})
+    _run(TuningStore(tmp_path / "store", shipped=None), _Tuner(choice=own), key)
+    tuner = _Tuner()
+    _run(TuningStore(tmp_path / "store", shipped=tmp_path / "shipped"), tuner, key)
+    assert tuner.tunings == 0 and tuner.cache[key] == own
+    store = TuningStore(tmp_path / "store", shipped=tmp_path / "shipped")
+    store.retune()
+    tuner = _Tuner()
+    _run(store, tuner, key)
+    assert tuner.tunings == 1
+
+
+def test_an_unreadable_shipped_file_is_no_file(tmp_path):
+    key = (768, 2, "torch.bfloat16")
+    (tmp_path / "shipped").mkdir()
+    (tmp_path / "shipped" / file_name("NVIDIA H100 80GB HBM3", "3.6.0")).write_text("{not json")
+    tuner = _Tuner()
+    _run(TuningStore(tmp_path / "store", shipped=tmp_path / "shipped"), tuner, key)
+    assert tuner.tunings == 1
+
+
+def test_the_package_ships_configurations_of_the_current_kernels():
+    """Every shipped file is named as the store names its files, holds kernels of the current
+    revision (an older revision's entries would never be read) and whole configurations."""
+    from hf_infcl.ops.triton.launch import KERNEL_REVISION
+
+    files = sorted(SHIPPED_DIRECTORY.glob("*.json"))
+    assert files, f"nothing shipped in {SHIPPED_DIRECTORY}"
+    for path in files:
+        device, version = path.stem.split("--triton-")
+        assert path.name == file_name(device, version)
+        table = json.loads(path.read_text())
+        assert table
+        for kernel, entries in table.items():
+            assert kernel.endswith(f"-r{KERNEL_REVISION}"), (path.name, kernel)
+            for entry, saved in entries.items():
+                assert entry.startswith("(") and isinstance(saved["num_warps"], int), (path.name, entry)
+                assert {"BLOCK_M", "BLOCK_N", "BLOCK_K"} <= saved["kwargs"].keys(), (path.name, entry)

@@ -14,6 +14,11 @@ the file's read-modify-write is serialised.
 
 The cache folder is ``$HF_INFCL_CACHE`` or ``~/.cache/hf_infcl`` (``$XDG_CACHE_HOME/hf_infcl``
 where that is set). If it cannot be written, tuning stays in memory, with one warning.
+
+The package also ships configurations tuned on the GPUs the project is measured on
+(``shipped_tuning/`` beside this file, the same files), read when the machine's own store lacks a
+key: there, a first call loads instead of tuning. The machine's own choices come first, and
+``retune`` ignores both.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ import time
 from pathlib import Path
 
 logger = logging.getLogger("hf_infcl")
+
+
+# The configurations the package ships, one file per device name and Triton version.
+SHIPPED_DIRECTORY = Path(__file__).with_name("shipped_tuning")
 
 
 def default_directory() -> Path:
@@ -57,10 +66,14 @@ class TuningStore:
     Args:
         directory: the folder of the JSON files (default: :func:`default_directory`, read when
             first needed).
+        shipped: the folder of the package's read-only files of the same names
+            (:data:`SHIPPED_DIRECTORY`; None: none).
     """
 
-    def __init__(self, directory: str | os.PathLike | None = None):
+    def __init__(self, directory: str | os.PathLike | None = None,
+                 shipped: str | os.PathLike | None = SHIPPED_DIRECTORY):
         self._directory = None if directory is None else Path(directory)
+        self._shipped = None if shipped is None else Path(shipped)
         self._retune = False
         self._warned = False
 
@@ -70,8 +83,7 @@ class TuningStore:
 
     def path(self, device_name: str, triton_version: str) -> Path:
         """The file of one device name and Triton version."""
-        slug = re.sub(r"[^A-Za-z0-9.]+", "-", device_name).strip("-") or "device"
-        return self.directory / f"{slug}--triton-{triton_version}.json"
+        return self.directory / file_name(device_name, triton_version)
 
     def retune(self) -> None:
         """From now on in this process, tune every key again on its first launch (and save the new
@@ -88,7 +100,10 @@ class TuningStore:
             return
         path = self.path(device_name, triton_version)
         entry = repr(key)
-        if not self._retune and self._load(tuner, kernel, entry, key, path, config_type):
+        shipped = None if self._shipped is None else self._shipped / file_name(device_name, triton_version)
+        if not self._retune and (self._load(tuner, kernel, entry, key, path, config_type) or
+                                 (shipped is not None and self._load(tuner, kernel, entry, key, shipped,
+                                                                     config_type))):
             yield
             return
         try:
@@ -142,6 +157,12 @@ class TuningStore:
         if not self._warned:
             self._warned = True
             logger.warning("hf_infcl: %s", message)
+
+
+def file_name(device_name: str, triton_version: str) -> str:
+    """The name of the file of one device name and Triton version (in the store and shipped)."""
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", device_name).strip("-") or "device"
+    return f"{slug}--triton-{triton_version}.json"
 
 
 def _key_lock_path(path: Path, kernel: str, entry: str) -> Path:
