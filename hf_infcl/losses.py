@@ -806,8 +806,8 @@ class FrozenModelColumnsMixin:
         """Move the second model to the device of the features it embeds. The Trainer moves the loss,
         and the second model with it, to the model's device when it is built; under FSDP2 and
         DeepSpeed that is still the CPU, and only the trained model moves to the GPU later."""
-        device = next(value.device for value in features.values() if isinstance(value, Tensor))
-        if self.frozen_model.device != device:
+        device = next((value.device for value in features.values() if isinstance(value, Tensor)), None)
+        if device is not None and self.frozen_model.device != device:
             self.frozen_model.to(device)
 
     def _frozen_features(self, features: dict[str, Any]) -> dict[str, Any]:
