@@ -44,6 +44,7 @@ import warnings
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import EvalLoopContainer, find_batch_size, nested_detach
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
@@ -672,7 +673,9 @@ class InfCLTrainer(Trainer):
         return eval_set
 
     def _retrieval_metrics(self, eval_set: _EvalSet, metric_key_prefix: str) -> dict[str, float]:
-        """Recall@1/5/10 and MRR in both directions over the whole eval set (``hf_infcl.metrics``)."""
+        """Recall@1/5/10 and MRR in both directions over the whole eval set (``hf_infcl.metrics``);
+        with ``matryoshka_dims``, also of each width's L2-normalised prefixes (``..._dim64_mrr``),
+        the embeddings that width serves."""
         # A retrieved key is a hit when it is the row's positive or in the positive's group: the
         # group column's, else the keys with the positive's inputs (hf_infcl.metrics).
         if eval_set.groups is None:
@@ -687,6 +690,10 @@ class InfCLTrainer(Trainer):
         for direction, (rows, cols, ids) in directions.items():
             metrics.update(retrieval_metrics(rows, cols, ids, ids, block_rows=self.args.eval_block_rows,
                                              prefix=f"{metric_key_prefix}_{direction}_"))
+            for dim in self.args.matryoshka_dims or ():
+                prefixes = F.normalize(rows[:, :dim], dim=1), F.normalize(cols[:, :dim], dim=1)
+                metrics.update(retrieval_metrics(*prefixes, ids, ids, block_rows=self.args.eval_block_rows,
+                                                 prefix=f"{metric_key_prefix}_{direction}_dim{dim}_"))
         return metrics
 
     def _label_ids(self, batch):

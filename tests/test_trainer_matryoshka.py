@@ -120,3 +120,26 @@ def test_the_command_line_takes_the_widths(tmp_path):
     (args,) = HfArgumentParser(InfCLTrainingArguments).parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path), "--matryoshka_dims", "64", "32", "--matryoshka_weights", "1", "0.5"])
     assert (args.matryoshka_dims, args.matryoshka_weights) == ([64, 32], [1.0, 0.5])
+
+
+def test_evaluation_reports_each_widths_retrieval_metrics(tmp_path):
+    """Beside the whole embeddings' metrics, each width's, of the L2-normalised prefixes: what the
+    width serves at inference."""
+    from hf_infcl.metrics import retrieval_metrics
+
+    model, columns = tiny_clip(dropout=0.0), clip_batch(ROWS, seed=5)
+    trainer = InfCLTrainer(model=model, args=trainer_arguments(tmp_path, **STEPS, matryoshka_dims=[8, 4, 2]),
+                           eval_dataset=PairDataset(columns))
+    metrics = trainer.evaluate()
+    with torch.no_grad():
+        images, texts = model_family(model).encode_pairs(model, columns)
+    ids = torch.arange(ROWS)
+    for dim in (8, 4, 2):
+        expected = retrieval_metrics(F.normalize(images[:, :dim], dim=1), F.normalize(texts[:, :dim], dim=1),
+                                     ids, ids, prefix=f"eval_image_to_text_dim{dim}_")
+        for name, value in expected.items():
+            assert metrics[name] == pytest.approx(value), name
+        assert f"eval_text_to_image_dim{dim}_mrr" in metrics
+    # the narrowest prefix ranks differently from the whole embedding (the metrics say something)
+    assert any(metrics[f"eval_image_to_text_dim2_{name}"] != metrics[f"eval_image_to_text_{name}"]
+               for name in ("mrr", "recall@1"))
