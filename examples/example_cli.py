@@ -229,6 +229,7 @@ class Rule:
 
 
 POSITIVE = Rule(lambda v: v > 0, "> 0")
+FINITE = Rule(math.isfinite, "a finite number")
 NON_NEGATIVE = Rule(lambda v: v >= 0, ">= 0")
 RATIO = Rule(lambda v: 0 <= v <= 1, "between 0 and 1")
 BELOW_ONE = Rule(lambda v: 0 <= v < 1, ">= 0 and < 1")

@@ -14,7 +14,19 @@ import torch
 
 from hf_infcl.metrics import relevant_ranks, retrieval_metrics
 
-__all__ = ["embed_texts", "relevant_ranks", "retrieval_metrics", "zero_shot_accuracy"]
+__all__ = ["embed_texts", "relevant_ranks", "retrieval_metrics", "retrieval_metrics_at_widths",
+           "zero_shot_accuracy"]
+
+
+def retrieval_metrics_at_widths(queries, docs, query_ids, doc_ids, widths, ks=(1, 10)) -> dict[str, float]:
+    """``retrieval_metrics`` of the whole embeddings, and for each of ``widths`` (Matryoshka
+    training's) of their prefixes of that width, L2-normalised: ``dim64_mrr``, ..."""
+    metrics = retrieval_metrics(queries, docs, query_ids, doc_ids, ks=ks)
+    for width in widths:
+        prefixes = [torch.nn.functional.normalize(side[:, :width], dim=1) for side in (queries, docs)]
+        at_width = retrieval_metrics(*prefixes, query_ids, doc_ids, ks=ks)
+        metrics.update({f"dim{width}_{name}": value for name, value in at_width.items()})
+    return metrics
 
 
 def zero_shot_accuracy(image_embeds, class_text_embeds, labels) -> float:

@@ -61,7 +61,7 @@ from example_cli import (
     parse_with_defaults,
     preset_defaults,
 )
-from retrieval_metrics import embed_texts, retrieval_metrics
+from retrieval_metrics import embed_texts, retrieval_metrics_at_widths
 from text_outputs import finish_run, resume_checkpoint, save_results_and_card, train_and_evaluate
 from text_pairs import TEXT_EXAMPLE_RULES, TEXT_TRAINING_DEFAULTS, TextPairArguments, TextPairs
 
@@ -173,8 +173,9 @@ def as_items(pairs):
 
 
 @torch.no_grad()
-def evaluate_retrieval(model, tokenizer, pairs, batch_size=256, max_length=64, device=None):
-    """recall@1/10 and MRR of each held-out query's passage among all distinct held-out passages."""
+def evaluate_retrieval(model, tokenizer, pairs, batch_size=256, max_length=64, device=None, widths=()):
+    """recall@1/10 and MRR of each held-out query's passage among all distinct held-out passages;
+    for each of ``widths`` also of the embeddings' prefixes of that width, re-normalised."""
     device = device or next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -189,7 +190,7 @@ def evaluate_retrieval(model, tokenizer, pairs, batch_size=256, max_length=64, d
     docs = embed(passages, model.encode_docs, "doc")
     query_ids = torch.tensor([passage_id[p] for _, p in pairs], device=device)
     passage_ids = torch.arange(len(passages), device=device)
-    metrics = retrieval_metrics(queries, docs, query_ids, passage_ids, ks=(1, 10))
+    metrics = retrieval_metrics_at_widths(queries, docs, query_ids, passage_ids, widths)
     model.train(was_training)
     return metrics
 
@@ -279,7 +280,8 @@ def main(argv=None):
     )
 
     evaluate = lambda: evaluate_retrieval(  # noqa: E731
-        model, tokenizer, data.held_out, script_args.eval_batch_size, script_args.max_seq_length, args.device
+        model, tokenizer, data.held_out, script_args.eval_batch_size, script_args.max_seq_length, args.device,
+        args.matryoshka_dims or (),
     )
     before, after, train_seconds = train_and_evaluate(trainer, evaluate, say, resume_from)
 

@@ -33,6 +33,11 @@ is the same architecture at hidden 64 and 2 layers, for CI. A preset's defaults 
 where supported, gradient checkpointing, the query prompt ``--query_prompt``) give way to any flag
 given.
 
+Today's embedder recipes: ``--margin 0.1`` (``--margin_strategy``) leaves out of each query's
+negatives the passages the model itself scores within the margin of its positive (GISTEmbedLoss's
+filter, the model its own guide); ``--matryoshka_dims 384 128 32`` wraps the loss in
+sentence-transformers' ``MatryoshkaLoss`` and scores the held-out split at each width too.
+
 With no arguments: 1024 training pairs, 16 steps of 64, 1000 held out (under a minute on a
 2-core CPU). Every ``SentenceTransformerTrainingArguments`` flag works (``--learning_rate``,
 ``--max_steps``, ``--bf16``, ``--push_to_hub``, ...), plus ``--precision`` of the loss. Numeric
@@ -52,18 +57,26 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from hf_infcl.ops.options import PRECISIONS, Precision
+from hf_infcl.ops.options import (
+    FALSE_NEGATIVE_STRATEGIES,
+    PRECISIONS,
+    FalseNegativeStrategy,
+    Precision,
+    check_matryoshka,
+)
 
 from decoder_text import RETRIEVAL_INSTRUCTION, end_texts_with_eos, train_bpe_tokenizer
 from example_cli import (
+    FINITE,
     POSITIVE,
     HubPush,
     argument_parser,
     close_process_group,
+    fail,
     parse_with_defaults,
     preset_defaults,
 )
-from retrieval_metrics import retrieval_metrics
+from retrieval_metrics import retrieval_metrics_at_widths
 from text_outputs import finish_run, resume_checkpoint, save_results_and_card, train_and_evaluate
 from text_pairs import TEXT_EXAMPLE_RULES, TEXT_TRAINING_DEFAULTS, TextPairArguments
 
@@ -122,6 +135,26 @@ class ScriptArguments(TextPairArguments):
     eval_batch_size: int = field(
         default=256, metadata={"help": "Texts per batch when scoring the held-out split."}
     )
+    margin: float | None = field(
+        default=None,
+        metadata={"help": "Leave out of each query's negatives the passages the model itself scores above "
+                  "its positive's cosine minus this margin (GISTEmbedLoss's filter with the model as its own "
+                  "guide, as Qwen3-Embedding trains). None: off."},
+    )
+    margin_strategy: FalseNegativeStrategy = field(
+        default="absolute",
+        metadata={"help": f"How --margin applies, one of {', '.join(FALSE_NEGATIVE_STRATEGIES)}: the "
+                  "positive's score minus the margin, or minus |score| times the margin."},
+    )
+    matryoshka_dims: list[int] | None = field(
+        default=None,
+        metadata={"help": "Matryoshka representation learning: strictly descending widths, e.g. 384 256 128 "
+                  "64; the loss is wrapped in sentence-transformers' MatryoshkaLoss (the loss of each "
+                  "truncated embedding, summed), and the held-out split is scored at each width too."},
+    )
+
+    def __post_init__(self):
+        check_matryoshka(self.matryoshka_dims, None, names=("--matryoshka_dims", "--matryoshka_weights"))
 
 
 # What every numeric flag must be (checked before any work; a test holds this complete).
@@ -130,6 +163,7 @@ NUMERIC_RULES = {
     "scale": POSITIVE,
     "mini_batch_size": POSITIVE,
     "eval_batch_size": POSITIVE,
+    "margin": FINITE,
 }
 
 # Example-friendly defaults (the parser's own: any flag given on the command line wins).
@@ -145,9 +179,10 @@ def side_prompts(model) -> dict[str, str]:
 
 
 @torch.no_grad()
-def evaluate_retrieval(model, pairs, batch_size=256):
+def evaluate_retrieval(model, pairs, batch_size=256, dims=()):
     """recall@1/10 and MRR of each held-out query's passage among all distinct held-out passages,
-    each side with its prompt (:func:`side_prompts`)."""
+    each side with its prompt (:func:`side_prompts`); for each width of ``dims`` also of the
+    embeddings truncated to it and re-normalised (``dim64_mrr``, ...)."""
     passages = list(dict.fromkeys(p for _, p in pairs))
     passage_id = {p: i for i, p in enumerate(passages)}
     prompts = side_prompts(model)
@@ -159,7 +194,7 @@ def evaluate_retrieval(model, pairs, batch_size=256):
     queries, docs = embed([q for q, _ in pairs], "anchor"), embed(passages, "positive")
     query_ids = torch.tensor([passage_id[p] for _, p in pairs], device=docs.device)
     passage_ids = torch.arange(len(passages), device=docs.device)
-    return retrieval_metrics(queries, docs, query_ids, passage_ids, ks=(1, 10))
+    return retrieval_metrics_at_widths(queries, docs, query_ids, passage_ids, dims)
 
 
 def build_parser():
@@ -308,7 +343,19 @@ def main(argv=None):
         mini_batch_size=script_args.mini_batch_size,
         precision=script_args.precision,
         gather_across_devices=True,  # negatives from every process: the contrastive batch is global
+        margin=script_args.margin,
+        margin_strategy=script_args.margin_strategy,
     )
+    dims = script_args.matryoshka_dims or ()
+    if dims:
+        from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
+
+        try:  # the widths against the model's, now that it is loaded
+            check_matryoshka(dims, None, model.get_embedding_dimension(),
+                             names=("--matryoshka_dims", "--matryoshka_weights"))
+        except ValueError as error:
+            fail(str(error))
+        loss = MatryoshkaLoss(model, loss, matryoshka_dims=list(dims))
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=loss)
     if trainer.is_fsdp_enabled:  # Normalize ends every model here
         leave_parameterless_norms_to_the_fsdp2_root()
@@ -329,7 +376,7 @@ def main(argv=None):
 
     def evaluate():
         with whole_parameters(model, dtensors=False):  # every process evaluates, so every process gathers
-            return evaluate_retrieval(model, data.held_out, script_args.eval_batch_size)
+            return evaluate_retrieval(model, data.held_out, script_args.eval_batch_size, dims)
 
     before, after, train_seconds = train_and_evaluate(trainer, evaluate, say, resume_from)
 

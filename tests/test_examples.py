@@ -271,6 +271,12 @@ BAD_NUMBERS = [
      "--preset must be one of qwen3-0.6b, qwen3-tiny; got 'qwen9'"),
     ("train_sentence_transformer", ["--precision", "fp8"],
      "--precision must be one of 'auto', 'tf32', 'ieee'; got 'fp8'"),
+    ("train_sentence_transformer", ["--margin", "nan"], "--margin must be a finite number, got nan"),
+    ("train_sentence_transformer", ["--margin_strategy", "cosine"],
+     "--margin_strategy must be one of 'absolute', 'relative'; got 'cosine'"),
+    ("train_sentence_transformer", ["--matryoshka_dims", "64", "128"],
+     "--matryoshka_dims must be strictly descending"),
+    ("train_sentence_transformer", ["--matryoshka_dims", "64", "0"], "--matryoshka_dims must be widths >= 1"),
 ]
 
 
@@ -748,6 +754,55 @@ def test_train_sentence_transformer_decoder_preset_runs_end_to_end(tmp_path, mon
     assert again["mrr"] == pytest.approx(after["mrr"], abs=1e-4)
     card = (out / "README.md").read_text()
     assert "all-MiniLM" not in card and "trained from random weights" in card
+
+
+def test_train_retriever_scores_each_matryoshka_width(tmp_path):
+    """--matryoshka_dims (the Trainer's) trains the prefixes, and the held-out split is scored at each
+    width too; the whole width's prefix is the normalised embedding (MiniLM's are normalised)."""
+    train_retriever = text_example("train_retriever")
+    before, after = train_retriever.main([
+        "--output_dir", str(tmp_path / "rt"), "--max_train_pairs", "64", "--held_out_pairs", "32",
+        "--per_device_train_batch_size", "32", "--max_steps", "2", "--matryoshka_dims", "384", "64",
+    ])
+    for metrics in (before, after):
+        assert {"dim384_mrr", "dim64_mrr", "dim64_recall@1", "dim64_recall@10"} <= metrics.keys()
+        assert metrics["dim384_mrr"] == pytest.approx(metrics["mrr"], abs=1e-6)
+    assert after != before
+
+
+def test_train_sentence_transformer_with_matryoshka_dims_and_a_margin(tmp_path, monkeypatch, capsys):
+    """--matryoshka_dims wraps InfCLLoss (with --margin's filter) in MatryoshkaLoss, and the held-out
+    split is scored at each width as well, each its truncated, re-normalised embeddings."""
+    train_st = text_example("train_sentence_transformer")
+    import sentence_transformers
+    from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
+
+    seen = {}
+
+    class RecordingTrainer(sentence_transformers.SentenceTransformerTrainer):
+        def train(self, *args, **kwargs):
+            seen["loss"] = self.loss
+            return super().train(*args, **kwargs)
+
+    monkeypatch.setattr(sentence_transformers, "SentenceTransformerTrainer", RecordingTrainer)
+    before, after = train_st.main([
+        "--output_dir", str(tmp_path / "st"), "--max_train_pairs", "64", "--held_out_pairs", "32",
+        "--per_device_train_batch_size", "32", "--max_steps", "2", "--matryoshka_dims", "384", "128", "32",
+        "--margin", "0.1", "--margin_strategy", "relative",
+    ])
+    loss = seen["loss"]
+    assert isinstance(loss, MatryoshkaLoss) and list(loss.matryoshka_dims) == [384, 128, 32]
+    assert (loss.loss.margin, loss.loss.margin_strategy) == (0.1, "relative")
+    for metrics in (before, after):
+        assert {f"dim{dim}_{name}" for dim in (384, 128, 32) for name in ("recall@1", "recall@10", "mrr")} \
+            <= metrics.keys()
+        assert metrics["dim384_mrr"] == pytest.approx(metrics["mrr"], abs=1e-6)  # the whole width
+    assert "dim32_mrr" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as raised:  # a width above the model's 384, once the model is known
+        train_st.main(["--output_dir", str(tmp_path / "wide"), "--max_train_pairs", "64", "--held_out_pairs",
+                       "32", "--max_steps", "1", "--matryoshka_dims", "512", "128"])
+    assert raised.value.code == 2
+    assert "--matryoshka_dims (512, 128) has a width above the features' width 384" in capsys.readouterr().err
 
 
 def test_the_decoder_preset_loads_a_saved_checkpoint(tmp_path, monkeypatch):
