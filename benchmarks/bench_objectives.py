@@ -11,6 +11,13 @@ log-scale, through the public ``hf_infcl.contrastive_loss``:
   filter       ``false_negative_margin=0.1`` on the model's own (detached) similarities
   filter-guide the same with a guide of the same width (a second, frozen embedding of the batch)
 
+and, named in ``--variants`` only (not run by default):
+
+  distill      ``contrastive_distillation_loss`` against a teacher of the same width, half KL and
+               half InfoNCE (``distillation_weight=0.5``)
+  matryoshka   ``matryoshka_dims`` of five widths, c, 2c/3, c/3, c/6 and c/12 (768, 512, 256, 128
+               and 64 at c = 768)
+
 Times are medians of event-synchronised steps after warm-up (the kernels are autotuned in the
 warm-up, as a training run's first step tunes them); memory is the peak above the inputs. The
 ratio column is each variant's time over ``plain``'s at the same (b, c), measured in the same run.
@@ -45,27 +52,44 @@ from bench_common import (  # this folder is on sys.path
     write_csv,
 )
 
-from hf_infcl import contrastive_loss
+from hf_infcl import contrastive_distillation_loss, contrastive_loss
 
 VARIANTS = ("plain", "groups-any", "groups-each", "filter", "filter-guide")
+EXTRA_VARIANTS = ("distill", "matryoshka")  # run when named
 GROUP_SIZE = 5
 
 
-def make_step(variant: str, b: int, c: int, seed: int = 0):
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, c, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
-    k = torch.randn(b, c, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
-    log_scale = torch.tensor(2.6593, device="cuda", requires_grad=True)  # log(1/0.07)
+def matryoshka_widths(c: int) -> tuple[int, ...]:
+    """Five descending widths from c: 768, 512, 256, 128, 64 at c = 768."""
+    return tuple(dict.fromkeys(max(1, c * share // 12) for share in (12, 8, 4, 2, 1)))
+
+
+def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda", dtype=torch.bfloat16):
+    generator = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(b, c, device=device, dtype=dtype, generator=generator).requires_grad_()
+    k = torch.randn(b, c, device=device, dtype=dtype, generator=generator).requires_grad_()
+    log_scale = torch.tensor(2.6593, device=device, requires_grad=True)  # log(1/0.07)
     options = {}
     if variant.startswith("groups"):
-        groups = torch.arange(b, device="cuda") // GROUP_SIZE
+        groups = torch.arange(b, device=device) // GROUP_SIZE
         options = dict(query_groups=groups, key_groups=groups, group_positives=variant.split("-")[1])
     elif variant.startswith("filter"):
         options = dict(false_negative_margin=0.1)
         if variant == "filter-guide":
-            guide = torch.randn(2, b, c, device="cuda", dtype=torch.bfloat16, generator=generator)
+            guide = torch.randn(2, b, c, device=device, dtype=dtype, generator=generator)
             guide = F.normalize(guide, dim=-1)
             options.update(guide_queries=guide[0], guide_keys=guide[1])
+    elif variant == "matryoshka":
+        options = dict(matryoshka_dims=matryoshka_widths(c))
+    elif variant == "distill":
+        teacher = F.normalize(torch.randn(2, b, c, device=device, dtype=dtype, generator=generator), dim=-1)
+
+        def step():
+            loss = contrastive_distillation_loss(F.normalize(q, dim=1), F.normalize(k, dim=1), teacher[0],
+                                                 teacher[1], log_scale.exp(), 20.0, distillation_weight=0.5)
+            return torch.autograd.grad(loss, [q, k, log_scale])
+
+        return step
 
     def step():
         loss = contrastive_loss(F.normalize(q, dim=1), F.normalize(k, dim=1), log_scale.exp(), **options)
@@ -108,9 +132,9 @@ def main(argv=None):
     if len(widths) != len(sizes):
         parser.error("--widths takes one width, or one per size")
     variants = args.variants.split(",")
-    unknown = sorted(set(variants) - set(VARIANTS))
+    unknown = sorted(set(variants) - set(VARIANTS) - set(EXTRA_VARIANTS))
     if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
+        parser.error(f"unknown variants {unknown}; choose from {VARIANTS + EXTRA_VARIANTS}")
 
     rows = []
     for b, c in zip(sizes, widths):
