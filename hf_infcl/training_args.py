@@ -33,6 +33,8 @@ from .ops.options import (
     check_false_negative_margin,
     check_label_smoothing,
     check_matryoshka,
+    check_matryoshka_dims,
+    check_matryoshka_weights,
 )
 
 __all__ = ["CHUNK_GRADIENT_SYNCS", "CHUNK_PARAMETER_GATHERS", "FIELD_CHECKS", "TEACHER_COLUMNS",
@@ -97,6 +99,15 @@ def _optional_distillation_weight(name: str, value) -> None:
         check_distillation_weight(value, name)
 
 
+def _optional(check) -> FieldCheck:
+    """None (not set), or ``check(value, name=name)``: the option's one check."""
+    def optional_check(name: str, value) -> None:
+        if value is not None:
+            check(value, name=name)
+
+    return optional_check
+
+
 FIELD_CHECKS: dict[str, FieldCheck] = {
     "chunk_size": check_chunk_size,
     "offload": check_bool,
@@ -116,6 +127,8 @@ FIELD_CHECKS: dict[str, FieldCheck] = {
     "eval_block_rows": _number(int, above=0),
     "distillation_weight": _optional_distillation_weight,
     "teacher_logit_scale": _number(float, above=0, optional=True),
+    "matryoshka_dims": _optional(check_matryoshka_dims),
+    "matryoshka_weights": _optional(check_matryoshka_weights),
 }
 
 
@@ -259,7 +272,8 @@ class InfCLTrainingArguments(TrainingArguments):
     def __post_init__(self):
         for name, check in FIELD_CHECKS.items():  # before TrainingArguments' own work
             check(name, getattr(self, name))
-        # checked together (the widths against the embeddings' at the first loss)
+        # the two Matryoshka fields together: one weight per width (the widths against the
+        # embeddings' at the first loss)
         check_matryoshka(self.matryoshka_dims, self.matryoshka_weights)
         check_chunking(self.chunk_size, {"offload=True": self.offload,
                                          "chunk_cuda_graphs=True": self.chunk_cuda_graphs})

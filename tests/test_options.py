@@ -118,6 +118,8 @@ def accepted_types(hint) -> tuple[type, ...]:
         return tuple({type(value) for value in typing.get_args(hint)})
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return tuple(t for arg in typing.get_args(hint) for t in accepted_types(arg))
+    if typing.get_origin(hint) is list:  # a list of its items' type: the list is what is typed
+        return (list,)
     return (float, int) if hint is float else (hint,)
 
 

@@ -159,48 +159,60 @@ def check_false_negative_margin(value, name: str = "false_negative_margin") -> f
     return float(value)
 
 
+def check_matryoshka_dims(dims, width: int | None = None, name: str = "matryoshka_dims") -> tuple[int, ...]:
+    """Matryoshka widths alone: a non-empty sequence of ints, strictly descending, each in
+    ``[1, width]`` (``width`` None: not known here, the upper bound unchecked); as a tuple."""
+    if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(dims).__name__}")
+    for dim in dims:
+        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+            raise TypeError(f"{name} must hold ints, got {dim!r} ({type(dim).__name__})")
+    dims = tuple(int(dim) for dim in dims)
+    if not dims:
+        raise ValueError(f"{name} is empty; give at least one prefix width")
+    if any(dim < 1 for dim in dims):
+        raise ValueError(f"{name} must be widths >= 1, got {dims}")
+    if width is not None and dims[0] > width:
+        raise ValueError(f"{name} {dims} has a width above the features' width {width}")
+    if any(wider <= narrower for wider, narrower in zip(dims, dims[1:])):
+        raise ValueError(f"{name} must be strictly descending (widest first, no repeats), got {dims}")
+    return dims
+
+
+def check_matryoshka_weights(weights, name: str = "matryoshka_weights") -> tuple[float, ...]:
+    """Matryoshka weights alone: a sequence of finite non-negative numbers; as a tuple of floats."""
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
+        raise TypeError(f"{name} must be a sequence of numbers, got {type(weights).__name__}")
+    for weight in weights:
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+            raise TypeError(f"{name} must hold numbers, got {weight!r} ({type(weight).__name__})")
+    weights = tuple(float(weight) for weight in weights)
+    if not all(math.isfinite(weight) and weight >= 0.0 for weight in weights):
+        raise ValueError(f"{name} must be finite and non-negative, got {weights}")
+    return weights
+
+
 def check_matryoshka(dims, weights, width: int | None = None, *,
                      names=("matryoshka_dims", "matryoshka_weights"),
                      ) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
-    """The one check of the Matryoshka prefixes (docs/contract.md, "Matryoshka in one call"): ``dims``
-    a non-empty sequence of ints, strictly descending, each in ``[1, width]`` (``width`` None: not
-    known here, the upper bound unchecked); ``weights`` None (1 each) or one finite non-negative
-    number per dim. Returns (dims, weights) as tuples of int and float, or None when ``dims`` is
-    None (no prefixes; then ``weights`` must be None too). ``names``: how the caller's user spells
-    the two."""
+    """The one check of the Matryoshka prefixes (docs/contract.md, "Matryoshka in one call"): the
+    widths (:func:`check_matryoshka_dims`), the weights (:func:`check_matryoshka_weights`; None: 1
+    each) and their agreement, one weight per width. Returns (dims, weights) as tuples of int and
+    float, or None when ``dims`` is None (no prefixes; then ``weights`` must be None too).
+    ``names``: how the caller's user spells the two."""
     dims_name, weights_name = names
     if dims is None:
         if weights is not None:
             raise ValueError(f"{weights_name} was given without {dims_name}; the weights are those of the "
                              "prefix losses")
         return None
-    if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence):
-        raise TypeError(f"{dims_name} must be a sequence of ints, got {type(dims).__name__}")
-    for dim in dims:
-        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
-            raise TypeError(f"{dims_name} must hold ints, got {dim!r} ({type(dim).__name__})")
-    dims = tuple(int(dim) for dim in dims)
-    if not dims:
-        raise ValueError(f"{dims_name} is empty; give at least one prefix width")
-    if any(dim < 1 for dim in dims):
-        raise ValueError(f"{dims_name} must be widths >= 1, got {dims}")
-    if width is not None and dims[0] > width:
-        raise ValueError(f"{dims_name} {dims} has a width above the features' width {width}")
-    if any(wider <= narrower for wider, narrower in zip(dims, dims[1:])):
-        raise ValueError(f"{dims_name} must be strictly descending (widest first, no repeats), got {dims}")
+    dims = check_matryoshka_dims(dims, width, dims_name)
     if weights is None:
         return dims, (1.0,) * len(dims)
-    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
-        raise TypeError(f"{weights_name} must be a sequence of numbers, got {type(weights).__name__}")
-    for weight in weights:
-        if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
-            raise TypeError(f"{weights_name} must hold numbers, got {weight!r} ({type(weight).__name__})")
-    weights = tuple(float(weight) for weight in weights)
+    weights = check_matryoshka_weights(weights, weights_name)
     if len(weights) != len(dims):
         raise ValueError(f"{weights_name} has {len(weights)} weights but {dims_name} has {len(dims)} dims; "
                          "give one weight per dim")
-    if not all(math.isfinite(weight) and weight >= 0.0 for weight in weights):
-        raise ValueError(f"{weights_name} must be finite and non-negative, got {weights}")
     return dims, weights
 
 
@@ -294,7 +306,8 @@ __all__ = [
     "HardnessMode", "LossKind", "LossOptions", "OptionAttribute", "Precision", "Reduction", "check_bool",
     "check_choice", "check_chunk_size", "check_chunking", "check_distillation_weight",
     "check_false_negative_margin", "check_hardness",
-    "check_hardness_strength", "check_label_smoothing", "check_matryoshka", "check_objective_options",
+    "check_hardness_strength", "check_label_smoothing", "check_matryoshka", "check_matryoshka_dims",
+    "check_matryoshka_weights", "check_objective_options",
     "check_option",
     "choice_error", "wire_codes",
 ]
