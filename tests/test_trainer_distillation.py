@@ -23,6 +23,7 @@ from tests.helpers.trainer_distillation_workers import (
 from tests.helpers.trainer_fixtures import (
     PairDataset,
     clip_batch,
+    float64_sgd_steps,
     one_thread,  # noqa: F401  (fixture)
     pair_text_batch,
     tiny_align,
@@ -58,23 +59,16 @@ def float64_steps(model, columns, steps: int, learning_rate: float, distillation
                   teacher_logit_scale: float | None, symmetric: bool = True) -> dict[str, torch.Tensor]:
     """``steps`` SGD steps of the float64 model on the whole batch with the materialised
     distillation loss; the student's scale of the step, detached, when the teacher's is None."""
-    model = model.double()
-    family = model_family(model)
-    batch = {name: value.double() if value.is_floating_point() else value for name, value in columns.items()}
-    for _ in range(steps):
+
+    def loss_of(model, family, batch):
         queries, keys = family.encode_pairs(model, batch)
         scale, _ = family.scale_and_bias(model, *family.scale_parameters(model))
         teacher_scale = scale.detach() if teacher_logit_scale is None else teacher_logit_scale
-        loss = contrastive_distillation_loss(queries, keys, *(batch[column] for column in TEACHER_COLUMNS),
+        return contrastive_distillation_loss(queries, keys, *(batch[column] for column in TEACHER_COLUMNS),
                                              scale, teacher_scale, distillation_weight=distillation_weight,
                                              symmetric=symmetric, backend="reference")
-        model.zero_grad()
-        loss.backward()
-        with torch.no_grad():
-            for param in model.parameters():
-                if param.grad is not None:
-                    param -= learning_rate * param.grad
-    return {name: param.detach().float() for name, param in model.named_parameters()}
+
+    return float64_sgd_steps(model, columns, loss_of, steps, learning_rate)
 
 
 def assert_same_parameters(actual, expected, rtol=1e-5, atol=1e-5):

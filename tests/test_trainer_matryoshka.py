@@ -18,6 +18,7 @@ from hf_infcl.models import model_family
 from tests.helpers.trainer_fixtures import (
     PairDataset,
     clip_batch,
+    float64_sgd_steps,
     one_thread,  # noqa: F401  (fixture)
     tiny_clip,
     tiny_siglip,
@@ -40,27 +41,20 @@ def float64_steps(model, columns, dims, weights, steps: int = 2, learning_rate: 
     """``steps`` SGD steps of the float64 model on the whole batch, the loss the definition: the
     weighted sum of the materialised loss on each L2-normalised prefix, inside the model's own loss
     (its scale and bias, as ``ModelFamily.loss`` takes them)."""
-    model = model.double()
-    family = model_family(model)
-    loss_kind = "sigmoid" if family.bias(model) is not None else "softmax"
-    batch = {name: value.double() if value.is_floating_point() else value for name, value in columns.items()}
 
-    def matryoshka(rows, cols, scale, bias, symmetric=True):
-        return sum(weight * contrastive_loss(F.normalize(rows[:, :dim], dim=1),
-                                             F.normalize(cols[:, :dim], dim=1), scale, bias, loss=loss_kind,
-                                             symmetric=symmetric, backend="reference")
-                   for dim, weight in zip(dims, weights))
+    def loss_of(model, family, batch):
+        loss_kind = "sigmoid" if family.bias(model) is not None else "softmax"
 
-    for _ in range(steps):
+        def matryoshka(rows, cols, scale, bias, symmetric=True):
+            return sum(weight * contrastive_loss(F.normalize(rows[:, :dim], dim=1),
+                                                 F.normalize(cols[:, :dim], dim=1), scale, bias,
+                                                 loss=loss_kind, symmetric=symmetric, backend="reference")
+                       for dim, weight in zip(dims, weights))
+
         queries, keys = family.encode_pairs(model, batch)
-        loss = family.loss(model, matryoshka, queries, keys, *family.loss_parameters(model, loss_kind))
-        model.zero_grad()
-        loss.backward()
-        with torch.no_grad():
-            for param in model.parameters():
-                if param.grad is not None:
-                    param -= learning_rate * param.grad
-    return {name: param.detach().float() for name, param in model.named_parameters()}
+        return family.loss(model, matryoshka, queries, keys, *family.loss_parameters(model, loss_kind))
+
+    return float64_sgd_steps(model, columns, loss_of, steps, learning_rate)
 
 
 @pytest.mark.parametrize("kind", list(MODELS))

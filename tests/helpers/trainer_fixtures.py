@@ -235,6 +235,26 @@ def trained_parameters(trainer) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
 
 
+def float64_sgd_steps(model, columns, loss_of, steps: int, learning_rate: float) -> dict[str, torch.Tensor]:
+    """``steps`` plain SGD steps of the model in float64 on the whole batch ``columns``, the loss
+    ``loss_of(model, family, batch)`` (the batch's floating columns in float64): the hand-written
+    loop a Trainer run without clipping or schedule is compared with. The parameters after, in fp32."""
+    from hf_infcl.models import model_family
+
+    model = model.double()
+    family = model_family(model)
+    batch = {name: value.double() if value.is_floating_point() else value for name, value in columns.items()}
+    for _ in range(steps):
+        loss = loss_of(model, family, batch)
+        model.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.grad is not None:
+                    param -= learning_rate * param.grad
+    return {name: param.detach().float() for name, param in model.named_parameters()}
+
+
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 CAPTION_TEMPLATES = ("a photo of the digit {}", "handwritten {}", "the number {}", "a {} written by hand")
 
