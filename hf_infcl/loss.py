@@ -146,15 +146,12 @@ def contrastive_loss(
     """
     objectives = Objectives(group_positives, false_negative_margin, false_negative_strategy, guide_queries,
                             guide_keys)
-    hardness = (hardness_mode, hardness_strength, query_ids, key_owners)
-    if matryoshka_dims is not None or matryoshka_weights is not None:
-        return _matryoshka_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
-                                process_group, loss, symmetric, reduction, backend, precision, hardness,
-                                label_smoothing, objectives, matryoshka_dims, matryoshka_weights)
     return _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
                              process_group, loss, symmetric, reduction, backend, precision,
-                             options_checked=False, hardness=hardness, label_smoothing=label_smoothing,
-                             objectives=objectives)
+                             options_checked=False, hardness=(hardness_mode, hardness_strength, query_ids,
+                                                              key_owners), label_smoothing=label_smoothing,
+                             objectives=objectives, matryoshka_dims=matryoshka_dims,
+                             matryoshka_weights=matryoshka_weights)
 
 
 def _matryoshka_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
@@ -211,16 +208,21 @@ def _distinct_positives(objectives: Objectives, loss: str, symmetric: bool) -> b
 def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
                       process_group, loss, symmetric, reduction, backend, precision, options_checked,
                       hardness=(None, 0.0, None, None), label_smoothing=0.0, objectives=NO_OBJECTIVES,
-                      matryoshka_term=None):
+                      matryoshka_dims=None, matryoshka_weights=None, matryoshka_term=None):
     """``contrastive_loss`` for every entry point: validate, one call for the statistics (one
     process or the ring: :func:`hf_infcl.ops.logit_stats.logit_stats`), assemble, add the label
     smoothing (:func:`hf_infcl.ops.label_smoothing.smoothing_terms`, the same for every backend),
     reduce. ``options_checked``: the caller holds the options as a :class:`LossOptions`, checked
     when it was built, so they are not checked again. ``hardness``: (hardness_mode,
     hardness_strength, query_ids, key_owners) as ``contrastive_loss`` takes them; ``objectives``:
-    its several positives and score filter (:class:`Objectives`); ``matryoshka_term``: which term of
-    a Matryoshka loss this call is (:class:`~hf_infcl.ops.ring.MatryoshkaTerm`), which the ring
-    checks every rank agrees on."""
+    its several positives and score filter (:class:`Objectives`); ``matryoshka_dims`` /
+    ``matryoshka_weights``: the Matryoshka loss (:func:`_matryoshka_loss`) when either is given;
+    ``matryoshka_term``: which term of a Matryoshka loss this call is
+    (:class:`~hf_infcl.ops.ring.MatryoshkaTerm`), which the ring checks every rank agrees on."""
+    if matryoshka_dims is not None or matryoshka_weights is not None:
+        return _matryoshka_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
+                                process_group, loss, symmetric, reduction, backend, precision, hardness,
+                                label_smoothing, objectives, matryoshka_dims, matryoshka_weights)
     group, world_size = resolve_process_group(process_group)
     in_ring = world_size > 1
     # One process makes the checks that read values (scale > 0, positives in range) where the
@@ -608,16 +610,11 @@ class InfCLLoss(nn.Module):
         bias = self.logit_bias if logit_bias is None else logit_bias
         objectives = Objectives(self.group_positives, self.false_negative_margin,
                                 self.false_negative_strategy, guide_queries, guide_keys)
-        if self.matryoshka_dims is not None or self.matryoshka_weights is not None:
-            return _matryoshka_loss(queries, keys, scale, bias, positives, query_groups, key_groups,
-                                    self.process_group, options.loss, options.symmetric, options.reduction,
-                                    options.backend, options.precision, (None, 0.0, None, None),
-                                    self.label_smoothing, objectives, self.matryoshka_dims,
-                                    self.matryoshka_weights)
         return _contrastive_loss(
             queries, keys, scale, bias, positives, query_groups, key_groups, self.process_group, options.loss,
             options.symmetric, options.reduction, options.backend, options.precision, options_checked=True,
-            label_smoothing=self.label_smoothing, objectives=objectives,
+            label_smoothing=self.label_smoothing, objectives=objectives, matryoshka_dims=self.matryoshka_dims,
+            matryoshka_weights=self.matryoshka_weights,
         )
 
     def extra_repr(self) -> str:

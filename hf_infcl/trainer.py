@@ -54,7 +54,7 @@ from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs
 from .distillation import check_distillation_backend, contrastive_distillation_loss
 from .grad_cache import cached_step, split_batch, to_device
-from .loss import Objectives, _contrastive_loss, _matryoshka_loss
+from .loss import Objectives, _contrastive_loss
 from .metrics import (
     input_fingerprints,
     relevant_ranks,
@@ -351,20 +351,14 @@ class InfCLTrainer(Trainer):
                     process_group=process_group, backend=self.args.loss_backend,
                     precision=self.args.precision,
                 )
-            objectives = Objectives(self.args.group_positives, self.args.false_negative_margin,
-                                    self.args.false_negative_strategy)
-            if self.args.matryoshka_dims is not None:
-                return _matryoshka_loss(
-                    rows.to(dtype), cols.to(dtype), scale, bias, None, groups, groups, process_group,
-                    self.loss_kind, symmetric, "mean", self.args.loss_backend, self.args.precision,
-                    (None, 0.0, None, None), self.label_smoothing, objectives, self.args.matryoshka_dims,
-                    self.args.matryoshka_weights,
-                )
             return _contrastive_loss(
                 rows.to(dtype), cols.to(dtype), scale, bias, positives=None, query_groups=groups,
                 key_groups=groups, process_group=process_group, loss=self.loss_kind, symmetric=symmetric,
                 reduction="mean", backend=self.args.loss_backend, precision=self.args.precision,
-                options_checked=True, label_smoothing=self.label_smoothing, objectives=objectives,
+                options_checked=True, label_smoothing=self.label_smoothing,
+                objectives=Objectives(self.args.group_positives, self.args.false_negative_margin,
+                                      self.args.false_negative_strategy),
+                matryoshka_dims=self.args.matryoshka_dims, matryoshka_weights=self.args.matryoshka_weights,
             )
 
         return self.family.loss(model, configured_loss, queries, keys, *values)
