@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_infcl.metrics import relevant_ranks, retrieval_metrics
+from hf_infcl.metrics import embeddings_by_width, relevant_ranks, retrieval_metrics
 
 __all__ = ["embed_texts", "relevant_ranks", "retrieval_metrics", "retrieval_metrics_at_widths",
            "zero_shot_accuracy"]
@@ -21,11 +21,9 @@ __all__ = ["embed_texts", "relevant_ranks", "retrieval_metrics", "retrieval_metr
 def retrieval_metrics_at_widths(queries, docs, query_ids, doc_ids, widths, ks=(1, 10)) -> dict[str, float]:
     """``retrieval_metrics`` of the whole embeddings, and for each of ``widths`` (Matryoshka
     training's) of their prefixes of that width, L2-normalised: ``dim64_mrr``, ..."""
-    metrics = retrieval_metrics(queries, docs, query_ids, doc_ids, ks=ks)
-    for width in widths:
-        prefixes = [torch.nn.functional.normalize(side[:, :width], dim=1) for side in (queries, docs)]
-        at_width = retrieval_metrics(*prefixes, query_ids, doc_ids, ks=ks)
-        metrics.update({f"dim{width}_{name}": value for name, value in at_width.items()})
+    metrics = {}
+    for width, width_queries, width_docs in embeddings_by_width(queries, docs, widths):
+        metrics.update(retrieval_metrics(width_queries, width_docs, query_ids, doc_ids, ks=ks, prefix=width))
     return metrics
 
 

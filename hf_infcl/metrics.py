@@ -33,11 +33,21 @@ import zlib
 from collections.abc import Mapping
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["RECALL_AT", "input_fingerprints", "relevant_ranks", "retrieval_metrics", "retrieval_recalls",
-           "same_input_ids"]
+__all__ = ["RECALL_AT", "embeddings_by_width", "input_fingerprints", "relevant_ranks", "retrieval_metrics",
+           "retrieval_recalls", "same_input_ids"]
 
 RECALL_AT = (1, 5, 10)
+
+
+def embeddings_by_width(queries: torch.Tensor, keys: torch.Tensor, widths=()):
+    """``(name prefix, queries, keys)``: the whole embeddings (``""``), then for each Matryoshka
+    width their prefixes of that width, L2-normalised (``"dim64_"``, ...): what each width serves,
+    named as its metrics are. One width at a time, each normalised once."""
+    yield "", queries, keys
+    for width in widths:
+        yield f"dim{width}_", F.normalize(queries[:, :width], dim=1), F.normalize(keys[:, :width], dim=1)
 
 
 def _ids(ids, count, name, device):

@@ -44,7 +44,6 @@ import warnings
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import EvalLoopContainer, find_batch_size, nested_detach
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
@@ -56,6 +55,7 @@ from .distillation import check_distillation_backend, contrastive_distillation_l
 from .grad_cache import cached_step, split_batch, to_device
 from .loss import Objectives, _contrastive_loss
 from .metrics import (
+    embeddings_by_width,
     input_fingerprints,
     relevant_ranks,
     retrieval_metrics,
@@ -678,16 +678,14 @@ class InfCLTrainer(Trainer):
         else:
             query_ids = key_ids = eval_set.groups
         row, key = self.family.rows, self.family.keys
-        directions = {f"{row}_to_{key}": (eval_set.queries, eval_set.keys, key_ids),
-                      f"{key}_to_{row}": (eval_set.keys, eval_set.queries, query_ids)}
         metrics = {}
-        for direction, (rows, cols, ids) in directions.items():
-            metrics.update(retrieval_metrics(rows, cols, ids, ids, block_rows=self.args.eval_block_rows,
-                                             prefix=f"{metric_key_prefix}_{direction}_"))
-            for dim in self.args.matryoshka_dims or ():
-                prefixes = F.normalize(rows[:, :dim], dim=1), F.normalize(cols[:, :dim], dim=1)
-                metrics.update(retrieval_metrics(*prefixes, ids, ids, block_rows=self.args.eval_block_rows,
-                                                 prefix=f"{metric_key_prefix}_{direction}_dim{dim}_"))
+        for width, queries, keys in embeddings_by_width(eval_set.queries, eval_set.keys,
+                                                        self.args.matryoshka_dims or ()):
+            directions = {f"{row}_to_{key}": (queries, keys, key_ids),
+                          f"{key}_to_{row}": (keys, queries, query_ids)}
+            for direction, (rows, cols, ids) in directions.items():
+                metrics.update(retrieval_metrics(rows, cols, ids, ids, block_rows=self.args.eval_block_rows,
+                                                 prefix=f"{metric_key_prefix}_{direction}_{width}"))
         return metrics
 
     def _label_ids(self, batch):
