@@ -85,6 +85,11 @@ class TuningStore:
         """The file of one device name and Triton version."""
         return self.directory / file_name(device_name, triton_version)
 
+    def _saved_files(self, device_name: str, triton_version: str) -> list[Path]:
+        """Where a saved choice is looked for: the machine's own file first, then the package's."""
+        name = file_name(device_name, triton_version)
+        return [self.directory / name] + ([] if self._shipped is None else [self._shipped / name])
+
     def retune(self) -> None:
         """From now on in this process, tune every key again on its first launch (and save the new
         choice) instead of loading the saved one: what a benchmark that sweeps sizes wants."""
@@ -100,10 +105,8 @@ class TuningStore:
             return
         path = self.path(device_name, triton_version)
         entry = repr(key)
-        shipped = None if self._shipped is None else self._shipped / file_name(device_name, triton_version)
-        if not self._retune and (self._load(tuner, kernel, entry, key, path, config_type) or
-                                 (shipped is not None and self._load(tuner, kernel, entry, key, shipped,
-                                                                     config_type))):
+        if not self._retune and any(self._load(tuner, kernel, entry, key, file, config_type)
+                                    for file in self._saved_files(device_name, triton_version)):
             yield
             return
         try:
