@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
             print(*case)
         print(f"{len(todo)} cases")
         return 0
-    store = Path(opts.store or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"hf_infcl_tune_{os.getpid()}"))
+    store = Path(opts.store or tempfile.mkdtemp(prefix="hf_infcl_tune_"))
     import torch
     import triton
 
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         return 1
     name = device_name(torch.device("cuda"))
     # Every case tuned into this store, none loaded from the configurations already shipped.
-    launch.TUNING_STORE = TuningStore(store / "autotune", shipped=None)
+    tuning_store = launch.TUNING_STORE = TuningStore(store / "autotune", shipped=None)
     started = time.perf_counter()
     if not opts.merge_only:
         for index, case in enumerate(todo):
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
             seconds = run_case(*case)
             print(f"[{time.perf_counter() - started:7.1f} s] {' '.join(map(str, case))}: {seconds:.1f} s",
                   flush=True)
-    store_file = TuningStore(store / "autotune", shipped=None).path(name, triton.__version__)
+    store_file = tuning_store.path(name, triton.__version__)
     if not store_file.exists():
         print(f"nothing tuned: no {store_file}", file=sys.stderr)
         return 1
