@@ -34,6 +34,7 @@ time (their difference is time the GPU waited for the host).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import torch
@@ -81,18 +82,15 @@ def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda",
             options.update(guide_queries=guide[0], guide_keys=guide[1])
     elif variant == "matryoshka":
         options = dict(matryoshka_dims=matryoshka_widths(c))
-    elif variant == "distill":
+    loss_fn = functools.partial(contrastive_loss, **options)
+    if variant == "distill":
         teacher = F.normalize(torch.randn(2, b, c, device=device, dtype=dtype, generator=generator), dim=-1)
-
-        def step():
-            loss = contrastive_distillation_loss(F.normalize(q, dim=1), F.normalize(k, dim=1), teacher[0],
-                                                 teacher[1], log_scale.exp(), 20.0, distillation_weight=0.5)
-            return torch.autograd.grad(loss, [q, k, log_scale])
-
-        return step
+        loss_fn = functools.partial(contrastive_distillation_loss, teacher_queries=teacher[0],
+                                    teacher_keys=teacher[1], teacher_logit_scale=20.0,
+                                    distillation_weight=0.5)
 
     def step():
-        loss = contrastive_loss(F.normalize(q, dim=1), F.normalize(k, dim=1), log_scale.exp(), **options)
+        loss = loss_fn(F.normalize(q, dim=1), F.normalize(k, dim=1), logit_scale=log_scale.exp())
         return torch.autograd.grad(loss, [q, k, log_scale])
 
     return step
