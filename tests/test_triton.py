@@ -491,3 +491,35 @@ def test_gpu_launch_past_the_autotuner_equals_a_plain_launch(case, monkeypatch):
     torch.cuda.synchronize()
     assert_same_launch(through_jit, plain, exact=False)
     assert_same_launch(through_compiled, plain, exact=False)
+
+
+class _TunerReached(Exception):
+    """Raised by the stand-in autotuner below when a launch reaches it."""
+
+
+class _UntouchableTuner:
+    arg_names = ["x_ptr", "c"]
+    keys = ["c"]
+
+    def __getattribute__(self, name):
+        raise _TunerReached(name)
+
+
+def test_exact_fp32_launches_run_one_config_past_the_autotuner(monkeypatch):
+    """``precision="ieee"`` dots take minutes per candidate to compile, so with autotuning on they
+    launch the one untuned configuration, never the autotuner; TF32 launches still tune."""
+    from hf_infcl.ops.triton import launch
+
+    launched = []
+    monkeypatch.setattr(launch, "_tunes", lambda: True)
+    monkeypatch.setattr(launch, "_launch_with", lambda kernel, config, *rest: launched.append(config))
+    monkeypatch.setattr(launch, "_EXACT_FP32_CONFIGS", {})
+    kernel = launch.TunedKernel("stand-in-r0", None, {}, _UntouchableTuner(), launch.triton.Config)
+    for _ in range(2):
+        chosen = launch.launch(kernel, (1,), torch.device("cpu"), None, 96, PRECISION="ieee")
+    assert launched == [chosen, chosen]  # one object: its compilation is found again by its id
+    bm, bn, bk, warps, stages = launch._UNTUNED
+    assert chosen.kwargs == {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+    assert (chosen.num_warps, chosen.num_stages) == (warps, stages)
+    with pytest.raises(_TunerReached):
+        launch.launch(kernel, (1,), torch.device("cpu"), None, 96, PRECISION="tf32")

@@ -101,6 +101,9 @@ def launch(kernel: TunedKernel, grid, device: torch.device, *args, config: trito
     ``config``: what an earlier launch with the same tuning key returned, for a caller that
     launches one key many times: launched without even the look-up of the key. A pending
     one-process value check (:mod:`hf_infcl.ops.value_check`) runs just before the launch."""
+    if config is None and kwargs.get("PRECISION") == "ieee" and _tunes():
+        config = _exact_fp32_config(kernel)
+        run_deferred_check()
     if config is not None:
         _launch_with(kernel, config, grid, args, kwargs)
         return config
@@ -118,6 +121,21 @@ def launch(kernel: TunedKernel, grid, device: torch.device, *args, config: trito
         kernel.tuner[grid](*args, **kwargs)
     _CHOSEN[(kernel.name, key)] = kernel.tuner.best_config
     return kernel.tuner.best_config
+
+
+def _exact_fp32_config(kernel: TunedKernel) -> triton.Config:
+    """The one configuration of exact fp32 dots (``precision="ieee"``), untuned: they run on CUDA
+    cores, where ptxas takes minutes over each of the candidates' large unrolled tiles, and the
+    mode is there for exactness, not speed. Kept out of the autotuner, whose key has no place for
+    the precision (a TF32 launch of the same shapes tunes on its own)."""
+    if kernel.name not in _EXACT_FP32_CONFIGS:  # one object per kernel: _launch_with keys compilations by its id
+        bm, bn, bk, warps, stages = _UNTUNED
+        _EXACT_FP32_CONFIGS[kernel.name] = kernel.make_config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk},
+                                                              num_warps=warps, num_stages=stages)
+    return _EXACT_FP32_CONFIGS[kernel.name]
+
+
+_EXACT_FP32_CONFIGS: dict[str, triton.Config] = {}
 
 
 def reset_autotuning() -> None:
