@@ -496,21 +496,49 @@ def test_sentence_transformers_matryoshka_loss_is_contrastive_loss_with_dims(tin
 # GPU: "auto" is the Triton backend on CUDA
 
 
+# The sigmoid loss at scale 20 on the 8-wide prefix (weight 2) magnifies the bf16 rounding of the
+# normalised prefixes: given the same bf16 inputs, the torch backend is 2.8e-2 from the float64
+# oracle in the queries' gradient (0.9e-2 at width 96 alone), and the Triton route as far.
+BF16_TOLERANCE = {"sigmoid-bias": 4e-2}
+GPU_CASE = dict(m=300, k=523, c=96, dims=(96, 64, 32, 8), weights=(1.0, 0.5, 0.5, 2.0), seed=9, scale=20.0)
+
+
+def gpu_case(option):
+    """The case of the GPU test below, with the options of ``option``."""
+    spec = GPU_CASE
+    case = with_options(make_case(spec["m"], spec["k"], spec["c"], spec["dims"], spec["weights"], True,
+                                  seed=spec["seed"]), OPTIONS[option])
+    case["scale"] = spec["scale"]
+    return case
+
+
+@pytest.mark.parametrize("option", ["softmax-sym", "sigmoid-bias"])
+def test_bf16_tolerances_of_the_gpu_test_hold_for_the_torch_backend(option):
+    """The GPU test's bf16 tolerances are the rounding of bf16 itself: the torch backend on CPU
+    meets them on the same inputs (and needs the looser one: it is not slack for the kernels)."""
+    rounded = rounded_to(gpu_case(option), torch.bfloat16)
+    value, grads = run_loss(rounded, dtype=torch.bfloat16, backend="torch")
+    expected_value, expected_grads = oracle(rounded)
+    tolerance = BF16_TOLERANCE.get(option, 1e-2)
+    errors = {name: np.linalg.norm(grad - expected_grads[name]) / np.linalg.norm(expected_grads[name])
+              for name, grad in grads.items()}
+    assert max(errors.values()) <= tolerance, errors
+    if option in BF16_TOLERANCE:
+        assert max(errors.values()) > 1e-2, errors
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("option", ["softmax-sym", "sigmoid-bias", "groups-any", "filter-guide-relative"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_auto_matches_the_oracle(dtype, option):
-    case = with_options(make_case(300, 523, 96, (96, 64, 32, 8), (1.0, 0.5, 0.5, 2.0), True, seed=9),
-                        OPTIONS[option])
-    case["scale"] = 20.0
-    rounded = rounded_to(case, dtype)
+    rounded = rounded_to(gpu_case(option), dtype)
     cuda = dict(rounded, queries=rounded["queries"].cuda(), keys=rounded["keys"].cuda(),
                 positives=rounded["positives"].cuda(),
                 options={name: value.cuda() if torch.is_tensor(value) else value
                          for name, value in rounded["options"].items()})
     value, grads = run_loss(cuda, dtype=dtype, precision="ieee")
     expected_value, expected_grads = oracle(rounded)
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    tolerance = 1e-5 if dtype == torch.float32 else BF16_TOLERANCE.get(option, 1e-2)
     assert_close(value, expected_value, tolerance, "loss")
     for name, grad in grads.items():
         assert_close(grad, expected_grads[name], tolerance, name)

@@ -128,7 +128,8 @@ def _exact_fp32_config(kernel: TunedKernel) -> triton.Config:
     cores, where ptxas takes minutes over each of the candidates' large unrolled tiles, and the
     mode is there for exactness, not speed. Kept out of the autotuner, whose key has no place for
     the precision (a TF32 launch of the same shapes tunes on its own)."""
-    if kernel.name not in _EXACT_FP32_CONFIGS:  # one object per kernel: _launch_with keys compilations by its id
+    # one object per kernel: _launch_with finds its compilations by the config's id
+    if kernel.name not in _EXACT_FP32_CONFIGS:
         bm, bn, bk, warps, stages = _UNTUNED
         _EXACT_FP32_CONFIGS[kernel.name] = kernel.make_config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk},
                                                               num_warps=warps, num_stages=stages)
