@@ -6,6 +6,10 @@ accelerator devices a chunk's tensors live on, and restores them for the replay.
 is a thin use of ``torch.utils.checkpoint.get_device_states`` / ``set_device_states`` (what
 activation checkpointing itself does), and the restore runs inside ``torch.random.fork_rng``, so
 the replay leaves every generator where it was, as a single uncached forward would.
+
+:func:`active_dropout_layers` names the layers of a model that draw random numbers now: where a
+replay cannot restore the first pass's state (the two passes cut the batch differently), these
+are what make its gradients differ from the loss's.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-__all__ = ["RngState"]
+__all__ = ["RngState", "active_dropout_layers"]
 
 
 class RngState:
@@ -59,3 +65,12 @@ class RngState:
             if self.devices:
                 set_device_states(self.devices, self.device_states, device_type=self.device_type)
             yield
+
+
+def active_dropout_layers(module: nn.Module) -> list[str]:
+    """Names of ``module``'s dropout layers that draw random numbers in a forward now: torch's
+    dropout layers (``nn.Dropout``, ``Dropout1d/2d/3d``, ``AlphaDropout``, ...) in training mode with
+    ``p > 0``. ``""`` names ``module`` itself. Randomness drawn without such a layer (a functional
+    ``dropout`` whose rate is a plain attribute, stochastic depth written by hand) is not seen."""
+    return [name for name, layer in module.named_modules()
+            if isinstance(layer, _DropoutNd) and layer.training and layer.p > 0]

@@ -37,3 +37,16 @@ def test_cpu_tensors_capture_no_device_state():
     state = RngState.capture(torch.zeros(2), torch.zeros(2, dtype=torch.long))
     if not torch.cuda.is_initialized():
         assert state.devices == [] and state.device_states == []
+
+
+def test_active_dropout_layers_are_those_that_draw_now():
+    from hf_infcl.rng import active_dropout_layers
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1), torch.nn.Dropout(0.0),
+                                torch.nn.Sequential(torch.nn.AlphaDropout(0.2)))
+    assert active_dropout_layers(model) == ["1", "3.0"]  # p = 0 draws nothing
+    model[3].eval()
+    assert active_dropout_layers(model) == ["1"]
+    model.eval()
+    assert active_dropout_layers(model) == []
+    assert active_dropout_layers(torch.nn.Dropout(0.5)) == [""]
