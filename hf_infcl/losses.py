@@ -17,7 +17,8 @@ batch x batch score matrix:
 - ``mini_batch_size=N`` caches the gradients w.r.t. the embeddings (GradCache) through
   sentence-transformers' own ``CachedLossMixin`` (sentence-transformers >= 6), but computes the
   loss of the whole batch in ONE fused call instead of
-  CachedMNRL's per-chunk Python loop;
+  CachedMNRL's per-chunk Python loop; ``no_grad_mini_batch_size`` runs the gradient-free pass in
+  mini-batches of its own size (``hf_infcl.no_grad_mini_batches``: exact without dropout);
 - ``hardness_mode`` with ``hardness_strength > 0``: MNRL's detached offset on the selected
   ``query_to_doc`` negatives, computed inside the same call (``contrastive_loss``'s
   ``hardness_mode``, with each example's id and each document's owner);
@@ -51,6 +52,7 @@ from torch import Tensor, nn
 from .batch_statistics import check_no_batch_statistics
 from .distillation import check_distillation_backend, contrastive_distillation_loss
 from .loss import contrastive_loss
+from .no_grad_mini_batches import NoGradMiniBatchesMixin, check_no_grad_mini_batch_size
 from .ops.options import (
     HARDNESS_MODES,
     BackendName,
@@ -321,7 +323,7 @@ def _embed_columns(model, sentence_features):
     return _st_embed_columns(model, sentence_features)
 
 
-class InfCLLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
+class InfCLLoss(ShardedReplaysMixin, NoGradMiniBatchesMixin, CachedLossMixin, nn.Module):
     """Exact in-batch-negatives contrastive loss (InfoNCE) without a batch x batch matrix (Inf-CL).
 
     Args:
@@ -356,6 +358,14 @@ class InfCLLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
             CachedMultipleNegativesRankingLoss: each holds as many consecutive texts as fit in this
             many non-padding tokens (a longer text alone), whatever ``mini_batch_size`` is; given
             alone, it turns gradient caching on (sentence-transformers >= 6 only).
+        no_grad_mini_batch_size: texts per mini-batch of gradient caching's gradient-free pass; None
+            (default) is ``mini_batch_size``. That pass keeps no activations, so larger mini-batches
+            fit there and run faster; the replays keep ``mini_batch_size``. They then cannot draw
+            the first pass's random numbers again, so the gradients are exact (to rounding) only for
+            a model that draws none in training (dropout 0, as ``hf_infcl.grad_cache.cached_step``'s
+            ``no_grad_chunk_size``); with a dropout layer active in training mode they are
+            approximate, and the first such forward warns once. Needs ``mini_batch_size``; refused
+            with ``mini_batch_num_tokens`` (ValueError). Assignable later (checked).
         directions: which similarities compete with each (anchor, positive) pair, as in
             MultipleNegativesRankingLoss: ``"query_to_doc"`` (required: every document),
             ``"query_to_query"`` (the other anchors), ``"doc_to_query"`` (from the positive: every
@@ -419,6 +429,7 @@ class InfCLLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
         backend: BackendName = "auto",
         precision: Precision = "auto",
         mini_batch_num_tokens: int | None = None,
+        no_grad_mini_batch_size: int | None = None,
         directions: tuple[Direction, ...] = MNRL_DEFAULT[0],
         partition_mode: PartitionMode = MNRL_DEFAULT[1],
         hardness_mode: HardnessMode | None = None,
@@ -439,12 +450,13 @@ class InfCLLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
         self._set_margin_filter(margin, margin_strategy)
         _check_hardness(hardness_mode, hardness_strength)
         self._hardness = (hardness_mode, hardness_strength)
-        caches = _caches_gradients(model, mini_batch_size, mini_batch_num_tokens)
+        caches = _caches_gradients(model, mini_batch_size, mini_batch_num_tokens, no_grad_mini_batch_size)
 
         self.model = model
         self.scale = float(scale)
         self.mini_batch_size = mini_batch_size
         self.mini_batch_num_tokens = mini_batch_num_tokens
+        self.no_grad_mini_batch_size = no_grad_mini_batch_size  # checked against the two above
         self.show_progress_bar = show_progress_bar
         self.gather_across_devices = gather_across_devices
         # Losses that back-propagate from a hook (gradient caching) say so: MatryoshkaLoss and
@@ -539,7 +551,7 @@ class InfCLLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
-        cached = self.mini_batch_size is not None or self.mini_batch_num_tokens is not None
+        cached = self._caches_this_forward()
         _check_columns(sentence_features, cached, type(self).__name__)
         if cached:
             # at each forward, not at construction: the trainer sets the layers' modes at every step
@@ -608,6 +620,7 @@ class InfCLLoss(ShardedReplaysMixin, CachedLossMixin, nn.Module):
             "margin": self.margin,
             "mini_batch_size": self.mini_batch_size,
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            "no_grad_mini_batch_size": self.no_grad_mini_batch_size,
             "symmetric": self.symmetric,
             "backend": self.backend,
             "precision": self.precision,
@@ -631,8 +644,9 @@ def _check_scale(scale, name: str = "scale") -> None:
         raise ValueError(f"{subject} must be a positive value. Got {name}={scale!r}.")
 
 
-def _caches_gradients(model, mini_batch_size, mini_batch_num_tokens) -> bool:
-    """Whether these mini-batch settings turn gradient caching on, after their checks."""
+def _caches_gradients(model, mini_batch_size, mini_batch_num_tokens, no_grad_mini_batch_size) -> bool:
+    """Whether these mini-batch settings turn gradient caching on, after their checks (the
+    gradient-free pass's size: :func:`hf_infcl.no_grad_mini_batches.check_no_grad_mini_batch_size`)."""
     if mini_batch_size is not None and (
         isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0
     ):
@@ -647,6 +661,7 @@ def _caches_gradients(model, mini_batch_size, mini_batch_num_tokens) -> bool:
         raise ValueError(
             f"mini_batch_num_tokens must be a positive integer or None. Got {mini_batch_num_tokens!r}."
         )
+    check_no_grad_mini_batch_size(no_grad_mini_batch_size, mini_batch_size, mini_batch_num_tokens)
     caches = mini_batch_size is not None or mini_batch_num_tokens is not None
     if caches and _has_static_embedding(model):
         raise ValueError(
@@ -861,7 +876,8 @@ class FrozenModelColumnsMixin:
         return [column[0] for column in self._frozen_columns]
 
 
-class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixin, nn.Module):
+class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniBatchesMixin, CachedLossMixin,
+                    nn.Module):
     """GISTEmbed's guided loss without a batch x batch matrix: a drop-in for GISTEmbedLoss
     (``mini_batch_size=None``) and CachedGISTEmbedLoss (``mini_batch_size`` set).
 
@@ -891,6 +907,8 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixi
         mini_batch_num_tokens: mini-batches packed by token count, as CachedGISTEmbedLoss; given
             alone, it turns gradient caching on.
         show_progress_bar: show the mini-batch progress of gradient caching.
+        no_grad_mini_batch_size: the gradient-free pass's mini-batches, as ``InfCLLoss``'s (exact
+            gradients only for a model without active dropout); the guide embeds those.
         margin_strategy, margin: GIST's false-negative filter ("absolute" or "relative").
         contrast_anchors, contrast_positives: include the anchor-anchor and positive-positive
             cosines among the candidates (GIST's defaults: both).
@@ -917,6 +935,7 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixi
         mini_batch_size: int | None = None,
         mini_batch_num_tokens: int | None = None,
         show_progress_bar: bool = False,
+        no_grad_mini_batch_size: int | None = None,
         margin_strategy: Literal["absolute", "relative"] = "absolute",
         margin: float = 0.0,
         contrast_anchors: bool = True,
@@ -931,7 +950,7 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixi
         # A backend name only, not a block-ops object: get_config_dict saves it as JSON.
         check_option("backend", backend, block_ops=False)
         check_option("precision", precision)
-        caches = _caches_gradients(model, mini_batch_size, mini_batch_num_tokens)
+        caches = _caches_gradients(model, mini_batch_size, mini_batch_num_tokens, no_grad_mini_batch_size)
         if margin_strategy not in ("absolute", "relative"):
             raise ValueError("margin_strategy must be 'absolute' or 'relative'.")
         self.model = model
@@ -943,6 +962,7 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixi
         self.temperature = temperature
         self.mini_batch_size = mini_batch_size
         self.mini_batch_num_tokens = mini_batch_num_tokens
+        self.no_grad_mini_batch_size = no_grad_mini_batch_size  # checked against the two above
         self.show_progress_bar = show_progress_bar
         self.margin_strategy = margin_strategy
         self.margin = margin
@@ -956,7 +976,7 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixi
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
-        cached = self.mini_batch_size is not None or self.mini_batch_num_tokens is not None
+        cached = self._caches_this_forward()
         if not cached and len(sentence_features) not in (2, 3):
             raise ValueError(f"Expected 2 or 3 embeddings, got {len(sentence_features)}")  # GIST's words
         _check_columns(sentence_features, cached, type(self).__name__)
@@ -1018,6 +1038,7 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixi
             "temperature": self.temperature,
             "mini_batch_size": self.mini_batch_size,
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            "no_grad_mini_batch_size": self.no_grad_mini_batch_size,
             "margin_strategy": self.margin_strategy,
             "margin": self.margin,
             "contrast_anchors": self.contrast_anchors,
@@ -1078,7 +1099,8 @@ def _check_teacher_labels(labels, columns: int, rows: int) -> None:
                          f"column order); got {list(labels.shape)}")
 
 
-class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossMixin, nn.Module):
+class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniBatchesMixin, CachedLossMixin,
+                       nn.Module):
     """In-batch distillation without a batch x batch matrix: the KL divergence of the model's softmax
     over EVERY candidate of the batch from a teacher's, optionally mixed with InfoNCE
     (:func:`hf_infcl.contrastive_distillation_loss`; docs/contract.md, "Distillation over the batch").
@@ -1107,9 +1129,9 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossM
             (InfoNCE as ``InfCLLoss`` with the same ``symmetric``); 1: the KL alone.
         symmetric: also the column term (the KL over the anchors at each anchor's positive),
             averaged with the row term, as MultipleNegativesSymmetricRankingLoss averages its two.
-        mini_batch_size, mini_batch_num_tokens, show_progress_bar: gradient caching as in
-            ``InfCLLoss``; a teacher model then embeds the same mini-batches, without gradient, in
-            the gradient-free pass only.
+        mini_batch_size, mini_batch_num_tokens, show_progress_bar, no_grad_mini_batch_size: gradient
+            caching as in ``InfCLLoss``; a teacher model then embeds the mini-batches of the
+            gradient-free pass, without gradient, in that pass only.
         backend, precision: the hf_infcl backend (``"auto"``, ``"torch"`` or ``"reference"``; the
             distillation has no Triton kernels yet, so ``"auto"`` runs the tiled PyTorch loss on
             every device) and matmul precision, as in ``InfCLLoss``.
@@ -1145,6 +1167,7 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossM
         mini_batch_size: int | None = None,
         mini_batch_num_tokens: int | None = None,
         show_progress_bar: bool = False,
+        no_grad_mini_batch_size: int | None = None,
         backend: BackendName = "auto",
         precision: Precision = "auto",
         gather_across_devices: bool = False,
@@ -1161,7 +1184,7 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossM
         check_distillation_backend(backend)
         check_option("precision", precision)
         self.must_retokenize = teacher is not None and _check_teacher_model(model, teacher)
-        caches = _caches_gradients(model, mini_batch_size, mini_batch_num_tokens)
+        caches = _caches_gradients(model, mini_batch_size, mini_batch_num_tokens, no_grad_mini_batch_size)
         self.model = model
         # Never trained; frozen, its parameters stay out of the Trainer's optimizer (as GIST's guide).
         self.teacher = None if teacher is None else teacher.requires_grad_(False)
@@ -1173,6 +1196,7 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossM
         self.symmetric = symmetric
         self.mini_batch_size = mini_batch_size
         self.mini_batch_num_tokens = mini_batch_num_tokens
+        self.no_grad_mini_batch_size = no_grad_mini_batch_size  # checked against the two above
         self.show_progress_bar = show_progress_bar
         self.backend = backend
         self.precision = precision
@@ -1186,7 +1210,7 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossM
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
-        cached = self.mini_batch_size is not None or self.mini_batch_num_tokens is not None
+        cached = self._caches_this_forward()
         _check_columns(sentence_features, cached, type(self).__name__)
         self._check_teacher_source(labels, sentence_features)
         if cached:
@@ -1252,6 +1276,7 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, CachedLossM
             "symmetric": self.symmetric,
             "mini_batch_size": self.mini_batch_size,
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            "no_grad_mini_batch_size": self.no_grad_mini_batch_size,
             "backend": self.backend,
             "precision": self.precision,
             "gather_across_devices": self.gather_across_devices,

@@ -81,8 +81,10 @@ class ShardedReplaysMixin:
     last replay is done; under DeepSpeed it holds ZeRO's reduction for every replay but the last;
     anything else runs ``CachedLossMixin`` unchanged."""
 
-    # Replays still to come in the current cached step under FSDP2 or DeepSpeed; None outside one.
-    _replays_left: int | None = None
+    # Texts still to replay in the current cached step under FSDP2 or DeepSpeed; None outside one.
+    # Texts, not mini-batches: the replays may cut the batch otherwise than the gradient-free pass
+    # (``no_grad_mini_batch_size``), but each text is embedded once in each.
+    _texts_to_replay: int | None = None
     # The step's fsdp_gather_once, entered from the first pass to the end of the last replay.
     _gather_once: contextlib.AbstractContextManager | None = None
     # fsdp_no_sync or deepspeed_hold_reduction of self.model while entered: from the first pass to
@@ -110,7 +112,7 @@ class ShardedReplaysMixin:
                 self._no_sync.__enter__()
         else:
             return super().forward_cached(sentence_features, labels)
-        self._replays_left = 0
+        self._texts_to_replay = 0
         try:
             loss = super().forward_cached(sentence_features, labels)
         except BaseException:
@@ -154,7 +156,7 @@ class ShardedReplaysMixin:
     def _end_step(self) -> None:
         """Sync back on and every unit resharded; nothing outside a cached step under FSDP2 or
         DeepSpeed."""
-        self._replays_left = None
+        self._texts_to_replay = None
         self._sync_from_here()
         for hook in self._held_hooks or ():
             hook.remove()
@@ -164,12 +166,12 @@ class ShardedReplaysMixin:
             gather_once.__exit__(None, None, None)
 
     def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
-        if self._replays_left is not None:  # a cached step under FSDP2 or DeepSpeed
+        if self._texts_to_replay is not None:  # a cached step under FSDP2 or DeepSpeed
             if not with_grad:
-                self._replays_left += 1  # every mini-batch of the first pass is replayed once
+                self._texts_to_replay += end - begin  # every text of the first pass is replayed once
             else:
-                self._replays_left -= 1
-                if self._replays_left == 0:  # this replay's backward reduce-scatters everything
+                self._texts_to_replay -= end - begin
+                if self._texts_to_replay == 0:  # this replay's backward reduces everything
                     self._sync_from_here()
         return super().embed_minibatch(sentence_feature, begin, end, with_grad, copy_random_state,
                                        random_state)

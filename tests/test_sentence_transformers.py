@@ -411,6 +411,7 @@ def test_config_and_citation(tiny_model):
         "margin": None,
         "mini_batch_size": 8,
         "mini_batch_num_tokens": None,
+        "no_grad_mini_batch_size": None,
         "symmetric": True,
         "backend": "auto",
         "precision": "ieee",
@@ -443,7 +444,7 @@ def test_config_keys_are_a_superset_of_sentence_transformers(tiny_model, symmetr
     config = ours.get_config_dict()
     assert expected.keys() <= config.keys(), sorted(expected.keys() - config.keys())
     assert {key: config[key] for key in expected} == expected
-    assert {"symmetric", "backend", "precision"} <= config.keys()
+    assert {"symmetric", "backend", "precision", "no_grad_mini_batch_size"} <= config.keys()
 
 
 def test_defaults_are_those_of_multiple_negatives_ranking_loss(tiny_model):

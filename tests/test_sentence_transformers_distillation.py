@@ -293,8 +293,9 @@ def test_config_and_citation(student, teacher):
                                    mini_batch_size=4)
     assert loss.get_config_dict() == {
         "teacher": teacher, "scale": 10.0, "teacher_scale": 10.0, "distillation_weight": 0.5,
-        "symmetric": False, "mini_batch_size": 4, "mini_batch_num_tokens": None, "backend": "auto",
-        "precision": "auto", "gather_across_devices": False,
+        "symmetric": False, "mini_batch_size": 4, "mini_batch_num_tokens": None,
+        "no_grad_mini_batch_size": None, "backend": "auto", "precision": "auto",
+        "gather_across_devices": False,
     }
     assert losses.InfCLDistillLoss(student, teacher_scale=50.0).get_config_dict()["teacher"] is None
     assert losses.InfCLDistillLoss(student, teacher_scale=50.0).get_config_dict()["teacher_scale"] == 50.0

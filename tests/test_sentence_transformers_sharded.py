@@ -142,12 +142,15 @@ class EngineStandIn(torch.nn.Module):
         return self.module(features)
 
 
+@pytest.mark.parametrize("no_grad_mini_batch_size", [None, 4], ids=["alike", "no_grad4"])
 @pytest.mark.parametrize("loss_class", ["InfCLLoss", "InfCLGISTLoss", "InfCLDistillLoss"])
 def test_sentence_transformers_cached_loss_holds_deepspeed_reduction_until_the_last_replay(tmp_path,
-                                                                                          loss_class):
+                                                                                          loss_class,
+                                                                                          no_grad_mini_batch_size):
     """What ZeRO reads when a parameter's gradient has accumulated (``ds_grad_is_ready``): False
     for every replay's backward but the last, True at the last and after the step; the gradient is
-    the uncached loss's."""
+    the uncached loss's. With ``no_grad_mini_batch_size=4`` the gradient-free pass embeds each
+    column in one mini-batch, and the replays are still four (the last found by its texts)."""
     from hf_infcl import losses
     from tests.helpers.sentence_transformers_fixtures import (
         build_tiny_model_dir,
@@ -160,7 +163,8 @@ def test_sentence_transformers_cached_loss_holds_deepspeed_reduction_until_the_l
     guide = (load_tiny_model(build_tiny_model_dir(tmp_path / "guide", seed=1)).double().eval(),) \
         if loss_class != "InfCLLoss" else ()  # GIST's guide, or the distillation's teacher
     numerics = {} if guide else {"backend": "torch"}
-    loss = getattr(losses, loss_class)(model, *guide, mini_batch_size=2, **numerics)
+    loss = getattr(losses, loss_class)(model, *guide, mini_batch_size=2,
+                                       no_grad_mini_batch_size=no_grad_mini_batch_size, **numerics)
     batch = features(model, text_columns(4, 2, seed=5))
     watched = next(model.parameters())
     ready = []
@@ -172,7 +176,7 @@ def test_sentence_transformers_cached_loss_holds_deepspeed_reduction_until_the_l
     cached = watched.grad.clone()
     model.zero_grad()
     loss.model = model
-    loss.mini_batch_size = None
+    loss.mini_batch_size = loss.no_grad_mini_batch_size = None
     loss.uses_gradient_cache = False
     loss([dict(column) for column in batch], None).backward()
     torch.testing.assert_close(cached, watched.grad, rtol=1e-10, atol=1e-12)

@@ -1,6 +1,6 @@
 """Offline sentence-transformers models and texts for the adapter tests (nothing from the Hub).
 
-``build_tiny_model_dir`` writes a 2-layer BERT (random weights, dropout 0.1) and a word-level
+``build_tiny_model_dir`` writes a 2-layer BERT (random weights, dropout 0.1 unless told) and a word-level
 tokenizer to a folder; ``load_tiny_model`` wraps it as a SentenceTransformer (Transformer + mean
 pooling). The multi-process workers load the same folder, so every rank starts from the same weights.
 """
@@ -21,8 +21,9 @@ SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 HIDDEN = 32
 
 
-def build_tiny_model_dir(folder: Path, seed: int = 0) -> Path:
-    """Save a tiny BERT with dropout on and its tokenizer to ``folder``; return the folder."""
+def build_tiny_model_dir(folder: Path, seed: int = 0, dropout: float = 0.1) -> Path:
+    """Save a tiny BERT (dropout ``dropout``: on by default) and its tokenizer to ``folder``; return
+    the folder."""
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     folder = Path(folder)
@@ -32,7 +33,7 @@ def build_tiny_model_dir(folder: Path, seed: int = 0) -> Path:
     config = BertConfig(
         vocab_size=len(vocab), hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=37, max_position_embeddings=64,
-        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
     )
     torch.manual_seed(seed)
     BertModel(config).save_pretrained(folder)
