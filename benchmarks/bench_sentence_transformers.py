@@ -39,10 +39,17 @@ metadata.
     python benchmarks/bench_sentence_transformers.py --sizes 4k --static-max 64k   # quick look
     python benchmarks/bench_sentence_transformers.py --parts minilm --sizes 4k,16k --rounds 2 --profile
     python benchmarks/bench_sentence_transformers.py --parts gist      # 16k, 64k, 256k: about 8 min on H100
+    python benchmarks/bench_sentence_transformers.py --parts minilm --sizes 64k --no-grad-mini-batch-size 1024
 
 ``--rounds`` measures the two losses in turn that many times (medians over every timed step), so
 that a drift of the machine does not favour the loss measured first; ``--profile`` adds a table of
 one step's GPU time by kernel for each loss at the first size.
+
+``--no-grad-mini-batch-size N`` gives InfCLLoss (and, in the GIST part, InfCLGISTLoss) a
+gradient-free pass in mini-batches of N texts, the replays keeping 256; their rows carry N in the
+``no_grad_mini_batch_size`` column. The MiniLM trains with its dropout (0.1), whose masks the
+replays then cannot draw again, so those steps' gradients are approximate (the loss warns once):
+the figures are timings.
 
 Writes ``bench_sentence_transformers.csv`` under $OUT when that is set (or to --csv).
 """
@@ -306,7 +313,7 @@ def free_memory(model=None):
 # ----------------------------------------------------------------------------------------------
 
 
-def run_minilm(sizes, repeats, device, record, meta, rounds=1, profile=False):
+def run_minilm(sizes, repeats, device, record, meta, rounds=1, profile=False, no_grad_mini_batch_size=None):
     from sentence_transformers import losses as st_losses
 
     from hf_infcl import losses
@@ -316,19 +323,21 @@ def run_minilm(sizes, repeats, device, record, meta, rounds=1, profile=False):
     autocast_forward(model, device)
     meta["minilm"] = source
     generator = torch.Generator().manual_seed(0)
+    loss_classes = {  # each loss's class and options
+        "CachedMNRL": (st_losses.CachedMultipleNegativesRankingLoss, {"mini_batch_size": MINI_BATCH_SIZE}),
+        "InfCLLoss": (losses.InfCLLoss, {"mini_batch_size": MINI_BATCH_SIZE,
+                                         "no_grad_mini_batch_size": no_grad_mini_batch_size}),
+    }
     for batch in sizes:
         columns = minilm_columns(model, batch, 2, device, generator)
-        loss_classes = {
-            "CachedMNRL": st_losses.CachedMultipleNegativesRankingLoss, "InfCLLoss": losses.InfCLLoss,
-        }
         # Rounds alternate the losses, so that a drift of the machine (clocks, memory) during
         # the run does not favour the loss measured first.
         results = {name: {"steps": [], "peaks": [], "timers": []} for name in loss_classes}
         for _ in range(rounds):
-            for name, loss_class in loss_classes.items():
+            for name, (loss_class, options) in loss_classes.items():
                 if "status" in results[name]:
                     continue
-                loss_module = loss_class(model, mini_batch_size=MINI_BATCH_SIZE)
+                loss_module = loss_class(model, **options)
                 try:
                     step_seconds, peak, timer = measure_steps(model, loss_module, columns, repeats)
                 except Exception as error:  # noqa: BLE001 - an OOM is a result, anything else is reported
@@ -341,7 +350,7 @@ def run_minilm(sizes, repeats, device, record, meta, rounds=1, profile=False):
                 del loss_module
                 free_memory(model)
         for name, result in results.items():
-            row = {"part": "minilm", "loss": name, "batch": batch, "mini_batch_size": MINI_BATCH_SIZE}
+            row = {"part": "minilm", "loss": name, "batch": batch, **loss_classes[name][1]}
             if "status" in result:
                 record({**row, "status": result["status"]})
                 continue
@@ -354,8 +363,8 @@ def run_minilm(sizes, repeats, device, record, meta, rounds=1, profile=False):
                 "peak_gib": gib(max(result["peaks"])), "loss_part_peak_gib": gib(loss_part_peak),
             })
         if profile and batch == sizes[0]:
-            for name, loss_class in loss_classes.items():
-                profile_step(model, loss_class(model, mini_batch_size=MINI_BATCH_SIZE), columns, name, batch)
+            for name, (loss_class, options) in loss_classes.items():
+                profile_step(model, loss_class(model, **options), columns, name, batch)
                 free_memory(model)
         del columns
         free_memory()
@@ -416,10 +425,11 @@ def gist_repeats(batch: int) -> int:
     return 2 if batch <= parse_count("16k") else 1
 
 
-def run_gist(sizes, device, record, meta, losses_to_run=None):
+def run_gist(sizes, device, record, meta, losses_to_run=None, no_grad_mini_batch_size=None):
     """InfCLLoss (no guide), InfCLGISTLoss and CachedGISTEmbedLoss (``losses_to_run``: those named;
-    default all), mini_batch_size 256, at each size; a loss that fails at a size (out of memory) is
-    not tried at the larger ones."""
+    default all), mini_batch_size 256 (the hf_infcl losses' gradient-free pass:
+    ``no_grad_mini_batch_size``), at each size; a loss that fails at a size (out of memory) is not
+    tried at the larger ones."""
     from sentence_transformers import losses as st_losses
 
     from hf_infcl import losses
@@ -428,9 +438,11 @@ def run_gist(sizes, device, record, meta, losses_to_run=None):
     meta["gist"] = (f"MiniLM-L6 config, random weights (model seed 0, guide seed 1), {GIST_TOKENS} tokens, "
                     f"temperature {GIST_TEMPERATURE}")
     guided = {"guide": guide, "temperature": GIST_TEMPERATURE, "mini_batch_size": MINI_BATCH_SIZE}
+    ours = {"no_grad_mini_batch_size": no_grad_mini_batch_size}
     loss_classes = {  # InfCLLoss first: the others' rows carry their ratio to it
-        "InfCLLoss": (losses.InfCLLoss, {"scale": 1 / GIST_TEMPERATURE, "mini_batch_size": MINI_BATCH_SIZE}),
-        "InfCLGISTLoss": (losses.InfCLGISTLoss, guided),
+        "InfCLLoss": (losses.InfCLLoss, {"scale": 1 / GIST_TEMPERATURE, "mini_batch_size": MINI_BATCH_SIZE,
+                                         **ours}),
+        "InfCLGISTLoss": (losses.InfCLGISTLoss, {**guided, **ours}),
         "CachedGIST": (st_losses.CachedGISTEmbedLoss, guided),
     }
     if losses_to_run is not None:
@@ -441,7 +453,8 @@ def run_gist(sizes, device, record, meta, losses_to_run=None):
         columns = minilm_columns(model, batch, 2, device, generator, tokens=(GIST_TOKENS, GIST_TOKENS))
         baseline = None
         for name, (loss_class, options) in loss_classes.items():
-            row = {"part": "gist", "loss": name, "batch": batch, "mini_batch_size": MINI_BATCH_SIZE}
+            row = {"part": "gist", "loss": name, "batch": batch, "mini_batch_size": MINI_BATCH_SIZE,
+                   "no_grad_mini_batch_size": options.get("no_grad_mini_batch_size")}
             if name in failed:
                 record({**row, "status": f"skipped after {failed[name]}"})
                 continue
@@ -465,8 +478,14 @@ def run_gist(sizes, device, record, meta, losses_to_run=None):
             free_memory(model)
         del columns
         free_memory()
-    del model, guide, guided, loss_classes
+    del model, guide, guided, ours, loss_classes
     free_memory()
+
+
+def no_grad_note(meta) -> str:
+    """The hf_infcl losses' gradient-free mini-batches for a table's title, when set."""
+    size = meta.get("infcl_no_grad_mini_batch_size")
+    return "" if size is None else f" (hf_infcl's gradient-free pass: {size})"
 
 
 def print_results(rows, meta):
@@ -475,7 +494,8 @@ def print_results(rows, meta):
           f"hf_infcl backend {meta['hf_infcl_backend']}; MiniLM: {meta.get('minilm', '-')}")
     minilm = {(r["batch"], r["loss"]): r for r in rows if r["part"] == "minilm"}
     if minilm:
-        print("\nMiniLM, seq 64, bf16 autocast, mini_batch_size 256 (step s | loss-part s | step peak GiB)")
+        print(f"\nMiniLM, seq 64, bf16 autocast, mini_batch_size 256{no_grad_note(meta)} "
+              "(step s | loss-part s | step peak GiB)")
         columns = [Column("batch", 6), Column("CachedMNRL", 26, gap=" | "),
                    Column("InfCLLoss", 26, gap=" | "),
                    Column("loss-part x | step x | peak x", align="<", gap=" | ")]
@@ -512,8 +532,8 @@ def print_results(rows, meta):
         print("  (bar: InfCLLoss trains 256k)")
     gist = {(r["batch"], r["loss"]): r for r in rows if r["part"] == "gist"}
     if gist:
-        print(f"\nGIST: {meta.get('gist', '-')}, bf16 autocast, mini_batch_size {MINI_BATCH_SIZE} "
-              "(step s | step peak GiB)")
+        print(f"\nGIST: {meta.get('gist', '-')}, bf16 autocast, mini_batch_size {MINI_BATCH_SIZE}"
+              f"{no_grad_note(meta)} (step s | step peak GiB)")
         names = ("InfCLLoss", "InfCLGISTLoss", "CachedGIST")
         columns = [Column("batch", 6), *(Column(name, 18, gap=" | ") for name in names),
                    Column("GIST/InfCL step x | peak +GiB", align="<", gap=" | "),
@@ -550,9 +570,19 @@ def main(argv=None):
     parser.add_argument("--parts", default="minilm,static", help="which parts to run: minilm, static, gist")
     parser.add_argument("--gist-losses", default=None,
                         help="GIST: losses to run among InfCLLoss, InfCLGISTLoss, CachedGIST (default all)")
+    parser.add_argument("--no-grad-mini-batch-size", type=int, default=None,
+                        help="texts per mini-batch of InfCLLoss's (and InfCLGISTLoss's) gradient-free pass "
+                        f"(default: the replays' {MINI_BATCH_SIZE}); approximate gradients with the "
+                        "MiniLM's dropout, timings only")
     parser.add_argument("--csv", default=None, help="CSV (default $OUT/bench_sentence_transformers.csv)")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests the script (no memory)")
     args = parser.parse_args(argv)
+    from hf_infcl.ops.options import check_chunk_size
+
+    try:
+        check_chunk_size("--no-grad-mini-batch-size", args.no_grad_mini_batch_size)
+    except ValueError as error:
+        parser.error(str(error))
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA GPU")
@@ -563,11 +593,12 @@ def main(argv=None):
     meta = {
         "device": device_name(device), **versions("torch", "triton", "sentence_transformers", "hf_infcl"),
         "hf_infcl_backend": type(select_block_ops("auto", device)).__name__,
+        "infcl_no_grad_mini_batch_size": args.no_grad_mini_batch_size,
     }
 
-    fields = ["part", "loss", "batch", "mini_batch_size", "status", "step_s", "steps", "step_times",
-              "loss_part_s", "peak_gib", "loss_part_peak_gib", "step_vs_infcl", "peak_vs_infcl_gib",
-              "device", "torch", "triton",
+    fields = ["part", "loss", "batch", "mini_batch_size", "no_grad_mini_batch_size", "status", "step_s",
+              "steps", "step_times", "loss_part_s", "peak_gib", "loss_part_peak_gib", "step_vs_infcl",
+              "peak_vs_infcl_gib", "device", "torch", "triton",
               "sentence_transformers", "hf_infcl", "hf_infcl_backend"]
     rows = []
     path = csv_path(args.csv, "bench_sentence_transformers.csv")
@@ -590,12 +621,13 @@ def main(argv=None):
 
         if "minilm" in parts:
             run_minilm(sizes(MINILM_SIZES), args.repeats, device, record, meta, rounds=args.rounds,
-                       profile=args.profile)
+                       profile=args.profile, no_grad_mini_batch_size=args.no_grad_mini_batch_size)
         if "static" in parts:
             run_static(parse_count(args.static_max), parse_count(args.static_start), device, record, meta)
         if "gist" in parts:
             run_gist(sizes(GIST_SIZES), device, record, meta,
-                     None if args.gist_losses is None else args.gist_losses.split(","))
+                     None if args.gist_losses is None else args.gist_losses.split(","),
+                     no_grad_mini_batch_size=args.no_grad_mini_batch_size)
     print(f"\n(total {time.perf_counter() - started:.0f} s)")
     print_results(rows, meta)
 
