@@ -42,6 +42,8 @@ With no arguments: 1024 training pairs, 16 steps of 64, 1000 held out (under a m
 2-core CPU). Every ``SentenceTransformerTrainingArguments`` flag works (``--learning_rate``,
 ``--max_steps``, ``--bf16``, ``--push_to_hub``, ...), plus ``--precision`` of the loss. Numeric
 flags are checked before any work, and so is ``--push_to_hub`` (token, Hub reachable, repo id).
+``--no_grad_mini_batch_size`` runs the gradient-free pass of ``--mini_batch_size``'s GradCache in larger
+chunks (faster; exact gradients only for a model without dropout, see ``InfCLLoss``).
 ``--resume_from_checkpoint`` (a ``checkpoint-<step>`` folder that ``--save_strategy steps`` saved, or
 ``latest``: the last in ``--output_dir``) goes on from that checkpoint to the uninterrupted run's end.
 """
@@ -62,6 +64,7 @@ from hf_infcl.ops.options import (
     PRECISIONS,
     FalseNegativeStrategy,
     Precision,
+    check_chunking,
     check_matryoshka,
 )
 
@@ -125,6 +128,12 @@ class ScriptArguments(TextPairArguments):
     scale: float = field(default=20.0, metadata={"help": "1 / temperature, as MultipleNegativesRankingLoss."})
     symmetric: bool = field(default=False, metadata={"help": "Also the passage -> query direction."})
     mini_batch_size: int | None = field(default=None, metadata={"help": "GradCache chunk of texts."})
+    no_grad_mini_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Texts per chunk of GradCache's gradient-free pass (needs --mini_batch_size, the "
+                  "replays' chunk; default: the same). Larger is faster; the gradients are exact only for a "
+                  "model without dropout (MiniLM's 0.1: approximate, and the loss warns)."},
+    )
     precision: Precision = field(
         default="auto",
         metadata={
@@ -162,6 +171,7 @@ NUMERIC_RULES = {
     **TEXT_EXAMPLE_RULES,
     "scale": POSITIVE,
     "mini_batch_size": POSITIVE,
+    "no_grad_mini_batch_size": POSITIVE,
     "eval_batch_size": POSITIVE,
     "margin": FINITE,
 }
@@ -210,6 +220,11 @@ def parse_arguments(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     preset, defaults, output_dir = preset_defaults(argv, PRESETS, DEFAULTS, DEFAULT_OUTPUT_DIR)
     script_args, args = parse_with_defaults(build_parser(), argv, output_dir, defaults, NUMERIC_RULES)
+    try:  # the library's one chunk rule, spelled as this script's flags
+        chunked = {"--no_grad_mini_batch_size": script_args.no_grad_mini_batch_size}
+        check_chunking(script_args.mini_batch_size, chunked, name="--mini_batch_size")
+    except ValueError as error:
+        fail(str(error))
     if preset is not None and script_args.query_prompt is None:
         script_args.query_prompt = RETRIEVAL_INSTRUCTION
     return script_args, args
@@ -341,6 +356,7 @@ def main(argv=None):
         scale=script_args.scale,
         symmetric=script_args.symmetric,
         mini_batch_size=script_args.mini_batch_size,
+        no_grad_mini_batch_size=script_args.no_grad_mini_batch_size,
         precision=script_args.precision,
         gather_across_devices=True,  # negatives from every process: the contrastive batch is global
         margin=script_args.margin,

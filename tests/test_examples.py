@@ -265,6 +265,10 @@ BAD_NUMBERS = [
     ("train_sentence_transformer", ["--per_device_train_batch_size", "0"],
      "--per_device_train_batch_size must be > 0"),
     ("train_sentence_transformer", ["--mini_batch_size", "-8"], "--mini_batch_size must be > 0, got -8"),
+    ("train_sentence_transformer", ["--no_grad_mini_batch_size", "0"],
+     "--no_grad_mini_batch_size must be > 0, got 0"),
+    ("train_sentence_transformer", ["--no_grad_mini_batch_size", "512"],
+     "--no_grad_mini_batch_size needs --mini_batch_size"),
     ("train_sentence_transformer", ["--scale", "0"], "--scale must be > 0"),
     ("train_sentence_transformer", ["--max_seq_length", "-1"], "--max_seq_length must be > 0"),
     ("train_sentence_transformer", ["--preset", "qwen9"],
@@ -697,7 +701,8 @@ def test_the_qwen2_1_5b_preset_is_qwen2_1_5b():
 
 def recording_sentence_transformer_trainer(monkeypatch) -> dict:
     """What the SentenceTransformerTrainer the example builds trains with, recorded after its train():
-    the columns' prompts, the loss's mini-batch and whether the backbone checkpointed its layers."""
+    the columns' prompts, the loss's mini-batches (both passes') and whether the backbone checkpointed
+    its layers."""
     import sentence_transformers
 
     seen = {}
@@ -706,6 +711,7 @@ def recording_sentence_transformer_trainer(monkeypatch) -> dict:
         def train(self, *args, **kwargs):
             result = super().train(*args, **kwargs)
             seen.update(prompts=self.args.prompts, mini_batch_size=self.loss.mini_batch_size,
+                        no_grad_mini_batch_size=self.loss.no_grad_mini_batch_size,
                         checkpointing=self.model[0].model.is_activation_checkpointing)
             return result
 
@@ -716,7 +722,8 @@ def recording_sentence_transformer_trainer(monkeypatch) -> dict:
 def test_train_sentence_transformer_decoder_preset_runs_end_to_end(tmp_path, monkeypatch, capsys):
     """--preset qwen3-tiny: a Qwen3 SentenceTransformer (last-token pooling, EOS ending every text,
     Normalize, the query prompt before the anchors) trained with gradient checkpointing and
-    InfCLLoss(mini_batch_size=...), saved, and reloaded to the same scores."""
+    InfCLLoss(mini_batch_size=..., no_grad_mini_batch_size=...), saved, and reloaded to the same
+    scores."""
     train_st = text_example("train_sentence_transformer")
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
@@ -728,11 +735,12 @@ def test_train_sentence_transformer_decoder_preset_runs_end_to_end(tmp_path, mon
     before, after = train_st.main([
         "--preset", "qwen3-tiny", "--output_dir", str(out), "--max_train_pairs", "48",
         "--held_out_pairs", "24", "--per_device_train_batch_size", "16", "--mini_batch_size", "8",
-        "--max_steps", "2",
+        "--no_grad_mini_batch_size", "16", "--max_steps", "2",
     ])
     printed = capsys.readouterr().out
     assert "preset qwen3-tiny: qwen3, 2 layers, hidden 64" in printed and "pooling lasttoken" in printed
-    assert seen == {"prompts": {"anchor": RETRIEVAL_INSTRUCTION}, "mini_batch_size": 8, "checkpointing": True}
+    assert seen == {"prompts": {"anchor": RETRIEVAL_INSTRUCTION}, "mini_batch_size": 8,
+                    "no_grad_mini_batch_size": 16, "checkpointing": True}
     assert after != before
     reloaded = SentenceTransformer(str(out), device="cpu")
     assert [type(module) for module in reloaded] == [Transformer, Pooling, Normalize]
