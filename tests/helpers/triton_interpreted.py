@@ -668,10 +668,11 @@ def test_a_kernel_key_launched_before_skips_the_autotuner(monkeypatch, tmp_path)
         keys = torch.randn(60, 24, generator=gen).requires_grad_(True)
         results = []
         for backend in (tiles, TorchTiles()):
-            loss = contrastive_loss(queries, keys, 7.0, backend=backend, precision="ieee")
+            # TF32: exact fp32 ("ieee") runs one configuration and never meets the autotuner
+            loss = contrastive_loss(queries, keys, 7.0, backend=backend, precision="tf32")
             results.append((loss, *torch.autograd.grad(loss, [queries, keys])))
-        for value, expected in zip(*results):  # fp32 "ieee": rounding only
-            torch.testing.assert_close(value, expected, rtol=1e-4, atol=1e-5)
+        for value, expected in zip(*results):  # TF32 operands (and the Triton route's fp16 G): norm-wise
+            assert (value - expected).norm() <= 1e-2 * expected.norm(), (value, expected)
     assert runs == {"_stats_kernel": 1, "_grad_tile_kernel": 1}
 
 
