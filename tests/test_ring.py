@@ -135,6 +135,7 @@ SAME_ERROR_EVERYWHERE = {
     "margin_given": "whether false_negative_margin is given",
     "false_negative_strategy": "disagree on false_negative_strategy",
     "guide_width": "width of guide_queries/guide_keys",
+    "gradient_wanted": "whether a gradient is wanted",
     "no_rows_anywhere": "no rank of the process group has any rows",
 }
 
@@ -190,6 +191,38 @@ def test_reductions_none_and_sum_without_autograd(ranks):
         torch.testing.assert_close(result["reductions"]["sum"], mine.sum(), **TOLERANCE)
 
 
+@pytest.mark.parametrize("weighting", ["even", "uneven"])
+def test_sigmoid_gradients_when_each_rank_scales_its_own_loss(ranks, weighting):
+    """The sigmoid loss takes its gradients in the forward, each key's summed over every rank's
+    rows with weight 1; the backward scales them by the rows' common weight, which the ranks
+    agree on first. Rank r scaling its loss by r + 1 gives each rank's rows another weight: the
+    gradients must still be those of the sum of the scaled losses (one process, float64)."""
+    n = len(ranks)
+    parts = ring_workers.reduction_inputs(n)
+    queries = torch.cat([q for q, _ in parts]).requires_grad_(True)
+    keys = torch.cat([k for _, k in parts]).requires_grad_(True)
+    bias = torch.tensor(-1.0, dtype=queries.dtype, requires_grad=True)
+    key_offsets = [0] + torch.tensor([k.shape[0] for _, k in parts]).cumsum(0).tolist()
+    row_offsets = [0] + torch.tensor([q.shape[0] for q, _ in parts]).cumsum(0).tolist()
+    positives = torch.cat([torch.arange(q.shape[0]) + key_offsets[r] for r, (q, _) in enumerate(parts)])
+    per_row = contrastive_loss(queries, keys, 3.0, bias, loss="sigmoid", positives=positives,
+                               reduction="none", backend="reference")
+    factors = [float(r + 1) if weighting == "uneven" else 1.0 for r in range(n)]
+    row_factor = torch.cat([torch.full((q.shape[0],), factor, dtype=queries.dtype)
+                            for (q, _), factor in zip(parts, factors)])
+    # each rank's mean is (n / M) times its rows' sum (docs/contract.md, "Reductions")
+    (per_row * row_factor).sum().mul(n / queries.shape[0]).backward()
+    bias_total = sum(result["weighted_sigmoid"][weighting]["bias"] for result in ranks)
+    torch.testing.assert_close(bias_total, bias.grad, **TOLERANCE)  # each rank has its share
+    for rank, result in enumerate(ranks):
+        mine = result["weighted_sigmoid"][weighting]
+        torch.testing.assert_close(mine["queries"], queries.grad[row_offsets[rank]:row_offsets[rank + 1]],
+                                   **TOLERANCE)
+        torch.testing.assert_close(mine["keys"], keys.grad[key_offsets[rank]:key_offsets[rank + 1]],
+                                   **TOLERANCE)
+    assert keys.grad.abs().max() > 1e-3
+
+
 def test_ring_schedule_switches_leave_out_the_transfers_or_the_compute(ranks):
     """ring.schedule(transfer=False) runs every block computation and no transfer;
     compute=False every transfer and no block computation (through the backward too); outside
@@ -210,15 +243,21 @@ def test_bytes_sent_per_rank_are_the_readme_formula(ranks, case):
     key block (k_max x c, input dtype) n - 1 times and, for the symmetric softmax loss, its column
     log-sum-exp (k_max, accumulation dtype) n times; the backward sends the key block n - 1 times
     with, for the symmetric loss, the column statistic and its gradient (2 k_max), and the key
-    gradients (k_max x c, accumulation dtype) n times."""
+    gradients (k_max x c, accumulation dtype) n times. The sigmoid loss computes its gradients in
+    the forward: the key block goes round once, with its key gradients, and the backward sends
+    nothing."""
     loss, symmetric, dtype = ring_workers.TRAFFIC_CASES[case]
     n, c = len(ranks), ring_workers.TRAFFIC_WIDTH
     k_max = max(ring_workers.traffic_keys(rank) for rank in range(n))
     element = torch.finfo(dtype).bits // 8
     accumulator = 8 if dtype == torch.float64 else 4
     columns = loss == "softmax" and symmetric
-    forward = (n - 1) * k_max * c * element + columns * n * k_max * accumulator
-    backward = (n - 1) * k_max * (c * element + columns * 2 * accumulator) + n * k_max * c * accumulator
+    blocks, key_gradients = (n - 1) * k_max * c * element, n * k_max * c * accumulator
+    if loss == "sigmoid":
+        forward, backward = blocks + key_gradients, 0
+    else:
+        forward = blocks + columns * n * k_max * accumulator
+        backward = blocks + (n - 1) * k_max * columns * 2 * accumulator + key_gradients
     for result in ranks:
         assert result["traffic"][case] == {"forward": forward, "backward": backward}
 

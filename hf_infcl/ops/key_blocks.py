@@ -235,7 +235,17 @@ def one_pass(spec: StatsSpec, schedule: KeyBlockSchedule, ops: BlockOps) -> bool
     """Whether the forward computes the gradients too (``StatsSpec.gradients_in_forward``, where
     the schedule and the block ops offer it)."""
     return (spec.gradients_in_forward and takes_one_pass(ops)
-            and callable(getattr(schedule, "forward_with_gradients", None)))
+            and callable(getattr(schedule, "forward_with_gradients", None))
+            # the positive pairs' entries of G are added in the backward, where a schedule can
+            and (spec.group_positives is None or callable(getattr(schedule, "add_positive_pairs", None))))
+
+
+def common_row_weight(schedule: KeyBlockSchedule, row_weight: torch.Tensor) -> torch.Tensor | None:
+    """The gradient every row statistic has on the one-pass route, which scales its key gradients:
+    the schedule's own answer where it has one (the ring asks every rank, None where they differ),
+    else row 0's (one process: the route's precondition)."""
+    ask = getattr(schedule, "common_row_weight", None)
+    return row_weight[0] if ask is None else ask(row_weight)
 
 
 def stats_backward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
@@ -256,9 +266,13 @@ def stats_backward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, q
                                            grad_column_positive if columns else None, pairs)
         grad_positive_logit = None  # the pairs' gradients go into the accumulators
     if unit is not None and pair_gradients is None:
-        return finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive_logit,
-                                unit.queries, unit.key_slices, unit.row_sums,
-                                row_weight=grad_row_stat.to(unit.queries.dtype), combine=row_combiner(ops))
+        row_weight = grad_row_stat.to(unit.queries.dtype)
+        key_weight = common_row_weight(schedule, row_weight)
+        if key_weight is not None:
+            return finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive_logit,
+                                    unit.queries, unit.key_slices, unit.row_sums, row_weight=row_weight,
+                                    key_weight=key_weight, combine=row_combiner(ops))
+        unit = None  # rows weighted unevenly: the tiles again, each row with its own weight
     labels = complete_labels(schedule, spec, ops, queries, keys, positives, labels)
     if unit is not None:
         # The one pass with positive pairs: its unit-weight gradients scaled into new accumulators
@@ -437,7 +451,7 @@ def positive_logits(queries, keys, positives, scale, bias,
 
 
 def finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive, grad_queries, key_slices,
-                     row_sums, row_weight=None, combine: RowCombiner = combine_rows):
+                     row_sums, row_weight=None, key_weight=None, combine: RowCombiner = combine_rows):
     """(d queries, d keys, d scale, d bias) from the unscaled accumulators of the statistics'
     gradient, adding the positive logits' gradient ``grad_positive``; ``needs`` (four bools, e.g.
     ``ctx.needs_input_grad[:4]``) says which are wanted, None for the others.
@@ -447,8 +461,8 @@ def finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive
     of G. With ``row_weight`` None they hold the gradient itself, and each key slice is dropped
     from the list once used (its memory freed). With ``row_weight`` [m] they hold the unit-weight
     G of the one-pass route (``StatsSpec.gradients_in_forward``) and are kept: row i of G K is
-    scaled by its weight, G^T Q by the rows' common weight. They are only ever read (a second
-    backward of the one-pass route reads them again).
+    scaled by its weight, G^T Q by the rows' common weight ``key_weight`` (:func:`common_row_weight`;
+    None: row 0's). They are only ever read (a second backward of the one-pass route reads them again).
 
     The positive logits' gradient is summed with the fp32 accumulators before the single cast,
     where it nearly cancels G's entry at the positive (see the module docstring). ``grad_positive``
@@ -477,7 +491,8 @@ def finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive
         grad_bias = (sums.sum() + (0.0 if weight is None else weight.sum())).to(bias.dtype)
     if need_k:
         # Every row's statistic has the same gradient on the one-pass route (its precondition).
-        key_weight = None if row_weight is None else row_weight[0]
+        if row_weight is not None and key_weight is None:
+            key_weight = row_weight[0]
         if positives is not None:
             # Key j takes the rows whose positive it is: the rows sorted by positive, so that
             # each key's rows are one contiguous range of entries.

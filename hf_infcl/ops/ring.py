@@ -28,6 +28,14 @@ sending it on while it computes the next one, so that a rank holds about one key
 accumulators (plus one slice in flight), and the previous rank's slice always arrives while an
 earlier one is computed.
 
+The sigmoid loss needs no statistic before its gradients, so when a gradient is wanted (and the
+rows share one weight: a mean or sum; ``StatsSpec.gradients_in_forward``) it takes one pass: each
+visiting key block gives the rows' softplus sums and G K and G^T Q with every row weight 1, the key
+gradients travelling home in the forward as they do in the backward above. The key blocks go round
+once, and the backward only scales what the forward kept, after one all_reduce of two numbers that
+checks every rank's rows have the same weight (where they do not, because a rank scaled its own
+loss, the backward runs the ring above).
+
 Ranks may hold different numbers of rows and keys (one may hold no rows at all): the sizes are
 exchanged first with one small all_gather, which also carries every option that must agree, so
 that a mismatch raises the same ``ValueError`` on every rank instead of a hang. Key blocks travel
@@ -92,6 +100,7 @@ _LAYOUT_FIELDS = (
     "has_bias", "has_groups", "reduction", "hardness", "hardness_strength", "label_smoothing",
     "group_positives", "filters", "false_negative_margin", "false_negative_strategy", "guide_width",
     "teacher_width", "distillation_weight", "matryoshka_dims", "matryoshka_dim", "matryoshka_weight",
+    "gradients_in_forward",
 )
 # the others are small integers
 _FLOAT_FIELDS = ("hardness_strength", "label_smoothing", "false_negative_margin", "distillation_weight",
@@ -198,6 +207,22 @@ class RingLayout:
         return _ring_backward(self, spec, ops, queries, keys, scale, bias, labels, row_stat, col_stat,
                               grad_row_stat, grad_col_stat, positives)
 
+    def forward_with_gradients(self, spec: StatsSpec, ops, queries, keys, scale, bias, labels: PairLabels):
+        return _ring_forward_with_gradients(self, spec, ops, queries, keys, scale, bias, labels)
+
+    def common_row_weight(self, row_weight: torch.Tensor) -> torch.Tensor | None:
+        """The one gradient every row statistic of every rank has, which the one-pass route's key
+        gradients (summed over every rank's rows with weight 1) are scaled by; None where the
+        ranks' weights differ (a rank's loss scaled on its own), for the exact backward."""
+        device = _metadata_device(self.group, row_weight.device)
+        if row_weight.numel():
+            bounds = torch.stack([-row_weight.min(), row_weight.max()]).to(device, torch.float64)
+        else:  # no rows here: no say
+            bounds = torch.full((2,), float("-inf"), dtype=torch.float64, device=device)
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.group)
+        low, high = (-bounds[0]).item(), bounds[1].item()
+        return torch.tensor(high, dtype=row_weight.dtype, device=row_weight.device) if low == high else None
+
 
 def _metadata_device(group, fallback: torch.device) -> torch.device:
     """Where the size exchange's tensor must live for this group's backend."""
@@ -261,6 +286,7 @@ def exchange_layout(group, queries, keys, spec: StatsSpec, has_bias: bool, has_g
         "matryoshka_dims": 0 if matryoshka_term is None else matryoshka_term.count,
         "matryoshka_dim": -1 if matryoshka_term is None else matryoshka_term.dim,
         "matryoshka_weight": -1.0 if matryoshka_term is None else matryoshka_term.weight,
+        "gradients_in_forward": int(spec.gradients_in_forward),
     }
     table = _all_gather_layout(
         group, [float(values[name]) for name in _LAYOUT_FIELDS], _metadata_device(group, queries.device)
@@ -323,6 +349,9 @@ def _check_agreement(columns: dict[str, list[int]]) -> None:
                           lambda v: "no teacher (contrastive_loss)" if v < 0 else str(v)),
         "distillation_weight": ("distillation_weight",
                                 lambda v: "none (contrastive_loss)" if v < 0 else str(v)),
+        # the sigmoid loss's one-pass route sends its key gradients in the forward
+        "gradients_in_forward": ("whether a gradient is wanted (every rank must backpropagate the loss)",
+                                 lambda v: str(bool(v))),
     }
     for field, (what, decode) in names.items():
         if len(set(columns[field])) > 1:
@@ -571,6 +600,49 @@ class TravellingKeyGradients:
         self._wait_pending()
         self._spare.clear()
         return list(zip(self.slices, self.running))
+
+
+def _ring_forward_with_gradients(layout, spec, ops, queries, keys, scale, bias, labels: PairLabels):
+    """The sigmoid loss's one pass over the ring (``StatsSpec.gradients_in_forward``): each visiting
+    key block gives the rows' softplus sums and, with every row weight 1, G K for this rank's rows
+    and G^T Q for the block, which travels on and home as the backward's key gradient does. The
+    key block goes round once instead of twice. Returns (row_stat, UnitGradients, None)."""
+    from .key_blocks import UnitGradients
+
+    acc = accumulation_dtype(queries.dtype)
+    device = queries.device
+    (m, width), k_max, n = queries.shape, layout.max_keys, layout.world_size
+    row_stat = empty_row_stats(spec, m, acc, device)
+    grad_queries = torch.zeros(m, width, dtype=acc, device=device)
+    row_sums = torch.zeros(m, dtype=acc, device=device)
+    own = [padded_block(keys, k_max, 0.0), *_travelling_key_labels(labels, k_max)]
+    blocks = TravellingBlocks(layout, own)
+    compute = layout.schedule.compute
+    slices = key_slices(k_max, width, torch.finfo(acc).bits // 8)
+    key_grads = TravellingKeyGradients(layout, slices, width, acc, device)
+
+    for step in range(n):
+        owner = layout.owner(step)
+        k_owner = layout.keys[owner]
+        if step < n - 1:
+            blocks.post_next()  # before the compute, so that the transfer overlaps it
+        block_keys = blocks.current[0]
+        for index, (lo, hi) in enumerate(slices):
+            accumulator = key_grads.accumulator(step, index)
+            hi_real = min(hi, k_owner)  # rows past the owner's k are padding: never computed
+            if lo < hi_real and m > 0 and compute:
+                key_labels = _block_key_labels(labels, blocks.current[1:], lo, hi_real)
+                block = labels.block(spec, key_labels, layout.key_offset(owner) + lo)
+                partial_row, partial_sums = ops.forward_backward_block(
+                    spec, queries, block_keys[lo:hi_real], scale, bias, block.mask, grad_queries,
+                    accumulator[: hi_real - lo], score_filter=block.score_filter)
+                row_stat = merge_row_stats(spec, row_stat, partial_row.to(acc))
+                row_sums += partial_sums
+            key_grads.send_on(index, accumulator)
+        if step < n - 1:
+            blocks.advance(keep_spare=step < n - 2)
+
+    return row_stat, UnitGradients(grad_queries, key_grads.arrived(), row_sums), None
 
 
 def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLabels, row_stat, col_stat,

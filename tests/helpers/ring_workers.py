@@ -346,6 +346,9 @@ def disagreement_cases(rank: int, world_size: int):
             _features(3), _features(3), false_negative_margin=0.1,
             guide_queries=_features(3, 2 + (rank == 0)), guide_keys=_features(3, 2 + (rank == 0)),
             process_group="auto"),
+        # the sigmoid loss sends its key gradients in the forward when a gradient is wanted
+        "gradient_wanted": lambda: contrastive_loss(
+            _features(3).requires_grad_(rank == 0), _features(3), loss="sigmoid", process_group="auto"),
         # One rank's own argument check fails: it raises its own error, the others are told.
         "bad_positives_on_one_rank": lambda: contrastive_loss(
             _features(3), _features(3), positives=torch.tensor([0, 1, 7 if rank == 1 else 2]),
@@ -392,6 +395,21 @@ def run_reductions(rank: int, world_size: int):
                                         backend=TILES)
             for reduction in ("none", "sum")
         }
+
+
+def run_weighted_sigmoid(rank: int, world_size: int):
+    """The sigmoid loss's gradients (its one pass) when each rank scales its own loss: by 1 on
+    every rank, then by rank + 1 (the key gradients, summed over every rank's rows in the forward,
+    no longer share one weight, and the backward computes the tiles again). The inputs of
+    :func:`reduction_inputs` (rank 1 without rows)."""
+    results = {}
+    for name, factor in (("even", 1.0), ("uneven", float(rank + 1))):
+        queries, keys = (t.clone().requires_grad_(True) for t in reduction_inputs(world_size)[rank])
+        bias = torch.tensor(-1.0, dtype=queries.dtype, requires_grad=True)
+        loss = contrastive_loss(queries, keys, 3.0, bias, loss="sigmoid", process_group="auto", backend=TILES)
+        (loss * factor).backward()
+        results[name] = {"queries": queries.grad, "keys": keys.grad, "bias": bias.grad}
+    return results
 
 
 # name: (loss, bias or None, hardness_mode or None, several positives and the score filter: their
@@ -574,6 +592,7 @@ def collect_results(rank: int, world_size: int) -> dict:
     results["group_of_one"] = run_group_of_one(rank)
     results["schedules"] = run_schedules(rank, world_size)
     results["traffic"] = run_traffic(rank, world_size)
+    results["weighted_sigmoid"] = run_weighted_sigmoid(rank, world_size)
     return results
 
 
