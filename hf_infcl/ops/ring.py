@@ -602,6 +602,27 @@ class TravellingKeyGradients:
         return list(zip(self.slices, self.running))
 
 
+def _slices_to_compute(layout: RingLayout, blocks: TravellingBlocks, key_grads: TravellingKeyGradients,
+                       rows: int):
+    """The ring's steps as the key gradients travel: yields (owner, lo, hi, accumulator) for each
+    slice of the visiting key block to compute on (its real keys ``lo:hi`` of rank ``owner``'s
+    block, while this rank has rows and the compute is on); every slice's accumulator is sent on
+    once the caller has computed into it, and the next block is posted before the step's compute."""
+    n = layout.world_size
+    for step in range(n):
+        k_owner = layout.keys[layout.owner(step)]
+        if step < n - 1:
+            blocks.post_next()  # before the compute, so that the transfer overlaps it
+        for index, (lo, hi) in enumerate(key_grads.slices):
+            accumulator = key_grads.accumulator(step, index)
+            hi = min(hi, k_owner)  # rows past the owner's k are padding: never computed
+            if lo < hi and rows > 0 and layout.schedule.compute:
+                yield layout.owner(step), lo, hi, accumulator
+            key_grads.send_on(index, accumulator)
+        if step < n - 1:
+            blocks.advance(keep_spare=step < n - 2)
+
+
 def _ring_forward_with_gradients(layout, spec, ops, queries, keys, scale, bias, labels: PairLabels):
     """The sigmoid loss's one pass over the ring (``StatsSpec.gradients_in_forward``): each visiting
     key block gives the rows' softplus sums and, with every row weight 1, G K for this rank's rows
@@ -611,36 +632,23 @@ def _ring_forward_with_gradients(layout, spec, ops, queries, keys, scale, bias, 
 
     acc = accumulation_dtype(queries.dtype)
     device = queries.device
-    (m, width), k_max, n = queries.shape, layout.max_keys, layout.world_size
+    (m, width), k_max = queries.shape, layout.max_keys
     row_stat = empty_row_stats(spec, m, acc, device)
     grad_queries = torch.zeros(m, width, dtype=acc, device=device)
     row_sums = torch.zeros(m, dtype=acc, device=device)
     own = [padded_block(keys, k_max, 0.0), *_travelling_key_labels(labels, k_max)]
     blocks = TravellingBlocks(layout, own)
-    compute = layout.schedule.compute
     slices = key_slices(k_max, width, torch.finfo(acc).bits // 8)
     key_grads = TravellingKeyGradients(layout, slices, width, acc, device)
 
-    for step in range(n):
-        owner = layout.owner(step)
-        k_owner = layout.keys[owner]
-        if step < n - 1:
-            blocks.post_next()  # before the compute, so that the transfer overlaps it
-        block_keys = blocks.current[0]
-        for index, (lo, hi) in enumerate(slices):
-            accumulator = key_grads.accumulator(step, index)
-            hi_real = min(hi, k_owner)  # rows past the owner's k are padding: never computed
-            if lo < hi_real and m > 0 and compute:
-                key_labels = _block_key_labels(labels, blocks.current[1:], lo, hi_real)
-                block = labels.block(spec, key_labels, layout.key_offset(owner) + lo)
-                partial_row, partial_sums = ops.forward_backward_block(
-                    spec, queries, block_keys[lo:hi_real], scale, bias, block.mask, grad_queries,
-                    accumulator[: hi_real - lo], score_filter=block.score_filter)
-                row_stat = merge_row_stats(spec, row_stat, partial_row.to(acc))
-                row_sums += partial_sums
-            key_grads.send_on(index, accumulator)
-        if step < n - 1:
-            blocks.advance(keep_spare=step < n - 2)
+    for owner, lo, hi, accumulator in _slices_to_compute(layout, blocks, key_grads, m):
+        key_labels = _block_key_labels(labels, blocks.current[1:], lo, hi)
+        block = labels.block(spec, key_labels, layout.key_offset(owner) + lo)
+        partial_row, partial_sums = ops.forward_backward_block(
+            spec, queries, blocks.current[0][lo:hi], scale, bias, block.mask, grad_queries,
+            accumulator[: hi - lo], score_filter=block.score_filter)
+        row_stat = merge_row_stats(spec, row_stat, partial_row.to(acc))
+        row_sums += partial_sums
 
     return row_stat, UnitGradients(grad_queries, key_grads.arrived(), row_sums), None
 
@@ -652,7 +660,7 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLa
     :class:`~hf_infcl.ops.key_blocks.PositiveGradients` of ``group_positives``, or None."""
     acc = accumulation_dtype(queries.dtype)
     device = queries.device
-    (m, width), k_max, n = queries.shape, layout.max_keys, layout.world_size
+    (m, width), k_max = queries.shape, layout.max_keys
     row_weight = grad_row_stat.to(acc)
     grad_queries = torch.zeros(m, width, dtype=acc, device=device)
     row_sums = torch.zeros(m, dtype=acc, device=device)
@@ -670,45 +678,30 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLa
         own.append(col_info)
     blocks = TravellingBlocks(layout, own)
 
-    compute = layout.schedule.compute
     slices = key_slices(k_max, width, torch.finfo(acc).bits // 8)
     key_grads = TravellingKeyGradients(layout, slices, width, acc, device)
 
-    for step in range(n):
-        owner = layout.owner(step)
-        k_owner = layout.keys[owner]
-        if step < n - 1:
-            blocks.post_next()  # before the compute, so that the transfer overlaps it
-        block_keys = blocks.current[0]
+    for owner, lo, hi, accumulator in _slices_to_compute(layout, blocks, key_grads, m):
         block_cols = blocks.current[-1] if spec.columns else None
-
-        for index, (lo, hi) in enumerate(slices):
-            accumulator = key_grads.accumulator(step, index)
-            hi_real = min(hi, k_owner)  # rows past the owner's k are padding: never computed
-            if lo < hi_real and m > 0 and compute:
-                key_offset = layout.key_offset(owner) + lo
-                key_labels = _block_key_labels(labels, blocks.current[1:], lo, hi_real)
-                block = labels.block(spec, key_labels, key_offset)
-                slice_keys = block_keys[lo:hi_real]
-                row_sums += ops.backward_block(
-                    spec, queries, slice_keys, scale, bias, block.mask, row_stat,
-                    block_cols[0, lo:hi_real] if spec.columns else None,
-                    row_weight,
-                    block_cols[1, lo:hi_real] if spec.columns else None,
-                    grad_queries, accumulator[: hi_real - lo], hardness=block.hardness,
-                    score_filter=block.score_filter,
-                )
-                if positives is not None:
-                    pairs = block_pairs(labels.query_groups, labels.positive_keys, key_labels.key_groups,
-                                        key_offset)
-                    columns = (None, None)
-                    if spec.columns:
-                        columns = (block_cols[2, lo:hi_real], block_cols[3, lo:hi_real])
-                    add_pair_gradients(spec, queries, slice_keys, scale, bias, pairs, positives.row_part,
-                                       positives.row_weight, *columns, grad_queries,
-                                       accumulator[: hi_real - lo], row_sums, row_combiner(ops))
-            key_grads.send_on(index, accumulator)
-        if step < n - 1:
-            blocks.advance(keep_spare=step < n - 2)
+        key_offset = layout.key_offset(owner) + lo
+        key_labels = _block_key_labels(labels, blocks.current[1:], lo, hi)
+        block = labels.block(spec, key_labels, key_offset)
+        slice_keys = blocks.current[0][lo:hi]
+        row_sums += ops.backward_block(
+            spec, queries, slice_keys, scale, bias, block.mask, row_stat,
+            block_cols[0, lo:hi] if spec.columns else None,
+            row_weight,
+            block_cols[1, lo:hi] if spec.columns else None,
+            grad_queries, accumulator[: hi - lo], hardness=block.hardness,
+            score_filter=block.score_filter,
+        )
+        if positives is not None:
+            pairs = block_pairs(labels.query_groups, labels.positive_keys, key_labels.key_groups, key_offset)
+            columns = (None, None)
+            if spec.columns:
+                columns = (block_cols[2, lo:hi], block_cols[3, lo:hi])
+            add_pair_gradients(spec, queries, slice_keys, scale, bias, pairs, positives.row_part,
+                               positives.row_weight, *columns, grad_queries, accumulator[: hi - lo], row_sums,
+                               row_combiner(ops))
 
     return grad_queries, key_grads.arrived(), row_sums
