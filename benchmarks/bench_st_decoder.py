@@ -39,7 +39,6 @@ GPU commands (H100; times include building the model, about 1 min; a 16k-pair st
     done
     torchrun --nproc_per_node 2 benchmarks/bench_st_decoder.py sharded --engine fsdp2 \\
         --batch 32k --steps 1                                           # 2 GPUs, 64k pairs: over 10 min
-                                                                        # (2 H200s: 9 min did the warm-up step only)
 
 CPU dry run (qwen3-tiny, a few pairs, gloo; what ``tests/test_bench_st_decoder.py`` runs):
 
