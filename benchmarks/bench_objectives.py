@@ -134,6 +134,8 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {VARIANTS + EXTRA_VARIANTS}")
 
+    meta = {"device": device_name(), **versions("torch", "triton", "hf_infcl")}
+    path = csv_path(args.csv, "bench_objectives.csv")
     rows = []
     for b, c in zip(sizes, widths):
         plain_ms = None
@@ -149,14 +151,16 @@ def main(argv=None):
                 profile(step, f"{variant} {format_count(b)}/{c}", ms)
             rows.append({"variant": variant, "b": b, "c": c, "ms": ms, "peak_mib": peak / 2**20,
                          "vs_plain": ms / plain_ms if plain_ms else float("nan")})
+            # each row as it comes, so that a run cut short by its time limit keeps what it measured
+            print(f"{variant} {format_count(b)}/{c}: {ms:.2f} ms, {peak / 2**20:.0f} MiB", file=sys.stderr,
+                  flush=True)
+            write_csv(path, [{**meta, **row} for row in rows])
             del step
             free_memory()
-    meta = {"device": device_name(), **versions("torch", "triton", "hf_infcl")}
     columns = [Column("variant", 13, align="<"), Column("b", 5), Column("c", 5), Column("ms", 9, ".2f"),
                Column("MiB", 7, ".0f"), Column("x plain", 8, ".3f")]
     print_table(columns, [(r["variant"], format_count(r["b"]), r["c"], r["ms"], r["peak_mib"], r["vs_plain"])
                           for r in rows], title=" | ".join(str(value) for value in meta.values()))
-    write_csv(csv_path(args.csv, "bench_objectives.csv"), [{**meta, **row} for row in rows])
 
 
 if __name__ == "__main__":
