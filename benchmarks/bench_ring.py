@@ -107,7 +107,7 @@ def comm_only_step(queries, keys, backend, group, loss_kind):
         return loss_step(queries, keys, backend, group, loss_kind)
 
 
-_WARMED_UP = set()  # the losses whose first step of the run has run
+_WARMED_UP = set()  # (loss, on one GPU) of the steps whose first run has run
 
 
 def measure_step(step, args, group=None, loss_kind="softmax") -> tuple[list[float], int, float]:
@@ -116,11 +116,12 @@ def measure_step(step, args, group=None, loss_kind="softmax") -> tuple[list[floa
     The first step gives all three. A step slower than ``--slow-step-s`` is not repeated (the
     large sizes would otherwise take minutes each); faster ones get ``--warmup`` + ``--iters``.
     """
-    if loss_kind not in _WARMED_UP:
+    if (loss_kind, group is None) not in _WARMED_UP:
         # The first step of each loss compiles and autotunes its kernels (tens of seconds on
-        # several processes); the tuned configs then serve every size of the same class.
+        # several processes); the tuned configs then serve every size of the same class. One GPU
+        # and the ring run other kernels (the sigmoid loss on one GPU: the Gluon logits kernel).
         step()
-        _WARMED_UP.add(loss_kind)
+        _WARMED_UP.add((loss_kind, group is None))
     first = []  # (peak bytes, loss) of the first measured step
     first_time = timed(lambda: first.append(peak_above(step)), 1, 0, group)
     peak, loss = first[0]
