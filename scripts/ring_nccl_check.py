@@ -11,7 +11,7 @@ of the score filter, where a cold machine tunes every new kernel key first.)
 
 Each rank holds its own uneven slice of a global batch (one case gives a rank no rows at all),
 with the options of each case (hard negatives, groups, the hardness offset, several positives per
-row, the score filter by the model's own scores or by a guide's), calls
+row, the score filter by the model's own scores or by a guide's, Matryoshka widths), calls
 ``contrastive_loss(..., process_group=WORLD)`` with the Triton backend when it is
 importable (else the tiled PyTorch one) in fp32 and bf16, and backpropagates. Every rank
 compares its gradients of its queries and keys, and the group's total gradient of the scale and
@@ -63,6 +63,7 @@ class Case:
     margin: float | None = None  # false_negative_margin
     strategy: str = "absolute"  # false_negative_strategy
     guide_width: int | None = None  # guide embeddings of this width for the score filter
+    matryoshka: tuple[int, ...] | None = None  # matryoshka_dims (weights 1)
 
 
 CASES = {
@@ -89,6 +90,13 @@ CASES = {
     "filter-relative-one_direction": Case(256, rows=(700, 800), keys=(900, 800), symmetric=False,
                                           margin=0.85, strategy="relative"),
     "filter-guide-c64": Case(256, rows=(900, 600), keys=(1000, 700), margin=0.5, guide_width=64),
+    # The sigmoid loss's one pass (its key gradients travel in the forward): a rank without rows,
+    # the key gradients in several slices.
+    "sigmoid-zero_row_rank-sliced": Case(256, rows=(1000, 0), keys=(1100, 300), loss="sigmoid", bias=True,
+                                         slice_bytes=300 * 256 * 4),
+    "matryoshka-symmetric": Case(256, rows=(900, 700), keys=(1000, 700), matryoshka=(256, 128, 64)),
+    "matryoshka-sigmoid": Case(256, rows=(700, 900), keys=(800, 900), loss="sigmoid", bias=True,
+                               matryoshka=(256, 96, 32)),
 }
 
 
@@ -130,7 +138,7 @@ def option_arguments(case: Case, batch: dict, dtype, device) -> dict:
     """``contrastive_loss``'s hardness, several-positives and score-filter arguments for a batch (a
     rank's part or the concatenated batch), the guide in ``dtype`` as the loss requires."""
     arguments = dict(group_positives=case.group_positives, false_negative_margin=case.margin,
-                     false_negative_strategy=case.strategy)
+                     false_negative_strategy=case.strategy, matryoshka_dims=case.matryoshka)
     if case.hardness is not None:
         arguments.update(hardness_mode=case.hardness, hardness_strength=HARDNESS_STRENGTH,
                          query_ids=batch["query_ids"].to(device), key_owners=batch["key_owners"].to(device))
