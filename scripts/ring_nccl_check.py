@@ -11,7 +11,8 @@ of the score filter, where a cold machine tunes every new kernel key first.)
 
 Each rank holds its own uneven slice of a global batch (one case gives a rank no rows at all),
 with the options of each case (hard negatives, groups, the hardness offset, several positives per
-row, the score filter by the model's own scores or by a guide's, Matryoshka widths), calls
+row, the score filter by the model's own scores or by a guide's, Matryoshka widths; or in-batch
+distillation from a teacher, ``contrastive_distillation_loss``), calls
 ``contrastive_loss(..., process_group=WORLD)`` with the Triton backend when it is
 importable (else the tiled PyTorch one) in fp32 and bf16, and backpropagates. Every rank
 compares its gradients of its queries and keys, and the group's total gradient of the scale and
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 # importable from a plain checkout too (an installed one is found either way).
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_infcl import contrastive_loss  # noqa: E402
+from hf_infcl import contrastive_distillation_loss, contrastive_loss  # noqa: E402
 from hf_infcl.ops import ring  # noqa: E402
 
 # Relative (to the largest entry) max error allowed per dtype. fp32 runs with TF32 ("auto").
@@ -64,6 +65,7 @@ class Case:
     strategy: str = "absolute"  # false_negative_strategy
     guide_width: int | None = None  # guide embeddings of this width for the score filter
     matryoshka: tuple[int, ...] | None = None  # matryoshka_dims (weights 1)
+    teacher_width: int | None = None  # contrastive_distillation_loss with a teacher of this width
 
 
 CASES = {
@@ -97,7 +99,11 @@ CASES = {
     "matryoshka-symmetric": Case(256, rows=(900, 700), keys=(1000, 700), matryoshka=(256, 128, 64)),
     "matryoshka-sigmoid": Case(256, rows=(700, 900), keys=(800, 900), loss="sigmoid", bias=True,
                                matryoshka=(256, 96, 32)),
+    # In-batch distillation (half KL, half InfoNCE), its teacher of another width.
+    "distillation-c128": Case(256, rows=(900, 600), keys=(1000, 700), teacher_width=128),
 }
+DISTILLATION_WEIGHT = 0.5
+TEACHER_SCALE = 20.0
 
 
 def global_case(case: Case, world_size: int, seed: int):
@@ -131,7 +137,26 @@ def global_case(case: Case, world_size: int, seed: int):
                 for n in (m, k))
             guide_keys[positives] = F.normalize(guide_keys[positives] + guide_queries, dim=1)
             parts[-1].update(guide_queries=guide_queries, guide_keys=guide_keys)
+        if case.teacher_width is not None:  # a teacher that mostly agrees with the student
+            teacher_queries, teacher_keys = (
+                F.normalize(torch.randn(n, case.teacher_width, generator=gen, dtype=torch.float64), dim=1)
+                for n in (m, k))
+            teacher_keys[positives] = F.normalize(teacher_keys[positives] + teacher_queries, dim=1)
+            parts[-1].update(teacher_queries=teacher_queries, teacher_keys=teacher_keys)
     return parts
+
+
+def loss_of(case: Case, queries, keys, scale, bias, batch: dict, dtype, device, backend, **arguments):
+    """The case's loss: ``contrastive_loss`` with its options, or, with a teacher,
+    ``contrastive_distillation_loss`` (the tiled PyTorch backend in place of Triton, which has no
+    distillation kernels)."""
+    if case.teacher_width is None:
+        return contrastive_loss(queries, keys, scale, bias, loss=case.loss, symmetric=case.symmetric,
+                                backend=backend, **arguments, **option_arguments(case, batch, dtype, device))
+    teacher = [batch[name].to(device=device, dtype=dtype) for name in ("teacher_queries", "teacher_keys")]
+    return contrastive_distillation_loss(queries, keys, *teacher, scale, TEACHER_SCALE,
+                                         symmetric=case.symmetric, distillation_weight=DISTILLATION_WEIGHT,
+                                         backend="auto" if backend == "triton" else backend, **arguments)
 
 
 def option_arguments(case: Case, batch: dict, dtype, device) -> dict:
@@ -155,9 +180,10 @@ def ring_gradients(case: Case, part: dict, dtype, device, backend):
     bias = torch.tensor(-10.0, device=device, requires_grad=True) if case.bias else None
     moved = {name: None if part[name] is None else part[name].to(device)
              for name in ("positives", "query_groups", "key_groups")}
-    value = contrastive_loss(queries, keys, scale, bias, loss=case.loss, symmetric=case.symmetric,
-                             reduction="mean", process_group=dist.group.WORLD, backend=backend, **moved,
-                             **option_arguments(case, part, dtype, device))
+    if case.teacher_width is not None:
+        moved = {"positives": moved["positives"]}  # distillation has no groups
+    value = loss_of(case, queries, keys, scale, bias, part, dtype, device, backend, reduction="mean",
+                    process_group=dist.group.WORLD, **moved)
     value.backward()
     grads = {"queries": queries.grad, "keys": keys.grad, "scale": scale.grad}
     if case.bias:
@@ -192,14 +218,13 @@ def one_process_gradients(case: Case, parts: list[dict], dtype, device, backend)
     whole = {name: torch.cat([p[name] for p in parts])
              for name in ("query_ids", "key_owners") if name in parts[0]}
     whole.update({name: torch.cat([p[name] for p in parts]).to(dtype).to(compute_dtype)
-                  for name in ("guide_queries", "guide_keys") if name in parts[0]})
+                  for name in ("guide_queries", "guide_keys", "teacher_queries", "teacher_keys")
+                  if name in parts[0]})
     scalar_dtype = torch.float64 if backend == "reference" else torch.float32
     scale = torch.tensor(LOGIT_SCALE, dtype=scalar_dtype, device=device, requires_grad=True)
     bias = torch.tensor(-10.0, dtype=scalar_dtype, device=device, requires_grad=True) if case.bias else None
-    total = contrastive_loss(queries, keys, scale, bias, loss=case.loss, symmetric=case.symmetric,
-                             positives=torch.cat(positives).to(device), reduction="sum",
-                             backend=backend, **groups,
-                             **option_arguments(case, whole, compute_dtype, device))
+    total = loss_of(case, queries, keys, scale, bias, whole, compute_dtype, device, backend,
+                    positives=torch.cat(positives).to(device), reduction="sum", **groups)
     total = total * (world_size / queries.shape[0])
     total.backward()
     grads = {"queries": queries.grad, "keys": keys.grad, "scale": scale.grad}

@@ -314,19 +314,21 @@ def test_group_of_one_gives_exactly_the_local_result(ranks):
 
 
 def test_nccl_ring_parity_script_dry_run_on_cpu():
-    """The script itself over gloo (``--cpu``, the torch tiles), on its sigmoid and Matryoshka
-    cases: the one-pass ring with a rank without rows and sliced key gradients, and the widths."""
+    """The script itself over gloo (``--cpu``, the torch tiles), on its sigmoid, Matryoshka and
+    distillation cases: the one-pass ring with a rank without rows and sliced key gradients, the
+    widths, the teacher."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(REPO / "scripts" / "ring_nccl_check.py"), "--cpu", "--only", "sigmoid,matryoshka"]
+               str(REPO / "scripts" / "ring_nccl_check.py"), "--cpu",
+               "--only", "sigmoid,matryoshka,distillation"]
     completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
-    assert "ALL PASSED" in completed.stdout and "checked 10 cases" in completed.stdout
+    assert "ALL PASSED" in completed.stdout and "checked 12 cases" in completed.stdout
 
 
 @pytest.mark.gpu
 def test_nccl_ring_parity_script():
-    """The 34 NCCL checks (17 cases in fp32 and bf16) with autotuning on. On a machine whose
+    """The 36 NCCL checks (18 cases in fp32 and bf16) with autotuning on. On a machine whose
     Triton and tuning caches are cold, every tuning key (width, size class, the dtypes of the
     kernel's arguments, which the options change) tunes once (rank 0 tunes, rank 1 waits and
     loads), hence the long limit."""
