@@ -105,7 +105,7 @@ import torch
 
 from .batch_statistics import check_no_batch_statistics
 from .chunk_graphs import ChunkGraphs
-from .ops.options import check_chunk_size
+from .ops.options import check_chunk_size, check_graphs_chunking
 from .rng import RngState
 from .sharding import accumulate_sharded_grad, full_value, is_dtensor, is_zero3_parameter
 
@@ -540,9 +540,7 @@ def _check_graphable(chunk_graphs, no_sync, backward, no_grad_chunk_size, chunk_
     if no_sync is not None or backward is not None:
         raise ValueError("chunk_graphs runs in one process only: it cannot be combined with no_sync or a "
                          "backward hook (DDP, FSDP and DeepSpeed reduce gradients in hooks a graph skips)")
-    if no_grad_chunk_size is not None and no_grad_chunk_size != chunk_size:
-        raise ValueError("chunk_graphs needs the no-grad pass to chunk like the replays: leave "
-                         "no_grad_chunk_size unset (the graphs remove what larger no-grad chunks save)")
+    check_graphs_chunking(no_grad_chunk_size, chunk_size, graphs=True)
 
 
 def _as_tuple(output) -> tuple[torch.Tensor, ...]:

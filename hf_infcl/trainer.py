@@ -436,6 +436,7 @@ class InfCLTrainer(Trainer):
                 encoder_inputs,
                 loss_fn,
                 self.args.chunk_size,
+                no_grad_chunk_size=self.args.no_grad_chunk_size,
                 loss_params=self._loss_params(model),
                 offload=self.args.offload,
                 device=self.args.device if self.args.offload else None,

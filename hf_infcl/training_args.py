@@ -31,6 +31,7 @@ from .ops.options import (
     check_chunking,
     check_distillation_weight,
     check_false_negative_margin,
+    check_graphs_chunking,
     check_label_smoothing,
     check_matryoshka,
     check_matryoshka_dims,
@@ -110,6 +111,7 @@ def _optional(check) -> FieldCheck:
 
 FIELD_CHECKS: dict[str, FieldCheck] = {
     "chunk_size": check_chunk_size,
+    "no_grad_chunk_size": check_chunk_size,
     "offload": check_bool,
     "chunk_cuda_graphs": check_bool,
     "loss_backend": _choice(BACKENDS),
@@ -152,6 +154,14 @@ class InfCLTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Rows per encoder chunk for gradient caching (GradCache). None: no caching, the "
                           "encoders see the whole per-device batch at once."},
+    )
+    no_grad_chunk_size: int | None = field(
+        default=None,
+        metadata={"help": "Rows per chunk of the cached step's first, gradient-free pass (None: chunk_size). "
+                          "That pass keeps no activations, so larger chunks fit and run faster. The replays "
+                          "then cannot redraw that pass's random numbers: the gradients are exact only for "
+                          "models that draw none in training (dropout 0, as CLIP's default configuration). "
+                          "Needs chunk_size; not with chunk_cuda_graphs."},
     )
     offload: bool = field(
         default=False,
@@ -276,5 +286,8 @@ class InfCLTrainingArguments(TrainingArguments):
         # embeddings' at the first loss)
         check_matryoshka(self.matryoshka_dims, self.matryoshka_weights)
         check_chunking(self.chunk_size, {"offload=True": self.offload,
-                                         "chunk_cuda_graphs=True": self.chunk_cuda_graphs})
+                                         "chunk_cuda_graphs=True": self.chunk_cuda_graphs,
+                                         "no_grad_chunk_size": self.no_grad_chunk_size})
+        check_graphs_chunking(self.no_grad_chunk_size, self.chunk_size, self.chunk_cuda_graphs,
+                              graphs_name="chunk_cuda_graphs=True")
         super().__post_init__()

@@ -87,6 +87,21 @@ def test_chunked_and_offloaded_training_match_the_full_batch(tmp_path, build, ba
     assert math.isclose(logs[0]["logit_scale"], float(logit_scale_of(build()).detach()), rel_tol=1e-5)
 
 
+def test_larger_no_grad_chunks_train_as_the_replays_chunks(tmp_path):
+    """``no_grad_chunk_size``: the cached step's gradient-free pass in chunks of 8, the replays in
+    chunks of 4. Without dropout the parameters after two steps are the whole batch's, and the
+    image tower saw both chunk sizes."""
+    dataset = PairDataset(clip_batch(16))
+    settings = dict(per_device_train_batch_size=16, max_steps=2, optim="sgd", learning_rate=0.05)
+    full = trained_parameters(train(tmp_path / "full", tiny_clip(dropout=0.0), dataset, **settings))
+    model = tiny_clip(dropout=0.0)
+    seen = []
+    model.vision_model.register_forward_hook(lambda module, inputs, output: seen.append(output[0].shape[0]))
+    trainer = train(tmp_path / "cached", model, dataset, chunk_size=4, no_grad_chunk_size=8, **settings)
+    assert_same_parameters(trained_parameters(trainer), full)
+    assert seen == [8, 8, 4, 4, 4, 4] * 2, seen  # per step: the no-grad pass, then the replays
+
+
 def test_two_processes_match_one_process_on_the_concatenated_batch(tmp_path):
     """torchrun, 2 ranks x 8 pairs (DDP, gloo, the ring), cached with offload and uncached ==
     1 process x 16 pairs, uncached: parameters after two steps, logged loss and accuracy."""
@@ -602,6 +617,13 @@ def test_bad_arguments_and_combinations_are_rejected(tmp_path):
         InfCLTrainingArguments(output_dir=str(tmp_path), chunk_size=0, use_cpu=True)
     with pytest.raises(ValueError, match="chunk_cuda_graphs=True needs chunk_size"):
         InfCLTrainingArguments(output_dir=str(tmp_path), chunk_cuda_graphs=True, use_cpu=True)
+    with pytest.raises(ValueError, match="no_grad_chunk_size needs chunk_size"):
+        InfCLTrainingArguments(output_dir=str(tmp_path), no_grad_chunk_size=8, use_cpu=True)
+    with pytest.raises(ValueError, match="no_grad_chunk_size must be a positive int or None, got 0"):
+        InfCLTrainingArguments(output_dir=str(tmp_path), chunk_size=4, no_grad_chunk_size=0, use_cpu=True)
+    with pytest.raises(ValueError, match="chunk_cuda_graphs=True needs the no-grad pass to chunk like"):
+        InfCLTrainingArguments(output_dir=str(tmp_path), chunk_size=4, no_grad_chunk_size=8,
+                               chunk_cuda_graphs=True, use_cpu=True)
     with pytest.raises(ValueError, match="chunk_cuda_graphs=True runs in one process on one CUDA GPU"):
         graphed = trainer_arguments(tmp_path, chunk_size=4, chunk_cuda_graphs=True)
         InfCLTrainer(model=tiny_clip(), args=graphed)

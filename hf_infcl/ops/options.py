@@ -257,6 +257,16 @@ def check_chunking(chunk_size, chunked: Mapping[str, Any] | None = None, *, name
                              f"{name} the encoders see the whole batch at once")
 
 
+def check_graphs_chunking(no_grad_chunk_size, chunk_size, graphs: bool, *, graphs_name: str = "chunk_graphs",
+                          name: str = "no_grad_chunk_size") -> None:
+    """CUDA-graphed chunks need the no-grad pass to chunk like the replays: one graph per chunk
+    shape serves both passes. ``graphs``: whether the graphs are on (``graphs_name`` as the entry
+    point spells them); ``name``: how it spells ``no_grad_chunk_size``."""
+    if graphs and no_grad_chunk_size is not None and no_grad_chunk_size != chunk_size:
+        raise ValueError(f"{graphs_name} needs the no-grad pass to chunk like the replays: leave {name} "
+                         "unset (the graphs remove what larger no-grad chunks save)")
+
+
 def wire_codes(vocabulary: tuple[str, ...]) -> dict[str, int]:
     """Small integer codes of a vocabulary's words (1, 2, ...), for the ring's option exchange."""
     return {word: code for code, word in enumerate(vocabulary, start=1)}
