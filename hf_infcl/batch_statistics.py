@@ -29,6 +29,14 @@ __all__ = ["check_no_batch_statistics", "freeze_batch_norm"]
 LISTED_LAYERS = 5
 
 
+def listed_names(names: list[str]) -> str:
+    """The first :data:`LISTED_LAYERS` of ``names``, comma-separated, and how many more there are."""
+    listed = ", ".join(names[:LISTED_LAYERS])
+    if len(names) > LISTED_LAYERS:
+        listed += f" and {len(names) - LISTED_LAYERS} more"
+    return listed
+
+
 def check_no_batch_statistics(module: nn.Module, unchunked: str) -> None:
     """Raise ValueError if ``module`` holds a layer that normalises with batch statistics now.
 
@@ -46,9 +54,7 @@ def check_no_batch_statistics(module: nn.Module, unchunked: str) -> None:
     if not layers:
         return
     names = [name or type(module).__name__ for name, _ in layers]
-    listed = ", ".join(names[:LISTED_LAYERS])
-    if len(names) > LISTED_LAYERS:
-        listed += f" and {len(names) - LISTED_LAYERS} more"
+    listed = listed_names(names)
     kinds = ", ".join(sorted({type(layer).__name__ for _, layer in layers}))
     without_running = [name for name, (_, layer) in zip(names, layers, strict=True)
                        if not layer.track_running_stats]

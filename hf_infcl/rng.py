@@ -7,7 +7,8 @@ is a thin use of ``torch.utils.checkpoint.get_device_states`` / ``set_device_sta
 activation checkpointing itself does), and the restore runs inside ``torch.random.fork_rng``, so
 the replay leaves every generator where it was, as a single uncached forward would.
 
-:func:`active_dropout_layers` names the layers of a model that draw random numbers now: where a
+:func:`active_dropout_layers` names the layers of a model that draw random numbers now, and
+:func:`random_draws_in_training` adds the dropout rates of Hugging Face configurations: where a
 replay cannot restore the first pass's state (the two passes cut the batch differently), these
 are what make its gradients differ from the loss's.
 """
@@ -74,3 +75,31 @@ def active_dropout_layers(module: nn.Module) -> list[str]:
     ``dropout`` whose rate is a plain attribute, stochastic depth written by hand) is not seen."""
     return [name for name, layer in module.named_modules()
             if isinstance(layer, _DropoutNd) and layer.training and layer.p > 0]
+
+
+def random_draws_in_training(model: nn.Module) -> list[str]:
+    """What in ``model`` draws random numbers in a forward now: its active dropout layers
+    (:func:`active_dropout_layers`), and for each Hugging Face model inside it in training mode its
+    configuration's dropout rates above 0 (``text_config.attention_dropout=0.1``), which models
+    such as CLIP apply through functional calls that no layer shows."""
+    found, seen = [], set()
+    for name, module in model.named_modules():  # the rates first: they say most in a short list
+        config = getattr(module, "config", None)
+        if module.training and hasattr(config, "to_dict"):
+            found += _dropout_rates(config, f"{name}.config." if name else "config.", seen)
+    return found + active_dropout_layers(model)
+
+
+def _dropout_rates(config, prefix: str, seen: set) -> list[str]:
+    """``name=rate`` of a configuration's dropout rates above 0, its sub-configurations' too; each
+    configuration once (``seen``: their ids; a tower's configuration is also its parent's part)."""
+    if id(config) in seen:
+        return []
+    seen.add(id(config))
+    rates = []
+    for name, value in vars(config).items():
+        if "dropout" in name and isinstance(value, float) and value > 0:
+            rates.append(f"{prefix}{name}={value}")
+        elif hasattr(value, "to_dict") and not isinstance(value, type):  # a sub-configuration
+            rates += _dropout_rates(value, f"{prefix}{name}.", seen)
+    return rates

@@ -48,7 +48,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import EvalLoopContainer, find_batch_size, nested_detach
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
-from .batch_statistics import check_no_batch_statistics
+from .batch_statistics import check_no_batch_statistics, listed_names
 from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs
 from .distillation import check_distillation_backend, contrastive_distillation_loss
@@ -70,6 +70,7 @@ from .models import (
     unwrap_model,
 )
 from .ops.options import check_label_smoothing
+from .rng import random_draws_in_training
 from .sharding import (
     deepspeed_no_sync,
     fsdp_gather_once,
@@ -177,6 +178,23 @@ class InfCLTrainer(Trainer):
                 "gradient accumulation does not add negatives: each micro-batch of "
                 "per_device_train_batch_size x processes rows is its own contrastive batch. To grow the "
                 "contrastive batch, raise per_device_train_batch_size and set chunk_size instead.",
+                stacklevel=3,
+            )
+
+    def _warn_once_of_random_draws(self, model) -> None:
+        """no_grad_chunk_size's replays cannot redraw the gradient-free pass's random numbers: say so
+        once where the model draws some (its dropout)."""
+        if getattr(self, "_warned_of_random_draws", False):
+            return
+        self._warned_of_random_draws = True
+        draws = random_draws_in_training(model)
+        if draws:
+            warnings.warn(
+                f"no_grad_chunk_size={self.args.no_grad_chunk_size} with chunk_size={self.args.chunk_size}, "
+                f"and the model draws dropout masks in training mode ({len(draws)} source(s): "
+                f"{listed_names(draws)}): the replays cannot draw the masks of the gradient-free pass, so "
+                "the gradients are approximate. For exact gradients set the model's dropout to 0, or leave "
+                "no_grad_chunk_size unset.",
                 stacklevel=3,
             )
 
@@ -381,6 +399,8 @@ class InfCLTrainer(Trainer):
         model.train()
         # after model.train(): the modes the layers have in this step
         check_no_batch_statistics(unwrap_model(model), "chunk_size=None")
+        if self.args.no_grad_chunk_size not in (None, self.args.chunk_size):
+            self._warn_once_of_random_draws(unwrap_model(model))
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         if not self.args.offload:

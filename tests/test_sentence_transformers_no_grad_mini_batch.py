@@ -138,7 +138,9 @@ def test_active_dropout_warns_once_that_the_gradients_are_approximate(model_dirs
     assert len(caplog.records) == 1, caplog.records  # once per loss
     message = caplog.records[0].getMessage()
     assert "no_grad_mini_batch_size=8" in message and "approximate" in message
-    assert "7 dropout layer(s)" in message and "0.model.embeddings.dropout" in message
+    # 7 dropout layers, and the two rates of the BERT configuration
+    assert "9 source(s)" in message and "0.model.embeddings.dropout" in message
+    assert "config.hidden_dropout_prob=0.1" in message
     # and they are: the replays drew other masks than the embeddings the loss saw
     cached = loss_and_gradients(model, losses.InfCLLoss(model, **CACHED), columns, seed=0)
     grad_name = "0.model.encoder.layer.1.output.dense.weight"

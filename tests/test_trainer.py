@@ -102,6 +102,22 @@ def test_larger_no_grad_chunks_train_as_the_replays_chunks(tmp_path):
     assert seen == [8, 8, 4, 4, 4, 4] * 2, seen  # per step: the no-grad pass, then the replays
 
 
+def test_larger_no_grad_chunks_warn_once_of_dropout(tmp_path):
+    """With dropout (CLIP's, set through its configuration and applied by functional calls) the
+    replays draw other masks than the gradient-free pass: the Trainer says so, once."""
+    dataset = PairDataset(clip_batch(16))
+    settings = dict(per_device_train_batch_size=16, max_steps=2, optim="sgd", learning_rate=0.05,
+                    chunk_size=4, no_grad_chunk_size=8)
+    with pytest.warns(UserWarning, match="no_grad_chunk_size=8 with chunk_size=4") as caught:
+        train(tmp_path / "dropout", tiny_clip(dropout=0.1), dataset, **settings)
+    messages = [str(w.message) for w in caught if "no_grad_chunk_size" in str(w.message)]
+    assert len(messages) == 1 and "vision_config.attention_dropout=0.1" in messages[0], messages
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        train(tmp_path / "no-dropout", tiny_clip(dropout=0.0), dataset, **settings)
+    assert not [w for w in quiet if "no_grad_chunk_size" in str(w.message)]
+
+
 def test_two_processes_match_one_process_on_the_concatenated_batch(tmp_path):
     """torchrun, 2 ranks x 8 pairs (DDP, gloo, the ring), cached with offload and uncached ==
     1 process x 16 pairs, uncached: parameters after two steps, logged loss and accuracy."""
