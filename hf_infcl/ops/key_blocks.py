@@ -279,7 +279,8 @@ def stats_backward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, q
         # (the forward's are kept for a second backward), the pairs' entries added to them.
         weight = grad_row_stat.to(unit.queries.dtype)
         (_, unit_keys), = unit.key_slices  # the one pass is one process's: a single block
-        grad_queries, grad_keys = unit.queries * weight[:, None], unit_keys * weight[0]
+        grad_queries = unit.queries * weight[:, None]
+        grad_keys = unit_keys * common_row_weight(schedule, weight)
         row_sums = unit.row_sums * weight
         schedule.add_positive_pairs(spec, ops, queries, keys, scale, bias, labels, pair_gradients,
                                     grad_queries, grad_keys, row_sums)
@@ -461,8 +462,8 @@ def finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive
     of G. With ``row_weight`` None they hold the gradient itself, and each key slice is dropped
     from the list once used (its memory freed). With ``row_weight`` [m] they hold the unit-weight
     G of the one-pass route (``StatsSpec.gradients_in_forward``) and are kept: row i of G K is
-    scaled by its weight, G^T Q by the rows' common weight ``key_weight`` (:func:`common_row_weight`;
-    None: row 0's). They are only ever read (a second backward of the one-pass route reads them again).
+    scaled by its weight, G^T Q by the rows' common weight ``key_weight`` (:func:`common_row_weight`).
+    They are only ever read (a second backward of the one-pass route reads them again).
 
     The positive logits' gradient is summed with the fp32 accumulators before the single cast,
     where it nearly cancels G's entry at the positive (see the module docstring). ``grad_positive``
@@ -490,9 +491,6 @@ def finish_gradients(needs, queries, keys, scale, bias, positives, grad_positive
         sums = row_sums if row_weight is None else row_sums * row_weight
         grad_bias = (sums.sum() + (0.0 if weight is None else weight.sum())).to(bias.dtype)
     if need_k:
-        # Every row's statistic has the same gradient on the one-pass route (its precondition).
-        if row_weight is not None and key_weight is None:
-            key_weight = row_weight[0]
         if positives is not None:
             # Key j takes the rows whose positive it is: the rows sorted by positive, so that
             # each key's rows are one contiguous range of entries.

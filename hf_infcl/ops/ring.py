@@ -220,8 +220,10 @@ class RingLayout:
         else:  # no rows here: no say
             bounds = torch.full((2,), float("-inf"), dtype=torch.float64, device=device)
         dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.group)
-        low, high = (-bounds[0]).item(), bounds[1].item()
-        return torch.tensor(high, dtype=row_weight.dtype, device=row_weight.device) if low == high else None
+        negated_low, high = bounds.tolist()  # one host synchronisation
+        if -negated_low != high:
+            return None
+        return torch.tensor(high, dtype=row_weight.dtype, device=row_weight.device)
 
 
 def _metadata_device(group, fallback: torch.device) -> torch.device:
