@@ -9,7 +9,7 @@ keep ``mini_batch_size``. As with ``hf_infcl.grad_cache.cached_step``'s ``no_gra
 replay then covers part of a first-pass mini-batch and cannot draw that pass's random numbers
 again: the gradients are exact (to the rounding of other matmul shapes) for a model that draws
 none in training (dropout 0, or its dropout layers in eval mode), approximate otherwise, which a
-warning says once (:func:`hf_infcl.rng.random_draws_in_training` finds them).
+warning says once (:func:`hf_infcl.rng.unreplayed_draws_warning`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import logging
 
 import torch
 
-from .batch_statistics import listed_names
 from .ops.options import check_chunk_size, check_chunking
-from .rng import random_draws_in_training
+from .rng import unreplayed_draws_warning
 
 __all__ = ["NoGradMiniBatchesMixin", "check_no_grad_mini_batch_size"]
 
@@ -123,16 +122,12 @@ class NoGradMiniBatchesMixin:
     def _warn_once_of_dropout(self) -> None:
         if self._warned_of_dropout:
             return
-        layers = random_draws_in_training(self.model)
-        if not layers:
+        settings = (f"no_grad_mini_batch_size={self.no_grad_mini_batch_size} with "
+                    f"mini_batch_size={self.mini_batch_size}")
+        message = unreplayed_draws_warning(
+            self.model, settings,
+            "leave no_grad_mini_batch_size None (each replay then redraws its mini-batch's masks)")
+        if message is None:
             return
         self._warned_of_dropout = True
-        listed = listed_names([name or type(self.model).__name__ for name in layers])
-        logger.warning(
-            f"{type(self).__name__}: no_grad_mini_batch_size={self.no_grad_mini_batch_size} with "
-            f"mini_batch_size={self.mini_batch_size}, and the model draws dropout masks in training mode "
-            f"({len(layers)} source(s): {listed}): the replays cannot draw the masks of the gradient-free "
-            "pass, so the gradients are approximate, not the loss's. For exact gradients set the model's "
-            "dropout to 0, or leave no_grad_mini_batch_size None (each replay then redraws its "
-            "mini-batch's masks)."
-        )
+        logger.warning(f"{type(self).__name__}: {message}")

@@ -22,7 +22,9 @@ from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-__all__ = ["RngState", "active_dropout_layers"]
+from .batch_statistics import listed_names
+
+__all__ = ["RngState", "active_dropout_layers", "random_draws_in_training", "unreplayed_draws_warning"]
 
 
 class RngState:
@@ -103,3 +105,17 @@ def _dropout_rates(config, prefix: str, seen: set) -> list[str]:
         elif hasattr(value, "to_dict") and not isinstance(value, type):  # a sub-configuration
             rates += _dropout_rates(value, f"{prefix}{name}.", seen)
     return rates
+
+
+def unreplayed_draws_warning(model: nn.Module, settings: str, exact_instead: str) -> str | None:
+    """The warning of a cached step whose gradient-free pass is chunked otherwise than its replays
+    (``settings``, e.g. ``"no_grad_chunk_size=1024 with chunk_size=256"``) where ``model`` draws
+    random numbers (:func:`random_draws_in_training`); None where it draws none. ``exact_instead``:
+    the setting that keeps the replays exact."""
+    draws = [name or type(model).__name__ for name in random_draws_in_training(model)]
+    if not draws:
+        return None
+    return (f"{settings}, and the model draws dropout masks in training mode ({len(draws)} source(s): "
+            f"{listed_names(draws)}): the replays cannot draw the masks of the gradient-free pass, so the "
+            "gradients are approximate, not the loss's. For exact gradients set the model's dropout to 0, "
+            f"or {exact_instead}.")

@@ -48,7 +48,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import EvalLoopContainer, find_batch_size, nested_detach
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
-from .batch_statistics import check_no_batch_statistics, listed_names
+from .batch_statistics import check_no_batch_statistics
 from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs
 from .distillation import check_distillation_backend, contrastive_distillation_loss
@@ -70,7 +70,7 @@ from .models import (
     unwrap_model,
 )
 from .ops.options import check_label_smoothing
-from .rng import random_draws_in_training
+from .rng import unreplayed_draws_warning
 from .sharding import (
     deepspeed_no_sync,
     fsdp_gather_once,
@@ -187,16 +187,10 @@ class InfCLTrainer(Trainer):
         if getattr(self, "_warned_of_random_draws", False):
             return
         self._warned_of_random_draws = True
-        draws = random_draws_in_training(model)
-        if draws:
-            warnings.warn(
-                f"no_grad_chunk_size={self.args.no_grad_chunk_size} with chunk_size={self.args.chunk_size}, "
-                f"and the model draws dropout masks in training mode ({len(draws)} source(s): "
-                f"{listed_names(draws)}): the replays cannot draw the masks of the gradient-free pass, so "
-                "the gradients are approximate. For exact gradients set the model's dropout to 0, or leave "
-                "no_grad_chunk_size unset.",
-                stacklevel=3,
-            )
+        settings = f"no_grad_chunk_size={self.args.no_grad_chunk_size} with chunk_size={self.args.chunk_size}"
+        message = unreplayed_draws_warning(model, settings, "leave no_grad_chunk_size unset")
+        if message is not None:
+            warnings.warn(message, stacklevel=3)
 
     def _label_smoothing(self) -> float:
         """``label_smoothing`` as set, else the model's own loss's (its softmax loss only)."""
