@@ -159,15 +159,21 @@ def check_false_negative_margin(value, name: str = "false_negative_margin") -> f
     return float(value)
 
 
+def _sequence_of(values, kind: type, what: str, name: str) -> Sequence:
+    """``values``, checked to be a sequence (not a string) of ``kind`` (bools refused), ``what``
+    naming them in the TypeError."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a sequence of {what}, got {type(values).__name__}")
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise TypeError(f"{name} must hold {what}, got {value!r} ({type(value).__name__})")
+    return values
+
+
 def check_matryoshka_dims(dims, width: int | None = None, name: str = "matryoshka_dims") -> tuple[int, ...]:
     """Matryoshka widths alone: a non-empty sequence of ints, strictly descending, each in
     ``[1, width]`` (``width`` None: not known here, the upper bound unchecked); as a tuple."""
-    if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence):
-        raise TypeError(f"{name} must be a sequence of ints, got {type(dims).__name__}")
-    for dim in dims:
-        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
-            raise TypeError(f"{name} must hold ints, got {dim!r} ({type(dim).__name__})")
-    dims = tuple(int(dim) for dim in dims)
+    dims = tuple(int(dim) for dim in _sequence_of(dims, numbers.Integral, "ints", name))
     if not dims:
         raise ValueError(f"{name} is empty; give at least one prefix width")
     if any(dim < 1 for dim in dims):
@@ -181,12 +187,7 @@ def check_matryoshka_dims(dims, width: int | None = None, name: str = "matryoshk
 
 def check_matryoshka_weights(weights, name: str = "matryoshka_weights") -> tuple[float, ...]:
     """Matryoshka weights alone: a sequence of finite non-negative numbers; as a tuple of floats."""
-    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
-        raise TypeError(f"{name} must be a sequence of numbers, got {type(weights).__name__}")
-    for weight in weights:
-        if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
-            raise TypeError(f"{name} must hold numbers, got {weight!r} ({type(weight).__name__})")
-    weights = tuple(float(weight) for weight in weights)
+    weights = tuple(float(weight) for weight in _sequence_of(weights, numbers.Real, "numbers", name))
     if not all(math.isfinite(weight) and weight >= 0.0 for weight in weights):
         raise ValueError(f"{name} must be finite and non-negative, got {weights}")
     return weights
