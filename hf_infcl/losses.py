@@ -429,13 +429,13 @@ class InfCLLoss(ShardedReplaysMixin, NoGradMiniBatchesMixin, CachedLossMixin, nn
         backend: BackendName = "auto",
         precision: Precision = "auto",
         mini_batch_num_tokens: int | None = None,
-        no_grad_mini_batch_size: int | None = None,
         directions: tuple[Direction, ...] = MNRL_DEFAULT[0],
         partition_mode: PartitionMode = MNRL_DEFAULT[1],
         hardness_mode: HardnessMode | None = None,
         hardness_strength: float = 0.0,
         margin_strategy: FalseNegativeStrategy = "absolute",
         margin: float | None = None,
+        no_grad_mini_batch_size: int | None = None,
     ) -> None:
         super().__init__()
         _check_scale(scale)
@@ -935,7 +935,6 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniBatc
         mini_batch_size: int | None = None,
         mini_batch_num_tokens: int | None = None,
         show_progress_bar: bool = False,
-        no_grad_mini_batch_size: int | None = None,
         margin_strategy: Literal["absolute", "relative"] = "absolute",
         margin: float = 0.0,
         contrast_anchors: bool = True,
@@ -943,6 +942,7 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniBatc
         gather_across_devices: bool = False,
         backend: BackendName = "auto",
         precision: Precision = "auto",
+        no_grad_mini_batch_size: int | None = None,
     ) -> None:
         super().__init__()
         caches = mini_batch_size is not None or mini_batch_num_tokens is not None
@@ -1167,10 +1167,10 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniB
         mini_batch_size: int | None = None,
         mini_batch_num_tokens: int | None = None,
         show_progress_bar: bool = False,
-        no_grad_mini_batch_size: int | None = None,
         backend: BackendName = "auto",
         precision: Precision = "auto",
         gather_across_devices: bool = False,
+        no_grad_mini_batch_size: int | None = None,
     ) -> None:
         super().__init__()
         _check_scale(scale)

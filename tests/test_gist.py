@@ -240,6 +240,16 @@ def test_defaults_are_theirs(tiny_model, guide):
     assert ours["mini_batch_size"].default is None
 
 
+def test_their_positional_arguments_mean_the_same_here():
+    """CachedGISTEmbedLoss's parameters, in their order, begin ours: a positional call means the
+    same; what we add comes after them."""
+    import inspect
+
+    theirs = list(inspect.signature(st_losses.CachedGISTEmbedLoss).parameters)
+    ours = list(inspect.signature(losses.InfCLGISTLoss).parameters)
+    assert ours[:len(theirs)] == theirs, (ours, theirs)
+
+
 @pytest.mark.parametrize("mini_batch_size", CACHED)
 def test_config_dict_and_citation_are_theirs(tiny_model, guide, mini_batch_size):
     options = dict(temperature=0.02, margin_strategy="relative", margin=0.05, contrast_anchors=False)

@@ -275,8 +275,9 @@ def test_equals_gist_with_a_copy_of_the_model_as_guide(model_dir, gist, margin_s
 
 def test_defaults_keep_mnrl_and_the_new_options_come_last():
     parameters = list(inspect.signature(losses.InfCLLoss.__init__).parameters.values())
-    assert [p.name for p in parameters[-2:]] == ["margin_strategy", "margin"]
-    assert (parameters[-2].default, parameters[-1].default) == ("absolute", None)
+    # each option added after the margin's comes after it: no positional argument moves
+    assert [p.name for p in parameters[-3:]] == ["margin_strategy", "margin", "no_grad_mini_batch_size"]
+    assert (parameters[-3].default, parameters[-2].default) == ("absolute", None)
     embeddings = random_embeddings(3, seed=2)
     value = losses.InfCLLoss(None, backend="torch").compute_loss_from_embeddings(embeddings)
     torch.testing.assert_close(value, margin_oracle(embeddings, 20.0, True, None), **FLOAT64)
