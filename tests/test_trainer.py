@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -100,6 +101,32 @@ def test_larger_no_grad_chunks_train_as_the_replays_chunks(tmp_path):
     trainer = train(tmp_path / "cached", model, dataset, chunk_size=4, no_grad_chunk_size=8, **settings)
     assert_same_parameters(trained_parameters(trainer), full)
     assert seen == [8, 8, 4, 4, 4, 4] * 2, seen  # per step: the no-grad pass, then the replays
+
+
+@pytest.mark.parametrize("kind", ["clip", "dual-encoder"])
+def test_larger_no_grad_chunks_match_a_float64_loop(tmp_path, kind):
+    """Two SGD steps with the gradient-free pass in chunks of 8 and the replays in chunks of 4
+    (dropout 0) equal two float64 steps of the materialised loss on the whole batch."""
+    from tests.helpers.trainer_fixtures import float64_sgd_steps
+    from tests.test_trainer_distillation import MODELS, STEPS
+
+    build, batch = MODELS[kind]
+    columns = batch()
+
+    def loss_of(model, family, batch):
+        queries, keys = family.encode_pairs(model, batch)
+        reference = functools.partial(contrastive_loss, backend="reference")
+        return family.loss(model, reference, queries, keys, *family.loss_parameters(model, "softmax"))
+
+    expected = float64_sgd_steps(build(), columns, loss_of, 2, STEPS["learning_rate"])
+    trainer = InfCLTrainer(model=build(), args=trainer_arguments(tmp_path, **STEPS, chunk_size=4,
+                                                                 no_grad_chunk_size=8),
+                           train_dataset=PairDataset(columns))
+    trainer.train()
+    actual = trained_parameters(trainer)
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_larger_no_grad_chunks_warn_once_of_dropout(tmp_path):
