@@ -9,6 +9,8 @@ torch backend on float64 copies of the same rounded inputs, on the GPU, norm-wis
 
 from __future__ import annotations
 
+import json
+
 import os
 import subprocess
 import sys
@@ -513,7 +515,7 @@ def test_exact_fp32_launches_run_one_config_past_the_autotuner(monkeypatch):
     launched = []
     monkeypatch.setattr(launch, "_tunes", lambda: True)
     monkeypatch.setattr(launch, "_launch_with", lambda kernel, config, *rest: launched.append(config))
-    monkeypatch.setattr(launch, "_EXACT_FP32_CONFIGS", {})
+    monkeypatch.setattr(launch, "_UNTUNED_CONFIGS", {})
     kernel = launch.TunedKernel("stand-in-r0", None, {}, _UntouchableTuner(), launch.triton.Config)
     for _ in range(2):
         chosen = launch.launch(kernel, (1,), torch.device("cpu"), None, 96, PRECISION="ieee")
@@ -523,3 +525,71 @@ def test_exact_fp32_launches_run_one_config_past_the_autotuner(monkeypatch):
     assert (chosen.num_warps, chosen.num_stages) == (warps, stages)
     with pytest.raises(_TunerReached):
         launch.launch(kernel, (1,), torch.device("cpu"), None, 96, PRECISION="tf32")
+
+
+class _KeyOnlyTuner:
+    """A stand-in autotuner that forms tuning keys but raises if a launch goes through it."""
+
+    arg_names = ["x_ptr", "c", "size_class"]
+    keys = ["c", "size_class"]
+    cache: dict = {}
+
+    def __getitem__(self, grid):
+        raise _TunerReached("launch")
+
+
+def test_tiny_problems_run_a_saved_choice_or_the_untuned_config_never_the_autotuner(monkeypatch, tmp_path):
+    """Size class 0 (a few microseconds of GPU work) does not wait for tuning: it loads a saved
+    choice where the store has one, else runs the untuned configuration; class 1 still tunes."""
+    from hf_infcl.ops.triton import launch
+    from hf_infcl.ops.triton.tuning_store import TuningStore, file_name
+
+    launched = []
+    monkeypatch.setattr(launch, "_tunes", lambda: True)
+    monkeypatch.setattr(launch, "_launch_with", lambda kernel, config, *rest: launched.append(config))
+    monkeypatch.setattr(launch, "_UNTUNED_CONFIGS", {})
+    monkeypatch.setattr(launch, "_CHOSEN", {})
+    store = TuningStore(tmp_path / "store", shipped=tmp_path / "shipped")
+    monkeypatch.setattr(launch, "TUNING_STORE", store)
+    monkeypatch.setattr(launch, "device_name", lambda device: "Stand-in GPU")
+    kernel = launch.TunedKernel("stand-in-r0", None, {}, _KeyOnlyTuner(), launch.triton.Config)
+    cpu = torch.device("cpu")
+
+    untuned = launch.launch(kernel, (1,), cpu, None, 96, 0)
+    assert untuned.kwargs["BLOCK_K"] == launch._UNTUNED[2] and launched == [untuned]
+    assert launch.launch(kernel, (1,), cpu, None, 96, size_class=0) is untuned  # remembered per key
+    assert not list(tmp_path.rglob("*.json")), "nothing tuned, so nothing saved"
+
+    # A saved choice of the same kernel and key (here a shipped one) wins over the untuned config.
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / file_name("Stand-in GPU", launch.triton.__version__)).write_text(json.dumps({"stand-in-r0": {repr((128, 0)): {
+        "kwargs": {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 16}, "num_warps": 2, "num_stages": 2}}}))
+    saved = launch.launch(kernel, (1,), cpu, None, 128, 0)
+    assert (saved.kwargs, saved.num_warps, saved.num_stages) == ({"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 16}, 2, 2)
+    assert launched[-1] is saved
+
+    with pytest.raises(_TunerReached):
+        launch.launch(kernel, (1,), cpu, None, 96, 1)
+
+
+@pytest.mark.parametrize(("width", "guide_width", "kept_k_steps"), [
+    (17, 0, {32}), (32, 0, {32}), (33, 0, {32, 64}), (96, 0, {32, 64, 128}), (768, 0, {32, 64, 128}),
+    (17, 100, {32, 64, 128}),  # the guide's width counts: its dots run in the same K steps
+])
+def test_the_autotuner_times_no_candidate_wider_than_the_width(width, guide_width, kept_k_steps):
+    from hf_infcl.ops.triton import launch
+
+    candidates = [launch.triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                  for bm, bn, bk, w, s in launch.BASE_SHAPES]
+    kept = launch.candidates_for_width(candidates, {"c": width, "c_guide": guide_width})
+    assert {config.kwargs["BLOCK_K"] for config in kept} == kept_k_steps
+    assert all(config in candidates for config in kept)
+
+
+def test_the_width_pruning_keeps_the_narrowest_candidates_when_all_are_wider():
+    from hf_infcl.ops.triton import launch
+
+    wide = [launch.triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": k}, num_warps=4, num_stages=3)
+            for k in (128, 64, 64)]
+    assert launch.candidates_for_width(wide, {"c": 8}) == wide[1:]

@@ -18,12 +18,12 @@ spec.loader.exec_module(tune_shipped)
 
 def test_the_cases_are_every_combination_smaller_sizes_first(capsys):
     assert tune_shipped.main(["--dry-run", "--widths", "512,768", "--dtypes", "bf16", "--losses", "sigmoid",
-                              "--size-classes", "2,0"]) == 0
+                              "--size-classes", "2,1"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines == ["sigmoid 512 bf16 2", "sigmoid 768 bf16 2", "sigmoid 512 bf16 0", "sigmoid 768 bf16 0",
+    assert lines == ["sigmoid 512 bf16 2", "sigmoid 768 bf16 2", "sigmoid 512 bf16 1", "sigmoid 768 bf16 1",
                      "4 cases"]
     assert len(tune_shipped.cases(tune_shipped.WIDTHS, list(tune_shipped.DTYPES), tune_shipped.LOSSES,
-                                  tune_shipped.SIZES)) == 9 * 3 * 3 * 3
+                                  tune_shipped.SIZES)) == 9 * 3 * 3 * 2
 
 
 def test_the_size_classes_hold_the_kernels_classes():
@@ -37,6 +37,7 @@ def test_the_size_classes_hold_the_kernels_classes():
     (["--dtypes", "fp8"], "--dtypes: unknown \\['fp8'\\]"),
     (["--losses", "hinge"], "--losses: unknown \\['hinge'\\]"),
     (["--size-classes", "3"], "--size-classes: unknown \\[3\\]"),
+    (["--size-classes", "0"], "--size-classes: unknown \\[0\\]"),  # tiny problems are not tuned
     (["--widths", "0"], "--widths must be positive"),
     (["--merge-only"], "--merge-only needs --store"),
 ])
@@ -61,7 +62,7 @@ def test_merge_adds_and_replaces_entries_and_keeps_the_others(tmp_path):
 
 @pytest.mark.gpu
 def test_one_case_tunes_and_ships_both_kernels(tmp_path):
-    case = ["--widths", "256", "--dtypes", "bf16", "--losses", "softmax", "--size-classes", "0"]
+    case = ["--widths", "256", "--dtypes", "bf16", "--losses", "softmax", "--size-classes", "1"]
     folders = ["--store", str(tmp_path / "store"), "--shipped", str(tmp_path / "shipped")]
     assert tune_shipped.main(case + folders) == 0
     (shipped,) = (tmp_path / "shipped").glob("*.json")

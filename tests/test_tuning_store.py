@@ -223,6 +223,24 @@ def test_the_machines_own_choice_comes_before_the_shipped_one_and_retune_ignores
     assert tuner.tunings == 1
 
 
+def test_a_look_up_without_tuning_finds_the_same_choice_as_a_launch_would(tmp_path):
+    """``saved``, for launches kept out of the autotuner (tiny problems): the machine's choice,
+    else the shipped one, else None; None too once the process retunes. It never tunes or saves."""
+    key, device, version = (768, 0, "torch.bfloat16"), "NVIDIA H100 80GB HBM3", "3.6.0"
+    store = TuningStore(tmp_path / "store", shipped=tmp_path / "shipped")
+    assert store.saved("grad_tile", key, device, version, _Config) is None
+    assert not (tmp_path / "store").exists()
+    shipped = _Config({"BLOCK_M": 256}, num_warps=8)
+    _ship(tmp_path / "shipped", key, shipped)
+    assert store.saved("grad_tile", key, device, version, _Config) == shipped
+    own = _Config({"BLOCK_M": 32})
+    _run(TuningStore(tmp_path / "store", shipped=None), _Tuner(choice=own), key)
+    assert store.saved("grad_tile", key, device, version, _Config) == own
+    assert store.saved("stats", key, device, version, _Config) is None  # another kernel's
+    store.retune()
+    assert store.saved("grad_tile", key, device, version, _Config) is None
+
+
 def test_an_unreadable_shipped_file_is_no_file(tmp_path):
     key = (768, 2, "torch.bfloat16")
     (tmp_path / "shipped").mkdir()

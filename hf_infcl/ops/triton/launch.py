@@ -51,7 +51,13 @@ TUNE_KEY = ["c", "size_class"]
 
 def problem_size_class(n_outer: int, n_inner: int) -> int:
     entries = n_outer * n_inner
-    return 0 if entries < 2**22 else (1 if entries < 2**28 else 2)
+    return TINY if entries < 2**22 else (1 if entries < 2**28 else 2)
+
+
+# The size class of problems too small for tuning to pay: a few microseconds of GPU work, which
+# no configuration changes by more than the seconds it takes to compile the candidates. They run
+# a saved choice where there is one (shipped or tuned before), else the untuned configuration.
+TINY = 0
 
 
 # Every kernel made by autotuned(), for reset_autotuning().
@@ -76,7 +82,8 @@ def autotuned(body, name: str, shapes: list[tuple], heuristics: dict, pre_hook=N
     by :data:`TUNE_KEY`; ``pre_hook`` runs before every launch with a config's arguments;
     ``options`` go to ``triton.autotune``."""
     make_config = functools.partial(triton.Config, pre_hook=pre_hook)
-    tuner = triton.autotune(configs=configs(shapes, make_config), key=TUNE_KEY, **options)(
+    tuner = triton.autotune(configs=configs(shapes, make_config), key=TUNE_KEY,
+                            prune_configs_by={"early_config_prune": candidates_for_width}, **options)(
         triton.heuristics(heuristics)(body))
     kernel = TunedKernel(f"{name}-r{KERNEL_REVISION}", body, heuristics, tuner, make_config)
     TUNED_KERNELS.append(kernel)
@@ -94,6 +101,20 @@ def configs(shapes: list[tuple], make_config=triton.Config) -> list[triton.Confi
             for bm, bn, bk, w, s in shapes]
 
 
+def candidates_for_width(configs: list[triton.Config], named_args: dict, **_) -> list[triton.Config]:
+    """The candidates worth timing for a launch's feature width (the larger of ``c`` and the
+    guide's ``c_guide``): none whose K step is wider than the width rounded up to a power of two
+    (at least 32), which would only multiply masked loads and compile slowest. At least one is
+    kept: those of the smallest K step, if every candidate's is wider."""
+    width = max(int(named_args.get("c", 0)), int(named_args.get("c_guide", 0) or 0))
+    limit = max(32, triton.next_power_of_2(max(width, 1)))
+    kept = [config for config in configs if config.kwargs["BLOCK_K"] <= limit]
+    if kept:
+        return kept
+    smallest = min(config.kwargs["BLOCK_K"] for config in configs)
+    return [config for config in configs if config.kwargs["BLOCK_K"] == smallest]
+
+
 def launch(kernel: TunedKernel, grid, device: torch.device, *args, config: triton.Config | None = None,
            **kwargs) -> triton.Config:
     """``kernel.tuner[grid](*args, **kwargs)``; returns the configuration it ran.
@@ -102,7 +123,7 @@ def launch(kernel: TunedKernel, grid, device: torch.device, *args, config: trito
     launches one key many times: launched without even the look-up of the key. A pending
     one-process value check (:mod:`hf_infcl.ops.value_check`) runs just before the launch."""
     if config is None and kwargs.get("PRECISION") == "ieee" and _tunes():
-        config = _exact_fp32_config(kernel)
+        config = _untuned_config(kernel)
         run_deferred_check()
     if config is not None:
         _launch_with(kernel, config, grid, args, kwargs)
@@ -116,6 +137,12 @@ def launch(kernel: TunedKernel, grid, device: torch.device, *args, config: trito
     if key is None:  # one config: nothing is tuned
         kernel.tuner[grid](*args, **kwargs)
         return kernel.tuner.best_config
+    if _size_class(kernel, args, kwargs) == TINY:
+        chosen = TUNING_STORE.saved(kernel.name, key, device_name(device), triton.__version__,
+                                    kernel.make_config) or _untuned_config(kernel)
+        _CHOSEN[(kernel.name, key)] = chosen
+        _launch_with(kernel, chosen, grid, args, kwargs)
+        return chosen
     with TUNING_STORE.tuned(kernel.tuner, kernel.name, key, device_name(device), triton.__version__,
                             kernel.make_config):
         kernel.tuner[grid](*args, **kwargs)
@@ -123,20 +150,27 @@ def launch(kernel: TunedKernel, grid, device: torch.device, *args, config: trito
     return kernel.tuner.best_config
 
 
-def _exact_fp32_config(kernel: TunedKernel) -> triton.Config:
-    """The one configuration of exact fp32 dots (``precision="ieee"``), untuned: they run on CUDA
-    cores, where ptxas takes minutes over each of the candidates' large unrolled tiles, and the
-    mode is there for exactness, not speed. Kept out of the autotuner, whose key has no place for
-    the precision (a TF32 launch of the same shapes tunes on its own)."""
+def _untuned_config(kernel: TunedKernel) -> triton.Config:
+    """The configuration of launches kept out of the autotuner: tiny problems without a saved
+    choice (:data:`TINY`), and exact fp32 dots (``precision="ieee"``), which run on CUDA cores,
+    where ptxas takes minutes over each of the candidates' large unrolled tiles, and are there for
+    exactness, not speed (the tuner's key has no place for the precision either: a TF32 launch of
+    the same shapes tunes on its own)."""
     # one object per kernel: _launch_with finds its compilations by the config's id
-    if kernel.name not in _EXACT_FP32_CONFIGS:
+    if kernel.name not in _UNTUNED_CONFIGS:
         bm, bn, bk, warps, stages = _UNTUNED
-        _EXACT_FP32_CONFIGS[kernel.name] = kernel.make_config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk},
-                                                              num_warps=warps, num_stages=stages)
-    return _EXACT_FP32_CONFIGS[kernel.name]
+        _UNTUNED_CONFIGS[kernel.name] = kernel.make_config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk},
+                                                           num_warps=warps, num_stages=stages)
+    return _UNTUNED_CONFIGS[kernel.name]
 
 
-_EXACT_FP32_CONFIGS: dict[str, triton.Config] = {}
+_UNTUNED_CONFIGS: dict[str, triton.Config] = {}
+
+
+def _size_class(kernel: TunedKernel, args: tuple, kwargs: dict) -> int | None:
+    """The ``size_class`` argument of a launch (see :func:`problem_size_class`), None without one."""
+    named = {**dict(zip(kernel.tuner.arg_names, args)), **kwargs}
+    return named.get("size_class")
 
 
 def reset_autotuning() -> None:

@@ -131,13 +131,23 @@ class TuningStore:
 
     # ----------------------------------------------------------------------------------------
 
+    def saved(self, kernel: str, key: tuple, device_name: str, triton_version: str, config_type):
+        """The configuration saved for ``kernel`` and ``key`` (the machine's own, else the
+        package's), or None where there is none or this process retunes: a look-up that never
+        tunes, for launches kept out of the autotuner."""
+        if self._retune:
+            return None
+        for path in self._saved_files(device_name, triton_version):
+            config = _saved_config(path, kernel, repr(key), config_type)
+            if config is not None:
+                return config
+        return None
+
     def _load(self, tuner, kernel: str, entry: str, key: tuple, path: Path, config_type) -> bool:
-        saved = _read(path).get(kernel, {}).get(entry)
-        if saved is None:
+        config = _saved_config(path, kernel, entry, config_type)
+        if config is None:
             return False
-        tuner.cache[key] = config_type(saved["kwargs"], num_warps=saved["num_warps"],
-                                       num_stages=saved["num_stages"], num_ctas=saved.get("num_ctas", 1),
-                                       maxnreg=saved.get("maxnreg"))
+        tuner.cache[key] = config
         return True
 
     def _save(self, kernel: str, entry: str, config, path: Path) -> None:
@@ -160,6 +170,15 @@ class TuningStore:
         if not self._warned:
             self._warned = True
             logger.warning("hf_infcl: %s", message)
+
+
+def _saved_config(path: Path, kernel: str, entry: str, config_type):
+    """The configuration saved in ``path`` for ``kernel`` and the key written ``entry``, or None."""
+    saved = _read(path).get(kernel, {}).get(entry)
+    if saved is None:
+        return None
+    return config_type(saved["kwargs"], num_warps=saved["num_warps"], num_stages=saved["num_stages"],
+                       num_ctas=saved.get("num_ctas", 1), maxnreg=saved.get("maxnreg"))
 
 
 def file_name(device_name: str, triton_version: str) -> str:
