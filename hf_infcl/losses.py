@@ -720,23 +720,47 @@ GIST_CITATION = """
 """
 
 
-def _gist_operands(columns: list[Tensor], contrast_anchors: bool, contrast_positives: bool):
-    """(rows, keys) of GIST's one call from normalised columns (anchor, positive, negatives...):
-    rows ``[a_i, p_i]`` and key blocks ``[p_j, 0]``, ``[a_j, 0]``, ``[0, p_j]``, ``[n_j, 0]``
-    (unpadded rows ``a_i`` without ``contrast_positives``); row i's positive is key i."""
-    anchor, positive, *negatives = columns
-    blocks = [positive, *([anchor] if contrast_anchors else [])]
+def _gist_columns(columns: list[Tensor]) -> Tensor:
+    """GIST's keys from the columns (anchor, positive, negatives...), L2-normalised in one tensor
+    ``[a; p; n...]``: the calls' rows ``a`` and ``p`` are views of it, so the batch exists once."""
+    return F.normalize(torch.cat(columns), p=2, dim=-1)
+
+
+def _gist_row_losses(keys: Tensor, guide_keys: Tensor, examples: int, scale: float, contrast_anchors: bool,
+                     contrast_positives: bool, call) -> Tensor:
+    """GIST's per-row losses from its normalised keys ``[a; p; n...]`` and the guide's (the
+    two-call form of docs/contract.md, "GIST"): the anchor rows against the positives (row i's:
+    p_i), the negatives and, with ``contrast_anchors``, the anchors; with ``contrast_positives``
+    also the positive rows against the positives, their log-sum-exps merged row by row.
+    ``call(queries, keys, guide_queries, guide_keys, **labels)`` is one ``contrastive_loss`` with
+    ``reduction="none"`` and logit scale ``scale``. No row is padded to twice the width."""
+    anchors, positives = keys[:examples], keys[examples:2 * examples]
+    if contrast_anchors:
+        first = call(anchors, keys, guide_keys[:examples], guide_keys,
+                     positives=torch.arange(examples, 2 * examples, device=keys.device))
+    else:
+        first = call(anchors, keys[examples:], guide_keys[:examples], guide_keys[examples:])
     if not contrast_positives:
-        return anchor, torch.cat([*blocks, *negatives])
-    # Written block by block into one zeroed tensor: no padded copy of each block besides it.
-    blocks = [(block, 0) for block in blocks] + [(positive, 1)] + [(negative, 0) for negative in negatives]
-    width = anchor.shape[1]
-    keys = anchor.new_zeros(sum(len(block) for block, _ in blocks), 2 * width)
-    start = 0
-    for block, half in blocks:
-        keys[start:start + len(block), half * width:(half + 1) * width] = block
-        start += len(block)
-    return torch.cat([anchor, positive], dim=1), keys
+        return first
+    # The positive rows p_i against the positives p_j (self-pairs included, as GIST's pp_sim). Each
+    # needs a positive of its own that changes nothing: d_i = -lam p_i, whose logit -lam*scale lies 40
+    # below any cosine's (its weight e^-40 at most), under the guide key ga_i, so that the filter's
+    # threshold is GIST's, from the guide's cos(a_i, p_i). The d_j share a group with every row:
+    # never negatives.
+    lam = 1.0 + _DECOY_GAP / scale
+    decoys = positives.detach() * -lam
+    zeros = torch.zeros(examples, dtype=torch.long, device=keys.device)
+    second = call(positives, torch.cat([decoys, positives]), guide_keys[examples:2 * examples],
+                  guide_keys[:2 * examples], positives=torch.arange(examples, device=keys.device),
+                  query_groups=zeros, key_groups=torch.cat([zeros, zeros + 1]))
+    # l_1 = r_1 - z(a_i, p_i) and l_2 = r_2 - z(p_i, d_i): the row's loss is logaddexp(r_1, r_2) - z(a_i, p_i).
+    decoy_logit = scale * (positives * decoys).sum(dim=1)
+    positive_logit = scale * (anchors * positives).sum(dim=1)
+    return torch.logaddexp(first, second + decoy_logit - positive_logit)
+
+
+# How far below every cosine logit the decoy positives of GIST's positive rows lie.
+_DECOY_GAP = 40.0
 
 
 def _gathering_world() -> tuple[int, int]:
@@ -748,18 +772,17 @@ def _gathering_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _marked_by_process(guide_rows: Tensor, guide_keys: Tensor, examples: int, contrast_anchors: bool,
-                       margin: float, rank: int, world_size: int) -> tuple[Tensor, Tensor]:
+def _marked_by_process(guide_rows: Tensor, guide_keys: Tensor, anchor_keys: slice, margin: float, rank: int,
+                       world_size: int) -> tuple[Tensor, Tensor]:
     """The guide rows and keys with ``world_size`` more coordinates that leave out every other
-    process's anchor keys (docs/contract.md, "GIST", the one-call form): ``e_rank`` on each row,
-    ``C * (1 - e_rank)`` on this process's anchor keys (keys ``examples .. 2 * examples``), so
-    another process's anchor scores above any threshold; GIST gathers the candidates, not the anchors."""
+    process's anchor keys (docs/contract.md, "GIST"): ``e_rank`` on each row,
+    ``C * (1 - e_rank)`` on this process's anchor keys (``guide_keys[anchor_keys]``), so another
+    process's anchor scores above any threshold; GIST gathers the candidates, not the anchors."""
     marks = guide_rows.new_zeros(len(guide_rows), world_size)
     marks[:, rank] = 1.0
     far = guide_keys.new_zeros(len(guide_keys), world_size)
-    if contrast_anchors:
-        far[examples:2 * examples] = 3.0 + 2.0 * abs(margin)  # > 1 + |margin|, above every threshold
-        far[examples:2 * examples, rank] = 0.0
+    far[anchor_keys] = 3.0 + 2.0 * abs(margin)  # > 1 + |margin|, above every threshold
+    far[anchor_keys, rank] = 0.0
     return torch.cat([guide_rows, marks], dim=1), torch.cat([guide_keys, far], dim=1)
 
 
@@ -885,10 +908,11 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniBatc
     (``contrast_anchors``), positive-positive (``contrast_positives``) and anchor-negative cosines
     divided by ``temperature``, each candidate left out when the guide scores it above the
     anchor-positive guide score minus the margin (``margin_strategy`` "absolute":
-    ``margin``; "relative": ``|score| * margin``), the positive itself always kept. It is ONE
-    ``hf_infcl.contrastive_loss`` call with the guide's embeddings as ``guide_queries`` /
-    ``guide_keys`` (docs/contract.md, "GIST (sentence-transformers)"), so neither the model's nor
-    the guide's similarity matrix is ever stored. Any number of negatives columns with
+    ``margin``; "relative": ``|score| * margin``), the positive itself always kept. It is two
+    ``hf_infcl.contrastive_loss`` calls (the anchor rows; the positive rows against the positives)
+    with the guide's embeddings as ``guide_queries`` / ``guide_keys``, merged row by row
+    (docs/contract.md, "GIST (sentence-transformers)", the two-call form), so neither the model's nor
+    the guide's similarity matrix is ever stored, and no embedding is padded or copied twice. Any number of negatives columns with
     ``mini_batch_size``; at most one without, as GISTEmbedLoss.
 
     Args:
@@ -1010,26 +1034,29 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniBatc
         then negatives columns)."""
         common = functools.reduce(torch.promote_types, [column.dtype for column in embeddings])
         examples, device = len(embeddings[0]), embeddings[0].device
-        blocks = (self.contrast_anchors, self.contrast_positives)
-        # GIST's cosine: normalised embeddings, dotted. Only the padded operands stay alive through
-        # the loss call (the normalised columns are not kept beside them).
-        rows, keys = _gist_operands([F.normalize(column.to(common), p=2, dim=-1) for column in embeddings],
-                                    *blocks)
-        guide_rows, guide_keys = _gist_operands(
-            [F.normalize(column.detach().to(device=device, dtype=common), p=2, dim=-1)
-             for column in guide_embeddings], *blocks)
+        # GIST's cosine: normalised embeddings, dotted; each column once, the model's and the guide's.
+        keys = _gist_columns([column.to(common) for column in embeddings])
+        guide_keys = _gist_columns([column.detach().to(device=device, dtype=common) for column in guide_embeddings])
         del embeddings, guide_embeddings
         rank, world_size = _gathering_world() if self.gather_across_devices else (0, 1)
-        if world_size > 1:
-            guide_rows, guide_keys = _marked_by_process(guide_rows, guide_keys, examples,
-                                                        self.contrast_anchors, float(self.margin), rank,
-                                                        world_size)
-        return contrastive_loss(
-            rows, keys, logit_scale=1.0 / self.temperature, loss="softmax", symmetric=False, reduction="mean",
-            false_negative_margin=float(self.margin), false_negative_strategy=self.margin_strategy,
-            guide_queries=guide_rows, guide_keys=guide_keys, process_group="auto" if world_size > 1 else None,
-            backend=self.backend, precision=self.precision,
-        )
+        margin = float(self.margin)
+
+        def call(queries, call_keys, guide_queries, call_guide_keys, **labels):
+            if world_size > 1 and self.contrast_anchors and "key_groups" not in labels:
+                # The anchor rows' call: every process's anchors travel the ring; only its own count.
+                guide_queries, call_guide_keys = _marked_by_process(
+                    guide_queries, call_guide_keys, slice(0, examples), margin, rank, world_size)
+            return contrastive_loss(
+                queries, call_keys, logit_scale=1.0 / self.temperature, loss="softmax", symmetric=False,
+                reduction="none", false_negative_margin=margin, false_negative_strategy=self.margin_strategy,
+                guide_queries=guide_queries, guide_keys=call_guide_keys,
+                process_group="auto" if world_size > 1 else None, backend=self.backend,
+                precision=self.precision, **labels,
+            )
+
+        # GIST's mean over this process's rows (it needs the same b on every process).
+        return _gist_row_losses(keys, guide_keys, examples, 1.0 / self.temperature, self.contrast_anchors,
+                                self.contrast_positives, call).mean()
 
     def get_config_dict(self) -> dict[str, Any]:
         """CachedGISTEmbedLoss's keys (GISTEmbedLoss's and the mini-batch settings)."""
