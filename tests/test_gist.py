@@ -121,6 +121,15 @@ def test_parity_in_fp32(tiny_model, guide, mini_batch_size, temperature):
     assert_parity(tiny_model, guide, columns, mini_batch_size, margin=0.1, temperature=temperature)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.01], ids=["temperature1", "temperature0.01"])
+def test_parity_at_any_temperature_the_positive_rows_decoys_weigh_nothing(model64, guide64, temperature):
+    """The positive rows' call carries a decoy positive whose logit sits 40 below any cosine's at
+    every temperature (docs/contract.md, "GIST", the two-call form): at temperature 1 a fixed
+    multiple of the scale would sit within a few logits of the cosines and show in the loss."""
+    columns = text_columns(ROWS, 2, seed=17)
+    assert_parity(model64, guide64, columns, None, margin=0.1, temperature=temperature)
+
+
 CONTRASTS = list(itertools.product([True, False], repeat=2))
 
 
