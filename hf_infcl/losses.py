@@ -732,30 +732,32 @@ def _gist_row_losses(keys: Tensor, guide_keys: Tensor, examples: int, scale: flo
     two-call form of docs/contract.md, "GIST"): the anchor rows against the positives (row i's:
     p_i), the negatives and, with ``contrast_anchors``, the anchors; with ``contrast_positives``
     also the positive rows against the positives, their log-sum-exps merged row by row.
-    ``call(queries, keys, guide_queries, guide_keys, **labels)`` is one ``contrastive_loss`` with
-    ``reduction="none"`` and logit scale ``scale``. No row is padded to twice the width."""
+    ``call(queries, keys, guide_queries, guide_keys, anchor_keys=None, **labels)`` is one
+    ``contrastive_loss`` with ``reduction="none"`` and logit scale ``scale``; ``anchor_keys`` says
+    which of its keys are the anchors. No row is padded to twice the width."""
     anchors, positives = keys[:examples], keys[examples:2 * examples]
     if contrast_anchors:
-        first = call(anchors, keys, guide_keys[:examples], guide_keys,
+        first = call(anchors, keys, guide_keys[:examples], guide_keys, anchor_keys=slice(0, examples),
                      positives=torch.arange(examples, 2 * examples, device=keys.device))
     else:
         first = call(anchors, keys[examples:], guide_keys[:examples], guide_keys[examples:])
     if not contrast_positives:
         return first
     # The positive rows p_i against the positives p_j (self-pairs included, as GIST's pp_sim). Each
-    # needs a positive of its own that changes nothing: d_i = -lam p_i, whose logit -lam*scale lies 40
-    # below any cosine's (its weight e^-40 at most), under the guide key ga_i, so that the filter's
-    # threshold is GIST's, from the guide's cos(a_i, p_i). The d_j share a group with every row:
-    # never negatives.
-    lam = 1.0 + _DECOY_GAP / scale
-    decoys = positives.detach() * -lam
+    # needs a positive of its own that changes nothing: d_i = -lam p_i, whose logit -lam*scale lies
+    # 40 below any cosine's (its weight e^-40 at most), under the guide key ga_i, so that the
+    # filter's threshold is GIST's, from the guide's cos(a_i, p_i). The d_j share a group with every
+    # row: never negatives.
+    decoys = positives.detach() * -(1.0 + _DECOY_GAP / scale)
     zeros = torch.zeros(examples, dtype=torch.long, device=keys.device)
     second = call(positives, torch.cat([decoys, positives]), guide_keys[examples:2 * examples],
                   guide_keys[:2 * examples], positives=torch.arange(examples, device=keys.device),
                   query_groups=zeros, key_groups=torch.cat([zeros, zeros + 1]))
-    # l_1 = r_1 - z(a_i, p_i) and l_2 = r_2 - z(p_i, d_i): the row's loss is logaddexp(r_1, r_2) - z(a_i, p_i).
-    decoy_logit = scale * (positives * decoys).sum(dim=1)
-    positive_logit = scale * (anchors * positives).sum(dim=1)
+    # l_1 = r_1 - z(a_i, p_i), l_2 = r_2 - z(p_i, d_i); the row's loss is logaddexp(r_1, r_2) - z(a_i, p_i).
+    # The two logits are summed in the accumulation dtype, as the calls' kernels sum them.
+    accumulate = torch.promote_types(keys.dtype, torch.float32)
+    decoy_logit = scale * (positives.to(accumulate) * decoys.to(accumulate)).sum(dim=1)
+    positive_logit = scale * (anchors.to(accumulate) * positives.to(accumulate)).sum(dim=1)
     return torch.logaddexp(first, second + decoy_logit - positive_logit)
 
 
@@ -911,9 +913,9 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniBatc
     ``margin``; "relative": ``|score| * margin``), the positive itself always kept. It is two
     ``hf_infcl.contrastive_loss`` calls (the anchor rows; the positive rows against the positives)
     with the guide's embeddings as ``guide_queries`` / ``guide_keys``, merged row by row
-    (docs/contract.md, "GIST (sentence-transformers)", the two-call form), so neither the model's nor
-    the guide's similarity matrix is ever stored, and no embedding is padded or copied twice. Any number of negatives columns with
-    ``mini_batch_size``; at most one without, as GISTEmbedLoss.
+    (docs/contract.md, "GIST (sentence-transformers)", the two-call form), so neither the model's
+    nor the guide's similarity matrix is ever stored, and no embedding is padded or held twice. Any
+    number of negatives columns with ``mini_batch_size``; at most one without, as GISTEmbedLoss.
 
     Args:
         model: the SentenceTransformer model to train.
@@ -1036,16 +1038,17 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniBatc
         examples, device = len(embeddings[0]), embeddings[0].device
         # GIST's cosine: normalised embeddings, dotted; each column once, the model's and the guide's.
         keys = _gist_columns([column.to(common) for column in embeddings])
-        guide_keys = _gist_columns([column.detach().to(device=device, dtype=common) for column in guide_embeddings])
+        guide_keys = _gist_columns([column.detach().to(device=device, dtype=common)
+                                    for column in guide_embeddings])
         del embeddings, guide_embeddings
         rank, world_size = _gathering_world() if self.gather_across_devices else (0, 1)
         margin = float(self.margin)
 
-        def call(queries, call_keys, guide_queries, call_guide_keys, **labels):
-            if world_size > 1 and self.contrast_anchors and "key_groups" not in labels:
-                # The anchor rows' call: every process's anchors travel the ring; only its own count.
+        def call(queries, call_keys, guide_queries, call_guide_keys, anchor_keys=None, **labels):
+            if world_size > 1 and anchor_keys is not None:
+                # Every process's anchors travel the ring with the keys; only its own are candidates.
                 guide_queries, call_guide_keys = _marked_by_process(
-                    guide_queries, call_guide_keys, slice(0, examples), margin, rank, world_size)
+                    guide_queries, call_guide_keys, anchor_keys, margin, rank, world_size)
             return contrastive_loss(
                 queries, call_keys, logit_scale=1.0 / self.temperature, loss="softmax", symmetric=False,
                 reduction="none", false_negative_margin=margin, false_negative_strategy=self.margin_strategy,

@@ -10,7 +10,6 @@ torch backend on float64 copies of the same rounded inputs, on the GPU, norm-wis
 from __future__ import annotations
 
 import json
-
 import os
 import subprocess
 import sys
@@ -563,10 +562,11 @@ def test_tiny_problems_run_a_saved_choice_or_the_untuned_config_never_the_autotu
     # A saved choice of the same kernel and key (here a shipped one) wins over the untuned config.
     shipped = tmp_path / "shipped"
     shipped.mkdir()
-    (shipped / file_name("Stand-in GPU", launch.triton.__version__)).write_text(json.dumps({"stand-in-r0": {repr((128, 0)): {
-        "kwargs": {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 16}, "num_warps": 2, "num_stages": 2}}}))
+    saved_choice = {"kwargs": {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 16}, "num_warps": 2, "num_stages": 2}
+    (shipped / file_name("Stand-in GPU", launch.triton.__version__)).write_text(
+        json.dumps({"stand-in-r0": {repr((128, 0)): saved_choice}}))
     saved = launch.launch(kernel, (1,), cpu, None, 128, 0)
-    assert (saved.kwargs, saved.num_warps, saved.num_stages) == ({"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 16}, 2, 2)
+    assert (saved.kwargs, saved.num_warps, saved.num_stages) == (saved_choice["kwargs"], 2, 2)
     assert launched[-1] is saved
 
     with pytest.raises(_TunerReached):
@@ -580,8 +580,9 @@ def test_tiny_problems_run_a_saved_choice_or_the_untuned_config_never_the_autotu
 def test_the_autotuner_times_no_candidate_wider_than_the_width(width, guide_width, kept_k_steps):
     from hf_infcl.ops.triton import launch
 
-    candidates = [launch.triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-                  for bm, bn, bk, w, s in launch.BASE_SHAPES]
+    candidates = [launch.triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps,
+                                       num_stages=stages)
+                  for bm, bn, bk, warps, stages in launch.BASE_SHAPES]
     kept = launch.candidates_for_width(candidates, {"c": width, "c_guide": guide_width})
     assert {config.kwargs["BLOCK_K"] for config in kept} == kept_k_steps
     assert all(config in candidates for config in kept)
