@@ -272,9 +272,9 @@ def group_ids(data: ImageCaptionData, examples):
 class PairCollate:
     """Pieces of a batch (:func:`transformed_piece`) -> the batch, in the training process (in
     :class:`Prefetched`'s thread): the pixel values copied into one tensor (allocated pinned
-    when ``pin_memory``, so that the copies to the GPU are fast and asynchronous: 44 GiB/s against
-    5.6 from pageable memory on an H100 machine; pinning a 9 GiB batch the first time takes
-    seconds, after which PyTorch's host allocator hands the same block to later batches), the
+    when ``pin_memory``, so that the copies to the GPU are fast and asynchronous, several times
+    faster than from pageable memory; pinning a large batch the first time takes seconds, after
+    which PyTorch's host allocator hands the same block to later batches), the
     captions tokenized together, padded as one batch whatever the pieces.
 
     ``padding="max_length"`` for SigLIP, whose text tower pools the last position and was trained
