@@ -14,7 +14,7 @@ kernels' tuning keys and are not covered.
 
     python scripts/tune_shipped.py --dry-run                                 # list the cases
     python scripts/tune_shipped.py --widths 512,768 --dtypes bf16 --budget-s 500
-    python scripts/tune_shipped.py --store /tmp/tuned --merge-only           # merge a store's file
+    python scripts/tune_shipped.py --store /tmp/tuned --merge-only           # merge a store's files
 
 A sweep of every case takes hours; split it over calls with ``--widths``/``--dtypes``/``--losses``
 and ``--budget-s`` (no case starts after the budget is spent). Cases already in the store load
@@ -84,6 +84,22 @@ def merge(store_file: Path, shipped_file: Path) -> int:
     return changed
 
 
+def merge_store(store_folder: Path, shipped_folder: Path | None) -> int:
+    """``--merge-only``: every file of a tuning store's folder (one per GPU name and Triton version,
+    named as the shipped ones) merged into the shipped file of the same name; no GPU needed. Exit
+    status 1 if the folder holds none."""
+    from hf_infcl.ops.triton.tuning_store import SHIPPED_DIRECTORY
+
+    store_files = sorted(store_folder.glob("*.json"))
+    if not store_files:
+        print(f"nothing tuned: no tuning file in {store_folder}", file=sys.stderr)
+        return 1
+    for store_file in store_files:
+        shipped_file = (shipped_folder or SHIPPED_DIRECTORY) / store_file.name
+        print(f"{merge(store_file, shipped_file)} entries added to {shipped_file}")
+    return 0
+
+
 def parse_options(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="feature widths c")
@@ -125,6 +141,8 @@ def main(argv=None) -> int:
         print(f"{len(todo)} cases")
         return 0
     store = Path(opts.store or tempfile.mkdtemp(prefix="hf_infcl_tune_"))
+    if opts.merge_only:
+        return merge_store(store / "autotune", Path(opts.shipped) if opts.shipped else None)
     import torch
     import triton
 
@@ -139,14 +157,13 @@ def main(argv=None) -> int:
     # Every case tuned into this store, none loaded from the configurations already shipped.
     tuning_store = launch.TUNING_STORE = TuningStore(store / "autotune", shipped=None)
     started = time.perf_counter()
-    if not opts.merge_only:
-        for index, case in enumerate(todo):
-            if time.perf_counter() - started > opts.budget_s:
-                print(f"budget spent: {len(todo) - index} cases not run", flush=True)
-                break
-            seconds = run_case(*case)
-            print(f"[{time.perf_counter() - started:7.1f} s] {' '.join(map(str, case))}: {seconds:.1f} s",
-                  flush=True)
+    for index, case in enumerate(todo):
+        if time.perf_counter() - started > opts.budget_s:
+            print(f"budget spent: {len(todo) - index} cases not run", flush=True)
+            break
+        seconds = run_case(*case)
+        print(f"[{time.perf_counter() - started:7.1f} s] {' '.join(map(str, case))}: {seconds:.1f} s",
+              flush=True)
     store_file = tuning_store.path(name, triton.__version__)
     if not store_file.exists():
         print(f"nothing tuned: no {store_file}", file=sys.stderr)

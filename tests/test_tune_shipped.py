@@ -47,6 +47,22 @@ def test_bad_options_are_refused_naming_them(argv, message, capsys):
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_merge_only_merges_every_file_of_the_store_without_a_gpu(tmp_path, capsys):
+    """A store tuned during other runs (each file one GPU name and Triton version) merges into the
+    shipped files of the same names; an empty store is an error."""
+    entry = {"kwargs": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, "num_warps": 4, "num_stages": 4}
+    folders = ["--store", str(tmp_path / "store"), "--shipped", str(tmp_path / "shipped")]
+    assert tune_shipped.main(folders + ["--merge-only"]) == 1
+    assert "nothing tuned" in capsys.readouterr().err
+    (tmp_path / "store" / "autotune").mkdir(parents=True)
+    for name in ("NVIDIA-H200--triton-3.6.0.json", "NVIDIA-H100-80GB-HBM3--triton-3.6.0.json"):
+        (tmp_path / "store" / "autotune" / name).write_text(json.dumps({"stats-r5": {"(384, 2)": entry}}))
+    assert tune_shipped.main(folders + ["--merge-only"]) == 0
+    shipped = sorted(path.name for path in (tmp_path / "shipped").glob("*.json"))
+    assert shipped == ["NVIDIA-H100-80GB-HBM3--triton-3.6.0.json", "NVIDIA-H200--triton-3.6.0.json"]
+    assert json.loads((tmp_path / "shipped" / shipped[1]).read_text()) == {"stats-r5": {"(384, 2)": entry}}
+
+
 def test_merge_adds_and_replaces_entries_and_keeps_the_others(tmp_path):
     entry = {"kwargs": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, "num_warps": 4, "num_stages": 4}
     other = {**entry, "num_warps": 8}
