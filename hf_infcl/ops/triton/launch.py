@@ -51,12 +51,13 @@ TUNE_KEY = ["c", "size_class"]
 
 def problem_size_class(n_outer: int, n_inner: int) -> int:
     entries = n_outer * n_inner
-    return TINY if entries < 2**22 else (1 if entries < 2**28 else 2)
+    return 0 if entries < 2**22 else (1 if entries < 2**28 else 2)
 
 
-# The size class of problems too small for tuning to pay: a few microseconds of GPU work, which
-# no configuration changes by more than the seconds it takes to compile the candidates. They run
-# a saved choice where there is one (shipped or tuned before), else the untuned configuration.
+# The size class (problem_size_class's) of problems too small for tuning to pay: a few
+# microseconds of GPU work, which no configuration changes by more than the seconds it takes to
+# compile the candidates. They run a saved choice where there is one (shipped or tuned before),
+# else the untuned configuration.
 TINY = 0
 
 
