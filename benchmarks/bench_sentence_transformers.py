@@ -47,7 +47,8 @@ one step's GPU time by kernel for each loss at the first size.
 
 ``--no-grad-mini-batch-size N`` gives InfCLLoss (and, in the GIST part, InfCLGISTLoss) a
 gradient-free pass in mini-batches of N texts, the replays keeping 256; their rows carry N in the
-``no_grad_mini_batch_size`` column. The MiniLM trains with its dropout (0.1), whose masks the
+``no_grad_mini_batch_size`` column. In the MiniLM part InfCLLoss is then measured both ways, in the
+same rounds as CachedMNRL, one table each. The MiniLM trains with its dropout (0.1), whose masks the
 replays then cannot draw again, so those steps' gradients are approximate (the loss warns once):
 the figures are timings.
 
@@ -323,18 +324,21 @@ def run_minilm(sizes, repeats, device, record, meta, rounds=1, profile=False, no
     autocast_forward(model, device)
     meta["minilm"] = source
     generator = torch.Generator().manual_seed(0)
-    loss_classes = {  # each loss's class and options
-        "CachedMNRL": (st_losses.CachedMultipleNegativesRankingLoss, {"mini_batch_size": MINI_BATCH_SIZE}),
-        "InfCLLoss": (losses.InfCLLoss, {"mini_batch_size": MINI_BATCH_SIZE,
-                                         "no_grad_mini_batch_size": no_grad_mini_batch_size}),
+    loss_classes = {  # each measured loss: its name in the CSV, class and options
+        "CachedMNRL": ("CachedMNRL", st_losses.CachedMultipleNegativesRankingLoss,
+                       {"mini_batch_size": MINI_BATCH_SIZE}),
+        "InfCLLoss": ("InfCLLoss", losses.InfCLLoss, {"mini_batch_size": MINI_BATCH_SIZE}),
     }
+    if no_grad_mini_batch_size is not None:  # measured beside InfCLLoss without it, in the same rounds
+        loss_classes["InfCLLoss, no-grad"] = ("InfCLLoss", losses.InfCLLoss, {
+            "mini_batch_size": MINI_BATCH_SIZE, "no_grad_mini_batch_size": no_grad_mini_batch_size})
     for batch in sizes:
         columns = minilm_columns(model, batch, 2, device, generator)
         # Rounds alternate the losses, so that a drift of the machine (clocks, memory) during
         # the run does not favour the loss measured first.
         results = {name: {"steps": [], "peaks": [], "timers": []} for name in loss_classes}
         for _ in range(rounds):
-            for name, (loss_class, options) in loss_classes.items():
+            for name, (_, loss_class, options) in loss_classes.items():
                 if "status" in results[name]:
                     continue
                 loss_module = loss_class(model, **options)
@@ -350,7 +354,8 @@ def run_minilm(sizes, repeats, device, record, meta, rounds=1, profile=False, no
                 del loss_module
                 free_memory(model)
         for name, result in results.items():
-            row = {"part": "minilm", "loss": name, "batch": batch, **loss_classes[name][1]}
+            loss_name, _, options = loss_classes[name]
+            row = {"part": "minilm", "loss": loss_name, "batch": batch, **options}
             if "status" in result:
                 record({**row, "status": result["status"]})
                 continue
@@ -363,7 +368,7 @@ def run_minilm(sizes, repeats, device, record, meta, rounds=1, profile=False, no
                 "peak_gib": gib(max(result["peaks"])), "loss_part_peak_gib": gib(loss_part_peak),
             })
         if profile and batch == sizes[0]:
-            for name, (loss_class, options) in loss_classes.items():
+            for name, (_, loss_class, options) in loss_classes.items():
                 profile_step(model, loss_class(model, **options), columns, name, batch)
                 free_memory(model)
         del columns
@@ -492,26 +497,25 @@ def print_results(rows, meta):
     print("\n# sentence-transformers training steps,", meta["device"])
     print(f"# torch {meta['torch']}, sentence-transformers {meta['sentence_transformers']}, "
           f"hf_infcl backend {meta['hf_infcl_backend']}; MiniLM: {meta.get('minilm', '-')}")
-    minilm = {(r["batch"], r["loss"]): r for r in rows if r["part"] == "minilm"}
-    if minilm:
-        print(f"\nMiniLM, seq 64, bf16 autocast, mini_batch_size 256{no_grad_note(meta)} "
+    minilm = {(r["batch"], r["loss"], r.get("no_grad_mini_batch_size")): r
+              for r in rows if r["part"] == "minilm"}
+    # One table per InfCLLoss setting (with and without --no-grad-mini-batch-size), against CachedMNRL.
+    for no_grad in sorted({key[2] for key in minilm if key[1] == "InfCLLoss"}, key=lambda size: size or 0):
+        note = "" if no_grad is None else f" (hf_infcl's gradient-free pass: {no_grad})"
+        print(f"\nMiniLM, seq 64, bf16 autocast, mini_batch_size 256{note} "
               "(step s | loss-part s | step peak GiB)")
         columns = [Column("batch", 6), Column("CachedMNRL", 26, gap=" | "),
                    Column("InfCLLoss", 26, gap=" | "),
                    Column("loss-part x | step x | peak x", align="<", gap=" | ")]
         lines = []
-        for batch in sorted({b for b, _ in minilm}):
-            cells, ok = [], True
-            for name in ("CachedMNRL", "InfCLLoss"):
-                r = minilm.get((batch, name), {})
-                if r.get("status") == "ok":
-                    cells.append(f"{r['step_s']:8.3f} | {r['loss_part_s']:7.4f} | {r['peak_gib']:6.2f}")
-                else:
-                    cells.append(str(r.get("status", "-"))[:26])
-                    ok = False
+        for batch in sorted({key[0] for key in minilm}):
+            found = [minilm.get((batch, "CachedMNRL", None), {}),
+                     minilm.get((batch, "InfCLLoss", no_grad), {})]
+            cells = [f"{r['step_s']:8.3f} | {r['loss_part_s']:7.4f} | {r['peak_gib']:6.2f}"
+                     if r.get("status") == "ok" else str(r.get("status", "-"))[:26] for r in found]
             ratios = ""
-            if ok:
-                base, ours = minilm[(batch, "CachedMNRL")], minilm[(batch, "InfCLLoss")]
+            base, ours = found
+            if base.get("status") == "ok" and ours.get("status") == "ok":
                 loss_part_speedup = base["loss_part_s"] / ours["loss_part_s"]
                 step_ratio = ours["step_s"] / base["step_s"]
                 peak_ratio = ours["peak_gib"] / base["peak_gib"] if base["peak_gib"] else float("nan")
