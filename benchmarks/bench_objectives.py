@@ -15,6 +15,8 @@ and, named in ``--variants`` only (not run by default):
 
   distill      ``contrastive_distillation_loss`` against a teacher of the same width, half KL and
                half InfoNCE (``distillation_weight=0.5``)
+  distill-tilesN  the same on ``TorchTiles(N, N)``: its default tiles (1024) may leave a GPU
+               waiting on the host's launches; e.g. ``distill-tiles4096``
   matryoshka   ``matryoshka_dims`` of five widths, c, 2c/3, c/3, c/6 and c/12 (768, 512, 256, 128
                and 64 at c = 768)
 
@@ -53,7 +55,7 @@ from bench_common import (  # this folder is on sys.path
     write_csv,
 )
 
-from hf_infcl import contrastive_distillation_loss, contrastive_loss
+from hf_infcl import TorchTiles, contrastive_distillation_loss, contrastive_loss
 
 VARIANTS = ("plain", "groups-any", "groups-each", "filter", "filter-guide")
 EXTRA_VARIANTS = ("distill", "matryoshka")  # run when named
@@ -63,6 +65,12 @@ GROUP_SIZE = 5
 def matryoshka_widths(c: int) -> tuple[int, ...]:
     """Five descending widths from c: 768, 512, 256, 128, 64 at c = 768."""
     return tuple(dict.fromkeys(max(1, c * share // 12) for share in (12, 8, 4, 2, 1)))
+
+
+def _distill_tiles(variant: str) -> int | None:
+    """N of a ``distill-tilesN`` variant, None for any other name."""
+    tiles = variant.removeprefix("distill-tiles")
+    return int(tiles) if tiles != variant and tiles.isdigit() and int(tiles) > 0 else None
 
 
 def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda", dtype=torch.bfloat16):
@@ -83,11 +91,13 @@ def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda",
     elif variant == "matryoshka":
         options = dict(matryoshka_dims=matryoshka_widths(c))
     loss_fn = functools.partial(contrastive_loss, **options)
-    if variant == "distill":
+    if variant.startswith("distill"):
         teacher = F.normalize(torch.randn(2, b, c, device=device, dtype=dtype, generator=generator), dim=-1)
+        tiles = _distill_tiles(variant)
+        backend = TorchTiles(tiles, tiles) if tiles else "auto"
         loss_fn = functools.partial(contrastive_distillation_loss, teacher_queries=teacher[0],
                                     teacher_keys=teacher[1], teacher_logit_scale=20.0,
-                                    distillation_weight=0.5)
+                                    distillation_weight=0.5, backend=backend)
 
     def step():
         loss = loss_fn(F.normalize(q, dim=1), F.normalize(k, dim=1), logit_scale=log_scale.exp())
@@ -130,7 +140,8 @@ def main(argv=None):
     if len(widths) != len(sizes):
         parser.error("--widths takes one width, or one per size")
     variants = args.variants.split(",")
-    unknown = sorted(set(variants) - set(VARIANTS) - set(EXTRA_VARIANTS))
+    unknown = sorted(variant for variant in variants if variant not in VARIANTS + EXTRA_VARIANTS
+                     and not _distill_tiles(variant))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {VARIANTS + EXTRA_VARIANTS}")
 
