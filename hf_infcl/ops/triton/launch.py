@@ -140,7 +140,7 @@ def launch(kernel: TunedKernel, grid, device: torch.device, *args, config: trito
     if key is None:  # one config: nothing is tuned
         kernel.tuner[grid](*args, **kwargs)
         return kernel.tuner.best_config
-    if _size_class(kernel, args, kwargs) == TINY:
+    if _size_class(kernel, key) == TINY:
         chosen = TUNING_STORE.saved(kernel.name, key, device_name(device), triton.__version__,
                                     kernel.make_config) or _untuned_config(kernel)
         _CHOSEN[(kernel.name, key)] = chosen
@@ -170,10 +170,9 @@ def _untuned_config(kernel: TunedKernel) -> triton.Config:
 _UNTUNED_CONFIGS: dict[str, triton.Config] = {}
 
 
-def _size_class(kernel: TunedKernel, args: tuple, kwargs: dict) -> int | None:
-    """The ``size_class`` argument of a launch (see :func:`problem_size_class`), None without one."""
-    named = {**dict(zip(kernel.tuner.arg_names, args)), **kwargs}
-    return named.get("size_class")
+def _size_class(kernel: TunedKernel, key: tuple) -> int | None:
+    """The ``size_class`` in a launch's tuning key (see :func:`problem_size_class`), None without one."""
+    return dict(zip(kernel.tuner.keys, key)).get("size_class")
 
 
 def reset_autotuning() -> None:

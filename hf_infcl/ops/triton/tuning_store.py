@@ -105,8 +105,9 @@ class TuningStore:
             return
         path = self.path(device_name, triton_version)
         entry = repr(key)
-        if not self._retune and any(self._load(tuner, kernel, entry, key, file, config_type)
-                                    for file in self._saved_files(device_name, triton_version)):
+        saved = self.saved(kernel, key, device_name, triton_version, config_type)
+        if saved is not None:
+            tuner.cache[key] = saved
             yield
             return
         try:
