@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -721,9 +722,16 @@ GIST_CITATION = """
 
 
 def _gist_columns(columns: list[Tensor]) -> Tensor:
-    """GIST's keys from the columns (anchor, positive, negatives...), L2-normalised in one tensor
-    ``[a; p; n...]``: the calls' rows ``a`` and ``p`` are views of it, so the batch exists once."""
+    """GIST's keys from the columns (anchor, positive, negatives...) or from every mini-batch of
+    them in that order, L2-normalised in one tensor ``[a; p; n...]``: the calls' rows ``a`` and
+    ``p`` are views of it, so the batch exists once."""
     return F.normalize(torch.cat(columns), p=2, dim=-1)
+
+
+def _normalized_in_place(rows: Tensor) -> Tensor:
+    """``F.normalize(rows, p=2, dim=-1)``, the same operations, written over ``rows`` (no
+    gradient): a gradient-free batch normalised without a second copy."""
+    return rows.div_(rows.norm(p=2, dim=-1, keepdim=True).clamp_min(1e-12))
 
 
 def _gist_row_losses(keys: Tensor, guide_keys: Tensor, examples: int, scale: float, contrast_anchors: bool,
@@ -735,7 +743,9 @@ def _gist_row_losses(keys: Tensor, guide_keys: Tensor, examples: int, scale: flo
     ``call(queries, keys, guide_queries, guide_keys, anchor_keys=None, **labels)`` is one
     ``contrastive_loss`` with ``reduction="none"`` and logit scale ``scale``; ``anchor_keys`` says
     which of its keys are the anchors. No row is padded to twice the width."""
-    anchors, positives = keys[:examples], keys[examples:2 * examples]
+    # One split, not two slices: the backward joins the rows' gradients into one tensor, where each
+    # slice would fill a zero tensor of the whole batch.
+    anchors, positives = keys.split(examples)[:2]
     if contrast_anchors:
         first = call(anchors, keys, guide_keys[:examples], guide_keys, anchor_keys=slice(0, examples),
                      positives=torch.arange(examples, 2 * examples, device=keys.device))
@@ -744,25 +754,36 @@ def _gist_row_losses(keys: Tensor, guide_keys: Tensor, examples: int, scale: flo
     if not contrast_positives:
         return first
     # The positive rows p_i against the positives p_j (self-pairs included, as GIST's pp_sim). Each
-    # needs a positive of its own that changes nothing: d_i = -lam p_i, whose logit -lam*scale lies
-    # 40 below any cosine's (its weight e^-40 at most), under the guide key ga_i, so that the
-    # filter's threshold is GIST's, from the guide's cos(a_i, p_i). The d_j share a group with every
-    # row: never negatives.
-    decoys = positives.detach() * -(1.0 + _DECOY_GAP / scale)
+    # needs a positive of its own that changes nothing: the decoy d_i = a_i - (gap / scale) p_i, whose
+    # logit z(p_i, d_i) = z(a_i, p_i) - gap lies gap below the first call's positive logit (its
+    # weight e^-gap at most), under the guide key ga_i, so that the filter's threshold is GIST's,
+    # from the guide's cos(a_i, p_i). The d_j share a group with every row: never negatives.
+    # The decoy stands for z(a_i, p_i) in the second call, gradient included: through d_i it reaches
+    # a_i as z(a_i, p_i)'s does; p_i's share differs only along p_i, which the normalisation's
+    # backward removes. So the merge below needs no gradient of its own, and no [m, c] tensor.
+    accumulate = torch.promote_types(keys.dtype, torch.float32)
+    second_keys = torch.cat([anchors - positives.detach() * (_decoy_gap(accumulate) / scale), positives])
     zeros = torch.zeros(examples, dtype=torch.long, device=keys.device)
-    second = call(positives, torch.cat([decoys, positives]), guide_keys[examples:2 * examples],
+    second = call(positives, second_keys, guide_keys[examples:2 * examples],
                   guide_keys[:2 * examples], positives=torch.arange(examples, device=keys.device),
                   query_groups=zeros, key_groups=torch.cat([zeros, zeros + 1]))
-    # l_1 = r_1 - z(a_i, p_i), l_2 = r_2 - z(p_i, d_i); the row's loss is logaddexp(r_1, r_2) - z(a_i, p_i).
-    # The two logits are summed in the accumulation dtype, as the calls' kernels sum them.
-    accumulate = torch.promote_types(keys.dtype, torch.float32)
-    decoy_logit = scale * (positives.to(accumulate) * decoys.to(accumulate)).sum(dim=1)
-    positive_logit = scale * (anchors.to(accumulate) * positives.to(accumulate)).sum(dim=1)
-    return torch.logaddexp(first, second + decoy_logit - positive_logit)
+    # l_1 = r_1 - z(a_i, p_i), l_2 = r_2 - z(p_i, d_i); the row's loss is
+    # logaddexp(r_1, r_2) - z(a_i, p_i) = logaddexp(l_1, l_2 + z(p_i, d_i) - z(a_i, p_i)), the
+    # difference (-gap, up to the rounding of d_i in the keys' dtype) taken from the keys as they are,
+    # summed in the accumulation dtype as the calls' kernels sum their logits.
+    with torch.no_grad():
+        decoys = second_keys[:examples].to(accumulate)
+        shift = scale * ((decoys - anchors.to(accumulate)) * positives.to(accumulate)).sum(dim=1)
+    del second_keys, decoys
+    return torch.logaddexp(first, second + shift)
 
 
-# How far below every cosine logit the decoy positives of GIST's positive rows lie.
-_DECOY_GAP = 40.0
+def _decoy_gap(accumulate: torch.dtype) -> float:
+    """How far the logits of the decoy positives of GIST's positive rows lie below their rows'
+    positive logits: far enough that a decoy's weight, at most e^-gap of its row's sum, is below the
+    resolution of ``accumulate``, and no further, since the decoy's gradient along p_i grows with the
+    gap, and its removal by the normalisation's backward leaves rounding in proportion."""
+    return math.ceil(-math.log(torch.finfo(accumulate).eps)) + 4.0
 
 
 def _gathering_world() -> tuple[int, int]:
@@ -837,6 +858,8 @@ class FrozenModelColumnsMixin:
     must_retokenize: bool = False
     # The second model's mini-batch embeddings of the current cached forward, one list per column.
     _frozen_columns: list[list[Tensor]] | None = None
+    # Or, once joined by _joined_normalized_frozen_keys, all of them in one normalised tensor.
+    _frozen_keys: Tensor | None = None
 
     @property
     def frozen_model(self):
@@ -877,7 +900,7 @@ class FrozenModelColumnsMixin:
         try:
             return self.forward_cached(sentence_features, labels)
         finally:
-            self._frozen_columns = None
+            self._frozen_columns = self._frozen_keys = None
 
     def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
         """The mixin's mini-batch embedding, then (in the first, gradient-free pass only) the second
@@ -899,6 +922,18 @@ class FrozenModelColumnsMixin:
         self._frozen_columns = [[torch.cat(column)] if len(column) > 1 else column
                                 for column in self._frozen_columns]
         return [column[0] for column in self._frozen_columns]
+
+    def _joined_normalized_frozen_keys(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The second model's embeddings of every column joined into one L2-normalised tensor
+        ``[a; p; n...]`` of ``dtype`` on ``device``, kept in place of the mini-batches (MatryoshkaLoss
+        calls ``calculate_loss`` again per dimension): the batch is held once, not as mini-batches,
+        joined columns and their normalised copy."""
+        if self._frozen_keys is None:
+            self._frozen_keys = _normalized_in_place(torch.cat([chunk.to(device=device, dtype=dtype)
+                                                                for column in self._frozen_columns
+                                                                for chunk in column]))
+            self._frozen_columns = []
+        return self._frozen_keys
 
 
 class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniBatchesMixin, CachedLossMixin,
@@ -1018,9 +1053,15 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniBatc
     def calculate_loss(
         self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
     ) -> Tensor:
-        """The GradCache loss step: the whole batch's loss in one fused call (the mixin's contract)."""
-        loss = self.compute_loss_from_embeddings([torch.cat(column) for column in reps],
-                                                 self._joined_frozen_columns())
+        """The GradCache loss step: the whole batch's loss in one fused call (the mixin's contract).
+        Every mini-batch is joined straight into GIST's keys, and the guide's in place of its
+        mini-batches, so that neither batch is also held column by column."""
+        embeddings = [chunk for column in reps for chunk in column]
+        common = functools.reduce(torch.promote_types, [chunk.dtype for chunk in embeddings])
+        guide_keys = self._joined_normalized_frozen_keys(common, embeddings[0].device)
+        loss = self._loss_from_keys(_gist_columns([chunk.to(common) for chunk in embeddings]), guide_keys,
+                                    examples=sum(len(chunk) for chunk in reps[0]))
+        del embeddings
         if with_backward:
             loss.backward()
             loss = loss.detach()
@@ -1035,12 +1076,16 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniBatc
         """The loss from the model's and the guide's embeddings of each column (anchors, positives,
         then negatives columns)."""
         common = functools.reduce(torch.promote_types, [column.dtype for column in embeddings])
-        examples, device = len(embeddings[0]), embeddings[0].device
+        device = embeddings[0].device
         # GIST's cosine: normalised embeddings, dotted; each column once, the model's and the guide's.
-        keys = _gist_columns([column.to(common) for column in embeddings])
-        guide_keys = _gist_columns([column.detach().to(device=device, dtype=common)
-                                    for column in guide_embeddings])
-        del embeddings, guide_embeddings
+        guide_keys = _normalized_in_place(torch.cat([column.detach().to(device=device, dtype=common)
+                                                     for column in guide_embeddings]))
+        return self._loss_from_keys(_gist_columns([column.to(common) for column in embeddings]), guide_keys,
+                                    examples=len(embeddings[0]))
+
+    def _loss_from_keys(self, keys: Tensor, guide_keys: Tensor, examples: int) -> Tensor:
+        """The loss from the model's and the guide's normalised keys ``[a; p; n...]`` (``examples``
+        rows per column)."""
         rank, world_size = _gathering_world() if self.gather_across_devices else (0, 1)
         margin = float(self.margin)
 
