@@ -333,6 +333,9 @@ def step_meter():
             synchronize()
             self.seconds.append(time.perf_counter() - self._started)
             self.peaks.append(max_allocated())
+            # Printed as it ends, so that a run cut by a time limit still shows the steps it made.
+            print(f"step {len(self.seconds)} ({'warm-up' if len(self.seconds) == 1 else 'timed'}): "
+                  f"{self.seconds[-1]:.1f} s, peak {gib(self.peaks[-1])} GiB", flush=True)
 
     return StepMeter()
 
