@@ -15,8 +15,8 @@ and, named in ``--variants`` only (not run by default):
 
   distill      ``contrastive_distillation_loss`` against a teacher of the same width, half KL and
                half InfoNCE (``distillation_weight=0.5``)
-  distill-tilesN  the same on ``TorchTiles(N, N)``: its default tiles (1024) may leave a GPU
-               waiting on the host's launches; e.g. ``distill-tiles4096``
+  distill-tilesN  the same on ``TorchTiles(N, N)`` (the default on CUDA: 4096; smaller tiles
+               leave the GPU waiting on the host's launches); e.g. ``distill-tiles1024``
   matryoshka   ``matryoshka_dims`` of five widths, c, 2c/3, c/3, c/6 and c/12 (768, 512, 256, 128
                and 64 at c = 768)
 

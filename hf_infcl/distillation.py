@@ -96,7 +96,7 @@ def contrastive_distillation_loss(
                                                in_ring=in_ring)
         check_second_embeddings(queries, keys, teacher_queries, teacher_keys, "teacher", required=True)
         teacher_scale = _teacher_scale(teacher_logit_scale, queries)
-        ops = None if backend == "reference" else distillation_block_ops(backend)
+        ops = None if backend == "reference" else distillation_block_ops(backend, queries.device)
     # As contrastive_loss: its inputs' dtype and precision, whatever autocast says.
     with torch.autocast(queries.device.type, enabled=False):
         if backend == "reference":  # one process: the checks refuse it in a ring
