@@ -107,21 +107,25 @@ def comm_only_step(queries, keys, backend, group, loss_kind):
         return loss_step(queries, keys, backend, group, loss_kind)
 
 
-_WARMED_UP = set()  # (loss, on one GPU) of the steps whose first run has run
+_WARMED_UP = set()  # (loss, on one GPU, rows per process) of the steps whose first run has run
 
 
-def measure_step(step, args, group=None, loss_kind="softmax") -> tuple[list[float], int, float]:
-    """(seconds per step, peak bytes above the inputs, loss) of ``step`` (which returns the loss).
+def measure_step(step, args, group=None, loss_kind="softmax", rows=0) -> tuple[list[float], int, float]:
+    """(seconds per step, peak bytes above the inputs, loss) of ``step`` (which returns the loss),
+    whose process holds ``rows`` rows.
 
     The first step gives all three. A step slower than ``--slow-step-s`` is not repeated (the
     large sizes would otherwise take minutes each); faster ones get ``--warmup`` + ``--iters``.
     """
-    if (loss_kind, group is None) not in _WARMED_UP:
-        # The first step of each loss compiles and autotunes its kernels (tens of seconds on
-        # several processes); the tuned configs then serve every size of the same class. One GPU
-        # and the ring run other kernels (the sigmoid loss on one GPU: the Gluon logits kernel).
+    key = (loss_kind, group is None, rows)
+    if key not in _WARMED_UP:
+        # The first step of each loss and size compiles and autotunes its kernels (seconds per
+        # kernel, tens of seconds on several processes). Each size is warmed up on its own: a larger
+        # one may need other kernels (another tuning size class, or a recompilation where a
+        # block's rows x keys passes 2^31), and a slow size's only timed step is its first. One
+        # GPU and the ring run other kernels (the sigmoid loss on one GPU: the Gluon logits kernel).
         step()
-        _WARMED_UP.add((loss_kind, group is None))
+        _WARMED_UP.add(key)
     first = []  # (peak bytes, loss) of the first measured step
     first_time = timed(lambda: first.append(peak_above(step)), 1, 0, group)
     peak, loss = first[0]
@@ -135,7 +139,7 @@ def measure_ring(queries, keys, args, group, world_size: int, with_compute: bool
     """Rows "ring", "compute" (when ``with_compute``) and "comm" for one global batch."""
     def step(run):
         return lambda: run(queries, keys, args.backend, group, loss_kind)
-    times, peak, loss = measure_step(step(loss_step), args, group, loss_kind)
+    times, peak, loss = measure_step(step(loss_step), args, group, loss_kind, rows=queries.shape[0])
     memory = torch.tensor([peak], device=DEVICE, dtype=torch.float64)
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
     ring_loss = torch.tensor([loss], device=DEVICE)
@@ -154,7 +158,7 @@ def measure_ring(queries, keys, args, group, world_size: int, with_compute: bool
 def measure_one_gpu(all_queries, all_keys, args, loss_kind: str) -> dict:
     """Row "one-gpu": the whole global batch on this GPU alone."""
     times, peak, loss = measure_step(lambda: loss_step(all_queries, all_keys, args.backend, None, loss_kind),
-                                     args, loss_kind=loss_kind)
+                                     args, loss_kind=loss_kind, rows=all_queries.shape[0])
     return dict(what="one-gpu", ms=1e3 * statistics.median(times), peak_gib=peak / 2**30, loss=loss)
 
 
