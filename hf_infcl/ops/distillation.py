@@ -112,8 +112,8 @@ class DistillationBlockOps(Protocol):
 
 
 # The PyTorch tiles' side on CUDA: each tile costs some 500 small torch calls, whose host time
-# dominates 1024 x 1024 tiles there (3.5 s against 0.4 s at 4096, 32k x 512, one H200); the larger
-# tiles hold about 0.35 GiB of fp32 temporaries, whatever the batch.
+# dominates smaller tiles there (benchmarks/README.md, bench_objectives); these hold about 0.35 GiB
+# of fp32 temporaries, whatever the batch.
 _CUDA_TILE = 4096
 
 
