@@ -786,8 +786,9 @@ OBJECTIVE_SHAPES = [(7, 19, 40), (33, 71, 3), (19, 45, 32), (13, 13, 20)]
 
 def with_objectives(case, dtype, mode, filter_name, seed):
     """``case`` with several positives and the filter under ``case["objectives"]``; for the TF32
-    modes the features (and the guide) already TF32 values, so that the kernels' rounding to TF32
-    changes nothing and the float64 reference takes the filter's decisions from the same scores."""
+    modes the features (and the guide) already TF32 values that the fp16 route also holds exactly,
+    so that the kernels' rounding changes nothing and the float64 reference takes the filter's
+    decisions from the same scores."""
     from hf_infcl.ops.triton.operands import round_to_tf32
 
     margin, strategy, guide_width = OBJECTIVE_FILTERS[filter_name]
@@ -800,7 +801,16 @@ def with_objectives(case, dtype, mode, filter_name, seed):
     case = dict(case, objectives=objectives)
     if dtype == "tf32":
         def tf32(tensor):
-            return round_to_tf32(tensor.float()).double()
+            # Also exact in the fp16 route (tf32_via_fp16), which divides each operand by its largest
+            # magnitude and rounds to fp16: that magnitude a power of two, and nothing left below
+            # fp16's normal range once divided. A rounded score could otherwise fall on the other
+            # side of a threshold than the reference's, and one entry decide the errors.
+            values = round_to_tf32(tensor.float()).double()
+            largest = values.abs().max()
+            top = 2.0 ** torch.ceil(torch.log2(largest))
+            values[values.abs() < top * 2.0**-14] = 0.0
+            values.view(-1)[values.abs().argmax()] = top * values.view(-1)[values.abs().argmax()].sign()
+            return values
 
         case.update(queries=tf32(case["queries"]), keys=tf32(case["keys"]))
         for name in ("guide_queries", "guide_keys"):
