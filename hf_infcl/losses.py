@@ -582,6 +582,8 @@ class InfCLLoss(ShardedReplaysMixin, NoGradMiniBatchesMixin, CachedLossMixin, nn
         embeddings = [column.to(common) for column in embeddings]
         if self._similarity_kind == "cos_sim":
             # util.cos_sim normalises with F.normalize(p=2, dim=-1); the same call keeps parity exact.
+            # (Not _normalized: its backward rounds apart from F.normalize's, and MNRL's own
+            # all-gather comparison already sits near its fp32 tolerance.)
             embeddings = [F.normalize(column, p=2, dim=-1) for column in embeddings]
         # per_direction's doc_to_query (symmetric, MNSRL) is similarity(anchors, positives).T: the
         # positives column only, never the hard negatives, which is exactly hf_infcl's column term
@@ -725,13 +727,43 @@ def _gist_columns(columns: list[Tensor]) -> Tensor:
     """GIST's keys from the columns (anchor, positive, negatives...) or from every mini-batch of
     them in that order, L2-normalised in one tensor ``[a; p; n...]``: the calls' rows ``a`` and
     ``p`` are views of it, so the batch exists once."""
-    return F.normalize(torch.cat(columns), p=2, dim=-1)
+    return _normalized(torch.cat(columns))
+
+
+class _NormalizedRows(torch.autograd.Function):
+    """``F.normalize(rows, p=2, dim=-1)`` (the same operations forward) whose backward keeps the
+    output and the norms, [m, c] and [m], instead of the input: the loss's normalised keys are
+    held for its own backward anyway, so the raw batch is freed once normalised, where
+    ``F.normalize`` would keep it to the end of the backward."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor) -> Tensor:
+        norms = rows.norm(p=2, dim=-1, keepdim=True).clamp_min(_NORM_EPS)
+        normalized = rows / norms
+        ctx.save_for_backward(normalized, norms)
+        return normalized
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        normalized, norms = ctx.saved_tensors
+        # d(x / |x|) = (g - y <y, g>) / |x|; where the norm was clamped, it is the constant eps.
+        along = (normalized * grad).sum(dim=-1, keepdim=True)
+        return torch.where(norms > _NORM_EPS, grad - normalized * along, grad) / norms
+
+
+# F.normalize's default eps.
+_NORM_EPS = 1e-12
+
+
+def _normalized(rows: Tensor) -> Tensor:
+    """Each row L2-normalised, as ``F.normalize(rows, p=2, dim=-1)``; see :class:`_NormalizedRows`."""
+    return _NormalizedRows.apply(rows) if rows.requires_grad else F.normalize(rows, p=2, dim=-1)
 
 
 def _normalized_in_place(rows: Tensor) -> Tensor:
     """``F.normalize(rows, p=2, dim=-1)``, the same operations, written over ``rows`` (no
     gradient): a gradient-free batch normalised without a second copy."""
-    return rows.div_(rows.norm(p=2, dim=-1, keepdim=True).clamp_min(1e-12))
+    return rows.div_(rows.norm(p=2, dim=-1, keepdim=True).clamp_min(_NORM_EPS))
 
 
 def _gist_row_losses(keys: Tensor, guide_keys: Tensor, examples: int, scale: float, contrast_anchors: bool,
@@ -1332,7 +1364,7 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniB
         common = functools.reduce(torch.promote_types, [column.dtype for column in embeddings])
         device = embeddings[0].device
         # The cosine of both models: normalised embeddings, dotted.
-        student = [F.normalize(column.to(common), p=2, dim=-1) for column in embeddings]
+        student = [_normalized(column.to(common)) for column in embeddings]
         teacher = [F.normalize(column.detach().to(device=device, dtype=common), p=2, dim=-1)
                    for column in teacher_embeddings]
         return contrastive_distillation_loss(
