@@ -123,11 +123,31 @@ def test_parity_in_fp32(tiny_model, guide, mini_batch_size, temperature):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.01], ids=["temperature1", "temperature0.01"])
 def test_parity_at_any_temperature_the_positive_rows_decoys_weigh_nothing(model64, guide64, temperature):
-    """The positive rows' call carries a decoy positive whose logit sits 40 below any cosine's at
-    every temperature (docs/contract.md, "GIST", the two-call form): at temperature 1 a fixed
-    multiple of the scale would sit within a few logits of the cosines and show in the loss."""
+    """The positive rows' call carries a decoy positive whose logit sits a fixed gap (41 in
+    float64) below the anchor-positive logit at every temperature (docs/contract.md, "GIST", the
+    two-call form): at temperature 1 a fixed multiple of the scale would sit within a few logits
+    of the cosines and show in the loss."""
     columns = text_columns(ROWS, 2, seed=17)
     assert_parity(model64, guide64, columns, None, margin=0.1, temperature=temperature)
+
+
+def test_the_normalisation_keeping_its_output_equals_f_normalize():
+    """GIST's keys are normalised by a Function whose backward keeps the output, not the input:
+    forward bit for bit F.normalize's, backward F.normalize's to float64 rounding, rows whose
+    norm is clamped (a zero row, a tiny one) included."""
+    from hf_infcl.losses import _NormalizedRows
+
+    rows = torch.randn(9, 13, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    rows[2] = 0.0
+    rows[5] *= 1e-14  # norm below F.normalize's eps
+    grad = torch.randn(9, 13, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    ours, theirs = rows.clone().requires_grad_(), rows.clone().requires_grad_()
+    normalized = _NormalizedRows.apply(ours)
+    assert torch.equal(normalized, torch.nn.functional.normalize(theirs, p=2, dim=-1))
+    normalized.backward(grad)
+    torch.nn.functional.normalize(theirs, p=2, dim=-1).backward(grad)
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(_NormalizedRows.apply, (rows[[0, 1, 3]].clone().requires_grad_(),))
 
 
 CONTRASTS = list(itertools.product([True, False], repeat=2))
