@@ -723,10 +723,10 @@ GIST_CITATION = """
 """
 
 
-def _gist_columns(columns: list[Tensor]) -> Tensor:
-    """GIST's keys from the columns (anchor, positive, negatives...) or from every mini-batch of
-    them in that order, L2-normalised in one tensor ``[a; p; n...]``: the calls' rows ``a`` and
-    ``p`` are views of it, so the batch exists once."""
+def _joined_normalized(columns: list[Tensor]) -> Tensor:
+    """The columns (anchor, positive, negatives...), or every mini-batch of them in that order,
+    L2-normalised in one tensor ``[a; p; n...]``: a loss's rows and keys are views of it, so the
+    batch exists once."""
     return _normalized(torch.cat(columns))
 
 
@@ -1091,8 +1091,9 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniBatc
         embeddings = [chunk for column in reps for chunk in column]
         common = functools.reduce(torch.promote_types, [chunk.dtype for chunk in embeddings])
         guide_keys = self._joined_normalized_frozen_keys(common, embeddings[0].device)
-        loss = self._loss_from_keys(_gist_columns([chunk.to(common) for chunk in embeddings]), guide_keys,
-                                    examples=sum(len(chunk) for chunk in reps[0]))
+        keys = _joined_normalized([chunk.to(common) for chunk in embeddings])
+        loss = self._loss_from_keys(keys, guide_keys, examples=sum(len(chunk) for chunk in reps[0]))
+        del keys
         del embeddings
         if with_backward:
             loss.backward()
@@ -1112,8 +1113,8 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniBatc
         # GIST's cosine: normalised embeddings, dotted; each column once, the model's and the guide's.
         guide_keys = _normalized_in_place(torch.cat([column.detach().to(device=device, dtype=common)
                                                      for column in guide_embeddings]))
-        return self._loss_from_keys(_gist_columns([column.to(common) for column in embeddings]), guide_keys,
-                                    examples=len(embeddings[0]))
+        keys = _joined_normalized([column.to(common) for column in embeddings])
+        return self._loss_from_keys(keys, guide_keys, examples=len(embeddings[0]))
 
     def _loss_from_keys(self, keys: Tensor, guide_keys: Tensor, examples: int) -> Tensor:
         """The loss from the model's and the guide's normalised keys ``[a; p; n...]`` (``examples``
@@ -1347,8 +1348,16 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniB
         self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
     ) -> Tensor:
         """The GradCache loss step: the whole batch's loss in one fused call (the mixin's contract)."""
-        teacher = list(labels.unbind(1)) if self.teacher is None else self._joined_frozen_columns()
-        loss = self.compute_loss_from_embeddings([torch.cat(column) for column in reps], teacher)
+        if self.teacher is None:  # the teacher's embeddings are the labels
+            loss = self.compute_loss_from_embeddings([torch.cat(column) for column in reps],
+                                                     list(labels.unbind(1)))
+        else:  # as InfCLGISTLoss's: each batch joined once, the teacher's in place of its mini-batches
+            embeddings = [chunk for column in reps for chunk in column]
+            common = functools.reduce(torch.promote_types, [chunk.dtype for chunk in embeddings])
+            teacher_keys = self._joined_normalized_frozen_keys(common, embeddings[0].device)
+            loss = self._loss_from_keys(_joined_normalized([chunk.to(common) for chunk in embeddings]),
+                                        teacher_keys, examples=sum(len(chunk) for chunk in reps[0]))
+            del embeddings
         if with_backward:
             loss.backward()
             loss = loss.detach()
@@ -1363,12 +1372,16 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniB
                              f"{len(embeddings)} and {len(teacher_embeddings)}")
         common = functools.reduce(torch.promote_types, [column.dtype for column in embeddings])
         device = embeddings[0].device
-        # The cosine of both models: normalised embeddings, dotted.
-        student = [_normalized(column.to(common)) for column in embeddings]
-        teacher = [F.normalize(column.detach().to(device=device, dtype=common), p=2, dim=-1)
-                   for column in teacher_embeddings]
+        teacher = _normalized_in_place(torch.cat([column.detach().to(device=device, dtype=common)
+                                                  for column in teacher_embeddings]))
+        return self._loss_from_keys(_joined_normalized([column.to(common) for column in embeddings]), teacher,
+                                    examples=len(embeddings[0]))
+
+    def _loss_from_keys(self, student: Tensor, teacher: Tensor, examples: int) -> Tensor:
+        """The loss from the model's and the teacher's normalised columns ``[a; p; n...]``
+        (``examples`` rows per column): the cosine of both models, normalised embeddings dotted."""
         return contrastive_distillation_loss(
-            student[0], torch.cat(student[1:]), teacher[0], torch.cat(teacher[1:]),
+            student[:examples], student[examples:], teacher[:examples], teacher[examples:],
             logit_scale=self.scale, teacher_logit_scale=self.teacher_scale, symmetric=self.symmetric,
             distillation_weight=self.distillation_weight, reduction="mean", backend=self.backend,
             precision=self.precision, process_group="auto" if self.gather_across_devices else None,
