@@ -131,6 +131,29 @@ def test_parity_at_any_temperature_the_positive_rows_decoys_weigh_nothing(model6
     assert_parity(model64, guide64, columns, None, margin=0.1, temperature=temperature)
 
 
+def test_bf16_embeddings_give_the_float64_oracle_of_the_same_values(tiny_model, guide):
+    """bf16 embeddings (the positive rows' decoys d_i = a_i - (gap / s) p_i then rounded to bf16,
+    docs/contract.md, "GIST", the two-call form) give GIST's loss and gradients, by the contract's
+    float64 oracle on the same values, to bf16's accuracy."""
+    from tests.helpers.oracle_objectives import gist_loss
+
+    gen = torch.Generator().manual_seed(21)
+    anchors, positives, guide_anchors, guide_positives = (torch.randn(48, 40, generator=gen).bfloat16()
+                                                          for _ in range(4))
+    positives, guide_positives = positives + 0.7 * anchors, guide_positives + 0.7 * guide_anchors
+    ours = [column.clone().requires_grad_() for column in (anchors, positives)]
+    loss = losses.InfCLGISTLoss(tiny_model, guide, margin=0.1, temperature=0.05)
+    value = loss.compute_loss_from_embeddings(ours, [guide_anchors, guide_positives])
+    value.backward()
+    theirs = [column.double().requires_grad_() for column in (anchors, positives)]
+    expected = gist_loss(*theirs, [], guide_anchors.double(), guide_positives.double(), [], temperature=0.05,
+                         margin=0.1)
+    expected.backward()
+    assert abs(value.double() - expected) <= 1e-2 * abs(expected)
+    for column, reference in zip(ours, theirs):
+        assert (column.grad.double() - reference.grad).norm() <= 2e-2 * reference.grad.norm()
+
+
 def test_the_normalisation_keeping_its_output_equals_f_normalize():
     """GIST's keys are normalised by a Function whose backward keeps the output, not the input:
     forward bit for bit F.normalize's, backward F.normalize's to float64 rounding, rows whose
