@@ -884,7 +884,9 @@ class FrozenModelColumnsMixin:
     is registered once, under the loss's own name for it), and sets ``must_retokenize`` and, when it
     is True, ``tokenizer`` (the model's, to decode the texts). Cached, the second model embeds each
     mini-batch of the gradient-free pass only, kept in ``_frozen_columns`` (one list per column)
-    while ``forward_cached`` runs inside :meth:`_collecting_frozen_columns`.
+    while ``forward_cached`` runs inside :meth:`_forward_cached_with_frozen_columns`. Both models'
+    normalised keys ``[a; p; n...]`` come from :meth:`_cached_keys` (a cached step) or
+    :meth:`_keys_from_embeddings` (whole columns), for the loss's ``_loss_from_keys``.
     """
 
     must_retokenize: bool = False
@@ -947,14 +949,6 @@ class FrozenModelColumnsMixin:
                 self._frozen_columns[-1].append(self.frozen_model(features)["sentence_embedding"].detach())
         return reps, random_state
 
-    def _joined_frozen_columns(self) -> list[Tensor]:
-        """The second model's embeddings of each column, its mini-batches joined once and kept joined
-        (MatryoshkaLoss calls ``calculate_loss`` again per dimension), so the chunks are not held
-        beside their copy."""
-        self._frozen_columns = [[torch.cat(column)] if len(column) > 1 else column
-                                for column in self._frozen_columns]
-        return [column[0] for column in self._frozen_columns]
-
     def _joined_normalized_frozen_keys(self, dtype: torch.dtype, device: torch.device) -> Tensor:
         """The second model's embeddings of every column joined into one L2-normalised tensor
         ``[a; p; n...]`` of ``dtype`` on ``device``, kept in place of the mini-batches (MatryoshkaLoss
@@ -966,6 +960,28 @@ class FrozenModelColumnsMixin:
                                                                 for chunk in column]))
             self._frozen_columns = []
         return self._frozen_keys
+
+    def _cached_keys(self, reps: list[list[Tensor]]) -> tuple[Tensor, Tensor, int]:
+        """(the model's keys, the second model's keys, rows per column) of a cached step: every
+        mini-batch joined straight into ``[a; p; n...]`` and normalised, the second model's in place
+        of its mini-batches, so that neither batch is also held column by column."""
+        embeddings = [chunk for column in reps for chunk in column]
+        common = functools.reduce(torch.promote_types, [chunk.dtype for chunk in embeddings])
+        frozen_keys = self._joined_normalized_frozen_keys(common, embeddings[0].device)
+        keys = _joined_normalized([chunk.to(common) for chunk in embeddings])
+        return keys, frozen_keys, sum(len(chunk) for chunk in reps[0])
+
+    @staticmethod
+    def _keys_from_embeddings(embeddings: list[Tensor],
+                              frozen_embeddings: list[Tensor]) -> tuple[Tensor, Tensor, int]:
+        """:meth:`_cached_keys` from whole columns: the model's (with gradient) and the second
+        model's (without)."""
+        common = functools.reduce(torch.promote_types, [column.dtype for column in embeddings])
+        device = embeddings[0].device
+        frozen_keys = _normalized_in_place(torch.cat([column.detach().to(device=device, dtype=common)
+                                                      for column in frozen_embeddings]))
+        keys = _joined_normalized([column.to(common) for column in embeddings])
+        return keys, frozen_keys, len(embeddings[0])
 
 
 class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniBatchesMixin, CachedLossMixin,
@@ -1085,16 +1101,8 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniBatc
     def calculate_loss(
         self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
     ) -> Tensor:
-        """The GradCache loss step: the whole batch's loss in one fused call (the mixin's contract).
-        Every mini-batch is joined straight into GIST's keys, and the guide's in place of its
-        mini-batches, so that neither batch is also held column by column."""
-        embeddings = [chunk for column in reps for chunk in column]
-        common = functools.reduce(torch.promote_types, [chunk.dtype for chunk in embeddings])
-        guide_keys = self._joined_normalized_frozen_keys(common, embeddings[0].device)
-        keys = _joined_normalized([chunk.to(common) for chunk in embeddings])
-        loss = self._loss_from_keys(keys, guide_keys, examples=sum(len(chunk) for chunk in reps[0]))
-        del keys
-        del embeddings
+        """The GradCache loss step: the whole batch's loss in one fused call (the mixin's contract)."""
+        loss = self._loss_from_keys(*self._cached_keys(reps))
         if with_backward:
             loss.backward()
             loss = loss.detach()
@@ -1108,13 +1116,8 @@ class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniBatc
                                      guide_embeddings: list[Tensor]) -> Tensor:
         """The loss from the model's and the guide's embeddings of each column (anchors, positives,
         then negatives columns)."""
-        common = functools.reduce(torch.promote_types, [column.dtype for column in embeddings])
-        device = embeddings[0].device
         # GIST's cosine: normalised embeddings, dotted; each column once, the model's and the guide's.
-        guide_keys = _normalized_in_place(torch.cat([column.detach().to(device=device, dtype=common)
-                                                     for column in guide_embeddings]))
-        keys = _joined_normalized([column.to(common) for column in embeddings])
-        return self._loss_from_keys(keys, guide_keys, examples=len(embeddings[0]))
+        return self._loss_from_keys(*self._keys_from_embeddings(embeddings, guide_embeddings))
 
     def _loss_from_keys(self, keys: Tensor, guide_keys: Tensor, examples: int) -> Tensor:
         """The loss from the model's and the guide's normalised keys ``[a; p; n...]`` (``examples``
@@ -1351,13 +1354,8 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniB
         if self.teacher is None:  # the teacher's embeddings are the labels
             loss = self.compute_loss_from_embeddings([torch.cat(column) for column in reps],
                                                      list(labels.unbind(1)))
-        else:  # as InfCLGISTLoss's: each batch joined once, the teacher's in place of its mini-batches
-            embeddings = [chunk for column in reps for chunk in column]
-            common = functools.reduce(torch.promote_types, [chunk.dtype for chunk in embeddings])
-            teacher_keys = self._joined_normalized_frozen_keys(common, embeddings[0].device)
-            loss = self._loss_from_keys(_joined_normalized([chunk.to(common) for chunk in embeddings]),
-                                        teacher_keys, examples=sum(len(chunk) for chunk in reps[0]))
-            del embeddings
+        else:
+            loss = self._loss_from_keys(*self._cached_keys(reps))
         if with_backward:
             loss.backward()
             loss = loss.detach()
@@ -1370,12 +1368,7 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniB
         if len(embeddings) < 2 or len(teacher_embeddings) != len(embeddings):
             raise ValueError(f"Expected at least 2 embedding columns and the teacher's of each; got "
                              f"{len(embeddings)} and {len(teacher_embeddings)}")
-        common = functools.reduce(torch.promote_types, [column.dtype for column in embeddings])
-        device = embeddings[0].device
-        teacher = _normalized_in_place(torch.cat([column.detach().to(device=device, dtype=common)
-                                                  for column in teacher_embeddings]))
-        return self._loss_from_keys(_joined_normalized([column.to(common) for column in embeddings]), teacher,
-                                    examples=len(embeddings[0]))
+        return self._loss_from_keys(*self._keys_from_embeddings(embeddings, teacher_embeddings))
 
     def _loss_from_keys(self, student: Tensor, teacher: Tensor, examples: int) -> Tensor:
         """The loss from the model's and the teacher's normalised columns ``[a; p; n...]``
