@@ -30,7 +30,7 @@ from .jit_math import (
     round_guide,
     scale_and_bias,
     scaled_logits,
-    score_filter_masks,
+    score_filter_drops,
     sigmoid_and_softplus,
 )
 from .launch import BASE_SHAPES, autotuned, launch, problem_size_class
@@ -77,10 +77,10 @@ def _grad_tile_kernel(
             scores = dot_tile(guide_q_ptr, guide_k_ptr, None, None, row_index, key_index, row_valid,
                               key_valid, 0, 0, c_guide, stride_guide_q, stride_guide_k, BLOCK_M, BLOCK_N,
                               BLOCK_K, PRECISION, UPCAST, EVEN_GUIDE_K, False, ROUND_GUIDE)
-        row_kept, column_kept = score_filter_masks(scores, row_index, key_index, row_valid, key_valid,
-                                                   positive_ptr, key_offset, row_group_ptr, key_group_ptr,
-                                                   row_threshold_ptr, key_threshold_ptr, False, COLUMNS,
-                                                   GROUP_POSITIVES)
+        row_dropped, column_dropped = score_filter_drops(
+            scores, row_index, key_index, row_valid, key_valid, tl.program_id(0) * BLOCK_M,
+            tl.program_id(1) * BLOCK_N, positive_ptr, key_offset, row_group_ptr, key_group_ptr,
+            row_threshold_ptr, key_threshold_ptr, False, COLUMNS, GROUP_POSITIVES, BLOCK_M, BLOCK_N)
     if ONE_PASS:
         # The sigmoid loss's one pass: unit row weights, and the softplus row sums (the row
         # statistic) from the same logits and the same exponential.
@@ -88,14 +88,14 @@ def _grad_tile_kernel(
         if HAS_MASK or not FULL:
             softplus_terms = tl.where(allowed, softplus_terms, 0.0)
         if FILTER:
-            softplus_terms = tl.where(row_kept, softplus_terms, 0.0)
-            grad = tl.where(row_kept, grad, 0.0)
+            softplus_terms = tl.where(row_dropped, 0.0, softplus_terms)
+            grad = tl.where(row_dropped, 0.0, grad)
         tl.atomic_add(softplus_sums_ptr + row_index, tl.sum(softplus_terms, axis=1), mask=row_valid)
     elif SIGMOID:
         row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
         grad = row_weight[:, None] * tl.sigmoid(logits)
         if FILTER:
-            grad = tl.where(row_kept, grad, 0.0)
+            grad = tl.where(row_dropped, 0.0, grad)
     else:
         row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
         row_stat = tl.load(row_stat_ptr + row_index, mask=row_valid, other=0.0)
@@ -110,7 +110,7 @@ def _grad_tile_kernel(
         p_row = exp_in_units(row_logits - in_units(row_stat, LOG2)[:, None], LOG2)
         grad = row_weight[:, None] * p_row
         if FILTER:  # where(), not a product: a left-out entry may hold 0 * inf = nan
-            grad = tl.where(row_kept, grad, 0.0)
+            grad = tl.where(row_dropped, 0.0, grad)
         if COLUMNS:
             col_stat = tl.load(col_stat_ptr + key_index, mask=key_valid, other=0.0)
             col_weight = tl.load(col_weight_ptr + key_index, mask=key_valid, other=0.0)
@@ -118,7 +118,7 @@ def _grad_tile_kernel(
             # pair with), p_col is inf and col_weight 0: the where() below drops it.
             p_col = exp_in_units(logits - in_units(col_stat, LOG2)[None, :], LOG2)
             if FILTER:
-                grad += tl.where(column_kept, col_weight[None, :] * p_col, 0.0)
+                grad += tl.where(column_dropped, 0.0, col_weight[None, :] * p_col)
             else:
                 grad += col_weight[None, :] * p_col
     if HAS_MASK or not FULL:

@@ -241,39 +241,53 @@ def positive_pairs(row_index, key_index, row_valid, key_valid, positive_ptr, key
 
 
 @triton.jit
-def kept_by_score(scores, positive, threshold_ptr, index, valid, ROWS: tl.constexpr):
-    """Boolean [rows, keys] tile of the score filter (docs/contract.md, "False negatives by score"):
-    True where the entry stays, i.e. it is a positive or its score is not above the threshold of
-    its row (ROWS; ``index`` the rows) or of its key (``index`` the keys). A NaN score stays."""
-    threshold = tl.load(threshold_ptr + index, mask=valid, other=0.0)
-    if ROWS:
-        above = scores > threshold[:, None]
-    else:
-        above = scores > threshold[None, :]
-    return positive | (above == 0)
+def positive_columns(positive_ptr, row_index, row_valid, key_start, BLOCK_KEYS: tl.constexpr):
+    """Each row's positive (``positive_ptr``: global key indices) as a column of the BLOCK_KEYS keys
+    from global index ``key_start``: int32, -1 where it lies outside them (and for rows past the
+    end). Compared with ``tl.arange(0, BLOCK_KEYS)`` it finds a tile's positives with one 32-bit
+    compare per entry, where the global indices take a 64-bit one."""
+    column = tl.load(positive_ptr + row_index, mask=row_valid, other=-1) - key_start
+    return tl.where((column >= 0) & (column < BLOCK_KEYS), column, -1).to(tl.int32)
 
 
 @triton.jit
-def score_filter_masks(scores, outer_index, inner_index, outer_valid, inner_valid, positive_ptr,
-                       key_offset, row_group_ptr, key_group_ptr, row_threshold_ptr, key_threshold_ptr,
-                       KEYS_OUTER: tl.constexpr, FUSED_COLUMNS: tl.constexpr, GROUP_POSITIVES: tl.constexpr):
-    """The score filter's masks of an (outer, inner) tile of ``scores`` (rows outer, or keys with
-    KEYS_OUTER): ``kept`` for the outer vectors' statistic, ``column_kept`` for the column statistic
-    of the same tile with rows outer (FUSED_COLUMNS; else ``kept`` again, unused)."""
-    if KEYS_OUTER:  # keys outer: the masks are built in (rows, keys) order, then transposed
-        positive = positive_pairs(inner_index, outer_index, inner_valid, outer_valid, positive_ptr,
-                                  key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES)
-        kept = tl.trans(kept_by_score(tl.trans(scores), positive, key_threshold_ptr, outer_index,
-                                      outer_valid, False))
-        column_kept = kept
+def score_filter_drops(scores, outer_index, inner_index, outer_valid, inner_valid, outer_start, inner_start,
+                       positive_ptr, key_offset, row_group_ptr, key_group_ptr, row_threshold_ptr,
+                       key_threshold_ptr, KEYS_OUTER: tl.constexpr, FUSED_COLUMNS: tl.constexpr,
+                       GROUP_POSITIVES: tl.constexpr, BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr):
+    """The score filter (docs/contract.md, "False negatives by score") on an (outer, inner) tile of
+    ``scores`` (rows outer, or keys with KEYS_OUTER; the tile's first outer and inner indices are
+    ``outer_start`` and ``inner_start``): boolean tiles, True where an entry is left out, i.e. it is
+    not one of the row's positives and its score is above the threshold. ``dropped`` is for the
+    outer vectors' statistic (the row thresholds, or the key thresholds with KEYS_OUTER);
+    ``column_dropped`` for the column statistic of the same tile with rows outer (FUSED_COLUMNS;
+    else ``dropped`` again, unused). A NaN score is never above: it stays."""
+    if KEYS_OUTER:  # the tile is (keys, rows)
+        if GROUP_POSITIVES:
+            other = tl.trans(positive_pairs(inner_index, outer_index, inner_valid, outer_valid, positive_ptr,
+                                            key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES)) == 0
+        else:
+            positive = positive_columns(positive_ptr, inner_index, inner_valid, key_offset + outer_start,
+                                        BLOCK_OUTER)
+            other = positive[None, :] != tl.arange(0, BLOCK_OUTER)[:, None]
+        threshold = tl.load(key_threshold_ptr + outer_index, mask=outer_valid, other=0.0)
+        dropped = (scores > threshold[:, None]) & other
+        column_dropped = dropped
     else:
-        positive = positive_pairs(outer_index, inner_index, outer_valid, inner_valid, positive_ptr,
-                                  key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES)
-        kept = kept_by_score(scores, positive, row_threshold_ptr, outer_index, outer_valid, True)
-        column_kept = kept
+        if GROUP_POSITIVES:
+            other = positive_pairs(outer_index, inner_index, outer_valid, inner_valid, positive_ptr, key_offset,
+                                   row_group_ptr, key_group_ptr, GROUP_POSITIVES) == 0
+        else:
+            positive = positive_columns(positive_ptr, outer_index, outer_valid, key_offset + inner_start,
+                                        BLOCK_INNER)
+            other = positive[:, None] != tl.arange(0, BLOCK_INNER)[None, :]
+        threshold = tl.load(row_threshold_ptr + outer_index, mask=outer_valid, other=0.0)
+        dropped = (scores > threshold[:, None]) & other
+        column_dropped = dropped
         if FUSED_COLUMNS:
-            column_kept = kept_by_score(scores, positive, key_threshold_ptr, inner_index, inner_valid, False)
-    return kept, column_kept
+            key_threshold = tl.load(key_threshold_ptr + inner_index, mask=inner_valid, other=0.0)
+            column_dropped = (scores > key_threshold[None, :]) & other
+    return dropped, column_dropped
 
 
 @triton.jit

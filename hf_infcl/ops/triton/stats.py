@@ -35,7 +35,7 @@ from .jit_math import (
     round_guide,
     scale_and_bias,
     scaled_logits,
-    score_filter_masks,
+    score_filter_drops,
     softplus,
 )
 from .launch import BASE_SHAPES, autotuned, launch, problem_size_class
@@ -97,16 +97,16 @@ def _stats_kernel(
                                   outer_valid, inner_valid, 0, 0, c_guide, stride_guide_outer,
                                   stride_guide_inner, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
                                   EVEN_GUIDE_K, False, ROUND_GUIDE)
-            kept, column_kept = score_filter_masks(scores, outer_index, inner_index, outer_valid, inner_valid,
-                                                   positive_ptr, key_offset, row_group_ptr, key_group_ptr,
-                                                   row_threshold_ptr, key_threshold_ptr, COLUMNS,
-                                                   FUSED_COLUMNS, GROUP_POSITIVES)
+            dropped, column_dropped = score_filter_drops(
+                scores, outer_index, inner_index, outer_valid, inner_valid, pid * BLOCK_M, n0, positive_ptr,
+                key_offset, row_group_ptr, key_group_ptr, row_threshold_ptr, key_threshold_ptr, COLUMNS,
+                FUSED_COLUMNS, GROUP_POSITIVES, BLOCK_M, BLOCK_N)
         if SIGMOID:
             terms = softplus(logits)
             if HAS_MASK or not FULL:
                 terms = tl.where(allowed, terms, 0.0)
             if FILTER:
-                terms = tl.where(kept, terms, 0.0)
+                terms = tl.where(dropped, 0.0, terms)
             running_sum += tl.sum(terms, axis=1)
         else:
             if HARDNESS != 0 or (FILTER and FUSED_COLUMNS):
@@ -115,7 +115,7 @@ def _stats_kernel(
                 if HAS_MASK or not FULL:
                     plain_logits = tl.where(allowed, logits, float("-inf"))
                 if FILTER and FUSED_COLUMNS:
-                    plain_logits = tl.where(column_kept, plain_logits, float("-inf"))
+                    plain_logits = tl.where(column_dropped, float("-inf"), plain_logits)
             if HARDNESS != 0:
                 logits = hardness_offset_logits(logits, dots, outer_index, inner_index, outer_valid,
                                                 inner_valid, query_id_ptr, key_owner_ptr, positive_ptr,
@@ -124,7 +124,7 @@ def _stats_kernel(
             if HAS_MASK or not FULL:
                 logits = tl.where(allowed, logits, float("-inf"))
             if FILTER:
-                logits = tl.where(kept, logits, float("-inf"))
+                logits = tl.where(dropped, float("-inf"), logits)
             # The tile's own row maxima shift its exponentials. A row with nothing allowed has
             # max -inf: shift by 0 there.
             tile_max = tl.max(logits, axis=1)
