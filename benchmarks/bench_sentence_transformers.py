@@ -497,7 +497,8 @@ def print_results(rows, meta):
     print("\n# sentence-transformers training steps,", meta["device"])
     print(f"# torch {meta['torch']}, sentence-transformers {meta['sentence_transformers']}, "
           f"hf_infcl backend {meta['hf_infcl_backend']}; MiniLM: {meta.get('minilm', '-')}")
-    minilm = {(r["batch"], r["loss"], r.get("no_grad_mini_batch_size")): r
+    # A row without the setting holds "" there (record() fills every CSV field): None in the key.
+    minilm = {(r["batch"], r["loss"], r.get("no_grad_mini_batch_size") or None): r
               for r in rows if r["part"] == "minilm"}
     # One table per InfCLLoss setting (with and without --no-grad-mini-batch-size), against CachedMNRL.
     for no_grad in sorted({key[2] for key in minilm if key[1] == "InfCLLoss"}, key=lambda size: size or 0):

@@ -5,6 +5,7 @@ InfCLLoss with it beside InfCLLoss without; a bad size ends the run before any w
 from __future__ import annotations
 
 import csv
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,8 @@ def test_the_minilm_part_steps_each_loss_and_infcl_with_and_without_larger_no_gr
         assert (row["part"], row["batch"], row["mini_batch_size"]) == ("minilm", "32", "256")
         assert float(row["step_s"]) > 0
     assert finished.stdout.count("MiniLM, seq 64") == 2  # a table per InfCLLoss setting
+    # each table compares its InfCLLoss with CachedMNRL: loss-part x | step x (| peak x, nan on CPU)
+    assert len(re.findall(r"\d+\.\dx \| +\d+\.\d+x \|", finished.stdout)) == 2, finished.stdout
 
 
 def test_a_bad_no_grad_mini_batch_size_ends_the_run_before_any_work(tmp_path):
