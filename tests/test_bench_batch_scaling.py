@@ -186,6 +186,26 @@ def dictionary_entries(pairs):
     ]
 
 
+def test_a_pairs_file_gives_the_split_the_dictionaries_give(tmp_path, capsys):
+    """--save-pairs writes the merged pairs (for a machine without the dictionaries); --pairs-file
+    reads them back, and the split is the one the dictionaries give."""
+    write_dictd(tmp_path, dictionary_entries(synthetic_pairs()))
+    pairs_path = tmp_path / "pairs.jsonl.gz"
+    study.main(smoke_arguments(tmp_path, tmp_path / "rows.csv", "--save-pairs", str(pairs_path)))
+    assert "merged pairs to" in capsys.readouterr().out
+    assert not (tmp_path / "rows.csv").exists()  # nothing trained
+    from_dictionaries = study.load_split(study.parse_arguments(smoke_arguments(tmp_path, tmp_path / "a.csv")),
+                                         log=lambda _: None)
+    from_file = study.load_split(
+        study.parse_arguments(smoke_arguments(tmp_path, tmp_path / "b.csv", "--pairs-file", str(pairs_path))),
+        log=lambda _: None)
+    assert from_file == from_dictionaries and len(from_file.train) > 80
+    with gzip.open(tmp_path / "bad.jsonl.gz", "wt") as handle:
+        handle.write('["a definition", "word"]\n["only one"]\n')
+    with pytest.raises(ValueError, match="line 2"):
+        dictionary.read_pairs(str(tmp_path / "bad.jsonl.gz"))
+
+
 def test_evaluation_matches_a_float64_reference(tmp_path):
     write_dictd(tmp_path, dictionary_entries(synthetic_pairs()))
     args = study.parse_arguments(smoke_arguments(tmp_path, tmp_path / "rows.csv"))
@@ -276,6 +296,8 @@ def test_the_filter_variants_run_and_are_told_apart_in_the_table(tmp_path, varia
         (["--loss", "cached-mnrl", "--margin", "0.1"], "--margin"),
         (["--table", "--csv", "/nonexistent.csv"], "--table"),
         (["--csv", "a.csv", "b.csv"], "--csv"),
+        (["--pairs-file", "/nonexistent.jsonl.gz"], "--pairs-file"),
+        (["--save-pairs", "a.gz", "--pairs-file", __file__], "--save-pairs"),
     ],
 )
 def test_bad_arguments_name_their_flag(argv, flag, capsys):
