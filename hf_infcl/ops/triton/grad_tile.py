@@ -27,6 +27,7 @@ from .jit_math import (
     hardness_offset_logits,
     in_units,
     log2_units,
+    not_positive,
     round_guide,
     scale_and_bias,
     scaled_logits,
@@ -77,10 +78,10 @@ def _grad_tile_kernel(
             scores = dot_tile(guide_q_ptr, guide_k_ptr, None, None, row_index, key_index, row_valid,
                               key_valid, 0, 0, c_guide, stride_guide_q, stride_guide_k, BLOCK_M, BLOCK_N,
                               BLOCK_K, PRECISION, UPCAST, EVEN_GUIDE_K, False, ROUND_GUIDE)
-        row_dropped, column_dropped = score_filter_drops(
-            scores, row_index, key_index, row_valid, key_valid, tl.program_id(0) * BLOCK_M,
-            tl.program_id(1) * BLOCK_N, positive_ptr, key_offset, row_group_ptr, key_group_ptr,
-            row_threshold_ptr, key_threshold_ptr, False, COLUMNS, GROUP_POSITIVES, BLOCK_M, BLOCK_N)
+        candidates = not_positive(row_index, key_index, row_valid, key_valid, tl.program_id(0) * BLOCK_M,
+                                  tl.program_id(1) * BLOCK_N, positive_ptr, key_offset, row_group_ptr,
+                                  key_group_ptr, False, GROUP_POSITIVES, BLOCK_M, BLOCK_N)
+        row_dropped = score_filter_drops(scores, candidates, row_threshold_ptr, row_index, row_valid, True)
     if ONE_PASS:
         # The sigmoid loss's one pass: unit row weights, and the softplus row sums (the row
         # statistic) from the same logits and the same exponential.
@@ -118,6 +119,8 @@ def _grad_tile_kernel(
             # pair with), p_col is inf and col_weight 0: the where() below drops it.
             p_col = exp_in_units(logits - in_units(col_stat, LOG2)[None, :], LOG2)
             if FILTER:
+                column_dropped = score_filter_drops(scores, candidates, key_threshold_ptr, key_index,
+                                                    key_valid, False)
                 grad += tl.where(column_dropped, 0.0, col_weight[None, :] * p_col)
             else:
                 grad += col_weight[None, :] * p_col

@@ -251,43 +251,39 @@ def positive_columns(positive_ptr, row_index, row_valid, key_start, BLOCK_KEYS: 
 
 
 @triton.jit
-def score_filter_drops(scores, outer_index, inner_index, outer_valid, inner_valid, outer_start, inner_start,
-                       positive_ptr, key_offset, row_group_ptr, key_group_ptr, row_threshold_ptr,
-                       key_threshold_ptr, KEYS_OUTER: tl.constexpr, FUSED_COLUMNS: tl.constexpr,
-                       GROUP_POSITIVES: tl.constexpr, BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr):
-    """The score filter (docs/contract.md, "False negatives by score") on an (outer, inner) tile of
-    ``scores`` (rows outer, or keys with KEYS_OUTER; the tile's first outer and inner indices are
-    ``outer_start`` and ``inner_start``): boolean tiles, True where an entry is left out, i.e. it is
-    not one of the row's positives and its score is above the threshold. ``dropped`` is for the
-    outer vectors' statistic (the row thresholds, or the key thresholds with KEYS_OUTER);
-    ``column_dropped`` for the column statistic of the same tile with rows outer (FUSED_COLUMNS;
-    else ``dropped`` again, unused). A NaN score is never above: it stays."""
+def not_positive(outer_index, inner_index, outer_valid, inner_valid, outer_start, inner_start, positive_ptr,
+                 key_offset, row_group_ptr, key_group_ptr, KEYS_OUTER: tl.constexpr,
+                 GROUP_POSITIVES: tl.constexpr, BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr):
+    """Boolean (outer, inner) tile (rows outer, or keys with KEYS_OUTER; the tile's first outer and
+    inner indices ``outer_start`` and ``inner_start``): True where the key is not one of the row's
+    positives, i.e. where the score filter may leave the entry out."""
     if KEYS_OUTER:  # the tile is (keys, rows)
         if GROUP_POSITIVES:
-            other = tl.trans(positive_pairs(inner_index, outer_index, inner_valid, outer_valid, positive_ptr,
-                                            key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES)) == 0
-        else:
-            positive = positive_columns(positive_ptr, inner_index, inner_valid, key_offset + outer_start,
-                                        BLOCK_OUTER)
-            other = positive[None, :] != tl.arange(0, BLOCK_OUTER)[:, None]
-        threshold = tl.load(key_threshold_ptr + outer_index, mask=outer_valid, other=0.0)
-        dropped = (scores > threshold[:, None]) & other
-        column_dropped = dropped
+            return tl.trans(positive_pairs(inner_index, outer_index, inner_valid, outer_valid, positive_ptr,
+                                           key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES)) == 0
+        positive = positive_columns(positive_ptr, inner_index, inner_valid, key_offset + outer_start,
+                                    BLOCK_OUTER)
+        return positive[None, :] != tl.arange(0, BLOCK_OUTER)[:, None]
+    if GROUP_POSITIVES:
+        return positive_pairs(outer_index, inner_index, outer_valid, inner_valid, positive_ptr, key_offset,
+                              row_group_ptr, key_group_ptr, GROUP_POSITIVES) == 0
+    positive = positive_columns(positive_ptr, outer_index, outer_valid, key_offset + inner_start, BLOCK_INNER)
+    return positive[:, None] != tl.arange(0, BLOCK_INNER)[None, :]
+
+
+@triton.jit
+def score_filter_drops(scores, candidates, threshold_ptr, index, valid, OUTER: tl.constexpr):
+    """The score filter (docs/contract.md, "False negatives by score") on a tile of ``scores``: True
+    where an entry is left out, i.e. it is one of the ``candidates`` (:func:`not_positive`) and its
+    score is above its threshold, that of the tile's outer vector (OUTER; ``index`` the outer
+    vectors) or of its inner one. The outer vectors' statistic takes its own vectors' thresholds
+    (rows', or keys' with keys outer); the fused column statistic of a rows-outer tile takes the
+    inner (keys') ones. A NaN score is never above: it stays."""
+    threshold = tl.load(threshold_ptr + index, mask=valid, other=0.0)
+    if OUTER:
+        return (scores > threshold[:, None]) & candidates
     else:
-        if GROUP_POSITIVES:
-            other = positive_pairs(outer_index, inner_index, outer_valid, inner_valid, positive_ptr, key_offset,
-                                   row_group_ptr, key_group_ptr, GROUP_POSITIVES) == 0
-        else:
-            positive = positive_columns(positive_ptr, outer_index, outer_valid, key_offset + inner_start,
-                                        BLOCK_INNER)
-            other = positive[:, None] != tl.arange(0, BLOCK_INNER)[None, :]
-        threshold = tl.load(row_threshold_ptr + outer_index, mask=outer_valid, other=0.0)
-        dropped = (scores > threshold[:, None]) & other
-        column_dropped = dropped
-        if FUSED_COLUMNS:
-            key_threshold = tl.load(key_threshold_ptr + inner_index, mask=inner_valid, other=0.0)
-            column_dropped = (scores > key_threshold[None, :]) & other
-    return dropped, column_dropped
+        return (scores > threshold[None, :]) & candidates
 
 
 @triton.jit

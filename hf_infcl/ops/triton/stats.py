@@ -32,6 +32,7 @@ from .jit_math import (
     in_units,
     log2_units,
     log_in_units,
+    not_positive,
     round_guide,
     scale_and_bias,
     scaled_logits,
@@ -97,10 +98,15 @@ def _stats_kernel(
                                   outer_valid, inner_valid, 0, 0, c_guide, stride_guide_outer,
                                   stride_guide_inner, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
                                   EVEN_GUIDE_K, False, ROUND_GUIDE)
-            dropped, column_dropped = score_filter_drops(
-                scores, outer_index, inner_index, outer_valid, inner_valid, pid * BLOCK_M, n0, positive_ptr,
-                key_offset, row_group_ptr, key_group_ptr, row_threshold_ptr, key_threshold_ptr, COLUMNS,
-                FUSED_COLUMNS, GROUP_POSITIVES, BLOCK_M, BLOCK_N)
+            candidates = not_positive(outer_index, inner_index, outer_valid, inner_valid, pid * BLOCK_M, n0,
+                                      positive_ptr, key_offset, row_group_ptr, key_group_ptr, COLUMNS,
+                                      GROUP_POSITIVES, BLOCK_M, BLOCK_N)
+            # the outer vectors' own thresholds: rows', or keys' with keys outer
+            if COLUMNS:
+                outer_thresholds = key_threshold_ptr
+            else:
+                outer_thresholds = row_threshold_ptr
+            dropped = score_filter_drops(scores, candidates, outer_thresholds, outer_index, outer_valid, True)
         if SIGMOID:
             terms = softplus(logits)
             if HAS_MASK or not FULL:
@@ -109,13 +115,6 @@ def _stats_kernel(
                 terms = tl.where(dropped, 0.0, terms)
             running_sum += tl.sum(terms, axis=1)
         else:
-            if HARDNESS != 0 or (FILTER and FUSED_COLUMNS):
-                # The columns' logits, kept before the rows' offset or filter replaces them.
-                plain_logits = logits
-                if HAS_MASK or not FULL:
-                    plain_logits = tl.where(allowed, logits, float("-inf"))
-                if FILTER and FUSED_COLUMNS:
-                    plain_logits = tl.where(column_dropped, float("-inf"), plain_logits)
             if HARDNESS != 0:
                 logits = hardness_offset_logits(logits, dots, outer_index, inner_index, outer_valid,
                                                 inner_valid, query_id_ptr, key_owner_ptr, positive_ptr,
@@ -139,8 +138,17 @@ def _stats_kernel(
             if FUSED_COLUMNS:
                 # The same tile's column log-sum-exp over this program's rows: one partial per
                 # (row block, key), merged by the launcher. Saves the second forward pass.
-                if HARDNESS != 0 or FILTER:  # the columns' own logits: no offset, their own filter
-                    col_lse = column_lse(plain_logits, LOG2)
+                if HARDNESS != 0 or FILTER:
+                    # The columns' own logits (no offset, their own filter), made again from the
+                    # dots once the rows' are used: one logit tile live at a time, not two.
+                    column_logits = scaled_logits(dots, scale, bias, HAS_BIAS)
+                    if HAS_MASK or not FULL:
+                        column_logits = tl.where(allowed, column_logits, float("-inf"))
+                    if FILTER:
+                        column_dropped = score_filter_drops(scores, candidates, key_threshold_ptr,
+                                                            inner_index, inner_valid, False)
+                        column_logits = tl.where(column_dropped, float("-inf"), column_logits)
+                    col_lse = column_lse(column_logits, LOG2)
                 else:
                     col_lse = column_lse(logits, LOG2)
                 if LOG2:  # the partials are merged in natural units
