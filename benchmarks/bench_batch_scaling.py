@@ -21,6 +21,11 @@ word's other senses would be false negatives) and all about equally full. The lo
 - ``--guide PATH`` (or ``--guide initial``: a frozen copy of the starting model):
   ``hf_infcl.losses.InfCLGISTLoss`` at temperature 1/scale, GIST's filter by the guide's scores.
 
+At a fixed number of epochs a larger batch also takes fewer optimizer steps (at 240k pairs, 939 at
+256 and 4 at 64k). ``--min-steps N`` separates the two: each batch trains for as many whole epochs
+as it takes to reach N steps (at least ``--epochs``), so that the large batches see the data
+several times; the CSV's ``epochs`` and ``steps`` say what each run did.
+
 Learning rate: square-root scaling, ``lr(B) = --base-lr * sqrt(B / 256)``, the same rule at every
 batch, with linear warm-up over the first 10 % of the steps (at least one) and linear decay to zero.
 Why: for Adam-type optimisers the square-root rule keeps the noise of an update about constant as the
@@ -94,6 +99,7 @@ FIELDS = [
     "batch",
     "mini_batch_size",
     "epochs",
+    "min_steps",
     "learning_rate",
     "steps",
     "train_pairs",
@@ -142,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="pairs per step, comma-separated (0: evaluate the untrained model)",
     )
     parser.add_argument("--epochs", type=int, default=1, help="epochs at every batch")
+    parser.add_argument(
+        "--min-steps",
+        type=int,
+        default=None,
+        help="train each batch for whole epochs until at least this many optimizer steps",
+    )
     parser.add_argument("--loss", choices=["infcl", "cached-mnrl"], default="infcl")
     parser.add_argument("--mini-batch-size", type=int, default=512, help="texts per cached chunk")
     parser.add_argument(
@@ -208,6 +220,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.min_steps is not None and args.min_steps < 1:
+        parser.error(f"--min-steps must be at least 1, got {args.min_steps}")
     if args.max_pairs is not None and args.max_pairs <= args.held_out_pairs:
         parser.error(f"--max-pairs ({args.max_pairs}) must exceed --held-out-pairs ({args.held_out_pairs})")
     if not args.base_lr > 0:
@@ -409,13 +423,16 @@ def evaluate(model, split: DictionarySplit, batch_size: int) -> dict[str, float]
 
 
 def train(args, model, loss_module, split: DictionarySplit, batch: int, device) -> tuple[int, list[float]]:
-    """(optimizer steps, seconds of each epoch) of training ``model`` at ``batch`` pairs a step."""
+    """(optimizer steps, seconds of each epoch) of training ``model`` at ``batch`` pairs a step:
+    ``--epochs`` epochs, or more whole epochs where ``--min-steps`` asks for more steps."""
     from tqdm.auto import tqdm
     from transformers import get_linear_schedule_with_warmup
 
     passages = [passage for _, passage in split.train]
     order = random.Random(args.seed)
     epochs = [no_duplicate_batches(passages, batch, order) for _ in range(args.epochs)]
+    while args.min_steps is not None and sum(map(len, epochs)) < args.min_steps:
+        epochs.append(no_duplicate_batches(passages, batch, order))
     steps = sum(map(len, epochs))
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate(args, batch))
     schedule = get_linear_schedule_with_warmup(optimizer, max(1, round(WARMUP_SHARE * steps)), steps)
@@ -471,7 +488,8 @@ def run_one(args, split, batch: int, device, log=print) -> dict:
         "guide": args.guide,
         "batch": batch,
         "mini_batch_size": args.mini_batch_size,
-        "epochs": args.epochs if batch else 0,
+        "epochs": len(seconds),
+        "min_steps": args.min_steps if batch else None,
         "learning_rate": learning_rate(args, batch) if batch else None,
         "steps": steps,
         "train_pairs": len(split.train),
@@ -525,12 +543,15 @@ def read_rows(path: str) -> list[dict]:
 
 
 def variant(row: dict) -> str:
-    """What was trained: "untrained", "infcl", "infcl, margin 0.1", "infcl, guide initial", "cached-mnrl"."""
+    """What was trained: "untrained", "infcl", "infcl, margin 0.1", "infcl, guide initial", "cached-mnrl",
+    "infcl, >= 500 steps" (``--min-steps``)."""
     parts = [row["loss"]]
     if row.get("margin"):
         parts.append(f"margin {row['margin']}")
     if row.get("guide"):
         parts.append(f"guide {row['guide']}")
+    if row.get("min_steps"):
+        parts.append(f">= {row['min_steps']} steps")
     return ", ".join(parts)
 
 

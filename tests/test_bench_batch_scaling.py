@@ -186,6 +186,23 @@ def dictionary_entries(pairs):
     ]
 
 
+def test_min_steps_trains_whole_epochs_until_the_steps_are_reached(tmp_path, capsys):
+    """--min-steps: a batch whose epoch has fewer steps trains more whole epochs; one whose epoch has
+    enough trains --epochs; the row says what it did, and the table tells the runs apart."""
+    write_dictd(tmp_path, dictionary_entries(synthetic_pairs()))
+    rows_path = tmp_path / "rows.csv"
+    study.main(smoke_arguments(tmp_path, rows_path, "--batches", "8,64", "--min-steps", "6"))
+    with open(rows_path, newline="") as handle:
+        small, large = list(csv.DictReader(handle))
+    train_pairs = int(small["train_pairs"])
+    per_epoch = -(-train_pairs // 64)  # steps of one epoch at 64
+    assert (small["epochs"], small["min_steps"]) == ("1", "6") and int(small["steps"]) == -(-train_pairs // 8)
+    assert int(large["epochs"]) == -(-6 // per_epoch) > 1 and int(large["steps"]) == int(large["epochs"]) * per_epoch
+    capsys.readouterr()
+    study.main(["--table", "--csv", str(rows_path)])
+    assert "| infcl, >= 6 steps | 64 |" in capsys.readouterr().out
+
+
 def test_a_pairs_file_gives_the_split_the_dictionaries_give(tmp_path, capsys):
     """--save-pairs writes the merged pairs (for a machine without the dictionaries); --pairs-file
     reads them back, and the split is the one the dictionaries give."""
@@ -292,6 +309,7 @@ def test_the_filter_variants_run_and_are_told_apart_in_the_table(tmp_path, varia
         (["--batches", "1"], "--batches"),
         (["--batches", "4x"], "--batches"),
         (["--epochs", "0"], "--epochs"),
+        (["--min-steps", "0"], "--min-steps"),
         (["--sources", "web"], "--sources"),
         (["--loss", "cached-mnrl", "--margin", "0.1"], "--margin"),
         (["--table", "--csv", "/nonexistent.csv"], "--table"),
