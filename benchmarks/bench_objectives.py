@@ -17,6 +17,7 @@ and, named in ``--variants`` only (not run by default):
                half InfoNCE (``distillation_weight=0.5``)
   distill-tilesN  the same on ``TorchTiles(N, N)`` (the default on CUDA: 4096; smaller tiles
                leave the GPU waiting on the host's launches); e.g. ``distill-tiles1024``
+  distill-triton  the same on the Triton kernels (``backend=TritonBlocks()``)
   matryoshka   ``matryoshka_dims`` of five widths, c, 2c/3, c/3, c/6 and c/12 (768, 512, 256, 128
                and 64 at c = 768)
 
@@ -59,6 +60,7 @@ from hf_infcl import TorchTiles, contrastive_distillation_loss, contrastive_loss
 
 VARIANTS = ("plain", "groups-any", "groups-each", "filter", "filter-guide")
 EXTRA_VARIANTS = ("distill", "matryoshka")  # run when named
+GPU_ONLY_VARIANTS = ("distill-triton",)  # run when named, on CUDA
 GROUP_SIZE = 5
 
 
@@ -95,6 +97,10 @@ def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda",
         teacher = F.normalize(torch.randn(2, b, c, device=device, dtype=dtype, generator=generator), dim=-1)
         tiles = _distill_tiles(variant)
         backend = TorchTiles(tiles, tiles) if tiles else "auto"
+        if variant == "distill-triton":
+            from hf_infcl.ops.triton import TritonBlocks
+
+            backend = TritonBlocks()
         loss_fn = functools.partial(contrastive_distillation_loss, teacher_queries=teacher[0],
                                     teacher_keys=teacher[1], teacher_logit_scale=20.0,
                                     distillation_weight=0.5, backend=backend)
@@ -140,10 +146,10 @@ def main(argv=None):
     if len(widths) != len(sizes):
         parser.error("--widths takes one width, or one per size")
     variants = args.variants.split(",")
-    unknown = sorted(variant for variant in variants if variant not in VARIANTS + EXTRA_VARIANTS
-                     and not _distill_tiles(variant))
+    known = VARIANTS + EXTRA_VARIANTS + GPU_ONLY_VARIANTS
+    unknown = sorted(variant for variant in variants if variant not in known and not _distill_tiles(variant))
     if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {VARIANTS + EXTRA_VARIANTS}")
+        parser.error(f"unknown variants {unknown}; choose from {known}")
 
     meta = {"device": device_name(), **versions("torch", "triton", "hf_infcl")}
     path = csv_path(args.csv, "bench_objectives.csv")

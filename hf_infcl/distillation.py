@@ -76,10 +76,11 @@ def contrastive_distillation_loss(
             ``distillation_weight``, ``reduction``, ``precision``), or every rank raises
             ``ValueError``.
         backend: ``"auto"`` and ``"torch"`` run the tile-wise PyTorch block ops on any device, CUDA
-            included (Triton kernels for distillation are to come; ``"triton"`` raises
-            ``ValueError``); ``"reference"`` materialises the logits (small inputs, one process); or a
-            block-ops object offering ``distillation_forward_block``/``distillation_backward_block``, such as
-            ``TorchTiles(256, 256)``.
+            included (``"triton"`` raises ``ValueError``); ``"reference"`` materialises the logits
+            (small inputs, one process); or a block-ops object offering
+            ``distillation_forward_block``/``distillation_backward_block``, such as
+            ``TorchTiles(256, 256)`` or ``hf_infcl.ops.triton.TritonBlocks()`` (the fused kernels,
+            opt-in until they are timed on a GPU).
 
     Returns:
         The reduced loss (a scalar), or the per-row losses ``[m]`` for ``reduction="none"``.
@@ -122,10 +123,13 @@ def contrastive_distillation_loss(
 
 
 def check_distillation_backend(backend, name: str = "backend") -> None:
-    """The distillation's one backend rule beyond ``contrastive_loss``'s: no Triton kernels yet."""
+    """The distillation's one backend rule beyond ``contrastive_loss``'s: no ``"triton"`` by name
+    until its kernels are timed on a GPU."""
     if isinstance(backend, str) and backend == "triton":
-        raise ValueError(f"{name}='triton': contrastive_distillation_loss has no Triton kernels yet; "
-                         "pass 'auto' or 'torch' (the tile-wise PyTorch backend, CUDA included)")
+        raise ValueError(f"{name}='triton': contrastive_distillation_loss has no Triton kernels by that name "
+                         "yet (they are opt-in: pass hf_infcl.ops.triton.TritonBlocks() as the backend of "
+                         "contrastive_distillation_loss); pass 'auto' or 'torch' (the tile-wise PyTorch "
+                         "backend, CUDA included)")
 
 
 def _teacher_scale(teacher_logit_scale, queries) -> torch.Tensor:

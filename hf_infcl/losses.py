@@ -1243,9 +1243,9 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniB
         mini_batch_size, mini_batch_num_tokens, show_progress_bar, no_grad_mini_batch_size: gradient
             caching as in ``InfCLLoss``; a teacher model then embeds the mini-batches of the
             gradient-free pass, without gradient, in that pass only.
-        backend, precision: the hf_infcl backend (``"auto"``, ``"torch"`` or ``"reference"``; the
-            distillation has no Triton kernels yet, so ``"auto"`` runs the tiled PyTorch loss on
-            every device) and matmul precision, as in ``InfCLLoss``.
+        backend, precision: the hf_infcl backend (``"auto"``, ``"torch"`` or ``"reference"``;
+            ``"auto"`` runs the tiled PyTorch loss on every device, the distillation's Triton kernels
+            being opt-in until they are timed on a GPU) and matmul precision, as in ``InfCLLoss``.
         gather_across_devices: with several processes, every anchor's distributions run over every
             process's candidates (the student's and the teacher's key blocks travel the hf_infcl
             ring; nothing is gathered), as ``InfCLLoss``'s option. False (default): each process

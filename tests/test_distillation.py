@@ -257,12 +257,18 @@ def test_process_group_auto_outside_torch_distributed_is_this_process():
     assert torch.equal(contrastive_distillation_loss(**arguments, process_group="auto"), local)
 
 # --------------------------------------------------------------------------------------------
-# GPU: "auto" runs the torch tiles on CUDA until the Triton kernels exist
+# GPU: "auto" runs the torch tiles on CUDA until the Triton kernels are measured there; the kernels
+# (TritonBlocks' distillation_*_block) run when a TritonBlocks object is passed
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "triton-blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_auto_matches_the_oracle(dtype):
+def test_cuda_auto_matches_the_oracle(dtype, backend):
+    if backend == "triton-blocks":
+        from hf_infcl.ops.triton import TritonBlocks
+
+        backend = TritonBlocks()
     case = make_case(300, 523, 96, 64, True, seed=9)
     for name in ("queries", "keys", "teacher_queries", "teacher_keys"):
         case[name] = F.normalize(case[name], dim=1)
@@ -273,7 +279,7 @@ def test_cuda_auto_matches_the_oracle(dtype):
     loss = contrastive_distillation_loss(queries, keys, cuda["teacher_queries"].to(dtype),
                                          cuda["teacher_keys"].to(dtype), cuda["scale"], cuda["teacher_scale"],
                                          positives=cuda["positives"], distillation_weight=0.5,
-                                         precision="ieee")
+                                         precision="ieee", backend=backend)
     loss.backward()
     expected_value, expected_grads = oracle(
         {name: value.to(dtype).double() if torch.is_tensor(value) and value.is_floating_point() else value

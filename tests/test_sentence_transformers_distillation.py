@@ -358,7 +358,8 @@ def test_bad_arguments_are_refused_at_construction(student, kwargs, error, match
 
 
 def test_the_triton_backend_is_refused_at_construction(student, teacher):
-    """The distillation has no Triton kernels yet: refused before any step embeds a batch."""
+    """The distillation's Triton kernels are not a backend name yet: refused before any step embeds a
+    batch."""
     with pytest.raises(ValueError, match="backend='triton'"):
         losses.InfCLDistillLoss(student, teacher=teacher, backend="triton")
 

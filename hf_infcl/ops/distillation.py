@@ -119,8 +119,8 @@ _CUDA_TILE = 4096
 
 def distillation_block_ops(backend, device: torch.device) -> DistillationBlockOps:
     """The block ops for distillation on ``device``: the ``"torch"`` tiles for ``"auto"`` and
-    ``"torch"`` (on every device, until Triton kernels exist; larger tiles on CUDA), or a
-    block-ops object that offers it."""
+    ``"torch"`` (on every device, larger tiles on CUDA, until the Triton kernels are timed on a
+    GPU), or a block-ops object that offers it (``TritonBlocks()``: those kernels)."""
     if isinstance(backend, str):
         from .tiled import TorchTiles
 

@@ -936,3 +936,92 @@ def test_kernel_rounding_to_tf32_equals_the_operand_copies():
     _rounded_copy[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), BLOCK=256)
     assert torch.equal(out.view(torch.int32), round_to_tf32(x).view(torch.int32))
     assert not torch.equal(out, (x.view(torch.int32) & -0x2000).view(torch.float32)), "truncation would pass"
+
+
+# In-batch distillation (docs/contract.md, "Distillation over the batch") on the Triton block ops:
+# the statistics kernel in both directions (split inner ranges merged), the gradient route over
+# several poisoned super-tiles, against the float64 oracle on the same rounded inputs.
+
+# (m, k, c, teacher width): teachers narrower and wider than the student, widths on and off BLOCK_K
+DISTILLATION_SHAPES = [(7, 19, 40, 24), (33, 71, 3, 32), (19, 45, 32, 5), (1, 17, 32, 16)]
+DISTILLATION_MODES = ("fp32-ieee", "fp32-tf32", "fp16")
+
+
+def distillation_case(m, k, c, teacher_width, seed):
+    """Unit-norm student and teacher features that half agree (each positive pulled towards its row),
+    positives permuted when there are more keys than rows."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def unit(rows, width):
+        return torch.nn.functional.normalize(torch.randn(rows, width, generator=gen, dtype=torch.float64),
+                                             dim=1)
+
+    queries, keys = unit(m, c), unit(k, c)
+    teacher_queries, teacher_keys = unit(m, teacher_width), unit(k, teacher_width)
+    positives = torch.randperm(k, generator=gen)[:m] if k > m else torch.arange(m)
+    keys[positives] = torch.nn.functional.normalize(keys[positives] + queries, dim=1)
+    teacher_keys[positives] = torch.nn.functional.normalize(teacher_keys[positives] + 2 * teacher_queries,
+                                                            dim=1)
+    return dict(queries=queries, keys=keys, teacher_queries=teacher_queries, teacher_keys=teacher_keys,
+                positives=positives)
+
+
+@pytest.mark.parametrize("mode", DISTILLATION_MODES)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["asym", "sym"])
+@pytest.mark.parametrize("shape", DISTILLATION_SHAPES,
+                         ids=[f"m{m}-k{k}-c{c}-t{t}" for m, k, c, t in DISTILLATION_SHAPES])
+def test_distillation_matches_float64_oracle(shape, symmetric, mode):
+    from hf_infcl import contrastive_distillation_loss
+    from tests.helpers.oracle_distillation import distillation_loss
+
+    dtype, precision, blocks = MODES[mode]
+    seed = random.randrange(2**31)
+    case = distillation_case(*shape, seed)
+    weight = 1.0 if seed % 2 else 0.5  # the KL alone, or mixed with InfoNCE
+    if mode == "fp32-tf32":  # TF32 values, so that the kernels' rounding changes nothing
+        from hf_infcl.ops.triton.operands import round_to_tf32
+
+        case = {name: round_to_tf32(value.float()).double() if value.is_floating_point() else value
+                for name, value in case.items()}
+    inputs = {name: value.to(dtype) if value.is_floating_point() else value for name, value in case.items()}
+    queries = inputs["queries"].clone().requires_grad_()
+    keys = inputs["keys"].clone().requires_grad_()
+    scale = torch.tensor(7.0, requires_grad=True)
+    loss = contrastive_distillation_loss(queries, keys, inputs["teacher_queries"], inputs["teacher_keys"],
+                                         scale, 5.0, symmetric=symmetric, positives=inputs["positives"],
+                                         distillation_weight=weight, backend=blocks, precision=precision)
+    loss.backward()
+    rounded = {name: inputs[name].double().numpy()
+               for name in ("queries", "keys", "teacher_queries", "teacher_keys")}
+    expected, expected_grads = distillation_loss(
+        rounded["queries"], rounded["keys"], rounded["teacher_queries"], rounded["teacher_keys"], 7.0, 5.0,
+        symmetric=symmetric, positives=case["positives"].numpy(), distillation_weight=weight)
+    errors = {
+        "loss": relative_error(loss.detach().double().reshape(1), torch.tensor([float(expected)])),
+        "queries": relative_error(queries.grad.double(), torch.from_numpy(expected_grads["queries"])),
+        "keys": relative_error(keys.grad.double(), torch.from_numpy(expected_grads["keys"])),
+        "scale": relative_error(scale.grad.double().reshape(1),
+                                torch.tensor([float(expected_grads["scale"])])),
+    }
+    assert max(errors.values()) < TOLERANCE[mode], (seed, weight, errors)
+
+
+def test_distillation_statistics_merge_split_inner_ranges():
+    """soft_target_stats with the inner range split over programs (each split's partial statistics
+    merged on the host) equals it in one range, and both equal float64."""
+    from hf_infcl.ops.triton.distillation import soft_target_stats
+
+    case = distillation_case(9, 53, 20, 12, seed=3)
+    f32 = {name: value.float() for name, value in case.items() if value.is_floating_point()}
+    scale, teacher_scale = torch.tensor(6.0), torch.tensor(4.0)
+    operands = (f32["queries"], f32["keys"], f32["teacher_queries"], f32["teacher_keys"], scale,
+                teacher_scale)
+    whole = soft_target_stats(*operands, precision="ieee", splits=1)
+    split = soft_target_stats(*operands, precision="ieee", splits=4)
+    z = 6.0 * case["queries"] @ case["keys"].T
+    t = 4.0 * case["teacher_queries"] @ case["teacher_keys"].T
+    teacher_probs = torch.softmax(t, dim=1)
+    expected = (torch.logsumexp(z, 1), torch.logsumexp(t, 1), (teacher_probs * (t - z)).sum(1))
+    for got in (whole, split):
+        for part, reference in zip(got, expected):
+            assert torch.allclose(part.double(), reference, rtol=1e-5, atol=1e-5)

@@ -7,6 +7,10 @@ and, for the symmetric softmax loss, the column log-sum-exp from the same tiles 
 ``backward_block`` walks the problem in super-tiles (:mod:`.super_tiles`): the gradient-tile
 kernel writes each one's G into a bounded buffer, and two cuBLAS GEMMs add G K and G^T Q.
 
+``distillation_forward_block`` / ``distillation_backward_block`` are in-batch distillation's
+(:mod:`.distillation`): the statistics of both models' logits in one pass per direction, and the
+same super-tile walk with G from both.
+
 ``forward_backward_block`` is the sigmoid loss's one pass (``StatsSpec.gradients_in_forward``):
 the same super-tiles with every row weight 1, each row's softplus terms (the row statistic) summed
 from the same logits, by the Gluon kernel on Hopper (half-precision inputs, no group mask), else
@@ -25,11 +29,12 @@ from typing import ClassVar
 
 import torch
 
+from ..distillation import DistillationSpec, SoftTargetGradients, TeacherLogits
 from ..key_blocks import combine_rows as torch_combine_rows
 from ..spec import GroupMask, HardnessOffset, ScoreFilter, StatsSpec
 from ..tiled import TorchTiles
 from ..value_check import run_deferred_check
-from . import gluon_sigmoid, stats
+from . import distillation, gluon_sigmoid, stats
 from .combine_rows import combine_rows
 from .device import INTERPRET
 from .operands import (
@@ -171,6 +176,59 @@ class TritonBlocks:
                                   precision=problem.spec.precision)
         self._walk(problem, route, grad_queries, grad_keys, g_factor)
         return row_stat, row_sums
+
+    def distillation_forward_block(self, spec: DistillationSpec, queries, keys, scale,
+                                   teacher: TeacherLogits):
+        """In-batch distillation's statistics (:class:`~hf_infcl.ops.distillation.DistillationBlockOps`):
+        the rows' over the keys, and with ``spec.columns`` the keys' over the rows, each in one
+        pass of :func:`.distillation.soft_target_stats`."""
+        if queries.dtype == torch.float64:
+            run_deferred_check()
+            return TorchTiles().distillation_forward_block(spec, queries, keys, scale, teacher)
+        student, teacher = self._distillation_operands(spec, queries, keys, scale, teacher)
+        options = dict(precision=spec.precision, splits=self.stat_splits)
+        rows = distillation.soft_target_stats(student.queries, student.keys, teacher.queries, teacher.keys,
+                                              student.scale, teacher.scale, **options)
+        columns = None
+        if spec.columns:
+            columns = distillation.soft_target_stats(student.keys, student.queries, teacher.keys,
+                                                     teacher.queries, student.scale, teacher.scale, **options)
+        return rows, columns
+
+    def distillation_backward_block(self, spec: DistillationSpec, queries, keys, scale,
+                                    teacher: TeacherLogits, rows: SoftTargetGradients,
+                                    columns: SoftTargetGradients | None, grad_queries, grad_keys):
+        """Add G K and G^T Q into the accumulators and return the row sums of G
+        (:class:`~hf_infcl.ops.distillation.DistillationBlockOps`), G from
+        :class:`.distillation.SoftTargetRoute` over the backward's super-tiles."""
+        if queries.dtype == torch.float64:
+            return TorchTiles().distillation_backward_block(spec, queries, keys, scale, teacher, rows,
+                                                            columns, grad_queries, grad_keys)
+        student, teacher = self._distillation_operands(spec, queries, keys, scale, teacher)
+        row_sums = torch.zeros(queries.shape[0], dtype=torch.float32, device=queries.device)
+        # G's largest entry is at most the sum of its four weights' largest (each probability <= 1)
+        def bound(direction):
+            if direction is None:
+                return None
+            return direction.student_weight.abs() + direction.target_weight.abs()
+
+        g_factor = g_scale(student.queries.dtype, bound(rows), bound(columns))
+        route = distillation.SoftTargetRoute(student.queries, student.keys, student.scale, teacher, rows,
+                                             columns, row_sums, None if g_factor is None else 1.0 / g_factor,
+                                             spec.precision)
+        tile = self._super_tile(student.queries.dtype, queries.shape[0], keys.shape[0])
+        walk(route, student, grad_queries, grad_keys, g_factor, tile, spec.precision, self.poison)
+        return row_sums
+
+    def _distillation_operands(self, spec: DistillationSpec, queries, keys, scale, teacher: TeacherLogits):
+        """(the student's operands and logit scale, the teacher's) as the distillation kernels take
+        them: fp32 with TF32 precision rounded to TF32 (the teacher as it is loaded), the scales
+        0-d fp32."""
+        self._check(queries, keys)
+        self._check(teacher.queries, teacher.keys)
+        student = kernel_operands(StatsSpec(loss="softmax", columns=spec.columns, precision=spec.precision),
+                                  queries, keys, scale, via_fp16=False)
+        return student, distillation.teacher_scalars(teacher)
 
     def combine_rows(self, **arguments):
         """The epilogues' row primitive (:func:`hf_infcl.ops.key_blocks.combine_rows`) in one

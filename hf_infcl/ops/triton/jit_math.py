@@ -107,6 +107,19 @@ def dot_tile(a_ptr, b_ptr, a_desc, b_desc, a_index, b_index, a_valid, b_valid, a
 
 
 @triton.jit
+def outer_block_and_inner_range(n_outer, n_inner, inner_per_split, BLOCK_M: tl.constexpr):
+    """How a statistics kernel's grid divides its work: (this program's outer block number, its
+    outer vectors' int64 indices and validity, the start and end of its split's inner range), the
+    block from program_id(0) and the split from program_id(1)."""
+    pid = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1).to(tl.int64)
+    outer_index = pid * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    inner_start = split * inner_per_split
+    inner_end = tl.minimum(inner_start + inner_per_split, n_inner)
+    return pid, outer_index, outer_index < n_outer, inner_start, inner_end
+
+
+@triton.jit
 def round_to_tf32(x):
     """fp32 values rounded to the nearest TF32 value (10 mantissa bits, ties away from zero): half
     a unit of the last kept bit added to the bit pattern, the dropped bits cleared (the tensor

@@ -33,6 +33,7 @@ from .jit_math import (
     log2_units,
     log_in_units,
     not_positive,
+    outer_block_and_inner_range,
     round_guide,
     scale_and_bias,
     scaled_logits,
@@ -59,12 +60,8 @@ def _stats_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     EVEN_GUIDE_K: tl.constexpr, ROUND_GUIDE: tl.constexpr, FULL: tl.constexpr, LOG2: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1).to(tl.int64)
-    outer_index = pid * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    outer_valid = outer_index < n_outer
-    inner_start = split * inner_per_split
-    inner_end = tl.minimum(inner_start + inner_per_split, n_inner)
+    pid, outer_index, outer_valid, inner_start, inner_end = outer_block_and_inner_range(
+        n_outer, n_inner, inner_per_split, BLOCK_M)
 
     scale, bias = scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS, LOG2)
     if HARDNESS != 0:  # rows outer only: the column statistic is of the plain logits
@@ -165,7 +162,7 @@ def _stats_kernel(
         result = shift + log_in_units(running_sum, LOG2)  # log(0) = -inf for rows that saw no allowed key
         if LOG2:
             result *= LN2
-    tl.store(out_ptr + split * n_outer + outer_index, result, mask=outer_valid)
+    tl.store(out_ptr + tl.program_id(1).to(tl.int64) * n_outer + outer_index, result, mask=outer_valid)
 
 
 # Heuristics, not launcher arguments: the block sizes are the autotuned config's. FULL: every

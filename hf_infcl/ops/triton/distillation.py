@@ -1,0 +1,247 @@
+"""In-batch distillation's kernels and their launchers (what the statistics are:
+:mod:`hf_infcl.ops.distillation`; the definitions: docs/contract.md, "Distillation over the batch").
+
+``soft_target_stats``: one program owns a block of "outer" vectors (rows, or keys for the column
+statistics) and streams the "inner" ones past it. Each tile gives two logits, the student's
+z = s <outer, inner> and the teacher's t = s_t <teacher outer, teacher inner> (its own width), and
+each outer vector keeps three running numbers: the student's log-sum-exp, the teacher's, and the
+teacher-weighted sum of (t - z), rescaled whenever the teacher's running maximum moves, as the
+log-sum-exp's sum is. When there are too few outer blocks to fill the GPU, the inner range is
+split over several programs whose partial statistics merge as two disjoint sets of keys do.
+
+``SoftTargetRoute``: the backward's super-tile route (:mod:`.super_tiles`): its kernel forms
+G = a_i P_ij - b_i T_ij (+ the columns' c_j P'_ij - d_j T'_ij) from the same two logits and the
+forward's log-sum-exps, adds its row sums and writes G for the walk's two GEMMs.
+
+Logits stay in natural units (one multiply by log2(e) per exponential): exact fp32 needs them
+(:func:`.jit_math.log2_units`), and the statistics here are few.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..distillation import SoftTargetGradients, SoftTargetStats, TeacherLogits
+from .device import INTERPRET, unused_pointer
+from .jit_math import LOG2E, dot_precision, dot_tile, even_k, outer_block_and_inner_range, round_guide
+from .launch import BASE_SHAPES, autotuned, launch, problem_size_class
+from .operands import scalar
+from .stats import inner_splits
+
+
+def _even_teacher_k(args: dict) -> bool:
+    """EVEN_TEACHER_K: the step along c divides the teacher's width, so its loads need no mask."""
+    return args["c_teacher"] % args["BLOCK_K"] == 0
+
+
+@triton.jit
+def _exp(x):
+    return tl.exp2(x * LOG2E)
+
+
+@triton.jit
+def _soft_target_stats_kernel(
+    outer_ptr, inner_ptr, teacher_outer_ptr, teacher_inner_ptr, scale_ptr, teacher_scale_ptr,
+    student_lse_ptr, teacher_lse_ptr, gap_ptr,
+    n_outer, n_inner, c, c_teacher, stride_outer, stride_inner, stride_teacher_outer, stride_teacher_inner,
+    inner_per_split, size_class,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_TEACHER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_TEACHER_K: tl.constexpr,
+):
+    _, outer_index, outer_valid, inner_start, inner_end = outer_block_and_inner_range(
+        n_outer, n_inner, inner_per_split, BLOCK_M)
+    scale = tl.load(scale_ptr).to(tl.float32)
+    teacher_scale = tl.load(teacher_scale_ptr).to(tl.float32)
+
+    student_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    student_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    teacher_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    teacher_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    gap = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum of e^(t - teacher_max) (t - z)
+    for n0 in range(inner_start, inner_end, BLOCK_N):
+        inner_index = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        inner_valid = inner_index < inner_end
+        valid = outer_valid[:, None] & inner_valid[None, :]
+        z = scale * dot_tile(outer_ptr, inner_ptr, None, None, outer_index, inner_index, outer_valid,
+                             inner_valid, 0, 0, c, stride_outer, stride_inner, BLOCK_M, BLOCK_N, BLOCK_K,
+                             PRECISION, UPCAST, EVEN_K, False)
+        t = teacher_scale * dot_tile(teacher_outer_ptr, teacher_inner_ptr, None, None, outer_index,
+                                     inner_index, outer_valid, inner_valid, 0, 0, c_teacher,
+                                     stride_teacher_outer, stride_teacher_inner, BLOCK_M, BLOCK_N, BLOCK_K,
+                                     PRECISION, UPCAST, EVEN_TEACHER_K, False, ROUND_TEACHER)
+        z = tl.where(valid, z, float("-inf"))
+        t = tl.where(valid, t, float("-inf"))
+        # Each running sum is relative to its running maximum; a row that has seen nothing yet has
+        # maximum -inf and is shifted by 0, so that no -inf - -inf appears.
+        new_max = tl.maximum(student_max, tl.max(z, axis=1))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        student_sum = student_sum * _exp(student_max - shift) + tl.sum(_exp(z - shift[:, None]), axis=1)
+        student_max = new_max
+        new_max = tl.maximum(teacher_max, tl.max(t, axis=1))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = _exp(teacher_max - shift)
+        weights = _exp(t - shift[:, None])  # 0 outside the problem
+        teacher_sum = teacher_sum * rescale + tl.sum(weights, axis=1)
+        # where(), not a product: outside the problem t - z is -inf - -inf = nan
+        gap = gap * rescale + tl.sum(tl.where(valid, weights * (t - z), 0.0), axis=1)
+        teacher_max = new_max
+
+    out = tl.program_id(1).to(tl.int64) * n_outer + outer_index  # this split's partial statistics
+    student_shift = tl.where(student_max == float("-inf"), 0.0, student_max)
+    teacher_shift = tl.where(teacher_max == float("-inf"), 0.0, teacher_max)
+    tl.store(student_lse_ptr + out, student_shift + tl.log(student_sum), mask=outer_valid)
+    tl.store(teacher_lse_ptr + out, teacher_shift + tl.log(teacher_sum), mask=outer_valid)
+    # a split with no inner vector has teacher_sum 0: its gap counts for nothing in the merge
+    tl.store(gap_ptr + out, tl.where(teacher_sum > 0.0, gap / teacher_sum, 0.0), mask=outer_valid)
+
+
+# ROUND_TEACHER: an fp32 teacher multiplied with TF32 is rounded to TF32 to nearest as it is loaded
+# (the score filter's guide's rule), as the student's fp32 operands are in copies before the kernels.
+SOFT_TARGET_STATS_KERNEL = autotuned(_soft_target_stats_kernel, "soft_target_stats", BASE_SHAPES, {
+    "EVEN_K": even_k, "EVEN_TEACHER_K": _even_teacher_k, "ROUND_TEACHER": round_guide("teacher_outer_ptr")})
+
+
+def soft_target_stats(outer: torch.Tensor, inner: torch.Tensor, teacher_outer: torch.Tensor,
+                      teacher_inner: torch.Tensor, scale: torch.Tensor, teacher_scale: torch.Tensor, *,
+                      precision: str, splits: int | None = None) -> SoftTargetStats:
+    """The distillation statistics of each ``outer`` vector over every ``inner`` one (rows over
+    keys, or keys over rows for the column statistics), fp32 [n_outer] each: the student's
+    log-sum-exp of z = scale <outer, inner>, the teacher's of t = teacher_scale <teacher_outer,
+    teacher_inner>, and the gap sum_j softmax(t)_j (t_j - z_j). ``inner`` must not be empty.
+    ``splits``: programs sharing one outer block's inner range (None: enough to fill the GPU)."""
+    n_outer, c = outer.shape
+    n_inner = inner.shape[0]
+    splits, inner_per_split = inner_splits(n_outer, n_inner, outer.device, splits)
+    student_lse, teacher_lse, gap = torch.empty((3, splits, n_outer), dtype=torch.float32,
+                                                device=outer.device)
+    grid = lambda meta: (triton.cdiv(n_outer, meta["BLOCK_M"]), splits)  # noqa: E731
+    launch(
+        SOFT_TARGET_STATS_KERNEL, grid, outer.device,
+        outer, inner, teacher_outer, teacher_inner, scale, teacher_scale, student_lse, teacher_lse, gap,
+        n_outer, n_inner, c, teacher_outer.shape[1], outer.stride(0), inner.stride(0),
+        teacher_outer.stride(0), teacher_inner.stride(0), inner_per_split,
+        problem_size_class(n_outer, n_inner), PRECISION=dot_precision(outer.dtype, precision),
+        UPCAST=INTERPRET,
+    )
+    if splits == 1:
+        return SoftTargetStats(student_lse[0], teacher_lse[0], gap[0])
+    # The splits' key sets are disjoint: log-sum-exps merge as log-sum-exps, the gaps as means
+    # under the teacher's probabilities, each split weighted by its share of them.
+    merged_teacher_lse = torch.logsumexp(teacher_lse, dim=0)
+    shares = torch.exp(teacher_lse - merged_teacher_lse)
+    return SoftTargetStats(torch.logsumexp(student_lse, dim=0), merged_teacher_lse, (shares * gap).sum(dim=0))
+
+
+@triton.jit
+def _soft_target_grad_kernel(
+    q_ptr, k_ptr, teacher_q_ptr, teacher_k_ptr, scale_ptr, teacher_scale_ptr, inv_g_scale_ptr, g_ptr,
+    row_sums_ptr, row_student_lse_ptr, row_teacher_lse_ptr, row_student_weight_ptr,
+    row_target_weight_ptr,
+    col_student_lse_ptr, col_teacher_lse_ptr, col_student_weight_ptr, col_target_weight_ptr,
+    n_rows, n_keys, c, c_teacher, stride_q, stride_k, stride_teacher_q, stride_teacher_k, stride_g,
+    size_class,
+    COLUMNS: tl.constexpr, SCALED_G: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ROUND_TEACHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_TEACHER_K: tl.constexpr,
+):
+    row_index = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    key_index = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    row_valid = row_index < n_rows
+    key_valid = key_index < n_keys
+    valid = row_valid[:, None] & key_valid[None, :]
+    z = tl.load(scale_ptr).to(tl.float32) * dot_tile(
+        q_ptr, k_ptr, None, None, row_index, key_index, row_valid, key_valid, 0, 0, c, stride_q, stride_k,
+        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST, EVEN_K, False)
+    t = tl.load(teacher_scale_ptr).to(tl.float32) * dot_tile(
+        teacher_q_ptr, teacher_k_ptr, None, None, row_index, key_index, row_valid, key_valid, 0, 0,
+        c_teacher, stride_teacher_q, stride_teacher_k, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+        EVEN_TEACHER_K, False, ROUND_TEACHER)
+
+    student_lse = tl.load(row_student_lse_ptr + row_index, mask=row_valid, other=0.0)
+    teacher_lse = tl.load(row_teacher_lse_ptr + row_index, mask=row_valid, other=0.0)
+    student_weight = tl.load(row_student_weight_ptr + row_index, mask=row_valid, other=0.0)
+    target_weight = tl.load(row_target_weight_ptr + row_index, mask=row_valid, other=0.0)
+    grad = (student_weight[:, None] * _exp(z - student_lse[:, None])
+            - target_weight[:, None] * _exp(t - teacher_lse[:, None]))
+    if COLUMNS:
+        student_lse = tl.load(col_student_lse_ptr + key_index, mask=key_valid, other=0.0)
+        teacher_lse = tl.load(col_teacher_lse_ptr + key_index, mask=key_valid, other=0.0)
+        student_weight = tl.load(col_student_weight_ptr + key_index, mask=key_valid, other=0.0)
+        target_weight = tl.load(col_target_weight_ptr + key_index, mask=key_valid, other=0.0)
+        grad += (student_weight[None, :] * _exp(z - student_lse[None, :])
+                 - target_weight[None, :] * _exp(t - teacher_lse[None, :]))
+    # where(), not a product: outside the problem the exponentials may be inf and the weights 0
+    grad = tl.where(valid, grad, 0.0)
+    tl.atomic_add(row_sums_ptr + row_index, tl.sum(grad, axis=1), mask=row_valid)
+    if SCALED_G:
+        grad = grad * tl.load(inv_g_scale_ptr)
+    tl.store(g_ptr + row_index[:, None] * stride_g + key_index[None, :], grad.to(g_ptr.dtype.element_ty),
+             mask=valid)
+
+
+SOFT_TARGET_GRAD_KERNEL = autotuned(_soft_target_grad_kernel, "soft_target_grad", BASE_SHAPES, {
+    "EVEN_K": even_k, "EVEN_TEACHER_K": _even_teacher_k, "ROUND_TEACHER": round_guide("teacher_q_ptr")},
+    reset_to_zero=["row_sums_ptr"])
+
+
+class SoftTargetRoute:
+    """The backward's super-tile route (:class:`.super_tiles.SuperTileRoute`) of the distillation:
+    the kernel recomputes both logits of each super-tile and writes its G (divided by the walk's
+    G factor, ``inv_g_scale`` its inverse) and adds its row sums into ``row_sums``."""
+
+    g_alone = False
+
+    def __init__(self, queries: torch.Tensor, keys: torch.Tensor, scale: torch.Tensor, teacher: TeacherLogits,
+                 rows: SoftTargetGradients, columns: SoftTargetGradients | None, row_sums: torch.Tensor,
+                 inv_g_scale: torch.Tensor | None, precision: str):
+        self.queries, self.keys, self.scale, self.teacher = queries, keys, scale, teacher
+        self.rows, self.columns = _fp32(rows), _fp32(columns)
+        self.row_sums, self.inv_g_scale, self.precision = row_sums, inv_g_scale, precision
+        # one tuning key for every super-tile: tuning (which zeroes the row sums it benchmarks on)
+        # can only happen on the first
+        self.size_class = problem_size_class(queries.shape[0], keys.shape[0])
+        self.config = None
+
+    def scratch(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype, device=self.queries.device)
+
+    def row_panel(self, start, end):
+        return dict(queries=self.queries[start:end], teacher=self.teacher.queries[start:end],
+                    row_sums=self.row_sums[start:end], stats=[part[start:end] for part in self.rows])
+
+    def key_tile(self, start, end):
+        columns = self.columns
+        return dict(keys=self.keys[start:end], teacher=self.teacher.keys[start:end],
+                    stats=None if columns is None else [part[start:end] for part in columns])
+
+    def write(self, row, tile, g):
+        queries, keys = row["queries"], tile["keys"]
+        dummy = unused_pointer(queries.device)
+        column_stats = tile["stats"] if tile["stats"] is not None else [dummy] * 4
+        grid = lambda meta: (triton.cdiv(queries.shape[0], meta["BLOCK_M"]),  # noqa: E731
+                             triton.cdiv(keys.shape[0], meta["BLOCK_N"]))
+        self.config = launch(
+            SOFT_TARGET_GRAD_KERNEL, grid, queries.device,
+            queries, keys, row["teacher"], tile["teacher"], self.scale, self.teacher.scale,
+            self.inv_g_scale if self.inv_g_scale is not None else dummy, g, row["row_sums"], *row["stats"],
+            *column_stats, queries.shape[0], keys.shape[0], queries.shape[1], row["teacher"].shape[1],
+            queries.stride(0), keys.stride(0), row["teacher"].stride(0), tile["teacher"].stride(0),
+            g.stride(0), self.size_class, COLUMNS=tile["stats"] is not None,
+            SCALED_G=self.inv_g_scale is not None,
+            PRECISION=dot_precision(queries.dtype, self.precision), UPCAST=INTERPRET, config=self.config,
+        )
+
+
+def _fp32(direction: SoftTargetGradients | None) -> SoftTargetGradients | None:
+    """A direction's log-sum-exps and weights as the kernel reads them: fp32, contiguous."""
+    if direction is None:
+        return None
+    return SoftTargetGradients(*(part.to(torch.float32).contiguous() for part in direction))
+
+
+def teacher_scalars(teacher: TeacherLogits) -> TeacherLogits:
+    """The teacher as the kernels read it: contiguous embeddings and a 0-d fp32 scale."""
+    return TeacherLogits(teacher.queries.contiguous(), teacher.keys.contiguous(), scalar(teacher.scale))
