@@ -19,26 +19,24 @@ Logits stay in natural units (one multiply by log2(e) per exponential): exact fp
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from ..distillation import SoftTargetGradients, SoftTargetStats, TeacherLogits
+from ..distillation import SoftTargetGradients, SoftTargetStats, TeacherLogits, merge_soft_target_stats
 from .device import INTERPRET, unused_pointer
-from .jit_math import LOG2E, dot_precision, dot_tile, even_k, outer_block_and_inner_range, round_guide
+from .jit_math import dot_precision, dot_tile, even_k, exp_in_units, outer_block_and_inner_range, round_guide
 from .launch import BASE_SHAPES, autotuned, launch, problem_size_class
 from .operands import scalar
 from .stats import inner_splits
+from .super_tiles import fp32_vector
 
 
 def _even_teacher_k(args: dict) -> bool:
     """EVEN_TEACHER_K: the step along c divides the teacher's width, so its loads need no mask."""
     return args["c_teacher"] % args["BLOCK_K"] == 0
-
-
-@triton.jit
-def _exp(x):
-    return tl.exp2(x * LOG2E)
 
 
 @triton.jit
@@ -78,12 +76,13 @@ def _soft_target_stats_kernel(
         # maximum -inf and is shifted by 0, so that no -inf - -inf appears.
         new_max = tl.maximum(student_max, tl.max(z, axis=1))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        student_sum = student_sum * _exp(student_max - shift) + tl.sum(_exp(z - shift[:, None]), axis=1)
+        student_sum = (student_sum * exp_in_units(student_max - shift, False)
+                       + tl.sum(exp_in_units(z - shift[:, None], False), axis=1))
         student_max = new_max
         new_max = tl.maximum(teacher_max, tl.max(t, axis=1))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        rescale = _exp(teacher_max - shift)
-        weights = _exp(t - shift[:, None])  # 0 outside the problem
+        rescale = exp_in_units(teacher_max - shift, False)
+        weights = exp_in_units(t - shift[:, None], False)  # 0 outside the problem
         teacher_sum = teacher_sum * rescale + tl.sum(weights, axis=1)
         # where(), not a product: outside the problem t - z is -inf - -inf = nan
         gap = gap * rescale + tl.sum(tl.where(valid, weights * (t - z), 0.0), axis=1)
@@ -126,13 +125,8 @@ def soft_target_stats(outer: torch.Tensor, inner: torch.Tensor, teacher_outer: t
         problem_size_class(n_outer, n_inner), PRECISION=dot_precision(outer.dtype, precision),
         UPCAST=INTERPRET,
     )
-    if splits == 1:
-        return SoftTargetStats(student_lse[0], teacher_lse[0], gap[0])
-    # The splits' key sets are disjoint: log-sum-exps merge as log-sum-exps, the gaps as means
-    # under the teacher's probabilities, each split weighted by its share of them.
-    merged_teacher_lse = torch.logsumexp(teacher_lse, dim=0)
-    shares = torch.exp(teacher_lse - merged_teacher_lse)
-    return SoftTargetStats(torch.logsumexp(student_lse, dim=0), merged_teacher_lse, (shares * gap).sum(dim=0))
+    # the splits' key sets are disjoint: they merge as any two blocks of keys do
+    return functools.reduce(merge_soft_target_stats, map(SoftTargetStats, student_lse, teacher_lse, gap))
 
 
 @triton.jit
@@ -164,15 +158,15 @@ def _soft_target_grad_kernel(
     teacher_lse = tl.load(row_teacher_lse_ptr + row_index, mask=row_valid, other=0.0)
     student_weight = tl.load(row_student_weight_ptr + row_index, mask=row_valid, other=0.0)
     target_weight = tl.load(row_target_weight_ptr + row_index, mask=row_valid, other=0.0)
-    grad = (student_weight[:, None] * _exp(z - student_lse[:, None])
-            - target_weight[:, None] * _exp(t - teacher_lse[:, None]))
+    grad = (student_weight[:, None] * exp_in_units(z - student_lse[:, None], False)
+            - target_weight[:, None] * exp_in_units(t - teacher_lse[:, None], False))
     if COLUMNS:
         student_lse = tl.load(col_student_lse_ptr + key_index, mask=key_valid, other=0.0)
         teacher_lse = tl.load(col_teacher_lse_ptr + key_index, mask=key_valid, other=0.0)
         student_weight = tl.load(col_student_weight_ptr + key_index, mask=key_valid, other=0.0)
         target_weight = tl.load(col_target_weight_ptr + key_index, mask=key_valid, other=0.0)
-        grad += (student_weight[None, :] * _exp(z - student_lse[None, :])
-                 - target_weight[None, :] * _exp(t - teacher_lse[None, :]))
+        grad += (student_weight[None, :] * exp_in_units(z - student_lse[None, :], False)
+                 - target_weight[None, :] * exp_in_units(t - teacher_lse[None, :], False))
     # where(), not a product: outside the problem the exponentials may be inf and the weights 0
     grad = tl.where(valid, grad, 0.0)
     tl.atomic_add(row_sums_ptr + row_index, tl.sum(grad, axis=1), mask=row_valid)
@@ -198,7 +192,8 @@ class SoftTargetRoute:
                  rows: SoftTargetGradients, columns: SoftTargetGradients | None, row_sums: torch.Tensor,
                  inv_g_scale: torch.Tensor | None, precision: str):
         self.queries, self.keys, self.scale, self.teacher = queries, keys, scale, teacher
-        self.rows, self.columns = _fp32(rows), _fp32(columns)
+        self.rows = SoftTargetGradients(*map(fp32_vector, rows))
+        self.columns = None if columns is None else SoftTargetGradients(*map(fp32_vector, columns))
         self.row_sums, self.inv_g_scale, self.precision = row_sums, inv_g_scale, precision
         # one tuning key for every super-tile: tuning (which zeroes the row sums it benchmarks on)
         # can only happen on the first
@@ -233,13 +228,6 @@ class SoftTargetRoute:
             SCALED_G=self.inv_g_scale is not None,
             PRECISION=dot_precision(queries.dtype, self.precision), UPCAST=INTERPRET, config=self.config,
         )
-
-
-def _fp32(direction: SoftTargetGradients | None) -> SoftTargetGradients | None:
-    """A direction's log-sum-exps and weights as the kernel reads them: fp32, contiguous."""
-    if direction is None:
-        return None
-    return SoftTargetGradients(*(part.to(torch.float32).contiguous() for part in direction))
 
 
 def teacher_scalars(teacher: TeacherLogits) -> TeacherLogits:

@@ -146,8 +146,8 @@ class GradTileRoute:
                  sigmoid: bool, precision: str):
         self.arguments = arguments
         self.labels = _Labels(arguments.labels)
-        self.row_stat, self.row_weight = _fp32(row_stat), _fp32(row_weight)
-        self.col_stat, self.col_weight = _fp32(col_stat), _fp32(col_weight)
+        self.row_stat, self.row_weight = fp32_vector(row_stat), fp32_vector(row_weight)
+        self.col_stat, self.col_weight = fp32_vector(col_stat), fp32_vector(col_weight)
         queries, keys = arguments.kernel.queries, arguments.kernel.keys
         self.options = dict(sigmoid=sigmoid, precision=precision, **self.labels.offset,
                             # One tuning key for every super-tile, so that tuning (which zeroes the
@@ -254,7 +254,7 @@ class GluonRoute:
                                    descriptors=(row["descriptor"], tile["descriptor"]))
 
 
-def _fp32(tensor: torch.Tensor | None) -> torch.Tensor | None:
+def fp32_vector(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """What the kernels read as fp32 [n] (statistics and weights)."""
     return None if tensor is None else tensor.to(dtype=torch.float32).contiguous()
 
