@@ -578,7 +578,7 @@ class InfCLLoss(ShardedReplaysMixin, NoGradMiniBatchesMixin, CachedLossMixin, nn
         rows = [len(column) for column in embeddings]
         if len(set(rows)) != 1:
             raise ValueError(f"every column must hold the same number of texts; got {rows} embeddings")
-        common = functools.reduce(torch.promote_types, [column.dtype for column in embeddings])
+        common = _common_dtype(embeddings)
         embeddings = [column.to(common) for column in embeddings]
         if self._similarity_kind == "cos_sim":
             # util.cos_sim normalises with F.normalize(p=2, dim=-1); the same call keeps parity exact.
@@ -764,6 +764,18 @@ def _normalized_in_place(rows: Tensor) -> Tensor:
     """``F.normalize(rows, p=2, dim=-1)``, the same operations, written over ``rows`` (no
     gradient): a gradient-free batch normalised without a second copy."""
     return rows.div_(rows.norm(p=2, dim=-1, keepdim=True).clamp_min(_NORM_EPS))
+
+
+def _joined_normalized_frozen(chunks: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A frozen model's embeddings (columns, or their mini-batches, in order) joined into one
+    L2-normalised tensor of ``dtype`` on ``device``, normalised in place of the join (no gradient)."""
+    joined = torch.cat([chunk.detach().to(device=device, dtype=dtype) for chunk in chunks])
+    return _normalized_in_place(joined)
+
+
+def _common_dtype(tensors: list[Tensor]) -> torch.dtype:
+    """The dtype the embeddings of a loss's columns are joined in."""
+    return functools.reduce(torch.promote_types, [tensor.dtype for tensor in tensors])
 
 
 def _gist_row_losses(keys: Tensor, guide_keys: Tensor, examples: int, scale: float, contrast_anchors: bool,
@@ -955,9 +967,8 @@ class FrozenModelColumnsMixin:
         calls ``calculate_loss`` again per dimension): the batch is held once, not as mini-batches,
         joined columns and their normalised copy."""
         if self._frozen_keys is None:
-            self._frozen_keys = _normalized_in_place(torch.cat([chunk.to(device=device, dtype=dtype)
-                                                                for column in self._frozen_columns
-                                                                for chunk in column]))
+            self._frozen_keys = _joined_normalized_frozen(
+                [chunk for column in self._frozen_columns for chunk in column], dtype, device)
             self._frozen_columns = []
         return self._frozen_keys
 
@@ -966,7 +977,7 @@ class FrozenModelColumnsMixin:
         mini-batch joined straight into ``[a; p; n...]`` and normalised, the second model's in place
         of its mini-batches, so that neither batch is also held column by column."""
         embeddings = [chunk for column in reps for chunk in column]
-        common = functools.reduce(torch.promote_types, [chunk.dtype for chunk in embeddings])
+        common = _common_dtype(embeddings)
         frozen_keys = self._joined_normalized_frozen_keys(common, embeddings[0].device)
         keys = _joined_normalized([chunk.to(common) for chunk in embeddings])
         return keys, frozen_keys, sum(len(chunk) for chunk in reps[0])
@@ -976,10 +987,8 @@ class FrozenModelColumnsMixin:
                               frozen_embeddings: list[Tensor]) -> tuple[Tensor, Tensor, int]:
         """:meth:`_cached_keys` from whole columns: the model's (with gradient) and the second
         model's (without)."""
-        common = functools.reduce(torch.promote_types, [column.dtype for column in embeddings])
-        device = embeddings[0].device
-        frozen_keys = _normalized_in_place(torch.cat([column.detach().to(device=device, dtype=common)
-                                                      for column in frozen_embeddings]))
+        common = _common_dtype(embeddings)
+        frozen_keys = _joined_normalized_frozen(frozen_embeddings, common, embeddings[0].device)
         keys = _joined_normalized([column.to(common) for column in embeddings])
         return keys, frozen_keys, len(embeddings[0])
 
