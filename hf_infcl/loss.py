@@ -16,7 +16,8 @@ from torch import nn
 
 from .ops import reference
 from .ops.label_smoothing import smoothing_terms
-from .ops.logit_stats import announcing_rejections, logit_stats
+from .ops.logit_stats import LogitStats, announcing_rejections, logit_stats, select_block_ops
+from .ops.matryoshka import PrefixLogitStats, PrefixSpec, prefix_block_ops, prefix_inverse_norms
 from .ops.options import (
     BackendName,
     FalseNegativeStrategy,
@@ -131,9 +132,10 @@ def contrastive_loss(
             (sentence-transformers' ``MatryoshkaLoss``): the loss is the weighted sum over t of this
             loss, every other option unchanged, on ``F.normalize(queries[:, :d_t])`` and
             ``F.normalize(keys[:, :d_t])`` (each prefix L2-normalised row by row; the guide is not
-            truncated). None: the plain loss on the features as given. Computed today as one loss
-            call per dimension (docs/contract.md, "Matryoshka in one call"); across processes every
-            rank must pass the same dims and weights, or every rank raises ``ValueError``.
+            truncated). None: the plain loss on the features as given. The torch tiles compute every
+            prefix in one pass where the options allow, else one loss call per dimension
+            (docs/contract.md, "Matryoshka in one call"); across processes every rank must pass the
+            same dims and weights, or every rank raises ``ValueError``.
         matryoshka_weights: one finite weight >= 0 per dim (None: 1 each); only with
             ``matryoshka_dims``. With ``reduction="none"`` the per-row losses are the weighted sums
             of each prefix's per-row losses.
@@ -158,7 +160,9 @@ def _matryoshka_loss(queries, keys, logit_scale, logit_bias, positives, query_gr
                      process_group, loss, symmetric, reduction, backend, precision, hardness, label_smoothing,
                      objectives, matryoshka_dims, matryoshka_weights):
     """``contrastive_loss`` with ``matryoshka_dims``: the weighted sum of the loss on each
-    re-normalised prefix (docs/contract.md, "Matryoshka in one call"), one loss call per dimension.
+    re-normalised prefix (docs/contract.md, "Matryoshka in one call"): in one pass
+    (:func:`_one_pass_matryoshka_loss`) where the block ops offer it and the options allow
+    (:func:`_plain_terms`), else one loss call per dimension.
 
     The arguments that slicing would hide are checked on the whole features first (a width or dtype
     mismatch between queries and keys survives truncation to a common prefix); each call then checks
@@ -170,6 +174,14 @@ def _matryoshka_loss(queries, keys, logit_scale, logit_bias, positives, query_gr
         check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, positives, query_groups,
                         key_groups, reduction, backend, precision, in_ring=in_ring, check_values=False)
         dims, weights = check_matryoshka(matryoshka_dims, matryoshka_weights, queries.shape[1])
+    ops = None
+    if not in_ring and backend != "reference" and not torch.compiler.is_compiling() and _plain_terms(
+            hardness, label_smoothing, objectives):
+        ops = prefix_block_ops(select_block_ops(backend, queries.device))
+    if ops is not None:
+        return _one_pass_matryoshka_loss(queries, keys, logit_scale, logit_bias, positives, query_groups,
+                                         key_groups, loss, symmetric, reduction, backend, precision, dims,
+                                         weights, ops)
     total = None
     for dim, weight in zip(dims, weights):
         with torch.autocast(queries.device.type, enabled=False):
@@ -184,6 +196,42 @@ def _matryoshka_loss(queries, keys, logit_scale, logit_bias, positives, query_gr
             term = weight * term
         total = term if total is None else total + term
     return total
+
+
+def _plain_terms(hardness, label_smoothing, objectives) -> bool:
+    """Whether a Matryoshka loss's terms use none of the options the one-pass route leaves to one
+    loss call per term (which checks them): the hardness offset, label smoothing, several positives,
+    the score filter and its guide."""
+    unset = (objectives.group_positives, objectives.false_negative_margin, objectives.guide_queries,
+             objectives.guide_keys)
+    return (hardness[0] is None and not label_smoothing and all(value is None for value in unset)
+            and objectives.false_negative_strategy == NO_OBJECTIVES.false_negative_strategy)
+
+
+def _one_pass_matryoshka_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
+                              loss, symmetric, reduction, backend, precision, dims, weights, ops):
+    """``contrastive_loss`` with ``matryoshka_dims`` on one process, every term's statistics from one
+    pass per tile (:mod:`hf_infcl.ops.matryoshka`); the prefixes' inverse norms are autograd ops."""
+    scale, bias, positives = check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric,
+                                             positives, query_groups, key_groups, reduction, backend,
+                                             precision)
+    with torch.autocast(queries.device.type, enabled=False):
+        spec = PrefixSpec(loss, loss == "softmax" and symmetric, dims,
+                          resolve_precision(precision, queries.dtype, queries.device))
+        row_stat, col_stat, positive_logit = PrefixLogitStats.apply(
+            queries, keys, scale, bias, prefix_inverse_norms(queries, dims), prefix_inverse_norms(keys, dims),
+            positives, query_groups, key_groups, spec, ops)
+        acc = accumulation_dtype(queries.dtype)
+        term_spec = StatsSpec(loss, spec.columns)
+        total = None
+        for t, weight in enumerate(weights):
+            stats = LogitStats(row_stat[t].to(acc), col_stat[t].to(acc) if spec.columns else col_stat[t],
+                               positive_logit[t], queries.shape[0])
+            term = assemble_per_row_loss(term_spec, positives, stats)
+            if weight != 1.0:
+                term = weight * term
+            total = term if total is None else total + term
+        return reduce_per_row(total, reduction, total_rows=queries.shape[0], world_size=1)
 
 
 class Objectives(NamedTuple):

@@ -235,9 +235,11 @@ def test_one_dim_equal_to_the_width_is_the_plain_loss_on_normalised_features(bac
     expected = contrastive_loss(F.normalize(queries, dim=1), F.normalize(keys, dim=1), scale,
                                 positives=case["positives"], backend=BACKENDS[backend])
     expected.backward()
-    assert value == expected.item()
+    # equal to rounding: the one-pass route (the torch tiles) scales the raw dot products by the
+    # inverse norms where the plain loss multiplies normalised features
+    assert_close(value, expected.item(), 1e-14, "loss")
     for name, grad in (("queries", queries.grad), ("keys", keys.grad), ("scale", scale.grad)):
-        assert np.array_equal(grads[name], grad.numpy()), name
+        assert_close(grads[name], grad.numpy(), 1e-13, name)
 
 
 def test_weights_scale_each_term_and_zero_drops_it():
@@ -290,6 +292,70 @@ def test_compiles_in_one_graph_and_equals_eager():
         torch.testing.assert_close(compiled, eager, rtol=1e-12, atol=1e-14)
 
 
+class RecordingTiles:
+    """SMALL_TILES, recording which of its block ops ran."""
+
+    def __init__(self, prefix: bool = True):
+        self.calls = []
+        names = ["forward_block", "backward_block"] + (["prefix_forward_block", "prefix_backward_block"]
+                                                        if prefix else [])
+        for name in names:
+            setattr(self, name, self._recording(name))
+
+    def _recording(self, name):
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return getattr(SMALL_TILES, name)(*args, **kwargs)
+        return call
+
+
+@pytest.mark.parametrize("option, one_pass", [
+    ("softmax-sym", True), ("softmax-asym", True), ("sigmoid-bias", True), ("groups-masked", True),
+    ("hardness", False), ("groups-any", False), ("filter", False), ("label-smoothing", False),
+])
+def test_plain_terms_take_one_pass_and_the_other_options_one_call_per_term(option, one_pass):
+    """Block ops with the prefix methods compute every term in one forward and one backward pass
+    for the options the one-pass route covers; the others take one forward and backward per term,
+    as do block ops without the prefix methods. Both agree with the oracle."""
+    case = with_options(make_case(*SHAPES["m5-k9-c16-d13.8.4.1-weighted"], seed=seed_of("route", option)),
+                        OPTIONS[option])
+    expected_value, expected_grads = oracle(case)
+    terms = len(case["dims"])
+    for prefix in (True, False):
+        tiles = RecordingTiles(prefix)
+        value, grads = run_loss(case, backend=tiles)
+        if prefix and one_pass:
+            assert tiles.calls == ["prefix_forward_block", "prefix_backward_block"]
+        else:
+            assert tiles.calls == ["forward_block"] * terms + ["backward_block"] * terms
+        assert_close(value, expected_value, 1e-10, "loss")
+        for name, grad in grads.items():
+            assert_close(grad, expected_grads[name], 1e-10, name)
+
+
+@pytest.mark.parametrize("option", ["softmax-sym", "sigmoid-bias"])
+def test_rows_sharing_a_positive_and_an_all_zero_prefix(option):
+    """Two rows with the same positive key (its gradient gathers both pairs' terms) and a row whose
+    innermost prefix is all zeros (its cosines there are 0, as F.normalize's divisor of 1e-12 makes
+    them, and every gradient stays finite), on the one-pass route, against the oracle."""
+    case = with_options(make_case(5, 9, 16, (13, 8, 4), None, True, seed=seed_of("shared", option)),
+                        OPTIONS[option])
+    case["positives"] = torch.tensor([3, 7, 3, 0, 8])
+    case["queries"][2, :4] = 0.0
+    value, grads = run_loss(case, backend="torch")
+    # the definition (the oracle divides by the zero norm)
+    queries, keys = (case[name].clone().requires_grad_() for name in ("queries", "keys"))
+    scale = torch.tensor(case["scale"], dtype=torch.float64, requires_grad=True)
+    expected = sum(contrastive_loss(F.normalize(queries[:, :dim], dim=1), F.normalize(keys[:, :dim], dim=1),
+                                    scale, case["bias"], positives=case["positives"], backend="reference",
+                                    **case["options"]) for dim in case["dims"])
+    expected.backward()
+    assert_close(value, expected.item(), 1e-12, "loss")
+    for name, expected_grad in (("queries", queries.grad), ("keys", keys.grad), ("scale", scale.grad)):
+        assert np.isfinite(grads[name]).all(), name
+        assert_close(grads[name], expected_grad.numpy(), 1e-11, name)
+
+
 # --------------------------------------------------------------------------------------------
 # Errors: raised before any work, naming the argument
 
@@ -301,6 +367,12 @@ class RefusingBlocks:
         raise AssertionError("a kernel ran before the arguments were refused")
 
     backward_block = forward_block
+
+
+class RefusingPrefixBlocks(RefusingBlocks):
+    """The same, with the one-pass route's block ops too."""
+
+    prefix_forward_block = prefix_backward_block = RefusingBlocks.forward_block
 
 
 def _arguments(**changed):
@@ -347,9 +419,10 @@ def _arguments(**changed):
     (dict(guide_queries=torch.randn(4, 3, dtype=torch.float64),
           guide_keys=torch.randn(5, 3, dtype=torch.float64)), ValueError, "without false_negative_margin"),
 ], ids=lambda value: None)
-def test_bad_arguments_raise_naming_them_before_any_kernel(changed, error, match):
+@pytest.mark.parametrize("blocks", [RefusingBlocks, RefusingPrefixBlocks], ids=["per-term", "one-pass"])
+def test_bad_arguments_raise_naming_them_before_any_kernel(blocks, changed, error, match):
     with pytest.raises(error, match=match):
-        contrastive_loss(**_arguments(**changed))
+        contrastive_loss(**_arguments(backend=blocks(), **changed))
 
 
 def test_dims_of_numpy_ints_and_lists_are_accepted():

@@ -75,12 +75,15 @@ def test_training_matches_a_float64_loop(tmp_path, kind, chunked):
 
 
 def test_one_width_of_the_whole_embedding_is_the_plain_loss_of_a_normalising_model(tmp_path):
-    """CLIP normalises its embeddings, so one prefix of its whole width (8) is its plain loss."""
+    """CLIP normalises its embeddings, so one prefix of its whole width (8) is its plain loss, to
+    rounding: the one-pass route (the torch tiles on CPU) scales the raw dot products by the inverse
+    norms, which rounds differently at fp32's 1e-7, and the first step (learning rate 0.5, gradient
+    norm about 70) carries that into the parameters at a few 1e-6."""
     columns = clip_batch(ROWS)
     plain = trained_parameters(train(tmp_path / "plain", tiny_clip(dropout=0.0), columns))
     one = trained_parameters(train(tmp_path / "one", tiny_clip(dropout=0.0), columns, matryoshka_dims=[8]))
     for name in plain:
-        torch.testing.assert_close(one[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(one[name], plain[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize(("settings", "error", "message"), [

@@ -24,7 +24,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from .key_blocks import finish_gradients, positive_logits, row_combiner
+from .key_blocks import finish_gradients, output_gradient, positive_logits, row_combiner
 from .options import Precision
 from .spec import accumulation_dtype
 
@@ -200,22 +200,19 @@ class DistillationLogitStats(torch.autograd.Function):
         spec, ops = ctx.spec, ctx.ops
         acc = accumulation_dtype(queries.dtype)
         with torch.autocast(queries.device.type, enabled=False):
-            rows = SoftTargetGradients(row_lse, row_teacher_lse, _weight(grad_row_lse, row_lse, acc),
-                                       _weight(grad_row_gap, row_lse, acc))
+            rows = SoftTargetGradients(row_lse, row_teacher_lse, output_gradient(grad_row_lse, row_lse, acc),
+                                       output_gradient(grad_row_gap, row_lse, acc))
             columns = None
             if spec.columns:
-                columns = SoftTargetGradients(col_lse, col_teacher_lse, _weight(grad_col_lse, col_lse, acc),
-                                              _weight(grad_col_gap, col_lse, acc))
+                columns = SoftTargetGradients(col_lse, col_teacher_lse,
+                                              output_gradient(grad_col_lse, col_lse, acc),
+                                              output_gradient(grad_col_gap, col_lse, acc))
             teacher = TeacherLogits(teacher_queries, teacher_keys, teacher_scale)
             grad_queries, key_slices, row_sums = ctx.schedule.backward(spec, ops, queries, keys, scale,
                                                                        teacher, rows, columns)
-            grad_positive = _weight(grad_positive, row_lse, acc)
+            grad_positive = output_gradient(grad_positive, row_lse, acc)
             needs = (*ctx.needs_input_grad[:3], False)  # no bias
             grads = finish_gradients(needs, queries, keys, scale, None, positives, grad_positive,
                                      grad_queries, key_slices, row_sums, combine=row_combiner(ops))
         return (*grads[:3], None, None, None, None, None, None, None)
 
-
-def _weight(grad: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An output's gradient in ``dtype``, zeros where autograd gives None (it did not reach the loss)."""
-    return torch.zeros(like.shape, dtype=dtype, device=like.device) if grad is None else grad.to(dtype)

@@ -351,18 +351,22 @@ class KeyBlockLogitStats(torch.autograd.Function):
         with torch.autocast(queries.device.type, enabled=False):
             grads = stats_backward(
                 ctx.schedule, ctx.spec, ctx.ops, queries, keys, scale, bias, positives, labels, row_stat,
-                col_stat, grad_row_stat, grad_col_stat, _zeros_for_none(grad_positive, positive),
+                col_stat, grad_row_stat, grad_col_stat, output_gradient(grad_positive, positive),
                 needs=ctx.needs_input_grad[:4], unit=ctx.unit, positive_parts=(positive, column_positive),
-                grad_column_positive=_zeros_for_none(grad_column_positive, column_positive), pairs=ctx.pairs)
+                grad_column_positive=output_gradient(grad_column_positive, column_positive), pairs=ctx.pairs)
         return (*grads, *(None,) * 10)
 
 
-def _zeros_for_none(grad: torch.Tensor | None, output: torch.Tensor) -> torch.Tensor:
-    """An output's gradient, zeros where autograd gives None (the output did not reach the loss)."""
-    return torch.zeros_like(output) if grad is None else grad
+def output_gradient(grad: torch.Tensor | None, output: torch.Tensor,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An output's gradient (in ``dtype``, if given), zeros where autograd gives None (the output
+    did not reach the loss)."""
+    dtype = output.dtype if dtype is None else dtype
+    return torch.zeros(output.shape, dtype=dtype, device=output.device) if grad is None else grad.to(dtype)
 
 
-def _row_chunks(rows: int, width: int):
+def row_chunks(rows: int, width: int):
+    """Slices of ``rows`` rows whose ``width``-wide temporaries stay below a fixed size."""
     step = max(1, _EPILOGUE_ELEMENTS // max(1, width))
     for start in range(0, rows, step):
         yield slice(start, min(start + step, rows))
@@ -406,7 +410,7 @@ def combine_rows(*, rows: int, sources, source_index, source_weight=None, entry_
     """
     acc = accumulation_dtype(sources.dtype)
     width = sources.shape[1]
-    chunks = list(_row_chunks(rows, width))
+    chunks = list(row_chunks(rows, width))
     dots = None if dot_with is None else torch.empty(rows, dtype=acc, device=sources.device)
     if entry_rows is not None:
         starts = torch.tensor([part.start for part in chunks] + [rows], device=entry_rows.device)

@@ -31,6 +31,7 @@ from .distillation import (
     empty_soft_target_stats,
     merge_soft_target_stats,
 )
+from .matryoshka import PrefixSpec, PrefixSums
 from .spec import (
     GroupMask,
     HardnessOffset,
@@ -121,19 +122,8 @@ class TorchTiles:
         tiles = self._logit_tiles(spec, queries, keys, scale, bias, hardness)
         for r0, r1, k0, k1, _, _, logits, row_logits, dots in tiles:
             row_allowed, col_allowed = _allowed(mask, score_filter, dots, r0, r1, k0, k1)
-            if spec.loss == "sigmoid":
-                terms = F.softplus(logits, threshold=_SOFTPLUS_LINEAR_ABOVE)
-                if row_allowed is not None:
-                    terms = terms.masked_fill(~row_allowed, 0.0)
-                row_stat[r0:r1] += terms.sum(dim=1)
-                continue
-            if row_allowed is not None:
-                row_logits = row_logits.masked_fill(~row_allowed, float("-inf"))
-            row_stat[r0:r1] = torch.logaddexp(row_stat[r0:r1], _logsumexp(row_logits, dim=1))
-            if col_stat is not None:
-                if col_allowed is not None:
-                    logits = logits.masked_fill(~col_allowed, float("-inf"))
-                col_stat[k0:k1] = torch.logaddexp(col_stat[k0:k1], _logsumexp(logits, dim=0))
+            _add_tile_stats(spec.loss, row_stat[r0:r1], None if col_stat is None else col_stat[k0:k1], logits,
+                            row_logits, row_allowed, col_allowed)
         return row_stat, col_stat
 
     def backward_block(
@@ -158,15 +148,9 @@ class TorchTiles:
         tiles = self._logit_tiles(spec, queries, keys, scale, bias, hardness)
         for r0, r1, k0, k1, q_tile, k_tile, logits, row_logits, dots in tiles:
             row_allowed, col_allowed = _allowed(mask, score_filter, dots, r0, r1, k0, k1)
-            # where(), not a product: a masked entry may hold inf * 0 = nan.
-            if spec.loss == "sigmoid":
-                grad_logits = _where(row_allowed, row_weight[r0:r1, None] * torch.sigmoid(logits))
-            else:
-                row_probs = probabilities(row_logits, row_stat[r0:r1, None])
-                grad_logits = _where(row_allowed, row_weight[r0:r1, None] * row_probs)
-                if col_weight is not None:
-                    col_probs = probabilities(logits, col_stat[None, k0:k1])
-                    grad_logits += _where(col_allowed, col_weight[None, k0:k1] * col_probs)
+            columns = (None, None) if col_weight is None else (col_stat[k0:k1], col_weight[k0:k1])
+            grad_logits = _tile_gradient(spec.loss, logits, row_logits, row_stat[r0:r1], row_weight[r0:r1],
+                                         *columns, row_allowed, col_allowed)
             _add_products(grad_logits, q_tile, k_tile, grad_queries[r0:r1], grad_keys[k0:k1], row_sums[r0:r1])
         return row_sums
 
@@ -217,6 +201,72 @@ class TorchTiles:
             _add_products(grad_logits, q_tile, k_tile, grad_queries[r0:r1], grad_keys[k0:k1], row_sums[r0:r1])
         return row_sums
 
+    def _prefix_logit_tiles(self, spec: PrefixSpec, queries, keys, scale, bias, query_scales, key_scales):
+        """(r0, r1, k0, k1, query tile, key tile, [P^t], [z^t]) of every tile, t = 0..D-1, in the
+        accumulation dtype: the raw prefix dot products from one product per segment, summed from
+        the innermost (:mod:`hf_infcl.ops.matryoshka`), and each term's logits."""
+        acc = accumulation_dtype(queries.dtype)
+        scale = scale.to(acc)
+        bias = None if bias is None else bias.to(acc)
+        segments = spec.segments
+        with _matmul_precision(spec, queries.dtype, queries.device):
+            for r0, r1, k0, k1 in self._tiles(queries.shape[0], keys.shape[0]):
+                q_tile = queries[r0:r1].to(acc)
+                k_tile = keys[k0:k1].to(acc)
+                dots = [None] * len(segments)
+                running = 0.0
+                for u in reversed(range(len(segments))):
+                    running = running + q_tile[:, segments[u]] @ k_tile[:, segments[u]].T
+                    dots[u] = running
+                logits = [scale * (p * query_scales[t, r0:r1, None]) * key_scales[t, None, k0:k1]
+                          for t, p in enumerate(dots)]
+                if bias is not None:
+                    logits = [z + bias for z in logits]
+                yield r0, r1, k0, k1, q_tile, k_tile, dots, logits
+
+    def prefix_forward_block(self, spec: PrefixSpec, queries, keys, scale, bias, query_scales, key_scales,
+                             mask: GroupMask | None):
+        """Every Matryoshka term's statistics (:class:`~hf_infcl.ops.matryoshka.PrefixBlockOps`)."""
+        terms, m, k = len(spec.dims), queries.shape[0], keys.shape[0]
+        stat = statistics_dtype(spec.loss, queries.dtype)
+        fill = float("-inf") if spec.loss == "softmax" else 0.0
+        row_stat = torch.full((terms, m), fill, dtype=stat, device=queries.device)
+        col_stat = torch.full((terms, k), fill, dtype=stat, device=queries.device) if spec.columns else None
+        tiles = self._prefix_logit_tiles(spec, queries, keys, scale, bias, query_scales, key_scales)
+        for r0, r1, k0, k1, _, _, _, logits in tiles:
+            allowed = None if mask is None else mask.allowed(r0, r1, k0, k1)
+            for t, z in enumerate(logits):
+                columns = None if col_stat is None else col_stat[t, k0:k1]
+                _add_tile_stats(spec.loss, row_stat[t, r0:r1], columns, z, z, allowed, allowed)
+        return row_stat, col_stat
+
+    def prefix_backward_block(self, spec: PrefixSpec, queries, keys, scale, bias, query_scales, key_scales,
+                              mask: GroupMask | None, row_stat, col_stat, row_weight, col_weight,
+                              grad_queries, grad_keys) -> PrefixSums:
+        """Each segment's products with the running sum of the terms' scaled G that cover it, and
+        the per-term sums (:class:`~hf_infcl.ops.matryoshka.PrefixBlockOps`)."""
+        acc = accumulation_dtype(queries.dtype)
+        terms, m, k = len(spec.dims), queries.shape[0], keys.shape[0]
+        sums = PrefixSums(*(torch.zeros((terms, n), dtype=acc, device=queries.device) for n in (m, m, k)))
+        tiles = self._prefix_logit_tiles(spec, queries, keys, scale, bias, query_scales, key_scales)
+        for r0, r1, k0, k1, q_tile, k_tile, dots, logits in tiles:
+            allowed = None if mask is None else mask.allowed(r0, r1, k0, k1)
+            covering = 0.0  # H_u: the scaled G of the terms t <= u
+            for t, (p, z) in enumerate(zip(dots, logits)):
+                columns = (None, None) if col_weight is None else (col_stat[t, k0:k1], col_weight[t, k0:k1])
+                grad = _tile_gradient(spec.loss, z, z, row_stat[t, r0:r1], row_weight[t, r0:r1], *columns,
+                                      allowed, allowed)
+                a, b = query_scales[t, r0:r1, None], key_scales[t, None, k0:k1]
+                sums.row_sums[t, r0:r1] += grad.sum(dim=1)
+                weighted = grad * p
+                sums.row_products[t, r0:r1] += (weighted * b).sum(dim=1)
+                sums.key_products[t, k0:k1] += (weighted * a).sum(dim=0)
+                covering = covering + grad * a * b
+                segment = spec.segments[t]
+                grad_queries[r0:r1, segment].addmm_(covering, k_tile[:, segment])
+                grad_keys[k0:k1, segment].addmm_(covering.T, q_tile[:, segment])
+        return sums
+
 
 def statistics_dtype(loss: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype of :class:`TorchTiles`' row and column statistics for inputs of ``dtype``: float64
@@ -249,6 +299,38 @@ def _allowed(mask: GroupMask | None, score_filter: ScoreFilter | None, dots, r0,
 
 def _where(allowed: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
     return values if allowed is None else torch.where(allowed, values, torch.zeros_like(values))
+
+
+def _add_tile_stats(loss: str, row_stat, col_stat, logits, row_logits, row_allowed, col_allowed) -> None:
+    """Merge one tile's statistics into the running ones of its rows (views, updated in place) and,
+    with ``col_stat`` (a view, or None), of its keys; ``row_logits``: the logits of the row
+    statistic (the hardness offset's), ``logits`` the column statistic's."""
+    if loss == "sigmoid":
+        terms = F.softplus(logits, threshold=_SOFTPLUS_LINEAR_ABOVE)
+        if row_allowed is not None:
+            terms = terms.masked_fill(~row_allowed, 0.0)
+        row_stat += terms.sum(dim=1)
+        return
+    if row_allowed is not None:
+        row_logits = row_logits.masked_fill(~row_allowed, float("-inf"))
+    row_stat.copy_(torch.logaddexp(row_stat, _logsumexp(row_logits, dim=1)))
+    if col_stat is not None:
+        if col_allowed is not None:
+            logits = logits.masked_fill(~col_allowed, float("-inf"))
+        col_stat.copy_(torch.logaddexp(col_stat, _logsumexp(logits, dim=0)))
+
+
+def _tile_gradient(loss: str, logits, row_logits, row_stat, row_weight, col_stat, col_weight, row_allowed,
+                   col_allowed) -> torch.Tensor:
+    """G of one tile from the statistics and weights of its rows (and, with ``col_weight``, of its
+    keys), zero where a direction does not allow the entry."""
+    # where(), not a product: a masked entry may hold inf * 0 = nan.
+    if loss == "sigmoid":
+        return _where(row_allowed, row_weight[:, None] * torch.sigmoid(logits))
+    grad = _where(row_allowed, row_weight[:, None] * probabilities(row_logits, row_stat[:, None]))
+    if col_weight is not None:
+        grad += _where(col_allowed, col_weight[None, :] * probabilities(logits, col_stat[None, :]))
+    return grad
 
 
 def _add_products(grad_logits, q_tile, k_tile, grad_queries, grad_keys, row_sums) -> None:
