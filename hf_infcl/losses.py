@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import logging
 import math
+import random
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -470,6 +471,8 @@ class InfCLLoss(ShardedReplaysMixin, NoGradMiniBatchesMixin, CachedLossMixin, nn
         # is checked (and honoured) here too, before nn.Module.__setattr__ could file a module away.
         if name == "similarity_fct":
             super().__setattr__("_similarity_kind", _similarity_kind(value))
+        if name == "calculate_loss":
+            value = _OneCallMatryoshka.around(self, value)
         super().__setattr__(name, value)
 
     # MNRL's hyperparameters, assignable after construction as in MNRL (CachedMNRL delegates the
@@ -607,6 +610,7 @@ class InfCLLoss(ShardedReplaysMixin, NoGradMiniBatchesMixin, CachedLossMixin, nn
             false_negative_strategy=margin_strategy,
             **labels,
             **self.options.as_kwargs(),
+            **_OneCallMatryoshka.step_dims(self),
         )
 
     def get_config_dict(self) -> dict[str, Any]:
@@ -991,6 +995,52 @@ class FrozenModelColumnsMixin:
         frozen_keys = _joined_normalized_frozen(frozen_embeddings, common, embeddings[0].device)
         keys = _joined_normalized([column.to(common) for column in embeddings])
         return keys, frozen_keys, len(embeddings[0])
+
+
+class _OneCallMatryoshka:
+    """``InfCLLoss.calculate_loss`` under sentence-transformers' ``MatryoshkaLoss`` with gradient
+    caching. ``MatryoshkaLoss`` wraps ``calculate_loss`` in its ``CachedLossDecorator``, which calls it
+    once per dim on the embeddings truncated and L2-normalised (``shrink``), weighted. This takes the
+    wrapper's place: it draws the step's dims as the decorator does (``n_dims_per_step``: the same
+    ``random.sample`` of the same indices) and makes one call on the whole embeddings, whose loss
+    then passes them as ``contrastive_loss``'s ``matryoshka_dims`` and ``matryoshka_weights``: the
+    same loss (prefixes normalised there, whatever ``similarity_fct``: a prefix of normalised
+    embeddings normalises to the prefix's own direction), its terms in one pass where the backend
+    allows (docs/contract.md, "Matryoshka in one call")."""
+
+    def __init__(self, loss, calculate_loss, decorator):
+        self.loss, self.calculate_loss, self.decorator = loss, calculate_loss, decorator
+
+    @classmethod
+    def around(cls, loss, value):
+        """``value`` assigned to ``loss.calculate_loss``: this in place of ``MatryoshkaLoss``'s
+        decorator of the loss's own method, anything else as it is."""
+        from sentence_transformers.sentence_transformer.losses.matryoshka import CachedLossDecorator
+
+        wrapped = getattr(value, "fn", None)
+        if (isinstance(value, CachedLossDecorator) and getattr(wrapped, "__self__", None) is loss
+                and getattr(wrapped, "__func__", None) is type(loss).calculate_loss):
+            return cls(loss, wrapped, value)
+        return value
+
+    def __call__(self, reps, *args, **kwargs):
+        decorator = self.decorator
+        indices = range(len(decorator.matryoshka_dims))
+        if 0 < decorator.n_dims_per_step < len(indices):
+            indices = random.sample(indices, decorator.n_dims_per_step)
+        dims, weights = decorator.matryoshka_dims, decorator.matryoshka_weights
+        chosen = sorted(((dims[i], float(weights[i])) for i in indices), reverse=True)
+        self.loss._matryoshka_step = tuple(zip(*chosen))
+        try:
+            return self.calculate_loss(reps, *args, **kwargs)
+        finally:
+            self.loss._matryoshka_step = None
+
+    @staticmethod
+    def step_dims(loss) -> dict:
+        """The ``contrastive_loss`` arguments of the step's dims (none outside ``MatryoshkaLoss``)."""
+        step = getattr(loss, "_matryoshka_step", None)
+        return {} if step is None else dict(matryoshka_dims=step[0], matryoshka_weights=step[1])
 
 
 class InfCLGISTLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniBatchesMixin, CachedLossMixin,

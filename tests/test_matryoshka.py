@@ -13,6 +13,7 @@ sentence-transformers' ``MatryoshkaLoss`` around our loss or MNRL gives the same
 from __future__ import annotations
 
 import dataclasses
+import random
 import shutil
 import tempfile
 import zlib
@@ -530,20 +531,47 @@ def tiny_model(tmp_path_factory):
     return model
 
 
-@pytest.mark.parametrize("wrapped", ["InfCLLoss", "MultipleNegativesRankingLoss"])
-def test_sentence_transformers_matryoshka_loss_is_contrastive_loss_with_dims(tiny_model, wrapped):
-    """MatryoshkaLoss truncates the model's embeddings and the wrapped loss re-normalises them (its
-    cosine): the loss and every parameter's gradient are ours with matryoshka_dims, scale 20, one
-    direction, on the model's full embeddings (anchors as queries, positives then negatives as keys)."""
+def _wrapped_loss(tiny_model, wrapped):
     from sentence_transformers import losses as st_losses
 
     from hf_infcl import losses
+
+    makers = {"InfCLLoss": lambda: losses.InfCLLoss(tiny_model),
+              "InfCLLoss-cached": lambda: losses.InfCLLoss(tiny_model, mini_batch_size=4),
+              "MultipleNegativesRankingLoss": lambda: st_losses.MultipleNegativesRankingLoss(tiny_model),
+              "CachedMultipleNegativesRankingLoss":
+                  lambda: st_losses.CachedMultipleNegativesRankingLoss(tiny_model, mini_batch_size=4)}
+    return makers[wrapped]()
+
+
+class CountingCalls:
+    """A callable that counts its calls."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("wrapped", ["InfCLLoss", "InfCLLoss-cached", "MultipleNegativesRankingLoss",
+                                     "CachedMultipleNegativesRankingLoss"])
+def test_sentence_transformers_matryoshka_loss_is_contrastive_loss_with_dims(tiny_model, wrapped):
+    """MatryoshkaLoss truncates the model's embeddings and the wrapped loss re-normalises them (its
+    cosine): the loss and every parameter's gradient are ours with matryoshka_dims, scale 20, one
+    direction, on the model's full embeddings (anchors as queries, positives then negatives as keys).
+    Around the cached InfCLLoss the step is one loss call with every dim (not one per dim)."""
+    from sentence_transformers import losses as st_losses
+
     from tests.helpers.sentence_transformers_fixtures import features, text_columns
 
     dims, weights = (32, 16, 8, 3), (1.0, 0.5, 2.0, 1.5)
-    inner = losses.InfCLLoss(tiny_model) if wrapped == "InfCLLoss" else \
-        st_losses.MultipleNegativesRankingLoss(tiny_model)
+    inner = _wrapped_loss(tiny_model, wrapped)
     matryoshka = st_losses.MatryoshkaLoss(tiny_model, inner, list(dims), list(weights))
+    if wrapped == "InfCLLoss-cached":
+        one_call = inner.calculate_loss
+        one_call.calculate_loss = counting = CountingCalls(one_call.calculate_loss)
     batch = features(tiny_model, text_columns(6, 3, seed=4))
 
     def parameter_grads(loss):
@@ -559,10 +587,44 @@ def test_sentence_transformers_matryoshka_loss_is_contrastive_loss_with_dims(tin
     our_grads = parameter_grads(ours)
     torch.testing.assert_close(ours, theirs.detach(), rtol=1e-5, atol=1e-6)
     assert their_grads.keys() == our_grads.keys() and their_grads
+    if wrapped == "InfCLLoss-cached":
+        assert counting.calls == 1
     # fp32 sums in another order: the norm-wise fp32 tolerance over every parameter at once (some,
     # such as the attention's key bias, have an exact gradient of zero and carry rounding only)
     assert_close(torch.cat([grad.flatten() for grad in our_grads.values()]).numpy(),
                  torch.cat([their_grads[name].flatten() for name in our_grads]).numpy(), 1e-5, "parameters")
+
+
+@pytest.mark.parametrize("n_dims_per_step", [2, -1])
+def test_the_cached_loss_draws_the_dims_of_each_step_as_matryoshka_loss_does(tiny_model, n_dims_per_step):
+    """With ``n_dims_per_step``, MatryoshkaLoss's decorator samples the dims of each step with
+    ``random.sample``; the one call around the cached InfCLLoss draws the same ones from the same
+    seed: the loss and gradients of CachedMultipleNegativesRankingLoss's route, step after step."""
+    from sentence_transformers import losses as st_losses
+
+    from tests.helpers.sentence_transformers_fixtures import features, text_columns
+
+    dims, weights = [32, 16, 8, 3], [1.0, 0.5, 2.0, 1.5]
+    batch = features(tiny_model, text_columns(6, 3, seed=5))
+    results = {}
+    for wrapped in ("InfCLLoss-cached", "CachedMultipleNegativesRankingLoss"):
+        loss = st_losses.MatryoshkaLoss(tiny_model, _wrapped_loss(tiny_model, wrapped), dims, weights,
+                                        n_dims_per_step=n_dims_per_step)
+        random.seed(11)
+        steps = []
+        for _ in range(3):
+            tiny_model.zero_grad(set_to_none=True)
+            value = loss([dict(column) for column in batch], None)
+            value.backward()
+            grads = torch.cat([p.grad.flatten() for p in tiny_model.parameters() if p.grad is not None])
+            steps.append((value.detach(), grads))
+        results[wrapped] = steps
+    values = [step[0].item() for step in results["InfCLLoss-cached"]]
+    if n_dims_per_step == 2:  # the draws differ from step to step: a test of which dims were drawn
+        assert len(set(np.round(values, 6))) > 1
+    for (ours, our_grads), (theirs, their_grads) in zip(*results.values()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        assert_close(our_grads.numpy(), their_grads.numpy(), 1e-5, "parameters")
 
 
 # --------------------------------------------------------------------------------------------
