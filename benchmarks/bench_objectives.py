@@ -19,7 +19,8 @@ and, named in ``--variants`` only (not run by default):
                leave the GPU waiting on the host's launches); e.g. ``distill-tiles1024``
   distill-triton  the same on the Triton kernels (``backend=TritonBlocks()``)
   matryoshka   ``matryoshka_dims`` of five widths, c, 2c/3, c/3, c/6 and c/12 (768, 512, 256, 128
-               and 64 at c = 768)
+               and 64 at c = 768): on CUDA one Triton loss call per width
+  matryoshka-tilesN  the same on ``TorchTiles(N, N)``: every width in one pass per tile
 
 Times are medians of event-synchronised steps after warm-up (the kernels are autotuned in the
 warm-up, as a training run's first step tunes them); memory is the peak above the inputs. The
@@ -59,7 +60,7 @@ from bench_common import (  # this folder is on sys.path
 from hf_infcl import TorchTiles, contrastive_distillation_loss, contrastive_loss
 
 VARIANTS = ("plain", "groups-any", "groups-each", "filter", "filter-guide")
-EXTRA_VARIANTS = ("distill", "matryoshka")  # run when named
+EXTRA_VARIANTS = ("distill", "matryoshka")  # run when named (and the tiled variants of each)
 GPU_ONLY_VARIANTS = ("distill-triton",)  # run when named, on CUDA
 GROUP_SIZE = 5
 
@@ -69,10 +70,10 @@ def matryoshka_widths(c: int) -> tuple[int, ...]:
     return tuple(dict.fromkeys(max(1, c * share // 12) for share in (12, 8, 4, 2, 1)))
 
 
-def _distill_tiles(variant: str) -> int | None:
-    """N of a ``distill-tilesN`` variant, None for any other name."""
-    tiles = variant.removeprefix("distill-tiles")
-    return int(tiles) if tiles != variant and tiles.isdigit() and int(tiles) > 0 else None
+def _tiles(variant: str) -> int | None:
+    """N of a ``distill-tilesN`` or ``matryoshka-tilesN`` variant, None for any other name."""
+    tiles = variant.split("-tiles", 1)[1] if "-tiles" in variant else ""
+    return int(tiles) if tiles.isdigit() and int(tiles) > 0 else None
 
 
 def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda", dtype=torch.bfloat16):
@@ -90,12 +91,14 @@ def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda",
             guide = torch.randn(2, b, c, device=device, dtype=dtype, generator=generator)
             guide = F.normalize(guide, dim=-1)
             options.update(guide_queries=guide[0], guide_keys=guide[1])
-    elif variant == "matryoshka":
+    elif variant.startswith("matryoshka"):
         options = dict(matryoshka_dims=matryoshka_widths(c))
+        if _tiles(variant):
+            options.update(backend=TorchTiles(_tiles(variant), _tiles(variant)))
     loss_fn = functools.partial(contrastive_loss, **options)
     if variant.startswith("distill"):
         teacher = F.normalize(torch.randn(2, b, c, device=device, dtype=dtype, generator=generator), dim=-1)
-        tiles = _distill_tiles(variant)
+        tiles = _tiles(variant)
         backend = TorchTiles(tiles, tiles) if tiles else "auto"
         if variant == "distill-triton":
             from hf_infcl.ops.triton import TritonBlocks
@@ -147,7 +150,7 @@ def main(argv=None):
         parser.error("--widths takes one width, or one per size")
     variants = args.variants.split(",")
     known = VARIANTS + EXTRA_VARIANTS + GPU_ONLY_VARIANTS
-    unknown = sorted(variant for variant in variants if variant not in known and not _distill_tiles(variant))
+    unknown = sorted(variant for variant in variants if variant not in known and not _tiles(variant))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {known}")
 

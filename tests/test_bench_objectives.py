@@ -15,7 +15,7 @@ import bench_objectives  # noqa: E402  (benchmarks/ is put on the path above)
 
 
 @pytest.mark.parametrize("variant", bench_objectives.VARIANTS + bench_objectives.EXTRA_VARIANTS
-                         + ("distill-tiles16",))
+                         + ("distill-tiles16", "matryoshka-tiles16"))
 def test_every_variant_steps_on_cpu(variant):
     step = bench_objectives.make_step(variant, 40, 24, device="cpu", dtype=torch.float32)
     grads = step()
@@ -28,14 +28,17 @@ def test_the_matryoshka_widths_are_five_descending_from_c():
     assert bench_objectives.matryoshka_widths(512) == (512, 341, 170, 85, 42)
 
 
-def test_distillation_on_other_tiles_is_the_same_loss():
-    """``distill-tilesN`` times the same function on tiles of N (several tiles here, at 40 rows)."""
-    default = bench_objectives.make_step("distill", 40, 24, device="cpu", dtype=torch.float32)()
-    small_tiles = bench_objectives.make_step("distill-tiles16", 40, 24, device="cpu", dtype=torch.float32)()
+@pytest.mark.parametrize("variant", ["distill", "matryoshka"])
+def test_the_same_loss_on_other_tiles(variant):
+    """``distill-tilesN`` and ``matryoshka-tilesN`` time the same function on tiles of N (several
+    tiles here, at 40 rows)."""
+    on_cpu = dict(device="cpu", dtype=torch.float32)
+    default = bench_objectives.make_step(variant, 40, 24, **on_cpu)()
+    small_tiles = bench_objectives.make_step(f"{variant}-tiles16", 40, 24, **on_cpu)()
     for ours, theirs in zip(small_tiles, default):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     with pytest.raises(SystemExit):
-        bench_objectives.main(["--variants", "distill-tiles0"])
+        bench_objectives.main(["--variants", f"{variant}-tiles0"])
 
 
 def test_the_variants_differ_from_plain():
