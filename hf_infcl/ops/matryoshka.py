@@ -21,8 +21,9 @@ and Ĝ^t = G^t a^t_i b^t_j, segment u takes H_u = sum_{t <= u} Ĝ^t:
     d s = sum_t sum_i a^t_i (sum_j G^t_ij P^t_ij b^t_j)     d b = sum_t sum_ij G^t_ij
 
 This route covers one process with the softmax (either direction) or sigmoid loss, ``positives``,
-extra keys, the groups' mask and a bias (:func:`takes_one_pass`); the other options take one loss
-call per term (``hf_infcl.loss``), as does a backend whose block ops lack the prefix methods.
+extra keys, the groups' mask and a bias (the rule is ``hf_infcl.loss._plain_terms``); the other
+options take one loss call per term, as does a backend whose block ops lack the prefix methods
+(:func:`prefix_block_ops`).
 """
 
 from __future__ import annotations
