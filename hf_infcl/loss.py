@@ -171,18 +171,19 @@ def _matryoshka_loss(queries, keys, logit_scale, logit_bias, positives, query_gr
     in_ring = world_size > 1
     device = queries.device if torch.is_tensor(queries) else None
     with announcing_rejections(group if in_ring else None, device):
-        check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, positives, query_groups,
-                        key_groups, reduction, backend, precision, in_ring=in_ring, check_values=False)
+        scale, bias, checked_positives = check_arguments(
+            queries, keys, logit_scale, logit_bias, loss, symmetric, positives, query_groups, key_groups,
+            reduction, backend, precision, in_ring=in_ring, check_values=False)
         dims, weights = check_matryoshka(matryoshka_dims, matryoshka_weights, queries.shape[1])
     ops = None
     if not in_ring and backend != "reference" and not torch.compiler.is_compiling() and _plain_terms(
             hardness, label_smoothing, objectives):
         ops = prefix_block_ops(select_block_ops(backend, queries.device))
     if ops is not None:
-        return _one_pass_matryoshka_loss(queries, keys, logit_scale, logit_bias, positives, query_groups,
-                                         key_groups, loss, symmetric, reduction, backend, precision, dims,
-                                         weights, ops)
-    total = None
+        return _one_pass_matryoshka_loss(queries, keys, scale, bias, checked_positives, query_groups,
+                                         key_groups, loss, symmetric, reduction, precision, dims, weights,
+                                         ops)
+    terms = []
     for dim, weight in zip(dims, weights):
         with torch.autocast(queries.device.type, enabled=False):
             prefix_queries = F.normalize(queries[:, :dim], dim=1)
@@ -192,6 +193,14 @@ def _matryoshka_loss(queries, keys, logit_scale, logit_bias, positives, query_gr
                                  precision, options_checked=True, hardness=hardness,
                                  label_smoothing=label_smoothing, objectives=objectives,
                                  matryoshka_term=MatryoshkaTerm(len(dims), dim, weight))
+        terms.append(term)
+    return _weighted_sum(terms, weights)
+
+
+def _weighted_sum(terms, weights):
+    """sum_t w_t term_t, a weight of 1 without its product."""
+    total = None
+    for term, weight in zip(terms, weights):
         if weight != 1.0:
             term = weight * term
         total = term if total is None else total + term
@@ -208,13 +217,12 @@ def _plain_terms(hardness, label_smoothing, objectives) -> bool:
             and objectives.false_negative_strategy == NO_OBJECTIVES.false_negative_strategy)
 
 
-def _one_pass_matryoshka_loss(queries, keys, logit_scale, logit_bias, positives, query_groups, key_groups,
-                              loss, symmetric, reduction, backend, precision, dims, weights, ops):
+def _one_pass_matryoshka_loss(queries, keys, scale, bias, positives, query_groups, key_groups, loss,
+                              symmetric, reduction, precision, dims, weights, ops):
     """``contrastive_loss`` with ``matryoshka_dims`` on one process, every term's statistics from one
-    pass per tile (:mod:`hf_infcl.ops.matryoshka`); the prefixes' inverse norms are autograd ops."""
-    scale, bias, positives = check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric,
-                                             positives, query_groups, key_groups, reduction, backend,
-                                             precision)
+    pass per tile (:mod:`hf_infcl.ops.matryoshka`); the prefixes' inverse norms are autograd ops.
+    The arguments come checked but for the checks that read values, made here before any kernel."""
+    _check_values(scale, positives, keys.shape[0], False)
     with torch.autocast(queries.device.type, enabled=False):
         spec = PrefixSpec(loss, loss == "softmax" and symmetric, dims,
                           resolve_precision(precision, queries.dtype, queries.device))
@@ -223,15 +231,11 @@ def _one_pass_matryoshka_loss(queries, keys, logit_scale, logit_bias, positives,
             positives, query_groups, key_groups, spec, ops)
         acc = accumulation_dtype(queries.dtype)
         term_spec = StatsSpec(loss, spec.columns)
-        total = None
-        for t, weight in enumerate(weights):
-            stats = LogitStats(row_stat[t].to(acc), col_stat[t].to(acc) if spec.columns else col_stat[t],
-                               positive_logit[t], queries.shape[0])
-            term = assemble_per_row_loss(term_spec, positives, stats)
-            if weight != 1.0:
-                term = weight * term
-            total = term if total is None else total + term
-        return reduce_per_row(total, reduction, total_rows=queries.shape[0], world_size=1)
+        terms = [assemble_per_row_loss(term_spec, positives, LogitStats(
+            row_stat[t].to(acc), col_stat[t].to(acc) if spec.columns else col_stat[t], positive_logit[t],
+            queries.shape[0])) for t in range(len(dims))]
+        return reduce_per_row(_weighted_sum(terms, weights), reduction, total_rows=queries.shape[0],
+                              world_size=1)
 
 
 class Objectives(NamedTuple):

@@ -52,8 +52,6 @@ class PrefixSpec:
     def __post_init__(self):
         if self.loss == "sigmoid" and self.columns:
             raise ValueError("the sigmoid loss has no column statistics")
-        if not self.dims or any(a <= b for a, b in zip(self.dims, self.dims[1:])) or self.dims[-1] < 1:
-            raise ValueError(f"dims must be positive and strictly descending, got {self.dims}")
 
     @property
     def segments(self) -> tuple[slice, ...]:
@@ -107,14 +105,13 @@ def prefix_inverse_norms(features: torch.Tensor, dims: tuple[int, ...]) -> torch
     return torch.stack([1.0 / torch.linalg.vector_norm(acc[:, :dim], dim=1).clamp_min(1e-12) for dim in dims])
 
 
-def _positive_pairs(spec: PrefixSpec, queries, keys, positives, rows: slice):
-    """(the positives' key indices [rows], their P^t_{i,p(i)} [D, rows]) of the rows ``rows``, in
-    the accumulation dtype."""
-    acc = accumulation_dtype(queries.dtype)
-    index = _positive_index(positives, queries.shape[0], queries.device)[rows]
-    products = queries[rows].to(acc) * keys[index].to(acc)
+def _positive_dots(spec: PrefixSpec, rows: torch.Tensor, keys, index: torch.Tensor) -> torch.Tensor:
+    """[D, len(rows)] P^t of each row of ``rows`` and its positive ``keys[index]``, in the
+    accumulation dtype."""
+    acc = accumulation_dtype(rows.dtype)
+    products = rows.to(acc) * keys[index].to(acc)
     segments = torch.stack([products[:, segment].sum(dim=1) for segment in spec.segments])
-    return index, segments.flip(0).cumsum(0).flip(0)  # prefix t: the segments u >= t
+    return segments.flip(0).cumsum(0).flip(0)  # prefix t: the segments u >= t
 
 
 def _positive_index(positives, m: int, device) -> torch.Tensor:
@@ -138,21 +135,21 @@ class PrefixLogitStats(torch.autograd.Function):
         if col_stat is None:
             col_stat = row_stat.new_empty((len(spec.dims), 0))
         acc = accumulation_dtype(queries.dtype)
-        positive = torch.empty_like(query_scales)
-        for rows in row_chunks(*queries.shape):
-            index, dots = _positive_pairs(spec, queries, keys, positives, rows)
-            positive[:, rows] = scale.to(acc) * dots * query_scales[:, rows] * key_scales[:, index]
+        index = _positive_index(positives, queries.shape[0], queries.device)
+        positive_dots = torch.cat([_positive_dots(spec, queries[rows], keys, index[rows])
+                                   for rows in row_chunks(*queries.shape)], dim=1)
+        positive = scale.to(acc) * positive_dots * query_scales * key_scales[:, index]
         if bias is not None:
             positive = positive + bias.to(acc)
         ctx.save_for_backward(queries, keys, scale, bias, query_scales, key_scales, positives, query_groups,
-                              key_groups, row_stat, col_stat)
+                              key_groups, row_stat, col_stat, positive_dots)
         ctx.spec, ctx.ops = spec, ops
         return row_stat, col_stat, positive
 
     @staticmethod
     def backward(ctx, grad_row, grad_col, grad_positive):
         (queries, keys, scale, bias, query_scales, key_scales, positives, query_groups, key_groups, row_stat,
-         col_stat) = ctx.saved_tensors
+         col_stat, positive_dots) = ctx.saved_tensors
         spec, ops = ctx.spec, ctx.ops
         acc = accumulation_dtype(queries.dtype)
         with torch.autocast(queries.device.type, enabled=False):
@@ -164,7 +161,7 @@ class PrefixLogitStats(torch.autograd.Function):
             sums = ops.prefix_backward_block(spec, queries, keys, scale, bias, query_scales, key_scales, mask,
                                              row_stat, col_stat if spec.columns else None, row_weight,
                                              col_weight, grad_queries, grad_keys)
-            _add_positive_pairs(spec, queries, keys, positives, query_scales, key_scales,
+            _add_positive_pairs(spec, queries, keys, positives, positive_dots, query_scales, key_scales,
                                 output_gradient(grad_positive, row_stat, acc), grad_queries, grad_keys, sums)
             s = scale.to(acc)
             grads = (
@@ -184,13 +181,15 @@ def _mask(queries, positives, query_groups, key_groups) -> GroupMask | None:
     return GroupMask(query_groups, key_groups, _positive_index(positives, queries.shape[0], queries.device))
 
 
-def _add_positive_pairs(spec: PrefixSpec, queries, keys, positives, query_scales, key_scales, grad_positive,
-                        grad_queries, grad_keys, sums: PrefixSums) -> None:
+def _add_positive_pairs(spec: PrefixSpec, queries, keys, positives, positive_dots, query_scales, key_scales,
+                        grad_positive, grad_queries, grad_keys, sums: PrefixSums) -> None:
     """The positive logits' gradient, G^t_{i,p(i)} += grad_positive^t_i, added into the fp32
-    accumulators and the sums (in place), row chunk by row chunk."""
+    accumulators and the sums (in place), row chunk by row chunk; ``positive_dots``: the pairs'
+    P^t [D, m] the forward computed."""
     acc = grad_queries.dtype
+    positive_index = _positive_index(positives, queries.shape[0], queries.device)
     for rows in row_chunks(*queries.shape):
-        index, dots = _positive_pairs(spec, queries, keys, positives, rows)
+        index, dots = positive_index[rows], positive_dots[:, rows]
         a, b, g = query_scales[:, rows], key_scales[:, index], grad_positive[:, rows]
         sums.row_sums[:, rows] += g
         sums.row_products[:, rows] += g * dots * b

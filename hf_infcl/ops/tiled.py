@@ -38,6 +38,7 @@ from .spec import (
     ScoreFilter,
     StatsSpec,
     accumulation_dtype,
+    empty_row_stats,
     probabilities,
     resolve_precision,
 )
@@ -229,9 +230,10 @@ class TorchTiles:
         """Every Matryoshka term's statistics (:class:`~hf_infcl.ops.matryoshka.PrefixBlockOps`)."""
         terms, m, k = len(spec.dims), queries.shape[0], keys.shape[0]
         stat = statistics_dtype(spec.loss, queries.dtype)
-        fill = float("-inf") if spec.loss == "softmax" else 0.0
-        row_stat = torch.full((terms, m), fill, dtype=stat, device=queries.device)
-        col_stat = torch.full((terms, k), fill, dtype=stat, device=queries.device) if spec.columns else None
+        row_stat = empty_row_stats(spec, terms * m, stat, queries.device).view(terms, m)
+        col_stat = None
+        if spec.columns:
+            col_stat = empty_row_stats(spec, terms * k, stat, queries.device).view(terms, k)
         tiles = self._prefix_logit_tiles(spec, queries, keys, scale, bias, query_scales, key_scales)
         for r0, r1, k0, k1, _, _, _, logits in tiles:
             allowed = None if mask is None else mask.allowed(r0, r1, k0, k1)
