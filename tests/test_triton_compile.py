@@ -1,0 +1,97 @@
+"""The statistics and gradient-tile kernels compile for Hopper (sm_90) on a machine without a GPU, with
+the score filter's per-tile branches and without them.
+
+The interpreter (``tests/helpers/triton_interpreted.py``) runs the kernels as Python, so it cannot see
+what only Triton's compiler rejects: a name bound in one branch of a runtime ``if`` and used after it,
+or a Python constant where the compiler makes a tensor and a branch on it stops being static. The
+filter's per-tile branches are of that kind, and their switches must leave the kernels without the
+filter free of them, so both are compiled here, to the cubin, with the ptxas that Triton ships.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("the kernels compile only outside the interpreter", allow_module_level=True)
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from hf_infcl.ops.triton import grad_tile, stats  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+_INDEX_POINTERS = {"row_group_ptr", "key_group_ptr", "positive_ptr", "query_id_ptr", "key_owner_ptr"}
+
+
+def _signature(kernel, half_pointers: set[str]) -> dict[str, str]:
+    """Argument types as a launch with bf16 features, int64 indices and fp32 statistics gives them."""
+    signature = {}
+    for name in kernel.arg_names:
+        if name.isupper():
+            signature[name] = "constexpr"
+        elif name in half_pointers:
+            signature[name] = "*bf16"
+        elif name in _INDEX_POINTERS:
+            signature[name] = "*i64"
+        elif name.endswith(("_ptr", "_desc")):
+            signature[name] = "*fp32"
+        else:
+            signature[name] = "i64" if name == "key_offset" else "i32"
+    return signature
+
+
+def _compile(kernel, half_pointers: set[str], switches: dict) -> None:
+    compiled = triton.compile(ASTSource(kernel, _signature(kernel, half_pointers), switches), target=HOPPER,
+                              options={"num_warps": 8, "num_stages": 3})
+    assert compiled.asm["cubin"]
+
+
+# (loss, direction): the statistics kernel's runtime branches under the filter
+STATS_VARIANTS = {
+    "softmax-fused-columns": dict(SIGMOID=False, FUSED_COLUMNS=True, COLUMNS=False),
+    "softmax-keys-outer": dict(SIGMOID=False, FUSED_COLUMNS=False, COLUMNS=True),
+    "sigmoid-rows": dict(SIGMOID=True, FUSED_COLUMNS=False, COLUMNS=False),
+}
+
+
+# the filter's switches: none, on the model's own scores, on a guide's
+FILTERS = {"no-filter": dict(FILTER=False, GUIDE=False), "filter": dict(FILTER=True, GUIDE=False),
+           "guide": dict(FILTER=True, GUIDE=True)}
+
+
+@pytest.mark.parametrize("hardness", [0, 1])
+@pytest.mark.parametrize("filter_name", list(FILTERS))
+@pytest.mark.parametrize("variant", list(STATS_VARIANTS))
+def test_stats_kernel_compiles_for_hopper(variant, filter_name, hardness):
+    if hardness and variant != "softmax-fused-columns":
+        pytest.skip("the hardness offset is of the softmax rows")
+    switches = dict(HAS_BIAS=True, HAS_MASK=False, PRECISION="tf32", UPCAST=False, HARDNESS=hardness,
+                    **FILTERS[filter_name], GROUP_POSITIVES=False, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64,
+                    EVEN_K=True, EVEN_GUIDE_K=True, ROUND_GUIDE=False, FULL=True, LOG2=True,
+                    **STATS_VARIANTS[variant])
+    _compile(stats._stats_kernel, {"outer_ptr", "inner_ptr", "guide_outer_ptr", "guide_inner_ptr"}, switches)
+
+
+GRAD_VARIANTS = {
+    "softmax-symmetric": dict(SIGMOID=False, ONE_PASS=False, COLUMNS=True),
+    "softmax-rows": dict(SIGMOID=False, ONE_PASS=False, COLUMNS=False),
+    "sigmoid": dict(SIGMOID=True, ONE_PASS=False, COLUMNS=False),
+    "sigmoid-one-pass": dict(SIGMOID=True, ONE_PASS=True, COLUMNS=False),
+}
+
+
+@pytest.mark.parametrize("group_positives", [False, True])
+@pytest.mark.parametrize("filter_name", list(FILTERS))
+@pytest.mark.parametrize("variant", list(GRAD_VARIANTS))
+def test_grad_tile_kernel_compiles_for_hopper(variant, filter_name, group_positives):
+    switches = dict(HAS_BIAS=True, HAS_MASK=False, PRECISION="tf32", UPCAST=False, HARDNESS=0,
+                    **FILTERS[filter_name], GROUP_POSITIVES=group_positives, SCALED_G=True, TMA=False,
+                    BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EVEN_K=True, EVEN_GUIDE_K=True, ROUND_GUIDE=False,
+                    FULL=not group_positives, LOG2=True, **GRAD_VARIANTS[variant])
+    _compile(grad_tile._grad_tile_kernel,
+             {"q_ptr", "k_ptr", "q_desc", "k_desc", "g_ptr", "guide_q_ptr", "guide_k_ptr"}, switches)
