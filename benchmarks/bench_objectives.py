@@ -10,6 +10,8 @@ log-scale, through the public ``hf_infcl.contrastive_loss``:
   groups-each  ``group_positives="each"``, the same groups
   filter       ``false_negative_margin=0.1`` on the model's own (detached) similarities
   filter-guide the same with a guide of the same width (a second, frozen embedding of the batch)
+  filter-every-tile  ``false_negative_margin=2.5``: every key but the positive left out, so every
+               tile pays for the filter's masks (its worst case; not run by default)
 
 and, named in ``--variants`` only (not run by default):
 
@@ -21,6 +23,12 @@ and, named in ``--variants`` only (not run by default):
   matryoshka   ``matryoshka_dims`` of five widths, c, 2c/3, c/3, c/6 and c/12 (768, 512, 256, 128
                and 64 at c = 768): on CUDA one Triton loss call per width
   matryoshka-tilesN  the same on ``TorchTiles(N, N)``: every width in one pass per tile
+
+The features are shaped like a trained model's: each positive key at cosine about 0.6 to its query,
+the other keys near 0, and 1 % of the pairs near-copies of another pair (so that each copy's key is
+a false negative of the original's row, and the other way round: what the filter is for); the
+guide is the same batch with a little noise. Most tiles then hold no score above the filter's
+thresholds, as in training, and skip its masks.
 
 Times are medians of event-synchronised steps after warm-up (the kernels are autotuned in the
 warm-up, as a training run's first step tunes them); memory is the peak above the inputs. The
@@ -60,9 +68,11 @@ from bench_common import (  # this folder is on sys.path
 from hf_infcl import TorchTiles, contrastive_distillation_loss, contrastive_loss
 
 VARIANTS = ("plain", "groups-any", "groups-each", "filter", "filter-guide")
-EXTRA_VARIANTS = ("distill", "matryoshka")  # run when named (and the tiled variants of each)
+EXTRA_VARIANTS = ("distill", "matryoshka", "filter-every-tile")  # run when named (and tiled variants)
 GPU_ONLY_VARIANTS = ("distill-triton",)  # run when named, on CUDA
 GROUP_SIZE = 5
+POSITIVE_COSINE = 0.6  # a positive's expected cosine to its query
+NEAR_COPIES = 0.01  # the share of (query, key) pairs that are near-copies of another pair
 
 
 def matryoshka_widths(c: int) -> tuple[int, ...]:
@@ -76,21 +86,37 @@ def _tiles(variant: str) -> int | None:
     return int(tiles) if tiles.isdigit() and int(tiles) > 0 else None
 
 
+def trained_features(b: int, c: int, generator: torch.Generator, device: str):
+    """fp32 (queries, keys) [b, c] shaped like a trained model's features (the module docstring says
+    how)."""
+    q = F.normalize(torch.randn(b, c, device=device, generator=generator), dim=1)
+    noise = F.normalize(torch.randn(b, c, device=device, generator=generator), dim=1)
+    k = POSITIVE_COSINE * q + (1 - POSITIVE_COSINE**2) ** 0.5 * noise
+    copies = torch.randperm(b, device=device, generator=generator)[: int(NEAR_COPIES * b)]
+    originals = torch.randint(0, b, (len(copies),), device=device, generator=generator)
+    for x in (q, k):  # near-duplicate pairs: each copy's key is a false negative of the original's row
+        noise = torch.randn(len(copies), c, device=device, generator=generator)
+        x[copies] = x[originals] + 0.05 * noise / c**0.5
+    return q, k
+
+
 def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda", dtype=torch.bfloat16):
     generator = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(b, c, device=device, dtype=dtype, generator=generator).requires_grad_()
-    k = torch.randn(b, c, device=device, dtype=dtype, generator=generator).requires_grad_()
+    q, k = trained_features(b, c, generator, device)
+    if variant == "filter-guide":  # the same batch with a little noise, frozen
+        guide = [F.normalize(x + 0.1 * torch.randn(b, c, device=device, generator=generator) / c**0.5, dim=1)
+                 for x in (q, k)]
+    q = q.to(dtype).requires_grad_()
+    k = k.to(dtype).requires_grad_()
     log_scale = torch.tensor(2.6593, device=device, requires_grad=True)  # log(1/0.07)
     options = {}
     if variant.startswith("groups"):
         groups = torch.arange(b, device=device) // GROUP_SIZE
         options = dict(query_groups=groups, key_groups=groups, group_positives=variant.split("-")[1])
     elif variant.startswith("filter"):
-        options = dict(false_negative_margin=0.1)
+        options = dict(false_negative_margin=2.5 if variant == "filter-every-tile" else 0.1)
         if variant == "filter-guide":
-            guide = torch.randn(2, b, c, device=device, dtype=dtype, generator=generator)
-            guide = F.normalize(guide, dim=-1)
-            options.update(guide_queries=guide[0], guide_keys=guide[1])
+            options.update(guide_queries=guide[0].to(dtype), guide_keys=guide[1].to(dtype))
     elif variant.startswith("matryoshka"):
         options = dict(matryoshka_dims=matryoshka_widths(c))
         if _tiles(variant):
