@@ -75,12 +75,12 @@ def contrastive_distillation_loss(
             Every rank must pass the same options (widths, the teacher's width, dtype, ``symmetric``,
             ``distillation_weight``, ``reduction``, ``precision``), or every rank raises
             ``ValueError``.
-        backend: ``"auto"`` and ``"torch"`` run the tile-wise PyTorch block ops on any device, CUDA
-            included (``"triton"`` raises ``ValueError``); ``"reference"`` materialises the logits
+        backend: as ``contrastive_loss``'s: ``"auto"`` runs the distillation's Triton kernels on
+            CUDA when Triton imports, else the tile-wise PyTorch block ops (``"torch"``, on any
+            device); ``"triton"`` needs CUDA tensors; ``"reference"`` materialises the logits
             (small inputs, one process); or a block-ops object offering
             ``distillation_forward_block``/``distillation_backward_block``, such as
-            ``TorchTiles(256, 256)`` or ``hf_infcl.ops.triton.TritonBlocks()`` (the fused kernels,
-            opt-in until they are timed on a GPU).
+            ``TorchTiles(256, 256)`` or ``hf_infcl.ops.triton.TritonBlocks()``.
 
     Returns:
         The reduced loss (a scalar), or the per-row losses ``[m]`` for ``reduction="none"``.
@@ -90,7 +90,6 @@ def contrastive_distillation_loss(
     # A rank whose checks fail tells the others (waiting in the ring's option exchange) first.
     device = queries.device if torch.is_tensor(queries) else None
     with announcing_rejections(group if in_ring else None, device):
-        check_distillation_backend(backend)
         distillation_weight = check_distillation_weight(distillation_weight)
         scale, _, positives = check_arguments(queries, keys, logit_scale, None, "softmax", symmetric,
                                                positives, None, None, reduction, backend, precision,
@@ -120,16 +119,6 @@ def contrastive_distillation_loss(
         per_row = _per_row_loss(stats, positives, symmetric, distillation_weight)
         per_row = per_row.to(accumulation_dtype(queries.dtype))
         return reduce_per_row(per_row, reduction, total_rows=total_rows, world_size=world_size)
-
-
-def check_distillation_backend(backend, name: str = "backend") -> None:
-    """The distillation's one backend rule beyond ``contrastive_loss``'s: no ``"triton"`` by name
-    until its kernels are timed on a GPU."""
-    if isinstance(backend, str) and backend == "triton":
-        raise ValueError(f"{name}='triton': contrastive_distillation_loss has no Triton kernels by that name "
-                         "yet (they are opt-in: pass hf_infcl.ops.triton.TritonBlocks() as the backend of "
-                         "contrastive_distillation_loss); pass 'auto' or 'torch' (the tile-wise PyTorch "
-                         "backend, CUDA included)")
 
 
 def _teacher_scale(teacher_logit_scale, queries) -> torch.Tensor:

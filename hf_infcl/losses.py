@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .batch_statistics import check_no_batch_statistics
-from .distillation import check_distillation_backend, contrastive_distillation_loss
+from .distillation import contrastive_distillation_loss
 from .loss import contrastive_loss
 from .no_grad_mini_batches import NoGradMiniBatchesMixin, check_no_grad_mini_batch_size
 from .ops.options import (
@@ -1302,9 +1302,8 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniB
         mini_batch_size, mini_batch_num_tokens, show_progress_bar, no_grad_mini_batch_size: gradient
             caching as in ``InfCLLoss``; a teacher model then embeds the mini-batches of the
             gradient-free pass, without gradient, in that pass only.
-        backend, precision: the hf_infcl backend (``"auto"``, ``"torch"`` or ``"reference"``;
-            ``"auto"`` runs the tiled PyTorch loss on every device, the distillation's Triton kernels
-            being opt-in until they are timed on a GPU) and matmul precision, as in ``InfCLLoss``.
+        backend, precision: the hf_infcl backend (``"auto"``: the distillation's Triton kernels on
+            CUDA, the tiled PyTorch loss elsewhere) and matmul precision, as in ``InfCLLoss``.
         gather_across_devices: with several processes, every anchor's distributions run over every
             process's candidates (the student's and the teacher's key blocks travel the hf_infcl
             ring; nothing is gathered), as ``InfCLLoss``'s option. False (default): each process
@@ -1351,7 +1350,6 @@ class InfCLDistillLoss(FrozenModelColumnsMixin, ShardedReplaysMixin, NoGradMiniB
         check_option("symmetric", symmetric)
         # A backend name only, not a block-ops object: get_config_dict saves it as JSON.
         check_option("backend", backend, block_ops=False)
-        check_distillation_backend(backend)
         check_option("precision", precision)
         self.must_retokenize = teacher is not None and _check_teacher_model(model, teacher)
         caches = _caches_gradients(model, mini_batch_size, mini_batch_num_tokens, no_grad_mini_batch_size)

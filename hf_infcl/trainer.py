@@ -51,7 +51,7 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify
 from .batch_statistics import check_no_batch_statistics
 from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs
-from .distillation import check_distillation_backend, contrastive_distillation_loss
+from .distillation import contrastive_distillation_loss
 from .grad_cache import cached_step, split_batch, to_device
 from .loss import Objectives, _contrastive_loss
 from .metrics import (
@@ -248,7 +248,6 @@ class InfCLTrainer(Trainer):
                       f"{type(unwrap_model(self.model)).__name__}'s own loss (label_smoothing=None)")
             raise ValueError(f"{prefix} is not defined with label smoothing ({source} smooths by "
                              f"{self.label_smoothing}): set label_smoothing=0.0")
-        check_distillation_backend(args.loss_backend, "loss_backend")
 
     def _is_fsdp2(self) -> bool:
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)

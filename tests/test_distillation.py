@@ -232,7 +232,7 @@ def _teacher(rows, width=3, dtype=torch.float64):
     (dict(distillation_weight=1.5), ValueError, "distillation_weight must be in"),
     (dict(distillation_weight=True), TypeError, "distillation_weight must be a float"),
     (dict(reduction="avg"), ValueError, "reduction must be one of"),
-    (dict(backend="triton"), ValueError, "backend='triton'"),
+    (dict(backend="triton"), ValueError, "backend='triton' needs CUDA tensors"),
     (dict(backend=object()), TypeError, "backend must be a name or a block-ops object"),
     (dict(positives=torch.tensor([0, 1, 2, 9])), ValueError, "positives must index keys"),
 ], ids=lambda value: None)

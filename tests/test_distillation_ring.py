@@ -2,7 +2,8 @@
 queries, keys and the student's scale equal one process on the concatenated batch and the float64
 oracle (tests/helpers/oracle_distillation.py), to 1e-10, over uneven ranks (one without rows),
 both directions, the KL alone and mixed with InfoNCE, teachers of another width; ranks that
-disagree raise the same error everywhere. One case of fp32 features is held to the fp32 tolerance.
+disagree raise the same error everywhere. The cases of fp32 features (one on the Triton block ops,
+interpreted) are held to the fp32 tolerance.
 
 Each world size (2 and 3 processes) is spawned once per session; the processes run every case of
 ``tests/helpers/distillation_ring_workers.py`` and write their results to files, judged below.
@@ -80,6 +81,8 @@ def assert_ranks_match(ranks: list[dict], name: str, per_row: torch.Tensor, grad
     for what, expected in grads.items():  # fresh random inputs: a zero gradient would be vacuous
         assert expected.abs().max() > 1e-4, f"{source}: {what} has a vanishing gradient"
     scale_total = 0.0
+    if any(result["cases"][name] is None for result in ranks):
+        pytest.skip("Triton cannot be imported here")
     for rank, result in enumerate(ranks):
         mine = result["cases"][name]
         own_rows_at = slice(row_offsets[rank], row_offsets[rank + 1])

@@ -357,11 +357,11 @@ def test_bad_arguments_are_refused_at_construction(student, kwargs, error, match
         losses.InfCLDistillLoss(student, **kwargs)
 
 
-def test_the_triton_backend_is_refused_at_construction(student, teacher):
-    """The distillation's Triton kernels are not a backend name yet: refused before any step embeds a
-    batch."""
-    with pytest.raises(ValueError, match="backend='triton'"):
-        losses.InfCLDistillLoss(student, teacher=teacher, backend="triton")
+def test_the_triton_backend_is_a_name_as_in_infcl_loss(student, teacher):
+    """``backend="triton"`` is taken at construction and saved with the config, as InfCLLoss takes it
+    (it needs CUDA tensors when the loss runs)."""
+    loss = losses.InfCLDistillLoss(student, teacher=teacher, backend="triton")
+    assert loss.get_config_dict()["backend"] == "triton"
 
 
 def test_the_model_as_its_own_teacher_is_refused(student):

@@ -185,11 +185,8 @@ def test_arguments_check_the_distillation_fields(tmp_path, field, value, error, 
     (tiny_align, dict(distillation_weight=0.5), "AlignModel's own loss \\(label_smoothing=None\\) smooths by "
                                                 "0.1"),
     (tiny_clap, dict(distillation_weight=0.5), "^distillation_weight=0.5 is not defined for ClapModel"),
-    (tiny_clip, dict(distillation_weight=0.5, loss_backend="triton"),
-     "loss_backend='triton'.* no Triton kernels by that name yet"),
     (tiny_clip, dict(distillation_weight=0.5, matryoshka_dims=[16, 8]), "with matryoshka_dims"),
-], ids=["scale-alone", "siglip", "sigmoid", "groups", "filter", "smoothing", "align", "clap", "triton",
-        "matryoshka"])
+], ids=["scale-alone", "siglip", "sigmoid", "groups", "filter", "smoothing", "align", "clap", "matryoshka"])
 def test_what_distillation_cannot_combine_with_is_refused(tmp_path, build, settings, message):
     with pytest.raises(ValueError, match=message):
         InfCLTrainer(model=build(), args=trainer_arguments(tmp_path, **settings))

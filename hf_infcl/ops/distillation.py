@@ -111,20 +111,25 @@ class DistillationBlockOps(Protocol):
         P and T the student's and the teacher's probabilities of each direction."""
 
 
-# The PyTorch tiles' side on CUDA: each tile costs some 500 small torch calls, whose host time
-# dominates smaller tiles there (benchmarks/README.md, bench_objectives); these hold about 0.35 GiB
-# of fp32 temporaries, whatever the batch.
+# The PyTorch tiles' side on CUDA (backend "torch"): each tile costs some 500 small torch calls,
+# whose host time dominates smaller tiles there (benchmarks/README.md, bench_objectives); these hold
+# about 0.35 GiB of fp32 temporaries, whatever the batch.
 _CUDA_TILE = 4096
 
 
 def distillation_block_ops(backend, device: torch.device) -> DistillationBlockOps:
-    """The block ops for distillation on ``device``: the ``"torch"`` tiles for ``"auto"`` and
-    ``"torch"`` (on every device, larger tiles on CUDA, until the Triton kernels are timed on a
-    GPU), or a block-ops object that offers it (``TritonBlocks()``: those kernels)."""
+    """The block ops for distillation on ``device``: for a name, the one ``contrastive_loss`` would
+    run (``"auto"``: the Triton kernels on CUDA when Triton imports, else the torch tiles, larger on
+    CUDA); or a block-ops object that offers it."""
     if isinstance(backend, str):
+        # imported here: both modules import this one
+        from .logit_stats import select_block_ops
         from .tiled import TorchTiles
 
-        return TorchTiles(_CUDA_TILE, _CUDA_TILE) if device.type == "cuda" else TorchTiles()
+        ops = select_block_ops(backend, device)
+        if isinstance(ops, TorchTiles) and device.type == "cuda":
+            return TorchTiles(_CUDA_TILE, _CUDA_TILE)
+        return ops
     if not all(callable(getattr(backend, name, None))
                for name in ("distillation_forward_block", "distillation_backward_block")):
         raise TypeError(f"backend {type(backend).__name__} has no distillation_forward_block/"

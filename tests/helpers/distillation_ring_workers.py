@@ -68,6 +68,11 @@ CASES = {
         distillation_weight=0.5, teacher_width=6, dtype=torch.float32,
         rows={2: (4, 2), 3: (2, 0, 3)}, keys={2: (5, 4), 3: (3, 2, 4)},
     ),
+    # the Triton block ops (interpreted on CPU: the parent sets TRITON_INTERPRET=1 for the ranks)
+    "mixed_symmetric_fp32_triton": Case(
+        distillation_weight=0.5, teacher_width=6, dtype=torch.float32, custom_positives=True,
+        backend="triton-blocks", rows={2: (4, 2), 3: (2, 0, 3)}, keys={2: (5, 4), 3: (3, 2, 4)},
+    ),
     # key blocks of one row: the backward's key gradients travel as a single slice
     "one_key_per_rank": Case(
         distillation_weight=0.5, rows={2: (1, 1), 3: (1, 1, 1)}, keys={2: (1, 1), 3: (1, 1, 1)},
@@ -107,8 +112,21 @@ def concatenated(parts: list[dict]) -> dict:
     return batch
 
 
-def run_case(case: Case, part: dict) -> dict:
-    """This rank's value and the gradients of (the sum of) it."""
+def triton_blocks():
+    """The Triton block ops with super-tiles small enough that every block crosses several, NaN
+    poisoning their scratch buffers; None where Triton cannot be imported."""
+    try:
+        from hf_infcl.ops.triton import TritonBlocks
+    except ImportError:
+        return None
+    return TritonBlocks(tile_rows=2, tile_keys=4, poison=True)
+
+
+def run_case(case: Case, part: dict) -> dict | None:
+    """This rank's value and the gradients of (the sum of) it; None for a Triton case without Triton."""
+    backend = triton_blocks() if case.backend == "triton-blocks" else case.backend
+    if backend is None:
+        return None
     queries = part["queries"].to(case.dtype).requires_grad_(True)
     keys = part["keys"].to(case.dtype).requires_grad_(True)
     scale = torch.tensor(SCALE, dtype=case.dtype, requires_grad=True)
@@ -116,7 +134,7 @@ def run_case(case: Case, part: dict) -> dict:
         queries, keys, part["teacher_queries"].to(case.dtype), part["teacher_keys"].to(case.dtype), scale,
         TEACHER_SCALE,
         symmetric=case.symmetric, positives=part["positives"], distillation_weight=case.distillation_weight,
-        reduction=case.reduction, process_group="auto", backend=case.backend,
+        reduction=case.reduction, process_group="auto", backend=backend,
     )
     value.sum().backward()
     results = {"value": value.detach(), "queries": queries.grad, "keys": keys.grad, "scale": scale.grad}
