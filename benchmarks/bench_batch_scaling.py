@@ -544,14 +544,15 @@ def read_rows(path: str) -> list[dict]:
 
 def variant(row: dict) -> str:
     """What was trained: "untrained", "infcl", "infcl, margin 0.1", "infcl, guide initial", "cached-mnrl",
-    "infcl, >= 500 steps" (``--min-steps``)."""
+    "infcl, 4 epochs" (more than one epoch, by ``--epochs`` or ``--min-steps``: the same training
+    either way, so one curve)."""
     parts = [row["loss"]]
     if row.get("margin"):
         parts.append(f"margin {row['margin']}")
     if row.get("guide"):
         parts.append(f"guide {row['guide']}")
-    if row.get("min_steps"):
-        parts.append(f">= {row['min_steps']} steps")
+    if row["loss"] != "untrained" and int(row["epochs"]) > 1:
+        parts.append(f"{row['epochs']} epochs")
     return ", ".join(parts)
 
 
