@@ -16,10 +16,11 @@ log-scale, through the public ``hf_infcl.contrastive_loss``:
 and, named in ``--variants`` only (not run by default):
 
   distill      ``contrastive_distillation_loss`` against a teacher of the same width, half KL and
-               half InfoNCE (``distillation_weight=0.5``)
-  distill-tilesN  the same on ``TorchTiles(N, N)`` (the default on CUDA: 4096; smaller tiles
-               leave the GPU waiting on the host's launches); e.g. ``distill-tiles1024``
-  distill-triton  the same on the Triton kernels (``backend=TritonBlocks()``)
+               half InfoNCE (``distillation_weight=0.5``), ``backend="auto"`` (its Triton kernels
+               on CUDA)
+  distill-tilesN  the same on ``TorchTiles(N, N)`` (``backend="torch"`` takes 4096 on CUDA; smaller
+               tiles leave the GPU waiting on the host's launches); e.g. ``distill-tiles1024``
+  distill-triton  the same on ``backend=TritonBlocks()``
   matryoshka   ``matryoshka_dims`` of five widths, c, 2c/3, c/3, c/6 and c/12 (768, 512, 256, 128
                and 64 at c = 768): on CUDA one Triton loss call per width
   matryoshka-tilesN  the same on ``TorchTiles(N, N)``: every width in one pass per tile
