@@ -1,11 +1,10 @@
 """The statistics and gradient-tile kernels compile for Hopper (sm_90) on a machine without a GPU, with
-the score filter's per-tile branches and without them.
+and without the score filter and its guide, in each loss and direction.
 
 The interpreter (``tests/helpers/triton_interpreted.py``) runs the kernels as Python, so it cannot see
 what only Triton's compiler rejects: a name bound in one branch of a runtime ``if`` and used after it,
-or a Python constant where the compiler makes a tensor and a branch on it stops being static. The
-filter's per-tile branches are of that kind, and their switches must leave the kernels without the
-filter free of them, so both are compiled here, to the cubin, with the ptxas that Triton ships.
+or a Python constant that the compiler makes a tensor, so that a branch on it stops being static.
+Each variant is compiled here, to the cubin, with the ptxas that Triton ships.
 """
 
 from __future__ import annotations

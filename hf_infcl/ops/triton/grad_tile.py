@@ -19,7 +19,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .device import INTERPRET, pair_pointers, tensor_descriptor, unused_pointer
 from .jit_math import (
     allowed_pairs,
-    any_score_above,
     dot_precision,
     dot_tile,
     even_guide_k,
@@ -72,40 +71,31 @@ def _grad_tile_kernel(
         allowed = allowed_pairs(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
                                 positive_ptr, key_offset, HAS_MASK)
     logits = scaled_logits(dots, scale, bias, HAS_BIAS)
-    # The score filter: each direction's term where its own threshold keeps the entry. A tile whose
-    # scores are all below their thresholds loses nothing (nor does any without the filter): it skips
-    # the masks.
-    rows_may_drop: tl.constexpr = False
-    keys_may_drop: tl.constexpr = False
     if FILTER:
+        # The score filter: each direction's term where its own threshold keeps the entry.
         scores = dots
         if GUIDE:
             scores = dot_tile(guide_q_ptr, guide_k_ptr, None, None, row_index, key_index, row_valid,
                               key_valid, 0, 0, c_guide, stride_guide_q, stride_guide_k, BLOCK_M, BLOCK_N,
                               BLOCK_K, PRECISION, UPCAST, EVEN_GUIDE_K, False, ROUND_GUIDE)
-        rows_may_drop = any_score_above(scores, row_threshold_ptr, row_index, row_valid, True)
-        if COLUMNS:
-            keys_may_drop = any_score_above(scores, key_threshold_ptr, key_index, key_valid, False)
+        candidates = not_positive(row_index, key_index, row_valid, key_valid, tl.program_id(0) * BLOCK_M,
+                                  tl.program_id(1) * BLOCK_N, positive_ptr, key_offset, row_group_ptr,
+                                  key_group_ptr, False, GROUP_POSITIVES, BLOCK_M, BLOCK_N)
+        row_dropped = score_filter_drops(scores, candidates, row_threshold_ptr, row_index, row_valid, True)
     if ONE_PASS:
         # The sigmoid loss's one pass: unit row weights, and the softplus row sums (the row
         # statistic) from the same logits and the same exponential.
         grad, softplus_terms = sigmoid_and_softplus(logits)
         if HAS_MASK or not FULL:
             softplus_terms = tl.where(allowed, softplus_terms, 0.0)
-        if rows_may_drop:
-            row_dropped = _dropped(scores, row_threshold_ptr, True, row_index, key_index, row_valid,
-                                   key_valid, positive_ptr, key_offset, row_group_ptr, key_group_ptr,
-                                   GROUP_POSITIVES, BLOCK_M, BLOCK_N)
+        if FILTER:
             softplus_terms = tl.where(row_dropped, 0.0, softplus_terms)
             grad = tl.where(row_dropped, 0.0, grad)
         tl.atomic_add(softplus_sums_ptr + row_index, tl.sum(softplus_terms, axis=1), mask=row_valid)
     elif SIGMOID:
         row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
         grad = row_weight[:, None] * tl.sigmoid(logits)
-        if rows_may_drop:
-            row_dropped = _dropped(scores, row_threshold_ptr, True, row_index, key_index, row_valid,
-                                   key_valid, positive_ptr, key_offset, row_group_ptr, key_group_ptr,
-                                   GROUP_POSITIVES, BLOCK_M, BLOCK_N)
+        if FILTER:
             grad = tl.where(row_dropped, 0.0, grad)
     else:
         row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
@@ -120,10 +110,7 @@ def _grad_tile_kernel(
             row_logits = logits
         p_row = exp_in_units(row_logits - in_units(row_stat, LOG2)[:, None], LOG2)
         grad = row_weight[:, None] * p_row
-        if rows_may_drop:  # where(), not a product: a left-out entry may hold 0 * inf = nan
-            row_dropped = _dropped(scores, row_threshold_ptr, True, row_index, key_index, row_valid,
-                                   key_valid, positive_ptr, key_offset, row_group_ptr, key_group_ptr,
-                                   GROUP_POSITIVES, BLOCK_M, BLOCK_N)
+        if FILTER:  # where(), not a product: a left-out entry may hold 0 * inf = nan
             grad = tl.where(row_dropped, 0.0, grad)
         if COLUMNS:
             col_stat = tl.load(col_stat_ptr + key_index, mask=key_valid, other=0.0)
@@ -131,13 +118,12 @@ def _grad_tile_kernel(
             # Their own exponential (docs/algorithms.md). Where col_stat is -inf (a key no row may
             # pair with), p_col is inf and col_weight 0: the where() below drops it.
             p_col = exp_in_units(logits - in_units(col_stat, LOG2)[None, :], LOG2)
-            column_term = col_weight[None, :] * p_col
-            if keys_may_drop:
-                column_dropped = _dropped(scores, key_threshold_ptr, False, row_index, key_index, row_valid,
-                                          key_valid, positive_ptr, key_offset, row_group_ptr, key_group_ptr,
-                                          GROUP_POSITIVES, BLOCK_M, BLOCK_N)
-                column_term = tl.where(column_dropped, 0.0, column_term)
-            grad += column_term
+            if FILTER:
+                column_dropped = score_filter_drops(scores, candidates, key_threshold_ptr, key_index,
+                                                    key_valid, False)
+                grad += tl.where(column_dropped, 0.0, col_weight[None, :] * p_col)
+            else:
+                grad += col_weight[None, :] * p_col
     if HAS_MASK or not FULL:
         # where(), not a product: a masked entry may hold 0 * inf = nan.
         grad = tl.where(allowed, grad, 0.0)
@@ -150,21 +136,6 @@ def _grad_tile_kernel(
         tl.store(g_tile, grad.to(g_ptr.dtype.element_ty))
     else:
         tl.store(g_tile, grad.to(g_ptr.dtype.element_ty), mask=row_valid[:, None] & key_valid[None, :])
-
-
-@triton.jit
-def _dropped(scores, threshold_ptr, ROWS: tl.constexpr, row_index, key_index, row_valid, key_valid,
-             positive_ptr, key_offset, row_group_ptr, key_group_ptr, GROUP_POSITIVES: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """:func:`.jit_math.score_filter_drops` of this program's (rows, keys) tile, against the rows'
-    thresholds (ROWS) or the keys', its candidates made here: only tiles that may lose an entry
-    pay for them."""
-    candidates = not_positive(row_index, key_index, row_valid, key_valid, tl.program_id(0) * BLOCK_M,
-                              tl.program_id(1) * BLOCK_N, positive_ptr, key_offset, row_group_ptr,
-                              key_group_ptr, False, GROUP_POSITIVES, BLOCK_M, BLOCK_N)
-    if ROWS:
-        return score_filter_drops(scores, candidates, threshold_ptr, row_index, row_valid, True)
-    return score_filter_drops(scores, candidates, threshold_ptr, key_index, key_valid, False)
 
 
 # The block size that gives the rows of each tensor-descriptor argument's blocks (the columns:

@@ -300,21 +300,6 @@ def score_filter_drops(scores, candidates, threshold_ptr, index, valid, OUTER: t
 
 
 @triton.jit
-def any_score_above(scores, threshold_ptr, index, valid, OUTER: tl.constexpr):
-    """Whether any entry of a tile of ``scores`` is above its threshold (as in
-    :func:`score_filter_drops`, positives not excluded): a scalar. Where it is False the filter
-    leaves nothing of the tile out, and the kernels skip its masks: near-duplicates are rare, so
-    most tiles of a real batch hold none, and the per-entry masks cost as much as the rest of the
-    tile's epilogue. One maximum per entry, where the masks take about six operations."""
-    threshold = tl.load(threshold_ptr + index, mask=valid, other=float("inf"))
-    if OUTER:
-        top = tl.max(scores, axis=1)
-    else:
-        top = tl.max(scores, axis=0)
-    return tl.max((top > threshold).to(tl.int32), axis=0) > 0
-
-
-@triton.jit
 def hardness_offset_logits(logits, dots, row_index, key_index, row_valid, key_valid, query_id_ptr,
                            key_owner_ptr, positive_ptr, key_offset, strength, row_group_ptr, key_group_ptr,
                            HARDNESS: tl.constexpr, GROUP_POSITIVES: tl.constexpr):

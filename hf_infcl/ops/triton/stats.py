@@ -22,7 +22,6 @@ from .device import INTERPRET, pair_pointers, sm_count, unused_pointer
 from .jit_math import (
     LN2,
     allowed_pairs,
-    any_score_above,
     column_lse,
     dot_precision,
     dot_tile,
@@ -79,10 +78,6 @@ def _stats_kernel(
                         0, 0, c, stride_outer, stride_inner, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
                         EVEN_K, False)
         logits = scaled_logits(dots, scale, bias, HAS_BIAS)
-        # Without the filter nothing is left out; with it, neither is anything of a tile whose
-        # scores are all below their thresholds: such tiles skip its masks.
-        outer_may_drop: tl.constexpr = False
-        inner_may_drop: tl.constexpr = False
         # Full blocks (FULL) without a group mask allow every pair: no mask tile at all.
         if HAS_MASK or not FULL:
             if COLUMNS:
@@ -100,24 +95,20 @@ def _stats_kernel(
                                   outer_valid, inner_valid, 0, 0, c_guide, stride_guide_outer,
                                   stride_guide_inner, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
                                   EVEN_GUIDE_K, False, ROUND_GUIDE)
+            candidates = not_positive(outer_index, inner_index, outer_valid, inner_valid, pid * BLOCK_M, n0,
+                                      positive_ptr, key_offset, row_group_ptr, key_group_ptr, COLUMNS,
+                                      GROUP_POSITIVES, BLOCK_M, BLOCK_N)
             # the outer vectors' own thresholds: rows', or keys' with keys outer
             if COLUMNS:
                 outer_thresholds = key_threshold_ptr
             else:
                 outer_thresholds = row_threshold_ptr
-            outer_may_drop = any_score_above(scores, outer_thresholds, outer_index, outer_valid, True)
-            if FUSED_COLUMNS:
-                inner_may_drop = any_score_above(scores, key_threshold_ptr, inner_index, inner_valid, False)
+            dropped = score_filter_drops(scores, candidates, outer_thresholds, outer_index, outer_valid, True)
         if SIGMOID:
             terms = softplus(logits)
             if HAS_MASK or not FULL:
                 terms = tl.where(allowed, terms, 0.0)
-            if outer_may_drop:
-                candidates = not_positive(outer_index, inner_index, outer_valid, inner_valid, pid * BLOCK_M,
-                                          n0, positive_ptr, key_offset, row_group_ptr, key_group_ptr,
-                                          COLUMNS, GROUP_POSITIVES, BLOCK_M, BLOCK_N)
-                dropped = score_filter_drops(scores, candidates, outer_thresholds, outer_index, outer_valid,
-                                             True)
+            if FILTER:
                 terms = tl.where(dropped, 0.0, terms)
             running_sum += tl.sum(terms, axis=1)
         else:
@@ -128,12 +119,7 @@ def _stats_kernel(
                                                 GROUP_POSITIVES)
             if HAS_MASK or not FULL:
                 logits = tl.where(allowed, logits, float("-inf"))
-            if outer_may_drop:
-                candidates = not_positive(outer_index, inner_index, outer_valid, inner_valid, pid * BLOCK_M,
-                                          n0, positive_ptr, key_offset, row_group_ptr, key_group_ptr,
-                                          COLUMNS, GROUP_POSITIVES, BLOCK_M, BLOCK_N)
-                dropped = score_filter_drops(scores, candidates, outer_thresholds, outer_index, outer_valid,
-                                             True)
+            if FILTER:
                 logits = tl.where(dropped, float("-inf"), logits)
             # The tile's own row maxima shift its exponentials. A row with nothing allowed has
             # max -inf: shift by 0 there.
@@ -149,21 +135,19 @@ def _stats_kernel(
             if FUSED_COLUMNS:
                 # The same tile's column log-sum-exp over this program's rows: one partial per
                 # (row block, key), merged by the launcher. Saves the second forward pass.
-                # The columns' own logits (no offset, their own filter), made again from the dots
-                # where the rows' differ, once those are used: one logit tile live at a time, not two.
-                column_logits = logits
-                if (HARDNESS != 0) | outer_may_drop | inner_may_drop:
+                if HARDNESS != 0 or FILTER:
+                    # The columns' own logits (no offset, their own filter), made again from the
+                    # dots once the rows' are used: one logit tile live at a time, not two.
                     column_logits = scaled_logits(dots, scale, bias, HAS_BIAS)
                     if HAS_MASK or not FULL:
                         column_logits = tl.where(allowed, column_logits, float("-inf"))
-                if inner_may_drop:
-                    candidates = not_positive(outer_index, inner_index, outer_valid, inner_valid,
-                                              pid * BLOCK_M, n0, positive_ptr, key_offset, row_group_ptr,
-                                              key_group_ptr, COLUMNS, GROUP_POSITIVES, BLOCK_M, BLOCK_N)
-                    column_dropped = score_filter_drops(scores, candidates, key_threshold_ptr, inner_index,
-                                                        inner_valid, False)
-                    column_logits = tl.where(column_dropped, float("-inf"), column_logits)
-                col_lse = column_lse(column_logits, LOG2)
+                    if FILTER:
+                        column_dropped = score_filter_drops(scores, candidates, key_threshold_ptr,
+                                                            inner_index, inner_valid, False)
+                        column_logits = tl.where(column_dropped, float("-inf"), column_logits)
+                    col_lse = column_lse(column_logits, LOG2)
+                else:
+                    col_lse = column_lse(logits, LOG2)
                 if LOG2:  # the partials are merged in natural units
                     col_lse *= LN2
                 if FULL:
