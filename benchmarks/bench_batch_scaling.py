@@ -579,51 +579,53 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def write_plot(rows: list[dict], path: str) -> str:
-    """recall@1, recall@10 and MRR against the batch (log axis), one line style per variant, and the
-    seconds per epoch on a second axis; the untrained model's MRR as a dotted line."""
+    """recall@1, recall@10 and MRR (one colour each) against the batch (log axis): a line per variant
+    run at several batches (one style each), a marker per variant run at one; the seconds per epoch
+    of the one-epoch runs on a second axis; the untrained model's MRR as a dotted line. The legend
+    names the colours and the variants apart, so that it stays short."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     latest = {(variant(row), int(row["batch"])): row for row in rows}
+    metrics = (("recall@1", "tab:blue"), ("recall@10", "tab:green"), ("mrr", "tab:purple"))
     figure, quality = plt.subplots(figsize=(9, 4.5))
     seconds_axis = quality.twinx()
-    names = sorted({name for name, batch in latest if batch})
-    for name, style in zip(names, ["-", "--", "-.", ":"] * len(names)):
+    # the plain InfCLLoss runs first: they take the solid line
+    names = sorted({name for name, batch in latest if batch}, key=lambda name: (name != "infcl", name))
+    lines = [name for name in names if sum(n == name and batch > 0 for n, batch in latest) > 1]
+    variant_handles = []
+    line_styles = iter(["-", "-.", (0, (1, 1)), "--"] * len(names))
+    markers = iter(["x", "^", "v", "D", "s", "P"] * len(names))
+    for name in names:
         points = sorted((batch, row) for (n, batch), row in latest.items() if n == name and batch)
         batches = [batch for batch, _ in points]
-        for metric, color in (("recall@1", "tab:blue"), ("recall@10", "tab:green"), ("mrr", "tab:purple")):
-            quality.plot(
-                batches,
-                [float(row[metric]) for _, row in points],
-                style,
-                color=color,
-                marker="o",
-                label=f"{metric} ({name})",
-            )
-        timed = [
-            (batch, float(row["seconds_per_epoch"])) for batch, row in points if row["seconds_per_epoch"]
-        ]
-        if timed:
-            seconds_axis.plot(*zip(*timed), style, color="tab:gray", marker="s", label=f"s / epoch ({name})")
+        style = dict(linestyle=next(line_styles), marker="o") if name in lines else \
+            dict(linestyle="none", marker=next(markers), markersize=8)
+        for metric, color in metrics:
+            quality.plot(batches, [float(row[metric]) for _, row in points], color=color, **style)
+        variant_handles.append(Line2D([], [], color="black", label=name, **style))
+        if name == "infcl":
+            timed = [(batch, float(row["seconds_per_epoch"])) for batch, row in points
+                     if row["seconds_per_epoch"]]
+            if timed:
+                seconds_axis.plot(*zip(*timed), ":", color="tab:gray", marker="s")
     for (name, _), row in latest.items():
         if name == "untrained":
-            quality.axhline(float(row["mrr"]), color="tab:purple", linestyle=":", label="MRR untrained")
+            quality.axhline(float(row["mrr"]), color="tab:purple", linestyle=":")
     quality.set_xscale("log", base=2)
     trained = sorted({batch for _, batch in latest if batch})
     quality.set_xticks(trained, [format_count(batch) for batch in trained])
     quality.set_xlabel("batch (pairs per step)")
     quality.set_ylabel("held-out retrieval")
-    seconds_axis.set_ylabel("seconds per epoch")
-    handles = [h for axis in (quality, seconds_axis) for h in axis.get_legend_handles_labels()[0]]
-    quality.legend(
-        handles,
-        [h.get_label() for h in handles],
-        fontsize="small",
-        loc="upper left",
-        bbox_to_anchor=(1.12, 1),
-    )  # beside the plot: the lines stay readable
+    seconds_axis.set_ylabel("seconds per epoch (infcl, one epoch)")
+    handles = [Line2D([], [], color=color, linewidth=6, label=metric) for metric, color in metrics]
+    handles += [Line2D([], [], color="tab:purple", linestyle=":", label="MRR untrained"),
+                Line2D([], [], color="tab:gray", linestyle=":", marker="s", label="s / epoch")]
+    quality.legend(handles=handles + variant_handles, fontsize="small", loc="upper left",
+                   bbox_to_anchor=(1.12, 1))  # beside the plot: the lines stay readable
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
