@@ -100,7 +100,8 @@ WORDS = [f"w{index:04d}" for index in range(2000)]  # the random texts' words
 TOKENIZER_PAIRS = 1000  # texts the example's builder trains its tokenizer on
 FIELDS = ["part", "preset", "engine", "processes", "loss", "pairs", "mini_batch_size", "tokens", "status",
           "step_s", "steps", "step_times", "peak_gib", "start_gib", "step_vs_cached", "peak_vs_cached",
-          "loss_value", "device", "torch", "transformers", "sentence_transformers", "deepspeed", "hf_infcl"]
+          "loss_value", "nonfinite_grads", "nonfinite_parameters", "device", "torch", "transformers",
+          "sentence_transformers", "deepspeed", "hf_infcl"]
 
 
 def gib(n_bytes: float) -> float:
@@ -176,6 +177,14 @@ def timed_step(loss_module, columns, optimizer) -> tuple[float, int, float]:
     return seconds, peak, loss_value[0]
 
 
+def nonfinite_tensors(optimizer) -> tuple[int, int]:
+    """(parameters whose gradient holds a NaN or inf, parameters that do), read after a step: a step
+    that trains on a non-finite loss, or leaves the model non-finite, says which."""
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = sum(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in parameters)
+    return grads, sum(not bool(torch.isfinite(p).all()) for p in parameters)
+
+
 def warm_loss_alone(loss_module, pairs: int, width: int, device) -> None:
     """The loss and its backward on random embeddings of ``pairs`` rows (the mini-batches' cache),
     so that kernel tuning for this size falls outside the timed steps."""
@@ -233,7 +242,8 @@ def run_step_part(opts, meta, record) -> None:
     del warmup
     for pairs in opts.sizes:
         columns = token_columns(model, pairs, tokens, generator, device)
-        results = {name: {"seconds": [], "peaks": [], "starts": [], "losses": []} for name in loss_modules}
+        results = {name: {"seconds": [], "peaks": [], "starts": [], "losses": [], "nonfinite": (0, 0)}
+                   for name in loss_modules}
         for name, loss_module in loss_modules.items():
             if name not in failed:
                 try:
@@ -259,7 +269,10 @@ def run_step_part(opts, meta, record) -> None:
                     result["seconds"].append(seconds)
                     result["peaks"].append(peak)
                     result["losses"].append(loss_value)
-                    progress(f"{name}: a step of {pairs} pairs took {seconds:.2f} s")
+                    result["nonfinite"] = nonfinite_tensors(optimizer)  # outside the timed step
+                    progress(f"{name}: a step of {pairs} pairs took {seconds:.2f} s, loss {loss_value:.4f}, "
+                             "parameters with a non-finite gradient / value after it: "
+                             "{} / {}".format(*result["nonfinite"]))
                 optimizer.zero_grad(set_to_none=True)
                 free_memory()
         rows = {}
@@ -273,7 +286,8 @@ def run_step_part(opts, meta, record) -> None:
                            steps=len(result["seconds"]),
                            step_times=" ".join(f"{s:.3f}" for s in result["seconds"]),
                            peak_gib=gib(max(result["peaks"])), start_gib=gib(max(result["starts"])),
-                           loss_value=round(result["losses"][-1], 4))
+                           loss_value=round(result["losses"][-1], 4), nonfinite_grads=result["nonfinite"][0],
+                           nonfinite_parameters=result["nonfinite"][1])
             rows[name] = row
         ours, theirs = rows["InfCLLoss"], rows["CachedMNRL"]
         if ours["status"] == theirs["status"] == "ok":
