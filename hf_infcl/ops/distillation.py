@@ -122,7 +122,7 @@ def distillation_block_ops(backend, device: torch.device) -> DistillationBlockOp
     run (``"auto"``: the Triton kernels on CUDA when Triton imports, else the torch tiles, larger on
     CUDA); or a block-ops object that offers it."""
     if isinstance(backend, str):
-        # imported here: both modules import this one
+        # imported here: tiled.py imports this module, and logit_stats.py imports tiled.py
         from .logit_stats import select_block_ops
         from .tiled import TorchTiles
 
