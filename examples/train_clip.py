@@ -398,6 +398,11 @@ def main(argv=None):
                              eval_skipped=classification[0].extra["skipped"] if classification else None)
     if hub is not None:  # after the results are out
         hub.push()
+    # The model's DDP or FSDP wrapper holds the process group: let it go while the group exists, not
+    # after end_training destroys it (a DDP reducer that outlived its group hung a rank once in the
+    # sentence-transformers tests).
+    embedder = model = optimizer = scheduler = None
+    accelerator.free_memory()
     accelerator.end_training()
     return final
 
