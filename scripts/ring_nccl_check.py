@@ -148,15 +148,14 @@ def global_case(case: Case, world_size: int, seed: int):
 
 def loss_of(case: Case, queries, keys, scale, bias, batch: dict, dtype, device, backend, **arguments):
     """The case's loss: ``contrastive_loss`` with its options, or, with a teacher,
-    ``contrastive_distillation_loss`` (the tiled PyTorch backend in place of Triton, which has no
-    distillation kernels)."""
+    ``contrastive_distillation_loss`` on the same backend."""
     if case.teacher_width is None:
         return contrastive_loss(queries, keys, scale, bias, loss=case.loss, symmetric=case.symmetric,
                                 backend=backend, **arguments, **option_arguments(case, batch, dtype, device))
     teacher = [batch[name].to(device=device, dtype=dtype) for name in ("teacher_queries", "teacher_keys")]
     return contrastive_distillation_loss(queries, keys, *teacher, scale, TEACHER_SCALE,
                                          symmetric=case.symmetric, distillation_weight=DISTILLATION_WEIGHT,
-                                         backend="auto" if backend == "triton" else backend, **arguments)
+                                         backend=backend, **arguments)
 
 
 def option_arguments(case: Case, batch: dict, dtype, device) -> dict:
