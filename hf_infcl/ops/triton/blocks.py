@@ -241,7 +241,7 @@ class TritonBlocks:
         :meth:`_rows_and_columns_in_one_pass`), each chunk's partials merged into the columns'."""
         queries, keys = student.queries, student.keys
         m, k = queries.shape[0], keys.shape[0]
-        chunk_rows = min(m, max(1, self.column_buffer_entries // k) * distillation.MIN_BLOCK_M)
+        chunk_rows = self._column_chunk_rows(m, k, distillation.MIN_BLOCK_M)
         rows, columns = [], None
         for r0 in range(0, m, chunk_rows):
             r1 = min(r0 + chunk_rows, m)
@@ -312,8 +312,7 @@ class TritonBlocks:
         queries, keys, scale = problem.kernel.queries, problem.kernel.keys, problem.kernel.scale
         m, k = queries.shape[0], keys.shape[0]
         device = queries.device
-        blocks_per_chunk = max(1, self.column_buffer_entries // k)
-        chunk_rows = min(m, blocks_per_chunk * stats.MIN_BLOCK_M)
+        chunk_rows = self._column_chunk_rows(m, k, stats.MIN_BLOCK_M)
         partials = torch.empty((-(-chunk_rows // stats.MIN_BLOCK_M), k), dtype=torch.float32, device=device)
         row_stat = torch.empty(m, dtype=torch.float32, device=device) if chunk_rows < m else None
         col_stat = None
@@ -333,6 +332,12 @@ class TritonBlocks:
                 row_stat[r0:r1] = rows
             col_stat = stats.merge_partials(partials, log_sum_exp=True, previous=col_stat, out=col_stat)
         return row_stat, col_stat
+
+    def _column_chunk_rows(self, m: int, k: int, min_block_m: int) -> int:
+        """Rows per launch of a fused column pass: as many row blocks (of the kernel's smallest,
+        ``min_block_m``) as let one partial per (row block, key) fit ``column_buffer_entries``, at
+        least one."""
+        return min(m, max(1, self.column_buffer_entries // k) * min_block_m)
 
     def _super_tile(self, dtype: torch.dtype, m: int, k: int, wide: bool = False) -> tuple[int, int]:
         # 64 MiB of G: each super-tile then carries enough GPU work to hide the host time of its
