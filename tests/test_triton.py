@@ -34,6 +34,22 @@ def test_kernels_under_interpreter_match_float64_reference():
     assert " passed" in result.stdout and " failed" not in result.stdout
 
 
+@pytest.mark.parametrize("field, value, error, message", [
+    ("tile_rows", 0, ValueError, "tile_rows must be a positive integer or None, got 0"),
+    ("column_buffer_entries", 2.5, ValueError, "column_buffer_entries must be a positive integer or None"),
+    ("sigmoid_logits", "fast", ValueError, "sigmoid_logits must be one of"),
+    ("fused_columns", "yes", TypeError, "fused_columns must be True or False, got 'yes'"),
+    ("distillation_fused_columns", 1, TypeError, "distillation_fused_columns must be True or False, got 1"),
+    ("tf32_via_fp16", None, TypeError, "tf32_via_fp16 must be True or False, got None"),
+])
+def test_triton_blocks_refuse_bad_settings_naming_them(field, value, error, message):
+    pytest.importorskip("triton")
+    from hf_infcl.ops.triton import TritonBlocks
+
+    with pytest.raises(error, match=message):
+        TritonBlocks(**{field: value})
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU
 

@@ -120,6 +120,9 @@ class TritonBlocks:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        for name in ("poison", "fused_columns", "distillation_fused_columns", "tf32_via_fp16"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     def forward_block(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None,
                       hardness: HardnessOffset | None = None, score_filter: ScoreFilter | None = None):
