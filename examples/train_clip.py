@@ -399,8 +399,7 @@ def main(argv=None):
     if hub is not None:  # after the results are out
         hub.push()
     # The model's DDP or FSDP wrapper holds the process group: let it go while the group exists, not
-    # after end_training destroys it (a DDP reducer that outlived its group hung a rank once in the
-    # sentence-transformers tests).
+    # after end_training destroys it (a reducer that outlives its group can hang a rank at exit).
     embedder = model = optimizer = scheduler = None
     accelerator.free_memory()
     accelerator.end_training()
