@@ -21,8 +21,6 @@ and, named in ``--variants`` only (not run by default):
   distill-tilesN  the same on ``TorchTiles(N, N)`` (``backend="torch"`` takes 4096 on CUDA; smaller
                tiles leave the GPU waiting on the host's launches); e.g. ``distill-tiles1024``
   distill-triton  the same on ``backend=TritonBlocks()``
-  distill-fused   the same with the column statistics from the rows' pass
-                  (``TritonBlocks(distillation_fused_columns=True)``, opt-in until timed)
   matryoshka   ``matryoshka_dims`` of five widths, c, 2c/3, c/3, c/6 and c/12 (768, 512, 256, 128
                and 64 at c = 768): on CUDA one Triton loss call per width
   matryoshka-tilesN  the same on ``TorchTiles(N, N)``: every width in one pass per tile
@@ -72,7 +70,7 @@ from hf_infcl import TorchTiles, contrastive_distillation_loss, contrastive_loss
 
 VARIANTS = ("plain", "groups-any", "groups-each", "filter", "filter-guide")
 EXTRA_VARIANTS = ("distill", "matryoshka", "filter-every-tile")  # run when named (and tiled variants)
-GPU_ONLY_VARIANTS = ("distill-triton", "distill-fused")  # run when named, on CUDA
+GPU_ONLY_VARIANTS = ("distill-triton",)  # run when named, on CUDA
 GROUP_SIZE = 5
 POSITIVE_COSINE = 0.6  # a positive's expected cosine to its query
 NEAR_COPIES = 0.01  # the share of (query, key) pairs that are near-copies of another pair
@@ -129,10 +127,10 @@ def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda",
         teacher = F.normalize(torch.randn(2, b, c, device=device, dtype=dtype, generator=generator), dim=-1)
         tiles = _tiles(variant)
         backend = TorchTiles(tiles, tiles) if tiles else "auto"
-        if variant in ("distill-triton", "distill-fused"):
+        if variant == "distill-triton":
             from hf_infcl.ops.triton import TritonBlocks
 
-            backend = TritonBlocks(distillation_fused_columns=variant == "distill-fused")
+            backend = TritonBlocks()
         loss_fn = functools.partial(contrastive_distillation_loss, teacher_queries=teacher[0],
                                     teacher_keys=teacher[1], teacher_logit_scale=20.0,
                                     distillation_weight=0.5, backend=backend)

@@ -39,7 +39,6 @@ def test_kernels_under_interpreter_match_float64_reference():
     ("column_buffer_entries", 2.5, ValueError, "column_buffer_entries must be a positive integer or None"),
     ("sigmoid_logits", "fast", ValueError, "sigmoid_logits must be one of"),
     ("fused_columns", "yes", TypeError, "fused_columns must be True or False, got 'yes'"),
-    ("distillation_fused_columns", 1, TypeError, "distillation_fused_columns must be True or False, got 1"),
     ("tf32_via_fp16", None, TypeError, "tf32_via_fp16 must be True or False, got None"),
 ])
 def test_triton_blocks_refuse_bad_settings_naming_them(field, value, error, message):

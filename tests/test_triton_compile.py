@@ -1,6 +1,5 @@
 """The statistics and gradient-tile kernels compile for Hopper (sm_90) on a machine without a GPU, with
-and without the score filter and its guide, in each loss and direction; so does the distillation's
-statistics kernel, with and without its fused column statistics.
+and without the score filter and its guide, in each loss and direction.
 
 The interpreter (``tests/helpers/triton_interpreted.py``) runs the kernels as Python, so it cannot see
 what only Triton's compiler rejects: a name bound in one branch of a runtime ``if`` and used after it,
@@ -22,7 +21,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hf_infcl.ops.triton import distillation, grad_tile, stats  # noqa: E402
+from hf_infcl.ops.triton import grad_tile, stats  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 _INDEX_POINTERS = {"row_group_ptr", "key_group_ptr", "positive_ptr", "query_id_ptr", "key_owner_ptr"}
@@ -100,11 +99,3 @@ def test_grad_tile_kernel_compiles_for_hopper(variant, filter_name, group_positi
                     FULL=not group_positives, LOG2=True, **GRAD_VARIANTS[variant])
     _compile(grad_tile._grad_tile_kernel,
              {"q_ptr", "k_ptr", "q_desc", "k_desc", "g_ptr", "guide_q_ptr", "guide_k_ptr"}, switches)
-
-
-@pytest.mark.parametrize("fused_columns", [False, True], ids=["rows", "rows-and-columns"])
-def test_distillation_stats_kernel_compiles_for_hopper(fused_columns):
-    switches = dict(PRECISION="tf32", UPCAST=False, ROUND_TEACHER=False, FUSED_COLUMNS=fused_columns,
-                    BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, EVEN_K=True, EVEN_TEACHER_K=True)
-    _compile(distillation._soft_target_stats_kernel,
-             {"outer_ptr", "inner_ptr", "teacher_outer_ptr", "teacher_inner_ptr"}, switches)

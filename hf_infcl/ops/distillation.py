@@ -86,15 +86,6 @@ def merge_soft_target_stats(a: SoftTargetStats, b: SoftTargetStats) -> SoftTarge
     return SoftTargetStats(torch.logaddexp(a.student_lse, b.student_lse), teacher_lse, gap)
 
 
-def merge_soft_target_stats_along(parts: SoftTargetStats, dim: int = 0) -> SoftTargetStats:
-    """The statistics of the disjoint sets of keys whose statistics ``parts`` holds along ``dim``
-    (the splits of one launch, or the row blocks of column partials), merged as
-    :func:`merge_soft_target_stats` merges two."""
-    teacher_lse = torch.logsumexp(parts.teacher_lse, dim)
-    gap = (_share(parts.teacher_lse, teacher_lse.unsqueeze(dim)) * parts.gap).sum(dim)
-    return SoftTargetStats(torch.logsumexp(parts.student_lse, dim), teacher_lse, gap)
-
-
 def _share(part_lse: torch.Tensor, whole_lse: torch.Tensor) -> torch.Tensor:
     """exp(part - whole), 0 for a part of no keys (-inf, where the difference would be NaN)."""
     return torch.where(part_lse == float("-inf"), torch.zeros_like(part_lse), torch.exp(part_lse - whole_lse))

@@ -73,12 +73,6 @@ CASES = {
         distillation_weight=0.5, teacher_width=6, dtype=torch.float32, custom_positives=True,
         backend="triton-blocks", rows={2: (4, 2), 3: (2, 0, 3)}, keys={2: (5, 4), 3: (3, 2, 4)},
     ),
-    # and with the column statistics from the rows' pass, for every key block the ring brings (the row
-    # chunks' merge is the oracle tests' in tests/helpers/triton_interpreted.py)
-    "kl_symmetric_fp32_triton_fused_columns": Case(
-        dtype=torch.float32, backend="triton-blocks-fused", rows={2: (5, 3), 3: (3, 0, 4)},
-        keys={2: (6, 4), 3: (4, 2, 5)},
-    ),
     # key blocks of one row: the backward's key gradients travel as a single slice
     "one_key_per_rank": Case(
         distillation_weight=0.5, rows={2: (1, 1), 3: (1, 1, 1)}, keys={2: (1, 1), 3: (1, 1, 1)},
@@ -118,23 +112,19 @@ def concatenated(parts: list[dict]) -> dict:
     return batch
 
 
-def triton_blocks(fused_columns: bool = False):
+def triton_blocks():
     """The Triton block ops with super-tiles small enough that every block crosses several, NaN
-    poisoning their scratch buffers (with ``fused_columns``, the distillation's column statistics
-    from the rows' pass); None where Triton cannot be imported."""
+    poisoning their scratch buffers; None where Triton cannot be imported."""
     try:
         from hf_infcl.ops.triton import TritonBlocks
     except ImportError:
         return None
-    return TritonBlocks(tile_rows=2, tile_keys=4, poison=True, distillation_fused_columns=fused_columns)
+    return TritonBlocks(tile_rows=2, tile_keys=4, poison=True)
 
 
 def run_case(case: Case, part: dict) -> dict | None:
     """This rank's value and the gradients of (the sum of) it; None for a Triton case without Triton."""
-    if case.backend in ("triton-blocks", "triton-blocks-fused"):
-        backend = triton_blocks(fused_columns=case.backend == "triton-blocks-fused")
-    else:
-        backend = case.backend
+    backend = triton_blocks() if case.backend == "triton-blocks" else case.backend
     if backend is None:
         return None
     queries = part["queries"].to(case.dtype).requires_grad_(True)

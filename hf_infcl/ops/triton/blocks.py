@@ -29,14 +29,7 @@ from typing import ClassVar
 
 import torch
 
-from ..distillation import (
-    DistillationSpec,
-    SoftTargetGradients,
-    SoftTargetStats,
-    TeacherLogits,
-    merge_soft_target_stats,
-    merge_soft_target_stats_along,
-)
+from ..distillation import DistillationSpec, SoftTargetGradients, TeacherLogits
 from ..key_blocks import combine_rows as torch_combine_rows
 from ..spec import GroupMask, HardnessOffset, ScoreFilter, StatsSpec
 from ..tiled import TorchTiles
@@ -79,12 +72,7 @@ class TritonBlocks:
         fused_columns: the symmetric loss's column statistic comes out of the row pass (one
             forward pass); False runs a second, column-major pass instead.
         column_buffer_entries: fp32 entries (default 16M: 64 MiB) of the fused pass's column
-            partials, one per (row block, key); more rows per launch when larger. (Distillation's
-            fused pass holds three such buffers.)
-        distillation_fused_columns: in-batch distillation's symmetric loss takes its column
-            statistics from the rows' pass (one forward pass, as ``fused_columns`` for the
-            contrastive loss) instead of a second launch with keys outer. Opt-in until timed on a
-            GPU.
+            partials, one per (row block, key); more rows per launch when larger.
         tf32_via_fp16: multiply fp32 inputs with TF32 precision as scaled fp16 copies in the
             kernels too: faster, but opt-in because its ring gradients come out further from
             float64 than one GPU's, beyond the TF32 tolerance, for a reason not yet known. False
@@ -105,7 +93,6 @@ class TritonBlocks:
     poison: bool = False
     fused_columns: bool = True
     column_buffer_entries: int = 16 * 2**20
-    distillation_fused_columns: bool = False
     tf32_via_fp16: bool = False
     sigmoid_logits: str = "auto"
 
@@ -120,7 +107,7 @@ class TritonBlocks:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        for name in ("poison", "fused_columns", "distillation_fused_columns", "tf32_via_fp16"):
+        for name in ("poison", "fused_columns", "tf32_via_fp16"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -203,8 +190,6 @@ class TritonBlocks:
             return TorchTiles().distillation_forward_block(spec, queries, keys, scale, teacher)
         student, teacher = self._distillation_operands(spec, queries, keys, scale, teacher)
         options = dict(precision=spec.precision, splits=self.stat_splits)
-        if spec.columns and self.distillation_fused_columns:
-            return self._distillation_rows_and_columns_in_one_pass(student, teacher, options)
         rows = distillation.soft_target_stats(student.queries, student.keys, teacher.queries, teacher.keys,
                                               student.scale, teacher.scale, **options)
         columns = None
@@ -237,24 +222,6 @@ class TritonBlocks:
         tile = self._super_tile(student.queries.dtype, queries.shape[0], keys.shape[0])
         walk(route, student, grad_queries, grad_keys, g_factor, tile, spec.precision, self.poison)
         return row_sums
-
-    def _distillation_rows_and_columns_in_one_pass(self, student, teacher: TeacherLogits, options: dict):
-        """The distillation's row and column statistics from one pass over the tiles, the rows in
-        chunks whose column partials fit ``column_buffer_entries`` each (as
-        :meth:`_rows_and_columns_in_one_pass`), each chunk's partials merged into the columns'."""
-        queries, keys = student.queries, student.keys
-        m, k = queries.shape[0], keys.shape[0]
-        chunk_rows = self._column_chunk_rows(m, k, distillation.MIN_BLOCK_M)
-        rows, columns = [], None
-        for r0 in range(0, m, chunk_rows):
-            r1 = min(r0 + chunk_rows, m)
-            partials = distillation.empty_column_partials(chunk_rows, k, queries.device)
-            rows.append(distillation.soft_target_stats(
-                queries[r0:r1], keys, teacher.queries[r0:r1], teacher.keys, student.scale, teacher.scale,
-                column_partials=partials, **options))
-            chunk_columns = merge_soft_target_stats_along(partials)
-            columns = chunk_columns if columns is None else merge_soft_target_stats(columns, chunk_columns)
-        return SoftTargetStats(*(torch.cat(parts) for parts in zip(*rows))), columns
 
     def _distillation_operands(self, spec: DistillationSpec, queries, keys, scale, teacher: TeacherLogits):
         """(the student's operands and logit scale, the teacher's) as the distillation kernels take
@@ -315,7 +282,7 @@ class TritonBlocks:
         queries, keys, scale = problem.kernel.queries, problem.kernel.keys, problem.kernel.scale
         m, k = queries.shape[0], keys.shape[0]
         device = queries.device
-        chunk_rows = self._column_chunk_rows(m, k, stats.MIN_BLOCK_M)
+        chunk_rows = self._column_chunk_rows(m, k)
         partials = torch.empty((-(-chunk_rows // stats.MIN_BLOCK_M), k), dtype=torch.float32, device=device)
         row_stat = torch.empty(m, dtype=torch.float32, device=device) if chunk_rows < m else None
         col_stat = None
@@ -336,11 +303,11 @@ class TritonBlocks:
             col_stat = stats.merge_partials(partials, log_sum_exp=True, previous=col_stat, out=col_stat)
         return row_stat, col_stat
 
-    def _column_chunk_rows(self, m: int, k: int, min_block_m: int) -> int:
-        """Rows per launch of a fused column pass: as many row blocks (of the kernel's smallest,
-        ``min_block_m``) as let one partial per (row block, key) fit ``column_buffer_entries``, at
-        least one."""
-        return min(m, max(1, self.column_buffer_entries // k) * min_block_m)
+    def _column_chunk_rows(self, m: int, k: int) -> int:
+        """Rows per launch of the fused column pass: as many row blocks (of the statistics kernel's
+        smallest) as let one partial per (row block, key) fit ``column_buffer_entries``, at least
+        one."""
+        return min(m, max(1, self.column_buffer_entries // k) * stats.MIN_BLOCK_M)
 
     def _super_tile(self, dtype: torch.dtype, m: int, k: int, wide: bool = False) -> tuple[int, int]:
         # 64 MiB of G: each super-tile then carries enough GPU work to hide the host time of its

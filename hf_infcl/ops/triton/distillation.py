@@ -7,11 +7,7 @@ z = s <outer, inner> and the teacher's t = s_t <teacher outer, teacher inner> (i
 each outer vector keeps three running numbers: the student's log-sum-exp, the teacher's, and the
 teacher-weighted sum of (t - z), rescaled whenever the teacher's running maximum moves, as the
 log-sum-exp's sum is. When there are too few outer blocks to fill the GPU, the inner range is
-split over several programs whose partial statistics merge as two disjoint sets of keys do. With
-``column_partials`` the rows' launch also gives each key's three statistics over the program's
-rows, one partial per (row block, key), which
-:func:`~hf_infcl.ops.distillation.merge_soft_target_stats_along` folds into the column statistics:
-the symmetric loss's forward in one pass over the tiles, as the contrastive loss's.
+split over several programs whose partial statistics merge as two disjoint sets of keys do.
 
 ``SoftTargetRoute``: the backward's super-tile route (:mod:`.super_tiles`): its kernel forms
 G = a_i P_ij - b_i T_ij (+ the columns' c_j P'_ij - d_j T'_ij) from the same two logits and the
@@ -23,11 +19,13 @@ Logits stay in natural units (one multiply by log2(e) per exponential): exact fp
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from ..distillation import SoftTargetGradients, SoftTargetStats, TeacherLogits, merge_soft_target_stats_along
+from ..distillation import SoftTargetGradients, SoftTargetStats, TeacherLogits, merge_soft_target_stats
 from .device import INTERPRET, unused_pointer
 from .jit_math import dot_precision, dot_tile, even_k, exp_in_units, outer_block_and_inner_range, round_guide
 from .launch import BASE_SHAPES, autotuned, launch, problem_size_class
@@ -42,31 +40,16 @@ def _even_teacher_k(args: dict) -> bool:
 
 
 @triton.jit
-def _column_soft_target_stats(z, t, valid):
-    """Each column's (student log-sum-exp, teacher log-sum-exp, gap) over a tile's rows: -inf, -inf
-    and 0 for a column with no row inside the problem."""
-    z_max = tl.max(z, axis=0)
-    z_shift = tl.where(z_max == float("-inf"), 0.0, z_max)
-    student = z_shift + tl.log(tl.sum(exp_in_units(z - z_shift[None, :], False), axis=0))
-    t_max = tl.max(t, axis=0)
-    t_shift = tl.where(t_max == float("-inf"), 0.0, t_max)
-    weights = exp_in_units(t - t_shift[None, :], False)  # 0 outside the problem
-    teacher_sum = tl.sum(weights, axis=0)
-    gap = tl.sum(tl.where(valid, weights * (t - z), 0.0), axis=0)
-    return student, t_shift + tl.log(teacher_sum), tl.where(teacher_sum > 0.0, gap / teacher_sum, 0.0)
-
-
-@triton.jit
 def _soft_target_stats_kernel(
     outer_ptr, inner_ptr, teacher_outer_ptr, teacher_inner_ptr, scale_ptr, teacher_scale_ptr,
-    student_lse_ptr, teacher_lse_ptr, gap_ptr, column_student_ptr, column_teacher_ptr, column_gap_ptr,
+    student_lse_ptr, teacher_lse_ptr, gap_ptr,
     n_outer, n_inner, c, c_teacher, stride_outer, stride_inner, stride_teacher_outer, stride_teacher_inner,
     inner_per_split, size_class,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_TEACHER: tl.constexpr, FUSED_COLUMNS: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_TEACHER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     EVEN_TEACHER_K: tl.constexpr,
 ):
-    pid, outer_index, outer_valid, inner_start, inner_end = outer_block_and_inner_range(
+    _, outer_index, outer_valid, inner_start, inner_end = outer_block_and_inner_range(
         n_outer, n_inner, inner_per_split, BLOCK_M)
     scale = tl.load(scale_ptr).to(tl.float32)
     teacher_scale = tl.load(teacher_scale_ptr).to(tl.float32)
@@ -104,14 +87,6 @@ def _soft_target_stats_kernel(
         # where(), not a product: outside the problem t - z is -inf - -inf = nan
         gap = gap * rescale + tl.sum(tl.where(valid, weights * (t - z), 0.0), axis=1)
         teacher_max = new_max
-        if FUSED_COLUMNS:
-            # The same tile's column statistics over this program's rows: one partial per (row
-            # block, key), merged by the launcher. Saves the second forward pass.
-            column_student, column_teacher, column_gap = _column_soft_target_stats(z, t, valid)
-            at = pid.to(tl.int64) * n_inner + inner_index
-            tl.store(column_student_ptr + at, column_student, mask=inner_valid)
-            tl.store(column_teacher_ptr + at, column_teacher, mask=inner_valid)
-            tl.store(column_gap_ptr + at, column_gap, mask=inner_valid)
 
     out = tl.program_id(1).to(tl.int64) * n_outer + outer_index  # this split's partial statistics
     student_shift = tl.where(student_max == float("-inf"), 0.0, student_max)
@@ -124,57 +99,34 @@ def _soft_target_stats_kernel(
 
 # ROUND_TEACHER: an fp32 teacher multiplied with TF32 is rounded to TF32 to nearest as it is loaded
 # (the score filter's guide's rule), as the student's fp32 operands are in copies before the kernels.
-# restore_value: configs with a smaller BLOCK_M write more rows of the column partials; rows a trial
-# config wrote and the chosen one does not would otherwise be merged as real partials.
 SOFT_TARGET_STATS_KERNEL = autotuned(_soft_target_stats_kernel, "soft_target_stats", BASE_SHAPES, {
-    "EVEN_K": even_k, "EVEN_TEACHER_K": _even_teacher_k, "ROUND_TEACHER": round_guide("teacher_outer_ptr")},
-    restore_value=["column_student_ptr", "column_teacher_ptr", "column_gap_ptr"])
-
-# The smallest row block of any statistics config: the column partials have a row per such block.
-MIN_BLOCK_M = min(config.kwargs["BLOCK_M"] for config in SOFT_TARGET_STATS_KERNEL.tuner.configs)
-
-
-def empty_column_partials(rows: int, keys: int, device: torch.device) -> SoftTargetStats:
-    """Column partials for a launch over at most ``rows`` rows: (student, teacher, gap), fp32
-    [row blocks, keys] each, filled as a row block of no rows leaves them (-inf, -inf, 0), so that
-    the blocks a config with larger row blocks never writes count for nothing."""
-    blocks = -(-rows // MIN_BLOCK_M)
-    lse = torch.full((2, blocks, keys), float("-inf"), dtype=torch.float32, device=device)
-    return SoftTargetStats(lse[0], lse[1], torch.zeros((blocks, keys), dtype=torch.float32, device=device))
+    "EVEN_K": even_k, "EVEN_TEACHER_K": _even_teacher_k, "ROUND_TEACHER": round_guide("teacher_outer_ptr")})
 
 
 def soft_target_stats(outer: torch.Tensor, inner: torch.Tensor, teacher_outer: torch.Tensor,
                       teacher_inner: torch.Tensor, scale: torch.Tensor, teacher_scale: torch.Tensor, *,
-                      precision: str, splits: int | None = None,
-                      column_partials: SoftTargetStats | None = None) -> SoftTargetStats:
+                      precision: str, splits: int | None = None) -> SoftTargetStats:
     """The distillation statistics of each ``outer`` vector over every ``inner`` one (rows over
     keys, or keys over rows for the column statistics), fp32 [n_outer] each: the student's
     log-sum-exp of z = scale <outer, inner>, the teacher's of t = teacher_scale <teacher_outer,
     teacher_inner>, and the gap sum_j softmax(t)_j (t_j - z_j). ``inner`` must not be empty.
-    ``splits``: programs sharing one outer block's inner range (None: enough to fill the GPU).
-    ``column_partials`` (:func:`empty_column_partials` of at least ``n_outer`` rows and ``n_inner``
-    keys): also each inner vector's statistics over each row block, for
-    :func:`~hf_infcl.ops.distillation.merge_soft_target_stats_along`."""
+    ``splits``: programs sharing one outer block's inner range (None: enough to fill the GPU)."""
     n_outer, c = outer.shape
     n_inner = inner.shape[0]
     splits, inner_per_split = inner_splits(n_outer, n_inner, outer.device, splits)
     student_lse, teacher_lse, gap = torch.empty((3, splits, n_outer), dtype=torch.float32,
                                                 device=outer.device)
     grid = lambda meta: (triton.cdiv(n_outer, meta["BLOCK_M"]), splits)  # noqa: E731
-    fused = column_partials is not None
     launch(
         SOFT_TARGET_STATS_KERNEL, grid, outer.device,
         outer, inner, teacher_outer, teacher_inner, scale, teacher_scale, student_lse, teacher_lse, gap,
-        *(column_partials if fused else [unused_pointer(outer.device)] * 3),
         n_outer, n_inner, c, teacher_outer.shape[1], outer.stride(0), inner.stride(0),
         teacher_outer.stride(0), teacher_inner.stride(0), inner_per_split,
         problem_size_class(n_outer, n_inner), PRECISION=dot_precision(outer.dtype, precision),
-        UPCAST=INTERPRET, FUSED_COLUMNS=fused,
+        UPCAST=INTERPRET,
     )
-    # the splits' key sets are disjoint: they merge as any blocks of keys do
-    if splits == 1:
-        return SoftTargetStats(student_lse[0], teacher_lse[0], gap[0])
-    return merge_soft_target_stats_along(SoftTargetStats(student_lse, teacher_lse, gap))
+    # the splits' key sets are disjoint: they merge as any two blocks of keys do
+    return functools.reduce(merge_soft_target_stats, map(SoftTargetStats, student_lse, teacher_lse, gap))
 
 
 @triton.jit
