@@ -58,12 +58,9 @@ STATS_VARIANTS = {
 }
 
 
-# the filter's switches: none, on the model's own scores, on a guide's; the default positives (in
-# order: looked for only in the tiles where they lie), or positives given as indices
-FILTERS = {"no-filter": dict(FILTER=False, GUIDE=False, POSITIVES_IN_ORDER=False),
-           "filter": dict(FILTER=True, GUIDE=False, POSITIVES_IN_ORDER=True),
-           "guide": dict(FILTER=True, GUIDE=True, POSITIVES_IN_ORDER=True),
-           "filter-positives-as-indices": dict(FILTER=True, GUIDE=False, POSITIVES_IN_ORDER=False)}
+# the filter's switches: none, on the model's own scores, on a guide's
+FILTERS = {"no-filter": dict(FILTER=False, GUIDE=False), "filter": dict(FILTER=True, GUIDE=False),
+           "guide": dict(FILTER=True, GUIDE=True)}
 
 
 @pytest.mark.parametrize("hardness", [0, 1])
@@ -91,8 +88,6 @@ GRAD_VARIANTS = {
 @pytest.mark.parametrize("filter_name", list(FILTERS))
 @pytest.mark.parametrize("variant", list(GRAD_VARIANTS))
 def test_grad_tile_kernel_compiles_for_hopper(variant, filter_name, group_positives):
-    if group_positives and FILTERS[filter_name]["POSITIVES_IN_ORDER"]:
-        pytest.skip("with group_positives every key of a row's group is a positive: none are in order")
     switches = dict(HAS_BIAS=True, HAS_MASK=False, PRECISION="tf32", UPCAST=False, HARDNESS=0,
                     **FILTERS[filter_name], GROUP_POSITIVES=group_positives, SCALED_G=True, TMA=False,
                     BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EVEN_K=True, EVEN_GUIDE_K=True, ROUND_GUIDE=False,

@@ -306,8 +306,7 @@ def complete_labels(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, 
     if positives is None:
         global_positives = torch.arange(queries.shape[0], device=queries.device)
     offset = schedule.key_offset(schedule.rank)
-    labels = labels._replace(positive_keys=global_positives + offset if offset else global_positives,
-                             positives_in_order=positives is None)
+    labels = labels._replace(positive_keys=global_positives + offset if offset else global_positives)
     if not spec.filters:
         return labels
     run_deferred_check()  # the thresholds read the positives: the first kernel that does

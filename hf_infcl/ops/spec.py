@@ -221,9 +221,6 @@ class ScoreFilter:
     guide_keys: torch.Tensor | None = None  # [k_block, c_g]
     query_groups: torch.Tensor | None = None  # [m], with group_positives
     key_groups: torch.Tensor | None = None  # [k_block], with group_positives
-    # row r's positive is the key positive_keys[0] + r (the default positives): kernels look for the
-    # positives only in the tiles where they can lie
-    positives_in_order: bool = False
 
     def scores(self, dots: torch.Tensor, row_start: int, row_end: int, key_start: int,
                key_end: int) -> torch.Tensor:
@@ -281,7 +278,6 @@ class PairLabels(NamedTuple):
     guide_keys: torch.Tensor | None = None  # [k, c_g]
     row_thresholds: torch.Tensor | None = None  # [m], the score filter's (computed by the schedule's caller)
     key_thresholds: torch.Tensor | None = None  # [k], the score filter's column thresholds
-    positives_in_order: bool = False  # positive_keys[r] = positive_keys[0] + r (the default positives)
 
     def own_keys(self) -> KeyLabels:
         """The labels of this process's own keys."""
@@ -303,7 +299,7 @@ class PairLabels(NamedTuple):
         if spec.filters:
             score_filter = ScoreFilter(self.row_thresholds, keys.key_thresholds if spec.columns else None,
                                        self.positive_keys, key_offset, self.guide_queries, keys.guide_keys,
-                                       *positive_groups, positives_in_order=self.positives_in_order)
+                                       *positive_groups)
         return BlockLabels(mask, hardness, score_filter)
 
 

@@ -865,37 +865,6 @@ def test_whole_blocks_with_the_filter_match_float64_reference(loss_name, mode, r
     assert max(errors.values()) < TOLERANCE["fp32-ieee"], (seed, errors)
 
 
-IN_ORDER_ROUTES = {"blocks": (BLOCKS, (45, 83, 20)), "two-pass": (TWO_PASS, (45, 83, 20)),
-                   "whole-blocks": (FULL_ROUTES["fused-columns"], FULL_SHAPE)}
-
-
-@pytest.mark.parametrize("route", list(IN_ORDER_ROUTES))
-@pytest.mark.parametrize("loss_name", list(LOSSES))
-def test_the_filter_with_positives_in_order_matches_reference(loss_name, route):
-    """The default positives (``keys[:m]``, in order): the kernels look for them only in the tiles
-    where they can lie (POSITIVES_IN_ORDER), across row panels, key tiles, splits and row chunks.
-    Near-duplicates of the positives, among the rows' own keys and the extra ones, put left-out
-    entries into tiles with and without positives. The same positives given as indices (the
-    general path, which looks in every tile) give the same numbers, bit for bit."""
-    blocks, (m, k, c) = IN_ORDER_ROUTES[route]
-    seed = random.randrange(2**31)
-    gen = torch.Generator().manual_seed(seed)
-    case = random_case(m, k, c, groups=False, custom_positives=False, seed=seed)
-    keys = case["keys"].clone()
-    for duplicate in torch.randperm(k, generator=gen)[: k // 4].tolist():
-        source = int(torch.randint(0, m, (1,), generator=gen))
-        keys[duplicate] = keys[source] + 0.02 * torch.randn(c, generator=gen, dtype=torch.float64)
-    case = with_objectives(dict(case, keys=keys), torch.float32, None, "absolute", seed)
-    options = LOSSES[loss_name]
-    errors = errors_against_reference(case, torch.float32, blocks, "ieee", options)
-    assert max(errors.values()) < TOLERANCE["fp32-ieee"], (seed, errors)
-    in_order = loss_and_grads(case, torch.float32, blocks, precision="ieee", **options)
-    as_indices = loss_and_grads(dict(case, positives=torch.arange(m)), torch.float32, blocks,
-                                precision="ieee", **options)
-    for name, value in in_order.items():
-        assert torch.equal(value, as_indices[name]), (seed, name)
-
-
 @pytest.mark.parametrize("filter_name", ["absolute", "guide"])
 @pytest.mark.parametrize("mode", [None, "any"])
 def test_two_pass_forward_with_the_filter_matches_reference(mode, filter_name):

@@ -28,7 +28,6 @@ from .jit_math import (
     in_units,
     log2_units,
     not_positive,
-    positive_may_lie_in_tile,
     round_guide,
     scale_and_bias,
     scaled_logits,
@@ -53,7 +52,7 @@ def _grad_tile_kernel(
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
     ONE_PASS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, HARDNESS: tl.constexpr,
     FILTER: tl.constexpr, GUIDE: tl.constexpr, GROUP_POSITIVES: tl.constexpr,
-    POSITIVES_IN_ORDER: tl.constexpr, SCALED_G: tl.constexpr, TMA: tl.constexpr,
+    SCALED_G: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     EVEN_GUIDE_K: tl.constexpr, ROUND_GUIDE: tl.constexpr, FULL: tl.constexpr, LOG2: tl.constexpr,
 ):
@@ -79,22 +78,10 @@ def _grad_tile_kernel(
             scores = dot_tile(guide_q_ptr, guide_k_ptr, None, None, row_index, key_index, row_valid,
                               key_valid, 0, 0, c_guide, stride_guide_q, stride_guide_k, BLOCK_M, BLOCK_N,
                               BLOCK_K, PRECISION, UPCAST, EVEN_GUIDE_K, False, ROUND_GUIDE)
-        row_dropped = score_filter_drops(
-            scores, tl.load(row_threshold_ptr + row_index, mask=row_valid, other=0.0), True)
-        # Positives are never left out. In order, they lie in few tiles: only those look for them.
-        if POSITIVES_IN_ORDER:
-            may_hold_positive = positive_may_lie_in_tile(positive_ptr, key_offset, tl.program_id(0) * BLOCK_M,
-                                                         tl.program_id(1) * BLOCK_N, False, BLOCK_M, BLOCK_N)
-            if may_hold_positive:
-                row_dropped = row_dropped & not_positive(
-                    row_index, key_index, row_valid, key_valid, tl.program_id(0) * BLOCK_M,
-                    tl.program_id(1) * BLOCK_N, positive_ptr, key_offset, row_group_ptr, key_group_ptr, False,
-                    GROUP_POSITIVES, BLOCK_M, BLOCK_N)
-        else:
-            candidates = not_positive(row_index, key_index, row_valid, key_valid, tl.program_id(0) * BLOCK_M,
-                                      tl.program_id(1) * BLOCK_N, positive_ptr, key_offset, row_group_ptr,
-                                      key_group_ptr, False, GROUP_POSITIVES, BLOCK_M, BLOCK_N)
-            row_dropped = row_dropped & candidates
+        candidates = not_positive(row_index, key_index, row_valid, key_valid, tl.program_id(0) * BLOCK_M,
+                                  tl.program_id(1) * BLOCK_N, positive_ptr, key_offset, row_group_ptr,
+                                  key_group_ptr, False, GROUP_POSITIVES, BLOCK_M, BLOCK_N)
+        row_dropped = score_filter_drops(scores, candidates, row_threshold_ptr, row_index, row_valid, True)
     if ONE_PASS:
         # The sigmoid loss's one pass: unit row weights, and the softplus row sums (the row
         # statistic) from the same logits and the same exponential.
@@ -132,16 +119,8 @@ def _grad_tile_kernel(
             # pair with), p_col is inf and col_weight 0: the where() below drops it.
             p_col = exp_in_units(logits - in_units(col_stat, LOG2)[None, :], LOG2)
             if FILTER:
-                column_dropped = score_filter_drops(
-                    scores, tl.load(key_threshold_ptr + key_index, mask=key_valid, other=0.0), False)
-                if POSITIVES_IN_ORDER:
-                    if may_hold_positive:
-                        column_dropped = column_dropped & not_positive(
-                            row_index, key_index, row_valid, key_valid, tl.program_id(0) * BLOCK_M,
-                            tl.program_id(1) * BLOCK_N, positive_ptr, key_offset, row_group_ptr,
-                            key_group_ptr, False, GROUP_POSITIVES, BLOCK_M, BLOCK_N)
-                else:
-                    column_dropped = column_dropped & candidates
+                column_dropped = score_filter_drops(scores, candidates, key_threshold_ptr, key_index,
+                                                    key_valid, False)
                 grad += tl.where(column_dropped, 0.0, col_weight[None, :] * p_col)
             else:
                 grad += col_weight[None, :] * p_col
@@ -198,7 +177,7 @@ def grad_tile(
     # the score filter and group_positives (as .stats.logit_stats takes them)
     row_thresholds: torch.Tensor | None = None, key_thresholds: torch.Tensor | None = None,
     guide_queries: torch.Tensor | None = None, guide_keys: torch.Tensor | None = None,
-    group_positives: bool = False, positives_in_order: bool = False,
+    group_positives: bool = False,
     config: triton.Config | None = None, descriptors: tuple | None = None,
 ) -> triton.Config:
     """Write G / g_scale of ``queries`` x ``keys`` into ``g_out`` [rows, keys] (a view whose last
@@ -217,8 +196,7 @@ def grad_tile(
     of the offset logits, as in :func:`.stats.logit_stats`; the column ones are not.
 
     ``row_thresholds``, ``key_thresholds`` (with a column statistic), ``guide_queries``,
-    ``guide_keys``, ``group_positives``, ``positives_in_order``: the score filter, as in
-    :func:`.stats.logit_stats`: each
+    ``guide_keys``, ``group_positives``: the score filter, as in :func:`.stats.logit_stats`: each
     direction's term of G is zero where its own threshold leaves the entry out.
 
     ``config``: what an earlier call returned, for a call with the same tuning key (the same
@@ -261,6 +239,5 @@ def grad_tile(
         HAS_BIAS=bias is not None, HAS_MASK=has_mask, COLUMNS=columns, SIGMOID=sigmoid, ONE_PASS=one_pass,
         PRECISION=dot_precision(queries.dtype, precision), UPCAST=INTERPRET, HARDNESS=hardness,
         FILTER=filters, GUIDE=guided, GROUP_POSITIVES=group_positives,
-        POSITIVES_IN_ORDER=filters and positives_in_order and not group_positives,
         SCALED_G=inv_g_scale is not None, TMA=tma, config=config,
     )

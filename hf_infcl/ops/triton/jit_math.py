@@ -285,35 +285,18 @@ def not_positive(outer_index, inner_index, outer_valid, inner_valid, outer_start
 
 
 @triton.jit
-def positive_may_lie_in_tile(positive_ptr, key_offset, outer_start, inner_start, KEYS_OUTER: tl.constexpr,
-                             BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr):
-    """For positives in order (row r's positive is the global key ``positive_ptr[0] + r``, as with the
-    default ``keys[:m]``): whether the tile (rows outer, or keys with KEYS_OUTER; its first outer and
-    inner indices ``outer_start`` and ``inner_start``) can hold one of its rows' positives, i.e.
-    whether its rows' positives and its keys overlap. One scalar test per tile, where finding the
-    positives (:func:`not_positive`) takes a compare per entry; past-the-end rows and keys only make
-    it say True more often."""
-    if KEYS_OUTER:
-        row_start, key_start, n_rows, n_keys = inner_start, outer_start, BLOCK_INNER, BLOCK_OUTER
-    else:
-        row_start, key_start, n_rows, n_keys = outer_start, inner_start, BLOCK_OUTER, BLOCK_INNER
-    # the local key index of the positive of the tile's first row
-    first_positive = tl.load(positive_ptr) - key_offset + row_start
-    return (first_positive < key_start + n_keys) & (key_start < first_positive + n_rows)
-
-
-@triton.jit
-def score_filter_drops(scores, thresholds, OUTER: tl.constexpr):
-    """The score filter's comparison (docs/contract.md, "False negatives by score") on a tile of
-    ``scores``: True where an entry's score is above its threshold, that of the tile's outer vector
-    (OUTER; ``thresholds`` one per outer vector) or of its inner one. The outer vectors' statistic
-    takes its own vectors' thresholds (rows', or keys' with keys outer); the fused column statistic
-    of a rows-outer tile takes the inner (keys') ones. A NaN score is never above: it stays. Only
-    candidates (:func:`not_positive`) may be left out: callers spare the positives."""
+def score_filter_drops(scores, candidates, threshold_ptr, index, valid, OUTER: tl.constexpr):
+    """The score filter (docs/contract.md, "False negatives by score") on a tile of ``scores``: True
+    where an entry is left out, i.e. it is one of the ``candidates`` (:func:`not_positive`) and its
+    score is above its threshold, that of the tile's outer vector (OUTER; ``index`` the outer
+    vectors) or of its inner one. The outer vectors' statistic takes its own vectors' thresholds
+    (rows', or keys' with keys outer); the fused column statistic of a rows-outer tile takes the
+    inner (keys') ones. A NaN score is never above: it stays."""
+    threshold = tl.load(threshold_ptr + index, mask=valid, other=0.0)
     if OUTER:
-        return scores > thresholds[:, None]
+        return (scores > threshold[:, None]) & candidates
     else:
-        return scores > thresholds[None, :]
+        return (scores > threshold[None, :]) & candidates
 
 
 @triton.jit

@@ -214,6 +214,4 @@ def _filter_arguments(score_filter: ScoreFilter, factor: torch.Tensor | None) ->
                          guide_keys=score_filter.guide_keys.detach().contiguous())
     if score_filter.query_groups is not None:
         arguments.update(_positive_groups(score_filter.query_groups, score_filter.key_groups))
-    elif score_filter.positives_in_order:
-        arguments["positives_in_order"] = True
     return arguments

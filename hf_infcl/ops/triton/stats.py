@@ -34,7 +34,6 @@ from .jit_math import (
     log_in_units,
     not_positive,
     outer_block_and_inner_range,
-    positive_may_lie_in_tile,
     round_guide,
     scale_and_bias,
     scaled_logits,
@@ -58,9 +57,8 @@ def _stats_kernel(
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
     FUSED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, HARDNESS: tl.constexpr,
     FILTER: tl.constexpr, GUIDE: tl.constexpr, GROUP_POSITIVES: tl.constexpr,
-    POSITIVES_IN_ORDER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_GUIDE_K: tl.constexpr, ROUND_GUIDE: tl.constexpr, FULL: tl.constexpr,
-    LOG2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_GUIDE_K: tl.constexpr, ROUND_GUIDE: tl.constexpr, FULL: tl.constexpr, LOG2: tl.constexpr,
 ):
     pid, outer_index, outer_valid, inner_start, inner_end = outer_block_and_inner_range(
         n_outer, n_inner, inner_per_split, BLOCK_M)
@@ -68,13 +66,6 @@ def _stats_kernel(
     scale, bias = scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS, LOG2)
     if HARDNESS != 0:  # rows outer only: the column statistic is of the plain logits
         strength = in_units(tl.load(hardness_ptr).to(tl.float32), LOG2)
-
-    if FILTER:
-        # the outer vectors' own thresholds (rows', or keys' with keys outer), the same for every tile
-        if COLUMNS:
-            outer_thresholds = tl.load(key_threshold_ptr + outer_index, mask=outer_valid, other=0.0)
-        else:
-            outer_thresholds = tl.load(row_threshold_ptr + outer_index, mask=outer_valid, other=0.0)
 
     running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -104,20 +95,15 @@ def _stats_kernel(
                                   outer_valid, inner_valid, 0, 0, c_guide, stride_guide_outer,
                                   stride_guide_inner, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
                                   EVEN_GUIDE_K, False, ROUND_GUIDE)
-            dropped = score_filter_drops(scores, outer_thresholds, True)
-            # Positives are never left out. In order, they lie in few tiles: only those look for them.
-            if POSITIVES_IN_ORDER:
-                may_hold_positive = positive_may_lie_in_tile(positive_ptr, key_offset, pid * BLOCK_M, n0,
-                                                             COLUMNS, BLOCK_M, BLOCK_N)
-                if may_hold_positive:
-                    dropped = dropped & not_positive(
-                        outer_index, inner_index, outer_valid, inner_valid, pid * BLOCK_M, n0, positive_ptr,
-                        key_offset, row_group_ptr, key_group_ptr, COLUMNS, GROUP_POSITIVES, BLOCK_M, BLOCK_N)
+            candidates = not_positive(outer_index, inner_index, outer_valid, inner_valid, pid * BLOCK_M, n0,
+                                      positive_ptr, key_offset, row_group_ptr, key_group_ptr, COLUMNS,
+                                      GROUP_POSITIVES, BLOCK_M, BLOCK_N)
+            # the outer vectors' own thresholds: rows', or keys' with keys outer
+            if COLUMNS:
+                outer_thresholds = key_threshold_ptr
             else:
-                candidates = not_positive(outer_index, inner_index, outer_valid, inner_valid, pid * BLOCK_M,
-                                          n0, positive_ptr, key_offset, row_group_ptr, key_group_ptr,
-                                          COLUMNS, GROUP_POSITIVES, BLOCK_M, BLOCK_N)
-                dropped = dropped & candidates
+                outer_thresholds = row_threshold_ptr
+            dropped = score_filter_drops(scores, candidates, outer_thresholds, outer_index, outer_valid, True)
         if SIGMOID:
             terms = softplus(logits)
             if HAS_MASK or not FULL:
@@ -156,17 +142,8 @@ def _stats_kernel(
                     if HAS_MASK or not FULL:
                         column_logits = tl.where(allowed, column_logits, float("-inf"))
                     if FILTER:
-                        inner_thresholds = tl.load(key_threshold_ptr + inner_index, mask=inner_valid,
-                                                   other=0.0)
-                        column_dropped = score_filter_drops(scores, inner_thresholds, False)
-                        if POSITIVES_IN_ORDER:
-                            if may_hold_positive:
-                                column_dropped = column_dropped & not_positive(
-                                    outer_index, inner_index, outer_valid, inner_valid, pid * BLOCK_M, n0,
-                                    positive_ptr, key_offset, row_group_ptr, key_group_ptr, COLUMNS,
-                                    GROUP_POSITIVES, BLOCK_M, BLOCK_N)
-                        else:
-                            column_dropped = column_dropped & candidates
+                        column_dropped = score_filter_drops(scores, candidates, key_threshold_ptr,
+                                                            inner_index, inner_valid, False)
                         column_logits = tl.where(column_dropped, float("-inf"), column_logits)
                     col_lse = column_lse(column_logits, LOG2)
                 else:
@@ -250,7 +227,7 @@ def logit_stats(
     # the score filter, and group_positives (row_groups and key_groups: the positives' groups)
     row_thresholds: torch.Tensor | None = None, key_thresholds: torch.Tensor | None = None,
     guide_queries: torch.Tensor | None = None, guide_keys: torch.Tensor | None = None,
-    group_positives: bool = False, positives_in_order: bool = False,
+    group_positives: bool = False,
 ) -> torch.Tensor:
     """Row statistic of ``outer`` against ``inner`` (queries, keys), or with ``columns=True`` the
     column log-sum-exp (outer = keys, inner = queries). fp32 [n_outer].
@@ -274,9 +251,7 @@ def logit_stats(
     partials'), in the units of these operands' dot products, compared with the dot products or,
     given ``guide_queries`` [rows, c_g] and ``guide_keys`` [keys, c_g], the guide's; positives
     (``positive_keys``, and with ``group_positives`` every key of the row's group, whose groups are
-    then ``row_groups``/``key_groups`` and mask nothing) are never left out. ``positives_in_order``:
-    row r's positive is the key ``positive_keys[0] + r`` (the default positives), so only the few
-    tiles where the rows' positives and the keys overlap look for them.
+    then ``row_groups``/``key_groups`` and mask nothing) are never left out.
     """
     n_outer, c = outer.shape
     n_inner = inner.shape[0]
@@ -306,7 +281,6 @@ def logit_stats(
         HAS_BIAS=bias is not None, HAS_MASK=has_mask, COLUMNS=columns, SIGMOID=sigmoid,
         FUSED_COLUMNS=fused, PRECISION=dot_precision(outer.dtype, precision), UPCAST=INTERPRET,
         HARDNESS=hardness, FILTER=filters, GUIDE=guided, GROUP_POSITIVES=group_positives,
-        POSITIVES_IN_ORDER=filters and positives_in_order and not group_positives,
     )
     if splits == 1:
         return out[0]

@@ -123,8 +123,7 @@ class _Labels:
     def __init__(self, labels: dict):
         labels = dict(labels)
         self.key_offset = labels.pop("key_offset", 0)
-        self.offset = {name: labels.pop(name) for name in ("hardness", "hardness_strength", "group_positives",
-                                                           "positives_in_order")
+        self.offset = {name: labels.pop(name) for name in ("hardness", "hardness_strength", "group_positives")
                        if name in labels}
         self.tensors = labels
 
