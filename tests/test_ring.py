@@ -268,12 +268,17 @@ def test_ring_over_triton_block_ops_matches_float64(ranks, loss_name):
         pytest.skip("Triton is not importable here")
     world_size = len(ranks)
     loss, bias_value, hardness, objectives = ring_workers.TRITON_LOSSES[loss_name]
-    parts = ring_workers.triton_inputs(world_size)
+    parts = ring_workers.triton_inputs(world_size, objectives)
     queries = torch.cat([p["queries"] for p in parts]).double().requires_grad_(True)
     keys = torch.cat([p["keys"] for p in parts]).double().requires_grad_(True)
     key_offsets = [0] + torch.tensor([p["keys"].shape[0] for p in parts]).cumsum(0).tolist()
     row_offsets = [0] + torch.tensor([p["queries"].shape[0] for p in parts]).cumsum(0).tolist()
-    positives = torch.cat([p["positives"] + key_offsets[r] for r, p in enumerate(parts)])
+    labels = [ring_workers.triton_labels(objectives, part) for part in parts]
+    local_positives = [torch.arange(p["queries"].shape[0]) if label["positives"] is None else p["positives"]
+                       for p, label in zip(parts, labels)]
+    positives = torch.cat([local + key_offsets[r] for r, local in enumerate(local_positives)])
+    groups = {name: None if labels[0][name] is None else torch.cat([label[name] for label in labels])
+              for name in ("query_groups", "key_groups")}
     scale = torch.tensor(4.0, dtype=torch.float64, requires_grad=True)
     bias = None
     if bias_value is not None:
@@ -281,8 +286,7 @@ def test_ring_over_triton_block_ops_matches_float64(ranks, loss_name):
     # What the ring differentiates: the sum of the ranks' "mean" values, (n / M) * all rows.
     total = contrastive_loss(
         queries, keys, scale, bias, loss=loss, positives=positives, reduction="sum", backend="reference",
-        query_groups=torch.cat([p["query_groups"] for p in parts]),
-        key_groups=torch.cat([p["key_groups"] for p in parts]),
+        **groups,
         **ring_workers.hardness_arguments(hardness, {name: torch.cat([p[name] for p in parts])
                                                      for name in ("query_ids", "key_owners")}),
         **ring_workers.objective_arguments(objectives, {name: torch.cat([p[name] for p in parts]).double()

@@ -421,22 +421,39 @@ TRITON_LOSSES = {
     "softmax_group_positives_filter": ("softmax", None, None,
                                        dict(group_positives="any", false_negative_margin=0.3)),
     "sigmoid_filter_guide": ("sigmoid", -1.5, None, dict(false_negative_margin=-0.1, guide=True)),
+    # the default positives (keys[:m] of each rank), over more tiles than one block
+    "softmax_filter_default_positives": ("softmax", None, None,
+                                          dict(false_negative_margin=0.1, default_positives=True)),
 }
 
 
 def objective_arguments(objectives: dict, batch) -> dict:
     """``TRITON_LOSSES``' objectives as contrastive_loss's arguments for a batch (its guide)."""
-    arguments = {name: value for name, value in objectives.items() if name != "guide"}
+    arguments = {name: value for name, value in objectives.items()
+                 if name not in ("guide", "default_positives")}
     if objectives.get("guide"):
         arguments.update(guide_queries=batch["guide_queries"], guide_keys=batch["guide_keys"])
     return arguments
 
 
-def triton_inputs(world_size: int):
+def triton_labels(objectives: dict, batch) -> dict:
+    """A batch's positives and groups as contrastive_loss's arguments: none with ``default_positives``."""
+    if objectives.get("default_positives"):
+        return dict(positives=None, query_groups=None, key_groups=None)
+    return {name: batch[name] for name in ("positives", "query_groups", "key_groups")}
+
+
+def triton_inputs(world_size: int, objectives: dict | None = None):
     """Per-rank fp32 features for the Triton block ops (which hand float64 to the torch tiles):
-    uneven, hard negatives, groups spanning ranks, custom positives, a rank without rows (n=3)."""
-    rows = {2: (5, 2), 3: (4, 0, 3)}[world_size]
-    keys = {2: (7, 3), 3: (5, 2, 3)}[world_size]
+    uneven, hard negatives, groups spanning ranks, custom positives, a rank without rows (n=3).
+    With ``default_positives`` among the ``objectives`` (the default positives, no groups), more rows and
+    keys than one of the interpreter's blocks holds, so that some tiles hold no positive."""
+    if (objectives or {}).get("default_positives"):
+        rows = {2: (20, 18), 3: (17, 0, 19)}[world_size]
+        keys = {2: (40, 24), 3: (34, 20, 21)}[world_size]
+    else:
+        rows = {2: (5, 2), 3: (4, 0, 3)}[world_size]
+        keys = {2: (7, 3), 3: (5, 2, 3)}[world_size]
     gen = torch.Generator().manual_seed(77 + world_size)
     parts = []
     for m, k in zip(rows, keys):
@@ -460,16 +477,15 @@ def run_triton(rank: int, world_size: int):
         from hf_infcl.ops.triton import TritonBlocks
     except ImportError:
         return None
-    part = triton_inputs(world_size)[rank]
     results = {}
     for name, (loss, bias_value, hardness, objectives) in TRITON_LOSSES.items():
+        part = triton_inputs(world_size, objectives)[rank]
         queries = part["queries"].clone().requires_grad_(True)
         keys = part["keys"].clone().requires_grad_(True)
         scale = torch.tensor(4.0, requires_grad=True)
         bias = torch.tensor(bias_value, requires_grad=True) if bias_value is not None else None
         value = contrastive_loss(
-            queries, keys, scale, bias, loss=loss, positives=part["positives"],
-            query_groups=part["query_groups"], key_groups=part["key_groups"], process_group="auto",
+            queries, keys, scale, bias, loss=loss, **triton_labels(objectives, part), process_group="auto",
             backend=TritonBlocks(tile_rows=2, tile_keys=4, poison=True),
             precision="ieee",  # exact fp32: this checks the ring's plumbing, not TF32 rounding
             **hardness_arguments(hardness, part), **objective_arguments(objectives, part),

@@ -865,6 +865,36 @@ def test_whole_blocks_with_the_filter_match_float64_reference(loss_name, mode, r
     assert max(errors.values()) < TOLERANCE["fp32-ieee"], (seed, errors)
 
 
+DEFAULT_POSITIVE_ROUTES = {"blocks": (BLOCKS, (45, 83, 20)), "two-pass": (TWO_PASS, (45, 83, 20)),
+                   "whole-blocks": (FULL_ROUTES["fused-columns"], FULL_SHAPE)}
+
+
+@pytest.mark.parametrize("route", list(DEFAULT_POSITIVE_ROUTES))
+@pytest.mark.parametrize("loss_name", list(LOSSES))
+def test_the_filter_with_the_default_positives_matches_reference(loss_name, route):
+    """The default positives (``keys[:m]``, no indices): the filter spares them across row panels,
+    key tiles, splits and row chunks, in tiles with and without positives (near-duplicates of the
+    positives, among the rows' own keys and the extra ones, put left-out entries into both). The
+    same positives given as indices give the same numbers, bit for bit."""
+    blocks, (m, k, c) = DEFAULT_POSITIVE_ROUTES[route]
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    case = random_case(m, k, c, groups=False, custom_positives=False, seed=seed)
+    keys = case["keys"].clone()
+    for duplicate in torch.randperm(k, generator=gen)[: k // 4].tolist():
+        source = int(torch.randint(0, m, (1,), generator=gen))
+        keys[duplicate] = keys[source] + 0.02 * torch.randn(c, generator=gen, dtype=torch.float64)
+    case = with_objectives(dict(case, keys=keys), torch.float32, None, "absolute", seed)
+    options = LOSSES[loss_name]
+    errors = errors_against_reference(case, torch.float32, blocks, "ieee", options)
+    assert max(errors.values()) < TOLERANCE["fp32-ieee"], (seed, errors)
+    default = loss_and_grads(case, torch.float32, blocks, precision="ieee", **options)
+    as_indices = loss_and_grads(dict(case, positives=torch.arange(m)), torch.float32, blocks,
+                                precision="ieee", **options)
+    for name, value in default.items():
+        assert torch.equal(value, as_indices[name]), (seed, name)
+
+
 @pytest.mark.parametrize("filter_name", ["absolute", "guide"])
 @pytest.mark.parametrize("mode", [None, "any"])
 def test_two_pass_forward_with_the_filter_matches_reference(mode, filter_name):
@@ -966,15 +996,25 @@ def distillation_case(m, k, c, teacher_width, seed):
                 positives=positives)
 
 
+# the symmetric loss's column statistics: a second launch with keys outer, or the rows' one pass with
+# column partials small enough (40 entries) that the rows come in several chunks
+DISTILLATION_COLUMNS = ("sym", "sym-fused", "asym")
+
+
 @pytest.mark.parametrize("mode", DISTILLATION_MODES)
-@pytest.mark.parametrize("symmetric", [False, True], ids=["asym", "sym"])
+@pytest.mark.parametrize("columns", DISTILLATION_COLUMNS)
 @pytest.mark.parametrize("shape", DISTILLATION_SHAPES,
                          ids=[f"m{m}-k{k}-c{c}-t{t}" for m, k, c, t in DISTILLATION_SHAPES])
-def test_distillation_matches_float64_oracle(shape, symmetric, mode):
+def test_distillation_matches_float64_oracle(shape, columns, mode):
+    import dataclasses
+
     from hf_infcl import contrastive_distillation_loss
     from tests.helpers.oracle_distillation import distillation_loss
 
     dtype, precision, blocks = MODES[mode]
+    symmetric = columns != "asym"
+    if columns == "sym-fused":
+        blocks = dataclasses.replace(blocks, distillation_fused_columns=True, column_buffer_entries=40)
     seed = random.randrange(2**31)
     case = distillation_case(*shape, seed)
     weight = 1.0 if seed % 2 else 0.5  # the KL alone, or mixed with InfoNCE
@@ -1004,6 +1044,31 @@ def test_distillation_matches_float64_oracle(shape, symmetric, mode):
                                 torch.tensor([float(expected_grads["scale"])])),
     }
     assert max(errors.values()) < TOLERANCE[mode], (seed, weight, errors)
+
+
+def test_distillation_column_partials_merge_to_the_column_statistics():
+    """soft_target_stats with column partials (rows outer, the key range split over programs) gives
+    the rows' statistics unchanged, and its partials merge to the keys' statistics over every row,
+    the launch with keys outer's, both equal to float64; row blocks of no rows count for nothing."""
+    from hf_infcl.ops.distillation import merge_soft_target_stats_along
+    from hf_infcl.ops.triton.distillation import empty_column_partials, soft_target_stats
+
+    case = distillation_case(37, 45, 20, 12, seed=5)  # rows in three blocks, the last partial
+    f32 = {name: value.float() for name, value in case.items() if value.is_floating_point()}
+    scale, teacher_scale = torch.tensor(6.0), torch.tensor(4.0)
+    partials = empty_column_partials(64, 45, torch.device("cpu"))  # a block more than the launch writes
+    rows = soft_target_stats(f32["queries"], f32["keys"], f32["teacher_queries"], f32["teacher_keys"], scale,
+                             teacher_scale, precision="ieee", splits=2, column_partials=partials)
+    columns = merge_soft_target_stats_along(partials)
+    keys_outer = soft_target_stats(f32["keys"], f32["queries"], f32["teacher_keys"], f32["teacher_queries"],
+                                   scale, teacher_scale, precision="ieee", splits=1)
+    z = 6.0 * case["queries"] @ case["keys"].T
+    t = 4.0 * case["teacher_queries"] @ case["teacher_keys"].T
+    for dim, got in ((1, rows), (0, columns), (0, keys_outer)):
+        expected = (torch.logsumexp(z, dim), torch.logsumexp(t, dim),
+                    (torch.softmax(t, dim=dim) * (t - z)).sum(dim))
+        for part, reference in zip(got, expected):
+            assert torch.allclose(part.double(), reference, rtol=1e-5, atol=1e-5)
 
 
 def test_distillation_statistics_merge_split_inner_ranges():
