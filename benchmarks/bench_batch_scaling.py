@@ -597,13 +597,18 @@ def write_plot(rows: list[dict], path: str) -> str:
     names = sorted({name for name, batch in latest if batch}, key=lambda name: (name != "infcl", name))
     lines = [name for name in names if sum(n == name and batch > 0 for n, batch in latest) > 1]
     variant_handles = []
-    line_styles = iter(["-", "-.", (0, (1, 1)), "--"] * len(names))
-    markers = iter(["x", "^", "v", "D", "s", "P"] * len(names))
+    # a line style and a marker per curve, so that five curves stay apart in black and white too
+    line_styles = iter([("-", "o"), ("-.", "s"), ((0, (1, 1)), "D"), ("--", "^"), ((0, (5, 1, 1, 1)), "v"),
+                        ((0, (3, 3)), "P")] * len(names))
+    markers = iter(["x", "*", "<", ">", "h", "+"] * len(names))
     for name in names:
         points = sorted((batch, row) for (n, batch), row in latest.items() if n == name and batch)
         batches = [batch for batch, _ in points]
-        style = dict(linestyle=next(line_styles), marker="o") if name in lines else \
-            dict(linestyle="none", marker=next(markers), markersize=8)
+        if name in lines:
+            line_style, line_marker = next(line_styles)
+            style = dict(linestyle=line_style, marker=line_marker)
+        else:
+            style = dict(linestyle="none", marker=next(markers), markersize=8)
         for metric, color in metrics:
             quality.plot(batches, [float(row[metric]) for _, row in points], color=color, **style)
         variant_handles.append(Line2D([], [], color="black", label=name, **style))
