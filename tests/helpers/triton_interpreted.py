@@ -866,7 +866,7 @@ def test_whole_blocks_with_the_filter_match_float64_reference(loss_name, mode, r
 
 
 DEFAULT_POSITIVE_ROUTES = {"blocks": (BLOCKS, (45, 83, 20)), "two-pass": (TWO_PASS, (45, 83, 20)),
-                   "whole-blocks": (FULL_ROUTES["fused-columns"], FULL_SHAPE)}
+                           "whole-blocks": (FULL_ROUTES["fused-columns"], FULL_SHAPE)}
 
 
 @pytest.mark.parametrize("route", list(DEFAULT_POSITIVE_ROUTES))
@@ -996,25 +996,15 @@ def distillation_case(m, k, c, teacher_width, seed):
                 positives=positives)
 
 
-# the symmetric loss's column statistics: a second launch with keys outer, or the rows' one pass with
-# column partials small enough (40 entries) that the rows come in several chunks
-DISTILLATION_COLUMNS = ("sym", "sym-fused", "asym")
-
-
 @pytest.mark.parametrize("mode", DISTILLATION_MODES)
-@pytest.mark.parametrize("columns", DISTILLATION_COLUMNS)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["asym", "sym"])
 @pytest.mark.parametrize("shape", DISTILLATION_SHAPES,
                          ids=[f"m{m}-k{k}-c{c}-t{t}" for m, k, c, t in DISTILLATION_SHAPES])
-def test_distillation_matches_float64_oracle(shape, columns, mode):
-    import dataclasses
-
+def test_distillation_matches_float64_oracle(shape, symmetric, mode):
     from hf_infcl import contrastive_distillation_loss
     from tests.helpers.oracle_distillation import distillation_loss
 
     dtype, precision, blocks = MODES[mode]
-    symmetric = columns != "asym"
-    if columns == "sym-fused":
-        blocks = dataclasses.replace(blocks, distillation_fused_columns=True, column_buffer_entries=40)
     seed = random.randrange(2**31)
     case = distillation_case(*shape, seed)
     weight = 1.0 if seed % 2 else 0.5  # the KL alone, or mixed with InfoNCE
@@ -1044,31 +1034,6 @@ def test_distillation_matches_float64_oracle(shape, columns, mode):
                                 torch.tensor([float(expected_grads["scale"])])),
     }
     assert max(errors.values()) < TOLERANCE[mode], (seed, weight, errors)
-
-
-def test_distillation_column_partials_merge_to_the_column_statistics():
-    """soft_target_stats with column partials (rows outer, the key range split over programs) gives
-    the rows' statistics unchanged, and its partials merge to the keys' statistics over every row,
-    the launch with keys outer's, both equal to float64; row blocks of no rows count for nothing."""
-    from hf_infcl.ops.distillation import merge_soft_target_stats_along
-    from hf_infcl.ops.triton.distillation import empty_column_partials, soft_target_stats
-
-    case = distillation_case(37, 45, 20, 12, seed=5)  # rows in three blocks, the last partial
-    f32 = {name: value.float() for name, value in case.items() if value.is_floating_point()}
-    scale, teacher_scale = torch.tensor(6.0), torch.tensor(4.0)
-    partials = empty_column_partials(64, 45, torch.device("cpu"))  # a block more than the launch writes
-    rows = soft_target_stats(f32["queries"], f32["keys"], f32["teacher_queries"], f32["teacher_keys"], scale,
-                             teacher_scale, precision="ieee", splits=2, column_partials=partials)
-    columns = merge_soft_target_stats_along(partials)
-    keys_outer = soft_target_stats(f32["keys"], f32["queries"], f32["teacher_keys"], f32["teacher_queries"],
-                                   scale, teacher_scale, precision="ieee", splits=1)
-    z = 6.0 * case["queries"] @ case["keys"].T
-    t = 4.0 * case["teacher_queries"] @ case["teacher_keys"].T
-    for dim, got in ((1, rows), (0, columns), (0, keys_outer)):
-        expected = (torch.logsumexp(z, dim), torch.logsumexp(t, dim),
-                    (torch.softmax(t, dim=dim) * (t - z)).sum(dim))
-        for part, reference in zip(got, expected):
-            assert torch.allclose(part.double(), reference, rtol=1e-5, atol=1e-5)
 
 
 def test_distillation_statistics_merge_split_inner_ranges():
