@@ -282,7 +282,8 @@ class TritonBlocks:
         queries, keys, scale = problem.kernel.queries, problem.kernel.keys, problem.kernel.scale
         m, k = queries.shape[0], keys.shape[0]
         device = queries.device
-        chunk_rows = self._column_chunk_rows(m, k)
+        blocks_per_chunk = max(1, self.column_buffer_entries // k)
+        chunk_rows = min(m, blocks_per_chunk * stats.MIN_BLOCK_M)
         partials = torch.empty((-(-chunk_rows // stats.MIN_BLOCK_M), k), dtype=torch.float32, device=device)
         row_stat = torch.empty(m, dtype=torch.float32, device=device) if chunk_rows < m else None
         col_stat = None
@@ -302,12 +303,6 @@ class TritonBlocks:
                 row_stat[r0:r1] = rows
             col_stat = stats.merge_partials(partials, log_sum_exp=True, previous=col_stat, out=col_stat)
         return row_stat, col_stat
-
-    def _column_chunk_rows(self, m: int, k: int) -> int:
-        """Rows per launch of the fused column pass: as many row blocks (of the statistics kernel's
-        smallest) as let one partial per (row block, key) fit ``column_buffer_entries``, at least
-        one."""
-        return min(m, max(1, self.column_buffer_entries // k) * stats.MIN_BLOCK_M)
 
     def _super_tile(self, dtype: torch.dtype, m: int, k: int, wide: bool = False) -> tuple[int, int]:
         # 64 MiB of G: each super-tile then carries enough GPU work to hide the host time of its
