@@ -86,6 +86,19 @@ def median_seconds(fn: Callable[[], object], steps: int, warmup: int = 0) -> flo
     return statistics.median(time_steps(fn, steps, warmup))
 
 
+def median_issue_seconds(fn: Callable[[], object], steps: int) -> float:
+    """Median seconds to *issue* ``fn()`` from an idle GPU: until it returns, its kernels possibly
+    still running. Where it exceeds the GPU's time for the same work, the host sets the pace."""
+    times = []
+    for _ in range(steps):
+        synchronize()
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    synchronize()
+    return statistics.median(times)
+
+
 def one_size_parser(description: str, rows: int):
     """A parser for the scripts that look at one problem size: ``--b`` rows (and keys, default
     ``rows``), ``--c`` features, ``--loss``."""

@@ -19,11 +19,8 @@ a server CPU). This script measures both sides for one size:
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
-from bench_common import one_size_parser  # this folder is on sys.path
+from bench_common import median_issue_seconds, one_size_parser  # this folder is on sys.path
 
 
 def main():
@@ -46,16 +43,8 @@ def main():
         torch.cuda.synchronize()
         step_ms[name] = triton.testing.do_bench(step, return_mode="median")
 
-    host_ms = {}
-    for name, step in steps.items():
-        issue_times = []
-        for _ in range(args.steps):
-            torch.cuda.synchronize()  # an idle GPU: the check's synchronisation waits for this step only
-            start = time.perf_counter()
-            step()
-            issue_times.append(time.perf_counter() - start)
-        host_ms[name] = statistics.median(issue_times) * 1e3
-    torch.cuda.synchronize()
+    # from an idle GPU: the check's synchronisation waits for this step's first kernels only
+    host_ms = {name: median_issue_seconds(step, args.steps) * 1e3 for name, step in steps.items()}
 
     print(f"{args.loss} loss, b={args.b}, c={args.c}, bf16, {torch.cuda.get_device_name()}")
     print(f"{'':14s}{'step ms':>10s}{'host ms':>10s}")

@@ -34,6 +34,8 @@ thresholds, as in training, and skip its masks.
 Times are medians of event-synchronised steps after warm-up (the kernels are autotuned in the
 warm-up, as a training run's first step tunes them); memory is the peak above the inputs. The
 ratio column is each variant's time over ``plain``'s at the same (b, c), measured in the same run.
+``issue ms`` is the median time the host takes to issue a step from an idle GPU: where it nears
+the step's time, the host, not the GPU, sets the pace.
 No published contrastive kernel has these objectives; the materialised way (a b x b logit and mask
 matrix) does not fit at these sizes.
 
@@ -41,7 +43,9 @@ matrix) does not fit at these sizes.
     python benchmarks/bench_objectives.py --sizes 32k --widths 512 --profile   # kernels of one step
 
 ``--profile`` prints, per variant, one step's GPU time by kernel and its sum next to the step's
-time (their difference is time the GPU waited for the host).
+time (their difference is time the GPU waited for the host). ``--trace DIR`` writes, per variant,
+a Chrome trace of three steps with the host's operators beside the kernels (open it in Perfetto),
+to find what the GPU waits for.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +63,7 @@ from bench_common import (  # this folder is on sys.path
     device_name,
     format_count,
     free_memory,
+    median_issue_seconds,
     median_seconds,
     parse_count,
     peak_above,
@@ -157,6 +163,19 @@ def profile(step, name: str, ms: float, rows: int = 10) -> None:
     print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
 
 
+def trace(step, path: str, steps: int = 3) -> None:
+    """``steps`` more steps under torch.profiler, host operators and kernels, as a Chrome trace."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -166,6 +185,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     parser.add_argument("--csv", default=None, help="write CSV rows here")
     parser.add_argument("--profile", action="store_true", help="print each variant's kernels (one step)")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="write each variant's Chrome trace of three steps into DIR")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA GPU")
@@ -190,23 +211,28 @@ def main(argv=None):
             step = make_step(variant, b, c)
             step()  # the first call tunes the kernels of this shape
             seconds = median_seconds(step, args.steps, warmup=2)
+            host_ms = median_issue_seconds(step, args.steps) * 1e3
             peak, _ = peak_above(step)
             ms = seconds * 1e3
             if variant == "plain":
                 plain_ms = ms
             if args.profile:
                 profile(step, f"{variant} {format_count(b)}/{c}", ms)
-            rows.append({"variant": variant, "b": b, "c": c, "ms": ms, "peak_mib": peak / 2**20,
-                         "vs_plain": ms / plain_ms if plain_ms else float("nan")})
+            if args.trace:
+                Path(args.trace).mkdir(parents=True, exist_ok=True)
+                trace(step, str(Path(args.trace) / f"{variant}-{format_count(b)}-{c}.json"))
+            rows.append({"variant": variant, "b": b, "c": c, "ms": ms, "host_ms": host_ms,
+                         "peak_mib": peak / 2**20, "vs_plain": ms / plain_ms if plain_ms else float("nan")})
             # each row as it comes, so that a run cut short by its time limit keeps what it measured
-            print(f"{variant} {format_count(b)}/{c}: {ms:.2f} ms, {peak / 2**20:.0f} MiB", file=sys.stderr,
-                  flush=True)
+            print(f"{variant} {format_count(b)}/{c}: {ms:.2f} ms ({host_ms:.2f} ms to issue), "
+                  f"{peak / 2**20:.0f} MiB", file=sys.stderr, flush=True)
             write_csv(path, [{**meta, **row} for row in rows])
             del step
             free_memory()
     columns = [Column("variant", 13, align="<"), Column("b", 5), Column("c", 5), Column("ms", 9, ".2f"),
-               Column("MiB", 7, ".0f"), Column("x plain", 8, ".3f")]
-    print_table(columns, [(r["variant"], format_count(r["b"]), r["c"], r["ms"], r["peak_mib"], r["vs_plain"])
+               Column("issue ms", 9, ".2f"), Column("MiB", 7, ".0f"), Column("x plain", 8, ".3f")]
+    print_table(columns, [(r["variant"], format_count(r["b"]), r["c"], r["ms"], r["host_ms"], r["peak_mib"],
+                           r["vs_plain"])
                           for r in rows], title=" | ".join(str(value) for value in meta.values()))
 
 
