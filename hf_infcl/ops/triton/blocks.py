@@ -61,10 +61,10 @@ class TritonBlocks:
 
     Attributes:
         tile_rows, tile_keys: the backward's super-tile; its G buffer holds
-            ``tile_rows * tile_keys`` entries of the GEMM operand dtype. None picks 8192 x 4096
-            for half-precision G (every mode but ``precision="ieee"``) and 4096 x 4096 for fp32
-            G (64 MiB either way); the sigmoid one pass over fp16 dot products (half-precision
-            inputs) writes G over them and takes 8192 x 8192 (128 MiB for both).
+            ``tile_rows * tile_keys`` entries of the GEMM operand dtype. None picks 8192 x 8192
+            for half-precision G (every mode but ``precision="ieee"``) and 4096 x 8192 for fp32
+            G (128 MiB either way); the sigmoid one pass's cuBLAS route, whose G lies beside a
+            buffer of dot products of another element size, takes 4096 keys (fp32 inputs).
         stat_splits: programs sharing one outer block's inner range in the forward (None: enough
             to fill the GPU). Tests set it to exercise the merge of partial statistics.
         poison: fill every buffer the kernels must write completely with NaN first (tests use it
@@ -305,10 +305,10 @@ class TritonBlocks:
         return row_stat, col_stat
 
     def _super_tile(self, dtype: torch.dtype, m: int, k: int, wide: bool = False) -> tuple[int, int]:
-        # 64 MiB of G: each super-tile then carries enough GPU work to hide the host time of its
-        # three launches. ``wide``: G written over the dot products, or G alone (the Gluon kernel
-        # needs no dot-product buffer): twice the keys in the memory of G and dot products side
-        # by side.
+        # 128 MiB of G: each super-tile then carries enough GPU work to hide the host time of its
+        # three launches (at c = 512 the GPU's work per 64 MiB super-tile was no more than its
+        # launches' host time). ``wide``: G alone, or written over the dot products; else G beside
+        # a dot-product buffer, with half the keys.
         default_keys = 8192 if wide else 4096
         rows = self.tile_rows if self.tile_rows is not None else (8192 if dtype in HALF_TYPES else 4096)
         keys = self.tile_keys if self.tile_keys is not None else default_keys

@@ -140,7 +140,7 @@ class GradTileRoute:
     """G from the gradient-tile kernel, which recomputes each super-tile's logits: softmax (both
     directions), sigmoid with row weights, or (``softplus_sums`` given) the sigmoid one pass."""
 
-    g_alone = False
+    g_alone = True
 
     def __init__(self, arguments: RouteArguments, row_stat, row_weight, col_stat, col_weight, *,
                  sigmoid: bool, precision: str):
