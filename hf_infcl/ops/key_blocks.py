@@ -123,7 +123,9 @@ class SingleBlock:
         synchronisation waits on the count only, while the kernel runs)."""
         if spec.group_positives is None:
             return None
-        return count_pairs(labels.query_groups, labels.positive_keys, labels.key_groups, 0)
+        # one process: its rows' positives are its own keys (checked before any kernel)
+        return count_pairs(labels.query_groups, labels.positive_keys, labels.key_groups, 0,
+                           positives_in_block=True)
 
     def _pairs(self, spec: StatsSpec, labels: PairLabels) -> BlockPairs | None:
         """The positive pairs of ``group_positives`` (None without), listed at once."""

@@ -94,12 +94,14 @@ class PendingPairs:
 
 
 def count_pairs(query_groups: torch.Tensor, positive_keys: torch.Tensor, key_groups: torch.Tensor,
-                key_offset: int) -> PendingPairs | BlockPairs:
+                key_offset: int, positives_in_block: bool = False) -> PendingPairs | BlockPairs:
     """The pairs of the rows (``query_groups`` [m], their positives' global indices
     ``positive_keys``) with a key block (``key_groups`` [k_block], global index of its first key
     ``key_offset``): each row's own positive if it lies in the block, and every key of its group.
     Returned pending (:class:`PendingPairs`), or as the empty :class:`BlockPairs` when there are
-    no rows or keys."""
+    no rows or keys. ``positives_in_block``: every row's positive is known to lie in the block
+    (one process's own keys), which spares the range test: these operations run before the first
+    kernel, where their host time idles the GPU."""
     device = key_groups.device
     m, k = query_groups.shape[0], key_groups.shape[0]
     if m == 0 or k == 0:
@@ -109,10 +111,16 @@ def count_pairs(query_groups: torch.Tensor, positive_keys: torch.Tensor, key_gro
     sorted_groups, order = torch.sort(key_groups, stable=True)
     first = torch.searchsorted(sorted_groups, query_groups, side="left")
     in_group = torch.searchsorted(sorted_groups, query_groups, side="right") - first
-    own = positive_keys.long() - key_offset
-    own_here = (own >= 0) & (own < k)
-    own = own.clamp(0, k - 1)
-    own_apart = own_here & (key_groups[own] != query_groups)  # not among its group's keys already
+    if positives_in_block:
+        # clamped all the same: the check that positives are in range may still be pending (it
+        # runs just before the first kernel), and an index past the end would end the process
+        own = (positive_keys.long() - key_offset if key_offset else positive_keys.long()).clamp(0, k - 1)
+        own_apart = key_groups[own] != query_groups  # not among its group's keys already
+    else:
+        own = positive_keys.long() - key_offset
+        own_here = (own >= 0) & (own < k)
+        own = own.clamp(0, k - 1)
+        own_apart = own_here & (key_groups[own] != query_groups)
     counts = in_group + own_apart
     return PendingPairs(in_group, first, own, order, counts, k)
 
