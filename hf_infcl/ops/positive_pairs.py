@@ -130,12 +130,6 @@ def listed(pending: PendingPairs | BlockPairs | None) -> BlockPairs | None:
     return pending.pairs() if isinstance(pending, PendingPairs) else pending
 
 
-def block_pairs(query_groups: torch.Tensor, positive_keys: torch.Tensor, key_groups: torch.Tensor,
-                key_offset: int) -> BlockPairs:
-    """:func:`count_pairs`, listed at once (one host synchronisation: the number of pairs)."""
-    return listed(count_pairs(query_groups, positive_keys, key_groups, key_offset))
-
-
 def pair_logits(queries, keys, pairs: BlockPairs, scale, bias, combine) -> torch.Tensor:
     """z of every pair, s <Q_i, K_j> + b, in the accumulation dtype [n]; ``combine``: the block ops'
     row primitive (:func:`hf_infcl.ops.key_blocks.combine_rows`), one entry per pair."""

@@ -77,9 +77,10 @@ from .options import (
 from .positive_pairs import (
     PositiveParts,
     add_pair_gradients,
-    block_pairs,
     block_positive_parts,
+    count_pairs,
     empty_positive_parts,
+    listed,
     merge_parts,
     merge_positive_parts,
 )
@@ -476,6 +477,12 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, labels: PairLab
         else:
             key_offset = layout.key_offset(owner)
             key_labels = _block_key_labels(labels, blocks.current[1:], 0, k_owner)
+            # the pairs counted before the block's kernel and listed after it is queued: the host
+            # then waits for the count, not for the kernel
+            pending = None
+            if grouped:
+                pending = count_pairs(labels.query_groups, labels.positive_keys, key_labels.key_groups,
+                                      key_offset)
             block = labels.block(spec, key_labels, key_offset)
             partial_row, partial_col = ops.forward_block(
                 spec, queries, block_keys, scale, bias, block.mask, hardness=block.hardness,
@@ -485,8 +492,7 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, labels: PairLab
             partial_col = None if partial_col is None else partial_col.to(acc)
             partial_positives = None
             if grouped:
-                pairs = block_pairs(labels.query_groups, labels.positive_keys, key_labels.key_groups,
-                                    key_offset)
+                pairs = listed(pending)
                 partial_positives = block_positive_parts(spec, queries, block_keys, scale, bias, pairs,
                                                          row_combiner(ops), partial_row.dtype)
         row_stat = merge_row_stats(spec, row_stat, partial_row)
@@ -687,6 +693,8 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLa
         block_cols = blocks.current[-1] if spec.columns else None
         key_offset = layout.key_offset(owner) + lo
         key_labels = _block_key_labels(labels, blocks.current[1:], lo, hi)
+        pending = (count_pairs(labels.query_groups, labels.positive_keys, key_labels.key_groups, key_offset)
+                   if positives is not None else None)  # listed after the block's kernels are queued
         block = labels.block(spec, key_labels, key_offset)
         slice_keys = blocks.current[0][lo:hi]
         row_sums += ops.backward_block(
@@ -698,7 +706,7 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLa
             score_filter=block.score_filter,
         )
         if positives is not None:
-            pairs = block_pairs(labels.query_groups, labels.positive_keys, key_labels.key_groups, key_offset)
+            pairs = listed(pending)
             columns = (None, None)
             if spec.columns:
                 columns = (block_cols[2, lo:hi], block_cols[3, lo:hi])
