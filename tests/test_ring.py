@@ -237,6 +237,20 @@ def test_ring_schedule_switches_leave_out_the_transfers_or_the_compute(ranks):
         torch.testing.assert_close(runs["after"]["queries"], full["queries"], rtol=0, atol=0)
 
 
+def test_each_key_block_counts_its_pairs_before_its_kernels_and_lists_them_after(ranks):
+    """With several positives, listing a block's pairs waits on the host for their number: counted
+    before the block's kernels are queued and listed after them, that wait is on the count, not on
+    the kernels, at every block of the forward and every slice of the backward."""
+    for result in ranks:
+        events = result["pair_order"]
+        assert events and len(events) % 3 == 0, events
+        triples = [tuple(events[start:start + 3]) for start in range(0, len(events), 3)]
+        assert all(first == "counted" and last == "listed" for first, _, last in triples), events
+        kernels = [kernel for _, kernel, _ in triples]
+        assert kernels[:len(ranks)] == ["statistics"] * len(ranks), events
+        assert set(kernels[len(ranks):]) == {"gradients"}, events
+
+
 @pytest.mark.parametrize("case", sorted(ring_workers.TRAFFIC_CASES))
 def test_bytes_sent_per_rank_are_the_readme_formula(ranks, case):
     """The README's count ("What crosses the network"): per rank and step, the forward sends the

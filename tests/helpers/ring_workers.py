@@ -551,6 +551,44 @@ def run_schedules(rank: int, world_size: int):
     return results
 
 
+def run_pair_order(rank: int, world_size: int) -> list[str]:
+    """The calls of one forward and backward with several positives, in order: each key block's
+    pairs counted (``counted``), its kernels queued (``statistics``, ``gradients``), its pairs
+    listed (``listed``)."""
+    events = []
+    count_pairs, listed = ring.count_pairs, ring.listed
+
+    class RecordingTiles(type(TILES)):
+        def forward_block(self, *args, **kwargs):
+            events.append("statistics")
+            return super().forward_block(*args, **kwargs)
+
+        def backward_block(self, *args, **kwargs):
+            events.append("gradients")
+            return super().backward_block(*args, **kwargs)
+
+    def counting(*args, **kwargs):
+        events.append("counted")
+        return count_pairs(*args, **kwargs)
+
+    def listing(pending):
+        events.append("listed")
+        return listed(pending)
+    ring.count_pairs, ring.listed = counting, listing
+    try:
+        m, k = 3 + rank, 4 + rank
+        queries = _features(m, seed=70 + rank).requires_grad_(True)
+        keys = _features(k, seed=75 + rank).requires_grad_(True)
+        # two groups spread over every rank; each row's positive (its own index) is in its group
+        value = contrastive_loss(queries, keys, 3.0, query_groups=torch.arange(m) % 2,
+                                 key_groups=torch.arange(k) % 2, group_positives="any", process_group="auto",
+                                 backend=RecordingTiles(tile_rows=TILES.tile_rows, tile_keys=TILES.tile_keys))
+        value.backward()
+    finally:
+        ring.count_pairs, ring.listed = count_pairs, listed
+    return events
+
+
 # name -> (loss, symmetric, dtype): the calls whose point-to-point bytes are counted.
 TRAFFIC_CASES = {
     "softmax_symmetric_bf16": ("softmax", True, torch.bfloat16),
@@ -608,6 +646,7 @@ def collect_results(rank: int, world_size: int) -> dict:
     results["group_of_one"] = run_group_of_one(rank)
     results["schedules"] = run_schedules(rank, world_size)
     results["traffic"] = run_traffic(rank, world_size)
+    results["pair_order"] = run_pair_order(rank, world_size)
     results["weighted_sigmoid"] = run_weighted_sigmoid(rank, world_size)
     return results
 
