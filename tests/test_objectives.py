@@ -386,34 +386,19 @@ def test_one_process_counts_the_pairs_before_its_first_kernel_and_lists_them_aft
     statistics are queued and listed after, that synchronisation waits on the count, not on the
     statistics kernel (hf_infcl.ops.key_blocks.SingleBlock). The backward reuses the pairs."""
     from hf_infcl.ops import key_blocks
+    from tests.helpers.recording_tiles import RecordingTiles, recorded
 
     events = []
-
-    def recorded(name, function):
-        def call(*args, **kwargs):
-            events.append(name)
-            return function(*args, **kwargs)
-        return call
-
-    monkeypatch.setattr(key_blocks, "count_pairs", recorded("counted", key_blocks.count_pairs))
-    monkeypatch.setattr(key_blocks, "listed", recorded("listed", key_blocks.listed))
-
-    class RecordingTiles(TorchTiles):
-        def forward_block(self, *args, **kwargs):
-            events.append("statistics")
-            return super().forward_block(*args, **kwargs)
-
-        def backward_block(self, *args, **kwargs):
-            events.append("gradients")
-            return super().backward_block(*args, **kwargs)
+    monkeypatch.setattr(key_blocks, "count_pairs", recorded(events, "counted", key_blocks.count_pairs))
+    monkeypatch.setattr(key_blocks, "listed", recorded(events, "listed", key_blocks.listed))
 
     case = make_case(9, 14, 5, seed=3)
     queries, keys = (case[name].requires_grad_() for name in ("queries", "keys"))
     loss = contrastive_loss(queries, keys, logit_scale=case["scale"], positives=case["positives"],
                             query_groups=case["query_groups"], key_groups=case["key_groups"],
-                            group_positives=mode, backend=RecordingTiles(4, 4))
+                            group_positives=mode, backend=RecordingTiles(4, 4, events))
     loss.backward()
-    assert events == ["counted", "statistics", "listed", "gradients"]
+    assert events == ["counted", "forward_block", "listed", "backward_block"]
 
 
 @pytest.mark.parametrize("mode", ["any", "each"])

@@ -247,8 +247,8 @@ def test_each_key_block_counts_its_pairs_before_its_kernels_and_lists_them_after
         triples = [tuple(events[start:start + 3]) for start in range(0, len(events), 3)]
         assert all(first == "counted" and last == "listed" for first, _, last in triples), events
         kernels = [kernel for _, kernel, _ in triples]
-        assert kernels[:len(ranks)] == ["statistics"] * len(ranks), events
-        assert set(kernels[len(ranks):]) == {"gradients"}, events
+        assert kernels[:len(ranks)] == ["forward_block"] * len(ranks), events
+        assert set(kernels[len(ranks):]) == {"backward_block"}, events
 
 
 @pytest.mark.parametrize("case", sorted(ring_workers.TRAFFIC_CASES))

@@ -23,6 +23,7 @@ from torch import nn
 
 from hf_infcl import TorchTiles, contrastive_loss
 from hf_infcl.ops import ring
+from tests.helpers.recording_tiles import RecordingTiles, recorded
 
 INPUT_WIDTH = 5
 FEATURE_WIDTH = 4
@@ -507,22 +508,6 @@ def run_group_of_one(rank: int):
     return in_group, local
 
 
-class CountingTiles(type(TILES)):
-    """The torch tiles, counting the block computations they are asked for."""
-
-    def __init__(self):
-        super().__init__(tile_rows=TILES.tile_rows, tile_keys=TILES.tile_keys)
-        self.blocks = 0
-
-    def forward_block(self, *args, **kwargs):
-        self.blocks += 1
-        return super().forward_block(*args, **kwargs)
-
-    def backward_block(self, *args, **kwargs):
-        self.blocks += 1
-        return super().backward_block(*args, **kwargs)
-
-
 def run_schedules(rank: int, world_size: int):
     """Forward + backward under each of ring.schedule's settings, then once more with none: the
     block computations and point-to-point batches counted, the loss and query gradient kept."""
@@ -538,13 +523,13 @@ def run_schedules(rank: int, world_size: int):
     try:
         for name, switches in (("full", {}), ("no-transfer", {"transfer": False}),
                                ("no-compute", {"compute": False}), ("after", None)):
-            tiles, batches[0] = CountingTiles(), 0
+            tiles, batches[0] = RecordingTiles(TILES.tile_rows, TILES.tile_keys), 0
             q = queries.clone().requires_grad_(True)
             context = ring.schedule(**switches) if switches is not None else contextlib.nullcontext()
             with context:
                 value = contrastive_loss(q, keys, 3.0, process_group="auto", backend=tiles)
                 value.backward()
-            results[name] = {"blocks": tiles.blocks, "batches": batches[0], "value": value.detach(),
+            results[name] = {"blocks": len(tiles.events), "batches": batches[0], "value": value.detach(),
                              "queries": q.grad}
     finally:
         dist.batch_isend_irecv = original
@@ -553,28 +538,12 @@ def run_schedules(rank: int, world_size: int):
 
 def run_pair_order(rank: int, world_size: int) -> list[str]:
     """The calls of one forward and backward with several positives, in order: each key block's
-    pairs counted (``counted``), its kernels queued (``statistics``, ``gradients``), its pairs
-    listed (``listed``)."""
+    pairs counted (``counted``), its kernels queued (``forward_block``, ``backward_block``), its
+    pairs listed (``listed``)."""
     events = []
     count_pairs, listed = ring.count_pairs, ring.listed
-
-    class RecordingTiles(type(TILES)):
-        def forward_block(self, *args, **kwargs):
-            events.append("statistics")
-            return super().forward_block(*args, **kwargs)
-
-        def backward_block(self, *args, **kwargs):
-            events.append("gradients")
-            return super().backward_block(*args, **kwargs)
-
-    def counting(*args, **kwargs):
-        events.append("counted")
-        return count_pairs(*args, **kwargs)
-
-    def listing(pending):
-        events.append("listed")
-        return listed(pending)
-    ring.count_pairs, ring.listed = counting, listing
+    ring.count_pairs = recorded(events, "counted", count_pairs)
+    ring.listed = recorded(events, "listed", listed)
     try:
         m, k = 3 + rank, 4 + rank
         queries = _features(m, seed=70 + rank).requires_grad_(True)
@@ -582,7 +551,7 @@ def run_pair_order(rank: int, world_size: int) -> list[str]:
         # two groups spread over every rank; each row's positive (its own index) is in its group
         value = contrastive_loss(queries, keys, 3.0, query_groups=torch.arange(m) % 2,
                                  key_groups=torch.arange(k) % 2, group_positives="any", process_group="auto",
-                                 backend=RecordingTiles(tile_rows=TILES.tile_rows, tile_keys=TILES.tile_keys))
+                                 backend=RecordingTiles(TILES.tile_rows, TILES.tile_keys, events))
         value.backward()
     finally:
         ring.count_pairs, ring.listed = count_pairs, listed
