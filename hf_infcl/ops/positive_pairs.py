@@ -111,16 +111,14 @@ def count_pairs(query_groups: torch.Tensor, positive_keys: torch.Tensor, key_gro
     sorted_groups, order = torch.sort(key_groups, stable=True)
     first = torch.searchsorted(sorted_groups, query_groups, side="left")
     in_group = torch.searchsorted(sorted_groups, query_groups, side="right") - first
-    if positives_in_block:
-        # clamped all the same: the check that positives are in range may still be pending (it
-        # runs just before the first kernel), and an index past the end would end the process
-        own = (positive_keys.long() - key_offset if key_offset else positive_keys.long()).clamp(0, k - 1)
-        own_apart = key_groups[own] != query_groups  # not among its group's keys already
-    else:
-        own = positive_keys.long() - key_offset
-        own_here = (own >= 0) & (own < k)
-        own = own.clamp(0, k - 1)
-        own_apart = own_here & (key_groups[own] != query_groups)
+    own = positive_keys.long() - key_offset if key_offset else positive_keys.long()
+    own_here = None if positives_in_block else (own >= 0) & (own < k)
+    # clamped even in the block: the check that positives are in range may still be pending (it
+    # runs just before the first kernel), and an index past the end would end the process
+    own = own.clamp(0, k - 1)
+    own_apart = key_groups[own] != query_groups  # not among its group's keys already
+    if own_here is not None:
+        own_apart &= own_here
     counts = in_group + own_apart
     return PendingPairs(in_group, first, own, order, counts, k)
 
