@@ -401,6 +401,38 @@ def test_one_process_counts_the_pairs_before_its_first_kernel_and_lists_them_aft
     assert events == ["counted", "forward_block", "listed", "backward_block"]
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_group_ranges_hold_the_same_pairs_as_the_list(seed):
+    """The ranges that the Triton block ops walk (no host synchronisation) enumerate, from the rows'
+    side and from the keys', exactly the pairs that the list of pairs holds: each row's group's
+    keys, and its own positive where that lies outside the group (positives shared by several
+    rows, groups no row has, a group of one)."""
+    from hf_infcl.ops.positive_pairs import count_pairs, group_ranges, listed
+
+    gen = torch.Generator().manual_seed(seed)
+    m, k = 11 + seed, 17 + 2 * seed
+    query_groups = torch.randint(0, 5, (m,), generator=gen)
+    key_groups = torch.randint(0, 7, (k,), generator=gen)
+    positives = torch.randint(0, k, (m,), generator=gen)
+    pairs = listed(count_pairs(query_groups, positives, key_groups, 0, positives_in_block=True))
+    expected = sorted(zip(pairs.rows.tolist(), pairs.keys.tolist()))
+
+    def walked(ranges, outer_is_row):
+        found = []
+        for outer in range(ranges.first.shape[0]):
+            start, count = int(ranges.first[outer]), int(ranges.count[outer])
+            inner = ranges.order[start:start + count].tolist()
+            extra_start = outer if ranges.extra_first is None else int(ranges.extra_first[outer])
+            inner += ranges.extra_order[extra_start:extra_start + int(ranges.extra_count[outer])].tolist()
+            found += [(outer, j) if outer_is_row else (j, outer) for j in inner]
+        return sorted(found)
+
+    ranges = group_ranges(query_groups, positives, key_groups)
+    assert len(expected) > m  # several positives per row, beyond each row's own
+    assert walked(ranges.rows, True) == expected
+    assert walked(ranges.keys, False) == expected
+
+
 @pytest.mark.parametrize("mode", ["any", "each"])
 def test_cached_training_with_group_positives_matches_the_whole_batch(tmp_path, mode):
     """Two steps of the cached step (chunks of 4) equal two whole-batch steps, with several positives

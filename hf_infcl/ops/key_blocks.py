@@ -44,10 +44,13 @@ import torch
 from . import score_filter
 from .positive_pairs import (
     BlockPairs,
+    GroupRanges,
     PendingPairs,
+    PositiveParts,
     add_pair_gradients,
     block_positive_parts,
     count_pairs,
+    group_ranges,
     listed,
 )
 from .spec import BlockOps, OnePassSigmoidOps, PairLabels, StatsSpec, accumulation_dtype, takes_one_pass
@@ -85,7 +88,7 @@ class PositiveGradients(NamedTuple):
     row_weight: torch.Tensor  # [m]
     column_part: torch.Tensor | None  # [k], with a column statistic
     column_weight: torch.Tensor | None  # [k]
-    pairs: BlockPairs | None = None  # the forward's pairs of one process's block, if it kept them
+    pairs: BlockPairs | GroupRanges | None = None  # the forward's pairs of one process's block, if kept
 
 
 class UnitGradients(NamedTuple):
@@ -107,37 +110,53 @@ class SingleBlock:
         return 0
 
     def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels):
-        pending = self._pending_pairs(spec, labels)  # counted before the kernel, listed after it is queued
+        pending = self._pending_pairs(spec, ops, queries, labels)  # counted before the kernel
         block = labels.block(spec, labels.own_keys(), 0)
         row_stat, col_stat = ops.forward_block(spec, queries, keys, scale, bias, block.mask,
                                                hardness=block.hardness, score_filter=block.score_filter)
-        pairs = listed(pending)
-        parts = self._positive_parts(spec, queries, keys, scale, bias, pairs, row_combiner(ops),
-                                     row_stat.dtype)
+        parts = self._positive_parts(spec, ops, queries, keys, scale, bias, labels, pending, row_stat.dtype)
         return row_stat, col_stat, parts
 
     @staticmethod
-    def _pending_pairs(spec: StatsSpec, labels: PairLabels) -> PendingPairs | BlockPairs | None:
-        """The positive pairs of ``group_positives`` (None without), counted but not yet listed:
-        queue the first kernel, then :func:`~hf_infcl.ops.positive_pairs.listed` (the host
-        synchronisation waits on the count only, while the kernel runs)."""
-        if spec.group_positives is None:
+    def _takes_ranges(spec: StatsSpec, ops: BlockOps, queries) -> bool:
+        """Whether the block ops take the positive pairs as ranges (no list, so no host
+        synchronisation for their number) rather than as :class:`BlockPairs`."""
+        takes = getattr(ops, "takes_group_ranges", None)
+        return spec.group_positives is not None and callable(takes) and takes(queries)
+
+    def _pending_pairs(self, spec: StatsSpec, ops: BlockOps, queries,
+                       labels: PairLabels) -> PendingPairs | BlockPairs | None:
+        """The positive pairs of ``group_positives`` as a list, counted but not yet listed (queue
+        the first kernel, then :func:`~hf_infcl.ops.positive_pairs.listed`: the host
+        synchronisation waits on the count only, while the kernel runs); None without
+        ``group_positives`` or where the block ops take ranges."""
+        if spec.group_positives is None or self._takes_ranges(spec, ops, queries):
             return None
         # one process: its rows' positives are its own keys (checked before any kernel)
         return count_pairs(labels.query_groups, labels.positive_keys, labels.key_groups, 0,
                            positives_in_block=True)
 
-    def _pairs(self, spec: StatsSpec, labels: PairLabels) -> BlockPairs | None:
-        """The positive pairs of ``group_positives`` (None without), listed at once."""
-        return listed(self._pending_pairs(spec, labels))
+    def _pairs(self, spec: StatsSpec, ops: BlockOps, queries,
+               labels: PairLabels) -> BlockPairs | GroupRanges | None:
+        """The positive pairs of ``group_positives`` (None without): ranges where the block ops take
+        them, else the list, at once."""
+        if self._takes_ranges(spec, ops, queries):
+            return group_ranges(labels.query_groups, labels.positive_keys, labels.key_groups)
+        return listed(self._pending_pairs(spec, ops, queries, labels))
 
-    @staticmethod
-    def _positive_parts(spec: StatsSpec, queries, keys, scale, bias, pairs: BlockPairs | None, combine,
-                        statistics_dtype):
-        """The positive parts of ``pairs`` (None without), which keep the pairs for the backward."""
-        if pairs is None:
+    def _positive_parts(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels,
+                        pending, statistics_dtype) -> PositiveParts | None:
+        """The positive parts of ``group_positives`` (None without), from the ``pending`` list or,
+        where there is none, from ranges; they keep their pairs for the backward. Called once the
+        first kernel is queued."""
+        if spec.group_positives is None:
             return None
-        parts = block_positive_parts(spec, queries, keys, scale, bias, pairs, combine, statistics_dtype)
+        if pending is None:
+            ranges = group_ranges(labels.query_groups, labels.positive_keys, labels.key_groups)
+            return ops.group_positive_parts(spec, queries, keys, scale, bias, ranges)
+        pairs = listed(pending)
+        parts = block_positive_parts(spec, queries, keys, scale, bias, pairs, row_combiner(ops),
+                                     statistics_dtype)
         return parts._replace(pairs=pairs)
 
     def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
@@ -163,7 +182,12 @@ class SingleBlock:
         """Add the positive pairs' entries of G into the accumulators (in place): with the statistics'
         in the backward, or on the one-pass route into its scaled unit-weight gradients. The pairs
         are the forward's where it kept them, else found again."""
-        pairs = positives.pairs if positives.pairs is not None else self._pairs(spec, labels)
+        pairs = positives.pairs if positives.pairs is not None else self._pairs(spec, ops, queries, labels)
+        if isinstance(pairs, GroupRanges):
+            ops.add_group_pair_gradients(spec, queries, keys, scale, bias, pairs, positives.row_part,
+                                         positives.row_weight, positives.column_part, positives.column_weight,
+                                         grad_queries, grad_keys, row_sums)
+            return
         add_pair_gradients(spec, queries, keys, scale, bias, pairs, positives.row_part, positives.row_weight,
                            positives.column_part, positives.column_weight, grad_queries, grad_keys, row_sums,
                            row_combiner(ops))
@@ -173,17 +197,15 @@ class SingleBlock:
         """The sigmoid loss's one pass: (row_stat, unit-weight gradients, positive parts or None), see
         :class:`UnitGradients`."""
         acc = accumulation_dtype(queries.dtype)
-        pending = self._pending_pairs(spec, labels)
+        pending = self._pending_pairs(spec, ops, queries, labels)
         grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
         grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
         block = labels.block(spec, labels.own_keys(), 0)
         row_stat, row_sums = ops.forward_backward_block(spec, queries, keys, scale, bias, block.mask,
                                                         grad_queries, grad_keys,
                                                         score_filter=block.score_filter)
-        pairs = listed(pending)
         unit = UnitGradients(grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums)
-        parts = self._positive_parts(spec, queries, keys, scale, bias, pairs, row_combiner(ops),
-                                     row_stat.dtype)
+        parts = self._positive_parts(spec, ops, queries, keys, scale, bias, labels, pending, row_stat.dtype)
         return row_stat, unit, parts
 
 
@@ -200,7 +222,7 @@ class ForwardStats(NamedTuple):
     positive_counts: torch.Tensor  # [m] |P(i)| ("each"), else empty
     column_counts: torch.Tensor  # [k] |R(j)| ("each", columns), else empty
     unit: UnitGradients | None
-    pairs: BlockPairs | None = None  # group_positives on one process: the pairs, for the backward
+    pairs: BlockPairs | GroupRanges | None = None  # one process's pairs, for the backward
 
 
 def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
@@ -253,7 +275,8 @@ def common_row_weight(schedule: KeyBlockSchedule, row_weight: torch.Tensor) -> t
 def stats_backward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
                    positives, labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat,
                    grad_positive_logit, needs=(True, True, True, True), unit: UnitGradients | None = None,
-                   positive_parts=None, grad_column_positive=None, pairs: BlockPairs | None = None):
+                   positive_parts=None, grad_column_positive=None,
+                   pairs: BlockPairs | GroupRanges | None = None):
     """(d queries, d keys, d scale, d bias) from the statistics' gradients; ``needs`` says which of
     the four are wanted (None is returned for the others). With the forward's ``unit``
     gradients, no tile is computed again. With ``group_positives``, ``positive_parts`` are the

@@ -10,9 +10,11 @@ subtracts, its positive part over the pairs:
     sigmoid:         sum_{j in P(i)} z_ij
 
 ("each" divides by the count outside, with ordinary autograd). A key block's pairs are found by
-sorting its key groups and looking up each row's group (:func:`count_pairs`): O(pairs + k log k)
-time and O(pairs) memory, linear while the groups are bounded (one group of n rows and n keys
-holds n^2 pairs). The pairs' logits are row-wise dot products, in the accumulation dtype.
+sorting its key groups and looking up each row's group: listed (:func:`count_pairs`), O(pairs +
+k log k) time and O(pairs) memory, linear while the groups are bounded (one group of n rows and
+n keys holds n^2 pairs), or, for block ops that walk them (the Triton kernels on one process),
+as ranges of the sorted keys and rows (:func:`group_ranges`), O(m + k) memory and no host
+synchronisation. The pairs' logits are row-wise dot products, in the accumulation dtype.
 
 Each key block gives partial parts (:func:`block_positive_parts`) that merge like the statistics
 (:func:`merge_positive_parts`), so the ring carries the column parts with its column statistic.
@@ -38,6 +40,58 @@ class BlockPairs(NamedTuple):
     keys: torch.Tensor  # [n] int64, indices into the block
 
 
+class PairRanges(NamedTuple):
+    """The pairs of each "outer" vector (rows, or keys) as inner indices, with no list of pairs:
+    ``order[first[o] : first[o] + count[o]]``, then ``extra_order[extra_first[o] :
+    extra_first[o] + extra_count[o]]`` (``extra_first`` None: ``extra_order[o]`` if
+    ``extra_count[o]`` is 1, nothing if it is 0)."""
+
+    first: torch.Tensor
+    count: torch.Tensor
+    order: torch.Tensor
+    extra_first: torch.Tensor | None
+    extra_count: torch.Tensor
+    extra_order: torch.Tensor
+
+
+class GroupRanges(NamedTuple):
+    """One process's pairs as :class:`PairRanges` from both sides: each row's keys (its group's,
+    then its own positive where that lies outside the group) and each key's rows (its group's,
+    then those whose own positive it is)."""
+
+    rows: PairRanges
+    keys: PairRanges
+
+
+def _equal_ranges(values: torch.Tensor, lookups: torch.Tensor):
+    """(order, first, count): ``values[order]`` sorted (stably), and for each of ``lookups`` the
+    range ``order[first : first + count]`` of the values equal to it."""
+    sorted_values, order = torch.sort(values, stable=True)
+    first = torch.searchsorted(sorted_values, lookups, side="left")
+    return order, first, torch.searchsorted(sorted_values, lookups, side="right") - first
+
+
+def group_ranges(query_groups: torch.Tensor, positive_keys: torch.Tensor,
+                 key_groups: torch.Tensor) -> GroupRanges:
+    """The :class:`GroupRanges` of one process's rows (``query_groups`` [m], their positives
+    ``positive_keys``, indices into its keys) and keys (``key_groups`` [k]): sorts and binary
+    searches on the device, O((m + k) log k), nothing read on the host."""
+    query_groups, key_groups = query_groups.long(), key_groups.long()
+    k = key_groups.shape[0]
+    key_order, row_first, row_count = _equal_ranges(key_groups, query_groups)
+    # clamped: an index past the end would end the process, where the value check may not have run
+    own = positive_keys.long().clamp(0, k - 1)
+    own_apart = key_groups[own] != query_groups  # not among its group's keys already
+    rows = PairRanges(row_first, row_count, key_order, None, own_apart.long(), own)
+
+    row_order, key_first, key_count = _equal_ranges(query_groups, key_groups)
+    # the rows whose own positive lies outside their group, by that key (the others past the end)
+    own_rows, own_first, own_count = _equal_ranges(torch.where(own_apart, own, k),
+                                                   torch.arange(k, device=own.device))
+    keys = PairRanges(key_first, key_count, row_order, own_first, own_count, own_rows)
+    return GroupRanges(rows, keys)
+
+
 class PositiveParts(NamedTuple):
     """Positive parts of a set of key blocks (module docstring), in the accumulation dtype. For
     "any" the parts are log-sum-exps (-inf where no pair), otherwise sums; counts are "each"'s
@@ -47,7 +101,7 @@ class PositiveParts(NamedTuple):
     columns: torch.Tensor | None  # [k_block]
     row_counts: torch.Tensor | None  # [m]
     column_counts: torch.Tensor | None  # [k_block]
-    pairs: BlockPairs | None = None  # the pairs they came from, where a caller keeps them
+    pairs: BlockPairs | GroupRanges | None = None  # the pairs they came from, where a caller keeps them
 
 
 def takes_log_sum_exp(spec: StatsSpec) -> bool:
@@ -108,9 +162,7 @@ def count_pairs(query_groups: torch.Tensor, positive_keys: torch.Tensor, key_gro
         empty = torch.empty(0, dtype=torch.long, device=device)
         return BlockPairs(empty, empty)
     query_groups, key_groups = query_groups.long(), key_groups.long()
-    sorted_groups, order = torch.sort(key_groups, stable=True)
-    first = torch.searchsorted(sorted_groups, query_groups, side="left")
-    in_group = torch.searchsorted(sorted_groups, query_groups, side="right") - first
+    order, first, in_group = _equal_ranges(key_groups, query_groups)
     own = positive_keys.long() - key_offset if key_offset else positive_keys.long()
     own_here = None if positives_in_block else (own >= 0) & (own < k)
     # clamped even in the block: the check that positives are in range may still be pending (it

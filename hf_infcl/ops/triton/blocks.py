@@ -31,10 +31,11 @@ import torch
 
 from ..distillation import DistillationSpec, SoftTargetGradients, TeacherLogits
 from ..key_blocks import combine_rows as torch_combine_rows
+from ..positive_pairs import GroupRanges, PositiveParts, counts_positives, takes_log_sum_exp
 from ..spec import GroupMask, HardnessOffset, ScoreFilter, StatsSpec
 from ..tiled import TorchTiles
 from ..value_check import run_deferred_check
-from . import distillation, gluon_sigmoid, stats
+from . import distillation, gluon_sigmoid, group_pairs, stats
 from .combine_rows import combine_rows
 from .device import INTERPRET
 from .operands import (
@@ -241,6 +242,45 @@ class TritonBlocks:
             return torch_combine_rows(**arguments)
         return combine_rows(**arguments)
 
+    def takes_group_ranges(self, queries: torch.Tensor) -> bool:
+        """Whether the pairs of ``group_positives`` go through :meth:`group_positive_parts` and
+        :meth:`add_group_pair_gradients` (no list of pairs, so no host synchronisation for their
+        number): half-precision or fp32 vectors of at most ``group_pairs.MAX_WIDTH``."""
+        return queries.dtype != torch.float64 and queries.shape[1] <= group_pairs.MAX_WIDTH
+
+    def group_positive_parts(self, spec: StatsSpec, queries, keys, scale, bias,
+                             ranges: GroupRanges) -> PositiveParts:
+        """The positive parts of one process's pairs (:mod:`hf_infcl.ops.positive_pairs`), from
+        their ranges, one launch per direction; the ranges are kept for the backward."""
+        queries, keys, scale, bias = _pair_operands(queries, keys, scale, bias)
+        log_sum_exp = takes_log_sum_exp(spec)
+        rows, row_counts = group_pairs.group_pair_parts(queries, keys, scale, bias, ranges.rows,
+                                                        log_sum_exp=log_sum_exp)
+        columns = column_counts = None
+        if spec.columns:
+            columns, column_counts = group_pairs.group_pair_parts(keys, queries, scale, bias, ranges.keys,
+                                                                  log_sum_exp=log_sum_exp)
+        if not counts_positives(spec):
+            row_counts = column_counts = None
+        return PositiveParts(rows, columns, row_counts, column_counts, ranges)
+
+    def add_group_pair_gradients(self, spec: StatsSpec, queries, keys, scale, bias, ranges: GroupRanges,
+                                 row_part, row_weight, column_part, column_weight, grad_queries, grad_keys,
+                                 row_sums) -> None:
+        """:func:`hf_infcl.ops.positive_pairs.add_pair_gradients` from the pairs' ranges: each row
+        adds its pairs' entries of G times their keys, each key its pairs' times their rows."""
+        queries, keys, scale, bias = _pair_operands(queries, keys, scale, bias)
+        log_sum_exp = takes_log_sum_exp(spec)
+        row_part = row_part.contiguous()
+        column_part = None if column_part is None else column_part.contiguous()
+        group_pairs.add_group_pair_gradients(
+            queries, keys, scale, bias, ranges.rows, grad_queries, log_sum_exp=log_sum_exp,
+            outer_part=row_part, outer_weight=row_weight, inner_part=column_part, inner_weight=column_weight,
+            row_sums=row_sums)
+        group_pairs.add_group_pair_gradients(
+            keys, queries, scale, bias, ranges.keys, grad_keys, log_sum_exp=log_sum_exp,
+            outer_part=column_part, outer_weight=column_weight, inner_part=row_part, inner_weight=row_weight)
+
     # ----------------------------------------------------------------------------------------
 
     def _prepare(self, spec: StatsSpec, queries, keys, scale, bias, mask, hardness, score_filter) -> _Problem:
@@ -343,3 +383,9 @@ class _Problem:
     def route_arguments(self, row_sums, g_factor, softplus_sums=None) -> RouteArguments:
         inv_g_scale = None if g_factor is None else 1.0 / g_factor
         return RouteArguments(self.kernel, self.bias, self.labels, inv_g_scale, row_sums, softplus_sums)
+
+
+def _pair_operands(queries, keys, scale, bias):
+    """The pair kernels' operands: rows of unit column stride, 0-d fp32 scale and bias."""
+    queries, keys = (tensor if tensor.stride(-1) == 1 else tensor.contiguous() for tensor in (queries, keys))
+    return queries, keys, scalar(scale), None if bias is None else scalar(bias)
