@@ -52,6 +52,7 @@ from .positive_pairs import (
     count_pairs,
     group_ranges,
     listed,
+    takes_group_ranges,
 )
 from .spec import BlockOps, OnePassSigmoidOps, PairLabels, StatsSpec, accumulation_dtype, takes_one_pass
 from .value_check import run_deferred_check
@@ -119,10 +120,8 @@ class SingleBlock:
 
     @staticmethod
     def _takes_ranges(spec: StatsSpec, ops: BlockOps, queries) -> bool:
-        """Whether the block ops take the positive pairs as ranges (no list, so no host
-        synchronisation for their number) rather than as :class:`BlockPairs`."""
-        takes = getattr(ops, "takes_group_ranges", None)
-        return spec.group_positives is not None and callable(takes) and takes(queries)
+        """Whether there are positive pairs and the block ops take them as ranges."""
+        return spec.group_positives is not None and takes_group_ranges(ops, queries)
 
     def _pending_pairs(self, spec: StatsSpec, ops: BlockOps, queries,
                        labels: PairLabels) -> PendingPairs | BlockPairs | None:

@@ -12,9 +12,9 @@ subtracts, its positive part over the pairs:
 ("each" divides by the count outside, with ordinary autograd). A key block's pairs are found by
 sorting its key groups and looking up each row's group: listed (:func:`count_pairs`), O(pairs +
 k log k) time and O(pairs) memory, linear while the groups are bounded (one group of n rows and
-n keys holds n^2 pairs), or, for block ops that walk them (the Triton kernels on one process),
-as ranges of the sorted keys and rows (:func:`group_ranges`), O(m + k) memory and no host
-synchronisation. The pairs' logits are row-wise dot products, in the accumulation dtype.
+n keys holds n^2 pairs), or, for block ops that walk them (the Triton kernels), as ranges of
+the sorted keys and rows (:func:`group_ranges`), O(m + k) memory and no host synchronisation.
+The pairs' logits are row-wise dot products, in the accumulation dtype.
 
 Each key block gives partial parts (:func:`block_positive_parts`) that merge like the statistics
 (:func:`merge_positive_parts`), so the ring carries the column parts with its column statistic.
@@ -63,6 +63,13 @@ class GroupRanges(NamedTuple):
     keys: PairRanges
 
 
+def takes_group_ranges(ops, queries: torch.Tensor) -> bool:
+    """Whether the block ops ``ops`` take the pairs as :class:`GroupRanges` (walked by their own
+    kernels: no list, no host synchronisation for its length) rather than as :class:`BlockPairs`."""
+    takes = getattr(ops, "takes_group_ranges", None)
+    return callable(takes) and takes(queries)
+
+
 def _equal_ranges(values: torch.Tensor, lookups: torch.Tensor):
     """(order, first, count): ``values[order]`` sorted (stably), and for each of ``lookups`` the
     range ``order[first : first + count]`` of the values equal to it."""
@@ -71,17 +78,23 @@ def _equal_ranges(values: torch.Tensor, lookups: torch.Tensor):
     return order, first, torch.searchsorted(sorted_values, lookups, side="right") - first
 
 
-def group_ranges(query_groups: torch.Tensor, positive_keys: torch.Tensor,
-                 key_groups: torch.Tensor) -> GroupRanges:
-    """The :class:`GroupRanges` of one process's rows (``query_groups`` [m], their positives
-    ``positive_keys``, indices into its keys) and keys (``key_groups`` [k]): sorts and binary
-    searches on the device, O((m + k) log k), nothing read on the host."""
+def group_ranges(query_groups: torch.Tensor, positive_keys: torch.Tensor, key_groups: torch.Tensor,
+                 key_offset: int = 0, positives_in_block: bool = True) -> GroupRanges:
+    """The :class:`GroupRanges` of the rows (``query_groups`` [m], their positives' global indices
+    ``positive_keys``) and a key block (``key_groups`` [k], global index of its first key
+    ``key_offset``), as :func:`count_pairs` takes them (``positives_in_block``: every row's
+    positive lies in the block, one process's own keys): sorts and binary searches on the
+    device, O((m + k) log k), nothing read on the host."""
     query_groups, key_groups = query_groups.long(), key_groups.long()
     k = key_groups.shape[0]
     key_order, row_first, row_count = _equal_ranges(key_groups, query_groups)
+    own = positive_keys.long() - key_offset if key_offset else positive_keys.long()
+    own_here = None if positives_in_block else (own >= 0) & (own < k)
     # clamped: an index past the end would end the process, where the value check may not have run
-    own = positive_keys.long().clamp(0, k - 1)
+    own = own.clamp(0, k - 1)
     own_apart = key_groups[own] != query_groups  # not among its group's keys already
+    if own_here is not None:
+        own_apart &= own_here
     rows = PairRanges(row_first, row_count, key_order, None, own_apart.long(), own)
 
     row_order, key_first, key_count = _equal_ranges(query_groups, key_groups)

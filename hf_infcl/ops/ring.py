@@ -80,9 +80,11 @@ from .positive_pairs import (
     block_positive_parts,
     count_pairs,
     empty_positive_parts,
+    group_ranges,
     listed,
     merge_parts,
     merge_positive_parts,
+    takes_group_ranges,
 )
 from .spec import (
     BlockOps,
@@ -477,10 +479,11 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, labels: PairLab
         else:
             key_offset = layout.key_offset(owner)
             key_labels = _block_key_labels(labels, blocks.current[1:], 0, k_owner)
-            # the pairs counted before the block's kernel and listed after it is queued: the host
-            # then waits for the count, not for the kernel
+            # the pairs, listed: counted before the block's kernel and listed after it is queued (the
+            # host then waits for the count, not for the kernel); as ranges: after it, no wait at all
+            ranged = grouped and takes_group_ranges(ops, queries)
             pending = None
-            if grouped:
+            if grouped and not ranged:
                 pending = count_pairs(labels.query_groups, labels.positive_keys, key_labels.key_groups,
                                       key_offset)
             block = labels.block(spec, key_labels, key_offset)
@@ -491,7 +494,11 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, labels: PairLab
             partial_row = partial_row.to(acc)
             partial_col = None if partial_col is None else partial_col.to(acc)
             partial_positives = None
-            if grouped:
+            if ranged:
+                ranges = group_ranges(labels.query_groups, labels.positive_keys, key_labels.key_groups,
+                                      key_offset, positives_in_block=False)
+                partial_positives = ops.group_positive_parts(spec, queries, block_keys, scale, bias, ranges)
+            elif grouped:
                 pairs = listed(pending)
                 partial_positives = block_positive_parts(spec, queries, block_keys, scale, bias, pairs,
                                                          row_combiner(ops), partial_row.dtype)
@@ -693,8 +700,9 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLa
         block_cols = blocks.current[-1] if spec.columns else None
         key_offset = layout.key_offset(owner) + lo
         key_labels = _block_key_labels(labels, blocks.current[1:], lo, hi)
+        ranged = positives is not None and takes_group_ranges(ops, queries)
         pending = (count_pairs(labels.query_groups, labels.positive_keys, key_labels.key_groups, key_offset)
-                   if positives is not None else None)  # listed after the block's kernels are queued
+                   if positives is not None and not ranged else None)  # listed after the kernels are queued
         block = labels.block(spec, key_labels, key_offset)
         slice_keys = blocks.current[0][lo:hi]
         row_sums += ops.backward_block(
@@ -706,12 +714,18 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLa
             score_filter=block.score_filter,
         )
         if positives is not None:
-            pairs = listed(pending)
             columns = (None, None)
             if spec.columns:
                 columns = (block_cols[2, lo:hi], block_cols[3, lo:hi])
-            add_pair_gradients(spec, queries, slice_keys, scale, bias, pairs, positives.row_part,
-                               positives.row_weight, *columns, grad_queries, accumulator[: hi - lo], row_sums,
-                               row_combiner(ops))
+            if ranged:
+                ranges = group_ranges(labels.query_groups, labels.positive_keys, key_labels.key_groups,
+                                      key_offset, positives_in_block=False)
+                ops.add_group_pair_gradients(spec, queries, slice_keys, scale, bias, ranges,
+                                             positives.row_part, positives.row_weight, *columns, grad_queries,
+                                             accumulator[: hi - lo], row_sums)
+            else:
+                add_pair_gradients(spec, queries, slice_keys, scale, bias, listed(pending),
+                                   positives.row_part, positives.row_weight, *columns, grad_queries,
+                                   accumulator[: hi - lo], row_sums, row_combiner(ops))
 
     return grad_queries, key_grads.arrived(), row_sums

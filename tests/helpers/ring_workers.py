@@ -421,6 +421,7 @@ TRITON_LOSSES = {
     "softmax_hard_negatives": ("softmax", None, "hard_negatives", {}),
     "softmax_group_positives_filter": ("softmax", None, None,
                                        dict(group_positives="any", false_negative_margin=0.3)),
+    "softmax_group_positives_each": ("softmax", None, None, dict(group_positives="each")),
     "sigmoid_filter_guide": ("sigmoid", -1.5, None, dict(false_negative_margin=-0.1, guide=True)),
     # the default positives (keys[:m] of each rank), over more tiles than one block
     "softmax_filter_default_positives": ("softmax", None, None,

@@ -1,8 +1,9 @@
 """Several positives per row without a list of pairs: their parts and gradients from ranges.
 
-On one process the pairs (i, j) with j in P(i) are, for each row, the keys of its group (a range
-of the keys sorted by group) and its own positive where that lies outside the group; for each key,
-the rows of its group and the rows whose own positive it is (:class:`PairRanges`, built by
+Against a key block (one process's keys, or one block of the ring) the pairs (i, j) with j in
+P(i) are, for each row, the block's keys of its group (a range of the keys sorted by group) and its
+own positive where that lies in the block but outside the group; for each key, the rows of its
+group and the rows whose own positive it is (:class:`PairRanges`, built by
 :func:`hf_infcl.ops.positive_pairs.group_ranges` with device ops only). One program per row (or
 key) walks its ranges, forming each pair's logit from the two vectors, and keeps
 
