@@ -849,6 +849,26 @@ def test_objectives_match_float64_reference(loss_name, mode, filter_name):
     assert max(errors.values()) < TOLERANCE[mode_name], (seed, mode_name, errors)
 
 
+@pytest.mark.parametrize("loss_name,mode", [("softmax-sym", "any"), ("softmax-asym", "each"),
+                                            ("sigmoid-bias", "any")])
+def test_group_positives_take_the_ranges_route(monkeypatch, loss_name, mode):
+    """The Triton block ops walk the positive pairs as ranges: never the list (whose length the
+    host must read), forward or backward; the result matches the float64 reference."""
+    from hf_infcl.ops import key_blocks, positive_pairs
+
+    def no_list(*args, **kwargs):
+        raise AssertionError("the pairs were listed")
+
+    for module in (key_blocks, positive_pairs):
+        monkeypatch.setattr(module, "count_pairs", no_list)
+    seed = random.randrange(2**31)
+    case = random_case(19, 45, 32, groups=False, custom_positives=True, seed=seed)
+    case["query_groups"], case["key_groups"] = _distinct_groups(19, 45, seed)
+    case = with_objectives(case, torch.float32, mode, "nofilter", seed)
+    errors = errors_against_reference(case, torch.float32, BLOCKS, "ieee", LOSSES[loss_name])
+    assert max(errors.values()) < TOLERANCE["fp32-ieee"], (seed, errors)
+
+
 @pytest.mark.parametrize("route", list(FULL_ROUTES))
 @pytest.mark.parametrize("mode", [None, "each"])
 @pytest.mark.parametrize("loss_name", list(LOSSES))
