@@ -64,8 +64,9 @@ class GroupRanges(NamedTuple):
 
 
 def takes_group_ranges(ops, queries: torch.Tensor) -> bool:
-    """Whether the block ops ``ops`` take the pairs as :class:`GroupRanges` (walked by their own
-    kernels: no list, no host synchronisation for its length) rather than as :class:`BlockPairs`."""
+    """Whether the block ops ``ops`` take the pairs as :class:`GroupRanges`, walked by their own
+    kernels (:class:`~hf_infcl.ops.spec.GroupRangeOps`: no list, no host synchronisation for its
+    length), rather than as :class:`BlockPairs`."""
     takes = getattr(ops, "takes_group_ranges", None)
     return callable(takes) and takes(queries)
 

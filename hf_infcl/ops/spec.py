@@ -377,6 +377,27 @@ class BlockOps(Protocol):
         """
 
 
+class GroupRangeOps(BlockOps, Protocol):
+    """Block ops that walk the positive pairs of ``group_positives`` as ranges
+    (:class:`~hf_infcl.ops.positive_pairs.GroupRanges`) instead of a list; optional for a
+    backend (:func:`~hf_infcl.ops.positive_pairs.takes_group_ranges` asks)."""
+
+    def takes_group_ranges(self, queries: torch.Tensor) -> bool:
+        """Whether these inputs go through the two methods below."""
+
+    def group_positive_parts(self, spec: StatsSpec, queries: torch.Tensor, keys: torch.Tensor,
+                             scale: torch.Tensor, bias: torch.Tensor | None, ranges):
+        """The rows' (and, with a column statistic, the keys') positive parts over ``ranges``' pairs,
+        as :func:`~hf_infcl.ops.positive_pairs.block_positive_parts` gives them for a list, keeping
+        ``ranges`` for the backward."""
+
+    def add_group_pair_gradients(self, spec: StatsSpec, queries: torch.Tensor, keys: torch.Tensor,
+                                 scale: torch.Tensor, bias: torch.Tensor | None, ranges, row_part, row_weight,
+                                 column_part, column_weight, grad_queries: torch.Tensor,
+                                 grad_keys: torch.Tensor, row_sums: torch.Tensor) -> None:
+        """:func:`~hf_infcl.ops.positive_pairs.add_pair_gradients` over ``ranges``' pairs."""
+
+
 class OnePassSigmoidOps(BlockOps, Protocol):
     """Block ops that can also take the sigmoid loss's one-pass route
     (``StatsSpec.gradients_in_forward``); optional for a backend."""
