@@ -456,6 +456,35 @@ def test_cached_training_with_group_positives_matches_the_whole_batch(tmp_path, 
     assert not torch.equal(full["logit_scale"], tiny_clip().logit_scale.detach())  # it trained
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["any", "each"])
+def test_gpu_trainer_steps_with_group_positives_match_cpu(tmp_path, mode):
+    """The Trainer's first steps on CUDA with several positives per row (the Triton kernels, their
+    pairs walked as ranges; autotuning on), whole-batch and cached, equal the CPU's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from hf_infcl import InfCLTrainer
+    from tests.helpers.trainer_fixtures import PairDataset, tiny_clip, trained_parameters, trainer_arguments
+
+    dataset = PairDataset(captions_per_image_batch())
+    settings = dict(per_device_train_batch_size=12, max_steps=2, optim="sgd", learning_rate=0.05,
+                    group_column="group", group_positives=mode)
+
+    def trained(path, **more):
+        trainer = InfCLTrainer(model=tiny_clip(dropout=0.0), args=trainer_arguments(path, **settings, **more),
+                               train_dataset=dataset)
+        trainer.train()
+        return {name: value.cpu() for name, value in trained_parameters(trainer).items()}
+
+    on_cpu = trained(tmp_path / "cpu")
+    for name, more in (("cuda", {}), ("cuda-chunked", dict(chunk_size=4))):
+        on_gpu = trained(tmp_path / name, use_cpu=False, **more)
+        for parameter, expected in on_cpu.items():
+            # TF32 products on the GPU (the default precision of fp32 inputs)
+            torch.testing.assert_close(on_gpu[parameter], expected, rtol=2e-3, atol=2e-4,
+                                       msg=f"{name} {parameter}")
+
+
 def test_trainer_arguments_check_the_objectives(tmp_path):
     from hf_infcl import InfCLTrainer, InfCLTrainingArguments
     from tests.helpers.trainer_fixtures import tiny_clip, trainer_arguments
