@@ -869,6 +869,19 @@ def test_group_positives_take_the_ranges_route(monkeypatch, loss_name, mode):
     assert max(errors.values()) < TOLERANCE["fp32-ieee"], (seed, errors)
 
 
+def test_group_ranges_route_only_where_the_kernels_take_it():
+    """The ranges' kernels hold a whole vector per program: wider ones, and float64 (which the
+    block ops hand to the PyTorch tiles), take the list of pairs."""
+    from hf_infcl.ops.positive_pairs import takes_group_ranges
+    from hf_infcl.ops.triton import group_pairs
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert takes_group_ranges(BLOCKS, torch.empty(3, group_pairs.MAX_WIDTH, dtype=dtype))
+    assert not takes_group_ranges(BLOCKS, torch.empty(3, group_pairs.MAX_WIDTH + 1))
+    assert not takes_group_ranges(BLOCKS, torch.empty(3, 8, dtype=torch.float64))
+    assert not takes_group_ranges(TorchTiles(), torch.empty(3, 8))
+
+
 @pytest.mark.parametrize("route", list(FULL_ROUTES))
 @pytest.mark.parametrize("mode", [None, "each"])
 @pytest.mark.parametrize("loss_name", list(LOSSES))
