@@ -79,6 +79,22 @@ def _equal_ranges(values: torch.Tensor, lookups: torch.Tensor):
     return order, first, torch.searchsorted(sorted_values, lookups, side="right") - first
 
 
+def _own_positives(query_groups, positive_keys, key_groups, key_offset: int, positives_in_block: bool):
+    """(own, own_apart): each row's own positive as an index into the key block (int64 groups,
+    ``key_offset`` the block's first global index), clamped into it, and whether it is a pair of
+    its own: in the block (``positives_in_block``: known to be) and not among its group's keys."""
+    k = key_groups.shape[0]
+    own = positive_keys.long() - key_offset if key_offset else positive_keys.long()
+    own_here = None if positives_in_block else (own >= 0) & (own < k)
+    # clamped even in the block: an index past the end would end the process, and the check that
+    # positives are in range may still be pending (it runs just before the first kernel)
+    own = own.clamp(0, k - 1)
+    own_apart = key_groups[own] != query_groups  # not among its group's keys already
+    if own_here is not None:
+        own_apart &= own_here
+    return own, own_apart
+
+
 def group_ranges(query_groups: torch.Tensor, positive_keys: torch.Tensor, key_groups: torch.Tensor,
                  key_offset: int = 0, positives_in_block: bool = True) -> GroupRanges:
     """The :class:`GroupRanges` of the rows (``query_groups`` [m], their positives' global indices
@@ -89,13 +105,7 @@ def group_ranges(query_groups: torch.Tensor, positive_keys: torch.Tensor, key_gr
     query_groups, key_groups = query_groups.long(), key_groups.long()
     k = key_groups.shape[0]
     key_order, row_first, row_count = _equal_ranges(key_groups, query_groups)
-    own = positive_keys.long() - key_offset if key_offset else positive_keys.long()
-    own_here = None if positives_in_block else (own >= 0) & (own < k)
-    # clamped: an index past the end would end the process, where the value check may not have run
-    own = own.clamp(0, k - 1)
-    own_apart = key_groups[own] != query_groups  # not among its group's keys already
-    if own_here is not None:
-        own_apart &= own_here
+    own, own_apart = _own_positives(query_groups, positive_keys, key_groups, key_offset, positives_in_block)
     rows = PairRanges(row_first, row_count, key_order, None, own_apart.long(), own)
 
     row_order, key_first, key_count = _equal_ranges(query_groups, key_groups)
@@ -177,14 +187,7 @@ def count_pairs(query_groups: torch.Tensor, positive_keys: torch.Tensor, key_gro
         return BlockPairs(empty, empty)
     query_groups, key_groups = query_groups.long(), key_groups.long()
     order, first, in_group = _equal_ranges(key_groups, query_groups)
-    own = positive_keys.long() - key_offset if key_offset else positive_keys.long()
-    own_here = None if positives_in_block else (own >= 0) & (own < k)
-    # clamped even in the block: the check that positives are in range may still be pending (it
-    # runs just before the first kernel), and an index past the end would end the process
-    own = own.clamp(0, k - 1)
-    own_apart = key_groups[own] != query_groups  # not among its group's keys already
-    if own_here is not None:
-        own_apart &= own_here
+    own, own_apart = _own_positives(query_groups, positive_keys, key_groups, key_offset, positives_in_block)
     counts = in_group + own_apart
     return PendingPairs(in_group, first, own, order, counts, k)
 
