@@ -45,7 +45,6 @@ from . import score_filter
 from .positive_pairs import (
     BlockPairs,
     GroupRanges,
-    PendingPairs,
     PositiveParts,
     add_pair_gradients,
     block_positive_parts,
@@ -101,6 +100,48 @@ class UnitGradients(NamedTuple):
     row_sums: torch.Tensor  # [m] row sums of G
 
 
+class BlockPairFinder:
+    """The positive pairs of the rows with one key block, found the way the block ops take them
+    (:func:`~hf_infcl.ops.positive_pairs.takes_group_ranges`). Make it before queuing the block's
+    kernels and call :meth:`pairs` after: a list is counted at construction and listed by
+    :meth:`pairs`, whose host synchronisation then waits on the count, not on the kernels; ranges
+    need nothing before the kernels and no synchronisation at all. Arguments as
+    :func:`~hf_infcl.ops.positive_pairs.count_pairs` takes them."""
+
+    def __init__(self, ops: BlockOps, queries, query_groups, positive_keys, key_groups, key_offset: int = 0,
+                 positives_in_block: bool = False):
+        self._arguments = (query_groups, positive_keys, key_groups, key_offset, positives_in_block)
+        self._ranged = takes_group_ranges(ops, queries)
+        self._pending = None if self._ranged else count_pairs(*self._arguments)
+
+    def pairs(self) -> BlockPairs | GroupRanges:
+        return group_ranges(*self._arguments) if self._ranged else listed(self._pending)
+
+
+def block_parts(spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, pairs: BlockPairs | GroupRanges,
+                statistics_dtype) -> PositiveParts:
+    """The rows' (and keys') positive parts over a key block's ``pairs``, by the block ops' kernels
+    for ranges, else from the list (its "any" log-sum-exps in ``statistics_dtype``); the parts keep
+    the pairs for the backward."""
+    if isinstance(pairs, GroupRanges):
+        return ops.group_positive_parts(spec, queries, keys, scale, bias, pairs)
+    parts = block_positive_parts(spec, queries, keys, scale, bias, pairs, row_combiner(ops), statistics_dtype)
+    return parts._replace(pairs=pairs)
+
+
+def add_block_pair_gradients(spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
+                             pairs: BlockPairs | GroupRanges, row_part, row_weight, column_part,
+                             column_weight, grad_queries, grad_keys, row_sums) -> None:
+    """:func:`~hf_infcl.ops.positive_pairs.add_pair_gradients` over a key block's ``pairs``, by the
+    block ops' kernels for ranges."""
+    if isinstance(pairs, GroupRanges):
+        ops.add_group_pair_gradients(spec, queries, keys, scale, bias, pairs, row_part, row_weight,
+                                     column_part, column_weight, grad_queries, grad_keys, row_sums)
+    else:
+        add_pair_gradients(spec, queries, keys, scale, bias, pairs, row_part, row_weight, column_part,
+                           column_weight, grad_queries, grad_keys, row_sums, row_combiner(ops))
+
+
 @dataclass(frozen=True)
 class SingleBlock:
     """The :class:`KeyBlockSchedule` of one process."""
@@ -111,52 +152,22 @@ class SingleBlock:
         return 0
 
     def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels):
-        pending = self._pending_pairs(spec, ops, queries, labels)  # counted before the kernel
+        finder = self._pair_finder(spec, ops, queries, labels)  # before the kernel (BlockPairFinder says why)
         block = labels.block(spec, labels.own_keys(), 0)
         row_stat, col_stat = ops.forward_block(spec, queries, keys, scale, bias, block.mask,
                                                hardness=block.hardness, score_filter=block.score_filter)
-        parts = self._positive_parts(spec, ops, queries, keys, scale, bias, labels, pending, row_stat.dtype)
+        parts = None if finder is None else block_parts(spec, ops, queries, keys, scale, bias, finder.pairs(),
+                                                        row_stat.dtype)
         return row_stat, col_stat, parts
 
     @staticmethod
-    def _takes_ranges(spec: StatsSpec, ops: BlockOps, queries) -> bool:
-        """Whether there are positive pairs and the block ops take them as ranges."""
-        return spec.group_positives is not None and takes_group_ranges(ops, queries)
-
-    def _pending_pairs(self, spec: StatsSpec, ops: BlockOps, queries,
-                       labels: PairLabels) -> PendingPairs | BlockPairs | None:
-        """The positive pairs of ``group_positives`` as a list, counted but not yet listed (queue
-        the first kernel, then :func:`~hf_infcl.ops.positive_pairs.listed`: the host
-        synchronisation waits on the count only, while the kernel runs); None without
-        ``group_positives`` or where the block ops take ranges."""
-        if spec.group_positives is None or self._takes_ranges(spec, ops, queries):
-            return None
-        # one process: its rows' positives are its own keys (checked before any kernel)
-        return count_pairs(labels.query_groups, labels.positive_keys, labels.key_groups, 0,
-                           positives_in_block=True)
-
-    def _pairs(self, spec: StatsSpec, ops: BlockOps, queries,
-               labels: PairLabels) -> BlockPairs | GroupRanges | None:
-        """The positive pairs of ``group_positives`` (None without): ranges where the block ops take
-        them, else the list, at once."""
-        if self._takes_ranges(spec, ops, queries):
-            return group_ranges(labels.query_groups, labels.positive_keys, labels.key_groups)
-        return listed(self._pending_pairs(spec, ops, queries, labels))
-
-    def _positive_parts(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels,
-                        pending, statistics_dtype) -> PositiveParts | None:
-        """The positive parts of ``group_positives`` (None without), from the ``pending`` list or,
-        where there is none, from ranges; they keep their pairs for the backward. Called once the
-        first kernel is queued."""
+    def _pair_finder(spec: StatsSpec, ops: BlockOps, queries, labels: PairLabels) -> BlockPairFinder | None:
+        """The :class:`BlockPairFinder` of ``group_positives`` (None without)."""
         if spec.group_positives is None:
             return None
-        if pending is None:
-            ranges = group_ranges(labels.query_groups, labels.positive_keys, labels.key_groups)
-            return ops.group_positive_parts(spec, queries, keys, scale, bias, ranges)
-        pairs = listed(pending)
-        parts = block_positive_parts(spec, queries, keys, scale, bias, pairs, row_combiner(ops),
-                                     statistics_dtype)
-        return parts._replace(pairs=pairs)
+        # one process: its rows' positives are its own keys (checked before any kernel)
+        return BlockPairFinder(ops, queries, labels.query_groups, labels.positive_keys, labels.key_groups,
+                               positives_in_block=True)
 
     def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
                               labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat,
@@ -181,22 +192,19 @@ class SingleBlock:
         """Add the positive pairs' entries of G into the accumulators (in place): with the statistics'
         in the backward, or on the one-pass route into its scaled unit-weight gradients. The pairs
         are the forward's where it kept them, else found again."""
-        pairs = positives.pairs if positives.pairs is not None else self._pairs(spec, ops, queries, labels)
-        if isinstance(pairs, GroupRanges):
-            ops.add_group_pair_gradients(spec, queries, keys, scale, bias, pairs, positives.row_part,
-                                         positives.row_weight, positives.column_part, positives.column_weight,
-                                         grad_queries, grad_keys, row_sums)
-            return
-        add_pair_gradients(spec, queries, keys, scale, bias, pairs, positives.row_part, positives.row_weight,
-                           positives.column_part, positives.column_weight, grad_queries, grad_keys, row_sums,
-                           row_combiner(ops))
+        pairs = positives.pairs
+        if pairs is None:
+            pairs = self._pair_finder(spec, ops, queries, labels).pairs()
+        add_block_pair_gradients(spec, ops, queries, keys, scale, bias, pairs, positives.row_part,
+                                 positives.row_weight, positives.column_part, positives.column_weight,
+                                 grad_queries, grad_keys, row_sums)
 
     def forward_with_gradients(self, spec: StatsSpec, ops: OnePassSigmoidOps, queries, keys, scale, bias,
                                labels: PairLabels):
         """The sigmoid loss's one pass: (row_stat, unit-weight gradients, positive parts or None), see
         :class:`UnitGradients`."""
         acc = accumulation_dtype(queries.dtype)
-        pending = self._pending_pairs(spec, ops, queries, labels)
+        finder = self._pair_finder(spec, ops, queries, labels)
         grad_queries = torch.zeros(queries.shape, dtype=acc, device=queries.device)
         grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
         block = labels.block(spec, labels.own_keys(), 0)
@@ -204,7 +212,8 @@ class SingleBlock:
                                                         grad_queries, grad_keys,
                                                         score_filter=block.score_filter)
         unit = UnitGradients(grad_queries, [((0, keys.shape[0]), grad_keys)], row_sums)
-        parts = self._positive_parts(spec, ops, queries, keys, scale, bias, labels, pending, row_stat.dtype)
+        parts = None if finder is None else block_parts(spec, ops, queries, keys, scale, bias, finder.pairs(),
+                                                        row_stat.dtype)
         return row_stat, unit, parts
 
 

@@ -64,7 +64,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .key_blocks import row_combiner
+from .key_blocks import BlockPairFinder, add_block_pair_gradients, block_parts
 from .options import (
     FALSE_NEGATIVE_STRATEGIES,
     GROUP_POSITIVES,
@@ -76,15 +76,9 @@ from .options import (
 )
 from .positive_pairs import (
     PositiveParts,
-    add_pair_gradients,
-    block_positive_parts,
-    count_pairs,
     empty_positive_parts,
-    group_ranges,
-    listed,
     merge_parts,
     merge_positive_parts,
-    takes_group_ranges,
 )
 from .spec import (
     BlockOps,
@@ -479,13 +473,10 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, labels: PairLab
         else:
             key_offset = layout.key_offset(owner)
             key_labels = _block_key_labels(labels, blocks.current[1:], 0, k_owner)
-            # the pairs, listed: counted before the block's kernel and listed after it is queued (the
-            # host then waits for the count, not for the kernel); as ranges: after it, no wait at all
-            ranged = grouped and takes_group_ranges(ops, queries)
-            pending = None
-            if grouped and not ranged:
-                pending = count_pairs(labels.query_groups, labels.positive_keys, key_labels.key_groups,
-                                      key_offset)
+            finder = None  # made before the block's kernel (BlockPairFinder says why)
+            if grouped:
+                finder = BlockPairFinder(ops, queries, labels.query_groups, labels.positive_keys,
+                                         key_labels.key_groups, key_offset)
             block = labels.block(spec, key_labels, key_offset)
             partial_row, partial_col = ops.forward_block(
                 spec, queries, block_keys, scale, bias, block.mask, hardness=block.hardness,
@@ -494,14 +485,9 @@ def _ring_forward(layout, spec, ops, queries, keys, scale, bias, labels: PairLab
             partial_row = partial_row.to(acc)
             partial_col = None if partial_col is None else partial_col.to(acc)
             partial_positives = None
-            if ranged:
-                ranges = group_ranges(labels.query_groups, labels.positive_keys, key_labels.key_groups,
-                                      key_offset, positives_in_block=False)
-                partial_positives = ops.group_positive_parts(spec, queries, block_keys, scale, bias, ranges)
-            elif grouped:
-                pairs = listed(pending)
-                partial_positives = block_positive_parts(spec, queries, block_keys, scale, bias, pairs,
-                                                         row_combiner(ops), partial_row.dtype)
+            if grouped:
+                partial_positives = block_parts(spec, ops, queries, block_keys, scale, bias, finder.pairs(),
+                                                partial_row.dtype)
         row_stat = merge_row_stats(spec, row_stat, partial_row)
         if grouped:
             positives = merge_positive_parts(spec, positives, partial_positives)
@@ -700,9 +686,10 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLa
         block_cols = blocks.current[-1] if spec.columns else None
         key_offset = layout.key_offset(owner) + lo
         key_labels = _block_key_labels(labels, blocks.current[1:], lo, hi)
-        ranged = positives is not None and takes_group_ranges(ops, queries)
-        pending = (count_pairs(labels.query_groups, labels.positive_keys, key_labels.key_groups, key_offset)
-                   if positives is not None and not ranged else None)  # listed after the kernels are queued
+        finder = None  # made before the slice's kernels (BlockPairFinder says why)
+        if positives is not None:
+            finder = BlockPairFinder(ops, queries, labels.query_groups, labels.positive_keys,
+                                     key_labels.key_groups, key_offset)
         block = labels.block(spec, key_labels, key_offset)
         slice_keys = blocks.current[0][lo:hi]
         row_sums += ops.backward_block(
@@ -717,15 +704,8 @@ def _ring_backward(layout, spec, ops, queries, keys, scale, bias, labels: PairLa
             columns = (None, None)
             if spec.columns:
                 columns = (block_cols[2, lo:hi], block_cols[3, lo:hi])
-            if ranged:
-                ranges = group_ranges(labels.query_groups, labels.positive_keys, key_labels.key_groups,
-                                      key_offset, positives_in_block=False)
-                ops.add_group_pair_gradients(spec, queries, slice_keys, scale, bias, ranges,
-                                             positives.row_part, positives.row_weight, *columns, grad_queries,
-                                             accumulator[: hi - lo], row_sums)
-            else:
-                add_pair_gradients(spec, queries, slice_keys, scale, bias, listed(pending),
-                                   positives.row_part, positives.row_weight, *columns, grad_queries,
-                                   accumulator[: hi - lo], row_sums, row_combiner(ops))
+            add_block_pair_gradients(spec, ops, queries, slice_keys, scale, bias, finder.pairs(),
+                                     positives.row_part, positives.row_weight, *columns, grad_queries,
+                                     accumulator[: hi - lo], row_sums)
 
     return grad_queries, key_grads.arrived(), row_sums

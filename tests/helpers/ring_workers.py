@@ -541,10 +541,12 @@ def run_pair_order(rank: int, world_size: int) -> list[str]:
     """The calls of one forward and backward with several positives, in order: each key block's
     pairs counted (``counted``), its kernels queued (``forward_block``, ``backward_block``), its
     pairs listed (``listed``)."""
+    from hf_infcl.ops import key_blocks  # the ring finds its pairs through key_blocks.BlockPairFinder
+
     events = []
-    count_pairs, listed = ring.count_pairs, ring.listed
-    ring.count_pairs = recorded(events, "counted", count_pairs)
-    ring.listed = recorded(events, "listed", listed)
+    count_pairs, listed = key_blocks.count_pairs, key_blocks.listed
+    key_blocks.count_pairs = recorded(events, "counted", count_pairs)
+    key_blocks.listed = recorded(events, "listed", listed)
     try:
         m, k = 3 + rank, 4 + rank
         queries = _features(m, seed=70 + rank).requires_grad_(True)
@@ -555,7 +557,7 @@ def run_pair_order(rank: int, world_size: int) -> list[str]:
                                  backend=RecordingTiles(TILES.tile_rows, TILES.tile_keys, events))
         value.backward()
     finally:
-        ring.count_pairs, ring.listed = count_pairs, listed
+        key_blocks.count_pairs, key_blocks.listed = count_pairs, listed
     return events
 
 
