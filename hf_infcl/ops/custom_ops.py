@@ -42,13 +42,17 @@ build the op's schema.)
 import torch
 from torch import Tensor
 
-from .key_blocks import SINGLE_BLOCK, UnitGradients, stats_backward, stats_forward
+from .key_blocks import SINGLE_BLOCK, SingleBlock, UnitGradients, stats_backward, stats_forward
 from .options import BLOCK_BACKENDS, choice_error
 from .spec import PairLabels, StatsSpec, accumulation_dtype
 from .tiled import TorchTiles, statistics_dtype
 from .value_check import deferred_check
 
 BACKEND_NAMES = BLOCK_BACKENDS  # the named backends an op can run: what "auto" resolves to
+
+# The op's outputs are tensors: counts of the score filter's left-out entries could not reach the
+# backward op, so its forward counts none (the backward filters every tile).
+_UNLISTED = SingleBlock(lists_left_out=False)
 
 
 def block_ops(backend: str):
@@ -97,7 +101,7 @@ def logit_stats(
     with deferred_check(ops, scale, positives, keys.shape[0], enabled=validate,
                         distinct_positives=spec.distinct_positives):
         stats = stats_forward(
-            SINGLE_BLOCK, spec, ops, queries, keys, scale, bias, positives,
+            _UNLISTED, spec, ops, queries, keys, scale, bias, positives,
             PairLabels(query_groups, key_groups, query_ids, key_owners, guide_queries=guide_queries,
                        guide_keys=guide_keys),
         )

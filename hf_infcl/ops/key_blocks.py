@@ -11,10 +11,12 @@ from is the schedule's job; *what* is done with them is the same everywhere:
 A schedule provides ``rank``, ``key_offset(rank)`` and two methods:
 
 - ``forward_stats(spec, ops, queries, keys, scale, bias, labels)`` -> (row_stat [m], col_stat
-  [k] or None, positive parts or None), the statistics over every key and row of the group,
-  ``labels`` the :class:`~hf_infcl.ops.spec.PairLabels` (groups, hardness ids, global positive
-  indices, the score filter's guide and thresholds); with ``group_positives`` also the
-  :class:`~hf_infcl.ops.positive_pairs.PositiveParts` of the sparse positive pairs;
+  [k] or None, positive parts or None, left-out entries or None), the statistics over every key
+  and row of the group, ``labels`` the :class:`~hf_infcl.ops.spec.PairLabels` (groups, hardness
+  ids, global positive indices, the score filter's guide and thresholds); with
+  ``group_positives`` also the :class:`~hf_infcl.ops.positive_pairs.PositiveParts` of the sparse
+  positive pairs; with the score filter, where the schedule and the block ops count them, the
+  :class:`~hf_infcl.ops.spec.LeftOutCounts` for the backward (``labels.left_out`` there);
 - ``backward_accumulators(..., labels, row_stat, col_stat, grad_row_stat, grad_col_stat,
   positives)`` -> (G K [m, c], G^T Q as ((start, end), accumulator) slices of this process's
   keys, row sums of G [m]), unscaled, in the accumulation dtype; ``positives``, a
@@ -53,7 +55,15 @@ from .positive_pairs import (
     listed,
     takes_group_ranges,
 )
-from .spec import BlockOps, OnePassSigmoidOps, PairLabels, StatsSpec, accumulation_dtype, takes_one_pass
+from .spec import (
+    BlockOps,
+    LeftOutCounts,
+    OnePassSigmoidOps,
+    PairLabels,
+    StatsSpec,
+    accumulation_dtype,
+    takes_one_pass,
+)
 from .value_check import run_deferred_check
 
 # Row chunks for the O(m c) epilogues, so they allocate no full-size fp32 temporaries.
@@ -144,21 +154,35 @@ def add_block_pair_gradients(spec: StatsSpec, ops: BlockOps, queries, keys, scal
 
 @dataclass(frozen=True)
 class SingleBlock:
-    """The :class:`KeyBlockSchedule` of one process."""
+    """The :class:`KeyBlockSchedule` of one process. ``lists_left_out``: the forward has the block
+    ops count the score filter's left-out entries per row for the backward
+    (:class:`~hf_infcl.ops.spec.LeftOutListOps`); False where the backward cannot receive the
+    counts (the custom op's)."""
 
     rank: int = 0
+    lists_left_out: bool = True
 
     def key_offset(self, rank: int) -> int:
         return 0
 
     def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels):
         finder = self._pair_finder(spec, ops, queries, labels)  # before the kernel (BlockPairFinder says why)
+        labels = labels._replace(left_out=self._left_out_counts(spec, ops, queries, keys, labels))
         block = labels.block(spec, labels.own_keys(), 0)
         row_stat, col_stat = ops.forward_block(spec, queries, keys, scale, bias, block.mask,
                                                hardness=block.hardness, score_filter=block.score_filter)
         parts = None if finder is None else block_parts(spec, ops, queries, keys, scale, bias, finder.pairs(),
                                                         row_stat.dtype)
-        return row_stat, col_stat, parts
+        return row_stat, col_stat, parts, labels.left_out
+
+    def _left_out_counts(self, spec: StatsSpec, ops: BlockOps, queries, keys,
+                         labels: PairLabels) -> LeftOutCounts | None:
+        """Zero counts of the score filter's left-out entries for the forward to fill, where the
+        block ops keep them (None without the filter)."""
+        make = getattr(ops, "left_out_counts", None)
+        if not (spec.filters and self.lists_left_out and callable(make)):
+            return None
+        return make(spec, queries, keys, guided=labels.guide_queries is not None)
 
     @staticmethod
     def _pair_finder(spec: StatsSpec, ops: BlockOps, queries, labels: PairLabels) -> BlockPairFinder | None:
@@ -231,6 +255,7 @@ class ForwardStats(NamedTuple):
     column_counts: torch.Tensor  # [k] |R(j)| ("each", columns), else empty
     unit: UnitGradients | None
     pairs: BlockPairs | GroupRanges | None = None  # one process's pairs, for the backward
+    left_out: LeftOutCounts | None = None  # one process's left-out counts, for the backward
 
 
 def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
@@ -243,12 +268,13 @@ def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, qu
     With ``spec.gradients_in_forward`` (and a schedule and block ops that offer it) the same pass
     also gives the :class:`UnitGradients`, which the backward then only scales."""
     labels = complete_labels(schedule, spec, ops, queries, keys, positives, labels)
-    unit = parts = None
+    unit = parts = left_out = None
     if one_pass(spec, schedule, ops):
         row_stat, unit, parts = schedule.forward_with_gradients(spec, ops, queries, keys, scale, bias, labels)
         col_stat = None
     else:
-        row_stat, col_stat, parts = schedule.forward_stats(spec, ops, queries, keys, scale, bias, labels)
+        row_stat, col_stat, parts, left_out = schedule.forward_stats(spec, ops, queries, keys, scale, bias,
+                                                                     labels)
 
     def empty():  # a new one each time: a custom op's outputs may not alias each other
         return queries.new_empty(0, dtype=accumulation_dtype(queries.dtype))
@@ -257,10 +283,10 @@ def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, qu
         col_stat = empty()
     if parts is None:
         positive = positive_logits(queries, keys, positives, scale, bias, row_combiner(ops))
-        return ForwardStats(row_stat, col_stat, positive, empty(), empty(), empty(), unit)
+        return ForwardStats(row_stat, col_stat, positive, empty(), empty(), empty(), unit, left_out=left_out)
     counts_and_columns = (empty() if t is None else t for t in (parts.columns, parts.row_counts,
                                                                  parts.column_counts))
-    return ForwardStats(row_stat, col_stat, parts.rows, *counts_and_columns, unit, parts.pairs)
+    return ForwardStats(row_stat, col_stat, parts.rows, *counts_and_columns, unit, parts.pairs, left_out)
 
 
 def one_pass(spec: StatsSpec, schedule: KeyBlockSchedule, ops: BlockOps) -> bool:
@@ -284,13 +310,14 @@ def stats_backward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, q
                    positives, labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat,
                    grad_positive_logit, needs=(True, True, True, True), unit: UnitGradients | None = None,
                    positive_parts=None, grad_column_positive=None,
-                   pairs: BlockPairs | GroupRanges | None = None):
+                   pairs: BlockPairs | GroupRanges | None = None, left_out: LeftOutCounts | None = None):
     """(d queries, d keys, d scale, d bias) from the statistics' gradients; ``needs`` says which of
     the four are wanted (None is returned for the others). With the forward's ``unit``
     gradients, no tile is computed again. With ``group_positives``, ``positive_parts`` are the
     forward's (rows' [m], columns' [k] or empty) and ``grad_positive_logit`` and
     ``grad_column_positive`` their gradients, and ``pairs`` the forward's positive pairs where it
-    kept them (:attr:`ForwardStats.pairs`; None: the schedule finds them again)."""
+    kept them (:attr:`ForwardStats.pairs`; None: the schedule finds them again). ``left_out``: the
+    forward's counts of the score filter's left-out entries (:attr:`ForwardStats.left_out`), if any."""
     pair_gradients = None
     if spec.group_positives is not None:
         row_part, column_part = positive_parts
@@ -306,6 +333,7 @@ def stats_backward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, q
                                     unit.queries, unit.key_slices, unit.row_sums, row_weight=row_weight,
                                     key_weight=key_weight, combine=row_combiner(ops))
         unit = None  # rows weighted unevenly: the tiles again, each row with its own weight
+    labels = labels._replace(left_out=left_out)
     labels = complete_labels(schedule, spec, ops, queries, keys, positives, labels)
     if unit is not None:
         # The one pass with positive pairs: its unit-weight gradients scaled into new accumulators
@@ -370,6 +398,7 @@ class KeyBlockLogitStats(torch.autograd.Function):
                               key_owners, guide_queries, guide_keys, stats.row_stat, stats.col_stat,
                               stats.positive, stats.column_positive)
         ctx.spec, ctx.ops, ctx.schedule, ctx.unit, ctx.pairs = spec, ops, schedule, stats.unit, stats.pairs
+        ctx.left_out = stats.left_out
         ctx.mark_non_differentiable(stats.positive_counts, stats.column_counts)
         return stats[:6]
 
@@ -386,7 +415,8 @@ class KeyBlockLogitStats(torch.autograd.Function):
                 ctx.schedule, ctx.spec, ctx.ops, queries, keys, scale, bias, positives, labels, row_stat,
                 col_stat, grad_row_stat, grad_col_stat, output_gradient(grad_positive, positive),
                 needs=ctx.needs_input_grad[:4], unit=ctx.unit, positive_parts=(positive, column_positive),
-                grad_column_positive=output_gradient(grad_column_positive, column_positive), pairs=ctx.pairs)
+                grad_column_positive=output_gradient(grad_column_positive, column_positive), pairs=ctx.pairs,
+                left_out=ctx.left_out)
         return (*grads, *(None,) * 10)
 
 

@@ -196,7 +196,8 @@ class RingLayout:
     # The layout is the ring's schedule of key blocks (hf_infcl.ops.key_blocks.KeyBlockSchedule).
 
     def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels):
-        return _ring_forward(self, spec, ops, queries, keys, scale, bias, labels)
+        # no counts of the score filter's left-out entries: each key block's backward filters its tiles
+        return (*_ring_forward(self, spec, ops, queries, keys, scale, bias, labels), None)
 
     def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
                               labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat,

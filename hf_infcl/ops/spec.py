@@ -221,6 +221,7 @@ class ScoreFilter:
     guide_keys: torch.Tensor | None = None  # [k_block, c_g]
     query_groups: torch.Tensor | None = None  # [m], with group_positives
     key_groups: torch.Tensor | None = None  # [k_block], with group_positives
+    left_out: LeftOutCounts | None = None  # counted by the forward, where the block ops can
 
     def scores(self, dots: torch.Tensor, row_start: int, row_end: int, key_start: int,
                key_end: int) -> torch.Tensor:
@@ -242,6 +243,16 @@ class ScoreFilter:
         if self.key_thresholds is None:
             return row_kept, None
         return row_kept, positive | ~(scores > self.key_thresholds[None, key_start:key_end])
+
+
+@dataclass(frozen=True)
+class LeftOutCounts:
+    """How many entries the score filter left out of each row's statistics in one process's block,
+    counted by the forward's statistics pass, so that the backward can list just those rows'
+    entries, run the filter-free tiles and take the listed entries' terms of G back out (block ops
+    that can: :class:`LeftOutListOps`)."""
+
+    per_row: torch.Tensor  # [m] int32
 
 
 class KeyLabels(NamedTuple):
@@ -278,6 +289,7 @@ class PairLabels(NamedTuple):
     guide_keys: torch.Tensor | None = None  # [k, c_g]
     row_thresholds: torch.Tensor | None = None  # [m], the score filter's (computed by the schedule's caller)
     key_thresholds: torch.Tensor | None = None  # [k], the score filter's column thresholds
+    left_out: LeftOutCounts | None = None  # one process's left-out counts, forward to backward
 
     def own_keys(self) -> KeyLabels:
         """The labels of this process's own keys."""
@@ -299,7 +311,7 @@ class PairLabels(NamedTuple):
         if spec.filters:
             score_filter = ScoreFilter(self.row_thresholds, keys.key_thresholds if spec.columns else None,
                                        self.positive_keys, key_offset, self.guide_queries, keys.guide_keys,
-                                       *positive_groups)
+                                       *positive_groups, self.left_out)
         return BlockLabels(mask, hardness, score_filter)
 
 
@@ -396,6 +408,19 @@ class GroupRangeOps(BlockOps, Protocol):
                                  column_part, column_weight, grad_queries: torch.Tensor,
                                  grad_keys: torch.Tensor, row_sums: torch.Tensor) -> None:
         """:func:`~hf_infcl.ops.positive_pairs.add_pair_gradients` over ``ranges``' pairs."""
+
+
+class LeftOutListOps(BlockOps, Protocol):
+    """Block ops whose forward can count, row by row, the entries the score filter leaves out
+    (:class:`LeftOutCounts`, handed in as ``score_filter.left_out``), and whose backward, where few
+    rows have any, lists those rows' entries, recomputes its tiles without the filter's masks (the
+    guide's products among them) and takes the listed entries' terms back out; optional for a
+    backend."""
+
+    def left_out_counts(self, spec: StatsSpec, queries: torch.Tensor, keys: torch.Tensor, *,
+                        guided: bool) -> LeftOutCounts | None:
+        """Zero counts for one block's forward to fill, or None where these inputs and options
+        (``guided``: the filter has a guide) keep the filter's masks in the backward."""
 
 
 class OnePassSigmoidOps(BlockOps, Protocol):
