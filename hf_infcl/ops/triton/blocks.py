@@ -24,6 +24,7 @@ Float64 inputs have no tensor-core path: they are handed to :class:`TorchTiles`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -32,12 +33,20 @@ import torch
 from ..distillation import DistillationSpec, SoftTargetGradients, TeacherLogits
 from ..key_blocks import combine_rows as torch_combine_rows
 from ..positive_pairs import GroupRanges, PositiveParts, counts_positives, takes_log_sum_exp
-from ..spec import GroupMask, HardnessOffset, ScoreFilter, StatsSpec
+from ..spec import GroupMask, HardnessOffset, LeftOutCounts, ScoreFilter, StatsSpec
 from ..tiled import TorchTiles
 from ..value_check import run_deferred_check
 from . import distillation, gluon_sigmoid, group_pairs, stats
 from .combine_rows import combine_rows
 from .device import INTERPRET
+from .left_out import (
+    LISTED_ROW_SHARE,
+    LeftOutList,
+    empty_list,
+    rows_to_list,
+    take_back_left_out,
+    zero_counts,
+)
 from .operands import (
     HALF_TYPES,
     ROW_LABELS,
@@ -86,6 +95,9 @@ class TritonBlocks:
             gradient-tile kernel itself, which computes them and G in one kernel (no dot-product
             buffer, but its tensor-core work and its elementwise work run one after the other);
             ``"auto"`` (the default): ``"gluon"`` where it can run, else ``"gemm"``.
+        listed_row_share: the softmax backward with the score filter lists the entries it left
+            out and runs the tiles without its masks (:mod:`.left_out`) where at most this share
+            of the rows has such entries; elsewhere it filters every tile, as 0 always does.
     """
 
     tile_rows: int | None = None
@@ -96,6 +108,7 @@ class TritonBlocks:
     column_buffer_entries: int = 16 * 2**20
     tf32_via_fp16: bool = False
     sigmoid_logits: str = "auto"
+    listed_row_share: float = LISTED_ROW_SHARE
 
     # The one-process value check runs just before this object's first kernel, after its host
     # work: the check's synchronisation idles the GPU (hf_infcl.ops.value_check).
@@ -108,6 +121,9 @@ class TritonBlocks:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        share = self.listed_row_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise ValueError(f"listed_row_share must be a number from 0 to 1, got {share!r}")
         for name in ("poison", "fused_columns", "tf32_via_fp16"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -121,12 +137,14 @@ class TritonBlocks:
         problem = self._prepare(spec, queries, keys, scale, bias, mask, hardness, score_filter)
         spec, operands = problem.spec, problem.kernel
         queries, keys, scale, bias = operands.queries, operands.keys, operands.scale, problem.bias
+        counts = None if score_filter is None else score_filter.left_out
+        left_rows = None if counts is None else counts.per_row
         if spec.columns and self.fused_columns:
-            return self._rows_and_columns_in_one_pass(problem)
+            return self._rows_and_columns_in_one_pass(problem, left_rows)
         row_stat = stats.logit_stats(
             queries, keys, scale, bias, sigmoid=spec.loss == "sigmoid", columns=False,
             precision=spec.precision, splits=self.stat_splits, out=self._stat_buffer(queries, keys),
-            **problem.labels,
+            left_rows=left_rows, **problem.labels,
         )
         col_stat = None
         if spec.columns:
@@ -145,13 +163,54 @@ class TritonBlocks:
                                                row_weight, col_weight, grad_queries, grad_keys,
                                                hardness=hardness, score_filter=score_filter)
         problem = self._prepare(spec, queries, keys, scale, bias, mask, hardness, score_filter)
+        listed = None
+        if score_filter is not None and score_filter.left_out is not None:
+            listed = self._list_left_out(problem, score_filter.left_out)
+        if listed is not None:  # the tiles without the filter's masks, the listed entries taken back after
+            problem = dataclasses.replace(problem, labels=label_arguments(mask, hardness, problem.kernel))
         row_sums = torch.zeros(queries.shape[0], dtype=torch.float32, device=queries.device)
         g_factor = g_scale(problem.gemm.queries.dtype, row_weight, col_weight)
         route = GradTileRoute(problem.route_arguments(row_sums, g_factor), row_stat, row_weight, col_stat,
                               col_weight, sigmoid=problem.spec.loss == "sigmoid",
-                              precision=problem.spec.precision)
+                              precision=problem.spec.precision, clamp_exponents=listed is not None)
         self._walk(problem, route, grad_queries, grad_keys, g_factor)
+        if listed is not None:
+            operands = problem.kernel
+            take_back_left_out(listed, operands.queries, operands.keys, operands.scale, problem.bias,
+                               route.row_stat, route.col_stat, route.row_weight, route.col_weight,
+                               grad_queries, grad_keys, row_sums, queries.detach().contiguous(),
+                               keys.detach().contiguous())
         return row_sums
+
+    def left_out_counts(self, spec: StatsSpec, queries, keys, *, guided: bool) -> LeftOutCounts | None:
+        """Zero counts of the score filter's left-out entries per row
+        (:class:`~hf_infcl.ops.spec.LeftOutListOps`) for the softmax loss with a guide and without a
+        hardness offset; None elsewhere, where the backward keeps the filter's masks. Without a
+        guide the masks cost a few operations per entry of the backward's tiles, less than
+        counting costs the forward's; with one, a second product per tile."""
+        if not guided or spec.loss != "softmax" or spec.offsets or queries.dtype == torch.float64:
+            return None
+        if not self.listed_row_share:
+            return None
+        return zero_counts(queries.shape[0], queries.device)
+
+    def _list_left_out(self, problem: _Problem, counts: LeftOutCounts) -> LeftOutList | None:
+        """The left-out entries of the rows the forward counted any for, listed by the statistics
+        kernel over those rows alone (its rows' labels gathered), where they are few enough
+        (:mod:`.left_out`); None where they are not."""
+        found = rows_to_list(counts, self.listed_row_share)
+        if found is None:
+            return None
+        rows, entries = found
+        listed = empty_list(entries, rows.device)
+        if entries:
+            operands = problem.kernel
+            labels = dict(problem.labels, **{name: problem.labels[name].index_select(0, rows)
+                                             for name in ROW_LABELS if name in problem.labels})
+            stats.logit_stats(operands.queries.index_select(0, rows), operands.keys, operands.scale,
+                              problem.bias, sigmoid=False, columns=False, precision=problem.spec.precision,
+                              left_out=listed, row_ids=rows, **labels)
+        return listed
 
     def forward_backward_block(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None,
                                grad_queries, grad_keys, score_filter: ScoreFilter | None = None):
@@ -312,8 +371,9 @@ class TritonBlocks:
                 "back to 'gemm' elsewhere")
         return usable
 
-    def _rows_and_columns_in_one_pass(self, problem: _Problem):
-        """Row and column log-sum-exp from one pass over the tiles.
+    def _rows_and_columns_in_one_pass(self, problem: _Problem, left_rows: torch.Tensor | None = None):
+        """Row and column log-sum-exp from one pass over the tiles (and, given ``left_rows``, each
+        row's number of entries the score filter left out added to it).
 
         Rows go in chunks small enough that the column partials (one fp32 per row block and
         key) fit in ``column_buffer_entries``; each chunk's partials are merged into the column
@@ -335,6 +395,7 @@ class TritonBlocks:
                 queries[r0:r1], keys, scale, problem.bias, sigmoid=False, columns=False,
                 precision=problem.spec.precision, splits=self.stat_splits,
                 out=self._stat_buffer(queries[r0:r1], keys), column_partials=partials,
+                left_rows=left_rows, row_offset=r0,
                 **dict(problem.labels, **sliced(problem.labels, ROW_LABELS, r0, r1)),
             )
             if row_stat is None:  # one chunk: its rows are all the rows

@@ -51,7 +51,7 @@ def _grad_tile_kernel(
     n_rows, n_keys, c, stride_q, stride_k, stride_g, size_class, c_guide, stride_guide_q, stride_guide_k,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
     ONE_PASS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, HARDNESS: tl.constexpr,
-    FILTER: tl.constexpr, GUIDE: tl.constexpr, GROUP_POSITIVES: tl.constexpr,
+    FILTER: tl.constexpr, GUIDE: tl.constexpr, GROUP_POSITIVES: tl.constexpr, CLAMP: tl.constexpr,
     SCALED_G: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     EVEN_GUIDE_K: tl.constexpr, ROUND_GUIDE: tl.constexpr, FULL: tl.constexpr, LOG2: tl.constexpr,
@@ -108,7 +108,10 @@ def _grad_tile_kernel(
                                                 GROUP_POSITIVES)
         else:
             row_logits = logits
-        p_row = exp_in_units(row_logits - in_units(row_stat, LOG2)[:, None], LOG2)
+        row_exponent = row_logits - in_units(row_stat, LOG2)[:, None]
+        if CLAMP:  # the score filter's left-out entries, unmasked here (.left_out says why)
+            row_exponent = tl.minimum(row_exponent, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        p_row = exp_in_units(row_exponent, LOG2)
         grad = row_weight[:, None] * p_row
         if FILTER:  # where(), not a product: a left-out entry may hold 0 * inf = nan
             grad = tl.where(row_dropped, 0.0, grad)
@@ -117,7 +120,10 @@ def _grad_tile_kernel(
             col_weight = tl.load(col_weight_ptr + key_index, mask=key_valid, other=0.0)
             # Their own exponential (docs/algorithms.md). Where col_stat is -inf (a key no row may
             # pair with), p_col is inf and col_weight 0: the where() below drops it.
-            p_col = exp_in_units(logits - in_units(col_stat, LOG2)[None, :], LOG2)
+            col_exponent = logits - in_units(col_stat, LOG2)[None, :]
+            if CLAMP:
+                col_exponent = tl.minimum(col_exponent, 0.0, propagate_nan=tl.PropagateNan.ALL)
+            p_col = exp_in_units(col_exponent, LOG2)
             if FILTER:
                 column_dropped = score_filter_drops(scores, candidates, key_threshold_ptr, key_index,
                                                     key_valid, False)
@@ -177,7 +183,7 @@ def grad_tile(
     # the score filter and group_positives (as .stats.logit_stats takes them)
     row_thresholds: torch.Tensor | None = None, key_thresholds: torch.Tensor | None = None,
     guide_queries: torch.Tensor | None = None, guide_keys: torch.Tensor | None = None,
-    group_positives: bool = False,
+    group_positives: bool = False, clamp_exponents: bool = False,
     config: triton.Config | None = None, descriptors: tuple | None = None,
 ) -> triton.Config:
     """Write G / g_scale of ``queries`` x ``keys`` into ``g_out`` [rows, keys] (a view whose last
@@ -198,6 +204,10 @@ def grad_tile(
     ``row_thresholds``, ``key_thresholds`` (with a column statistic), ``guide_queries``,
     ``guide_keys``, ``group_positives``: the score filter, as in :func:`.stats.logit_stats`: each
     direction's term of G is zero where its own threshold leaves the entry out.
+
+    ``clamp_exponents`` (softmax, without the filter's masks): each exponent z - stat is clamped at
+    0, so that the terms of entries a filter left out are bounded, for :mod:`.left_out` to take
+    back; a kept entry's exponent is never above 0.
 
     ``config``: what an earlier call returned, for a call with the same tuning key (the same
     ``size_class``, width and dtypes, the same options): launched past the autotuner
@@ -238,6 +248,6 @@ def grad_tile(
         guide_keys.stride(0) if guided else 0,
         HAS_BIAS=bias is not None, HAS_MASK=has_mask, COLUMNS=columns, SIGMOID=sigmoid, ONE_PASS=one_pass,
         PRECISION=dot_precision(queries.dtype, precision), UPCAST=INTERPRET, HARDNESS=hardness,
-        FILTER=filters, GUIDE=guided, GROUP_POSITIVES=group_positives,
+        FILTER=filters, GUIDE=guided, GROUP_POSITIVES=group_positives, CLAMP=clamp_exponents,
         SCALED_G=inv_g_scale is not None, TMA=tma, config=config,
     )

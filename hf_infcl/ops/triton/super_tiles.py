@@ -143,13 +143,14 @@ class GradTileRoute:
     g_alone = True
 
     def __init__(self, arguments: RouteArguments, row_stat, row_weight, col_stat, col_weight, *,
-                 sigmoid: bool, precision: str):
+                 sigmoid: bool, precision: str, clamp_exponents: bool = False):
         self.arguments = arguments
         self.labels = _Labels(arguments.labels)
         self.row_stat, self.row_weight = fp32_vector(row_stat), fp32_vector(row_weight)
         self.col_stat, self.col_weight = fp32_vector(col_stat), fp32_vector(col_weight)
         queries, keys = arguments.kernel.queries, arguments.kernel.keys
-        self.options = dict(sigmoid=sigmoid, precision=precision, **self.labels.offset,
+        self.options = dict(sigmoid=sigmoid, precision=precision, clamp_exponents=clamp_exponents,
+                            **self.labels.offset,
                             # One tuning key for every super-tile, so that tuning (which zeroes the
                             # row sums it benchmarks on) can only happen on the first one.
                             size_class=problem_size_class(queries.shape[0], keys.shape[0]))
