@@ -463,6 +463,9 @@ def test_gpu_trainer_steps_with_group_positives_match_cpu(tmp_path, mode):
     pairs walked as ranges; autotuning on), whole-batch and cached, equal the CPU's."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    if torch.cuda.device_count() > 1:
+        pytest.skip("one process sees several GPUs, so the Trainer would use DataParallel, which "
+                    "InfCLTrainer refuses; run with CUDA_VISIBLE_DEVICES=0")
     from hf_infcl import InfCLTrainer
     from tests.helpers.trainer_fixtures import PairDataset, tiny_clip, trained_parameters, trainer_arguments
 

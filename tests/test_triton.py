@@ -9,6 +9,7 @@ torch backend on float64 copies of the same rounded inputs, on the GPU, norm-wis
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -257,10 +258,12 @@ OBJECTIVE_GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", OBJECTIVE_GPU_CASES,
                          ids=[_case_id((*c[:5], False)) + f"-{c[5]}-{c[6]}" for c in OBJECTIVE_GPU_CASES])
-def test_gpu_objectives_match_float64_reference(case):
+def test_gpu_objectives_match_float64_reference(case, monkeypatch):
     """Several positives per row and the filter's masks (FILTER, GUIDE, GROUP_POSITIVES) against
     the tiled float64 backend: fused and two-pass forwards, the TF32 emulation, the sigmoid one
-    pass (a mean) through the fused kernel."""
+    pass (a mean) through the fused kernel. The softmax loss's guided filter also with its
+    left-out entries listed whatever the share of rows that has any (the guide here leaves entries
+    out of most rows: by default, the backward then filters every tile)."""
     from hf_infcl.ops.triton import TritonBlocks
 
     *problem, mode, filter_name = case
@@ -268,6 +271,19 @@ def test_gpu_objectives_match_float64_reference(case):
     objectives = _objectives(mode, filter_name)
     blocks = TritonBlocks(tile_rows=1536, tile_keys=2560, poison=True, column_buffer_entries=2**15)
     _check_against_float64(*problem, backend=blocks, objectives=objectives)
+    if filter_name == "guide" and problem[4] != "sigmoid":
+        from hf_infcl.ops.triton import blocks as triton_blocks
+
+        counts, take_back = [], triton_blocks.take_back_left_out
+
+        def counted(left_out, *args):
+            counts.append(int(left_out.count))
+            return take_back(left_out, *args)
+
+        monkeypatch.setattr(triton_blocks, "take_back_left_out", counted)
+        listed = dataclasses.replace(blocks, listed_row_share=1.0)
+        _check_against_float64(*problem, backend=listed, objectives=objectives)
+        assert counts and counts[0] > 0, counts  # the backward took the listed entries back
     if problem[4] == "sigmoid":
         _check_against_float64(*problem, backend=blocks, objectives=objectives, reduction="mean")
     _check_other_routes(problem, objectives=objectives)

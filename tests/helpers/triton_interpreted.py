@@ -941,6 +941,93 @@ def test_two_pass_forward_with_the_filter_matches_reference(mode, filter_name):
     assert max(errors.values()) < TOLERANCE["fp32-ieee"], (seed, errors)
 
 
+# The guided score filter's left-out entries (hf_infcl.ops.triton.left_out): listed, the backward's
+# tiles run unmasked and the listed entries' terms are taken back; where no rows may be listed, or
+# more rows have left-out entries than the share that may, the backward filters every tile.
+# (loss, group_positives, false_negative_strategy, block ops)
+LEFT_OUT_SHARES = {"listed": 1.0, "no-list": 0.0, "too-many-rows": 1e-6}
+LEFT_OUT_CASES = [("softmax-sym", None, "absolute", BLOCKS), ("softmax-sym", "each", "absolute", BLOCKS),
+                  ("softmax-asym", "any", "relative", BLOCKS), ("softmax-sym", None, "relative", TWO_PASS),
+                  ("softmax-sym", "any", "absolute", BLOCKS_VIA_FP16)]
+
+
+@pytest.mark.parametrize("share", list(LEFT_OUT_SHARES))
+@pytest.mark.parametrize("case_index", range(len(LEFT_OUT_CASES)),
+                         ids=[f"{lo}-{mo}-{f}-{i}" for i, (lo, mo, f, _) in enumerate(LEFT_OUT_CASES)])
+def test_the_filter_s_left_out_list_matches_float64_reference(monkeypatch, case_index, share):
+    """Both backward routes of the filter against float64 (the fused forward's row chunks, the
+    two-pass forward, several positives, a guide, the fp16 copies), and the route each takes: the
+    unmasked, clamped tiles and the take-back of every left-out entry when the list holds them all,
+    the masked tiles otherwise."""
+    from hf_infcl.ops.triton import blocks as triton_blocks
+    from hf_infcl.ops.triton import super_tiles
+
+    loss_name, mode, strategy, blocks = LEFT_OUT_CASES[case_index]
+    blocks = dataclasses.replace(blocks, listed_row_share=LEFT_OUT_SHARES[share])
+    launches, counts = [], []
+    original_tile, original_take_back = super_tiles.grad_tile, triton_blocks.take_back_left_out
+
+    def tile(*args, **kwargs):
+        launches.append((kwargs["clamp_exponents"], kwargs.get("row_thresholds") is not None))
+        return original_tile(*args, **kwargs)
+
+    def take_back(left_out, *args):
+        counts.append(int(left_out.count))
+        return original_take_back(left_out, *args)
+
+    monkeypatch.setattr(super_tiles, "grad_tile", tile)
+    monkeypatch.setattr(triton_blocks, "take_back_left_out", take_back)
+    seed = random.randrange(2**31)
+    case = random_case(33, 71, 20, groups=False, custom_positives=True, seed=seed)
+    if mode is not None:
+        case["query_groups"], case["key_groups"] = _distinct_groups(33, 71, seed)
+    precision = "tf32" if blocks.tf32_via_fp16 else "ieee"
+    case = with_objectives(case, "tf32" if blocks.tf32_via_fp16 else torch.float32, mode, "guide", seed)
+    case["objectives"]["false_negative_strategy"] = strategy
+    errors = errors_against_reference(case, torch.float32, blocks, precision, LOSSES[loss_name])
+    tolerance = TOLERANCE["fp32-tf32-fp16" if blocks.tf32_via_fp16 else "fp32-ieee"]
+    assert max(errors.values()) < tolerance, (seed, errors)
+    if share == "listed":
+        assert launches and all(clamped and not filtered for clamped, filtered in launches), launches
+        assert counts and counts[0] > 0, counts  # the filter left entries out, and they were taken back
+    else:
+        assert launches and all(filtered and not clamped for clamped, filtered in launches), launches
+        assert not counts
+
+
+def test_the_filter_without_a_guide_keeps_its_masks_in_the_backward(monkeypatch):
+    """The model's own scores: the masks cost the backward's tiles less than counting the left-out
+    entries would cost the forward's, so nothing is counted or listed, whatever the share."""
+    from hf_infcl.ops.triton import blocks as triton_blocks
+    from hf_infcl.ops.triton import super_tiles
+
+    def never(*args, **kwargs):
+        raise AssertionError("left-out entries were counted or listed")
+
+    launches, original_tile = [], super_tiles.grad_tile
+
+    def tile(*args, **kwargs):
+        launches.append((kwargs["clamp_exponents"], kwargs.get("row_thresholds") is not None))
+        return original_tile(*args, **kwargs)
+
+    monkeypatch.setattr(super_tiles, "grad_tile", tile)
+    monkeypatch.setattr(triton_blocks, "zero_counts", never)
+    seed = random.randrange(2**31)
+    case = with_objectives(random_case(33, 71, 20, groups=False, custom_positives=True, seed=seed),
+                           torch.float32, None, "absolute", seed)
+    blocks = dataclasses.replace(BLOCKS, listed_row_share=1.0)
+    errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES["softmax-sym"])
+    assert max(errors.values()) < TOLERANCE["fp32-ieee"], (seed, errors)
+    assert launches and all(filtered and not clamped for clamped, filtered in launches), launches
+
+
+def test_listed_row_share_is_checked():
+    for wrong in (-0.1, 1.5, "all", True):
+        message = f"^listed_row_share must be a number from 0 to 1, got {wrong!r}$"
+        with pytest.raises(ValueError, match=message):
+            TritonBlocks(listed_row_share=wrong)
+
+
 @pytest.mark.parametrize("hardness_mode", HARDNESS_MODES)
 def test_hardness_offset_with_group_positives_matches_reference(hardness_mode):
     """GROUP_POSITIVES in the hardness offset: no key of a row's group is offset."""
@@ -955,25 +1042,33 @@ def test_hardness_offset_with_group_positives_matches_reference(hardness_mode):
 
 def test_kernels_without_the_options_are_unchanged():
     """The new switches are compile-time constants that are off by default: a launch without them
-    passes FILTER, GUIDE and GROUP_POSITIVES False, so Triton compiles the same kernel as before."""
+    passes FILTER, GUIDE, GROUP_POSITIVES and the left-out entries' LEFT_OUT and CLAMP off, so Triton
+    compiles the same kernel as before."""
     from hf_infcl.ops.triton import grad_tile, stats
 
+    switches = {stats: ("FILTER", "GUIDE", "GROUP_POSITIVES", "LEFT_OUT", "LEFT_OUT_COLUMNS"),
+                grad_tile: ("FILTER", "GUIDE", "GROUP_POSITIVES", "CLAMP")}
     seen = []
-    for kernel in (stats.STATS_KERNEL.body, grad_tile.GRAD_TILE_KERNEL.body):
-        assert {"FILTER", "GUIDE", "GROUP_POSITIVES"} <= set(kernel.arg_names)
-    original = stats.launch
+    for module, names in switches.items():
+        kernel = stats.STATS_KERNEL.body if module is stats else grad_tile.GRAD_TILE_KERNEL.body
+        assert set(names) <= set(kernel.arg_names)
+    originals = {module: module.launch for module in switches}
 
-    def recording(kernel, grid, device, *args, **kwargs):
-        seen.append({name: kwargs[name] for name in ("FILTER", "GUIDE", "GROUP_POSITIVES")})
-        return original(kernel, grid, device, *args, **kwargs)
+    def recording(module):
+        def launch(kernel, grid, device, *args, **kwargs):
+            seen.append({name: kwargs[name] for name in switches[module]})
+            return originals[module](kernel, grid, device, *args, **kwargs)
+        return launch
 
-    stats.launch = recording
+    for module in switches:
+        module.launch = recording(module)
     try:
         case = random_case(7, 19, 40, groups=True, custom_positives=True, seed=1)
         loss_and_grads(case, torch.float32, BLOCKS, loss="softmax", symmetric=True, use_bias=False)
     finally:
-        stats.launch = original
-    assert seen and all(not any(flags.values()) for flags in seen)
+        for module, original in originals.items():
+            module.launch = original
+    assert len(seen) >= 2 and all(not any(flags.values()) for flags in seen)
 
 
 
