@@ -1021,6 +1021,34 @@ def test_the_filter_without_a_guide_keeps_its_masks_in_the_backward(monkeypatch)
     assert launches and all(filtered and not clamped for clamped, filtered in launches), launches
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_plain_statistics_launches_find_the_shipped_choices(monkeypatch, dtype):
+    """A tuning key lists the dtype of every tensor argument of the launch, so a kernel argument
+    added without the shipped files' keys following would make every first call on a known GPU
+    tune again: a plain launch's dtypes are those of shipped keys (every shipped file). Only the
+    launches' keys matter here, not the interpreter's (bf16) numbers."""
+    import ast
+    import json
+
+    from hf_infcl.ops.triton import stats
+    from hf_infcl.ops.triton.tuning_store import SHIPPED_DIRECTORY, tuning_key
+
+    launched, original = [], stats.launch
+
+    def recording(kernel, grid, device, *args, **kwargs):
+        launched.append(tuning_key(kernel.tuner, args, kwargs)[2:])  # past (c, size_class)
+        return original(kernel, grid, device, *args, **kwargs)
+
+    monkeypatch.setattr(stats, "launch", recording)
+    case = random_case(7, 19, 40, groups=False, custom_positives=False, seed=0)
+    loss_and_grads(case, dtype, BLOCKS, loss="softmax", symmetric=True, use_bias=False, precision="auto")
+    files = sorted(SHIPPED_DIRECTORY.glob("*.json"))
+    assert launched and files
+    for path in files:
+        shipped = {ast.literal_eval(key)[2:] for key in json.loads(path.read_text())[stats.STATS_KERNEL.name]}
+        assert set(launched) <= shipped, (path.name, launched)
+
+
 def test_listed_row_share_is_checked():
     for wrong in (-0.1, 1.5, "all", True):
         message = f"^listed_row_share must be a number from 0 to 1, got {wrong!r}$"
