@@ -21,6 +21,9 @@ and, named in ``--variants`` only (not run by default):
   distill-tilesN  the same on ``TorchTiles(N, N)`` (``backend="torch"`` takes 4096 on CUDA; smaller
                tiles leave the GPU waiting on the host's launches); e.g. ``distill-tiles1024``
   distill-triton  the same on ``backend=TritonBlocks()``
+  filter-guide-masked  ``filter-guide`` with the backward filtering every tile
+               (``TritonBlocks(listed_row_share=0)``), as it does where many rows have left-out
+               entries: the listed backward's A/B in one run
   matryoshka   ``matryoshka_dims`` of five widths, c, 2c/3, c/3, c/6 and c/12 (768, 512, 256, 128
                and 64 at c = 768): on CUDA one Triton loss call per width
   matryoshka-tilesN  the same on ``TorchTiles(N, N)``: every width in one pass per tile
@@ -76,7 +79,7 @@ from hf_infcl import TorchTiles, contrastive_distillation_loss, contrastive_loss
 
 VARIANTS = ("plain", "groups-any", "groups-each", "filter", "filter-guide")
 EXTRA_VARIANTS = ("distill", "matryoshka", "filter-every-tile")  # run when named (and tiled variants)
-GPU_ONLY_VARIANTS = ("distill-triton",)  # run when named, on CUDA
+GPU_ONLY_VARIANTS = ("distill-triton", "filter-guide-masked")  # run when named, on CUDA
 GROUP_SIZE = 5
 POSITIVE_COSINE = 0.6  # a positive's expected cosine to its query
 NEAR_COPIES = 0.01  # the share of (query, key) pairs that are near-copies of another pair
@@ -110,7 +113,7 @@ def trained_features(b: int, c: int, generator: torch.Generator, device: str):
 def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda", dtype=torch.bfloat16):
     generator = torch.Generator(device=device).manual_seed(seed)
     q, k = trained_features(b, c, generator, device)
-    if variant == "filter-guide":  # the same batch with a little noise, frozen
+    if variant.startswith("filter-guide"):  # the same batch with a little noise, frozen
         guide = [F.normalize(x + 0.1 * torch.randn(b, c, device=device, generator=generator) / c**0.5, dim=1)
                  for x in (q, k)]
     q = q.to(dtype).requires_grad_()
@@ -122,8 +125,12 @@ def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda",
         options = dict(query_groups=groups, key_groups=groups, group_positives=variant.split("-")[1])
     elif variant.startswith("filter"):
         options = dict(false_negative_margin=2.5 if variant == "filter-every-tile" else 0.1)
-        if variant == "filter-guide":
+        if variant.startswith("filter-guide"):
             options.update(guide_queries=guide[0].to(dtype), guide_keys=guide[1].to(dtype))
+        if variant == "filter-guide-masked":
+            from hf_infcl.ops.triton import TritonBlocks
+
+            options.update(backend=TritonBlocks(listed_row_share=0.0))
     elif variant.startswith("matryoshka"):
         options = dict(matryoshka_dims=matryoshka_widths(c))
         if _tiles(variant):
