@@ -308,12 +308,23 @@ def test_ring_over_triton_block_ops_matches_float64(ranks, loss_name):
     ) * (world_size / queries.shape[0])
     total.backward()
     fp32 = {"rtol": 1e-5, "atol": 1e-6}
+    if objectives.get("listed_row_share"):
+        # The listed left-out entries' terms are added by the tiles and taken back from logits
+        # formed again in another order: their rounding, of the logits' size (up to 40 with these
+        # unnormalised features) times 2^-24, stays in gradient elements that are near 0.
+        fp32["atol"] = 1e-5
     for rank, result in enumerate(ranks):
         mine = result["triton"][loss_name]
         rows = slice(row_offsets[rank], row_offsets[rank + 1])
         cols = slice(key_offsets[rank], key_offsets[rank + 1])
         torch.testing.assert_close(mine["queries"].double(), queries.grad[rows], **fp32)
         torch.testing.assert_close(mine["keys"].double(), keys.grad[cols], **fp32)
+    listed = [result["triton"][loss_name]["listed"] for result in ranks]
+    if objectives.get("listed_row_share"):  # the backward of every rank with rows listed its entries
+        assert all(blocks for blocks, part in zip(listed, parts) if len(part["queries"])), listed
+        assert sum(map(sum, listed)) > 0, listed
+    else:  # nothing listed (a rank without left-out entries may list none)
+        assert not any(map(sum, listed)), listed
     summed = {name: sum(float(r["triton"][loss_name][name]) for r in ranks) for name in ("value", "scale")}
     torch.testing.assert_close(summed["value"], float(total.detach()), **fp32)
     torch.testing.assert_close(summed["scale"], float(scale.grad), **fp32)

@@ -139,6 +139,17 @@ def block_parts(spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, pair
     return parts._replace(pairs=pairs)
 
 
+def left_out_counts(spec: StatsSpec, ops: BlockOps, queries, keys,
+                    labels: PairLabels) -> LeftOutCounts | None:
+    """Zero counts of the score filter's left-out entries for a forward's key blocks to fill and its
+    backward to read, where the block ops keep them (:class:`~hf_infcl.ops.spec.LeftOutListOps`;
+    None without the filter)."""
+    make = getattr(ops, "left_out_counts", None)
+    if not (spec.filters and callable(make)):
+        return None
+    return make(spec, queries, keys, guided=labels.guide_queries is not None)
+
+
 def add_block_pair_gradients(spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
                              pairs: BlockPairs | GroupRanges, row_part, row_weight, column_part,
                              column_weight, grad_queries, grad_keys, row_sums) -> None:
@@ -167,22 +178,14 @@ class SingleBlock:
 
     def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels):
         finder = self._pair_finder(spec, ops, queries, labels)  # before the kernel (BlockPairFinder says why)
-        labels = labels._replace(left_out=self._left_out_counts(spec, ops, queries, keys, labels))
+        if self.lists_left_out:
+            labels = labels._replace(left_out=left_out_counts(spec, ops, queries, keys, labels))
         block = labels.block(spec, labels.own_keys(), 0)
         row_stat, col_stat = ops.forward_block(spec, queries, keys, scale, bias, block.mask,
                                                hardness=block.hardness, score_filter=block.score_filter)
         parts = None if finder is None else block_parts(spec, ops, queries, keys, scale, bias, finder.pairs(),
                                                         row_stat.dtype)
         return row_stat, col_stat, parts, labels.left_out
-
-    def _left_out_counts(self, spec: StatsSpec, ops: BlockOps, queries, keys,
-                         labels: PairLabels) -> LeftOutCounts | None:
-        """Zero counts of the score filter's left-out entries for the forward to fill, where the
-        block ops keep them (None without the filter)."""
-        make = getattr(ops, "left_out_counts", None)
-        if not (spec.filters and self.lists_left_out and callable(make)):
-            return None
-        return make(spec, queries, keys, guided=labels.guide_queries is not None)
 
     @staticmethod
     def _pair_finder(spec: StatsSpec, ops: BlockOps, queries, labels: PairLabels) -> BlockPairFinder | None:

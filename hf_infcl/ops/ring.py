@@ -64,7 +64,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .key_blocks import BlockPairFinder, add_block_pair_gradients, block_parts
+from .key_blocks import BlockPairFinder, add_block_pair_gradients, block_parts, left_out_counts
 from .options import (
     FALSE_NEGATIVE_STRATEGIES,
     GROUP_POSITIVES,
@@ -196,8 +196,11 @@ class RingLayout:
     # The layout is the ring's schedule of key blocks (hf_infcl.ops.key_blocks.KeyBlockSchedule).
 
     def forward_stats(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias, labels: PairLabels):
-        # no counts of the score filter's left-out entries: each key block's backward filters its tiles
-        return (*_ring_forward(self, spec, ops, queries, keys, scale, bias, labels), None)
+        # Every key block adds to one count per row of the score filter's left-out entries; each block's
+        # backward lists its own entries of the counted rows.
+        counts = left_out_counts(spec, ops, queries, keys, labels)
+        labels = labels._replace(left_out=counts)
+        return (*_ring_forward(self, spec, ops, queries, keys, scale, bias, labels), counts)
 
     def backward_accumulators(self, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
                               labels: PairLabels, row_stat, col_stat, grad_row_stat, grad_col_stat,

@@ -426,13 +426,18 @@ TRITON_LOSSES = {
     # the default positives (keys[:m] of each rank), over more tiles than one block
     "softmax_filter_default_positives": ("softmax", None, None,
                                           dict(false_negative_margin=0.1, default_positives=True)),
+    # a guide: the backward filters each block's tiles (most rows have left-out entries here), or
+    # lists each block's left-out entries whatever their rows' share and takes them back
+    "softmax_filter_guide": ("softmax", None, None, dict(false_negative_margin=0.2, guide=True)),
+    "softmax_filter_guide_listed": ("softmax", None, None, dict(false_negative_margin=0.2, guide=True,
+                                                                listed_row_share=1.0)),
 }
 
 
 def objective_arguments(objectives: dict, batch) -> dict:
     """``TRITON_LOSSES``' objectives as contrastive_loss's arguments for a batch (its guide)."""
     arguments = {name: value for name, value in objectives.items()
-                 if name not in ("guide", "default_positives")}
+                 if name not in ("guide", "default_positives", "listed_row_share")}
     if objectives.get("guide"):
         arguments.update(guide_queries=batch["guide_queries"], guide_keys=batch["guide_keys"])
     return arguments
@@ -477,10 +482,26 @@ def run_triton(rank: int, world_size: int):
     gradients per loss, or None where Triton cannot be imported."""
     try:
         from hf_infcl.ops.triton import TritonBlocks
+        from hf_infcl.ops.triton import blocks as triton_blocks
     except ImportError:
         return None
+    listed, take_back = [], triton_blocks.take_back_left_out
+
+    def counted(left_out, *args):  # each key block's listed left-out entries, in the backward
+        listed.append(int(left_out.count))
+        return take_back(left_out, *args)
+
+    triton_blocks.take_back_left_out = counted
+    try:
+        return _run_triton_losses(rank, world_size, TritonBlocks, listed)
+    finally:
+        triton_blocks.take_back_left_out = take_back
+
+
+def _run_triton_losses(rank: int, world_size: int, TritonBlocks, listed: list) -> dict:
     results = {}
     for name, (loss, bias_value, hardness, objectives) in TRITON_LOSSES.items():
+        listed.clear()
         part = triton_inputs(world_size, objectives)[rank]
         queries = part["queries"].clone().requires_grad_(True)
         keys = part["keys"].clone().requires_grad_(True)
@@ -488,13 +509,15 @@ def run_triton(rank: int, world_size: int):
         bias = torch.tensor(bias_value, requires_grad=True) if bias_value is not None else None
         value = contrastive_loss(
             queries, keys, scale, bias, loss=loss, **triton_labels(objectives, part), process_group="auto",
-            backend=TritonBlocks(tile_rows=2, tile_keys=4, poison=True),
+            backend=TritonBlocks(tile_rows=2, tile_keys=4, poison=True,
+                                 listed_row_share=objectives.get("listed_row_share", 0.125)),
             precision="ieee",  # exact fp32: this checks the ring's plumbing, not TF32 rounding
             **hardness_arguments(hardness, part), **objective_arguments(objectives, part),
         )
         value.backward()
         results[name] = {"value": value.detach(), "queries": queries.grad, "keys": keys.grad,
-                         "scale": scale.grad, "bias": None if bias is None else bias.grad}
+                         "scale": scale.grad, "bias": None if bias is None else bias.grad,
+                         "listed": list(listed)}
     return results
 
 
