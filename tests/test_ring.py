@@ -357,7 +357,7 @@ def test_nccl_ring_parity_script_dry_run_on_cpu():
 
 @pytest.mark.gpu
 def test_nccl_ring_parity_script():
-    """The 36 NCCL checks (18 cases in fp32 and bf16) with autotuning on. On a machine whose
+    """The 38 NCCL checks (19 cases in fp32 and bf16) with autotuning on. On a machine whose
     Triton and tuning caches are cold, every tuning key (width, size class, the dtypes of the
     kernel's arguments, which the options change) tunes once (rank 0 tunes, rank 1 waits and
     loads), hence the long limit."""
