@@ -66,7 +66,7 @@ class Case:
     guide_width: int | None = None  # guide embeddings of this width for the score filter
     matryoshka: tuple[int, ...] | None = None  # matryoshka_dims (weights 1)
     teacher_width: int | None = None  # contrastive_distillation_loss with a teacher of this width
-    listed_row_share: float | None = None  # the Triton backend's (TritonBlocks), where given
+    listed: bool = False  # the Triton backend lists every left-out entry, whatever their rows and number
 
 
 CASES = {
@@ -94,9 +94,9 @@ CASES = {
                                           margin=0.85, strategy="relative"),
     "filter-guide-c64": Case(256, rows=(900, 600), keys=(1000, 700), margin=0.5, guide_width=64),
     # The same with each key block's left-out entries listed in the backward, whatever the share of
-    # rows that has any (most rows here: by default the backward filters every tile).
+    # rows that has any and their number (most rows here: by default the backward filters every tile).
     "filter-guide-listed-c64": Case(256, rows=(900, 600), keys=(1000, 700), margin=0.5, guide_width=64,
-                                    listed_row_share=1.0),
+                                    listed=True),
     # The sigmoid loss's one pass (its key gradients travel in the forward): a rank without rows,
     # the key gradients in several slices.
     "sigmoid-zero_row_rank-sliced": Case(256, rows=(1000, 0), keys=(1100, 300), loss="sigmoid", bias=True,
@@ -154,10 +154,10 @@ def global_case(case: Case, world_size: int, seed: int):
 def loss_of(case: Case, queries, keys, scale, bias, batch: dict, dtype, device, backend, **arguments):
     """The case's loss: ``contrastive_loss`` with its options, or, with a teacher,
     ``contrastive_distillation_loss`` on the same backend."""
-    if backend == "triton" and case.listed_row_share is not None:
+    if backend == "triton" and case.listed:
         from hf_infcl.ops.triton import TritonBlocks
 
-        backend = TritonBlocks(listed_row_share=case.listed_row_share)
+        backend = TritonBlocks(listed_row_share=1.0, listed_entries_per_vector=10**6)
     if case.teacher_width is None:
         return contrastive_loss(queries, keys, scale, bias, loss=case.loss, symmetric=case.symmetric,
                                 backend=backend, **arguments, **option_arguments(case, batch, dtype, device))

@@ -262,8 +262,8 @@ def test_gpu_objectives_match_float64_reference(case, monkeypatch):
     """Several positives per row and the filter's masks (FILTER, GUIDE, GROUP_POSITIVES) against
     the tiled float64 backend: fused and two-pass forwards, the TF32 emulation, the sigmoid one
     pass (a mean) through the fused kernel. The softmax loss's guided filter also with its
-    left-out entries listed whatever the share of rows that has any (the guide here leaves entries
-    out of most rows: by default, the backward then filters every tile)."""
+    left-out entries listed whatever the share of rows that has any and their number (the guide
+    here leaves entries out of most rows: by default, the backward then filters every tile)."""
     from hf_infcl.ops.triton import TritonBlocks
 
     *problem, mode, filter_name = case
@@ -281,7 +281,7 @@ def test_gpu_objectives_match_float64_reference(case, monkeypatch):
             return take_back(left_out, *args)
 
         monkeypatch.setattr(triton_blocks, "take_back_left_out", counted)
-        listed = dataclasses.replace(blocks, listed_row_share=1.0)
+        listed = dataclasses.replace(blocks, listed_row_share=1.0, listed_entries_per_vector=10**6)
         _check_against_float64(*problem, backend=listed, objectives=objectives)
         assert counts and counts[0] > 0, counts  # the backward took the listed entries back
     if problem[4] == "sigmoid":

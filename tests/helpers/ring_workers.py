@@ -427,7 +427,7 @@ TRITON_LOSSES = {
     "softmax_filter_default_positives": ("softmax", None, None,
                                           dict(false_negative_margin=0.1, default_positives=True)),
     # a guide: the backward filters each block's tiles (most rows have left-out entries here), or
-    # lists each block's left-out entries whatever their rows' share and takes them back
+    # lists each block's left-out entries whatever their rows' share and number and takes them back
     "softmax_filter_guide": ("softmax", None, None, dict(false_negative_margin=0.2, guide=True)),
     "softmax_filter_guide_listed": ("softmax", None, None, dict(false_negative_margin=0.2, guide=True,
                                                                 listed_row_share=1.0)),
@@ -510,7 +510,9 @@ def _run_triton_losses(rank: int, world_size: int, TritonBlocks, listed: list) -
         value = contrastive_loss(
             queries, keys, scale, bias, loss=loss, **triton_labels(objectives, part), process_group="auto",
             backend=TritonBlocks(tile_rows=2, tile_keys=4, poison=True,
-                                 listed_row_share=objectives.get("listed_row_share", 0.125)),
+                                 **({} if "listed_row_share" not in objectives else
+                                    dict(listed_row_share=objectives["listed_row_share"],
+                                         listed_entries_per_vector=10**6))),
             precision="ieee",  # exact fp32: this checks the ring's plumbing, not TF32 rounding
             **hardness_arguments(hardness, part), **objective_arguments(objectives, part),
         )

@@ -963,7 +963,9 @@ def test_the_filter_s_left_out_list_matches_float64_reference(monkeypatch, case_
     from hf_infcl.ops.triton import super_tiles
 
     loss_name, mode, strategy, blocks = LEFT_OUT_CASES[case_index]
-    blocks = dataclasses.replace(blocks, listed_row_share=LEFT_OUT_SHARES[share])
+    # the features leave out many entries: no bound on their number
+    blocks = dataclasses.replace(blocks, listed_row_share=LEFT_OUT_SHARES[share],
+                                 listed_entries_per_vector=10**6)
     launches, counts = [], []
     original_tile, original_take_back = super_tiles.grad_tile, triton_blocks.take_back_left_out
 
@@ -993,6 +995,32 @@ def test_the_filter_s_left_out_list_matches_float64_reference(monkeypatch, case_
     else:
         assert launches and all(filtered and not clamped for clamped, filtered in launches), launches
         assert not counts
+
+
+def test_too_many_left_out_entries_keep_the_masks(monkeypatch):
+    """A list longer than its bound per row and key (here 0: any entry) is not made: the backward
+    filters every tile, whatever the share of rows."""
+    from hf_infcl.ops.triton import blocks as triton_blocks
+    from hf_infcl.ops.triton import super_tiles
+
+    launches, original_tile = [], super_tiles.grad_tile
+
+    def tile(*args, **kwargs):
+        launches.append((kwargs["clamp_exponents"], kwargs.get("row_thresholds") is not None))
+        return original_tile(*args, **kwargs)
+
+    def never(*args, **kwargs):
+        raise AssertionError("left-out entries were listed")
+
+    monkeypatch.setattr(super_tiles, "grad_tile", tile)
+    monkeypatch.setattr(triton_blocks, "empty_list", never)
+    seed = random.randrange(2**31)
+    case = with_objectives(random_case(33, 71, 20, groups=False, custom_positives=True, seed=seed),
+                           torch.float32, None, "guide", seed)
+    blocks = dataclasses.replace(BLOCKS, listed_row_share=1.0, listed_entries_per_vector=0)
+    errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES["softmax-sym"])
+    assert max(errors.values()) < TOLERANCE["fp32-ieee"], (seed, errors)
+    assert launches and all(filtered and not clamped for clamped, filtered in launches), launches
 
 
 def test_the_filter_without_a_guide_keeps_its_masks_in_the_backward(monkeypatch):
@@ -1049,11 +1077,15 @@ def test_plain_statistics_launches_find_the_shipped_choices(monkeypatch, dtype):
         assert set(launched) <= shipped, (path.name, launched)
 
 
-def test_listed_row_share_is_checked():
+def test_the_listed_bounds_are_checked():
     for wrong in (-0.1, 1.5, "all", True):
         message = f"^listed_row_share must be a number from 0 to 1, got {wrong!r}$"
         with pytest.raises(ValueError, match=message):
             TritonBlocks(listed_row_share=wrong)
+    for wrong in (-1, 2.5, True):
+        message = f"^listed_entries_per_vector must be a non-negative integer, got {wrong!r}$"
+        with pytest.raises(ValueError, match=message):
+            TritonBlocks(listed_entries_per_vector=wrong)
 
 
 @pytest.mark.parametrize("hardness_mode", HARDNESS_MODES)

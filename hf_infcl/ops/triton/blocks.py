@@ -40,6 +40,7 @@ from . import distillation, gluon_sigmoid, group_pairs, stats
 from .combine_rows import combine_rows
 from .device import INTERPRET
 from .left_out import (
+    ENTRIES_PER_VECTOR,
     LISTED_ROW_SHARE,
     LeftOutList,
     empty_list,
@@ -98,6 +99,8 @@ class TritonBlocks:
         listed_row_share: the softmax backward with the score filter lists the entries it left
             out and runs the tiles without its masks (:mod:`.left_out`) where at most this share
             of the rows has such entries; elsewhere it filters every tile, as 0 always does.
+        listed_entries_per_vector: nor does it list more than this many entries per row and key
+            (the list's memory, 12 bytes an entry, stays linear in the batch).
     """
 
     tile_rows: int | None = None
@@ -109,6 +112,7 @@ class TritonBlocks:
     tf32_via_fp16: bool = False
     sigmoid_logits: str = "auto"
     listed_row_share: float = LISTED_ROW_SHARE
+    listed_entries_per_vector: int = ENTRIES_PER_VECTOR
 
     # The one-process value check runs just before this object's first kernel, after its host
     # work: the check's synchronisation idles the GPU (hf_infcl.ops.value_check).
@@ -117,6 +121,9 @@ class TritonBlocks:
     def __post_init__(self):
         if self.sigmoid_logits not in SIGMOID_LOGITS:
             raise ValueError(f"sigmoid_logits must be one of {SIGMOID_LOGITS}, got {self.sigmoid_logits!r}")
+        entries = self.listed_entries_per_vector
+        if isinstance(entries, bool) or not isinstance(entries, int) or entries < 0:
+            raise ValueError(f"listed_entries_per_vector must be a non-negative integer, got {entries!r}")
         for name in ("tile_rows", "tile_keys", "stat_splits", "column_buffer_entries"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -198,7 +205,8 @@ class TritonBlocks:
         """The left-out entries of the rows the forward counted any for, listed by the statistics
         kernel over those rows alone (its rows' labels gathered), where they are few enough
         (:mod:`.left_out`); None where they are not."""
-        found = rows_to_list(counts, self.listed_row_share)
+        found = rows_to_list(counts, self.listed_row_share, self.listed_entries_per_vector,
+                             problem.kernel.keys.shape[0])
         if found is None:
             return None
         rows, entries = found

@@ -33,6 +33,9 @@ from .device import INTERPRET
 # The list is worth its second statistics pass over the rows that have left-out entries while
 # those are at most this share of the rows (that pass costs about two plain passes over them).
 LISTED_ROW_SHARE = 1 / 8
+# The list holds at most this many entries per row and key of the block by default, so that its
+# memory stays linear in the batch (a margin that leaves out most keys of a few rows keeps the masks).
+ENTRIES_PER_VECTOR = 4
 # Room in the list beyond the forward's count: the second pass multiplies in another order, and
 # a score within rounding of its threshold may then fall on the other side.
 _SLACK = 1024
@@ -57,13 +60,19 @@ def zero_counts(rows: int, device: torch.device) -> LeftOutCounts:
     return LeftOutCounts(torch.zeros(rows, dtype=torch.int32, device=device))
 
 
-def rows_to_list(counts: LeftOutCounts, share: float) -> tuple[torch.Tensor, int] | None:
+def rows_to_list(counts: LeftOutCounts, share: float, per_vector: int,
+                 keys: int) -> tuple[torch.Tensor, int] | None:
     """(the rows with left-out entries, their number of entries) where those rows are at most
-    ``share`` of all rows, else None (two host synchronisations, back to back)."""
+    ``share`` of all rows and the entries at most ``per_vector`` per row and key of a block of
+    ``keys`` keys, else None (two host synchronisations, back to back)."""
+    m = counts.per_row.shape[0]
     rows = torch.nonzero(counts.per_row).squeeze(1)
-    if rows.numel() > share * counts.per_row.shape[0]:
+    if rows.numel() > share * m:
         return None
-    return rows, int(counts.per_row.sum())
+    entries = int(counts.per_row.sum())
+    if entries > per_vector * (m + keys):
+        return None
+    return rows, entries
 
 
 def empty_list(entries: int, device: torch.device) -> LeftOutList:
