@@ -7,9 +7,10 @@ GEMM per tile). So:
 1. The forward's statistics kernel counts each row's left-out entries (one row sum per tile:
    :class:`~hf_infcl.ops.spec.LeftOutCounts`).
 2. The backward reads the counts (one host synchronisation). Where at most a small share of the
-   rows has any (:func:`worth_listing`), the statistics kernel runs again over just those rows,
-   listing their entries (:func:`record_left_out`: row, key, which statistic left it out); the
-   appends cost a reduction and scans per tile, paid only on these rows.
+   rows has any, and the entries are few enough for memory linear in the batch
+   (:func:`rows_to_list`), the statistics kernel runs again over just those rows, listing their
+   entries (:func:`record_left_out`: row, key, :data:`ROW` | :data:`COLUMN`); the appends cost a
+   reduction and scans per tile, paid only on these rows.
 3. The gradient tiles run unmasked, with every exponent z - stat clamped at 0 (``CLAMP`` of the
    gradient-tile kernel): a kept entry never exceeds its statistic, while a left-out one may, by
    any amount; clamped, its term is at most its weight, and nothing overflows.
