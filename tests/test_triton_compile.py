@@ -1,5 +1,5 @@
 """The statistics and gradient-tile kernels compile for Hopper (sm_90) on a machine without a GPU, with
-and without the score filter and its guide, in each loss and direction.
+and without the score filter, its guide and its left-out entries, in each loss and direction.
 
 The interpreter (``tests/helpers/triton_interpreted.py``) runs the kernels as Python, so it cannot see
 what only Triton's compiler rejects: a name bound in one branch of a runtime ``if`` and used after it,
@@ -24,7 +24,10 @@ from triton.compiler import ASTSource  # noqa: E402
 from hf_infcl.ops.triton import grad_tile, stats  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
-_INDEX_POINTERS = {"row_group_ptr", "key_group_ptr", "positive_ptr", "query_id_ptr", "key_owner_ptr"}
+_INDEX_POINTERS = {"row_group_ptr", "key_group_ptr", "positive_ptr", "query_id_ptr", "key_owner_ptr",
+                   "row_id_ptr"}
+# the score filter's left-out counts and list (hf_infcl.ops.triton.left_out)
+_INT32_POINTERS = {"left_rows_ptr", "left_out_ptr", "left_out_count_ptr"}
 
 
 def _signature(kernel, half_pointers: set[str]) -> dict[str, str]:
@@ -37,6 +40,8 @@ def _signature(kernel, half_pointers: set[str]) -> dict[str, str]:
             signature[name] = "*bf16"
         elif name in _INDEX_POINTERS:
             signature[name] = "*i64"
+        elif name in _INT32_POINTERS:
+            signature[name] = "*i32"
         elif name.endswith(("_ptr", "_desc")):
             signature[name] = "*fp32"
         else:
@@ -63,17 +68,33 @@ FILTERS = {"no-filter": dict(FILTER=False, GUIDE=False), "filter": dict(FILTER=T
            "guide": dict(FILTER=True, GUIDE=True)}
 
 
+def _stats_switches(variant: str, filter_name: str, hardness: int = 0, left_out: int = 0) -> dict:
+    return dict(HAS_BIAS=True, HAS_MASK=False, PRECISION="tf32", UPCAST=False, HARDNESS=hardness,
+                **FILTERS[filter_name], GROUP_POSITIVES=False, LEFT_OUT=left_out,
+                LEFT_OUT_COLUMNS=left_out != 0,
+                BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, EVEN_K=True, EVEN_GUIDE_K=True, ROUND_GUIDE=False,
+                FULL=True, LOG2=True, **STATS_VARIANTS[variant])
+
+
+_STATS_HALF_POINTERS = {"outer_ptr", "inner_ptr", "guide_outer_ptr", "guide_inner_ptr"}
+
+
 @pytest.mark.parametrize("hardness", [0, 1])
 @pytest.mark.parametrize("filter_name", list(FILTERS))
 @pytest.mark.parametrize("variant", list(STATS_VARIANTS))
 def test_stats_kernel_compiles_for_hopper(variant, filter_name, hardness):
     if hardness and variant != "softmax-fused-columns":
         pytest.skip("the hardness offset is of the softmax rows")
-    switches = dict(HAS_BIAS=True, HAS_MASK=False, PRECISION="tf32", UPCAST=False, HARDNESS=hardness,
-                    **FILTERS[filter_name], GROUP_POSITIVES=False, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64,
-                    EVEN_K=True, EVEN_GUIDE_K=True, ROUND_GUIDE=False, FULL=True, LOG2=True,
-                    **STATS_VARIANTS[variant])
-    _compile(stats._stats_kernel, {"outer_ptr", "inner_ptr", "guide_outer_ptr", "guide_inner_ptr"}, switches)
+    _compile(stats._stats_kernel, _STATS_HALF_POINTERS, _stats_switches(variant, filter_name, hardness))
+
+
+@pytest.mark.parametrize("left_out", [1, 2], ids=["count", "list"])
+@pytest.mark.parametrize("filter_name", ["filter", "guide"])
+def test_stats_kernel_compiles_for_hopper_with_the_left_out_entries(filter_name, left_out):
+    """Counting each row's left-out entries (a row sum per tile), and listing them (an atomic, scans
+    and scattered stores in a runtime branch), both directions' flags, in the fused forward."""
+    _compile(stats._stats_kernel, _STATS_HALF_POINTERS,
+             _stats_switches("softmax-fused-columns", filter_name, left_out=left_out))
 
 
 GRAD_VARIANTS = {
@@ -85,11 +106,17 @@ GRAD_VARIANTS = {
 
 
 @pytest.mark.parametrize("group_positives", [False, True])
-@pytest.mark.parametrize("filter_name", list(FILTERS))
+@pytest.mark.parametrize("filter_name", [*FILTERS, "clamped"])
 @pytest.mark.parametrize("variant", list(GRAD_VARIANTS))
 def test_grad_tile_kernel_compiles_for_hopper(variant, filter_name, group_positives):
+    """"clamped": no filter, the exponents clamped at 0 (the listed backward of
+    hf_infcl.ops.triton.left_out)."""
+    clamped = filter_name == "clamped"
+    if clamped and variant.startswith("sigmoid"):
+        pytest.skip("the exponents clamped are the softmax loss's")
     switches = dict(HAS_BIAS=True, HAS_MASK=False, PRECISION="tf32", UPCAST=False, HARDNESS=0,
-                    **FILTERS[filter_name], GROUP_POSITIVES=group_positives, SCALED_G=True, TMA=False,
+                    **FILTERS["no-filter" if clamped else filter_name], CLAMP=clamped,
+                    GROUP_POSITIVES=group_positives, SCALED_G=True, TMA=False,
                     BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EVEN_K=True, EVEN_GUIDE_K=True, ROUND_GUIDE=False,
                     FULL=not group_positives, LOG2=True, **GRAD_VARIANTS[variant])
     _compile(grad_tile._grad_tile_kernel,
