@@ -11,7 +11,7 @@ from is the schedule's job; *what* is done with them is the same everywhere:
 A schedule provides ``rank``, ``key_offset(rank)`` and two methods:
 
 - ``forward_stats(spec, ops, queries, keys, scale, bias, labels)`` -> (row_stat [m], col_stat
-  [k] or None, positive parts or None, left-out entries or None), the statistics over every key
+  [k] or None, positive parts or None, left-out counts or None), the statistics over every key
   and row of the group, ``labels`` the :class:`~hf_infcl.ops.spec.PairLabels` (groups, hardness
   ids, global positive indices, the score filter's guide and thresholds); with
   ``group_positives`` also the :class:`~hf_infcl.ops.positive_pairs.PositiveParts` of the sparse

@@ -19,6 +19,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .device import INTERPRET, pair_pointers, tensor_descriptor, unused_pointer
 from .jit_math import (
     allowed_pairs,
+    at_most_zero,
     dot_precision,
     dot_tile,
     even_guide_k,
@@ -110,7 +111,7 @@ def _grad_tile_kernel(
             row_logits = logits
         row_exponent = row_logits - in_units(row_stat, LOG2)[:, None]
         if CLAMP:  # the score filter's left-out entries, unmasked here (.left_out says why)
-            row_exponent = tl.minimum(row_exponent, 0.0, propagate_nan=tl.PropagateNan.ALL)
+            row_exponent = at_most_zero(row_exponent)
         p_row = exp_in_units(row_exponent, LOG2)
         grad = row_weight[:, None] * p_row
         if FILTER:  # where(), not a product: a left-out entry may hold 0 * inf = nan
@@ -122,7 +123,7 @@ def _grad_tile_kernel(
             # pair with), p_col is inf and col_weight 0: the where() below drops it.
             col_exponent = logits - in_units(col_stat, LOG2)[None, :]
             if CLAMP:
-                col_exponent = tl.minimum(col_exponent, 0.0, propagate_nan=tl.PropagateNan.ALL)
+                col_exponent = at_most_zero(col_exponent)
             p_col = exp_in_units(col_exponent, LOG2)
             if FILTER:
                 column_dropped = score_filter_drops(scores, candidates, key_threshold_ptr, key_index,

@@ -335,6 +335,13 @@ def in_units(x, LOG2: tl.constexpr):
 
 
 @triton.jit
+def at_most_zero(exponent):
+    """``exponent`` clamped at 0, NaN kept: the exponents z - stat of the score filter's listed
+    backward (:mod:`.left_out`), in the gradient tiles and where their terms are taken back."""
+    return tl.minimum(exponent, 0.0, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def exp_in_units(x, LOG2: tl.constexpr):
     """e^x for x in the kernel's units (:func:`log2_units`): exp2(x) in log2 units."""
     if LOG2:

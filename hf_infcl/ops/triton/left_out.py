@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from ..spec import LeftOutCounts
-from .device import INTERPRET
+from .device import INTERPRET, unused_pointer
+from .jit_math import at_most_zero
 
 # The list is worth its second statistics pass over the rows that have left-out entries while
 # those are at most this share of the rows (that pass costs about two plain passes over them).
@@ -41,8 +42,9 @@ ENTRIES_PER_VECTOR = 4
 # a score within rounding of its threshold may then fall on the other side.
 _SLACK = 1024
 
-ROW = 1  # the row statistic left the entry out
-COLUMN = 2  # the column statistic left it out
+# An entry's flags: which statistics left it out.
+ROW = tl.constexpr(1)
+COLUMN = tl.constexpr(2)
 
 
 @dataclass(frozen=True)
@@ -136,13 +138,13 @@ def _take_back_kernel(
         # the terms the unmasked tiles added where the filter leaves the entry out (exponent clamped)
         row_exponent = logits - tl.load(row_stat_ptr + rows, mask=valid, other=0.0)
         row_weight = tl.load(row_weight_ptr + rows, mask=valid, other=0.0)
-        row_term = row_weight * tl.exp(tl.minimum(row_exponent, 0.0, propagate_nan=tl.PropagateNan.ALL))
-        taken = tl.where((flags & 1) != 0, row_term, 0.0)
+        row_term = row_weight * tl.exp(at_most_zero(row_exponent))
+        taken = tl.where((flags & ROW) != 0, row_term, 0.0)
         if COLUMNS:
             col_exponent = logits - tl.load(col_stat_ptr + keys, mask=valid, other=0.0)
             col_weight = tl.load(col_weight_ptr + keys, mask=valid, other=0.0)
-            col_term = col_weight * tl.exp(tl.minimum(col_exponent, 0.0, propagate_nan=tl.PropagateNan.ALL))
-            taken += tl.where((flags & 2) != 0, col_term, 0.0)
+            col_term = col_weight * tl.exp(at_most_zero(col_exponent))
+            taken += tl.where((flags & COLUMN) != 0, col_term, 0.0)
         delta = tl.where(valid, -taken, 0.0)
         tl.atomic_add(row_sums_ptr + rows, delta, mask=valid)
         # G K and G^T Q of those entries, out of the accumulators
@@ -169,11 +171,12 @@ def take_back_left_out(left_out: LeftOutList, queries: torch.Tensor, keys: torch
     ``bias``; ``summed_queries`` / ``summed_keys``: what the accumulators sum (the block's
     inputs). Statistics and weights fp32; ``col_stat`` None without a column statistic."""
     columns = col_stat is not None
+    dummy = unused_pointer(queries.device)
     grid = (triton.cdiv(left_out.capacity, _BLOCK_ENTRIES),)
     _take_back_kernel[grid](
         left_out.entries, left_out.count, left_out.capacity, queries, keys, scale,
-        bias if bias is not None else scale, row_stat, col_stat if columns else row_stat, row_weight,
-        col_weight if columns else row_weight, grad_queries, grad_keys, row_sums, summed_queries, summed_keys,
+        bias if bias is not None else dummy, row_stat, col_stat if columns else dummy, row_weight,
+        col_weight if columns else dummy, grad_queries, grad_keys, row_sums, summed_queries, summed_keys,
         queries.shape[1], queries.stride(0), keys.stride(0), grad_queries.stride(0), grad_keys.stride(0),
         summed_queries.stride(0), summed_keys.stride(0),
         HAS_BIAS=bias is not None, COLUMNS=columns, BLOCK_E=_BLOCK_ENTRIES, BLOCK_C=_BLOCK_C, num_warps=4,

@@ -41,7 +41,7 @@ from .jit_math import (
     softplus,
 )
 from .launch import BASE_SHAPES, autotuned, launch, problem_size_class, untuned_config
-from .left_out import LeftOutList, record_left_out
+from .left_out import COLUMN, ROW, LeftOutList, record_left_out
 
 # Autotuning candidates beyond the base shapes: a small tile, and narrow row blocks with long
 # steps along a wide c (768-1024).
@@ -110,10 +110,10 @@ def _stats_kernel(
                 outer_thresholds = row_threshold_ptr
             dropped = score_filter_drops(scores, candidates, outer_thresholds, outer_index, outer_valid, True)
             if LEFT_OUT != 0:  # rows outer: the entries left out of either statistic (.left_out)
-                flags = dropped.to(tl.int32)
+                flags = ROW * dropped.to(tl.int32)
                 if LEFT_OUT_COLUMNS:
-                    flags += 2 * score_filter_drops(scores, candidates, key_threshold_ptr, inner_index,
-                                                    inner_valid, False).to(tl.int32)
+                    flags += COLUMN * score_filter_drops(scores, candidates, key_threshold_ptr, inner_index,
+                                                         inner_valid, False).to(tl.int32)
                 if HAS_MASK or not FULL:
                     flags = tl.where(allowed, flags, 0)
                 if LEFT_OUT == 1:
