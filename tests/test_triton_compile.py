@@ -1,5 +1,6 @@
 """The statistics and gradient-tile kernels compile for Hopper (sm_90) on a machine without a GPU, with
-and without the score filter, its guide and its left-out entries, in each loss and direction.
+and without the score filter and its guide, in each loss and direction; so does the kernel that
+counts and lists the guided filter's left-out entries.
 
 The interpreter (``tests/helpers/triton_interpreted.py``) runs the kernels as Python, so it cannot see
 what only Triton's compiler rejects: a name bound in one branch of a runtime ``if`` and used after it,
@@ -21,13 +22,13 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hf_infcl.ops.triton import grad_tile, stats  # noqa: E402
+from hf_infcl.ops.triton import grad_tile, left_out, stats  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 _INDEX_POINTERS = {"row_group_ptr", "key_group_ptr", "positive_ptr", "query_id_ptr", "key_owner_ptr",
                    "row_id_ptr"}
-# the score filter's left-out counts and list (hf_infcl.ops.triton.left_out)
-_INT32_POINTERS = {"left_rows_ptr", "left_out_ptr", "left_out_count_ptr"}
+# the guided score filter's left-out counts and list (hf_infcl.ops.triton.left_out)
+_INT32_POINTERS = {"counts_ptr", "entries_ptr", "count_ptr"}
 
 
 def _signature(kernel, half_pointers: set[str]) -> dict[str, str]:
@@ -68,10 +69,9 @@ FILTERS = {"no-filter": dict(FILTER=False, GUIDE=False), "filter": dict(FILTER=T
            "guide": dict(FILTER=True, GUIDE=True)}
 
 
-def _stats_switches(variant: str, filter_name: str, hardness: int = 0, left_out: int = 0) -> dict:
+def _stats_switches(variant: str, filter_name: str, hardness: int = 0) -> dict:
     return dict(HAS_BIAS=True, HAS_MASK=False, PRECISION="tf32", UPCAST=False, HARDNESS=hardness,
-                **FILTERS[filter_name], GROUP_POSITIVES=False, LEFT_OUT=left_out,
-                LEFT_OUT_COLUMNS=left_out != 0,
+                **FILTERS[filter_name], GROUP_POSITIVES=False,
                 BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, EVEN_K=True, EVEN_GUIDE_K=True, ROUND_GUIDE=False,
                 FULL=True, LOG2=True, **STATS_VARIANTS[variant])
 
@@ -88,13 +88,16 @@ def test_stats_kernel_compiles_for_hopper(variant, filter_name, hardness):
     _compile(stats._stats_kernel, _STATS_HALF_POINTERS, _stats_switches(variant, filter_name, hardness))
 
 
-@pytest.mark.parametrize("left_out", [1, 2], ids=["count", "list"])
-@pytest.mark.parametrize("filter_name", ["filter", "guide"])
-def test_stats_kernel_compiles_for_hopper_with_the_left_out_entries(filter_name, left_out):
+@pytest.mark.parametrize("group_positives", [False, True])
+@pytest.mark.parametrize("listing", [False, True], ids=["count", "list"])
+def test_left_out_kernel_compiles_for_hopper(listing, group_positives):
     """Counting each row's left-out entries (a row sum per tile), and listing them (an atomic, scans
-    and scattered stores in a runtime branch), both directions' flags, in the fused forward."""
-    _compile(stats._stats_kernel, _STATS_HALF_POINTERS,
-             _stats_switches("softmax-fused-columns", filter_name, left_out=left_out))
+    and scattered stores in a runtime branch), both directions' flags, with the group mask or
+    several positives."""
+    _compile(left_out._find_left_out_kernel, {"guide_q_ptr", "guide_k_ptr"},
+             dict(HAS_MASK=not group_positives, GROUP_POSITIVES=group_positives, COLUMNS=True, LIST=listing,
+                  PRECISION="tf32", UPCAST=False, ROUND_GUIDE=False, EVEN_K=True, BLOCK_M=128, BLOCK_N=128,
+                  BLOCK_K=64))
 
 
 GRAD_VARIANTS = {

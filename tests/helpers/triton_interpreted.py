@@ -997,6 +997,48 @@ def test_the_filter_s_left_out_list_matches_float64_reference(monkeypatch, case_
         assert not counts
 
 
+@pytest.mark.parametrize("route", ["blocks", "two-pass"])
+@pytest.mark.parametrize("loss_name", ["softmax-sym", "softmax-asym"])
+def test_the_guided_forward_takes_the_plain_kernel_for_rows_without_left_out_entries(monkeypatch, loss_name,
+                                                                                       route):
+    """A guide that leaves out entries of three rows of fifty (their positive's key copied to a key
+    nobody owns): those rows and the remainder of a whole row block take the filtering statistics
+    launch, the other rows the plain one, and the loss and its gradients match float64."""
+    from hf_infcl.ops.triton import blocks as triton_blocks
+    from hf_infcl.ops.triton import stats
+
+    launches, original = [], stats.logit_stats
+
+    def recording(outer, inner, *args, **kwargs):
+        filtered = kwargs.get("row_thresholds") is not None or kwargs.get("key_thresholds") is not None
+        launches.append((outer.shape[0], kwargs["columns"], filtered))
+        return original(outer, inner, *args, **kwargs)
+
+    monkeypatch.setattr(stats, "logit_stats", recording)
+    m, k, whole = 50, 90, triton_blocks._WHOLE_ROWS
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    case = with_objectives(random_case(m, k, 20, groups=False, custom_positives=True, seed=seed),
+                           torch.float32, None, "guide", seed)
+    positives = case["positives"]
+    guide_queries = torch.randn(m, 24, generator=gen, dtype=torch.float64)
+    guide_keys = 0.1 * torch.randn(k, 24, generator=gen, dtype=torch.float64)
+    guide_keys[positives] = 3 * guide_queries  # every positive far above the row's other keys
+    nobody_s = [key for key in range(k) if key not in set(positives.tolist())][:3]
+    for row, key in zip((4, 21, 37), nobody_s):
+        guide_keys[key] = guide_keys[positives[row]]
+    case["objectives"].update(guide_queries=guide_queries, guide_keys=guide_keys)
+    blocks = BLOCKS if route == "blocks" else TWO_PASS
+    errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES[loss_name])
+    assert max(errors.values()) < TOLERANCE["fp32-ieee"], (seed, errors)
+    plain_rows = (m - 3) // whole * whole
+    rows_by_filter = {False: 0, True: 0}
+    for rows, columns, filtered in launches:  # the fused route launches row chunks
+        if not columns:
+            rows_by_filter[filtered] += rows
+    assert rows_by_filter == {False: plain_rows, True: m - plain_rows}, launches
+
+
 def test_too_many_left_out_entries_keep_the_masks(monkeypatch):
     """A list longer than its bound per row and key (here 0: any entry) is not made: the backward
     filters every tile, whatever the share of rows."""
@@ -1102,11 +1144,11 @@ def test_hardness_offset_with_group_positives_matches_reference(hardness_mode):
 
 def test_kernels_without_the_options_are_unchanged():
     """The new switches are compile-time constants that are off by default: a launch without them
-    passes FILTER, GUIDE, GROUP_POSITIVES and the left-out entries' LEFT_OUT and CLAMP off, so Triton
-    compiles the same kernel as before."""
+    passes FILTER, GUIDE, GROUP_POSITIVES and the left-out entries' CLAMP off, so Triton compiles the
+    same kernel as before."""
     from hf_infcl.ops.triton import grad_tile, stats
 
-    switches = {stats: ("FILTER", "GUIDE", "GROUP_POSITIVES", "LEFT_OUT", "LEFT_OUT_COLUMNS"),
+    switches = {stats: ("FILTER", "GUIDE", "GROUP_POSITIVES"),
                 grad_tile: ("FILTER", "GUIDE", "GROUP_POSITIVES", "CLAMP")}
     seen = []
     for module, names in switches.items():

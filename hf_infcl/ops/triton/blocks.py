@@ -39,11 +39,13 @@ from ..value_check import run_deferred_check
 from . import distillation, gluon_sigmoid, group_pairs, stats
 from .combine_rows import combine_rows
 from .device import INTERPRET
+from .jit_math import dot_precision
 from .left_out import (
     ENTRIES_PER_VECTOR,
     LISTED_ROW_SHARE,
     LeftOutList,
     empty_list,
+    find_left_out,
     rows_to_list,
     take_back_left_out,
     zero_counts,
@@ -64,6 +66,8 @@ from .operands import (
 from .super_tiles import CublasDotsRoute, GluonRoute, GradTileRoute, RouteArguments, g_scale, walk
 
 SIGMOID_LOGITS = ("auto", "gluon", "gemm", "fused")
+# The statistics kernel's tallest row block: a launch over a multiple of it needs no row masks.
+_WHOLE_ROWS = max(config.kwargs["BLOCK_M"] for config in stats.STATS_KERNEL.tuner.configs)
 
 
 @dataclass(frozen=True)
@@ -142,16 +146,22 @@ class TritonBlocks:
             return TorchTiles().forward_block(spec, queries, keys, scale, bias, mask, hardness=hardness,
                                               score_filter=score_filter)
         problem = self._prepare(spec, queries, keys, scale, bias, mask, hardness, score_filter)
+        if score_filter is not None and score_filter.left_out is not None:
+            rows = self._count_left_out(problem, score_filter.left_out)
+            if rows is not None:
+                return self._statistics_by_row_sets(problem, mask, rows)
+        return self._statistics(problem)
+
+    def _statistics(self, problem: _Problem):
+        """(row statistic, column statistic or None) of one block's forward."""
         spec, operands = problem.spec, problem.kernel
         queries, keys, scale, bias = operands.queries, operands.keys, operands.scale, problem.bias
-        counts = None if score_filter is None else score_filter.left_out
-        left_rows = None if counts is None else counts.per_row
         if spec.columns and self.fused_columns:
-            return self._rows_and_columns_in_one_pass(problem, left_rows)
+            return self._rows_and_columns_in_one_pass(problem)
         row_stat = stats.logit_stats(
             queries, keys, scale, bias, sigmoid=spec.loss == "sigmoid", columns=False,
             precision=spec.precision, splits=self.stat_splits, out=self._stat_buffer(queries, keys),
-            left_rows=left_rows, **problem.labels,
+            **problem.labels,
         )
         col_stat = None
         if spec.columns:
@@ -202,9 +212,8 @@ class TritonBlocks:
         return zero_counts(queries.shape[0], queries.device)
 
     def _list_left_out(self, problem: _Problem, counts: LeftOutCounts) -> LeftOutList | None:
-        """The left-out entries of the rows the forward counted any for, listed by the statistics
-        kernel over those rows alone (its rows' labels gathered), where they are few enough
-        (:mod:`.left_out`); None where they are not."""
+        """The left-out entries of the rows the forward counted any for, listed over those rows
+        alone, where they are few enough (:mod:`.left_out`); None where they are not."""
         found = rows_to_list(counts, self.listed_row_share, self.listed_entries_per_vector,
                              problem.kernel.keys.shape[0])
         if found is None:
@@ -212,13 +221,51 @@ class TritonBlocks:
         rows, entries = found
         listed = empty_list(entries, rows.device)
         if entries:
-            operands = problem.kernel
-            labels = dict(problem.labels, **{name: problem.labels[name].index_select(0, rows)
-                                             for name in ROW_LABELS if name in problem.labels})
-            stats.logit_stats(operands.queries.index_select(0, rows), operands.keys, operands.scale,
-                              problem.bias, sigmoid=False, columns=False, precision=problem.spec.precision,
-                              left_out=listed, row_ids=rows, **labels)
+            self._find_left_out(_rows_of(problem, rows, problem.labels), listed=listed, row_ids=rows)
         return listed
+
+    def _count_left_out(self, problem: _Problem, counts: LeftOutCounts) -> torch.Tensor | None:
+        """Count this block's left-out entries per row into ``counts``; the rows that have any
+        where they are at most ``listed_row_share`` of the rows, else None (one host
+        synchronisation)."""
+        block_counts = torch.zeros_like(counts.per_row)
+        self._find_left_out(problem, counts=block_counts)
+        counts.per_row.add_(block_counts)
+        rows = torch.nonzero(block_counts).squeeze(1)
+        return rows if rows.numel() <= self.listed_row_share * block_counts.shape[0] else None
+
+    def _find_left_out(self, problem: _Problem, **outputs) -> None:
+        """:func:`.left_out.find_left_out` with the problem's filter labels."""
+        labels = problem.labels
+        find_left_out(labels["guide_queries"], labels["guide_keys"],
+                      precision=dot_precision(problem.kernel.queries.dtype, problem.spec.precision),
+                      row_thresholds=labels["row_thresholds"], key_thresholds=labels.get("key_thresholds"),
+                      positive_keys=labels["positive_keys"], key_offset=labels.get("key_offset", 0),
+                      row_groups=labels.get("row_groups"), key_groups=labels.get("key_groups"),
+                      group_positives=labels.get("group_positives", False), splits=self.stat_splits,
+                      **outputs)
+
+    def _statistics_by_row_sets(self, problem: _Problem, mask: GroupMask | None, rows: torch.Tensor):
+        """The forward's statistics with the filtering kernel over ``rows`` (those with left-out
+        entries) and the rows of too few for a whole row block, the plain kernel over the others
+        (their own entries are all kept, in both statistics); the column statistics of the two
+        sets merged."""
+        m = problem.kernel.queries.shape[0]
+        left_out = torch.zeros(m, dtype=torch.bool, device=rows.device)
+        left_out[rows] = True
+        order = torch.argsort(left_out.to(torch.int8), stable=True)  # the rows without any first
+        whole = (m - rows.numel()) // _WHOLE_ROWS * _WHOLE_ROWS  # in whole row blocks: no tile masks
+        plain_labels = label_arguments(mask, None, problem.kernel)
+        row_stat = torch.empty(m, dtype=torch.float32, device=rows.device)
+        col_stat = None
+        for part, labels in ((order[:whole], plain_labels), (order[whole:], problem.labels)):
+            if part.numel() == 0:
+                continue
+            part_rows, part_columns = self._statistics(_rows_of(problem, part, labels))
+            row_stat[part] = part_rows
+            if part_columns is not None:
+                col_stat = part_columns if col_stat is None else torch.logaddexp(col_stat, part_columns)
+        return row_stat, col_stat
 
     def forward_backward_block(self, spec: StatsSpec, queries, keys, scale, bias, mask: GroupMask | None,
                                grad_queries, grad_keys, score_filter: ScoreFilter | None = None):
@@ -379,9 +426,8 @@ class TritonBlocks:
                 "back to 'gemm' elsewhere")
         return usable
 
-    def _rows_and_columns_in_one_pass(self, problem: _Problem, left_rows: torch.Tensor | None = None):
-        """Row and column log-sum-exp from one pass over the tiles (and, given ``left_rows``, each
-        row's number of entries the score filter left out added to it).
+    def _rows_and_columns_in_one_pass(self, problem: _Problem):
+        """Row and column log-sum-exp from one pass over the tiles.
 
         Rows go in chunks small enough that the column partials (one fp32 per row block and
         key) fit in ``column_buffer_entries``; each chunk's partials are merged into the column
@@ -403,7 +449,6 @@ class TritonBlocks:
                 queries[r0:r1], keys, scale, problem.bias, sigmoid=False, columns=False,
                 precision=problem.spec.precision, splits=self.stat_splits,
                 out=self._stat_buffer(queries[r0:r1], keys), column_partials=partials,
-                left_rows=left_rows, row_offset=r0,
                 **dict(problem.labels, **sliced(problem.labels, ROW_LABELS, r0, r1)),
             )
             if row_stat is None:  # one chunk: its rows are all the rows
@@ -452,6 +497,16 @@ class _Problem:
     def route_arguments(self, row_sums, g_factor, softplus_sums=None) -> RouteArguments:
         inv_g_scale = None if g_factor is None else 1.0 / g_factor
         return RouteArguments(self.kernel, self.bias, self.labels, inv_g_scale, row_sums, softplus_sums)
+
+
+def _rows_of(problem: _Problem, rows: torch.Tensor, labels: dict) -> _Problem:
+    """The problem of the kernels' operands and ``labels`` of just these ``rows`` (the forward's
+    and the left-out entries' launches only: the GEMMs' operands stay whole)."""
+    queries = problem.kernel.queries.index_select(0, rows)
+    labels = dict(labels, **{name: labels[name].index_select(0, rows) for name in ROW_LABELS
+                             if name in labels})
+    kernel = dataclasses.replace(problem.kernel, queries=queries)
+    return dataclasses.replace(problem, kernel=kernel, labels=labels)
 
 
 def _pair_operands(queries, keys, scale, bias):

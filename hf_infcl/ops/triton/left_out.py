@@ -1,23 +1,25 @@
-"""The score filter's left-out entries, listed so that the backward can run without its masks.
+"""The guided score filter's left-out entries: found by the guide alone, so that the statistics
+of the rows without any run without the filter, and the backward without its masks.
 
-Why: the masks are needed only where an entry is left out, a few per row when the filter catches
-false negatives, yet with masks every tile of the backward pays for them (with a guide, one more
-GEMM per tile). So:
+Why: the filter's masks are needed only where it leaves an entry out, a few per row when it
+catches false negatives. Yet with masks every tile pays for the guide's second GEMM and for the
+comparisons, in the forward and in the backward. So, per key block:
 
-1. The forward's statistics kernel counts each row's left-out entries (one row sum per tile:
-   :class:`~hf_infcl.ops.spec.LeftOutCounts`).
-2. The backward reads the counts (one host synchronisation). Where at most a small share of the
-   rows has any, and the entries are few enough for memory linear in the batch
-   (:func:`rows_to_list`), the statistics kernel runs again over just those rows, listing their
-   entries (:func:`record_left_out`: row, key, :data:`ROW` | :data:`COLUMN`); the appends cost a
-   reduction and scans per tile, paid only on these rows.
-3. The gradient tiles run unmasked, with every exponent z - stat clamped at 0 (``CLAMP`` of the
-   gradient-tile kernel): a kept entry never exceeds its statistic, while a left-out one may, by
-   any amount; clamped, its term is at most its weight, and nothing overflows.
-4. :func:`take_back_left_out` takes each listed entry's terms back out of G K, G^T Q and the row
+1. :func:`find_left_out` counts each row's left-out entries from the guide's products alone (one
+   GEMM with a comparison, no exponential: :class:`~hf_infcl.ops.spec.LeftOutCounts`).
+2. The forward reads the counts (one host synchronisation). Where at most a small share of the
+   rows has any, the other rows' statistics come from the plain kernel, and only those rows'
+   from the filtering one; their column partials merge into one column statistic.
+3. The backward reads the counts of every block. Where the rows are that few, and the entries
+   few enough for memory linear in the batch (:func:`rows_to_list`), :func:`find_left_out` lists
+   those rows' entries (:func:`record_left_out`: row, key, :data:`ROW` | :data:`COLUMN`).
+4. The gradient tiles then run unmasked, with every exponent z - stat clamped at 0 (``CLAMP`` of
+   the gradient-tile kernel): a kept entry never exceeds its statistic, while a left-out one may,
+   by any amount; clamped, its term is at most its weight, and nothing overflows.
+5. :func:`take_back_left_out` takes each listed entry's terms back out of G K, G^T Q and the row
    sums: one dot product per entry.
 
-Elsewhere the backward filters every tile as the forward did.
+Elsewhere (more rows than the share, no guide) the forward and the backward filter every tile.
 """
 
 from __future__ import annotations
@@ -29,17 +31,26 @@ import triton
 import triton.language as tl
 
 from ..spec import LeftOutCounts
-from .device import INTERPRET, unused_pointer
-from .jit_math import at_most_zero
+from .device import INTERPRET, pair_pointers, unused_pointer
+from .jit_math import (
+    allowed_pairs,
+    at_most_zero,
+    dot_tile,
+    not_positive,
+    outer_block_and_inner_range,
+    round_guide,
+    score_filter_drops,
+)
+from .stats import inner_splits
 
-# The list is worth its second statistics pass over the rows that have left-out entries while
-# those are at most this share of the rows (that pass costs about two plain passes over them).
+# The rows that have left-out entries take the filtering kernels while they are at most this share
+# of the rows (those kernels cost two to three plain passes over them), the others the plain ones.
 LISTED_ROW_SHARE = 1 / 8
 # The list holds at most this many entries per row and key of the block by default, so that its
 # memory stays linear in the batch (a margin that leaves out most keys of a few rows keeps the masks).
 ENTRIES_PER_VECTOR = 4
-# Room in the list beyond the forward's count: the second pass multiplies in another order, and
-# a score within rounding of its threshold may then fall on the other side.
+# Room in the list beyond the count, a guard: the count and the list come from the same kernel and
+# block shape, so each entry's guide product, and so its decision, is the same in both.
 _SLACK = 1024
 
 # An entry's flags: which statistics left it out.
@@ -103,6 +114,99 @@ def record_left_out(flags, row_ids, key_index, entries_ptr, count_ptr, capacity)
             tl.store(entries_ptr + slots, rows, mask=stored)
             tl.store(entries_ptr + capacity + slots, keys, mask=stored)
             tl.store(entries_ptr + 2 * capacity + slots, flags, mask=stored)
+
+
+# One block shape, not tuned: the kernel is a GEMM with a comparison, and a first call must not
+# wait for a tuner. fp32 guides take half the step along c (the same bytes of shared memory).
+_FIND_BLOCK = 16 if INTERPRET else 128
+_FIND_STEP = 16 if INTERPRET else 64
+_FIND_WARPS, _FIND_STAGES = 8, 3
+
+
+@triton.jit
+def _find_left_out_kernel(
+    guide_q_ptr, guide_k_ptr, row_threshold_ptr, key_threshold_ptr, positive_ptr, key_offset,
+    row_group_ptr, key_group_ptr, counts_ptr, row_offset, entries_ptr, count_ptr, capacity, row_id_ptr,
+    n_rows, n_keys, c, stride_q, stride_k, keys_per_split,
+    HAS_MASK: tl.constexpr, GROUP_POSITIVES: tl.constexpr, COLUMNS: tl.constexpr, LIST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_GUIDE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid, row_index, row_valid, key_start, key_end = outer_block_and_inner_range(
+        n_rows, n_keys, keys_per_split, BLOCK_M)
+    if LIST:
+        row_ids = tl.load(row_id_ptr + row_index, mask=row_valid, other=0)
+    else:
+        row_left = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    for n0 in range(key_start, key_end, BLOCK_N):
+        key_index = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        key_valid = key_index < key_end
+        scores = dot_tile(guide_q_ptr, guide_k_ptr, None, None, row_index, key_index, row_valid, key_valid,
+                          0, 0, c, stride_q, stride_k, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST, EVEN_K,
+                          False, ROUND_GUIDE)
+        candidates = not_positive(row_index, key_index, row_valid, key_valid, pid * BLOCK_M, n0, positive_ptr,
+                                  key_offset, row_group_ptr, key_group_ptr, False, GROUP_POSITIVES, BLOCK_M,
+                                  BLOCK_N)
+        flags = ROW * score_filter_drops(scores, candidates, row_threshold_ptr, row_index, row_valid,
+                                         True).to(tl.int32)
+        if COLUMNS:
+            flags += COLUMN * score_filter_drops(scores, candidates, key_threshold_ptr, key_index, key_valid,
+                                                 False).to(tl.int32)
+        # pairs the group mask takes out are no negatives to leave out; nor are pairs past the ends
+        allowed = allowed_pairs(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
+                                positive_ptr, key_offset, HAS_MASK)
+        flags = tl.where(allowed, flags, 0)
+        if LIST:
+            record_left_out(flags, row_ids, key_index, entries_ptr, count_ptr, capacity)
+        else:
+            row_left += tl.sum((flags != 0).to(tl.int32), axis=1)
+    if not LIST:
+        tl.atomic_add(counts_ptr + row_offset + row_index, row_left, mask=row_valid & (row_left > 0))
+
+
+def find_left_out(
+    guide_queries: torch.Tensor, guide_keys: torch.Tensor, *, precision: str, row_thresholds: torch.Tensor,
+    positive_keys: torch.Tensor, key_offset: int = 0, key_thresholds: torch.Tensor | None = None,
+    row_groups: torch.Tensor | None = None, key_groups: torch.Tensor | None = None,
+    group_positives: bool = False, counts: torch.Tensor | None = None, row_offset: int = 0,
+    listed: LeftOutList | None = None, row_ids: torch.Tensor | None = None, splits: int | None = None,
+) -> None:
+    """The guided score filter's left-out entries of these rows (docs/contract.md, "False negatives
+    by score"), from the guide's products alone: those of the row statistic (``row_thresholds``)
+    and, given ``key_thresholds``, of the keys'. ``counts`` (int32) gets each row's number of them
+    added at ``row_offset + row``; or ``listed`` gets them appended, each row as its ``row_ids``
+    entry. ``precision``: the ``tl.dot`` input precision of the kernels the filter serves (an fp32
+    guide with TF32 is rounded as it is loaded, as theirs is). The group mask (``row_groups``,
+    ``key_groups`` without ``group_positives``) takes its pairs out of the negatives first; the
+    positives (``positive_keys``, global key indices from ``key_offset``; with ``group_positives``
+    every key of the row's group) are never left out."""
+    if (counts is None) == (listed is None):
+        raise ValueError("find_left_out takes counts or a list, one of the two")
+    if listed is not None and row_ids is None:
+        raise ValueError("a list of left-out entries takes row_ids")
+    n_rows, c = guide_queries.shape
+    n_keys = guide_keys.shape[0]
+    if n_rows == 0 or n_keys == 0:
+        return
+    splits, keys_per_split = inner_splits(n_rows, n_keys, guide_queries.device, splits)
+    dummy = unused_pointer(guide_queries.device)
+    has_mask = row_groups is not None and not group_positives
+    step = _FIND_STEP if guide_queries.element_size() <= 2 or INTERPRET else _FIND_STEP // 2
+    positives, key_offset, *_ = pair_pointers(True, 0, positive_keys, key_offset, None, None, None, dummy)
+    grid = (triton.cdiv(n_rows, _FIND_BLOCK), splits)
+    _find_left_out_kernel[grid](
+        guide_queries, guide_keys, row_thresholds, key_thresholds if key_thresholds is not None else dummy,
+        positives, key_offset, row_groups if row_groups is not None else dummy,
+        key_groups if key_groups is not None else dummy, counts if counts is not None else dummy, row_offset,
+        listed.entries if listed is not None else dummy, listed.count if listed is not None else dummy,
+        listed.capacity if listed is not None else 0, row_ids if row_ids is not None else dummy,
+        n_rows, n_keys, c, guide_queries.stride(0), guide_keys.stride(0), keys_per_split,
+        HAS_MASK=has_mask, GROUP_POSITIVES=group_positives, COLUMNS=key_thresholds is not None,
+        LIST=listed is not None, PRECISION=precision, UPCAST=INTERPRET,
+        ROUND_GUIDE=round_guide("guide")({"PRECISION": precision, "guide": guide_queries}),
+        EVEN_K=c % step == 0, BLOCK_M=_FIND_BLOCK, BLOCK_N=_FIND_BLOCK, BLOCK_K=step,
+        num_warps=_FIND_WARPS, num_stages=_FIND_STAGES,
+    )
 
 
 _BLOCK_ENTRIES = 16 if INTERPRET else 32

@@ -40,8 +40,7 @@ from .jit_math import (
     score_filter_drops,
     softplus,
 )
-from .launch import BASE_SHAPES, autotuned, launch, problem_size_class, untuned_config
-from .left_out import COLUMN, ROW, LeftOutList, record_left_out
+from .launch import BASE_SHAPES, autotuned, launch, problem_size_class
 
 # Autotuning candidates beyond the base shapes: a small tile, and narrow row blocks with long
 # steps along a wide c (768-1024).
@@ -53,13 +52,11 @@ def _stats_kernel(
     outer_ptr, inner_ptr, out_ptr, col_partial_ptr, scale_ptr, bias_ptr,
     row_group_ptr, key_group_ptr, positive_ptr, key_offset, query_id_ptr, key_owner_ptr, hardness_ptr,
     guide_outer_ptr, guide_inner_ptr, row_threshold_ptr, key_threshold_ptr,
-    left_rows_ptr, row_offset, left_out_ptr, left_out_count_ptr, left_out_capacity, row_id_ptr,
     n_outer, n_inner, c, stride_outer, stride_inner, inner_per_split, size_class,
     c_guide, stride_guide_outer, stride_guide_inner,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
     FUSED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, HARDNESS: tl.constexpr,
     FILTER: tl.constexpr, GUIDE: tl.constexpr, GROUP_POSITIVES: tl.constexpr,
-    LEFT_OUT: tl.constexpr, LEFT_OUT_COLUMNS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     EVEN_GUIDE_K: tl.constexpr, ROUND_GUIDE: tl.constexpr, FULL: tl.constexpr, LOG2: tl.constexpr,
 ):
@@ -72,8 +69,6 @@ def _stats_kernel(
 
     running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if LEFT_OUT == 1:
-        row_left = tl.zeros((BLOCK_M,), dtype=tl.int32)
     for n0 in range(inner_start, inner_end, BLOCK_N):
         inner_index = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         inner_valid = inner_index < inner_end
@@ -109,19 +104,6 @@ def _stats_kernel(
             else:
                 outer_thresholds = row_threshold_ptr
             dropped = score_filter_drops(scores, candidates, outer_thresholds, outer_index, outer_valid, True)
-            if LEFT_OUT != 0:  # rows outer: the entries left out of either statistic (.left_out)
-                flags = ROW * dropped.to(tl.int32)
-                if LEFT_OUT_COLUMNS:
-                    flags += COLUMN * score_filter_drops(scores, candidates, key_threshold_ptr, inner_index,
-                                                         inner_valid, False).to(tl.int32)
-                if HAS_MASK or not FULL:
-                    flags = tl.where(allowed, flags, 0)
-                if LEFT_OUT == 1:
-                    row_left += tl.sum((flags != 0).to(tl.int32), axis=1)
-                else:
-                    row_ids = tl.load(row_id_ptr + outer_index, mask=outer_valid, other=0)
-                    record_left_out(flags, row_ids, inner_index, left_out_ptr, left_out_count_ptr,
-                                    left_out_capacity)
         if SIGMOID:
             terms = softplus(logits)
             if HAS_MASK or not FULL:
@@ -181,8 +163,6 @@ def _stats_kernel(
         if LOG2:
             result *= LN2
     tl.store(out_ptr + tl.program_id(1).to(tl.int64) * n_outer + outer_index, result, mask=outer_valid)
-    if LEFT_OUT == 1:
-        tl.atomic_add(left_rows_ptr + row_offset + outer_index, row_left, mask=outer_valid & (row_left > 0))
 
 
 # Heuristics, not launcher arguments: the block sizes are the autotuned config's. FULL: every
@@ -199,10 +179,9 @@ STATS_HEURISTICS = {
 
 # restore_value: configs with a smaller BLOCK_M write more rows of the column-partial buffer.
 # Without it, rows written by a trial config and not overwritten by the chosen one would stay
-# in the buffer after tuning and be merged as if they were real partials. The rows' counts of
-# left-out entries likewise: each trial would count them again.
+# in the buffer after tuning and be merged as if they were real partials.
 STATS_KERNEL = autotuned(_stats_kernel, "stats", _STATS_SHAPES, STATS_HEURISTICS,
-                         restore_value=["col_partial_ptr", "left_rows_ptr"])
+                         restore_value=["col_partial_ptr"])
 
 # The smallest row block of any stats config: column-partial buffers have a row per such block.
 MIN_BLOCK_M = min(config.kwargs["BLOCK_M"] for config in STATS_KERNEL.tuner.configs)
@@ -249,8 +228,6 @@ def logit_stats(
     row_thresholds: torch.Tensor | None = None, key_thresholds: torch.Tensor | None = None,
     guide_queries: torch.Tensor | None = None, guide_keys: torch.Tensor | None = None,
     group_positives: bool = False,
-    left_rows: torch.Tensor | None = None, row_offset: int = 0,
-    left_out: LeftOutList | None = None, row_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row statistic of ``outer`` against ``inner`` (queries, keys), or with ``columns=True`` the
     column log-sum-exp (outer = keys, inner = queries). fp32 [n_outer].
@@ -275,12 +252,6 @@ def logit_stats(
     given ``guide_queries`` [rows, c_g] and ``guide_keys`` [keys, c_g], the guide's; positives
     (``positive_keys``, and with ``group_positives`` every key of the row's group, whose groups are
     then ``row_groups``/``key_groups`` and mask nothing) are never left out.
-
-    The score filter's left-out entries (rows outer; those left out of the row statistic, or of
-    the keys' with ``key_thresholds``), in two phases (:mod:`.left_out`): ``left_rows`` (int32)
-    gets each row's number of them added at ``row_offset + row``; ``left_out`` (with ``row_ids``
-    [rows], each row's number in the list) gets them appended, by the untuned configuration (a
-    launch over the few rows the first phase found).
     """
     n_outer, c = outer.shape
     n_inner = inner.shape[0]
@@ -294,11 +265,6 @@ def logit_stats(
     filters = row_thresholds is not None or key_thresholds is not None
     guide_outer, guide_inner = (guide_keys, guide_queries) if columns else (guide_queries, guide_keys)
     guided = guide_outer is not None
-    phase = 1 if left_rows is not None else (2 if left_out is not None else 0)
-    if phase and (columns or not filters):
-        raise ValueError("left-out entries are the score filter's, of a rows-outer launch")
-    if phase == 2 and row_ids is None:
-        raise ValueError("a launch that lists left-out entries takes row_ids")
     launch(
         STATS_KERNEL, grid, outer.device,
         outer, inner, out, column_partials if fused else dummy, scale,
@@ -308,9 +274,6 @@ def logit_stats(
                        hardness_strength, dummy),
         *(tensor if tensor is not None else dummy
           for tensor in (guide_outer, guide_inner, row_thresholds, key_thresholds)),
-        left_rows if phase == 1 else dummy, row_offset, left_out.entries if phase == 2 else dummy,
-        left_out.count if phase == 2 else dummy, left_out.capacity if phase == 2 else 0,
-        row_ids if phase == 2 else dummy,
         n_outer, n_inner, c, outer.stride(0), inner.stride(0), inner_per_split,
         problem_size_class(n_outer, n_inner),
         guide_outer.shape[1] if guided else 0, guide_outer.stride(0) if guided else 0,
@@ -318,8 +281,6 @@ def logit_stats(
         HAS_BIAS=bias is not None, HAS_MASK=has_mask, COLUMNS=columns, SIGMOID=sigmoid,
         FUSED_COLUMNS=fused, PRECISION=dot_precision(outer.dtype, precision), UPCAST=INTERPRET,
         HARDNESS=hardness, FILTER=filters, GUIDE=guided, GROUP_POSITIVES=group_positives,
-        LEFT_OUT=phase, LEFT_OUT_COLUMNS=phase != 0 and key_thresholds is not None,
-        config=untuned_config(STATS_KERNEL) if phase == 2 and not INTERPRET else None,
     )
     if splits == 1:
         return out[0]
