@@ -96,8 +96,8 @@ def test_left_out_kernel_compiles_for_hopper(listing, group_positives):
     several positives."""
     _compile(left_out._find_left_out_kernel, {"guide_q_ptr", "guide_k_ptr"},
              dict(HAS_MASK=not group_positives, GROUP_POSITIVES=group_positives, COLUMNS=True, LIST=listing,
-                  PRECISION="tf32", UPCAST=False, ROUND_GUIDE=False, EVEN_K=True, BLOCK_M=128, BLOCK_N=128,
-                  BLOCK_K=64))
+                  PRECISION="tf32", UPCAST=False, ROUND_GUIDE=False, EVEN_K=True, FULL=not listing,
+                  BLOCK_M=128, BLOCK_N=128, BLOCK_K=64))
 
 
 GRAD_VARIANTS = {

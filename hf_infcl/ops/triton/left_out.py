@@ -120,7 +120,7 @@ def record_left_out(flags, row_ids, key_index, entries_ptr, count_ptr, capacity)
 # wait for a tuner. fp32 guides take half the step along c (the same bytes of shared memory).
 _FIND_BLOCK = 16 if INTERPRET else 128
 _FIND_STEP = 16 if INTERPRET else 64
-_FIND_WARPS, _FIND_STAGES = 8, 3
+_FIND_WARPS, _FIND_STAGES = 4, 3
 
 
 @triton.jit
@@ -130,7 +130,7 @@ def _find_left_out_kernel(
     n_rows, n_keys, c, stride_q, stride_k, keys_per_split,
     HAS_MASK: tl.constexpr, GROUP_POSITIVES: tl.constexpr, COLUMNS: tl.constexpr, LIST: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_GUIDE: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FULL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid, row_index, row_valid, key_start, key_end = outer_block_and_inner_range(
         n_rows, n_keys, keys_per_split, BLOCK_M)
@@ -147,19 +147,29 @@ def _find_left_out_kernel(
         candidates = not_positive(row_index, key_index, row_valid, key_valid, pid * BLOCK_M, n0, positive_ptr,
                                   key_offset, row_group_ptr, key_group_ptr, False, GROUP_POSITIVES, BLOCK_M,
                                   BLOCK_N)
-        flags = ROW * score_filter_drops(scores, candidates, row_threshold_ptr, row_index, row_valid,
-                                         True).to(tl.int32)
+        row_drops = score_filter_drops(scores, candidates, row_threshold_ptr, row_index, row_valid, True)
         if COLUMNS:
-            flags += COLUMN * score_filter_drops(scores, candidates, key_threshold_ptr, key_index, key_valid,
-                                                 False).to(tl.int32)
-        # pairs the group mask takes out are no negatives to leave out; nor are pairs past the ends
-        allowed = allowed_pairs(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
-                                positive_ptr, key_offset, HAS_MASK)
-        flags = tl.where(allowed, flags, 0)
+            column_drops = score_filter_drops(scores, candidates, key_threshold_ptr, key_index, key_valid,
+                                              False)
+        # Pairs the group mask takes out are no negatives to leave out, nor are pairs past the ends;
+        # whole tiles (FULL) without a group mask hold none.
+        if HAS_MASK or not FULL:
+            allowed = allowed_pairs(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
+                                    positive_ptr, key_offset, HAS_MASK)
         if LIST:
+            flags = ROW * row_drops.to(tl.int32)
+            if COLUMNS:
+                flags += COLUMN * column_drops.to(tl.int32)
+            if HAS_MASK or not FULL:
+                flags = tl.where(allowed, flags, 0)
             record_left_out(flags, row_ids, key_index, entries_ptr, count_ptr, capacity)
         else:
-            row_left += tl.sum((flags != 0).to(tl.int32), axis=1)
+            left = row_drops
+            if COLUMNS:
+                left = left | column_drops
+            if HAS_MASK or not FULL:
+                left = left & allowed
+            row_left += tl.sum(left.to(tl.int32), axis=1)
     if not LIST:
         tl.atomic_add(counts_ptr + row_offset + row_index, row_left, mask=row_valid & (row_left > 0))
 
@@ -205,6 +215,7 @@ def find_left_out(
         LIST=listed is not None, PRECISION=precision, UPCAST=INTERPRET,
         ROUND_GUIDE=round_guide("guide")({"PRECISION": precision, "guide": guide_queries}),
         EVEN_K=c % step == 0, BLOCK_M=_FIND_BLOCK, BLOCK_N=_FIND_BLOCK, BLOCK_K=step,
+        FULL=n_rows % _FIND_BLOCK == 0 and n_keys % _FIND_BLOCK == 0 and keys_per_split % _FIND_BLOCK == 0,
         num_warps=_FIND_WARPS, num_stages=_FIND_STAGES,
     )
 
