@@ -21,9 +21,9 @@ and, named in ``--variants`` only (not run by default):
   distill-tilesN  the same on ``TorchTiles(N, N)`` (``backend="torch"`` takes 4096 on CUDA; smaller
                tiles leave the GPU waiting on the host's launches); e.g. ``distill-tiles1024``
   distill-triton  the same on ``backend=TritonBlocks()``
-  filter-guide-masked  ``filter-guide`` with the backward filtering every tile
-               (``TritonBlocks(listed_row_share=0)``), as it does where many rows have left-out
-               entries: the listed backward's A/B in one run
+  filter-guide-masked  ``filter-guide`` with the forward and the backward filtering every tile
+               (``TritonBlocks(listed_row_share=0)``), as they do where many rows have left-out
+               entries: the A/B of finding those entries first, in one run
   matryoshka   ``matryoshka_dims`` of five widths, c, 2c/3, c/3, c/6 and c/12 (768, 512, 256, 128
                and 64 at c = 768): on CUDA one Triton loss call per width
   matryoshka-tilesN  the same on ``TorchTiles(N, N)``: every width in one pass per tile

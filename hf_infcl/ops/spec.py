@@ -412,10 +412,10 @@ class GroupRangeOps(BlockOps, Protocol):
 
 class LeftOutListOps(BlockOps, Protocol):
     """Block ops whose forward can count, row by row, the entries the score filter leaves out
-    (:class:`LeftOutCounts`, handed in as ``score_filter.left_out``), and whose backward, where few
-    rows have any, lists those rows' entries, recomputes its tiles without the filter's masks (the
-    guide's products among them) and takes the listed entries' terms back out; optional for a
-    backend."""
+    (:class:`LeftOutCounts`, handed in as ``score_filter.left_out``; the rows without any need no
+    filter), and whose backward, where few rows have any, lists those rows' entries, recomputes its
+    tiles without the filter's masks (the guide's products among them) and takes the listed
+    entries' terms back out; optional for a backend."""
 
     def left_out_counts(self, spec: StatsSpec, queries: torch.Tensor, keys: torch.Tensor, *,
                         guided: bool) -> LeftOutCounts | None:

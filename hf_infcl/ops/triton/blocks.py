@@ -100,9 +100,11 @@ class TritonBlocks:
             gradient-tile kernel itself, which computes them and G in one kernel (no dot-product
             buffer, but its tensor-core work and its elementwise work run one after the other);
             ``"auto"`` (the default): ``"gluon"`` where it can run, else ``"gemm"``.
-        listed_row_share: the softmax backward with the score filter lists the entries it left
-            out and runs the tiles without its masks (:mod:`.left_out`) where at most this share
-            of the rows has such entries; elsewhere it filters every tile, as 0 always does.
+        listed_row_share: with a guide, the softmax loss finds the entries the score filter
+            leaves out first (:mod:`.left_out`); where at most this share of the rows has any,
+            the other rows' statistics run without the filter, and the backward lists the entries
+            and runs the tiles without its masks. Elsewhere both filter every tile, as 0 always
+            does.
         listed_entries_per_vector: nor does it list more than this many entries per row and key
             (the list's memory, 12 bytes an entry, stays linear in the batch).
     """
@@ -202,9 +204,9 @@ class TritonBlocks:
     def left_out_counts(self, spec: StatsSpec, queries, keys, *, guided: bool) -> LeftOutCounts | None:
         """Zero counts of the score filter's left-out entries per row
         (:class:`~hf_infcl.ops.spec.LeftOutListOps`) for the softmax loss with a guide and without a
-        hardness offset; None elsewhere, where the backward keeps the filter's masks. Without a
-        guide the masks cost a few operations per entry of the backward's tiles, less than
-        counting costs the forward's; with one, a second product per tile."""
+        hardness offset; None elsewhere, where the kernels keep the filter's masks. Without a
+        guide, finding the entries would take a GEMM of the model's own products, more than the
+        masks cost; with one, the masks cost a second product per tile."""
         if not guided or spec.loss != "softmax" or spec.offsets or queries.dtype == torch.float64:
             return None
         if not self.listed_row_share:
