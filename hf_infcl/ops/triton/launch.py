@@ -126,7 +126,7 @@ def launch(kernel: TunedKernel, grid, device: torch.device, *args, config: trito
     launches one key many times: launched without even the look-up of the key. A pending
     one-process value check (:mod:`hf_infcl.ops.value_check`) runs just before the launch."""
     if config is None and kwargs.get("PRECISION") == "ieee" and _tunes():
-        config = untuned_config(kernel)
+        config = _untuned_config(kernel)
         run_deferred_check()
     if config is not None:
         _launch_with(kernel, config, grid, args, kwargs)
@@ -142,7 +142,7 @@ def launch(kernel: TunedKernel, grid, device: torch.device, *args, config: trito
         return kernel.tuner.best_config
     if _size_class(kernel, key) == TINY:
         chosen = TUNING_STORE.saved(kernel.name, key, device_name(device), triton.__version__,
-                                    kernel.make_config) or untuned_config(kernel)
+                                    kernel.make_config) or _untuned_config(kernel)
         _CHOSEN[(kernel.name, key)] = chosen
         _launch_with(kernel, chosen, grid, args, kwargs)
         return chosen
@@ -153,7 +153,7 @@ def launch(kernel: TunedKernel, grid, device: torch.device, *args, config: trito
     return kernel.tuner.best_config
 
 
-def untuned_config(kernel: TunedKernel) -> triton.Config:
+def _untuned_config(kernel: TunedKernel) -> triton.Config:
     """The configuration of launches kept out of the autotuner: tiny problems without a saved
     choice (:data:`TINY`), and exact fp32 dots (``precision="ieee"``), which run on CUDA cores,
     where ptxas takes minutes over each of the candidates' large unrolled tiles, and are there for
