@@ -248,9 +248,9 @@ class ScoreFilter:
 @dataclass(frozen=True)
 class LeftOutCounts:
     """How many entries the score filter left out of each row's statistics in one process's block,
-    counted by the forward's statistics pass, so that the backward can list just those rows'
-    entries, run the filter-free tiles and take the listed entries' terms of G back out (block ops
-    that can: :class:`LeftOutListOps`)."""
+    counted by the forward, so that the backward can list just those rows' entries, run the
+    filter-free tiles and take the listed entries' terms of G back out (block ops that can:
+    :class:`LeftOutListOps`)."""
 
     per_row: torch.Tensor  # [m] int32
 

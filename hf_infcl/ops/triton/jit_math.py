@@ -39,11 +39,16 @@ def even_guide_k(args: dict) -> bool:
     return args["c_guide"] % args["BLOCK_K"] == 0
 
 
+def rounds_guide(precision: str, guide_dtype: torch.dtype) -> bool:
+    """ROUND_GUIDE's rule: an fp32 guide multiplied with TF32 (``precision``, the ``tl.dot`` input
+    precision) is rounded to TF32 as it is loaded (:func:`dot_tile`'s ROUND_TF32), as the fp32
+    operands are before the kernels."""
+    return precision == "tf32" and guide_dtype == torch.float32
+
+
 def round_guide(guide_name: str):
-    """ROUND_GUIDE's rule, for the kernel whose guide argument is ``guide_name``: an fp32 guide
-    multiplied with TF32 is rounded to TF32 as it is loaded (:func:`dot_tile`'s ROUND_TF32), as
-    the fp32 operands are before the kernels."""
-    return lambda args: args["PRECISION"] == "tf32" and args[guide_name].dtype == torch.float32
+    """:func:`rounds_guide` as the heuristic of the kernel whose guide argument is ``guide_name``."""
+    return lambda args: rounds_guide(args["PRECISION"], args[guide_name].dtype)
 
 
 def log2_units(args: dict) -> bool:

@@ -31,14 +31,14 @@ import triton
 import triton.language as tl
 
 from ..spec import LeftOutCounts
-from .device import INTERPRET, pair_pointers, unused_pointer
+from .device import INTERPRET, unused_pointer
 from .jit_math import (
     allowed_pairs,
     at_most_zero,
     dot_tile,
     not_positive,
     outer_block_and_inner_range,
-    round_guide,
+    rounds_guide,
     score_filter_drops,
 )
 from .stats import inner_splits
@@ -126,7 +126,7 @@ _FIND_WARPS, _FIND_STAGES = 4, 3
 @triton.jit
 def _find_left_out_kernel(
     guide_q_ptr, guide_k_ptr, row_threshold_ptr, key_threshold_ptr, positive_ptr, key_offset,
-    row_group_ptr, key_group_ptr, counts_ptr, row_offset, entries_ptr, count_ptr, capacity, row_id_ptr,
+    row_group_ptr, key_group_ptr, counts_ptr, entries_ptr, count_ptr, capacity, row_id_ptr,
     n_rows, n_keys, c, stride_q, stride_k, keys_per_split,
     HAS_MASK: tl.constexpr, GROUP_POSITIVES: tl.constexpr, COLUMNS: tl.constexpr, LIST: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_GUIDE: tl.constexpr, EVEN_K: tl.constexpr,
@@ -171,20 +171,20 @@ def _find_left_out_kernel(
                 left = left & allowed
             row_left += tl.sum(left.to(tl.int32), axis=1)
     if not LIST:
-        tl.atomic_add(counts_ptr + row_offset + row_index, row_left, mask=row_valid & (row_left > 0))
+        tl.atomic_add(counts_ptr + row_index, row_left, mask=row_valid & (row_left > 0))
 
 
 def find_left_out(
     guide_queries: torch.Tensor, guide_keys: torch.Tensor, *, precision: str, row_thresholds: torch.Tensor,
     positive_keys: torch.Tensor, key_offset: int = 0, key_thresholds: torch.Tensor | None = None,
     row_groups: torch.Tensor | None = None, key_groups: torch.Tensor | None = None,
-    group_positives: bool = False, counts: torch.Tensor | None = None, row_offset: int = 0,
+    group_positives: bool = False, counts: torch.Tensor | None = None,
     listed: LeftOutList | None = None, row_ids: torch.Tensor | None = None, splits: int | None = None,
 ) -> None:
     """The guided score filter's left-out entries of these rows (docs/contract.md, "False negatives
     by score"), from the guide's products alone: those of the row statistic (``row_thresholds``)
-    and, given ``key_thresholds``, of the keys'. ``counts`` (int32) gets each row's number of them
-    added at ``row_offset + row``; or ``listed`` gets them appended, each row as its ``row_ids``
+    and, given ``key_thresholds``, of the keys'. ``counts`` (int32 [rows]) gets each row's number of
+    them added; or ``listed`` gets them appended, each row as its ``row_ids``
     entry. ``precision``: the ``tl.dot`` input precision of the kernels the filter serves (an fp32
     guide with TF32 is rounded as it is loaded, as theirs is). The group mask (``row_groups``,
     ``key_groups`` without ``group_positives``) takes its pairs out of the negatives first; the
@@ -202,18 +202,17 @@ def find_left_out(
     dummy = unused_pointer(guide_queries.device)
     has_mask = row_groups is not None and not group_positives
     step = _FIND_STEP if guide_queries.element_size() <= 2 or INTERPRET else _FIND_STEP // 2
-    positives, key_offset, *_ = pair_pointers(True, 0, positive_keys, key_offset, None, None, None, dummy)
     grid = (triton.cdiv(n_rows, _FIND_BLOCK), splits)
     _find_left_out_kernel[grid](
         guide_queries, guide_keys, row_thresholds, key_thresholds if key_thresholds is not None else dummy,
-        positives, key_offset, row_groups if row_groups is not None else dummy,
-        key_groups if key_groups is not None else dummy, counts if counts is not None else dummy, row_offset,
+        positive_keys, key_offset, row_groups if row_groups is not None else dummy,
+        key_groups if key_groups is not None else dummy, counts if counts is not None else dummy,
         listed.entries if listed is not None else dummy, listed.count if listed is not None else dummy,
         listed.capacity if listed is not None else 0, row_ids if row_ids is not None else dummy,
         n_rows, n_keys, c, guide_queries.stride(0), guide_keys.stride(0), keys_per_split,
         HAS_MASK=has_mask, GROUP_POSITIVES=group_positives, COLUMNS=key_thresholds is not None,
         LIST=listed is not None, PRECISION=precision, UPCAST=INTERPRET,
-        ROUND_GUIDE=round_guide("guide")({"PRECISION": precision, "guide": guide_queries}),
+        ROUND_GUIDE=rounds_guide(precision, guide_queries.dtype),
         EVEN_K=c % step == 0, BLOCK_M=_FIND_BLOCK, BLOCK_N=_FIND_BLOCK, BLOCK_K=step,
         FULL=n_rows % _FIND_BLOCK == 0 and n_keys % _FIND_BLOCK == 0 and keys_per_split % _FIND_BLOCK == 0,
         num_warps=_FIND_WARPS, num_stages=_FIND_STAGES,
