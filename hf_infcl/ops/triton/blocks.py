@@ -32,11 +32,12 @@ import torch
 
 from ..distillation import DistillationSpec, SoftTargetGradients, TeacherLogits
 from ..key_blocks import combine_rows as torch_combine_rows
+from ..matryoshka import PrefixSpec, PrefixSums
 from ..positive_pairs import GroupRanges, PositiveParts, counts_positives, takes_log_sum_exp
 from ..spec import GroupMask, HardnessOffset, LeftOutCounts, ScoreFilter, StatsSpec
 from ..tiled import TorchTiles
 from ..value_check import run_deferred_check
-from . import distillation, gluon_sigmoid, group_pairs, stats
+from . import distillation, gluon_sigmoid, group_pairs, matryoshka, stats
 from .combine_rows import combine_rows
 from .device import INTERPRET
 from .jit_math import dot_precision
@@ -59,6 +60,7 @@ from .operands import (
     gemm_operands,
     kernel_operands,
     label_arguments,
+    mask_arguments,
     resolved,
     scalar,
     sliced,
@@ -349,6 +351,58 @@ class TritonBlocks:
         student = kernel_operands(StatsSpec(loss="softmax", columns=spec.columns, precision=spec.precision),
                                   queries, keys, scale, via_fp16=False)
         return student, distillation.teacher_scalars(teacher)
+
+    def prefix_forward_block(self, spec: PrefixSpec, queries, keys, scale, bias, query_scales, key_scales,
+                             mask: GroupMask | None):
+        """Every Matryoshka term's statistics (:class:`~hf_infcl.ops.matryoshka.PrefixBlockOps`) from
+        one pass of :func:`.matryoshka.prefix_stats` per direction."""
+        if queries.dtype == torch.float64:
+            run_deferred_check()
+            return TorchTiles().prefix_forward_block(spec, queries, keys, scale, bias, query_scales,
+                                                     key_scales, mask)
+        operands, bias, mask_arguments = self._prefix_operands(spec, queries, keys, scale, bias, mask)
+        norms = [matryoshka.per_term(x) for x in (query_scales, key_scales)]
+        options = dict(sigmoid=spec.loss == "sigmoid", precision=spec.precision, splits=self.stat_splits,
+                       mask=mask_arguments)
+        row_stat = matryoshka.prefix_stats(operands.queries, operands.keys, *norms, operands.scale, bias,
+                                           spec.dims, columns=False, **options)
+        col_stat = None
+        if spec.columns:
+            col_stat = matryoshka.prefix_stats(operands.keys, operands.queries, *reversed(norms),
+                                               operands.scale, bias, spec.dims, columns=True, **options)
+        return row_stat, col_stat
+
+    def prefix_backward_block(self, spec: PrefixSpec, queries, keys, scale, bias, query_scales, key_scales,
+                              mask: GroupMask | None, row_stat, col_stat, row_weight, col_weight,
+                              grad_queries, grad_keys) -> PrefixSums:
+        """Each segment's products with H_u and the per-term sums
+        (:class:`~hf_infcl.ops.matryoshka.PrefixBlockOps`), H from :class:`.matryoshka.PrefixRoute`
+        over the backward's super-tiles."""
+        if queries.dtype == torch.float64:
+            return TorchTiles().prefix_backward_block(spec, queries, keys, scale, bias, query_scales,
+                                                      key_scales, mask, row_stat, col_stat, row_weight,
+                                                      col_weight, grad_queries, grad_keys)
+        operands, bias, mask_arguments = self._prefix_operands(spec, queries, keys, scale, bias, mask)
+        query_norms, key_norms = matryoshka.per_term(query_scales), matryoshka.per_term(key_scales)
+        terms, m, k = len(spec.dims), queries.shape[0], keys.shape[0]
+        sums = PrefixSums(*(torch.zeros((terms, n), dtype=torch.float32, device=queries.device)
+                            for n in (m, m, k)))
+        factor = matryoshka.g_factor(operands.queries.dtype, query_norms, key_norms, row_weight, col_weight)
+        route = matryoshka.PrefixRoute(spec, operands.queries, operands.keys, operands.scale, bias,
+                                       query_norms, key_norms, mask_arguments, row_stat, row_weight, col_stat,
+                                       col_weight, sums, None if factor is None else 1.0 / factor)
+        tile = matryoshka.super_tile(operands.queries.dtype, m, k, terms, self.tile_rows, self.tile_keys)
+        walk(route, operands, grad_queries, grad_keys, factor, tile, spec.precision, self.poison)
+        return PrefixSums(*(x.to(grad_queries.dtype) for x in sums))
+
+    def _prefix_operands(self, spec: PrefixSpec, queries, keys, scale, bias, mask: GroupMask | None):
+        """(operands and logit scale, 0-d fp32 bias or None, the group mask's launcher arguments) of
+        the one-pass Matryoshka kernels: fp32 with TF32 precision rounded to TF32; the backward's
+        GEMMs multiply the same operands."""
+        self._check(queries, keys)
+        operands = kernel_operands(StatsSpec(loss=spec.loss, columns=spec.columns, precision=spec.precision),
+                                   queries, keys, scale, via_fp16=False)
+        return operands, None if bias is None else scalar(bias), mask_arguments(mask)
 
     def combine_rows(self, **arguments):
         """The epilogues' row primitive (:func:`hf_infcl.ops.key_blocks.combine_rows`) in one

@@ -187,6 +187,7 @@ class SoftTargetRoute:
     G factor, ``inv_g_scale`` its inverse) and adds its row sums into ``row_sums``."""
 
     g_alone = False
+    segments = None
 
     def __init__(self, queries: torch.Tensor, keys: torch.Tensor, scale: torch.Tensor, teacher: TeacherLogits,
                  rows: SoftTargetGradients, columns: SoftTargetGradients | None, row_sums: torch.Tensor,

@@ -46,6 +46,9 @@ class SuperTileRoute(Protocol):
     """How a super-tile's G and its row sums are written."""
 
     g_alone: bool  # G needs no dot-product buffer beside it: super-tiles twice as wide
+    # None: one G for the whole width. Else one G per segment of the width (the scratch buffer is
+    # [segments, rows, keys]): G u multiplies columns segments[u] only (Matryoshka's H_u).
+    segments: tuple[slice, ...] | None
 
     def scratch(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         """The buffer G is written into (the route may share it with its own buffers)."""
@@ -64,7 +67,8 @@ def walk(route: SuperTileRoute, gemm: Operands, grad_queries: torch.Tensor, grad
          g_factor: torch.Tensor | None, tile: tuple[int, int], precision: str, poison: bool) -> None:
     """Add G K into ``grad_queries`` and G^T Q into ``grad_keys`` over every super-tile of
     ``tile`` = (rows, keys), G from ``route``, stored divided by ``g_factor`` (:func:`g_scale`;
-    None: 1), the GEMMs on ``gemm``'s operands (divided by their maxima, if any)."""
+    None: 1), the GEMMs on ``gemm``'s operands (divided by their maxima, if any); with the
+    route's ``segments``, each segment's G times that segment's columns."""
     m, k = gemm.queries.shape[0], gemm.keys.shape[0]
     # The GEMMs add (G / g_scale) @ (K / k_max) into grad_queries, whose true increment is that
     # times g_scale * k_max. Dividing the accumulator by the factor first and multiplying it back
@@ -76,6 +80,7 @@ def walk(route: SuperTileRoute, gemm: Operands, grad_queries: torch.Tensor, grad
     if factor_k is not None:
         grad_keys.div_(factor_k)
     tile_rows, tile_keys = tile
+    segments = route.segments
     # Row stride padded to 8 elements so that cuBLAS sees aligned leading dimensions.
     scratch = route.scratch((tile_rows, -(-tile_keys // 8) * 8), gemm.queries.dtype)
     # Every view the loop needs, made once: the loop runs once per super-tile, and slicing a
@@ -91,12 +96,17 @@ def walk(route: SuperTileRoute, gemm: Operands, grad_queries: torch.Tensor, grad
                 shape = (gemm_queries.shape[0], gemm_keys.shape[0])
                 g = g_views.get(shape)
                 if g is None:
-                    g = g_views[shape] = scratch[: shape[0], : shape[1]]
+                    g = g_views[shape] = scratch[..., : shape[0], : shape[1]]
                 if poison:
                     scratch.fill_(float("nan"))
                 route.write(row_panel, key_tile, g)
-                add_product(row_grad, g, gemm_keys)
-                add_product(key_grad, g.T, gemm_queries)
+                if segments is None:
+                    add_product(row_grad, g, gemm_keys)
+                    add_product(key_grad, g.T, gemm_queries)
+                    continue
+                for part, columns in zip(g, segments):
+                    add_product(row_grad[:, columns], part, gemm_keys[:, columns])
+                    add_product(key_grad[:, columns], part.T, gemm_queries[:, columns])
     if factor_q is not None:
         grad_queries.mul_(factor_q)
     if factor_k is not None:
@@ -141,6 +151,7 @@ class GradTileRoute:
     directions), sigmoid with row weights, or (``softplus_sums`` given) the sigmoid one pass."""
 
     g_alone = True
+    segments = None
 
     def __init__(self, arguments: RouteArguments, row_stat, row_weight, col_stat, col_weight, *,
                  sigmoid: bool, precision: str, clamp_exponents: bool = False):
@@ -191,6 +202,8 @@ class CublasDotsRoute:
     operands (:func:`.operands.dot_operands`) into a buffer, G and the sums from the elementwise
     kernel, which writes G over the dot products where their element sizes match."""
 
+    segments = None
+
     def __init__(self, arguments: RouteArguments, dots: tuple, g_dtype: torch.dtype, poison: bool):
         self.arguments, self.poison = arguments, poison
         self.dot_queries, self.dot_keys, self.dots_scale, self.dots_dtype = dots
@@ -231,6 +244,7 @@ class GluonRoute:
     the sums (:mod:`.gluon_sigmoid`)."""
 
     g_alone = True
+    segments = None
 
     def __init__(self, arguments: RouteArguments):
         self.arguments = arguments
