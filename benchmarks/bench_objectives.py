@@ -25,7 +25,9 @@ and, named in ``--variants`` only (not run by default):
                (``TritonBlocks(listed_row_share=0)``), as they do where many rows have left-out
                entries: the A/B of finding those entries first, in one run
   matryoshka   ``matryoshka_dims`` of five widths, c, 2c/3, c/3, c/6 and c/12 (768, 512, 256, 128
-               and 64 at c = 768): on CUDA one Triton loss call per width
+               and 64 at c = 768): on CUDA every width in one pass of the Triton kernels
+  matryoshka-per-width  the same loss as the sum of one ``contrastive_loss`` call per re-normalised
+               prefix (what sentence-transformers' ``MatryoshkaLoss`` does around a loss)
   matryoshka-tilesN  the same on ``TorchTiles(N, N)``: every width in one pass per tile
 
 The features are shaped like a trained model's: each positive key at cosine about 0.6 to its query,
@@ -78,7 +80,8 @@ from bench_common import (  # this folder is on sys.path
 from hf_infcl import TorchTiles, contrastive_distillation_loss, contrastive_loss
 
 VARIANTS = ("plain", "groups-any", "groups-each", "filter", "filter-guide")
-EXTRA_VARIANTS = ("distill", "matryoshka", "filter-every-tile")  # run when named (and tiled variants)
+# run when named (and tiled variants)
+EXTRA_VARIANTS = ("distill", "matryoshka", "matryoshka-per-width", "filter-every-tile")
 GPU_ONLY_VARIANTS = ("distill-triton", "filter-guide-masked")  # run when named, on CUDA
 GROUP_SIZE = 5
 POSITIVE_COSINE = 0.6  # a positive's expected cosine to its query
@@ -131,7 +134,7 @@ def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda",
             from hf_infcl.ops.triton import TritonBlocks
 
             options.update(backend=TritonBlocks(listed_row_share=0.0))
-    elif variant.startswith("matryoshka"):
+    elif variant.startswith("matryoshka") and variant != "matryoshka-per-width":
         options = dict(matryoshka_dims=matryoshka_widths(c))
         if _tiles(variant):
             options.update(backend=TorchTiles(_tiles(variant), _tiles(variant)))
@@ -147,6 +150,12 @@ def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda",
         loss_fn = functools.partial(contrastive_distillation_loss, teacher_queries=teacher[0],
                                     teacher_keys=teacher[1], teacher_logit_scale=20.0,
                                     distillation_weight=0.5, backend=backend)
+
+    if variant == "matryoshka-per-width":
+        def loss_fn(queries, keys, logit_scale):
+            return sum(contrastive_loss(F.normalize(queries[:, :dim], dim=1),
+                                        F.normalize(keys[:, :dim], dim=1), logit_scale=logit_scale)
+                       for dim in matryoshka_widths(c))
 
     def step():
         loss = loss_fn(F.normalize(q, dim=1), F.normalize(k, dim=1), logit_scale=log_scale.exp())

@@ -41,6 +41,15 @@ def test_the_same_loss_on_other_tiles(variant):
         bench_objectives.main(["--variants", f"{variant}-tiles0"])
 
 
+def test_matryoshka_per_width_is_the_same_loss_as_the_one_pass():
+    """The two Matryoshka variants time the same loss by two routes."""
+    on_cpu = dict(device="cpu", dtype=torch.float32)
+    one_pass = bench_objectives.make_step("matryoshka", 40, 24, **on_cpu)()
+    per_width = bench_objectives.make_step("matryoshka-per-width", 40, 24, **on_cpu)()
+    for ours, theirs in zip(per_width, one_pass):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
 def test_the_variants_differ_from_plain():
     plain = bench_objectives.make_step("plain", 40, 24, device="cpu", dtype=torch.float32)()
     for variant in bench_objectives.VARIANTS[1:] + bench_objectives.EXTRA_VARIANTS:

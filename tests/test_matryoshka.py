@@ -663,17 +663,30 @@ def test_bf16_tolerances_of_the_gpu_test_hold_for_the_torch_backend(option):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("option", ["softmax-sym", "sigmoid-bias", "groups-any", "filter-guide-relative"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_auto_matches_the_oracle(dtype, option):
+@pytest.mark.parametrize("option", ["softmax-sym", "softmax-asym", "sigmoid-bias", "groups-masked",
+                                    "groups-any", "filter-guide-relative"])
+@pytest.mark.parametrize("dtype", ["fp32-ieee", "fp32-tf32", "bf16"])
+def test_cuda_auto_matches_the_oracle(dtype, option, monkeypatch):
+    """``"auto"`` on CUDA, autotuning on: the options of the one-pass route run the one-pass Triton
+    kernels (each launch counted), the others one Triton loss call per width."""
+    from hf_infcl.ops.triton import matryoshka as triton_matryoshka
+
+    dtype, precision = {"fp32-ieee": (torch.float32, "ieee"), "fp32-tf32": (torch.float32, "tf32"),
+                        "bf16": (torch.bfloat16, "auto")}[dtype]
+    launches = []
+    prefix_stats = triton_matryoshka.prefix_stats
+    monkeypatch.setattr(triton_matryoshka, "prefix_stats",
+                        lambda *args, **kwargs: launches.append(1) or prefix_stats(*args, **kwargs))
     rounded = rounded_to(gpu_case(option), dtype)
     cuda = dict(rounded, queries=rounded["queries"].cuda(), keys=rounded["keys"].cuda(),
                 positives=rounded["positives"].cuda(),
                 options={name: value.cuda() if torch.is_tensor(value) else value
                          for name, value in rounded["options"].items()})
-    value, grads = run_loss(cuda, dtype=dtype, precision="ieee")
+    value, grads = run_loss(cuda, dtype=dtype, precision=precision)
+    assert bool(launches) == (option in ("softmax-sym", "softmax-asym", "sigmoid-bias", "groups-masked"))
     expected_value, expected_grads = oracle(rounded)
-    tolerance = 1e-5 if dtype == torch.float32 else BF16_TOLERANCE.get(option, 1e-2)
+    tolerance = {"ieee": 1e-5, "tf32": 5e-3}[precision] if dtype == torch.float32 else BF16_TOLERANCE.get(
+        option, 1e-2)
     assert_close(value, expected_value, tolerance, "loss")
     for name, grad in grads.items():
         assert_close(grad, expected_grads[name], tolerance, name)

@@ -1,6 +1,6 @@
 """The statistics and gradient-tile kernels compile for Hopper (sm_90) on a machine without a GPU, with
-and without the score filter and its guide, in each loss and direction; so does the kernel that
-counts and lists the guided filter's left-out entries.
+and without the score filter and its guide, in each loss and direction; so do the kernel that
+counts and lists the guided filter's left-out entries and the one-pass Matryoshka kernels.
 
 The interpreter (``tests/helpers/triton_interpreted.py``) runs the kernels as Python, so it cannot see
 what only Triton's compiler rejects: a name bound in one branch of a runtime ``if`` and used after it,
@@ -22,13 +22,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hf_infcl.ops.triton import grad_tile, left_out, stats  # noqa: E402
+from hf_infcl.ops.triton import grad_tile, left_out, matryoshka, stats  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 _INDEX_POINTERS = {"row_group_ptr", "key_group_ptr", "positive_ptr", "query_id_ptr", "key_owner_ptr",
                    "row_id_ptr"}
-# the guided score filter's left-out counts and list (hf_infcl.ops.triton.left_out)
-_INT32_POINTERS = {"counts_ptr", "entries_ptr", "count_ptr"}
+# the guided score filter's left-out counts and list (hf_infcl.ops.triton.left_out), and the
+# Matryoshka prefixes' segment bounds (hf_infcl.ops.triton.matryoshka)
+_INT32_POINTERS = {"counts_ptr", "entries_ptr", "count_ptr", "bounds_ptr"}
 
 
 def _signature(kernel, half_pointers: set[str]) -> dict[str, str]:
@@ -124,3 +125,27 @@ def test_grad_tile_kernel_compiles_for_hopper(variant, filter_name, group_positi
                     FULL=not group_positives, LOG2=True, **GRAD_VARIANTS[variant])
     _compile(grad_tile._grad_tile_kernel,
              {"q_ptr", "k_ptr", "q_desc", "k_desc", "g_ptr", "guide_q_ptr", "guide_k_ptr"}, switches)
+
+
+# (loss, direction) of the one-pass Matryoshka kernels; every variant with the group mask and without
+PREFIX_VARIANTS = {
+    "softmax-rows": dict(SIGMOID=False, COLUMNS=False),
+    "softmax-columns": dict(SIGMOID=False, COLUMNS=True),
+    "sigmoid-rows": dict(SIGMOID=True, COLUMNS=False),
+}
+
+
+@pytest.mark.parametrize("has_mask", [False, True], ids=["nomask-even-segments", "mask-masked-segments"])
+@pytest.mark.parametrize("variant", list(PREFIX_VARIANTS))
+def test_matryoshka_kernels_compile_for_hopper(variant, has_mask):
+    """Five terms, each term's statistics in its column of the running arrays (statistics), and
+    the terms walked from the widest with a segment taken off after each (gradient tiles); the
+    group mask with the masked loads of prefixes off the K step, or neither."""
+    even = not has_mask
+    switches = dict(TERMS=5, HAS_BIAS=True, HAS_MASK=has_mask, PRECISION="tf32", UPCAST=False,
+                    BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EVEN_SEGMENTS=even, FULL=not has_mask,
+                    LOG2=not PREFIX_VARIANTS[variant]["SIGMOID"], **PREFIX_VARIANTS[variant])
+    _compile(matryoshka._prefix_stats_kernel, {"outer_ptr", "inner_ptr"}, dict(switches, TERMS_P2=8))
+    if variant != "softmax-columns":  # the gradient tiles are (rows, keys) whatever the statistics
+        _compile(matryoshka._prefix_grad_kernel, {"q_ptr", "k_ptr", "h_ptr"},
+                 dict(switches, COLUMNS=variant == "softmax-rows", SCALED_G=True))

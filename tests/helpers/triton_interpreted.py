@@ -1285,3 +1285,127 @@ def test_distillation_statistics_merge_split_inner_ranges():
     for got in (whole, split):
         for part, reference in zip(got, expected):
             assert torch.allclose(part.double(), reference, rtol=1e-5, atol=1e-5)
+
+
+# Matryoshka in one pass (docs/contract.md, "Matryoshka in one call"; hf_infcl.ops.triton.matryoshka):
+# the prefix statistics kernel in both directions (split inner ranges merged) and the prefix route
+# over several poisoned super-tiles, against the float64 oracle on the same rounded inputs.
+
+# (m, k, c, dims): prefixes off and on BLOCK_K (16 here; the second shape's are all multiples: the
+# unmasked loads), a widest prefix below the width, a prefix of width 2, one row, hard-negative keys.
+# (A prefix of width 1 is left to the float64 tests: its normalised value is a sign, whose gradient
+# is 0 as a difference of two terms of size |G| / |x_0|, so low precision leaves noise that grows
+# without bound as a feature's first entry nears 0.)
+MATRYOSHKA_SHAPES = [(33, 45, 40, (40, 27, 16, 3)), (19, 45, 48, (48, 32, 16)), (7, 19, 40, (24, 5)),
+                     (1, 17, 32, (32, 31, 2))]
+MATRYOSHKA_OPTIONS = {
+    "softmax-sym": dict(loss="softmax", symmetric=True),
+    "softmax-asym": dict(loss="softmax", symmetric=False),
+    "sigmoid-bias": dict(loss="sigmoid", symmetric=False, bias=-2.5),
+    "softmax-sym-groups": dict(loss="softmax", symmetric=True, groups=True),
+}
+
+
+class _CountedPrefixKernels:
+    """Counts the launches of the one-pass Matryoshka kernels (statistics, gradient super-tiles)."""
+
+    def __init__(self, monkeypatch):
+        from hf_infcl.ops.triton import matryoshka
+
+        self.stats = self.tiles = 0
+        stats, write = matryoshka.prefix_stats, matryoshka.PrefixRoute.write
+
+        def counted_stats(*args, **kwargs):
+            self.stats += 1
+            return stats(*args, **kwargs)
+
+        def counted_write(route, *args, **kwargs):
+            self.tiles += 1
+            return write(route, *args, **kwargs)
+
+        monkeypatch.setattr(matryoshka, "prefix_stats", counted_stats)
+        monkeypatch.setattr(matryoshka.PrefixRoute, "write", counted_write)
+
+
+@pytest.mark.parametrize("mode", ["fp32-ieee", "fp32-tf32", "fp16"])
+@pytest.mark.parametrize("option", list(MATRYOSHKA_OPTIONS))
+@pytest.mark.parametrize("shape", MATRYOSHKA_SHAPES,
+                         ids=[f"m{m}-k{k}-c{c}-d{'.'.join(map(str, d))}" for m, k, c, d in MATRYOSHKA_SHAPES])
+def test_matryoshka_one_pass_matches_float64_oracle(shape, option, mode, monkeypatch):
+    from hf_infcl.ops.triton.operands import round_to_tf32
+    from tests.helpers.oracle_matryoshka import matryoshka_loss
+
+    m, k, c, dims = shape
+    options = dict(MATRYOSHKA_OPTIONS[option])
+    dtype, precision, blocks = MODES[mode]
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    # raw features (the loss normalises each prefix), positives pulled towards their rows
+    queries = torch.randn(m, c, generator=gen, dtype=torch.float64) * 2.0
+    keys = torch.randn(k, c, generator=gen, dtype=torch.float64)
+    positives = torch.randperm(k, generator=gen)[:m]
+    keys[positives] += 0.4 * queries
+    if mode == "fp32-tf32":  # TF32 values, so that the kernels' rounding changes nothing
+        queries, keys = (round_to_tf32(x.float()).double() for x in (queries, keys))
+    queries, keys = queries.to(dtype), keys.to(dtype)
+    weights = tuple(float(w) for w in torch.rand(len(dims), generator=gen) + 0.25)
+    groups = {}
+    if options.pop("groups", False):
+        query_groups = torch.randint(0, max(m // 2, 1), (m,), generator=gen)
+        key_groups = torch.randint(0, m, (k,), generator=gen)
+        key_groups[positives] = query_groups
+        groups = dict(query_groups=query_groups, key_groups=key_groups)
+    bias_value = options.pop("bias", None)
+    scale_value = float(torch.empty(()).uniform_(3.0, 12.0, generator=gen))
+    counted = _CountedPrefixKernels(monkeypatch)
+
+    q, kk = queries.clone().requires_grad_(), keys.clone().requires_grad_()
+    scale = torch.tensor(scale_value, requires_grad=True)
+    bias = None if bias_value is None else torch.tensor(bias_value, requires_grad=True)
+    value = contrastive_loss(q, kk, scale, bias, positives=positives, matryoshka_dims=dims,
+                             matryoshka_weights=weights, backend=blocks, precision=precision, **groups,
+                             **options)
+    value.backward()
+    assert counted.stats == (2 if options["symmetric"] and options["loss"] == "softmax" else 1)
+    assert counted.tiles == -(-m // blocks.tile_rows) * -(-k // blocks.tile_keys)
+
+    expected, expected_grads = matryoshka_loss(
+        queries.double().numpy(), keys.double().numpy(), scale_value, bias_value, dims=dims, weights=weights,
+        positives=positives.numpy(), **{name: value.numpy() for name, value in groups.items()}, **options)
+    got = {"loss": value.detach().double().reshape(1), "queries": q.grad.double(), "keys": kk.grad.double(),
+           "scale": scale.grad.double().reshape(1)}
+    wanted = {"loss": torch.tensor([float(expected)]), "queries": torch.from_numpy(expected_grads["queries"]),
+              "keys": torch.from_numpy(expected_grads["keys"]),
+              "scale": torch.tensor([float(expected_grads["scale"])])}
+    if bias is not None:
+        got["bias"] = bias.grad.double().reshape(1)
+        wanted["bias"] = torch.tensor([float(expected_grads["bias"])])
+    errors = {name: relative_error(got[name], wanted[name]) for name in wanted}
+    assert max(errors.values()) < TOLERANCE[mode], (seed, errors)
+
+
+def test_matryoshka_statistics_merge_split_inner_ranges():
+    """prefix_stats with the inner range split over programs (each split's partial statistics
+    merged) equals it in one range, and both equal float64, for both losses and directions."""
+    from hf_infcl.ops.triton.matryoshka import prefix_stats
+
+    gen = torch.Generator().manual_seed(5)
+    dims = (20, 9, 4)
+    queries, keys = torch.randn(9, 20, generator=gen), torch.randn(53, 20, generator=gen)
+    norms = [torch.stack([1 / x[:, :d].norm(dim=1) for d in dims]) for x in (queries, keys)]
+    scale, bias = torch.tensor(6.0), torch.tensor(-1.0)
+    exact = torch.stack([6.0 * (norms[0][t, :, None] * queries[:, :d].double() @ keys[:, :d].double().T)
+                         * norms[1][t, None, :] for t, d in enumerate(dims)])
+    for sigmoid, columns in ((False, False), (False, True), (True, False)):
+        outer, inner, outer_norms, inner_norms = ((keys, queries, norms[1], norms[0]) if columns
+                                                  else (queries, keys, *norms))
+        logits = exact.transpose(1, 2) if columns else exact
+        if sigmoid:
+            logits = logits - 1.0
+            expected = torch.nn.functional.softplus(logits).sum(dim=2)
+        else:
+            expected = torch.logsumexp(logits, dim=2)
+        for splits in (1, 4):
+            got = prefix_stats(outer, inner, outer_norms, inner_norms, scale, bias if sigmoid else None, dims,
+                               sigmoid=sigmoid, columns=columns, precision="ieee", splits=splits)
+            assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5), (sigmoid, columns, splits)

@@ -34,7 +34,7 @@ from .tuning_store import TuningStore, tuning_key
 # specialisations (dtype x loss x mask) and need not autotune each of them.
 AUTOTUNE = os.environ.get("HF_INFCL_TRITON_AUTOTUNE", "1") != "0"
 _UNTUNED = (128, 128, 32, 4, 3)  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
-# The autotuning candidates every kernel tries; each adds its own (autotuned's ``shapes``).
+# The autotuning candidates of most kernels; each adds its own (autotuned's ``shapes``).
 BASE_SHAPES = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
                (128, 128, 32, 8, 4), (128, 256, 64, 8, 3), (128, 128, 128, 8, 2), (128, 128, 128, 8, 3)]
 

@@ -41,9 +41,14 @@ from .jit_math import (
     scaled_logits,
     softplus,
 )
-from .launch import BASE_SHAPES, autotuned, launch, problem_size_class
+from .launch import autotuned, launch, problem_size_class
 from .operands import HALF_TYPES, TINY
 from .stats import inner_splits, merge_partials
+
+
+# Autotuning candidates: the base shapes of K step 64 that every other kernel tunes among most often
+# (each candidate compiles D unrolled segment loops, so the list is kept short for the first call).
+_PREFIX_SHAPES = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
 
 
 @triton.jit
@@ -105,7 +110,7 @@ def _prefix_stats_kernel(
                                         key_group_ptr, positive_ptr, key_offset, HAS_MASK)
         dots = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for step in tl.static_range(TERMS):
-            t: tl.constexpr = TERMS - 1 - step  # from the innermost segment out
+            t = TERMS - 1 - step  # from the innermost segment out
             dots = _add_segment_dots(dots, outer_rows, inner_rows, tl.load(bounds_ptr + t + 1),
                                      tl.load(bounds_ptr + t), False, BLOCK_K, PRECISION, UPCAST,
                                      EVEN_SEGMENTS)
@@ -152,7 +157,7 @@ def _even_segments(args: dict) -> bool:
     return args["dims_gcd"] % args["BLOCK_K"] == 0
 
 
-PREFIX_STATS_KERNEL = autotuned(_prefix_stats_kernel, "prefix_stats", BASE_SHAPES, {
+PREFIX_STATS_KERNEL = autotuned(_prefix_stats_kernel, "prefix_stats", _PREFIX_SHAPES, {
     "EVEN_SEGMENTS": _even_segments,
     "LOG2": log2_units,
     "FULL": lambda args: (args["n_outer"] % args["BLOCK_M"] == 0 and args["n_inner"] % args["BLOCK_N"] == 0
@@ -262,7 +267,7 @@ def _prefix_grad_kernel(
                                      tl.load(bounds_ptr + t), True, BLOCK_K, PRECISION, UPCAST, EVEN_SEGMENTS)
 
 
-PREFIX_GRAD_KERNEL = autotuned(_prefix_grad_kernel, "prefix_grad", BASE_SHAPES, {
+PREFIX_GRAD_KERNEL = autotuned(_prefix_grad_kernel, "prefix_grad", _PREFIX_SHAPES, {
     "EVEN_SEGMENTS": _even_segments,
     "LOG2": log2_units,
     "FULL": lambda args: args["n_rows"] % args["BLOCK_M"] == 0 and args["n_keys"] % args["BLOCK_N"] == 0,
