@@ -1,26 +1,30 @@
 """Matryoshka in one pass on the Triton route: the kernels of :class:`TritonBlocks`'
 ``prefix_forward_block`` / ``prefix_backward_block`` and their launchers (the algebra, and the
-names P^t, a^t, b^t, G^t, H_u: :mod:`hf_infcl.ops.matryoshka`).
+names P^t, a^t, b^t, G^t: :mod:`hf_infcl.ops.matryoshka`).
+
+Both kernels walk each tile's width once, from column 0: the running dot products are the raw
+prefix product P^t wherever a prefix ends (the prefixes are nested, the innermost first), and there
+term t takes them, in the middle of the walk. Where every prefix ends on a step of the walk (the
+dims multiples of BLOCK_K) it is one pipelined loop with a branch at each step; elsewhere one
+loop per segment between consecutive dims, with masked loads.
 
 ``prefix_stats``: one program owns a block of "outer" vectors (rows, or keys for the column
-statistic) and streams the "inner" ones past it, as the plain statistics kernel does. Each tile's
-dot products are summed over the width's segments from the innermost, so that after segment u
-the running sum is the raw prefix product P^u; each term t then takes its logits
-z^t = s P^t a^t_i b^t_j (+ b) and updates its own online log-sum-exp (softmax) or softplus sum
-(sigmoid). One product of the widest prefix per tile gives every term's statistics.
+statistic) and streams the "inner" ones past it, as the plain statistics kernel does; term t
+takes the logits z^t = s P^t a^t_i b^t_j (+ b) into its own online log-sum-exp (softmax) or
+softplus sum (sigmoid). One product of the widest prefix per tile gives every term's statistics.
 
-``PrefixRoute``: the backward's super-tile route (:mod:`.super_tiles`). Its kernel recomputes each
-tile's full product P^0 once, then walks the terms from the widest: term t forms G^t from the
-forward's statistics, adds its row and key sums, adds G^t a^t b^t into the running H and writes
-H_t (the sum over the terms that cover segment t) as G buffer t; it then takes segment t's
-product off P, which leaves P^{t+1}. The walk's GEMMs multiply each H_u with its segment only,
-so dQ and dK cost one product of the widest prefix, as the plain loss's do. The recompute costs
-the widest prefix plus every segment but the innermost once more: H_u needs the terms from the
-widest down, while a running sum from the innermost meets them in the other order.
+``PrefixRoute``: the backward's super-tile route (:mod:`.super_tiles`). Its kernel forms each
+term's G^t from the forward's statistics where the term's prefix ends, adds its row and key
+sums and writes Ĝ^t = G^t a^t b^t as G buffer t; the walk then adds Ĝ^t K[:, :d_t] and
+Ĝ^tᵀ Q[:, :d_t], one pair of GEMMs per term. (The segments' form of
+:mod:`hf_infcl.ops.matryoshka`, H_u = sum_{t <= u} Ĝ^t times segment u alone, needs the terms
+from the widest down, while the walk meets them from the innermost out; its GEMMs multiply less
+but are narrow, and cuBLAS runs the prefixes' wider ones faster.)
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -45,35 +49,61 @@ from .launch import autotuned, launch, problem_size_class
 from .operands import HALF_TYPES, TINY
 from .stats import inner_splits, merge_partials
 
-
-# Autotuning candidates: the base shapes of K step 64 that every other kernel tunes among most often
-# (each candidate compiles D unrolled segment loops, so the list is kept short for the first call).
-_PREFIX_SHAPES = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
+# Autotuning candidates: base shapes of K steps 64 and 32 (each candidate compiles the loop over
+# the width twice, so the list is kept short for the first call).
+_PREFIX_SHAPES = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
+                  (128, 128, 32, 8, 4)]
 
 
 @triton.jit
-def _add_segment_dots(acc, a_rows, b_rows, start, end, NEGATE: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_SEGMENTS: tl.constexpr):
-    """``acc`` + (or - with NEGATE) the dot products of columns ``start:end`` of the rows at
-    ``a_rows`` and ``b_rows`` (pointers to each row's first column), fp32. EVEN_SEGMENTS: every
-    segment bound is a multiple of BLOCK_K, so that the loads need no mask."""
+def _add_segment_dots(acc, a_rows, b_rows, start, end, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                      UPCAST: tl.constexpr):
+    """``acc`` + the dot products of columns ``start:end`` of the rows at ``a_rows`` and ``b_rows``
+    (pointers to each row's first column), fp32, with masked loads (any bounds)."""
     width = tl.arange(0, BLOCK_K)
     for c0 in range(start, end, BLOCK_K):
         cols = c0 + width
-        if EVEN_SEGMENTS:
-            a = tl.load(a_rows + cols[None, :])
-            b = tl.load(b_rows + cols[None, :])
-        else:
-            in_segment = cols[None, :] < end
-            a = tl.load(a_rows + cols[None, :], mask=in_segment, other=0.0)
-            b = tl.load(b_rows + cols[None, :], mask=in_segment, other=0.0)
+        in_segment = cols[None, :] < end
+        a = tl.load(a_rows + cols[None, :], mask=in_segment, other=0.0)
+        b = tl.load(b_rows + cols[None, :], mask=in_segment, other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        if NEGATE:  # exact: a sign flip of the loaded operand, the same single accumulator
-            a = -a
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
     return acc
+
+
+@triton.jit
+def _term_statistics(dots, term, term_columns, running_max, running_sum, a, b, scale, bias, allowed,
+                     HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, SIGMOID: tl.constexpr, LOG2: tl.constexpr):
+    """The running statistics of every term, [BLOCK_M, TERMS_P2] (column t term t's; a list of
+    tensors cannot be indexed in a kernel), with term ``term``'s updated by one tile of its raw
+    prefix products ``dots``; ``a``, ``b``: the term's inverse norms of the tile's outer and inner
+    vectors; ``allowed`` (MASKED): the tile's mask."""
+    logits = scaled_logits(dots * a[:, None] * b[None, :], scale, bias, HAS_BIAS)
+    selected = term_columns == term
+    if SIGMOID:
+        terms = softplus(logits)
+        if MASKED:
+            terms = tl.where(allowed, terms, 0.0)
+        running_sum += tl.where(selected, tl.sum(terms, axis=1)[:, None], 0.0)
+    else:
+        if MASKED:
+            logits = tl.where(allowed, logits, float("-inf"))
+        # As the plain statistics kernel: the tile shifted by its own row maxima, 0 for a row with
+        # nothing allowed, exp(-inf - shift) = 0 for what is not.
+        tile_max = tl.max(logits, axis=1)
+        tile_shift = tl.where(tile_max == float("-inf"), 0.0, tile_max)
+        tile_sum = tl.sum(exp_in_units(logits - tile_shift[:, None], LOG2), axis=1)
+        old_max = tl.max(tl.where(selected, running_max, float("-inf")), axis=1)
+        old_sum = tl.sum(tl.where(selected, running_sum, 0.0), axis=1)
+        new_max = tl.maximum(old_max, tile_max)
+        new_shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        new_sum = (old_sum * exp_in_units(old_max - new_shift, LOG2)
+                   + tile_sum * exp_in_units(tile_max - new_shift, LOG2))
+        running_max = tl.where(selected, new_max[:, None], running_max)
+        running_sum = tl.where(selected, new_sum[:, None], running_sum)
+    return running_max, running_sum
 
 
 @triton.jit
@@ -89,13 +119,12 @@ def _prefix_stats_kernel(
     pid, outer_index, outer_valid, inner_start, inner_end = outer_block_and_inner_range(
         n_outer, n_inner, inner_per_split, BLOCK_M)
     scale, bias = scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS, LOG2)
-    # Every term's running statistics side by side, column t term t's (a list of tensors cannot
-    # be indexed in a kernel): each update reads and writes its own column.
-    term = tl.arange(0, TERMS_P2)[None, :]
+    term_columns = tl.arange(0, TERMS_P2)[None, :]
     running_max = tl.full((BLOCK_M, TERMS_P2), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_M, TERMS_P2), dtype=tl.float32)
     # Rows past the end read row 0 (no load masks); their results are never stored.
     outer_rows = outer_ptr + tl.where(outer_valid, outer_index, 0)[:, None] * stride_outer
+    width = tl.arange(0, BLOCK_K)
     for n0 in range(inner_start, inner_end, BLOCK_N):
         inner_index = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         inner_valid = inner_index < inner_end
@@ -108,37 +137,41 @@ def _prefix_stats_kernel(
             else:
                 allowed = allowed_pairs(outer_index, inner_index, outer_valid, inner_valid, row_group_ptr,
                                         key_group_ptr, positive_ptr, key_offset, HAS_MASK)
+        else:
+            allowed = 0  # never read
         dots = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for step in tl.static_range(TERMS):
-            t = TERMS - 1 - step  # from the innermost segment out
-            dots = _add_segment_dots(dots, outer_rows, inner_rows, tl.load(bounds_ptr + t + 1),
-                                     tl.load(bounds_ptr + t), False, BLOCK_K, PRECISION, UPCAST,
-                                     EVEN_SEGMENTS)
-            a = tl.load(outer_norm_ptr + t * n_outer + outer_index, mask=outer_valid, other=0.0)
-            b = tl.load(inner_norm_ptr + t * n_inner + inner_index, mask=inner_valid, other=0.0)
-            logits = scaled_logits(dots * a[:, None] * b[None, :], scale, bias, HAS_BIAS)
-            selected = term == t
-            if SIGMOID:
-                terms = softplus(logits)
-                if HAS_MASK or not FULL:
-                    terms = tl.where(allowed, terms, 0.0)
-                running_sum += tl.where(selected, tl.sum(terms, axis=1)[:, None], 0.0)
-            else:
-                if HAS_MASK or not FULL:
-                    logits = tl.where(allowed, logits, float("-inf"))
-                # As the plain statistics kernel: the tile shifted by its own row maxima, 0 for a
-                # row with nothing allowed, exp(-inf - shift) = 0 for what is not.
-                tile_max = tl.max(logits, axis=1)
-                tile_shift = tl.where(tile_max == float("-inf"), 0.0, tile_max)
-                tile_sum = tl.sum(exp_in_units(logits - tile_shift[:, None], LOG2), axis=1)
-                old_max = tl.max(tl.where(selected, running_max, float("-inf")), axis=1)
-                old_sum = tl.sum(tl.where(selected, running_sum, 0.0), axis=1)
-                new_max = tl.maximum(old_max, tile_max)
-                new_shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-                new_sum = (old_sum * exp_in_units(old_max - new_shift, LOG2)
-                           + tile_sum * exp_in_units(tile_max - new_shift, LOG2))
-                running_max = tl.where(selected, new_max[:, None], running_max)
-                running_sum = tl.where(selected, new_sum[:, None], running_sum)
+        if EVEN_SEGMENTS:
+            # One pipelined loop along the width from column 0 (the innermost prefix first); where
+            # a step ends a prefix, its term takes the running products.
+            term = TERMS - 1 + tl.zeros((), dtype=tl.int32)
+            bound = tl.load(bounds_ptr + term)
+            for c0 in range(0, c, BLOCK_K):
+                cols = c0 + width
+                a = tl.load(outer_rows + cols[None, :])
+                b = tl.load(inner_rows + cols[None, :])
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                dots = tl.dot(a, tl.trans(b), dots, input_precision=PRECISION)
+                if c0 + BLOCK_K == bound:
+                    running_max, running_sum = _term_statistics(
+                        dots, term, term_columns, running_max, running_sum,
+                        tl.load(outer_norm_ptr + term * n_outer + outer_index, mask=outer_valid, other=0.0),
+                        tl.load(inner_norm_ptr + term * n_inner + inner_index, mask=inner_valid, other=0.0),
+                        scale, bias, allowed, HAS_BIAS, HAS_MASK or not FULL, SIGMOID, LOG2)
+                    term -= 1
+                    bound = tl.load(bounds_ptr + tl.maximum(term, 0))
+        else:
+            # Prefix ends inside a step: one loop per segment, from the innermost, masked loads.
+            for step in tl.static_range(TERMS):
+                t = TERMS - 1 - step
+                dots = _add_segment_dots(dots, outer_rows, inner_rows, tl.load(bounds_ptr + t + 1),
+                                         tl.load(bounds_ptr + t), BLOCK_K, PRECISION, UPCAST)
+                running_max, running_sum = _term_statistics(
+                    dots, t, term_columns, running_max, running_sum,
+                    tl.load(outer_norm_ptr + t * n_outer + outer_index, mask=outer_valid, other=0.0),
+                    tl.load(inner_norm_ptr + t * n_inner + inner_index, mask=inner_valid, other=0.0),
+                    scale, bias, allowed, HAS_BIAS, HAS_MASK or not FULL, SIGMOID, LOG2)
 
     if SIGMOID:
         result = running_sum
@@ -147,8 +180,9 @@ def _prefix_stats_kernel(
         result = shift + log_in_units(running_sum, LOG2)  # -inf for a row that saw nothing allowed
         if LOG2:
             result *= 0.6931471805599453  # ln 2: the statistics leave in natural units
-    out = out_ptr + tl.program_id(1).to(tl.int64) * TERMS * n_outer + term * n_outer + outer_index[:, None]
-    tl.store(out, result, mask=outer_valid[:, None] & (term < TERMS))
+    out = (out_ptr + tl.program_id(1).to(tl.int64) * TERMS * n_outer + term_columns * n_outer
+           + outer_index[:, None])
+    tl.store(out, result, mask=outer_valid[:, None] & (term_columns < TERMS))
 
 
 def _even_segments(args: dict) -> bool:
@@ -165,8 +199,10 @@ PREFIX_STATS_KERNEL = autotuned(_prefix_stats_kernel, "prefix_stats", _PREFIX_SH
 })
 
 
+@functools.cache
 def segment_bounds(dims: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """int32 [D + 1]: the dims, then 0 (segment u is columns bounds[u + 1]:bounds[u])."""
+    """int32 [D + 1]: the dims, then 0 (segment u is columns bounds[u + 1]:bounds[u]); made once
+    per process (a copy from the host's memory waits for the GPU's queue)."""
     return torch.tensor((*dims, 0), dtype=torch.int32, device=device)
 
 
@@ -206,6 +242,47 @@ def prefix_stats(outer: torch.Tensor, inner: torch.Tensor, outer_norms: torch.Te
 
 
 @triton.jit
+def _term_gradient(dots, term, h_ptr, q_norm_ptr, k_norm_ptr, row_stat_ptr, row_weight_ptr, col_stat_ptr,
+                   col_weight_ptr, row_sums_ptr, row_products_ptr, key_products_ptr, row_index, key_index,
+                   row_valid, key_valid, row_terms, key_terms, stride_h_term, stride_h, scale, bias,
+                   inv_g_scale_ptr, allowed, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr,
+                   COLUMNS: tl.constexpr, SIGMOID: tl.constexpr, SCALED_G: tl.constexpr, FULL: tl.constexpr,
+                   LOG2: tl.constexpr):
+    """Term ``term`` of one tile, its raw prefix products ``dots``: G^t from the forward's
+    statistics and the weights, its row and key sums added, and G^t a^t b^t written as G buffer t."""
+    a = tl.load(q_norm_ptr + term * row_terms + row_index, mask=row_valid, other=0.0)
+    b = tl.load(k_norm_ptr + term * key_terms + key_index, mask=key_valid, other=0.0)
+    logits = scaled_logits(dots * a[:, None] * b[None, :], scale, bias, HAS_BIAS)
+    row_weight = tl.load(row_weight_ptr + term * row_terms + row_index, mask=row_valid, other=0.0)
+    if SIGMOID:
+        grad = row_weight[:, None] * tl.sigmoid(logits)
+    else:
+        row_stat = tl.load(row_stat_ptr + term * row_terms + row_index, mask=row_valid, other=0.0)
+        grad = row_weight[:, None] * exp_in_units(logits - in_units(row_stat, LOG2)[:, None], LOG2)
+        if COLUMNS:
+            col_stat = tl.load(col_stat_ptr + term * key_terms + key_index, mask=key_valid, other=0.0)
+            col_weight = tl.load(col_weight_ptr + term * key_terms + key_index, mask=key_valid, other=0.0)
+            grad += col_weight[None, :] * exp_in_units(logits - in_units(col_stat, LOG2)[None, :], LOG2)
+    if MASKED:
+        # where(), not a product: a masked entry may hold 0 * inf = nan
+        grad = tl.where(allowed, grad, 0.0)
+    tl.atomic_add(row_sums_ptr + term * row_terms + row_index, tl.sum(grad, axis=1), mask=row_valid)
+    weighted = grad * dots
+    tl.atomic_add(row_products_ptr + term * row_terms + row_index, tl.sum(weighted * b[None, :], axis=1),
+                  mask=row_valid)
+    tl.atomic_add(key_products_ptr + term * key_terms + key_index, tl.sum(weighted * a[:, None], axis=0),
+                  mask=key_valid)
+    grad = grad * a[:, None] * b[None, :]
+    if SCALED_G:
+        grad = grad * tl.load(inv_g_scale_ptr)
+    g_tile = h_ptr + term * stride_h_term + row_index[:, None] * stride_h + key_index[None, :]
+    if FULL:
+        tl.store(g_tile, grad.to(h_ptr.dtype.element_ty))
+    else:
+        tl.store(g_tile, grad.to(h_ptr.dtype.element_ty), mask=row_valid[:, None] & key_valid[None, :])
+
+
+@triton.jit
 def _prefix_grad_kernel(
     q_ptr, k_ptr, h_ptr, q_norm_ptr, k_norm_ptr, bounds_ptr, scale_ptr, bias_ptr, inv_g_scale_ptr,
     row_stat_ptr, row_weight_ptr, col_stat_ptr, col_weight_ptr, row_sums_ptr, row_products_ptr,
@@ -225,46 +302,42 @@ def _prefix_grad_kernel(
     if HAS_MASK or not FULL:
         allowed = allowed_pairs(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
                                 positive_ptr, key_offset, HAS_MASK)
+    else:
+        allowed = 0  # never read
     q_rows = q_ptr + tl.where(row_valid, row_index, 0)[:, None] * stride_q
     k_rows = k_ptr + tl.where(key_valid, key_index, 0)[:, None] * stride_k
-    dots = _add_segment_dots(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), q_rows, k_rows, 0,
-                             tl.load(bounds_ptr), False, BLOCK_K, PRECISION, UPCAST, EVEN_SEGMENTS)
-    covering = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # H: the terms so far, scaled
-    for t in tl.static_range(TERMS):  # from the widest prefix in; dots holds P^t
-        a = tl.load(q_norm_ptr + t * row_terms + row_index, mask=row_valid, other=0.0)
-        b = tl.load(k_norm_ptr + t * key_terms + key_index, mask=key_valid, other=0.0)
-        logits = scaled_logits(dots * a[:, None] * b[None, :], scale, bias, HAS_BIAS)
-        row_weight = tl.load(row_weight_ptr + t * row_terms + row_index, mask=row_valid, other=0.0)
-        if SIGMOID:
-            grad = row_weight[:, None] * tl.sigmoid(logits)
-        else:
-            row_stat = tl.load(row_stat_ptr + t * row_terms + row_index, mask=row_valid, other=0.0)
-            grad = row_weight[:, None] * exp_in_units(logits - in_units(row_stat, LOG2)[:, None], LOG2)
-            if COLUMNS:
-                col_stat = tl.load(col_stat_ptr + t * key_terms + key_index, mask=key_valid, other=0.0)
-                col_weight = tl.load(col_weight_ptr + t * key_terms + key_index, mask=key_valid, other=0.0)
-                grad += col_weight[None, :] * exp_in_units(logits - in_units(col_stat, LOG2)[None, :], LOG2)
-        if HAS_MASK or not FULL:
-            # where(), not a product: a masked entry may hold 0 * inf = nan
-            grad = tl.where(allowed, grad, 0.0)
-        tl.atomic_add(row_sums_ptr + t * row_terms + row_index, tl.sum(grad, axis=1), mask=row_valid)
-        weighted = grad * dots
-        tl.atomic_add(row_products_ptr + t * row_terms + row_index, tl.sum(weighted * b[None, :], axis=1),
-                      mask=row_valid)
-        tl.atomic_add(key_products_ptr + t * key_terms + key_index, tl.sum(weighted * a[:, None], axis=0),
-                      mask=key_valid)
-        covering += grad * a[:, None] * b[None, :]
-        h = covering
-        if SCALED_G:
-            h = h * tl.load(inv_g_scale_ptr)
-        h_tile = h_ptr + t * stride_h_term + row_index[:, None] * stride_h + key_index[None, :]
-        if FULL:
-            tl.store(h_tile, h.to(h_ptr.dtype.element_ty))
-        else:
-            tl.store(h_tile, h.to(h_ptr.dtype.element_ty), mask=row_valid[:, None] & key_valid[None, :])
-        if t < TERMS - 1:  # P^{t+1}: segment t's product taken off
+    dots = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if EVEN_SEGMENTS:
+        # As the statistics kernel: one pipelined loop from column 0, each term where its prefix ends.
+        width = tl.arange(0, BLOCK_K)
+        term = TERMS - 1 + tl.zeros((), dtype=tl.int32)
+        bound = tl.load(bounds_ptr + term)
+        for c0 in range(0, c, BLOCK_K):
+            cols = c0 + width
+            a = tl.load(q_rows + cols[None, :])
+            b = tl.load(k_rows + cols[None, :])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            dots = tl.dot(a, tl.trans(b), dots, input_precision=PRECISION)
+            if c0 + BLOCK_K == bound:
+                _term_gradient(dots, term, h_ptr, q_norm_ptr, k_norm_ptr, row_stat_ptr, row_weight_ptr,
+                               col_stat_ptr, col_weight_ptr, row_sums_ptr, row_products_ptr,
+                               key_products_ptr, row_index, key_index, row_valid, key_valid, row_terms,
+                               key_terms, stride_h_term, stride_h, scale, bias, inv_g_scale_ptr, allowed,
+                               HAS_BIAS, HAS_MASK or not FULL, COLUMNS, SIGMOID, SCALED_G, FULL, LOG2)
+                term -= 1
+                bound = tl.load(bounds_ptr + tl.maximum(term, 0))
+    else:
+        for step in tl.static_range(TERMS):
+            t = TERMS - 1 - step
             dots = _add_segment_dots(dots, q_rows, k_rows, tl.load(bounds_ptr + t + 1),
-                                     tl.load(bounds_ptr + t), True, BLOCK_K, PRECISION, UPCAST, EVEN_SEGMENTS)
+                                     tl.load(bounds_ptr + t), BLOCK_K, PRECISION, UPCAST)
+            _term_gradient(dots, t, h_ptr, q_norm_ptr, k_norm_ptr, row_stat_ptr, row_weight_ptr,
+                           col_stat_ptr, col_weight_ptr, row_sums_ptr, row_products_ptr, key_products_ptr,
+                           row_index, key_index, row_valid, key_valid, row_terms, key_terms, stride_h_term,
+                           stride_h, scale, bias, inv_g_scale_ptr, allowed, HAS_BIAS, HAS_MASK or not FULL,
+                           COLUMNS, SIGMOID, SCALED_G, FULL, LOG2)
 
 
 PREFIX_GRAD_KERNEL = autotuned(_prefix_grad_kernel, "prefix_grad", _PREFIX_SHAPES, {
@@ -276,9 +349,9 @@ PREFIX_GRAD_KERNEL = autotuned(_prefix_grad_kernel, "prefix_grad", _PREFIX_SHAPE
 
 class PrefixRoute:
     """The backward's super-tile route of the one-pass Matryoshka loss (:class:`.super_tiles.
-    SuperTileRoute` with ``segments``): G buffer u of each super-tile holds H_u (divided by the
-    walk's G factor, ``inv_g_scale`` its inverse), which the walk multiplies with segment u of
-    the operands; the per-term sums go into ``sums``."""
+    SuperTileRoute` with ``segments``): G buffer t of each super-tile holds Ĝ^t (divided by the
+    walk's G factor, ``inv_g_scale`` its inverse), which the walk multiplies with the operands'
+    prefix of width d_t; the per-term sums go into ``sums``."""
 
     g_alone = True
 
@@ -287,7 +360,7 @@ class PrefixRoute:
                  row_stat, row_weight, col_stat, col_weight, sums: PrefixSums,
                  inv_g_scale: torch.Tensor | None):
         self.spec, self.queries, self.keys, self.scale, self.bias = spec, queries, keys, scale, bias
-        self.segments = spec.segments
+        self.segments = tuple(slice(0, dim) for dim in spec.dims)
         self.query_norms, self.key_norms = query_norms, key_norms
         self.mask = mask
         self.rows = [per_term(x) for x in (row_stat, row_weight)]
@@ -351,21 +424,21 @@ def per_term(tensor: torch.Tensor) -> torch.Tensor:
 
 def g_factor(dtype: torch.dtype, query_norms: torch.Tensor, key_norms: torch.Tensor, row_weight: torch.Tensor,
              col_weight: torch.Tensor | None) -> torch.Tensor | None:
-    """What the H buffers are stored divided by: in fp16, a bound on |H| (each term's largest
-    weights times its largest inverse norms; a probability is at most 1), so that H neither
-    overflows nor loses its relative precision to fp16's range; bf16 and fp32 store H itself."""
+    """What the G buffers are stored divided by: in fp16, a bound on every |Ĝ^t| (the largest
+    term's weights times its largest inverse norms; a probability is at most 1), so that none
+    overflows or loses its relative precision to fp16's range; bf16 and fp32 store Ĝ itself."""
     if dtype != torch.float16:
         return None
     weights = row_weight.abs().amax(dim=1)
     if col_weight is not None:
         weights = weights + col_weight.abs().amax(dim=1)
-    bound = (weights * query_norms.amax(dim=1) * key_norms.amax(dim=1)).sum()
+    bound = (weights * query_norms.amax(dim=1) * key_norms.amax(dim=1)).amax()
     return bound.clamp_min(TINY)
 
 
 def super_tile(dtype: torch.dtype, m: int, k: int, terms: int, tile_rows: int | None,
                tile_keys: int | None) -> tuple[int, int]:
-    """The backward's super-tile: D buffers of H in about twice the plain loss's 128 MiB of G
+    """The backward's super-tile: D buffers of G in about twice the plain loss's 128 MiB
     (keys as the plain loss takes them; rows in whole thousands, at least 1024), unless the caller
     set either side."""
     keys = tile_keys if tile_keys is not None else 8192
