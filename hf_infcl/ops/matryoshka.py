@@ -63,7 +63,7 @@ class PrefixSpec:
 class PrefixSums(NamedTuple):
     """What a Matryoshka backward block returns beside its products, per term (unscaled by s)."""
 
-    row_sums: torch.Tensor  # [D, m] sum_j G^t_ij
+    row_sums: torch.Tensor  # [D, m] sum_j G^t_ij (d bias's alone: block ops may leave it 0 without a bias)
     row_products: torch.Tensor  # [D, m] sum_j G^t_ij P^t_ij b^t_j
     key_products: torch.Tensor  # [D, k] sum_i G^t_ij P^t_ij a^t_i
 

@@ -249,7 +249,8 @@ def _term_gradient(dots, term, h_ptr, q_norm_ptr, k_norm_ptr, row_stat_ptr, row_
                    COLUMNS: tl.constexpr, SIGMOID: tl.constexpr, SCALED_G: tl.constexpr, FULL: tl.constexpr,
                    LOG2: tl.constexpr):
     """Term ``term`` of one tile, its raw prefix products ``dots``: G^t from the forward's
-    statistics and the weights, its row and key sums added, and G^t a^t b^t written as G buffer t."""
+    statistics and the weights, its row and key sums added (the row sums of G only with a bias),
+    and G^t a^t b^t written as G buffer t."""
     a = tl.load(q_norm_ptr + term * row_terms + row_index, mask=row_valid, other=0.0)
     b = tl.load(k_norm_ptr + term * key_terms + key_index, mask=key_valid, other=0.0)
     logits = scaled_logits(dots * a[:, None] * b[None, :], scale, bias, HAS_BIAS)
@@ -266,7 +267,8 @@ def _term_gradient(dots, term, h_ptr, q_norm_ptr, k_norm_ptr, row_stat_ptr, row_
     if MASKED:
         # where(), not a product: a masked entry may hold 0 * inf = nan
         grad = tl.where(allowed, grad, 0.0)
-    tl.atomic_add(row_sums_ptr + term * row_terms + row_index, tl.sum(grad, axis=1), mask=row_valid)
+    if HAS_BIAS:  # the row sums are d bias's alone
+        tl.atomic_add(row_sums_ptr + term * row_terms + row_index, tl.sum(grad, axis=1), mask=row_valid)
     weighted = grad * dots
     tl.atomic_add(row_products_ptr + term * row_terms + row_index, tl.sum(weighted * b[None, :], axis=1),
                   mask=row_valid)
@@ -438,13 +440,14 @@ def g_factor(dtype: torch.dtype, query_norms: torch.Tensor, key_norms: torch.Ten
 
 def super_tile(dtype: torch.dtype, m: int, k: int, terms: int, tile_rows: int | None,
                tile_keys: int | None) -> tuple[int, int]:
-    """The backward's super-tile: D buffers of G in about twice the plain loss's 128 MiB
-    (keys as the plain loss takes them; rows in whole thousands, at least 1024), unless the caller
-    set either side."""
+    """The backward's super-tile: D buffers of G in about four times the plain loss's 128 MiB
+    (keys as the plain loss takes them; rows in whole thousands, at least 1024: the narrow
+    prefixes' GEMMs run far below cuBLAS's rate on fewer rows), unless the caller set either
+    side."""
     keys = tile_keys if tile_keys is not None else 8192
     if tile_rows is not None:
         rows = tile_rows
     else:
         element = 2 if dtype in HALF_TYPES else 4
-        rows = max(1024, (256 * 2**20 // (terms * keys * element)) // 1024 * 1024)
+        rows = max(1024, (512 * 2**20 // (terms * keys * element)) // 1024 * 1024)
     return min(rows, m), min(keys, k)
