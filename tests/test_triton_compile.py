@@ -145,7 +145,8 @@ def test_matryoshka_kernels_compile_for_hopper(variant, has_mask):
     switches = dict(TERMS=5, HAS_BIAS=True, HAS_MASK=has_mask, PRECISION="tf32", UPCAST=False,
                     BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EVEN_SEGMENTS=even, FULL=not has_mask,
                     LOG2=not PREFIX_VARIANTS[variant]["SIGMOID"], **PREFIX_VARIANTS[variant])
-    _compile(matryoshka._prefix_stats_kernel, {"outer_ptr", "inner_ptr"}, dict(switches, TERMS_P2=8))
+    _compile(matryoshka._prefix_stats_kernel, {"outer_ptr", "inner_ptr"},
+             dict(switches, TERMS_P2=8, FUSED_COLUMNS=variant == "softmax-rows"))
     if variant != "softmax-columns":  # the gradient tiles are (rows, keys) whatever the statistics
         _compile(matryoshka._prefix_grad_kernel, {"q_ptr", "k_ptr", "h_ptr"},
                  dict(switches, COLUMNS=variant == "softmax-rows", SCALED_G=True))

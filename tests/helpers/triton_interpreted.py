@@ -1327,7 +1327,7 @@ class _CountedPrefixKernels:
         monkeypatch.setattr(matryoshka.PrefixRoute, "write", counted_write)
 
 
-@pytest.mark.parametrize("mode", ["fp32-ieee", "fp32-tf32", "fp16"])
+@pytest.mark.parametrize("mode", ["fp32-ieee", "fp32-tf32", "fp16", "fp32-ieee-two-pass"])
 @pytest.mark.parametrize("option", list(MATRYOSHKA_OPTIONS))
 @pytest.mark.parametrize("shape", MATRYOSHKA_SHAPES,
                          ids=[f"m{m}-k{k}-c{c}-d{'.'.join(map(str, d))}" for m, k, c, d in MATRYOSHKA_SHAPES])
@@ -1335,9 +1335,15 @@ def test_matryoshka_one_pass_matches_float64_oracle(shape, option, mode, monkeyp
     from hf_infcl.ops.triton.operands import round_to_tf32
     from tests.helpers.oracle_matryoshka import matryoshka_loss
 
+    from hf_infcl.ops.triton.matryoshka import MIN_BLOCK_M
+
     m, k, c, dims = shape
     options = dict(MATRYOSHKA_OPTIONS[option])
+    two_pass = mode.endswith("-two-pass")
+    mode = mode.removesuffix("-two-pass")
     dtype, precision, blocks = MODES[mode]
+    if two_pass:  # the column statistic from a column-major pass of its own
+        blocks = TWO_PASS
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
     # raw features (the loss normalises each prefix), positives pulled towards their rows
@@ -1366,7 +1372,13 @@ def test_matryoshka_one_pass_matches_float64_oracle(shape, option, mode, monkeyp
                              matryoshka_weights=weights, backend=blocks, precision=precision, **groups,
                              **options)
     value.backward()
-    assert counted.stats == (2 if options["symmetric"] and options["loss"] == "softmax" else 1)
+    if not (options["symmetric"] and options["loss"] == "softmax"):
+        assert counted.stats == 1
+    elif two_pass:
+        assert counted.stats == 2
+    else:  # rows in chunks whose column partials fit the buffer
+        chunk_rows = max(1, blocks.column_buffer_entries // (len(dims) * k)) * MIN_BLOCK_M
+        assert counted.stats == -(-m // chunk_rows)
     assert counted.tiles == -(-m // blocks.tile_rows) * -(-k // blocks.tile_keys)
 
     expected, expected_grads = matryoshka_loss(

@@ -355,22 +355,44 @@ class TritonBlocks:
     def prefix_forward_block(self, spec: PrefixSpec, queries, keys, scale, bias, query_scales, key_scales,
                              mask: GroupMask | None):
         """Every Matryoshka term's statistics (:class:`~hf_infcl.ops.matryoshka.PrefixBlockOps`) from
-        one pass of :func:`.matryoshka.prefix_stats` per direction."""
+        :func:`.matryoshka.prefix_stats`: one pass over the tiles (the column statistic of the
+        symmetric loss from the row pass's column partials, rows in chunks as in
+        :meth:`_rows_and_columns_in_one_pass`), or with ``fused_columns=False`` a second,
+        column-major pass."""
         if queries.dtype == torch.float64:
             run_deferred_check()
             return TorchTiles().prefix_forward_block(spec, queries, keys, scale, bias, query_scales,
                                                      key_scales, mask)
         operands, bias, mask_arguments = self._prefix_operands(spec, queries, keys, scale, bias, mask)
-        norms = [matryoshka.per_term(x) for x in (query_scales, key_scales)]
+        query_norms, key_norms = (matryoshka.per_term(x) for x in (query_scales, key_scales))
         options = dict(sigmoid=spec.loss == "sigmoid", precision=spec.precision, splits=self.stat_splits,
                        mask=mask_arguments)
-        row_stat = matryoshka.prefix_stats(operands.queries, operands.keys, *norms, operands.scale, bias,
-                                           spec.dims, columns=False, **options)
+        queries, keys = operands.queries, operands.keys
+        if not (spec.columns and self.fused_columns):
+            row_stat = matryoshka.prefix_stats(queries, keys, query_norms, key_norms, operands.scale, bias,
+                                               spec.dims, columns=False, **options)
+            col_stat = None
+            if spec.columns:
+                col_stat = matryoshka.prefix_stats(keys, queries, key_norms, query_norms, operands.scale,
+                                                   bias, spec.dims, columns=True, **options)
+            return row_stat, col_stat
+        terms, m, k = len(spec.dims), queries.shape[0], keys.shape[0]
+        blocks_per_chunk = max(1, self.column_buffer_entries // (terms * k))
+        chunk_rows = min(m, blocks_per_chunk * matryoshka.MIN_BLOCK_M)
+        partials = torch.empty((-(-chunk_rows // matryoshka.MIN_BLOCK_M), terms, k), dtype=torch.float32,
+                               device=queries.device)
+        row_stat = torch.empty((terms, m), dtype=torch.float32, device=queries.device)
         col_stat = None
-        if spec.columns:
-            col_stat = matryoshka.prefix_stats(operands.keys, operands.queries, *reversed(norms),
-                                               operands.scale, bias, spec.dims, columns=True, **options)
-        return row_stat, col_stat
+        for r0 in range(0, m, chunk_rows):
+            r1 = min(r0 + chunk_rows, m)
+            partials.fill_(float("-inf"))  # row blocks a config with larger blocks leaves unwritten
+            chunk_mask = dict(mask_arguments, **sliced(mask_arguments, ROW_LABELS, r0, r1))
+            row_stat[:, r0:r1] = matryoshka.prefix_stats(
+                queries[r0:r1], keys, query_norms[:, r0:r1].contiguous(), key_norms, operands.scale, bias,
+                spec.dims, columns=False, column_partials=partials, **dict(options, mask=chunk_mask))
+            col_stat = stats.merge_partials(partials.view(partials.shape[0], terms * k), log_sum_exp=True,
+                                            previous=col_stat, out=col_stat)
+        return row_stat, col_stat.view(terms, k)
 
     def prefix_backward_block(self, spec: PrefixSpec, queries, keys, scale, bias, query_scales, key_scales,
                               mask: GroupMask | None, row_stat, col_stat, row_weight, col_weight,

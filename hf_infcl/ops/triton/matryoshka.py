@@ -34,7 +34,9 @@ import triton.language as tl
 from ..matryoshka import PrefixSpec, PrefixSums
 from .device import INTERPRET, unused_pointer
 from .jit_math import (
+    LN2,
     allowed_pairs,
+    column_lse,
     dot_precision,
     exp_in_units,
     in_units,
@@ -75,11 +77,15 @@ def _add_segment_dots(acc, a_rows, b_rows, start, end, BLOCK_K: tl.constexpr, PR
 
 @triton.jit
 def _term_statistics(dots, term, term_columns, running_max, running_sum, a, b, scale, bias, allowed,
-                     HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, SIGMOID: tl.constexpr, LOG2: tl.constexpr):
+                     column_partials, inner_index, inner_valid, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr,
+                     SIGMOID: tl.constexpr, FUSED_COLUMNS: tl.constexpr, FULL: tl.constexpr,
+                     LOG2: tl.constexpr):
     """The running statistics of every term, [BLOCK_M, TERMS_P2] (column t term t's; a list of
     tensors cannot be indexed in a kernel), with term ``term``'s updated by one tile of its raw
     prefix products ``dots``; ``a``, ``b``: the term's inverse norms of the tile's outer and inner
-    vectors; ``allowed`` (MASKED): the tile's mask."""
+    vectors; ``allowed`` (MASKED): the tile's mask. FUSED_COLUMNS: the tile's column log-sum-exp
+    over its rows is stored at ``column_partials`` (this row block's and term's row of partials)
+    for the inner vectors ``inner_index``, in natural units."""
     logits = scaled_logits(dots * a[:, None] * b[None, :], scale, bias, HAS_BIAS)
     selected = term_columns == term
     if SIGMOID:
@@ -103,18 +109,27 @@ def _term_statistics(dots, term, term_columns, running_max, running_sum, a, b, s
                    + tile_sum * exp_in_units(tile_max - new_shift, LOG2))
         running_max = tl.where(selected, new_max[:, None], running_max)
         running_sum = tl.where(selected, new_sum[:, None], running_sum)
+        if FUSED_COLUMNS:
+            col_lse = column_lse(logits, LOG2)
+            if LOG2:
+                col_lse *= LN2
+            if FULL:
+                tl.store(column_partials + inner_index, col_lse)
+            else:
+                tl.store(column_partials + inner_index, col_lse, mask=inner_valid)
     return running_max, running_sum
 
 
 @triton.jit
 def _prefix_stats_kernel(
-    outer_ptr, inner_ptr, outer_norm_ptr, inner_norm_ptr, bounds_ptr, out_ptr, scale_ptr, bias_ptr,
+    outer_ptr, inner_ptr, outer_norm_ptr, inner_norm_ptr, bounds_ptr, out_ptr, col_partial_ptr, scale_ptr,
+    bias_ptr,
     row_group_ptr, key_group_ptr, positive_ptr, key_offset,
     n_outer, n_inner, c, stride_outer, stride_inner, inner_per_split, dims_gcd, size_class,
     TERMS: tl.constexpr, TERMS_P2: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-    COLUMNS: tl.constexpr, SIGMOID: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_SEGMENTS: tl.constexpr,
-    FULL: tl.constexpr, LOG2: tl.constexpr,
+    COLUMNS: tl.constexpr, SIGMOID: tl.constexpr, FUSED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_SEGMENTS: tl.constexpr, FULL: tl.constexpr, LOG2: tl.constexpr,
 ):
     pid, outer_index, outer_valid, inner_start, inner_end = outer_block_and_inner_range(
         n_outer, n_inner, inner_per_split, BLOCK_M)
@@ -125,6 +140,8 @@ def _prefix_stats_kernel(
     # Rows past the end read row 0 (no load masks); their results are never stored.
     outer_rows = outer_ptr + tl.where(outer_valid, outer_index, 0)[:, None] * stride_outer
     width = tl.arange(0, BLOCK_K)
+    # this row block's partials of the column statistic, [TERMS, n_inner] (FUSED_COLUMNS)
+    column_partials = col_partial_ptr + pid * TERMS * n_inner
     for n0 in range(inner_start, inner_end, BLOCK_N):
         inner_index = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         inner_valid = inner_index < inner_end
@@ -158,7 +175,8 @@ def _prefix_stats_kernel(
                         dots, term, term_columns, running_max, running_sum,
                         tl.load(outer_norm_ptr + term * n_outer + outer_index, mask=outer_valid, other=0.0),
                         tl.load(inner_norm_ptr + term * n_inner + inner_index, mask=inner_valid, other=0.0),
-                        scale, bias, allowed, HAS_BIAS, HAS_MASK or not FULL, SIGMOID, LOG2)
+                        scale, bias, allowed, column_partials + term * n_inner, inner_index, inner_valid,
+                        HAS_BIAS, HAS_MASK or not FULL, SIGMOID, FUSED_COLUMNS, FULL, LOG2)
                     term -= 1
                     bound = tl.load(bounds_ptr + tl.maximum(term, 0))
         else:
@@ -171,7 +189,8 @@ def _prefix_stats_kernel(
                     dots, t, term_columns, running_max, running_sum,
                     tl.load(outer_norm_ptr + t * n_outer + outer_index, mask=outer_valid, other=0.0),
                     tl.load(inner_norm_ptr + t * n_inner + inner_index, mask=inner_valid, other=0.0),
-                    scale, bias, allowed, HAS_BIAS, HAS_MASK or not FULL, SIGMOID, LOG2)
+                    scale, bias, allowed, column_partials + t * n_inner, inner_index, inner_valid, HAS_BIAS,
+                    HAS_MASK or not FULL, SIGMOID, FUSED_COLUMNS, FULL, LOG2)
 
     if SIGMOID:
         result = running_sum
@@ -179,7 +198,7 @@ def _prefix_stats_kernel(
         shift = tl.where(running_max == float("-inf"), 0.0, running_max)
         result = shift + log_in_units(running_sum, LOG2)  # -inf for a row that saw nothing allowed
         if LOG2:
-            result *= 0.6931471805599453  # ln 2: the statistics leave in natural units
+            result *= LN2  # the statistics leave in natural units
     out = (out_ptr + tl.program_id(1).to(tl.int64) * TERMS * n_outer + term_columns * n_outer
            + outer_index[:, None])
     tl.store(out, result, mask=outer_valid[:, None] & (term_columns < TERMS))
@@ -191,12 +210,16 @@ def _even_segments(args: dict) -> bool:
     return args["dims_gcd"] % args["BLOCK_K"] == 0
 
 
+# restore_value: configs with a smaller BLOCK_M write more row blocks of the column partials (as the
+# plain statistics kernel's).
 PREFIX_STATS_KERNEL = autotuned(_prefix_stats_kernel, "prefix_stats", _PREFIX_SHAPES, {
     "EVEN_SEGMENTS": _even_segments,
     "LOG2": log2_units,
     "FULL": lambda args: (args["n_outer"] % args["BLOCK_M"] == 0 and args["n_inner"] % args["BLOCK_N"] == 0
                           and args["inner_per_split"] % args["BLOCK_N"] == 0),
-})
+}, restore_value=["col_partial_ptr"])
+# The smallest row block of any config: column-partial buffers have a row per such block.
+MIN_BLOCK_M = min(config.kwargs["BLOCK_M"] for config in PREFIX_STATS_KERNEL.tuner.configs)
 
 
 @functools.cache
@@ -209,14 +232,19 @@ def segment_bounds(dims: tuple[int, ...], device: torch.device) -> torch.Tensor:
 def prefix_stats(outer: torch.Tensor, inner: torch.Tensor, outer_norms: torch.Tensor,
                  inner_norms: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  dims: tuple[int, ...], *, sigmoid: bool, columns: bool, precision: str,
-                 splits: int | None = None, mask: dict | None = None) -> torch.Tensor:
+                 splits: int | None = None, mask: dict | None = None,
+                 column_partials: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [D, n_outer]: every Matryoshka term's statistic of each ``outer`` vector over every
     ``inner`` one, the log-sum-exp (softmax) or the softplus sum (sigmoid) of z^t = scale P^t a^t_i
     b^t_j (+ bias); ``outer_norms`` [D, n_outer] and ``inner_norms`` [D, n_inner] are the fp32
     inverse prefix norms, ``dims`` the prefix widths (descending). With ``columns`` the outer
     vectors are the keys (the column statistic). ``mask``: the group mask's launcher arguments
     (:func:`.operands.mask_arguments`), in the contract's sense whatever the roles. ``splits``:
-    programs sharing one outer block's inner range (None: enough to fill the GPU)."""
+    programs sharing one outer block's inner range (None: enough to fill the GPU).
+
+    ``column_partials`` (softmax rows only; fp32 [>= cdiv(n_outer, MIN_BLOCK_M), D, n_inner],
+    filled with -inf by the caller) also receives each row block's column log-sum-exp of every
+    term, as :func:`.stats.logit_stats`'s does: the forward is then one pass over the tiles."""
     n_outer = outer.shape[0]
     n_inner = inner.shape[0]
     terms = len(dims)
@@ -227,13 +255,15 @@ def prefix_stats(outer: torch.Tensor, inner: torch.Tensor, outer_norms: torch.Te
     grid = lambda meta: (triton.cdiv(n_outer, meta["BLOCK_M"]), splits)  # noqa: E731
     launch(
         PREFIX_STATS_KERNEL, grid, outer.device,
-        outer, inner, outer_norms, inner_norms, segment_bounds(dims, outer.device), partials, scale,
+        outer, inner, outer_norms, inner_norms, segment_bounds(dims, outer.device), partials,
+        column_partials if column_partials is not None else dummy, scale,
         bias if bias is not None else dummy, mask.get("row_groups", dummy), mask.get("key_groups", dummy),
         mask.get("positive_keys", dummy), mask.get("key_offset", 0),
         n_outer, n_inner, dims[0], outer.stride(0), inner.stride(0), inner_per_split, math.gcd(*dims),
         problem_size_class(n_outer, n_inner),
         TERMS=terms, TERMS_P2=triton.next_power_of_2(terms), HAS_BIAS=bias is not None, HAS_MASK=bool(mask),
-        COLUMNS=columns, SIGMOID=sigmoid, PRECISION=dot_precision(outer.dtype, precision), UPCAST=INTERPRET,
+        COLUMNS=columns, SIGMOID=sigmoid, FUSED_COLUMNS=column_partials is not None,
+        PRECISION=dot_precision(outer.dtype, precision), UPCAST=INTERPRET,
     )
     if splits == 1:
         return partials[0]
