@@ -1332,10 +1332,9 @@ class _CountedPrefixKernels:
 @pytest.mark.parametrize("shape", MATRYOSHKA_SHAPES,
                          ids=[f"m{m}-k{k}-c{c}-d{'.'.join(map(str, d))}" for m, k, c, d in MATRYOSHKA_SHAPES])
 def test_matryoshka_one_pass_matches_float64_oracle(shape, option, mode, monkeypatch):
+    from hf_infcl.ops.triton.matryoshka import MIN_BLOCK_M
     from hf_infcl.ops.triton.operands import round_to_tf32
     from tests.helpers.oracle_matryoshka import matryoshka_loss
-
-    from hf_infcl.ops.triton.matryoshka import MIN_BLOCK_M
 
     m, k, c, dims = shape
     options = dict(MATRYOSHKA_OPTIONS[option])
