@@ -25,9 +25,12 @@ and, named in ``--variants`` only (not run by default):
                (``TritonBlocks(listed_row_share=0)``), as they do where many rows have left-out
                entries: the A/B of finding those entries first, in one run
   matryoshka   ``matryoshka_dims`` of five widths, c, 2c/3, c/3, c/6 and c/12 (768, 512, 256, 128
-               and 64 at c = 768): on CUDA every width in one pass of the Triton kernels
+               and 64 at c = 768; ``--matryoshka-dims`` sets others), ``backend="auto"`` (on CUDA
+               one Triton loss call per width)
   matryoshka-per-width  the same loss as the sum of one ``contrastive_loss`` call per re-normalised
                prefix (what sentence-transformers' ``MatryoshkaLoss`` does around a loss)
+  matryoshka-one-pass  the same on ``TritonBlocks(matryoshka_one_pass=True)``: every width in one
+               pass of the Triton kernels (CUDA only)
   matryoshka-tilesN  the same on ``TorchTiles(N, N)``: every width in one pass per tile
 
 The features are shaped like a trained model's: each positive key at cosine about 0.6 to its query,
@@ -82,14 +85,20 @@ from hf_infcl import TorchTiles, contrastive_distillation_loss, contrastive_loss
 VARIANTS = ("plain", "groups-any", "groups-each", "filter", "filter-guide")
 # run when named (and tiled variants)
 EXTRA_VARIANTS = ("distill", "matryoshka", "matryoshka-per-width", "filter-every-tile")
-GPU_ONLY_VARIANTS = ("distill-triton", "filter-guide-masked")  # run when named, on CUDA
+GPU_ONLY_VARIANTS = ("distill-triton", "filter-guide-masked", "matryoshka-one-pass")  # when named, on CUDA
 GROUP_SIZE = 5
 POSITIVE_COSINE = 0.6  # a positive's expected cosine to its query
 NEAR_COPIES = 0.01  # the share of (query, key) pairs that are near-copies of another pair
 
 
+# --matryoshka-dims: the Matryoshka variants' widths, None for matryoshka_widths(c)
+MATRYOSHKA_DIMS: tuple[int, ...] | None = None
+
+
 def matryoshka_widths(c: int) -> tuple[int, ...]:
-    """Five descending widths from c: 768, 512, 256, 128, 64 at c = 768."""
+    """Five descending widths from c: 768, 512, 256, 128, 64 at c = 768 (or ``--matryoshka-dims``)."""
+    if MATRYOSHKA_DIMS is not None:
+        return MATRYOSHKA_DIMS
     return tuple(dict.fromkeys(max(1, c * share // 12) for share in (12, 8, 4, 2, 1)))
 
 
@@ -138,6 +147,10 @@ def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda",
         options = dict(matryoshka_dims=matryoshka_widths(c))
         if _tiles(variant):
             options.update(backend=TorchTiles(_tiles(variant), _tiles(variant)))
+        if variant == "matryoshka-one-pass":
+            from hf_infcl.ops.triton import TritonBlocks
+
+            options.update(backend=TritonBlocks(matryoshka_one_pass=True))
     loss_fn = functools.partial(contrastive_loss, **options)
     if variant.startswith("distill"):
         teacher = F.normalize(torch.randn(2, b, c, device=device, dtype=dtype, generator=generator), dim=-1)
@@ -203,7 +216,12 @@ def main(argv=None):
     parser.add_argument("--profile", action="store_true", help="print each variant's kernels (one step)")
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="write each variant's Chrome trace of three steps into DIR")
+    parser.add_argument("--matryoshka-dims", default=None,
+                        help="the Matryoshka variants' widths, e.g. 2048,1024,512,256,128")
     args = parser.parse_args(argv)
+    if args.matryoshka_dims:
+        global MATRYOSHKA_DIMS
+        MATRYOSHKA_DIMS = tuple(int(dim) for dim in args.matryoshka_dims.split(","))
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA GPU")
     sizes = [parse_count(text) for text in args.sizes.split(",")]

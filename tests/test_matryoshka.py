@@ -662,13 +662,20 @@ def test_bf16_tolerances_of_the_gpu_test_hold_for_the_torch_backend(option):
         assert max(errors.values()) > 1e-2, errors
 
 
+ONE_PASS_OPTIONS = ("softmax-sym", "softmax-asym", "sigmoid-bias", "groups-masked")
+GPU_ROUTES = [("auto", dtype, option) for dtype in ("fp32-ieee", "bf16")
+              for option in ("softmax-sym", "sigmoid-bias", "groups-any", "filter-guide-relative")]
+GPU_ROUTES += [("one-pass", dtype, option) for dtype in ("fp32-ieee", "fp32-tf32", "bf16")
+               for option in ONE_PASS_OPTIONS]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("option", ["softmax-sym", "softmax-asym", "sigmoid-bias", "groups-masked",
-                                    "groups-any", "filter-guide-relative"])
-@pytest.mark.parametrize("dtype", ["fp32-ieee", "fp32-tf32", "bf16"])
-def test_cuda_auto_matches_the_oracle(dtype, option, monkeypatch):
-    """``"auto"`` on CUDA, autotuning on: the options of the one-pass route run the one-pass Triton
-    kernels (each launch counted), the others one Triton loss call per width."""
+@pytest.mark.parametrize("backend, dtype, option", GPU_ROUTES, ids=["-".join(route) for route in GPU_ROUTES])
+def test_cuda_matches_the_oracle(backend, dtype, option, monkeypatch):
+    """On CUDA, autotuning on: ``"auto"`` takes one Triton loss call per width; the one-pass
+    kernels (``TritonBlocks(matryoshka_one_pass=True)``) run every width at once for the options
+    of the one-pass route (their launches counted)."""
+    from hf_infcl.ops.triton import TritonBlocks
     from hf_infcl.ops.triton import matryoshka as triton_matryoshka
 
     dtype, precision = {"fp32-ieee": (torch.float32, "ieee"), "fp32-tf32": (torch.float32, "tf32"),
@@ -682,8 +689,9 @@ def test_cuda_auto_matches_the_oracle(dtype, option, monkeypatch):
                 positives=rounded["positives"].cuda(),
                 options={name: value.cuda() if torch.is_tensor(value) else value
                          for name, value in rounded["options"].items()})
-    value, grads = run_loss(cuda, dtype=dtype, precision=precision)
-    assert bool(launches) == (option in ("softmax-sym", "softmax-asym", "sigmoid-bias", "groups-masked"))
+    blocks = "auto" if backend == "auto" else TritonBlocks(matryoshka_one_pass=True)
+    value, grads = run_loss(cuda, dtype=dtype, precision=precision, backend=blocks)
+    assert bool(launches) == (backend == "one-pass")
     expected_value, expected_grads = oracle(rounded)
     tolerance = {"ieee": 1e-5, "tf32": 5e-3}[precision] if dtype == torch.float32 else BF16_TOLERANCE.get(
         option, 1e-2)

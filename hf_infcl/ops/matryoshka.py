@@ -88,14 +88,18 @@ class PrefixBlockOps(Protocol):
         grad_keys: torch.Tensor,
     ) -> PrefixSums:
         """Add each segment's H_u K[:, S_u] to ``grad_queries[:, S_u]`` and H_uᵀ Q[:, S_u] to
-        ``grad_keys[:, S_u]`` (unscaled, accumulation dtype, in place), G^t formed from the weights
-        as :class:`~hf_infcl.ops.spec.BlockOps` forms one term's; return the :class:`PrefixSums`."""
+        ``grad_keys[:, S_u]`` (unscaled, accumulation dtype, in place; the same sums as each term's
+        Ĝ^t K[:, :d_t] and Ĝ^tᵀ Q[:, :d_t], which a backend may add instead), G^t formed from the
+        weights as :class:`~hf_infcl.ops.spec.BlockOps` forms one term's; return the
+        :class:`PrefixSums`."""
 
 
 def prefix_block_ops(ops) -> PrefixBlockOps | None:
-    """``ops`` if it offers the one-pass Matryoshka blocks, else None (one loss call per term)."""
+    """``ops`` if it offers the one-pass Matryoshka blocks and takes them (block ops may decline
+    with a false ``matryoshka_one_pass``), else None (one loss call per term)."""
     methods = ("prefix_forward_block", "prefix_backward_block")
-    return ops if all(callable(getattr(ops, name, None)) for name in methods) else None
+    offered = all(callable(getattr(ops, name, None)) for name in methods)
+    return ops if offered and getattr(ops, "matryoshka_one_pass", True) else None
 
 
 def prefix_inverse_norms(features: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:

@@ -1343,6 +1343,7 @@ def test_matryoshka_one_pass_matches_float64_oracle(shape, option, mode, monkeyp
     dtype, precision, blocks = MODES[mode]
     if two_pass:  # the column statistic from a column-major pass of its own
         blocks = TWO_PASS
+    blocks = dataclasses.replace(blocks, matryoshka_one_pass=True)
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
     # raw features (the loss normalises each prefix), positives pulled towards their rows
@@ -1376,7 +1377,7 @@ def test_matryoshka_one_pass_matches_float64_oracle(shape, option, mode, monkeyp
     elif two_pass:
         assert counted.stats == 2
     else:  # rows in chunks whose column partials fit the buffer
-        chunk_rows = max(1, blocks.column_buffer_entries // (len(dims) * k)) * MIN_BLOCK_M
+        chunk_rows = max(1, blocks.column_buffer_entries // k) * MIN_BLOCK_M
         assert counted.stats == -(-m // chunk_rows)
     assert counted.tiles == -(-m // blocks.tile_rows) * -(-k // blocks.tile_keys)
 
@@ -1420,3 +1421,15 @@ def test_matryoshka_statistics_merge_split_inner_ranges():
             got = prefix_stats(outer, inner, outer_norms, inner_norms, scale, bias if sigmoid else None, dims,
                                sigmoid=sigmoid, columns=columns, precision="ieee", splits=splits)
             assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5), (sigmoid, columns, splits)
+
+
+def test_matryoshka_one_pass_is_opt_in():
+    """``TritonBlocks()`` leaves ``matryoshka_dims`` to one loss call per width (measured faster);
+    ``matryoshka_one_pass=True`` takes the one-pass kernels; the flag is checked."""
+    from hf_infcl.ops.matryoshka import prefix_block_ops
+
+    assert prefix_block_ops(TritonBlocks()) is None
+    one_pass = TritonBlocks(matryoshka_one_pass=True)
+    assert prefix_block_ops(one_pass) is one_pass
+    with pytest.raises(TypeError, match="matryoshka_one_pass must be True or False"):
+        TritonBlocks(matryoshka_one_pass="yes")

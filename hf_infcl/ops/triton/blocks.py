@@ -89,7 +89,8 @@ class TritonBlocks:
         fused_columns: the symmetric loss's column statistic comes out of the row pass (one
             forward pass); False runs a second, column-major pass instead.
         column_buffer_entries: fp32 entries (default 16M: 64 MiB) of the fused pass's column
-            partials, one per (row block, key); more rows per launch when larger.
+            partials, one per (row block, key); more rows per launch when larger. (The one-pass
+            Matryoshka forward keeps one per term: D times as many.)
         tf32_via_fp16: multiply fp32 inputs with TF32 precision as scaled fp16 copies in the
             kernels too: faster, but opt-in because its ring gradients come out further from
             float64 than one GPU's, beyond the TF32 tolerance, for a reason not yet known. False
@@ -109,6 +110,10 @@ class TritonBlocks:
             does.
         listed_entries_per_vector: nor does it list more than this many entries per row and key
             (the list's memory, 12 bytes an entry, stays linear in the batch).
+        matryoshka_one_pass: ``matryoshka_dims`` computes every prefix in one pass of the
+            kernels of :mod:`.matryoshka` (one product of the widest prefix per tile in each
+            direction); False (the default) takes one loss call per prefix, which measures
+            faster at the widths measured so far (benchmarks/README.md).
     """
 
     tile_rows: int | None = None
@@ -121,6 +126,7 @@ class TritonBlocks:
     sigmoid_logits: str = "auto"
     listed_row_share: float = LISTED_ROW_SHARE
     listed_entries_per_vector: int = ENTRIES_PER_VECTOR
+    matryoshka_one_pass: bool = False
 
     # The one-process value check runs just before this object's first kernel, after its host
     # work: the check's synchronisation idles the GPU (hf_infcl.ops.value_check).
@@ -139,7 +145,7 @@ class TritonBlocks:
         share = self.listed_row_share
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
             raise ValueError(f"listed_row_share must be a number from 0 to 1, got {share!r}")
-        for name in ("poison", "fused_columns", "tf32_via_fp16"):
+        for name in ("poison", "fused_columns", "tf32_via_fp16", "matryoshka_one_pass"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -376,8 +382,10 @@ class TritonBlocks:
                 col_stat = matryoshka.prefix_stats(keys, queries, key_norms, query_norms, operands.scale,
                                                    bias, spec.dims, columns=True, **options)
             return row_stat, col_stat
+        # Rows in chunks as the plain loss's (a buffer of D times its entries): fewer rows per
+        # launch leave the GPU idle.
         terms, m, k = len(spec.dims), queries.shape[0], keys.shape[0]
-        blocks_per_chunk = max(1, self.column_buffer_entries // (terms * k))
+        blocks_per_chunk = max(1, self.column_buffer_entries // k)
         chunk_rows = min(m, blocks_per_chunk * matryoshka.MIN_BLOCK_M)
         partials = torch.empty((-(-chunk_rows // matryoshka.MIN_BLOCK_M), terms, k), dtype=torch.float32,
                                device=queries.device)
