@@ -58,20 +58,32 @@ _PREFIX_SHAPES = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 64, 64, 4, 4
 
 
 @triton.jit
+def _add_step_dots(acc, a_rows, b_rows, cols, in_width, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    """``acc`` + the dot products of columns ``cols`` (one step of the walk) of the rows at
+    ``a_rows`` and ``b_rows`` (pointers to each row's first column), fp32; MASKED: only the
+    columns where ``in_width`` holds."""
+    if MASKED:
+        a = tl.load(a_rows + cols[None, :], mask=in_width[None, :], other=0.0)
+        b = tl.load(b_rows + cols[None, :], mask=in_width[None, :], other=0.0)
+    else:
+        a = tl.load(a_rows + cols[None, :])
+        b = tl.load(b_rows + cols[None, :])
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _add_segment_dots(acc, a_rows, b_rows, start, end, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                       UPCAST: tl.constexpr):
-    """``acc`` + the dot products of columns ``start:end`` of the rows at ``a_rows`` and ``b_rows``
-    (pointers to each row's first column), fp32, with masked loads (any bounds)."""
+    """``acc`` + the dot products of columns ``start:end`` of the rows at ``a_rows`` and ``b_rows``,
+    with masked loads (any bounds)."""
     width = tl.arange(0, BLOCK_K)
     for c0 in range(start, end, BLOCK_K):
         cols = c0 + width
-        in_segment = cols[None, :] < end
-        a = tl.load(a_rows + cols[None, :], mask=in_segment, other=0.0)
-        b = tl.load(b_rows + cols[None, :], mask=in_segment, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        acc = _add_step_dots(acc, a_rows, b_rows, cols, cols < end, True, PRECISION, UPCAST)
     return acc
 
 
@@ -164,12 +176,7 @@ def _prefix_stats_kernel(
             bound = tl.load(bounds_ptr + term)
             for c0 in range(0, c, BLOCK_K):
                 cols = c0 + width
-                a = tl.load(outer_rows + cols[None, :])
-                b = tl.load(inner_rows + cols[None, :])
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                dots = tl.dot(a, tl.trans(b), dots, input_precision=PRECISION)
+                dots = _add_step_dots(dots, outer_rows, inner_rows, cols, cols, False, PRECISION, UPCAST)
                 if c0 + BLOCK_K == bound:
                     running_max, running_sum = _term_statistics(
                         dots, term, term_columns, running_max, running_sum,
@@ -346,12 +353,7 @@ def _prefix_grad_kernel(
         bound = tl.load(bounds_ptr + term)
         for c0 in range(0, c, BLOCK_K):
             cols = c0 + width
-            a = tl.load(q_rows + cols[None, :])
-            b = tl.load(k_rows + cols[None, :])
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            dots = tl.dot(a, tl.trans(b), dots, input_precision=PRECISION)
+            dots = _add_step_dots(dots, q_rows, k_rows, cols, cols, False, PRECISION, UPCAST)
             if c0 + BLOCK_K == bound:
                 _term_gradient(dots, term, h_ptr, q_norm_ptr, k_norm_ptr, row_stat_ptr, row_weight_ptr,
                                col_stat_ptr, col_weight_ptr, row_sums_ptr, row_products_ptr,
