@@ -11,6 +11,9 @@ kernel writes each one's G into a bounded buffer, and two cuBLAS GEMMs add G K a
 (:mod:`.distillation`): the statistics of both models' logits in one pass per direction, and the
 same super-tile walk with G from both.
 
+``prefix_forward_block`` / ``prefix_backward_block`` are Matryoshka's one pass over every prefix
+(:mod:`.matryoshka`), taken only with ``matryoshka_one_pass=True``.
+
 ``forward_backward_block`` is the sigmoid loss's one pass (``StatsSpec.gradients_in_forward``):
 the same super-tiles with every row weight 1, each row's softplus terms (the row statistic) summed
 from the same logits, by the Gluon kernel on Hopper (half-precision inputs, no group mask), else
