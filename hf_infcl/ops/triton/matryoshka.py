@@ -20,6 +20,10 @@ sums and writes Ĝ^t = G^t a^t b^t as G buffer t; the walk then adds Ĝ^t K[:, :
 :mod:`hf_infcl.ops.matryoshka`, H_u = sum_{t <= u} Ĝ^t times segment u alone, needs the terms
 from the widest down, while the walk meets them from the innermost out; its GEMMs multiply less
 but are narrow, and cuBLAS runs the prefixes' wider ones faster.)
+
+The route is opt-in (``TritonBlocks(matryoshka_one_pass=True)``): it saves D - 1 products of the
+tiles but none of the D epilogues, which do more than a plain one's, and it measures slower than
+one loss call per width (benchmarks/README.md).
 """
 
 from __future__ import annotations
