@@ -408,9 +408,9 @@ class TritonBlocks:
     def prefix_backward_block(self, spec: PrefixSpec, queries, keys, scale, bias, query_scales, key_scales,
                               mask: GroupMask | None, row_stat, col_stat, row_weight, col_weight,
                               grad_queries, grad_keys) -> PrefixSums:
-        """Each segment's products with H_u and the per-term sums
-        (:class:`~hf_infcl.ops.matryoshka.PrefixBlockOps`), H from :class:`.matryoshka.PrefixRoute`
-        over the backward's super-tiles."""
+        """Each term's products over its own prefix, Ĝ^t K[:, :d_t] and Ĝ^tᵀ Q[:, :d_t], and the
+        per-term sums (:class:`~hf_infcl.ops.matryoshka.PrefixBlockOps`), Ĝ from
+        :class:`.matryoshka.PrefixRoute` over the backward's super-tiles."""
         if queries.dtype == torch.float64:
             return TorchTiles().prefix_backward_block(spec, queries, keys, scale, bias, query_scales,
                                                       key_scales, mask, row_stat, col_stat, row_weight,

@@ -46,8 +46,9 @@ class SuperTileRoute(Protocol):
     """How a super-tile's G and its row sums are written."""
 
     g_alone: bool  # G needs no dot-product buffer beside it: super-tiles twice as wide
-    # None: one G for the whole width. Else one G per segment of the width (the scratch buffer is
-    # [segments, rows, keys]): G u multiplies columns segments[u] only (Matryoshka's H_u).
+    # None: one G for the whole width. Else one G per slice of the width (the scratch buffer is
+    # [slices, rows, keys]): G u multiplies columns segments[u] only (Matryoshka's Ĝ^t, each with
+    # its own prefix).
     segments: tuple[slice, ...] | None
 
     def scratch(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
