@@ -91,14 +91,8 @@ POSITIVE_COSINE = 0.6  # a positive's expected cosine to its query
 NEAR_COPIES = 0.01  # the share of (query, key) pairs that are near-copies of another pair
 
 
-# --matryoshka-dims: the Matryoshka variants' widths, None for matryoshka_widths(c)
-MATRYOSHKA_DIMS: tuple[int, ...] | None = None
-
-
 def matryoshka_widths(c: int) -> tuple[int, ...]:
-    """Five descending widths from c: 768, 512, 256, 128, 64 at c = 768 (or ``--matryoshka-dims``)."""
-    if MATRYOSHKA_DIMS is not None:
-        return MATRYOSHKA_DIMS
+    """Five descending widths from c: 768, 512, 256, 128, 64 at c = 768."""
     return tuple(dict.fromkeys(max(1, c * share // 12) for share in (12, 8, 4, 2, 1)))
 
 
@@ -122,7 +116,11 @@ def trained_features(b: int, c: int, generator: torch.Generator, device: str):
     return q, k
 
 
-def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda", dtype=torch.bfloat16):
+def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda", dtype=torch.bfloat16,
+              matryoshka_dims: tuple[int, ...] | None = None):
+    """One forward + backward of ``variant`` at (b, c); ``matryoshka_dims``: the Matryoshka
+    variants' widths (None: :func:`matryoshka_widths`)."""
+    matryoshka_dims = matryoshka_dims or matryoshka_widths(c)
     generator = torch.Generator(device=device).manual_seed(seed)
     q, k = trained_features(b, c, generator, device)
     if variant.startswith("filter-guide"):  # the same batch with a little noise, frozen
@@ -144,7 +142,7 @@ def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda",
 
             options.update(backend=TritonBlocks(listed_row_share=0.0))
     elif variant.startswith("matryoshka") and variant != "matryoshka-per-width":
-        options = dict(matryoshka_dims=matryoshka_widths(c))
+        options = dict(matryoshka_dims=matryoshka_dims)
         if _tiles(variant):
             options.update(backend=TorchTiles(_tiles(variant), _tiles(variant)))
         if variant == "matryoshka-one-pass":
@@ -168,7 +166,7 @@ def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda",
         def loss_fn(queries, keys, logit_scale):
             return sum(contrastive_loss(F.normalize(queries[:, :dim], dim=1),
                                         F.normalize(keys[:, :dim], dim=1), logit_scale=logit_scale)
-                       for dim in matryoshka_widths(c))
+                       for dim in matryoshka_dims)
 
     def step():
         loss = loss_fn(F.normalize(q, dim=1), F.normalize(k, dim=1), logit_scale=log_scale.exp())
@@ -219,9 +217,9 @@ def main(argv=None):
     parser.add_argument("--matryoshka-dims", default=None,
                         help="the Matryoshka variants' widths, e.g. 2048,1024,512,256,128")
     args = parser.parse_args(argv)
+    matryoshka_dims = None
     if args.matryoshka_dims:
-        global MATRYOSHKA_DIMS
-        MATRYOSHKA_DIMS = tuple(int(dim) for dim in args.matryoshka_dims.split(","))
+        matryoshka_dims = tuple(int(dim) for dim in args.matryoshka_dims.split(","))
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA GPU")
     sizes = [parse_count(text) for text in args.sizes.split(",")]
@@ -242,7 +240,7 @@ def main(argv=None):
     for b, c in zip(sizes, widths):
         plain_ms = None
         for variant in variants:
-            step = make_step(variant, b, c)
+            step = make_step(variant, b, c, matryoshka_dims=matryoshka_dims)
             step()  # the first call tunes the kernels of this shape
             seconds = median_seconds(step, args.steps, warmup=2)
             host_ms = median_issue_seconds(step, args.steps) * 1e3
