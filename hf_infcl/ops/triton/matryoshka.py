@@ -54,6 +54,7 @@ from .jit_math import (
 from .launch import autotuned, launch, problem_size_class
 from .operands import HALF_TYPES, TINY
 from .stats import inner_splits, merge_partials
+from .super_tiles import Labels
 
 # Autotuning candidates: base shapes of K steps 64 and 32 (each candidate compiles the loop over
 # the width twice, so the list is kept short for the first call).
@@ -400,7 +401,7 @@ class PrefixRoute:
         self.spec, self.queries, self.keys, self.scale, self.bias = spec, queries, keys, scale, bias
         self.segments = tuple(slice(0, dim) for dim in spec.dims)
         self.query_norms, self.key_norms = query_norms, key_norms
-        self.mask = mask
+        self.labels = Labels(mask)
         self.rows = [per_term(x) for x in (row_stat, row_weight)]
         self.columns = None if col_stat is None else [per_term(x) for x in (col_stat, col_weight)]
         self.sums, self.inv_g_scale = sums, inv_g_scale
@@ -414,21 +415,16 @@ class PrefixRoute:
         return torch.empty((len(self.segments), *shape), dtype=dtype, device=self.queries.device)
 
     def row_panel(self, start, end):
-        mask = {name: self.mask[name][start:end] for name in ("row_groups", "positive_keys")
-                if name in self.mask}
         return dict(queries=self.queries[start:end], norms=self.query_norms[:, start:end],
                     stats=[x[:, start:end] for x in self.rows],
-                    sums=[x[:, start:end] for x in (self.sums.row_sums, self.sums.row_products)], mask=mask)
+                    sums=[x[:, start:end] for x in (self.sums.row_sums, self.sums.row_products)],
+                    mask=self.labels.rows(start, end))
 
     def key_tile(self, start, end):
-        mask = {}
-        if self.mask:
-            mask = dict(key_groups=self.mask["key_groups"][start:end],
-                        key_offset=self.mask["key_offset"] + start)
         columns = self.columns
         return dict(keys=self.keys[start:end], norms=self.key_norms[:, start:end],
                     stats=None if columns is None else [x[:, start:end] for x in columns],
-                    key_products=self.sums.key_products[:, start:end], mask=mask)
+                    key_products=self.sums.key_products[:, start:end], mask=self.labels.keys(start, end))
 
     def write(self, row, tile, g):
         queries, keys = row["queries"], tile["keys"]

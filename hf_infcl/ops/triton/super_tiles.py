@@ -127,7 +127,7 @@ def g_scale(gemm_dtype: torch.dtype, row_weight: torch.Tensor,
     return scale.clamp_min(TINY)
 
 
-class _Labels:
+class Labels:
     """The launchers' label arguments (group mask, hardness offset) sliced per row panel and key
     tile: row labels by row, key labels by key with the key tile's global offset."""
 
@@ -157,7 +157,7 @@ class GradTileRoute:
     def __init__(self, arguments: RouteArguments, row_stat, row_weight, col_stat, col_weight, *,
                  sigmoid: bool, precision: str, clamp_exponents: bool = False):
         self.arguments = arguments
-        self.labels = _Labels(arguments.labels)
+        self.labels = Labels(arguments.labels)
         self.row_stat, self.row_weight = fp32_vector(row_stat), fp32_vector(row_weight)
         self.col_stat, self.col_weight = fp32_vector(col_stat), fp32_vector(col_weight)
         queries, keys = arguments.kernel.queries, arguments.kernel.keys
@@ -208,7 +208,7 @@ class CublasDotsRoute:
     def __init__(self, arguments: RouteArguments, dots: tuple, g_dtype: torch.dtype, poison: bool):
         self.arguments, self.poison = arguments, poison
         self.dot_queries, self.dot_keys, self.dots_scale, self.dots_dtype = dots
-        self.labels = _Labels(arguments.labels)
+        self.labels = Labels(arguments.labels)
         # G over dot products of its own element size (fp16 dots, half-precision G) overwrites
         # them in place: each entry is read and written by the same thread.
         self.g_alone = self.dots_dtype.itemsize == g_dtype.itemsize
