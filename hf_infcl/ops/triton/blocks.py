@@ -365,9 +365,9 @@ class TritonBlocks:
                              mask: GroupMask | None):
         """Every Matryoshka term's statistics (:class:`~hf_infcl.ops.matryoshka.PrefixBlockOps`) from
         :func:`.matryoshka.prefix_stats`: one pass over the tiles (the column statistic of the
-        symmetric loss from the row pass's column partials, rows in chunks as in
-        :meth:`_rows_and_columns_in_one_pass`), or with ``fused_columns=False`` a second,
-        column-major pass."""
+        symmetric loss from the row pass's column partials, rows in the chunks of
+        :meth:`_column_partial_chunks`: the plain loss's, with a partial per term), or with
+        ``fused_columns=False`` a second, column-major pass."""
         if queries.dtype == torch.float64:
             run_deferred_check()
             return TorchTiles().prefix_forward_block(spec, queries, keys, scale, bias, query_scales,
@@ -385,24 +385,17 @@ class TritonBlocks:
                 col_stat = matryoshka.prefix_stats(keys, queries, key_norms, query_norms, operands.scale,
                                                    bias, spec.dims, columns=True, **options)
             return row_stat, col_stat
-        # Rows in chunks as the plain loss's (a buffer of D times its entries): fewer rows per
-        # launch leave the GPU idle.
         terms, m, k = len(spec.dims), queries.shape[0], keys.shape[0]
-        blocks_per_chunk = max(1, self.column_buffer_entries // k)
-        chunk_rows = min(m, blocks_per_chunk * matryoshka.MIN_BLOCK_M)
-        partials = torch.empty((-(-chunk_rows // matryoshka.MIN_BLOCK_M), terms, k), dtype=torch.float32,
-                               device=queries.device)
         row_stat = torch.empty((terms, m), dtype=torch.float32, device=queries.device)
         col_stat = None
-        for r0 in range(0, m, chunk_rows):
-            r1 = min(r0 + chunk_rows, m)
-            partials.fill_(float("-inf"))  # row blocks a config with larger blocks leaves unwritten
+        chunks = self._column_partial_chunks(m, k, matryoshka.MIN_BLOCK_M, terms, queries.device)
+        for r0, r1, partials in chunks:
             chunk_mask = dict(mask_arguments, **sliced(mask_arguments, ROW_LABELS, r0, r1))
             row_stat[:, r0:r1] = matryoshka.prefix_stats(
                 queries[r0:r1], keys, query_norms[:, r0:r1].contiguous(), key_norms, operands.scale, bias,
-                spec.dims, columns=False, column_partials=partials, **dict(options, mask=chunk_mask))
-            col_stat = stats.merge_partials(partials.view(partials.shape[0], terms * k), log_sum_exp=True,
-                                            previous=col_stat, out=col_stat)
+                spec.dims, columns=False, column_partials=partials.view(-1, terms, k),
+                **dict(options, mask=chunk_mask))
+            col_stat = stats.merge_partials(partials, log_sum_exp=True, previous=col_stat, out=col_stat)
         return row_stat, col_stat.view(terms, k)
 
     def prefix_backward_block(self, spec: PrefixSpec, queries, keys, scale, bias, query_scales, key_scales,
@@ -516,36 +509,40 @@ class TritonBlocks:
         return usable
 
     def _rows_and_columns_in_one_pass(self, problem: _Problem):
-        """Row and column log-sum-exp from one pass over the tiles.
-
-        Rows go in chunks small enough that the column partials (one fp32 per row block and
-        key) fit in ``column_buffer_entries``; each chunk's partials are merged into the column
-        statistic before the next chunk reuses the buffer.
-        """
+        """Row and column log-sum-exp from one pass over the tiles, rows in the chunks of
+        :meth:`_column_partial_chunks`."""
         queries, keys, scale = problem.kernel.queries, problem.kernel.keys, problem.kernel.scale
-        m, k = queries.shape[0], keys.shape[0]
-        device = queries.device
-        blocks_per_chunk = max(1, self.column_buffer_entries // k)
-        chunk_rows = min(m, blocks_per_chunk * stats.MIN_BLOCK_M)
-        partials = torch.empty((-(-chunk_rows // stats.MIN_BLOCK_M), k), dtype=torch.float32, device=device)
-        row_stat = torch.empty(m, dtype=torch.float32, device=device) if chunk_rows < m else None
-        col_stat = None
-        for r0 in range(0, m, chunk_rows):
-            r1 = min(r0 + chunk_rows, m)
-            # Row blocks a config with larger blocks leaves unwritten must not count: -inf.
-            partials.fill_(float("-inf"))
+        m = queries.shape[0]
+        row_stat = col_stat = None
+        for r0, r1, partials in self._column_partial_chunks(m, keys.shape[0], stats.MIN_BLOCK_M, 1,
+                                                            queries.device):
             rows = stats.logit_stats(
                 queries[r0:r1], keys, scale, problem.bias, sigmoid=False, columns=False,
                 precision=problem.spec.precision, splits=self.stat_splits,
                 out=self._stat_buffer(queries[r0:r1], keys), column_partials=partials,
                 **dict(problem.labels, **sliced(problem.labels, ROW_LABELS, r0, r1)),
             )
-            if row_stat is None:  # one chunk: its rows are all the rows
+            if r1 - r0 == m:  # one chunk: its rows are all the rows
                 row_stat = rows
             else:
+                if row_stat is None:
+                    row_stat = torch.empty(m, dtype=torch.float32, device=queries.device)
                 row_stat[r0:r1] = rows
             col_stat = stats.merge_partials(partials, log_sum_exp=True, previous=col_stat, out=col_stat)
         return row_stat, col_stat
+
+    def _column_partial_chunks(self, m: int, k: int, min_block_m: int, terms: int, device):
+        """The row chunks of a forward whose row pass also gives the column statistic: (start,
+        end, partials), ``partials`` fp32 [row blocks, terms * k] (one per row block of the
+        kernel's smallest, ``min_block_m``, term and key) filled with -inf before each chunk (row
+        blocks a config with larger blocks leaves unwritten must not count). A chunk holds as many
+        rows as ``column_buffer_entries`` allows per term; the caller merges each chunk's partials
+        into the column statistic before the next chunk reuses the buffer."""
+        chunk_rows = min(m, max(1, self.column_buffer_entries // k) * min_block_m)
+        partials = torch.empty((-(-chunk_rows // min_block_m), terms * k), dtype=torch.float32, device=device)
+        for start in range(0, m, chunk_rows):
+            partials.fill_(float("-inf"))
+            yield start, min(start + chunk_rows, m), partials
 
     def _super_tile(self, dtype: torch.dtype, m: int, k: int, wide: bool = False) -> tuple[int, int]:
         # 128 MiB of G: each super-tile then carries enough GPU work to hide the host time of its
