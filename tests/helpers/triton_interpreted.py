@@ -1423,6 +1423,33 @@ def test_matryoshka_statistics_merge_split_inner_ranges():
             assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5), (sigmoid, columns, splits)
 
 
+def test_matryoshka_one_pass_in_float64_matches_the_oracle(monkeypatch):
+    """``matryoshka_one_pass=True`` with float64 features: the prefix blocks (called once) hand them
+    to the torch tiles (no tensor-core path), which match the float64 oracle to float64 rounding."""
+    from tests.helpers.oracle_matryoshka import matryoshka_loss
+
+    calls = []
+    forward_block = TritonBlocks.prefix_forward_block
+    monkeypatch.setattr(TritonBlocks, "prefix_forward_block",
+                        lambda self, *args: calls.append(1) or forward_block(self, *args))
+
+    gen = torch.Generator().manual_seed(11)
+    dims, weights = (24, 13, 5), (1.0, 0.5, 2.0)
+    queries = torch.randn(9, 24, generator=gen, dtype=torch.float64)
+    keys = torch.randn(14, 24, generator=gen, dtype=torch.float64)
+    keys[:9] += 0.4 * queries
+    q, k = queries.clone().requires_grad_(), keys.clone().requires_grad_()
+    value = contrastive_loss(q, k, 6.0, matryoshka_dims=dims, matryoshka_weights=weights,
+                             backend=TritonBlocks(matryoshka_one_pass=True))
+    value.backward()
+    assert calls == [1]
+    expected, grads = matryoshka_loss(queries.numpy(), keys.numpy(), 6.0, dims=dims, weights=weights)
+    expected = torch.tensor([float(expected)], dtype=torch.float64)
+    assert relative_error(value.detach().reshape(1), expected) < 1e-12
+    assert relative_error(q.grad, torch.from_numpy(grads["queries"])) < 1e-10
+    assert relative_error(k.grad, torch.from_numpy(grads["keys"])) < 1e-10
+
+
 def test_matryoshka_one_pass_is_opt_in():
     """``TritonBlocks()`` leaves ``matryoshka_dims`` to one loss call per width (measured faster);
     ``matryoshka_one_pass=True`` takes the one-pass kernels; the flag is checked."""
