@@ -23,14 +23,19 @@ replay under a restored RNG state draws the same dropout masks as an eager call 
 
 What a graph cannot hold, and what makes :meth:`ChunkGraphs.run` raise while capturing: host
 synchronisation in the encoder (``.item()``, ``nonzero``, data-dependent shapes), CPU tensors,
-collectives (a DDP or FSDP module's hooks), or per-call Python state the kernels depend on.
+collectives (a DDP or FSDP module's hooks). What a graph holds wrongly, without an error: Python
+state the kernels depend on that changes between calls (a layer skipped at random on the host,
+as ``layerdrop``), which the graph fixes as it was at the capture. With ``eager_on_failure`` a
+failed capture is not an error: that call and every later one run eagerly, with one warning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import traceback
+import warnings
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 
@@ -38,6 +43,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["ChunkGraphs"]
+
+logger = logging.getLogger(__name__)
 
 
 class ChunkGraphs:
@@ -47,16 +54,29 @@ class ChunkGraphs:
         parameters: the parameters whose gradients graphed backward passes produce (the model's
             ``parameters()``). Only those with ``requires_grad`` are tracked.
         warmup: eager calls of each signature before it is captured (at least 1).
+        max_graphs: at most this many graphs (None: no bound). Each graph that backpropagates
+            holds a gradient buffer per parameter, so inputs whose shapes keep changing (text
+            padded to each batch's longest) would otherwise add one per new shape; signatures
+            past the bound run eagerly (logged once).
+        eager_on_failure: a capture that fails runs its call eagerly instead of raising, and so
+            does every later call (one warning names the cause): for a default that must never
+            stop a run that eager mode would train.
 
     Keep one instance for the whole training run (graphs are reused across steps) and pass it to
     :func:`hf_infcl.grad_cache.cached_step` as ``chunk_graphs``.
     """
 
-    def __init__(self, parameters: Iterable[torch.Tensor], warmup: int = 2):
+    def __init__(self, parameters: Iterable[torch.Tensor], warmup: int = 2, *, max_graphs: int | None = None,
+                 eager_on_failure: bool = False):
         if not torch.cuda.is_available():
             raise ValueError("ChunkGraphs needs a CUDA device: CUDA graphs exist only there")
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
             raise ValueError(f"warmup must be an int >= 1, got {warmup!r}")
+        if max_graphs is not None and (not isinstance(max_graphs, int) or isinstance(max_graphs, bool)
+                                       or max_graphs < 1):
+            raise ValueError(f"max_graphs must be an int >= 1 or None, got {max_graphs!r}")
+        if not isinstance(eager_on_failure, bool):
+            raise TypeError(f"eager_on_failure must be a bool, got {type(eager_on_failure).__name__}")
         unique = {id(p): p for p in parameters if isinstance(p, torch.Tensor) and p.requires_grad}
         self.parameters = list(unique.values())
         for param in self.parameters:
@@ -66,9 +86,13 @@ class ChunkGraphs:
                 raise ValueError("ChunkGraphs cannot hold parameters sharded by FSDP or DeepSpeed: their "
                                  "gradients are reduced by hooks a graph would skip")
         self.warmup = warmup
+        self.max_graphs = max_graphs
+        self.eager_on_failure = eager_on_failure
+        self.failure: str | None = None  # why the calls run eagerly, after a failed capture
         self._eager_calls: Counter = Counter()
         self._graphs: dict[Hashable, _CapturedCall] = {}
         self._pool = None
+        self._told_of_bound = False
 
     @property
     def captured(self) -> int:
@@ -83,17 +107,51 @@ class ChunkGraphs:
         ``fn`` returns a tensor, a tuple of tensors or None; a graphed call returns copies of
         them. Parameter gradients that ``fn`` backpropagates are added to ``.grad``.
         """
+        if self.failure is not None:
+            return _outputs(fn(*args))
         leaves, spec = tree_flatten(args)
         key = (site, str(spec), torch.is_grad_enabled(), tuple(_leaf_signature(leaf) for leaf in leaves))
         captured = self._graphs.get(key)
         if captured is None:
+            if self.max_graphs is not None and len(self._graphs) >= self.max_graphs:
+                self._tell_of_bound()
+                return _outputs(fn(*args))
             if self._eager_calls[key] < self.warmup:
                 self._eager_calls[key] += 1
                 return _outputs(fn(*args))
-            captured = self._capture(site, fn, leaves, spec)
+            # The generators as this call found them. The CUDA one's whole state object: a capture
+            # that fails never ends, and leaves the state it began in marked as capturing, which
+            # would refuse every later eager draw of the process.
+            cuda_generator = torch.cuda.default_generators[torch.cuda.current_device()]
+            rng_states = torch.get_rng_state(), cuda_generator.clone_state()
+            try:
+                captured = self._capture(site, fn, leaves, spec)
+            except RuntimeError as error:
+                torch.set_rng_state(rng_states[0])
+                cuda_generator.graphsafe_set_state(rng_states[1])
+                self._fail(str(error))
+                if not self.eager_on_failure:
+                    raise
+                warnings.warn(f"{error}. The cached step's chunks run eagerly (without CUDA graphs) from now "
+                              "on.", stacklevel=2)
+                return _outputs(fn(*args))
             self._graphs[key] = captured
             del self._eager_calls[key]
         return captured.replay(leaves)
+
+    def _tell_of_bound(self) -> None:
+        if not self._told_of_bound:
+            self._told_of_bound = True
+            logger.info("ChunkGraphs: %d graphs are held (max_graphs); chunk calls of further input "
+                        "shapes run eagerly. Pad the inputs to fixed lengths to keep their shapes few.",
+                        self.max_graphs)
+
+    def _fail(self, message: str) -> None:
+        """Every later call runs eagerly. The graphs held so far are released: they draw their
+        random numbers from the CUDA generator state that the failed capture left behind."""
+        self.failure = message
+        self._graphs.clear()
+        self._eager_calls.clear()
 
     def _capture(self, site, fn, leaves, spec) -> _CapturedCall:
         static_leaves = [leaf.clone() if _is_input(leaf) else leaf for leaf in leaves]

@@ -32,6 +32,7 @@ documents.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -102,6 +103,20 @@ def _pooled(output) -> torch.Tensor:
 # One adapter per model family
 
 
+@contextlib.contextmanager
+def _without_autocast_cache():
+    """Inside an enclosing CUDA autocast, no cache of cast weights: autocast keeps each weight's
+    low-precision copy for its whole region, so a tower shared by both streams would read, on one
+    stream, a copy cast on the other without waiting for the cast (in a CUDA graph, whose replays
+    keep no such order, it reads stale memory); and a cache filled during a graph's capture is
+    what PyTorch's CUDA-graph notes ask to avoid. Each stream then casts the weights it uses."""
+    if not torch.is_autocast_enabled("cuda"):
+        yield
+        return
+    with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False):
+        yield
+
+
 class ModelFamily:
     """How hf_infcl reads one family of contrastive models. Stateless: every method takes the
     model (wrapped or not) and reads it *now*, so it sees the parameters as they are held at that
@@ -146,9 +161,10 @@ class ModelFamily:
         so a DDP wrapper's hooks do not run: for one process."""
         current = torch.cuda.current_stream()
         key_stream.wait_stream(current)
-        with torch.cuda.stream(key_stream):
-            keys = self.encode_keys(model, batch)
-        rows = self.encode_rows(model, batch)
+        with _without_autocast_cache():
+            with torch.cuda.stream(key_stream):
+                keys = self.encode_keys(model, batch)
+            rows = self.encode_rows(model, batch)
         current.wait_stream(key_stream)
         # a copy made on the current stream: the caching allocator may hand the key stream's block
         # out again once the key stream moves on
