@@ -24,7 +24,8 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 from .batch_statistics import listed_names
 
-__all__ = ["RngState", "active_dropout_layers", "random_draws_in_training", "unreplayed_draws_warning"]
+__all__ = ["RngState", "active_dropout_layers", "host_random_draws_in_training", "random_draws_in_training",
+           "unreplayed_draws_warning"]
 
 
 class RngState:
@@ -84,26 +85,41 @@ def random_draws_in_training(model: nn.Module) -> list[str]:
     (:func:`active_dropout_layers`), and for each Hugging Face model inside it in training mode its
     configuration's dropout rates above 0 (``text_config.attention_dropout=0.1``), which models
     such as CLIP apply through functional calls that no layer shows."""
+    return _configuration_rates(model, "dropout") + active_dropout_layers(model)
+
+
+def host_random_draws_in_training(model: nn.Module) -> list[str]:
+    """The configuration rates above 0 of the Hugging Face models inside ``model`` in training mode
+    whose draws happen on the host: ``layerdrop`` (``encoder_layerdrop=0.1``), where transformers
+    skips a layer by a CPU random number and a Python ``if``. A CUDA graph records one outcome of
+    that ``if`` and repeats it."""
+    return _configuration_rates(model, "layerdrop")
+
+
+def _configuration_rates(model: nn.Module, word: str) -> list[str]:
+    """``name=rate`` of the rates above 0 whose names hold ``word``, in the configurations of the
+    Hugging Face models inside ``model`` that are in training mode."""
     found, seen = [], set()
-    for name, module in model.named_modules():  # the rates first: they say most in a short list
+    for name, module in model.named_modules():
         config = getattr(module, "config", None)
         if module.training and hasattr(config, "to_dict"):
-            found += _dropout_rates(config, f"{name}.config." if name else "config.", seen)
-    return found + active_dropout_layers(model)
+            found += _rates(config, word, f"{name}.config." if name else "config.", seen)
+    return found
 
 
-def _dropout_rates(config, prefix: str, seen: set) -> list[str]:
-    """``name=rate`` of a configuration's dropout rates above 0, its sub-configurations' too; each
-    configuration once (``seen``: their ids; a tower's configuration is also its parent's part)."""
+def _rates(config, word: str, prefix: str, seen: set) -> list[str]:
+    """``name=rate`` of a configuration's rates above 0 whose names hold ``word``, its
+    sub-configurations' too; each configuration once (``seen``: their ids; a tower's
+    configuration is also its parent's part)."""
     if id(config) in seen:
         return []
     seen.add(id(config))
     rates = []
     for name, value in vars(config).items():
-        if "dropout" in name and isinstance(value, float) and value > 0:
+        if word in name and isinstance(value, float) and value > 0:
             rates.append(f"{prefix}{name}={value}")
         elif hasattr(value, "to_dict") and not isinstance(value, type):  # a sub-configuration
-            rates += _dropout_rates(value, f"{prefix}{name}.", seen)
+            rates += _rates(value, word, f"{prefix}{name}.", seen)
     return rates
 
 

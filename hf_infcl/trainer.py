@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import warnings
 
@@ -70,7 +71,7 @@ from .models import (
     unwrap_model,
 )
 from .ops.options import check_label_smoothing
-from .rng import unreplayed_draws_warning
+from .rng import host_random_draws_in_training, unreplayed_draws_warning
 from .sharding import (
     deepspeed_no_sync,
     fsdp_gather_once,
@@ -83,8 +84,17 @@ from .training_args import TEACHER_COLUMNS, InfCLTrainingArguments
 
 __all__ = ["InfCLTrainer"]
 
+logger = logging.getLogger(__name__)
+
 # rows per process whose in-batch top-1 accuracy is logged (an estimate at large batches)
 ACCURACY_ROWS = 1024
+# The default's CUDA graphs (chunk_cuda_graphs=None): at most this many, enough for both passes over
+# whole chunks and a last, shorter one; further shapes (text padded per batch) run eagerly.
+_DEFAULT_MAX_GRAPHS = 4
+# ... and only where the gradient buffers that many graphs could hold (one per replay graph) take at
+# most 1/_GRAPH_MEMORY_SHARE of the GPU's memory: so the default cannot push a run that fits eagerly
+# out of memory, and models too large for that are too slow per chunk for launches to matter.
+_GRAPH_MEMORY_SHARE = 8
 
 
 class InfCLTrainer(Trainer):
@@ -143,6 +153,7 @@ class InfCLTrainer(Trainer):
         self._step_stats = None
         self._scale_names = []
         self._chunk_graphs = None  # ChunkGraphs of the cached step, made at its first call
+        self._graphs_decided = False  # whether the first cached step has decided on them
 
     def _check_combinations(self):
         args = self.args
@@ -166,13 +177,10 @@ class InfCLTrainer(Trainer):
                 "fsdp_config={'version': 2} (FSDP1 is deprecated in PyTorch), or leave chunk_size unset"
             )
         if args.chunk_cuda_graphs:
-            distributed = (self.accelerator.num_processes > 1 or self.is_fsdp_enabled
-                           or self.is_deepspeed_enabled)
-            if distributed or args.device.type != "cuda" or args.torch_compile:
-                raise ValueError(
-                    "chunk_cuda_graphs=True runs in one process on one CUDA GPU without torch_compile: "
-                    "DDP, FSDP and DeepSpeed reduce gradients in hooks a CUDA graph would skip"
-                )
+            reason = self._why_graphs_cannot_run()
+            if reason is not None:
+                raise ValueError(f"chunk_cuda_graphs=True runs in one process on one CUDA GPU without "
+                                 f"torch_compile: {reason}")
         if args.gradient_accumulation_steps > 1:
             warnings.warn(
                 "gradient accumulation does not add negatives: each micro-batch of "
@@ -474,12 +482,63 @@ class InfCLTrainer(Trainer):
         return fsdp_gather_once(model, reshard_after_forward=bool(plugin.reshard_after_forward))
 
     def _graphs_for(self, model) -> ChunkGraphs | None:
-        if not self.args.chunk_cuda_graphs:
-            return None
-        if self._chunk_graphs is None:
-            self._chunk_graphs = ChunkGraphs(model.parameters())
-            self._key_stream = torch.cuda.Stream()
+        """The cached step's ChunkGraphs, made at its first call: with chunk_cuda_graphs=True, or
+        by default (None) where :meth:`_why_no_graphs` finds nothing against them."""
+        if not self._graphs_decided:
+            self._graphs_decided = True
+            setting = self.args.chunk_cuda_graphs
+            reason = self._why_no_graphs(model) if setting is None else None
+            if reason is not None:
+                logger.info("InfCLTrainer: the cached step runs its chunks without CUDA graphs: %s "
+                            "(chunk_cuda_graphs=None decided so; True asks for them).", reason)
+            elif setting is not False:
+                # the default's graphs are bounded in number, and never stop a run that eager mode trains
+                by_default = setting is None
+                self._chunk_graphs = ChunkGraphs(model.parameters(),
+                                                 max_graphs=_DEFAULT_MAX_GRAPHS if by_default else None,
+                                                 eager_on_failure=by_default)
+                self._key_stream = torch.cuda.Stream()
         return self._chunk_graphs
+
+    def _why_graphs_cannot_run(self) -> str | None:
+        """What keeps the cached step's CUDA graphs from running at all (an explicit True is refused
+        for it), or None."""
+        if self.args.device.type != "cuda":
+            return f"this run trains on {self.args.device.type}"
+        if self.accelerator.num_processes > 1 or self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            return "DDP, FSDP and DeepSpeed reduce gradients in hooks that a CUDA graph would skip"
+        if self.args.torch_compile:
+            return "torch_compile compiles the model itself"
+        return None
+
+    def _why_no_graphs(self, model) -> str | None:
+        """Why the default (chunk_cuda_graphs=None) leaves the cached step's CUDA graphs off, or None:
+        what an explicit True refuses, and what graphs would get wrong or pay for in memory."""
+        args = self.args
+        reason = self._why_graphs_cannot_run()
+        if reason is not None:
+            return reason
+        if args.no_grad_chunk_size not in (None, args.chunk_size):
+            return "no_grad_chunk_size chunks the gradient-free pass otherwise than the replays"
+        inner = unwrap_model(model)
+        # (the layers' own flags, which transformers' gradient_checkpointing_enable sets)
+        if args.gradient_checkpointing or any(getattr(module, "gradient_checkpointing", False) is True
+                                              for module in inner.modules()):
+            return ("gradient checkpointing replays the forward inside the backward, which is not verified "
+                    "inside a graph")
+        host_draws = host_random_draws_in_training(inner)
+        if host_draws:
+            return (f"the model skips layers at random on the host ({', '.join(host_draws)}): a graph would "
+                    "repeat the skips of its capture")
+        trainable = [param for param in inner.parameters() if param.requires_grad]
+        buffers = _DEFAULT_MAX_GRAPHS * sum(param.numel() * param.element_size() for param in trainable)
+        memory = torch.cuda.get_device_properties(args.device).total_memory
+        if buffers * _GRAPH_MEMORY_SHARE > memory:
+            return (f"the graphs' gradient buffers (up to {buffers / 2**30:.1f} GiB) could take more than "
+                    f"1/{_GRAPH_MEMORY_SHARE} of the GPU's memory; a model this large gains little from them")
+        if any(param.device.type != "cuda" for param in trainable):
+            return "some trainable parameters are not on the GPU"
+        return None
 
     # ---- logging -------------------------------------------------------------------------
 

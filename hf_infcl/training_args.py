@@ -80,6 +80,11 @@ def _number(kind: type, *, above: float | None = None, at_least: float | None = 
     return check
 
 
+def _optional_bool(name: str, value) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
+
+
 def _optional_str(name: str, value) -> None:
     if value is not None and not isinstance(value, str):
         raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
@@ -113,7 +118,7 @@ FIELD_CHECKS: dict[str, FieldCheck] = {
     "chunk_size": check_chunk_size,
     "no_grad_chunk_size": check_chunk_size,
     "offload": check_bool,
-    "chunk_cuda_graphs": check_bool,
+    "chunk_cuda_graphs": _optional_bool,
     "loss_backend": _choice(BACKENDS),
     "precision": _choice(PRECISIONS),
     "contrastive_loss": _choice(LOSSES, optional=True),
@@ -168,12 +173,17 @@ class InfCLTrainingArguments(TrainingArguments):
         metadata={"help": "Keep the batch in pinned host memory and move one chunk at a time to the device. "
                           "Needs chunk_size."},
     )
-    chunk_cuda_graphs: bool = field(
-        default=False,
-        metadata={"help": "Run the chunks of a cached step (chunk_size) as CUDA graphs, one per chunk shape: "
-                          "removes the kernel-launch overhead that makes small chunks of a small model slow. "
-                          "One process, one CUDA GPU, no torch_compile; keeps about one chunk's activations "
-                          "and one gradient buffer allocated between steps. Needs chunk_size."},
+    chunk_cuda_graphs: bool | None = field(
+        default=None,
+        metadata={"help": "Run the chunks of a cached step (chunk_size) as CUDA graphs, one per chunk shape, "
+                          "with the two towers on two CUDA streams: removes the kernel-launch overhead that "
+                          "makes small chunks of a small model slow. Keeps about one chunk's activations and "
+                          "one gradient buffer allocated between steps. None (default): on wherever the "
+                          "graphs give the eager step's gradients (one process on one CUDA GPU, no "
+                          "torch_compile, FSDP or DeepSpeed, no gradient checkpointing or layerdrop, the "
+                          "gradient buffer within 1/16 of the GPU's memory), else off, the reason logged "
+                          "once; a chunk call that cannot be captured runs eagerly from then on, with a "
+                          "warning. True: on, an error where they cannot run. False: off."},
     )
     loss_backend: BackendName = field(
         default="auto",

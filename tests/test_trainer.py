@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -737,3 +739,51 @@ def test_what_the_sharded_engines_cannot_do_is_rejected(tmp_path):
     trainer.args.chunk_gradient_sync = "chunk"
     with pytest.raises(ValueError, match="chunk_gradient_sync='chunk' does not apply to DeepSpeed"):
         trainer._check_combinations()
+
+
+def test_the_default_chunk_cuda_graphs_stay_off_where_they_would_not_be_exact_and_say_why(
+        tmp_path, monkeypatch, caplog):
+    """chunk_cuda_graphs=None (the default) turns the cached step's CUDA graphs on only where they
+    give the eager step's gradients and their buffers fit; elsewhere the first cached step says
+    why, once, and trains eagerly. (That they turn on, capture and train on a GPU: the GPU smoke
+    cases ``trainer-*-chunk16``.)"""
+    assert InfCLTrainingArguments(output_dir=str(tmp_path), use_cpu=True).chunk_cuda_graphs is None
+    with pytest.raises(TypeError, match="^chunk_cuda_graphs must be a bool or None, got str$"):
+        InfCLTrainingArguments(output_dir=str(tmp_path), use_cpu=True, chunk_size=4, chunk_cuda_graphs="yes")
+
+    model = tiny_clip()
+    args = trainer_arguments(tmp_path, chunk_size=4, per_device_train_batch_size=8, max_steps=2)
+    trainer = InfCLTrainer(model=model, args=args, train_dataset=PairDataset(clip_batch(16)))
+    with caplog.at_level(logging.INFO, logger="hf_infcl.trainer"):
+        trainer.train()
+    said = [record.getMessage() for record in caplog.records if "without CUDA graphs" in record.getMessage()]
+    assert said == ["InfCLTrainer: the cached step runs its chunks without CUDA graphs: this run trains on "
+                    "cpu (chunk_cuda_graphs=None decided so; True asks for them)."]
+    assert trainer._chunk_graphs is None
+
+    # What the default weighs once a GPU is there (stood in for: the device checks pass, and the
+    # GPU's memory is as given).
+    trainer._why_graphs_cannot_run = lambda: None
+    memory = {"total_memory": 2**40}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(**memory))
+    model.train()
+    assert trainer._why_no_graphs(model) == "some trainable parameters are not on the GPU"
+    gradient_bytes = sum(param.numel() * param.element_size() for param in model.parameters())
+    memory["total_memory"] = 8 * 4 * gradient_bytes - 1  # four graphs' buffers just above 1/8 of it
+    assert trainer._why_no_graphs(model).startswith("the graphs' gradient buffers (up to ")
+    memory["total_memory"] = 2**40
+    model.config.text_config.layerdrop = 0.1
+    assert trainer._why_no_graphs(model) == (
+        "the model skips layers at random on the host (config.text_config.layerdrop=0.1): a graph would "
+        "repeat the skips of its capture")
+    model.eval()  # no draws outside training
+    assert trainer._why_no_graphs(model) == "some trainable parameters are not on the GPU"
+    model.train()
+    model.text_model.encoder.gradient_checkpointing = True  # as gradient_checkpointing_enable() sets it
+    assert trainer._why_no_graphs(model).startswith("gradient checkpointing replays the forward")
+    model.text_model.encoder.gradient_checkpointing = False
+    trainer.args.gradient_checkpointing = True
+    assert trainer._why_no_graphs(model).startswith("gradient checkpointing replays the forward")
+    trainer.args.no_grad_chunk_size = 8
+    assert trainer._why_no_graphs(model) == ("no_grad_chunk_size chunks the gradient-free pass otherwise "
+                                             "than the replays")

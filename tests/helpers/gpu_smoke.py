@@ -17,7 +17,8 @@ Cases:
 * ``trainer-<model>-<chunking>``: three bf16 steps of ``InfCLTrainer`` for CLIPModel, SiglipModel,
   Siglip2Model (NaFlex batches, rows of different numbers of patches), DualEncoder, AlignModel (a
   learned temperature, label smoothing) and ClapModel (audio-text, two learned scales), each with
-  a learned scale, with and without ``chunk_size``, and with ``chunk_cuda_graphs``. ALIGN's and
+  a learned scale, with and without ``chunk_size`` (the chunks as CUDA graphs, by default, and
+  eagerly, ``chunk_cuda_graphs=False``). ALIGN's and
   CLAP's BatchNorm layers are frozen (``freeze_batch_norm``) when chunked: gradient caching refuses
   batch statistics.
 * ``accelerate-example``: 20 steps of ``accelerate launch examples/train_clip.py``.
@@ -155,7 +156,13 @@ def run_compile_case(loss_name: str, m=4096, c=256):
     return {"seed": seed, "to_eager": to_eager, "to_float64": to_float64}
 
 
-def run_trainer_case(model_name: str, chunk_size: int | None, cuda_graphs: bool = False):
+# The families whose chunks the Trainer's default CUDA graphs capture with every transformers version
+# tested. SigLIP 2's position resizing, and the eager attention masks of ALIGN's and CLAP's text
+# towers, copy host tensors to the GPU in some versions (5.17): their default falls back to eager.
+GRAPHED_BY_DEFAULT = {"clip", "siglip", "dual-encoder"}
+
+
+def run_trainer_case(model_name: str, chunk_size: int | None, cuda_graphs: bool | None = None):
     from hf_infcl import InfCLTrainer
     from hf_infcl.batch_statistics import freeze_batch_norm
     from tests.helpers.trainer_fixtures import (
@@ -196,8 +203,15 @@ def run_trainer_case(model_name: str, chunk_size: int | None, cuda_graphs: bool 
                                  learning_rate=1e-2)
         trainer = InfCLTrainer(model=model, args=args, train_dataset=PairDataset(build[1](192)))
         trainer.train()
-    if cuda_graphs:  # 4 chunks of 16 per step: the no-grad chunk and the replay were captured
-        assert trainer._chunk_graphs.captured == 2, trainer._chunk_graphs.captured
+    graphs = trainer._chunk_graphs
+    if chunk_size is None or cuda_graphs is False:
+        assert graphs is None
+    elif model_name in GRAPHED_BY_DEFAULT:  # 4 chunks of 16 per step: the no-grad chunk and the replay
+        assert graphs is not None and graphs.failure is None and graphs.captured == 2, (
+            graphs and (graphs.captured, graphs.failure))
+    else:  # captured, or after a failed capture the eager fallback (its warning) trained the steps
+        assert graphs is not None, model_name
+        assert graphs.captured == 2 or graphs.failure.startswith("capturing a CUDA graph"), graphs.failure
     assert linear_dtypes == {torch.bfloat16}, f"bf16=True but Linear layers gave {linear_dtypes}"
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 3 and all(math.isfinite(value) for value in losses), losses
@@ -206,7 +220,7 @@ def run_trainer_case(model_name: str, chunk_size: int | None, cuda_graphs: bool 
              for name, before in learned.items()}
     assert all(moved.values()), f"learned scale/bias did not train: {moved}"
     assert next(model.parameters()).device.type == "cuda"
-    return {"losses": losses}
+    return {"losses": losses, "graphs": graphs and (graphs.failure or f"{graphs.captured} captured")}
 
 
 def run_accelerate_example():
@@ -237,7 +251,7 @@ def _cases():
         for chunk_size in (None, 16):
             name = f"trainer-{model_name}-" + ("whole-batch" if chunk_size is None else f"chunk{chunk_size}")
             cases[name] = (run_trainer_case, (model_name, chunk_size))
-        cases[f"trainer-{model_name}-chunk16-cuda-graphs"] = (run_trainer_case, (model_name, 16, True))
+        cases[f"trainer-{model_name}-chunk16-eager"] = (run_trainer_case, (model_name, 16, False))
     cases["accelerate-example"] = (run_accelerate_example, ())
     return cases
 
