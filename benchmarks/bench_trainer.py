@@ -21,6 +21,11 @@ $OUT is set, or to --csv.
     python benchmarks/bench_trainer.py                 # one H100, about 5-8 minutes
     python benchmarks/bench_trainer.py --tiny          # a CPU smoke run of the whole script
 
+Under ``torchrun`` both trainers run DDP, each rank on its own GPU with ``--vanilla-batch`` pairs
+(rank 0's step time is reported):
+
+    torchrun --nproc_per_node 2 benchmarks/bench_trainer.py --vanilla-batch 1536 --ours-factors ""
+
 ``--fsdp MODEL`` measures the same two figures under FSDP2 on every GPU of the machine, for
 ``decoder-1.5b`` (a Qwen2-1.5B-shaped decoder DualEncoder, last-token pooling, 128-token queries
 and documents) or ``vit-l14`` (CLIP ViT-L/14 at 224 px): the largest global batch of the plain
@@ -502,6 +507,9 @@ def main(argv=None):
             options.ours_batches = "32"
         fsdp_main(options, device_name())
         return
+    if "LOCAL_RANK" in os.environ and torch.cuda.is_available():
+        # under torchrun (DDP, --vanilla-batch per GPU): each rank's model and batches on its own GPU
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if options.start_batch is None:
         options.start_batch = 8 if options.tiny else 1024
     if options.max_batch is None:

@@ -21,6 +21,10 @@ signature.
 Random numbers: a graph reads the CUDA generator's seed and offset when it is replayed, so a
 replay under a restored RNG state draws the same dropout masks as an eager call from that state.
 
+Under DDP a graph's backward skips DDP's gradient hooks: run the encoders outside DDP's forward
+(e.g. the towers' feature methods), let the step's graphs accumulate the local gradients, and call
+:func:`average_gradients` after it, which reduces them as DDP's synchronised backward would.
+
 What a graph cannot hold, and what makes :meth:`ChunkGraphs.run` raise while capturing: host
 synchronisation in the encoder (``.item()``, ``nonzero``, data-dependent shapes), CPU tensors,
 collectives (a DDP or FSDP module's hooks). What a graph holds wrongly, without an error: Python
@@ -40,9 +44,10 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["ChunkGraphs"]
+__all__ = ["ChunkGraphs", "average_gradients"]
 
 logger = logging.getLogger(__name__)
 
@@ -258,3 +263,51 @@ def _outputs(result) -> tuple[torch.Tensor, ...]:
     if isinstance(result, (tuple, list)) and all(isinstance(r, torch.Tensor) for r in result):
         return tuple(result)
     raise TypeError(f"a graphed chunk call must return tensors or None, got {type(result).__name__}")
+
+
+# Gradients are averaged in flat buffers of at most this many bytes: few collectives, little extra memory.
+_BUCKET_BYTES = 64 * 2**20
+
+
+def average_gradients(parameters: Iterable[torch.Tensor], process_group=None) -> None:
+    """Average the ``.grad`` of ``parameters`` over the ranks of ``process_group`` (default: the
+    world), as DDP's synchronised backward does: what a cached step whose chunks ran as CUDA graphs
+    (which DDP's hooks do not see) needs before the optimizer step. Every rank calls it with the
+    same parameters in the same order; a parameter without a gradient on every rank is skipped,
+    and ranks that disagree on which have one get a ValueError, not a hang."""
+    with_grads = [param for param in parameters if param.requires_grad]
+    if not with_grads:
+        return
+    present = torch.tensor([param.grad is not None for param in with_grads], dtype=torch.int32,
+                           device=with_grads[0].device)
+    # one collective gives every rank the minimum and the maximum, so all decide alike
+    extremes = torch.cat([present, -present])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MIN, group=process_group)
+    if not torch.equal(extremes[: len(present)], -extremes[len(present):]):
+        raise ValueError("average_gradients: the ranks disagree on which parameters have a gradient")
+    grads = [param.grad for param in with_grads if param.grad is not None]
+    world = dist.get_world_size(process_group)
+    for bucket in _buckets(grads):
+        flat = torch.cat([grad.reshape(-1) for grad in bucket]).div_(world)
+        dist.all_reduce(flat, group=process_group)
+        offset = 0
+        for grad in bucket:
+            grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+
+def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``grads`` in order, cut into runs of one dtype and device of at most :data:`_BUCKET_BYTES`
+    (a larger gradient alone)."""
+    buckets, size = [], 0
+    for grad in grads:
+        nbytes = grad.numel() * grad.element_size()
+        last = buckets[-1] if buckets else None
+        if (last is None or (last[0].dtype, last[0].device) != (grad.dtype, grad.device)
+                or size + nbytes > _BUCKET_BYTES):
+            buckets.append([grad])
+            size = nbytes
+        else:
+            last.append(grad)
+            size += nbytes
+    return buckets

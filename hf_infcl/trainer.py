@@ -51,7 +51,7 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify
 
 from .batch_statistics import check_no_batch_statistics
 from .callbacks import ClampLogitScale
-from .chunk_graphs import ChunkGraphs
+from .chunk_graphs import ChunkGraphs, average_gradients
 from .distillation import contrastive_distillation_loss
 from .grad_cache import cached_step, split_batch, to_device
 from .loss import Objectives, _contrastive_loss
@@ -179,8 +179,7 @@ class InfCLTrainer(Trainer):
         if args.chunk_cuda_graphs:
             reason = self._why_graphs_cannot_run()
             if reason is not None:
-                raise ValueError(f"chunk_cuda_graphs=True runs in one process on one CUDA GPU without "
-                                 f"torch_compile: {reason}")
+                raise ValueError(f"chunk_cuda_graphs=True cannot run here: {reason}")
         if args.gradient_accumulation_steps > 1:
             warnings.warn(
                 "gradient accumulation does not add negatives: each micro-batch of "
@@ -432,9 +431,10 @@ class InfCLTrainer(Trainer):
         forward_context = self.compute_loss_context_manager
         chunk_graphs = self._graphs_for(model)
         if chunk_graphs is not None:
-            # One process (checked in __init__): nothing to keep from syncing. The two towers run
-            # on two streams, concurrently inside the graphs, through their feature methods, so
-            # the mixed-precision autocast Accelerate wraps around forward is entered here.
+            # No DDP hooks run (the towers are called through their feature methods, not DDP's
+            # forward): the gradients are averaged after the step. The two towers run on two
+            # streams, concurrently inside the graphs, so the mixed-precision autocast Accelerate
+            # wraps around forward is entered here.
             no_sync = None
             encode = functools.partial(self.family.encode_pairs_on_two_streams, model,
                                        key_stream=self._key_stream)
@@ -467,6 +467,10 @@ class InfCLTrainer(Trainer):
                 forward_context=forward_context,
                 chunk_graphs=chunk_graphs,
             )
+        several = self.accelerator.num_processes > 1
+        if chunk_graphs is not None and several and self.accelerator.sync_gradients:
+            # DDP's reduction, which its hooks would have made in a synchronised backward
+            average_gradients(model.parameters(), getattr(model, "process_group", None))
         # logged before the step, as the scale the loss used (ZeRO-3 frees it at the step)
         self._track(*result.embeddings, model, groups)
         if deepspeed and self.accelerator.sync_gradients:
@@ -503,12 +507,15 @@ class InfCLTrainer(Trainer):
     def _why_graphs_cannot_run(self) -> str | None:
         """What keeps the cached step's CUDA graphs from running at all (an explicit True is refused
         for it), or None."""
-        if self.args.device.type != "cuda":
-            return f"this run trains on {self.args.device.type}"
-        if self.accelerator.num_processes > 1 or self.is_fsdp_enabled or self.is_deepspeed_enabled:
-            return "DDP, FSDP and DeepSpeed reduce gradients in hooks that a CUDA graph would skip"
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            return "FSDP and DeepSpeed reduce (and shard) gradients in hooks that a CUDA graph would skip"
+        if self.accelerator.num_processes > 1 and self.args.chunk_gradient_sync == "chunk":
+            return ("chunk_gradient_sync='chunk' reduces the gradients in each replay's DDP hooks, which a "
+                    "CUDA graph would skip (the default 'step' averages them once after the graphs)")
         if self.args.torch_compile:
             return "torch_compile compiles the model itself"
+        if self.args.device.type != "cuda":
+            return f"this run trains on {self.args.device.type}, not on a CUDA GPU"
         return None
 
     def _why_no_graphs(self, model) -> str | None:

@@ -19,6 +19,7 @@ import torch
 from hf_infcl import contrastive_loss
 from hf_infcl.chunk_graphs import ChunkGraphs
 from hf_infcl.grad_cache import cached_step, split_batch
+from tests.helpers.offline import run_two_processes
 from tests.helpers.trainer_fixtures import (
     clip_batch,
     naflex_batch,
@@ -31,6 +32,8 @@ from tests.helpers.trainer_fixtures import (
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def clip_encoder(model):
@@ -701,3 +704,10 @@ def test_a_shared_tower_on_two_streams_under_bf16_autocast_gives_the_one_stream_
                 param.add_(torch.randn_like(param), alpha=1e-2)
     if graphed:
         assert graphs.captured == 2
+
+
+def test_average_gradients_averages_over_the_ranks_as_ddp_does():
+    """Two gloo processes: hf_infcl.chunk_graphs.average_gradients (what the Trainer's graphed cached
+    step runs under DDP) gives every rank the mean of the ranks' gradients, in several buckets of two
+    dtypes, skips parameters without one, and ranks that disagree on which have one all raise."""
+    run_two_processes(os.path.join(REPO, "tests", "helpers", "average_gradients_worker.py"), timeout=120)

@@ -38,7 +38,7 @@ from tests.helpers.trainer_fixtures import (
     trained_parameters,
     trainer_arguments,
 )
-from tests.helpers.trainer_workers import PAIRS, TWO_PROCESS_SETTINGS, VARIANTS
+from tests.helpers.trainer_workers import CUDA_VARIANTS, PAIRS, TWO_PROCESS_SETTINGS, VARIANTS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -154,14 +154,28 @@ def test_two_processes_match_one_process_on_the_concatenated_batch(tmp_path):
     assert_trainer_runs_match_one_process(tmp_path)
 
 
-def assert_trainer_runs_match_one_process(out_dir) -> None:
-    """What ``tests/helpers/trainer_workers.py`` wrote under ``out_dir`` (every variant: parameters
-    after two steps, logged loss and accuracy) equals one process trained on all its pairs."""
+@pytest.mark.gpu
+def test_ddp_on_two_gpus_with_the_default_cuda_graphs_matches_one_process(tmp_path):
+    """torchrun, 2 GPUs x 8 pairs (DDP over NCCL, the ring): the cached step with the default CUDA
+    graphs (whose backward DDP's hooks do not see: the gradients are averaged after the step), with
+    offload, and eager == 1 process x 16 pairs on the CPU, exact fp32 on both."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    run_two_processes(os.path.join(REPO, "tests", "helpers", "trainer_workers.py"), tmp_path, "cuda",
+                      cuda=True, timeout=300)
+    assert_trainer_runs_match_one_process(tmp_path, CUDA_VARIANTS)
+
+
+def assert_trainer_runs_match_one_process(out_dir, variants=VARIANTS) -> None:
+    """What ``tests/helpers/trainer_workers.py`` wrote under ``out_dir`` (each of ``variants``:
+    parameters after two steps, logged loss and accuracy) equals one process trained on all its
+    pairs."""
     single = train(out_dir / "single", tiny_clip(dropout=0.0), PairDataset(clip_batch(PAIRS)),
                    per_device_train_batch_size=PAIRS, **TWO_PROCESS_SETTINGS)
     one_logs = [entry for entry in single.state.log_history if "loss" in entry]
-    for variant in VARIANTS:
-        assert_same_parameters(torch.load(out_dir / f"parameters-{variant}.pt"), trained_parameters(single))
+    for variant in variants:
+        assert_same_parameters(torch.load(out_dir / f"parameters-{variant}.pt", map_location="cpu"),
+                               trained_parameters(single))
         with open(out_dir / f"log_history-{variant}.json") as handle:
             several_logs = [entry for entry in json.load(handle) if "loss" in entry]
         for several, one in zip(several_logs, one_logs, strict=True):
@@ -669,7 +683,7 @@ def test_bad_arguments_and_combinations_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="chunk_cuda_graphs=True needs the no-grad pass to chunk like"):
         InfCLTrainingArguments(output_dir=str(tmp_path), chunk_size=4, no_grad_chunk_size=8,
                                chunk_cuda_graphs=True, use_cpu=True)
-    with pytest.raises(ValueError, match="chunk_cuda_graphs=True runs in one process on one CUDA GPU"):
+    with pytest.raises(ValueError, match="^chunk_cuda_graphs=True cannot run here: this run trains on cpu"):
         graphed = trainer_arguments(tmp_path, chunk_size=4, chunk_cuda_graphs=True)
         InfCLTrainer(model=tiny_clip(), args=graphed)
     with pytest.raises(ValueError, match="contrastive_loss"):
@@ -758,8 +772,19 @@ def test_the_default_chunk_cuda_graphs_stay_off_where_they_would_not_be_exact_an
         trainer.train()
     said = [record.getMessage() for record in caplog.records if "without CUDA graphs" in record.getMessage()]
     assert said == ["InfCLTrainer: the cached step runs its chunks without CUDA graphs: this run trains on "
-                    "cpu (chunk_cuda_graphs=None decided so; True asks for them)."]
+                    "cpu, not on a CUDA GPU (chunk_cuda_graphs=None decided so; True asks for them)."]
     assert trainer._chunk_graphs is None
+
+    # What keeps them from running at all (an explicit True is refused for it). Several processes
+    # under DDP do not: the gradients are averaged after the graphs, unless each replay must reduce.
+    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda _: 2))
+    trainer.args.chunk_gradient_sync = "chunk"
+    assert trainer._why_graphs_cannot_run().startswith("chunk_gradient_sync='chunk' reduces the gradients")
+    trainer.args.chunk_gradient_sync = "step"
+    assert trainer._why_graphs_cannot_run() == "this run trains on cpu, not on a CUDA GPU"
+    trainer.is_fsdp_enabled = True
+    assert trainer._why_graphs_cannot_run().startswith("FSDP and DeepSpeed reduce (and shard) gradients")
+    trainer.is_fsdp_enabled = False
 
     # What the default weighs once a GPU is there (stood in for: the device checks pass, and the
     # GPU's memory is as given).

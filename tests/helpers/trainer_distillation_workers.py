@@ -76,7 +76,7 @@ def main(out_dir: str) -> None:
         if source == "model":
             batch = {name: value for name, value in batch.items() if name not in TEACHER_COLUMNS}
             settings["teacher_logit_scale"] = None  # the teacher model's own
-        for name, (chunk_size, offload) in VARIANTS.items():
+        for name, (chunk_size, offload, _) in VARIANTS.items():
             args = trainer_arguments(os.path.join(out_dir, f"{source}-{name}"), chunk_size=chunk_size,
                                      per_device_train_batch_size=PAIRS // world_size, offload=offload,
                                      **settings)
