@@ -176,8 +176,11 @@ def cached_step(
             hf_infcl.sharding.deepspeed_no_sync(engine)`` and ``engine.step()`` after the cached step.
         chunk_graphs: a :class:`hf_infcl.chunk_graphs.ChunkGraphs` kept across steps: the no-grad
             pass and the replays run as CUDA graphs, one per chunk shape, which
-            removes the launch overhead that makes small chunks slow. One process only (no
-            ``no_sync``, no ``backward`` hook); the two passes must chunk alike.
+            removes the launch overhead that makes small chunks slow. No ``no_sync`` and no
+            ``backward`` hook (a graph skips DDP's, FSDP's and DeepSpeed's gradient hooks): under
+            DDP, call the encoders outside DDP's forward and
+            :func:`hf_infcl.chunk_graphs.average_gradients` after the step. The two passes must
+            chunk alike.
 
     Returns:
         :class:`CachedStepOutput` with the detached loss and embeddings.

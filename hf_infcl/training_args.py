@@ -178,12 +178,13 @@ class InfCLTrainingArguments(TrainingArguments):
         metadata={"help": "Run the chunks of a cached step (chunk_size) as CUDA graphs, one per chunk shape, "
                           "with the two towers on two CUDA streams: removes the kernel-launch overhead that "
                           "makes small chunks of a small model slow. Keeps about one chunk's activations and "
-                          "one gradient buffer allocated between steps. None (default): on wherever the "
-                          "graphs give the eager step's gradients (one process on one CUDA GPU, no "
-                          "torch_compile, FSDP or DeepSpeed, no gradient checkpointing or layerdrop, the "
-                          "gradient buffer within 1/16 of the GPU's memory), else off, the reason logged "
-                          "once; a chunk call that cannot be captured runs eagerly from then on, with a "
-                          "warning. True: on, an error where they cannot run. False: off."},
+                          "one gradient buffer per chunk shape allocated between steps. None (default): on "
+                          "wherever the graphs give the eager step's gradients (CUDA, one process or DDP "
+                          "with the gradients averaged after the step, no torch_compile, FSDP, DeepSpeed, "
+                          "gradient checkpointing or layerdrop, the gradient buffers within 1/8 of the GPU's "
+                          "memory), else off, the reason logged once; a chunk call that cannot be captured "
+                          "runs eagerly from then on, with a warning. True: on, an error where they cannot "
+                          "run. False: off."},
     )
     loss_backend: BackendName = field(
         default="auto",
