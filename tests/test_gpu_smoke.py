@@ -52,8 +52,8 @@ def test_case_list_covers_every_model_family_and_option():
     names = set(CASES)
     models = ["clip", "siglip", "siglip2", "dual-encoder", "align", "clap"]
     for model in models:
-        assert {f"trainer-{model}-whole-batch", f"trainer-{model}-chunk16",
-                f"trainer-{model}-chunk16-cuda-graphs"} <= names
+        assert {f"trainer-{model}-whole-batch", f"trainer-{model}-chunk16",  # the default: CUDA graphs
+                f"trainer-{model}-chunk16-eager"} <= names
     for loss in ("softmax-sym", "softmax-asym", "sigmoid"):
         assert {f"loss-{loss}-{dtype}" for dtype in ("bf16", "fp16", "fp32")} <= names
     assert {"accelerate-example", "compile-softmax-sym", "compile-sigmoid"} <= names
