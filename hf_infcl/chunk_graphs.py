@@ -129,9 +129,13 @@ class ChunkGraphs:
             # would refuse every later eager draw of the process.
             cuda_generator = torch.cuda.default_generators[torch.cuda.current_device()]
             rng_states = torch.get_rng_state(), cuda_generator.clone_state()
+            # ... and the current stream: torch.cuda.graph leaves its capture stream current when
+            # the capture's end fails
+            stream = torch.cuda.current_stream()
             try:
                 captured = self._capture(site, fn, leaves, spec)
             except RuntimeError as error:
+                torch.cuda.set_stream(stream)
                 torch.set_rng_state(rng_states[0])
                 cuda_generator.graphsafe_set_state(rng_states[1])
                 self._fail(str(error))

@@ -155,6 +155,24 @@ class InfCLTrainer(Trainer):
         self._chunk_graphs = None  # ChunkGraphs of the cached step, made at its first call
         self._graphs_decided = False  # whether the first cached step has decided on them
 
+    def train(self, *args, **kwargs):
+        """``Trainer.train``; under DDP, where the cached step may run CUDA graphs, on a CUDA stream
+        of its own (:meth:`_ddp_graphs_stream`)."""
+        stream = self._ddp_graphs_stream()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            return super().train(*args, **kwargs)
+
+    def _ddp_graphs_stream(self):
+        """A new CUDA stream where DDP may meet the cached step's CUDA graphs, else None. DDP keeps
+        each parameter's gradient accumulator (an autograd node) from its construction, bound to
+        the stream current then; a backward waits on that stream at its end, and a capture cannot
+        wait on the legacy default stream. Wrapped and trained on a stream of its own, the model's
+        replays can be captured."""
+        args = self.args
+        graphs_possible = (args.chunk_size is not None and args.chunk_cuda_graphs is not False
+                           and self.accelerator.num_processes > 1 and self._why_graphs_cannot_run() is None)
+        return torch.cuda.Stream() if graphs_possible else None
+
     def _check_combinations(self):
         args = self.args
         if args.n_gpu > 1:

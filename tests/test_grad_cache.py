@@ -529,6 +529,7 @@ def test_chunks_the_graphs_leave_to_eager_mode_give_the_uncached_gradients_in_fl
     else:
         graphs = ChunkGraphs(model.parameters(), max_graphs=1)
         encoder = encode
+    stream = torch.cuda.current_stream()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(4):
@@ -539,6 +540,7 @@ def test_chunks_the_graphs_leave_to_eager_mode_give_the_uncached_gradients_in_fl
                                  chunk_graphs=graphs)
             torch.testing.assert_close(result.loss, reference_loss, rtol=1e-12, atol=1e-12)
             assert_same_grads(parameter_grads(model), reference, rtol=1e-10, atol=1e-12)
+    assert torch.cuda.current_stream() == stream  # not the failed capture's stream
     failures = [str(warning.message) for warning in caught if "run eagerly" in str(warning.message)]
     if how == "failed-capture":
         assert graphs.captured == 0 and graphs.failure is not None

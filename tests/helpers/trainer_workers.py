@@ -59,13 +59,10 @@ def main(out_dir: str, device: str = "cpu") -> None:
         trainer = InfCLTrainer(model=tiny_clip(dropout=0.0), args=args, train_dataset=dataset)
         assert trainer.accelerator.num_processes == world_size, trainer.accelerator.num_processes
         trainer.train()
-        if on_gpu and graphs is None:
-            # 2 chunks per step: the third call of each pass is captured, or where DDP's gradient
-            # hooks keep the backward from being captured, the steps run eagerly after a warning
+        if on_gpu and graphs is None:  # 2 chunks per step: the third call of each pass was captured
             chunk_graphs = trainer._chunk_graphs
-            assert chunk_graphs is not None, name
-            assert chunk_graphs.captured == 2 or chunk_graphs.failure is not None, name
-            print(f"{name}: {chunk_graphs.failure or f'{chunk_graphs.captured} graphs captured'}", flush=True)
+            assert chunk_graphs is not None and chunk_graphs.failure is None, (name, chunk_graphs.failure)
+            assert chunk_graphs.captured == 2, (name, chunk_graphs.captured)
         if trainer.accelerator.is_main_process:
             torch.save(trained_parameters(trainer), os.path.join(out_dir, f"parameters-{name}.pt"))
             with open(os.path.join(out_dir, f"log_history-{name}.json"), "w") as handle:
