@@ -14,16 +14,19 @@ into the graph's static inputs and replays it. A graph that backpropagates write
 gradients into buffers of its own; each replay adds them to ``.grad``, so a step accumulates as
 eager backward passes do and ``zero_grad(set_to_none=True)`` stays safe.
 
-Costs: all graphs share one memory pool, which keeps about one chunk's activations (and one
-gradient buffer per parameter) allocated between steps; a capture takes a moment once per
-signature.
+Costs: all graphs share one memory pool, which keeps about one chunk's activations (and, per
+graph that backpropagates, one gradient buffer per parameter) allocated between steps; a capture
+takes a moment once per signature.
 
 Random numbers: a graph reads the CUDA generator's seed and offset when it is replayed, so a
 replay under a restored RNG state draws the same dropout masks as an eager call from that state.
 
 Under DDP a graph's backward skips DDP's gradient hooks: run the encoders outside DDP's forward
 (e.g. the towers' feature methods), let the step's graphs accumulate the local gradients, and call
-:func:`average_gradients` after it, which reduces them as DDP's synchronised backward would.
+:func:`average_gradients` after it, which reduces them as DDP's synchronised backward would. Wrap
+the model in DDP while a stream other than the default one is current, and train on it: DDP keeps
+each parameter's gradient accumulator, with the stream current at the wrap, and a captured
+backward cannot wait on the default stream.
 
 What a graph cannot hold, and what makes :meth:`ChunkGraphs.run` raise while capturing: host
 synchronisation in the encoder (``.item()``, ``nonzero``, data-dependent shapes), CPU tensors,
