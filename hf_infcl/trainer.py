@@ -159,8 +159,15 @@ class InfCLTrainer(Trainer):
         """``Trainer.train``; under DDP, where the cached step may run CUDA graphs, on a CUDA stream
         of its own (:meth:`_ddp_graphs_stream`)."""
         stream = self._ddp_graphs_stream()
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        if stream is None:
             return super().train(*args, **kwargs)
+        caller = torch.cuda.current_stream()
+        stream.wait_stream(caller)  # what the caller queued before (the model's moves)
+        try:
+            with torch.cuda.stream(stream):
+                return super().train(*args, **kwargs)
+        finally:
+            caller.wait_stream(stream)  # the caller reads the trained model on its own stream
 
     def _ddp_graphs_stream(self):
         """A new CUDA stream where DDP may meet the cached step's CUDA graphs, else None. DDP keeps
