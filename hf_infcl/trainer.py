@@ -452,18 +452,10 @@ class InfCLTrainer(Trainer):
             reduce_once = self.args.chunk_gradient_sync == "step"
             no_sync = functools.partial(self.accelerator.no_sync, model) if reduce_once else None
             backward = None
-        encode = functools.partial(self.family.encode_pairs, model)
-        forward_context = self.compute_loss_context_manager
         chunk_graphs = self._graphs_for(model)
+        encode, forward_context = self._chunk_encoder(model, chunk_graphs)
         if chunk_graphs is not None:
-            # No DDP hooks run (the towers are called through their feature methods, not DDP's
-            # forward): the gradients are averaged after the step. The two towers run on two
-            # streams, concurrently inside the graphs, so the mixed-precision autocast Accelerate
-            # wraps around forward is entered here.
-            no_sync = None
-            encode = functools.partial(self.family.encode_pairs_on_two_streams, model,
-                                       key_stream=self._key_stream)
-            forward_context = self.accelerator.autocast
+            no_sync = None  # no DDP hooks run: the gradients are averaged after the step
 
         def loss_fn(queries, keys, *params):
             return self._contrastive(model, queries, keys, groups, *params, teacher=teacher)
@@ -501,6 +493,17 @@ class InfCLTrainer(Trainer):
         if deepspeed and self.accelerator.sync_gradients:
             model.step()  # the optimizer and scheduler the Trainer steps are DeepSpeed's no-op wrappers
         return result.loss.to(self.args.device) / ga_steps
+
+    def _chunk_encoder(self, model, chunk_graphs):
+        """(encode, forward_context) of the cached step's chunks: the model's forward (so that DDP's
+        hooks run) in the Trainer's loss context; or, with ``chunk_graphs``, the two towers through
+        their feature methods (outside DDP's forward), concurrently on two streams, inside the
+        graphs too, under the mixed-precision autocast Accelerate would wrap around forward."""
+        if chunk_graphs is None:
+            return functools.partial(self.family.encode_pairs, model), self.compute_loss_context_manager
+        encode = functools.partial(self.family.encode_pairs_on_two_streams, model,
+                                   key_stream=self._key_stream)
+        return encode, self.accelerator.autocast
 
     def _gather_context(self, model):
         """Under FSDP2 with chunk_parameter_gather='step': the sharded units' parameters are
