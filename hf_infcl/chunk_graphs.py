@@ -50,6 +50,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .ops.options import check_bool
+
 __all__ = ["ChunkGraphs", "average_gradients"]
 
 logger = logging.getLogger(__name__)
@@ -83,8 +85,7 @@ class ChunkGraphs:
         if max_graphs is not None and (not isinstance(max_graphs, int) or isinstance(max_graphs, bool)
                                        or max_graphs < 1):
             raise ValueError(f"max_graphs must be an int >= 1 or None, got {max_graphs!r}")
-        if not isinstance(eager_on_failure, bool):
-            raise TypeError(f"eager_on_failure must be a bool, got {type(eager_on_failure).__name__}")
+        check_bool("eager_on_failure", eager_on_failure)
         unique = {id(p): p for p in parameters if isinstance(p, torch.Tensor) and p.requires_grad}
         self.parameters = list(unique.values())
         for param in self.parameters:

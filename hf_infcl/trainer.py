@@ -49,7 +49,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import EvalLoopContainer, find_batch_size, nested_detach
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
-from .batch_statistics import check_no_batch_statistics
+from .batch_statistics import check_no_batch_statistics, listed_names
 from .callbacks import ClampLogitScale
 from .chunk_graphs import ChunkGraphs, average_gradients
 from .distillation import contrastive_distillation_loss
@@ -563,8 +563,8 @@ class InfCLTrainer(Trainer):
                     "inside a graph")
         host_draws = host_random_draws_in_training(inner)
         if host_draws:
-            return (f"the model skips layers at random on the host ({', '.join(host_draws)}): a graph would "
-                    "repeat the skips of its capture")
+            return (f"the model skips layers at random on the host ({listed_names(host_draws)}): a graph "
+                    "would repeat the skips of its capture")
         trainable = [param for param in inner.parameters() if param.requires_grad]
         buffers = _DEFAULT_MAX_GRAPHS * sum(param.numel() * param.element_size() for param in trainable)
         memory = torch.cuda.get_device_properties(args.device).total_memory
