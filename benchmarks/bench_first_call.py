@@ -7,6 +7,7 @@ a job do on one machine: one tunes, the others wait for it and load.
 
     python benchmarks/bench_first_call.py --b 32768 --c 512 --runs 3
     python benchmarks/bench_first_call.py --at-once 2
+    python benchmarks/bench_first_call.py --new-triton-cache --warm-start off   # fresh machine, no warm start
 """
 
 from __future__ import annotations
@@ -46,9 +47,18 @@ def main(argv=None):
     parser.add_argument("--loss", choices=["softmax", "sigmoid"], default="softmax")
     parser.add_argument("--runs", type=int, default=3, help="processes one after the other")
     parser.add_argument("--at-once", type=int, default=1, help="processes started together, per run")
+    parser.add_argument("--warm-start", choices=["on", "off"], default="on",
+                        help="Triton's per-process setup in a background thread from `import hf_infcl` "
+                             "(HF_INFCL_TRITON_WARM_START; on by default)")
+    parser.add_argument("--new-triton-cache", action="store_true",
+                        help="a new empty Triton compile cache (TRITON_CACHE_DIR) for these runs, as on a "
+                             "fresh machine: the first run compiles every kernel and its launcher")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as store:
-        env = {**os.environ, "HF_INFCL_CACHE": store, "PYTHONPATH": str(ROOT)}
+    with tempfile.TemporaryDirectory() as store, tempfile.TemporaryDirectory() as triton_cache:
+        env = {**os.environ, "HF_INFCL_CACHE": store, "PYTHONPATH": str(ROOT),
+               "HF_INFCL_TRITON_WARM_START": "1" if args.warm_start == "on" else "0"}
+        if args.new_triton_cache:
+            env["TRITON_CACHE_DIR"] = triton_cache
         env.pop("HF_INFCL_TRITON_AUTOTUNE", None)
         command = [sys.executable, "-c", FIRST_CALL, str(args.b), str(args.c), args.loss]
         for run in range(args.runs):

@@ -12,6 +12,7 @@ from importlib import metadata as _metadata
 
 from .distillation import contrastive_distillation_loss
 from .loss import InfCLLoss, contrastive_loss
+from .ops import warm_start as _warm_start
 from .ops.tiled import TorchTiles
 
 try:
@@ -35,6 +36,11 @@ __all__ = ["contrastive_loss", "contrastive_distillation_loss", "InfCLLoss", "To
 
 def __getattr__(name):
     if name in _LAZY:
+        _warm_start.wait()  # its thread may be importing the Triton route right now
         module = import_module(_LAZY[name], __name__)
         return module if name == "losses" else getattr(module, name)
     raise AttributeError(f"module 'hf_infcl' has no attribute {name!r}")
+
+
+# Triton's once-per-process setup, in a background thread (nothing on CPU-only builds)
+_warm_start.start()

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import custom_ops, ring
+from . import custom_ops, ring, warm_start
 from .key_blocks import SINGLE_BLOCK, KeyBlockLogitStats
 from .spec import BlockOps, StatsSpec, accumulation_dtype
 from .value_check import deferred_check
@@ -159,6 +159,7 @@ def backend_name(backend: str, device: torch.device) -> str:
 def _triton_importable() -> bool:
     # assume_constant_result: torch.compile calls this once while tracing and keeps the answer,
     # instead of tracing an import.
+    warm_start.wait()  # its thread may be importing the route right now
     try:
         from . import triton  # noqa: F401
     except ImportError:

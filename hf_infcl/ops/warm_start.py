@@ -1,0 +1,79 @@
+"""Triton's once-per-process setup, started in a background thread at ``import hf_infcl``.
+
+Before a process's first Triton launch, whatever the kernel, Triton hashes its own compiler
+(hundreds of MB of ``libtriton``) for its cache keys, finds ``libcuda`` and loads its driver
+module; the Triton route's own modules must be imported too. Together that is most of a warm
+process's first loss call (the kernels themselves load from Triton's disk cache). None of it needs
+the GPU, so it runs in a daemon thread while the user's script goes on building its model.
+
+The thread never initialises CUDA (``CUDA_VISIBLE_DEVICES`` set after ``import hf_infcl`` keeps
+working), and it is joined before anything uses the Triton route (:func:`wait`) and before the
+process forks (a child must not inherit a half-held import lock). A failure in it is logged at
+DEBUG level and changes nothing: the first call then does the same work itself, as it would
+without this module. ``HF_INFCL_TRITON_WARM_START=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import threading
+
+import torch
+
+__all__ = ["start", "wait"]
+
+logger = logging.getLogger(__name__)
+
+ENVIRONMENT_VARIABLE = "HF_INFCL_TRITON_WARM_START"
+
+_thread: threading.Thread | None = None
+_lock = threading.Lock()
+
+
+def start() -> bool:
+    """Start the setup in a daemon thread, once per process; whether a thread was started.
+
+    Nothing starts on a CPU-only build of torch, without Triton, under the Triton interpreter,
+    or with ``HF_INFCL_TRITON_WARM_START=0``."""
+    global _thread
+    with _lock:
+        if _thread is not None or not _wanted():
+            return False
+        _thread = threading.Thread(target=_warm_start, name="hf_infcl-triton-warm-start", daemon=True)
+        _thread.start()
+    return True
+
+
+def wait() -> None:
+    """Return once the setup thread (if any) has finished."""
+    thread = _thread
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
+
+
+def _wanted() -> bool:
+    if os.environ.get(ENVIRONMENT_VARIABLE, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the interpreter has nothing to warm
+        return False
+    # torch.version.cuda, not torch.cuda.is_available(): the latter would initialise CUDA here
+    return torch.version.cuda is not None and importlib.util.find_spec("triton") is not None
+
+
+def _warm_start() -> None:
+    try:
+        # the Triton route: imports Triton and the kernels' modules
+        importlib.import_module(".triton", __package__)
+        from triton.runtime import cache, driver
+
+        cache.triton_key()  # cached by Triton for the process: the hash of its compiler
+        driver.active.utils  # noqa: B018  (builds or loads Triton's driver module; no CUDA context)
+    except Exception:  # the first call does the same work itself
+        logger.debug("hf_infcl: Triton's warm start failed", exc_info=True)
+
+
+# A fork while the thread holds an import lock would leave the child unable to import that module.
+os.register_at_fork(before=wait)
