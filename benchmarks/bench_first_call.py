@@ -31,6 +31,7 @@ k = torch.nn.functional.normalize(torch.randn(b, c, device="cuda"), dim=1).bfloa
 log_scale = torch.tensor(2.3, device="cuda", requires_grad=True)
 bias = torch.tensor(-10.0, device="cuda", requires_grad=True) if loss == "sigmoid" else None
 torch.cuda.synchronize()
+time.sleep(float(sys.argv[4]))  # what a script builds between import and its first step
 start = time.perf_counter()
 value = contrastive_loss(q, k, log_scale.exp(), bias, loss=loss)
 value.backward()
@@ -53,6 +54,9 @@ def main(argv=None):
     parser.add_argument("--new-triton-cache", action="store_true",
                         help="a new empty Triton compile cache (TRITON_CACHE_DIR) for these runs, as on a "
                              "fresh machine: the first run compiles every kernel and its launcher")
+    parser.add_argument("--setup-seconds", type=float, default=0.0,
+                        help="seconds each process waits between creating its inputs and the first call, "
+                             "standing in for the model and data a training script builds there")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as store, tempfile.TemporaryDirectory() as triton_cache:
         env = {**os.environ, "HF_INFCL_CACHE": store, "PYTHONPATH": str(ROOT),
@@ -60,7 +64,8 @@ def main(argv=None):
         if args.new_triton_cache:
             env["TRITON_CACHE_DIR"] = triton_cache
         env.pop("HF_INFCL_TRITON_AUTOTUNE", None)
-        command = [sys.executable, "-c", FIRST_CALL, str(args.b), str(args.c), args.loss]
+        command = [sys.executable, "-c", FIRST_CALL, str(args.b), str(args.c), args.loss,
+                   str(args.setup_seconds)]
         for run in range(args.runs):
             start = time.perf_counter()
             processes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
