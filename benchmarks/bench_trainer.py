@@ -168,6 +168,51 @@ class StepTimer(TrainerCallback):
         return (timed[-1] - timed[0]) / (len(timed) - 1) if len(timed) > 1 else float("nan")
 
 
+class StepProfiler(TrainerCallback):
+    """torch.profiler over one step (the ``step``-th, 1-based): how much of its wall time the GPU
+    was busy (the union of kernel intervals; two streams overlap, so the kernels' sum can exceed
+    it), and its kernels grouped by name."""
+
+    def __init__(self, step: int):
+        self.step, self.profiler, self.report = step, None, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            from torch.profiler import ProfilerActivity, profile
+
+            synchronize_device()
+            # CPU: no kernels to report, but the --tiny smoke run still goes through the code
+            cuda = torch.cuda.is_available()
+            self.profiler = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+            self.profiler.__enter__()
+            self.started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.profiler is None or state.global_step != self.step:
+            return
+        synchronize_device()
+        wall_ms = (time.perf_counter() - self.started) * 1e3
+        self.profiler.__exit__(None, None, None)
+        kernels = [event for event in self.profiler.events()
+                   if event.device_type == torch.autograd.DeviceType.CUDA]
+        self.profiler = None
+        busy_us, end_us = 0.0, float("-inf")
+        for start, stop in sorted((k.time_range.start, k.time_range.end) for k in kernels):
+            busy_us += max(0.0, stop - max(start, end_us))
+            end_us = max(end_us, stop)
+        by_name, calls = {}, {}
+        for kernel in kernels:
+            name = kernel.name[:100]
+            by_name[name] = by_name.get(name, 0.0) + kernel.device_time / 1e3
+            calls[name] = calls.get(name, 0) + 1
+        busy_ms = busy_us / 1e3
+        lines = [f"step {wall_ms:.1f} ms, GPU busy {busy_ms:.1f} ms ({busy_ms / wall_ms:.0%}), kernels "
+                 f"{sum(by_name.values()):.1f} ms in {len(kernels)} launches; by name (ms, launches):"]
+        for name, ms in sorted(by_name.items(), key=lambda item: -item[1])[:25]:
+            lines.append(f"      {ms:8.2f} {calls[name]:6d}  {name}")
+        self.report = "\n".join(lines)
+
+
 def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
@@ -183,16 +228,20 @@ def print_rows(rows, widths, peak: str = "peak GiB") -> None:
 
 
 def run(kind: str, batch: int, steps: int, options, chunk_size=None, offload=False, cuda_graphs=None,
-        warmup=1):
+        warmup=1, profile=False):
     """Train ``steps`` steps; return (seconds per step after ``warmup`` steps, peak GiB), or None
-    when the device (or, with offload, pinned host memory) runs out of memory."""
+    when the device (or, with offload, pinned host memory) runs out of memory. ``profile``: one
+    more step under the profiler, outside the timed ones; its report is printed."""
     config = clip_b32_config(options.tiny)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     common = dict(output_dir=os.path.join(options.work_dir, kind), per_device_train_batch_size=batch,
-                  max_steps=steps, bf16=not options.tiny, report_to="none", save_strategy="no",
+                  max_steps=steps + (1 if profile else 0), bf16=not options.tiny, report_to="none",
+                  save_strategy="no",
                   logging_strategy="no", disable_tqdm=True, remove_unused_columns=False,
                   dataloader_pin_memory=False, use_cpu=not torch.cuda.is_available(), seed=0)
     timer = StepTimer()
+    profiler = StepProfiler(steps + 1) if profile else None
+    callbacks = [timer] + ([profiler] if profiler else [])
     trainer = model = None
     free_memory(reset_peak_stats=True)
     try:
@@ -202,17 +251,19 @@ def run(kind: str, batch: int, steps: int, options, chunk_size=None, offload=Fal
         if kind == "vanilla":
             args = TrainingArguments(**common)
             collator = SyntheticPairs(config, device, on_host=False, return_loss=True)
-            trainer = Trainer(model=model, args=args, train_dataset=Indices(batch * steps),
-                              data_collator=collator, callbacks=[timer])
+            trainer = Trainer(model=model, args=args, train_dataset=Indices(batch * common["max_steps"]),
+                              data_collator=collator, callbacks=callbacks)
         else:
             args = InfCLTrainingArguments(**common, chunk_size=chunk_size, offload=offload,
                                           chunk_cuda_graphs=cuda_graphs)
             collator = SyntheticPairs(config, device, on_host=offload, return_loss=False)
-            trainer = InfCLTrainer(model=model, args=args, train_dataset=Indices(batch * steps),
-                                   data_collator=collator, callbacks=[timer])
+            trainer = InfCLTrainer(model=model, args=args, train_dataset=Indices(batch * common["max_steps"]),
+                                   data_collator=collator, callbacks=callbacks)
         trainer.remove_callback(PrinterCallback)
         trainer.train()
         peak = peak_gib()
+        if profiler is not None and profiler.report and int(os.environ.get("RANK", "0")) == 0:
+            print(f"    profile of {kind}: {profiler.report}", flush=True)
         graphs = getattr(trainer, "_chunk_graphs", None)
         if graphs is not None:  # what the cached step's chunks ran as
             failed = f"; eager after a failed capture: {graphs.failure}" if graphs.failure else ""
@@ -227,6 +278,8 @@ def run(kind: str, batch: int, steps: int, options, chunk_size=None, offload=Fal
             trainer.accelerator.free_memory()
         del trainer, model
         free_memory(reset_peak_stats=True)
+    if profile:
+        timer.ends = timer.ends[:steps]  # the profiled step is not timed
     return timer.seconds_per_step(warmup), peak
 
 
@@ -486,6 +539,9 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5, help="timed steps for samples/s")
     parser.add_argument("--csv", default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="step 3: one more step per config under torch.profiler (not timed): GPU busy "
+                             "time and kernels by name")
     parser.add_argument("--work-dir", default="/tmp/bench_trainer")
     parser.add_argument("--fsdp", choices=["decoder-1.5b", "vit-l14"], default=None,
                         help="measure this model under FSDP2 on every GPU (see the module docstring)")
@@ -581,7 +637,7 @@ def main(argv=None):
     vanilla_rate = None
     for label, kind, kwargs in configs:
         result = run(kind, b_v, options.warmup + options.steps, options, warmup=max(options.warmup, 1),
-                     **kwargs)
+                     profile=options.profile, **kwargs)
         if result is None:
             rate, peak = float("nan"), float("nan")
             print(f"  {label}: OOM at B_v", flush=True)
