@@ -108,6 +108,21 @@ def test_a_failing_warm_start_is_logged_and_the_loss_still_runs(monkeypatch, cap
     assert torch.isfinite(loss)
 
 
+def test_wait_gives_up_on_a_stuck_thread_with_a_warning(monkeypatch, caplog):
+    """A warm start that never ends (a stuck lock, say) holds the caller up for WAIT_SECONDS only."""
+    import threading
+
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, daemon=True)
+    stuck.start()
+    monkeypatch.setattr(warm_start, "_thread", stuck)
+    monkeypatch.setattr(warm_start, "WAIT_SECONDS", 0.2)
+    with caplog.at_level("WARNING", logger=warm_start.__name__):
+        warm_start.wait()
+    release.set()
+    assert "still running after 0.2 s" in caplog.text
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_the_thread_runs_at_import_and_leaves_cuda_uninitialised():
     """A fresh process on a CUDA machine: ``import hf_infcl`` starts the thread; once it is done,

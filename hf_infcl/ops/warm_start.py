@@ -47,11 +47,20 @@ def start() -> bool:
     return True
 
 
+# The setup takes about a second; a thread still running after this long is stuck on something
+# (a lock on Triton's cache held by another process, say) that the caller would meet anyway.
+WAIT_SECONDS = 120.0
+
+
 def wait() -> None:
-    """Return once the setup thread (if any) has finished."""
+    """Return once the setup thread (if any) has finished, or after :data:`WAIT_SECONDS` (logged)."""
     thread = _thread
-    if thread is not None and thread is not threading.current_thread():
-        thread.join()
+    if thread is None or thread is threading.current_thread():
+        return
+    thread.join(WAIT_SECONDS)
+    if thread.is_alive():
+        logger.warning("hf_infcl: Triton's warm start is still running after %g s; going on without it",
+                       WAIT_SECONDS)
 
 
 def _wanted() -> bool:
