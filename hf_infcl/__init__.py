@@ -36,7 +36,6 @@ __all__ = ["contrastive_loss", "contrastive_distillation_loss", "InfCLLoss", "To
 
 def __getattr__(name):
     if name in _LAZY:
-        _warm_start.wait()  # its thread may be importing the Triton route right now
         module = import_module(_LAZY[name], __name__)
         return module if name == "losses" else getattr(module, name)
     raise AttributeError(f"module 'hf_infcl' has no attribute {name!r}")

@@ -7,10 +7,14 @@ process's first loss call (the kernels themselves load from Triton's disk cache)
 the GPU, so it runs in a daemon thread while the user's script goes on building its model.
 
 The thread never initialises CUDA (``CUDA_VISIBLE_DEVICES`` set after ``import hf_infcl`` keeps
-working), and it is joined before anything uses the Triton route (:func:`wait`) and before the
-process forks (a child must not inherit a half-held import lock). A failure in it is logged at
-DEBUG level and changes nothing: the first call then does the same work itself, as it would
-without this module. ``HF_INFCL_TRITON_WARM_START=0`` turns it off.
+working). It is joined where the loss picks the Triton route (:func:`wait`; Triton would
+otherwise do the same work twice at once) and before the process forks (a child must not inherit
+a half-held import lock). Importing the route's modules meanwhile needs no wait: Python's import
+locks make the second importer wait for the first.
+
+A failure in the thread is logged at DEBUG level and changes nothing: the first call then does
+the same work itself, as it would without this module. ``HF_INFCL_TRITON_WARM_START=0`` turns it
+off.
 """
 
 from __future__ import annotations
