@@ -33,10 +33,9 @@ def run_python(code: str, **environment) -> str:
     ("1", "12.8", "0", True),
     (None, "12.8", None, True),
     ("0", "12.8", "0", False),
-    ("off", "12.8", "0", False),
     ("1", None, "0", False),  # a CPU-only build of torch
     ("1", "12.8", "1", False),  # the interpreter
-], ids=["on", "default", "off-0", "off-word", "cpu-build", "interpreter"])
+], ids=["on", "default", "off", "cpu-build", "interpreter"])
 def test_the_thread_starts_only_on_a_cuda_build_with_triton_unless_turned_off(
         monkeypatch, setting, cuda_build, interpret, wanted):
     for name, value in ((warm_start.ENVIRONMENT_VARIABLE, setting), ("TRITON_INTERPRET", interpret)):

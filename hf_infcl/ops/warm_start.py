@@ -68,7 +68,7 @@ def wait() -> None:
 
 
 def _wanted() -> bool:
-    if os.environ.get(ENVIRONMENT_VARIABLE, "1").strip().lower() in ("0", "false", "no", "off"):
+    if os.environ.get(ENVIRONMENT_VARIABLE, "1") == "0":  # as HF_INFCL_TRITON_AUTOTUNE=0
         return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the interpreter has nothing to warm
         return False
