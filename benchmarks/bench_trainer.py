@@ -21,6 +21,9 @@ $OUT is set, or to --csv.
     python benchmarks/bench_trainer.py                 # one H100, about 5-8 minutes
     python benchmarks/bench_trainer.py --tiny          # a CPU smoke run of the whole script
 
+``--profile`` trains one more, untimed step per config of step 3 under torch.profiler and prints how
+long the GPU was busy in it and its kernels by name.
+
 Under ``torchrun`` both trainers run DDP, each rank on its own GPU with ``--vanilla-batch`` pairs
 (rank 0's step time is reported):
 
@@ -118,7 +121,6 @@ class SyntheticPairs:
         self.device = device
         self.on_host = on_host
         self.return_loss = return_loss
-        self.pool = None
         self.pinned = {}  # batch size -> its pinned pixel batch
 
     def __call__(self, features):
@@ -236,8 +238,7 @@ def run(kind: str, batch: int, steps: int, options, chunk_size=None, offload=Fal
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     common = dict(output_dir=os.path.join(options.work_dir, kind), per_device_train_batch_size=batch,
                   max_steps=steps + (1 if profile else 0), bf16=not options.tiny, report_to="none",
-                  save_strategy="no",
-                  logging_strategy="no", disable_tqdm=True, remove_unused_columns=False,
+                  save_strategy="no", logging_strategy="no", disable_tqdm=True, remove_unused_columns=False,
                   dataloader_pin_memory=False, use_cpu=not torch.cuda.is_available(), seed=0)
     timer = StepTimer()
     profiler = StepProfiler(steps + 1) if profile else None
