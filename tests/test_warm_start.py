@@ -107,6 +107,15 @@ def test_a_failing_warm_start_is_logged_and_the_loss_still_runs(monkeypatch, cap
     assert torch.isfinite(loss)
 
 
+def test_the_module_imports_where_os_has_no_register_at_fork(monkeypatch):
+    """Windows has no fork and no ``os.register_at_fork``: importing the module must not fail."""
+    import importlib
+
+    monkeypatch.delattr(os, "register_at_fork")
+    importlib.reload(warm_start)  # raised AttributeError before the guard
+    warm_start.wait()
+
+
 def test_wait_gives_up_on_a_stuck_thread_with_a_warning(monkeypatch, caplog):
     """A warm start that never ends (a stuck lock, say) holds the caller up for WAIT_SECONDS only."""
     import threading

@@ -89,4 +89,5 @@ def _warm_start() -> None:
 
 
 # A fork while the thread holds an import lock would leave the child unable to import that module.
-os.register_at_fork(before=wait)
+if hasattr(os, "register_at_fork"):  # POSIX only; elsewhere there is no fork to wait for
+    os.register_at_fork(before=wait)
