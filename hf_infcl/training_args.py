@@ -80,11 +80,6 @@ def _number(kind: type, *, above: float | None = None, at_least: float | None = 
     return check
 
 
-def _optional_bool(name: str, value) -> None:
-    if value is not None and not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
-
-
 def _optional_str(name: str, value) -> None:
     if value is not None and not isinstance(value, str):
         raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
@@ -118,7 +113,7 @@ FIELD_CHECKS: dict[str, FieldCheck] = {
     "chunk_size": check_chunk_size,
     "no_grad_chunk_size": check_chunk_size,
     "offload": check_bool,
-    "chunk_cuda_graphs": _optional_bool,
+    "chunk_cuda_graphs": lambda name, value: check_bool(name, value, optional=True),
     "loss_backend": _choice(BACKENDS),
     "precision": _choice(PRECISIONS),
     "contrastive_loss": _choice(LOSSES, optional=True),

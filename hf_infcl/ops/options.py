@@ -68,10 +68,13 @@ def check_choice(name: str, value, allowed, *, optional: bool = False) -> None:
         raise choice_error(name, value, allowed, optional=optional)
 
 
-def check_bool(name: str, value) -> None:
-    """Raise a TypeError naming ``name`` unless ``value`` is a bool (not merely truthy)."""
+def check_bool(name: str, value, *, optional: bool = False) -> None:
+    """Raise a TypeError naming ``name`` unless ``value`` is a bool (not merely truthy), or None
+    when ``optional``."""
+    if optional and value is None:
+        return
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a bool{' or None' if optional else ''}, got {type(value).__name__}")
 
 
 def check_option(field: str, value, name: str | None = None, *, optional: bool = False,
