@@ -3,10 +3,13 @@ starts, that it waits out forks, never initialises CUDA, and that a failure in i
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,12 +19,12 @@ import hf_infcl
 from hf_infcl.ops import warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
-HAS_TRITON = __import__("importlib").util.find_spec("triton") is not None
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def run_python(code: str, **environment) -> str:
+def run_python(code: str) -> str:
     """Run ``code`` in a fresh interpreter (the checkout on its path); its stdout."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **environment}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
                           text=True, timeout=300)
@@ -109,8 +112,6 @@ def test_a_failing_warm_start_is_logged_and_the_loss_still_runs(monkeypatch, cap
 
 def test_the_module_imports_where_os_has_no_register_at_fork(monkeypatch):
     """Windows has no fork and no ``os.register_at_fork``: importing the module must not fail."""
-    import importlib
-
     monkeypatch.delattr(os, "register_at_fork")
     importlib.reload(warm_start)  # raised AttributeError before the guard
     warm_start.wait()
@@ -118,8 +119,6 @@ def test_the_module_imports_where_os_has_no_register_at_fork(monkeypatch):
 
 def test_wait_gives_up_on_a_stuck_thread_with_a_warning(monkeypatch, caplog):
     """A warm start that never ends (a stuck lock, say) holds the caller up for WAIT_SECONDS only."""
-    import threading
-
     release = threading.Event()
     stuck = threading.Thread(target=release.wait, daemon=True)
     stuck.start()
