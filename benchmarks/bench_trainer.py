@@ -141,8 +141,7 @@ class SyntheticPairs:
         """A pinned bf16 host batch of ``n`` images, filled once from a small random pool and
         returned again at every step (nothing writes to it after): pinning 0.3 MB per pair anew each
         step is the input pipeline's work (a DataLoader pins in its own thread, beside the step),
-        not the step's, and with two ranks pinning at once it took 11 points off the offloaded
-        DDP rate."""
+        not the step's, and with several ranks pinning at once it would weigh on the timed steps."""
         if n not in self.pinned:
             pool = torch.randn(256, 3, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.bfloat16)
             pixels = torch.empty(n, 3, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.bfloat16,
