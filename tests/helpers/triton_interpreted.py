@@ -1460,3 +1460,57 @@ def test_matryoshka_one_pass_is_opt_in():
     assert prefix_block_ops(one_pass) is one_pass
     with pytest.raises(TypeError, match="matryoshka_one_pass must be True or False"):
         TritonBlocks(matryoshka_one_pass="yes")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows,columns", [(1, 1), (7, 8), (37, 19), (130, 33)], ids=lambda v: str(v))
+def test_layer_norm_affine_grads_match_float64(rows, columns, dtype):
+    """The weight and bias gradients of a LayerNorm, summed over row splits (several programs,
+    steps and splits here, remainders included), from a strided input: against float64 autograd
+    on the same (rounded) inputs."""
+    from hf_infcl.ops.triton.layer_norm_grads import layer_norm_affine_grads
+
+    gen = torch.Generator().manual_seed(rows * 100 + columns)
+    padded = (3 * torch.randn(rows, columns + 5, generator=gen) + 1).to(dtype)
+    x = padded[:, 2:columns + 2]  # a row stride wider than the width
+    grad = torch.randn(rows, columns, generator=gen).to(dtype)
+    _, mean, rstd = torch.native_layer_norm(x.float(), (columns,), None, None, 1e-5)
+    weight = torch.randn(columns, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(columns, generator=gen, dtype=torch.float64, requires_grad=True)
+    out = torch.nn.functional.layer_norm(x.double(), (columns,), weight, bias, 1e-5)
+    expected = torch.autograd.grad(out, (weight, bias), grad.double())
+    got = layer_norm_affine_grads(x, grad, mean.reshape(-1), rstd.reshape(-1))
+    for value, reference in zip(got, expected):
+        assert value.dtype == torch.float32
+        assert relative_error(value.double(), reference) < 1e-5
+
+
+def test_layer_norm_function_keeps_pytorchs_output_and_input_gradient():
+    """``split_affine_grads``'s autograd Function on CPU tensors (the interpreter runs its kernel):
+    output and input gradient are PyTorch's own, bit for bit; weight and bias gradients match
+    float64 autograd; a weight without a bias, and gradients wanted for some inputs only."""
+    from hf_infcl.ops.layer_norm import _LayerNormSplitGrads
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 11, 6, generator=gen)
+    grad = torch.randn(3, 11, 6, generator=gen)
+    cases = [(True, (True, True, True)), (False, (True, True, False)), (True, (False, True, False))]
+    for with_bias, wanted in cases:
+        weight = torch.randn(6, generator=gen).requires_grad_(wanted[1])
+        bias = torch.randn(6, generator=gen).requires_grad_(wanted[2]) if with_bias else None
+        inputs = [value for value, want in zip((x, weight, bias), wanted) if value is not None and want]
+        ours = _LayerNormSplitGrads.apply(x.requires_grad_(wanted[0]), (6,), weight, bias, 1e-5)
+        theirs = torch.nn.functional.layer_norm(x, (6,), weight, bias, 1e-5)
+        assert torch.equal(ours, theirs)
+        our_grads = torch.autograd.grad(ours, inputs, grad)
+        their_grads = torch.autograd.grad(theirs, inputs, grad)
+        if wanted[0]:
+            assert torch.equal(our_grads[0], their_grads[0])
+        exact = [value.detach().double().requires_grad_(value.requires_grad) if value is not None else None
+                 for value in (x, weight, bias)]
+        out = torch.nn.functional.layer_norm(exact[0], (6,), exact[1], exact[2], 1e-5)
+        wanted_exact = [value for value in exact if value is not None and value.requires_grad]
+        reference = torch.autograd.grad(out, wanted_exact, grad.double())
+        for value, expected in zip(our_grads, reference):
+            assert relative_error(value.double(), expected) < 1e-5
+        x = x.detach()
