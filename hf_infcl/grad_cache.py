@@ -105,7 +105,6 @@ import torch
 
 from .batch_statistics import check_no_batch_statistics
 from .chunk_graphs import ChunkGraphs
-from .ops.layer_norm import split_affine_grads
 from .ops.options import check_chunk_size, check_graphs_chunking
 from .rng import RngState
 from .sharding import accumulate_sharded_grad, full_value, is_dtensor, is_zero3_parameter
@@ -533,11 +532,8 @@ def _backpropagate(replayed, grad_slices, riding=(), backward=None) -> None:
 
 def _graphed_replay(embed, chunk, grad_slices) -> None:
     """One replay inside a CUDA graph: the chunk's forward with grad, then the backward of its
-    cached gradient. Its LayerNorms reduce their weight and bias gradients over every SM
-    (:func:`~hf_infcl.ops.layer_norm.split_affine_grads`, whose host cost the graph pays once)."""
-    with split_affine_grads():
-        outputs = _as_tuple(embed(chunk))
-    _backpropagate(outputs, grad_slices)
+    cached gradient."""
+    _backpropagate(_as_tuple(embed(chunk)), grad_slices)
 
 
 def _check_graphable(chunk_graphs, no_sync, backward, no_grad_chunk_size, chunk_size) -> None:

@@ -509,31 +509,6 @@ def test_cuda_graph_replays_give_the_uncached_gradients_in_float64(offload):
 
 
 @pytest.mark.gpu
-def test_graphed_replays_take_layer_norm_grads_from_the_kernel_in_fp32(monkeypatch):
-    """In fp32 (float64 stays PyTorch's) the graphed replays' LayerNorms take their weight and bias
-    gradients from the Triton kernel (hf_infcl.ops.layer_norm): step after step, dropout on, the
-    gradients match the eager, uncached reference up to the order of fp32 sums."""
-    from hf_infcl.ops.triton import layer_norm_grads
-
-    calls = []
-    kernel = layer_norm_grads.layer_norm_affine_grads
-    monkeypatch.setattr(layer_norm_grads, "layer_norm_affine_grads",
-                        lambda *args: calls.append(1) or kernel(*args))
-    model = tiny_clip(dropout=0.2).to("cuda")
-    batch = {name: value.cuda() for name, value in clip_batch(18, seed=15).items()}
-    graphs = ChunkGraphs(model.parameters())
-    for step in range(3):
-        reference_loss, reference = uncached_chunked_grads(model, batch, 4, seed=100 + step)
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(100 + step)
-        result = cached_step(clip_encoder(model), batch, clip_loss, 4, loss_params=[model.logit_scale],
-                             chunk_graphs=graphs)
-        torch.testing.assert_close(result.loss, reference_loss, rtol=1e-5, atol=1e-6)
-        assert_same_grads(parameter_grads(model), reference, rtol=1e-4, atol=1e-6)
-    assert calls and graphs.captured == 4
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("how", ["failed-capture", "max-graphs"])
 def test_chunks_the_graphs_leave_to_eager_mode_give_the_uncached_gradients_in_float64(how):
     """What the Trainer's default graphs fall back on, dropout on, step after step against the

@@ -149,15 +149,14 @@ def backend_name(backend: str, device: torch.device) -> str:
     if backend == "torch":
         return "torch"
     if backend == "triton":
-        if not triton_importable():
+        if not _triton_importable():
             raise ImportError("backend='triton' needs Triton (`pip install triton`, Linux with a CUDA GPU)")
         return "triton"
-    return "triton" if device.type == "cuda" and triton_importable() else "torch"
+    return "triton" if device.type == "cuda" and _triton_importable() else "torch"
 
 
 @torch.compiler.assume_constant_result
-def triton_importable() -> bool:
-    """Whether the Triton route (:mod:`hf_infcl.ops.triton`) imports here."""
+def _triton_importable() -> bool:
     # assume_constant_result: torch.compile calls this once while tracing and keeps the answer,
     # instead of tracing an import.
     warm_start.wait()  # its thread may be importing the route right now
