@@ -414,6 +414,7 @@ def train_loop(accelerator, embedder, optimizer, scheduler, batches, args, run, 
     from tqdm.auto import tqdm
 
     model, device = accelerator.unwrap_model(embedder), accelerator.device
+    embedder.train()  # from_pretrained returns a model in eval mode (dropout off); evaluate() restores this
     progress = tqdm(total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
                     disable=not accelerator.is_local_main_process, mininterval=1.0)
     started, first_step, data_wait, final = time.perf_counter(), step, 0.0, {}

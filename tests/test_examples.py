@@ -1007,6 +1007,26 @@ def test_train_clip_resume_from_checkpoint_continues_exactly(tmp_path):
     assert (resumed / "README.md").is_file()
 
 
+def test_a_pretrained_clip_trains_in_training_mode(tmp_path, monkeypatch):
+    """--model_name_or_path loads with from_pretrained, which returns a model in eval mode: every
+    training step runs in training mode (dropout on), as the Trainer's do, and evaluation in eval."""
+    import train_clip
+
+    first = tmp_path / "first"
+    train_clip.main(["--output_dir", str(first), "--max_steps", "1", "--eval_steps", "0"])
+    modes = []
+    step = train_clip.training_step
+
+    def recording_step(embedder, model, *args, **kwargs):
+        modes.append({module.training for module in model.modules()})
+        return step(embedder, model, *args, **kwargs)
+
+    monkeypatch.setattr(train_clip, "training_step", recording_step)
+    train_clip.main(["--output_dir", str(tmp_path / "second"), "--model_name_or_path", str(first),
+                     "--max_steps", "3", "--eval_steps", "2"])
+    assert modes == [{True}] * 3  # the evaluation after step 2 switches back to training mode
+
+
 def colour_squares_csv(folder, rows=40):
     """``folder/pairs.csv``: ``rows`` 8x8 PNGs of noisy colour squares beside it, each captioned
     with its colour and number."""
