@@ -50,11 +50,48 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .batch_statistics import listed_names
 from .ops.options import check_bool
+from .rng import host_random_draws_in_training
 
-__all__ = ["ChunkGraphs", "average_gradients"]
+__all__ = ["DEFAULT_MAX_GRAPHS", "ChunkGraphs", "average_gradients", "reason_against_default_graphs"]
 
 logger = logging.getLogger(__name__)
+
+
+# Graphs a run turns on by default (not asked for): at most this many, enough for both passes over
+# whole chunks and a last, shorter one; further shapes (text padded per batch) run eagerly.
+DEFAULT_MAX_GRAPHS = 4
+# ... and only where the gradient buffers that many graphs could hold (one per replay graph) take at
+# most 1/GRAPH_MEMORY_SHARE of the GPU's memory: so a default cannot push a run that fits eagerly
+# out of memory, and models too large for that are too slow per chunk for launches to matter.
+GRAPH_MEMORY_SHARE = 8
+
+
+def reason_against_default_graphs(model: torch.nn.Module, device: torch.device, *,
+                                  gradient_checkpointing: bool = False) -> str | None:
+    """Why a cached step of ``model`` (in the mode it trains in) on the CUDA ``device`` should not
+    run CUDA graphs unless asked to, or None: graphs would get its gradients wrong or cost too
+    much memory. ``gradient_checkpointing``: the run turns it on (besides the layers' own flags,
+    which transformers' ``gradient_checkpointing_enable`` sets). What keeps graphs from running
+    at all (several processes' hooks, sharding, a CPU device) is the caller's to check."""
+    if gradient_checkpointing or any(getattr(module, "gradient_checkpointing", False) is True
+                                     for module in model.modules()):
+        return ("gradient checkpointing replays the forward inside the backward, which is not verified "
+                "inside a graph")
+    host_draws = host_random_draws_in_training(model)
+    if host_draws:
+        return (f"the model skips layers at random on the host ({listed_names(host_draws)}): a graph "
+                "would repeat the skips of its capture")
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    buffers = DEFAULT_MAX_GRAPHS * sum(param.numel() * param.element_size() for param in trainable)
+    memory = torch.cuda.get_device_properties(device).total_memory
+    if buffers * GRAPH_MEMORY_SHARE > memory:
+        return (f"the graphs' gradient buffers (up to {buffers / 2**30:.1f} GiB) could take more than "
+                f"1/{GRAPH_MEMORY_SHARE} of the GPU's memory; a model this large gains little from them")
+    if any(param.device.type != "cuda" for param in trainable):
+        return "some trainable parameters are not on the GPU"
+    return None
 
 
 class ChunkGraphs:

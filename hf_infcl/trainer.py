@@ -49,9 +49,9 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import EvalLoopContainer, find_batch_size, nested_detach
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
-from .batch_statistics import check_no_batch_statistics, listed_names
+from .batch_statistics import check_no_batch_statistics
 from .callbacks import ClampLogitScale
-from .chunk_graphs import ChunkGraphs, average_gradients
+from .chunk_graphs import DEFAULT_MAX_GRAPHS, ChunkGraphs, average_gradients, reason_against_default_graphs
 from .distillation import contrastive_distillation_loss
 from .grad_cache import cached_step, split_batch, to_device
 from .loss import Objectives, _contrastive_loss
@@ -71,7 +71,7 @@ from .models import (
     unwrap_model,
 )
 from .ops.options import check_label_smoothing
-from .rng import host_random_draws_in_training, unreplayed_draws_warning
+from .rng import unreplayed_draws_warning
 from .sharding import (
     deepspeed_no_sync,
     fsdp_gather_once,
@@ -88,13 +88,6 @@ logger = logging.getLogger(__name__)
 
 # rows per process whose in-batch top-1 accuracy is logged (an estimate at large batches)
 ACCURACY_ROWS = 1024
-# The default's CUDA graphs (chunk_cuda_graphs=None): at most this many, enough for both passes over
-# whole chunks and a last, shorter one; further shapes (text padded per batch) run eagerly.
-_DEFAULT_MAX_GRAPHS = 4
-# ... and only where the gradient buffers that many graphs could hold (one per replay graph) take at
-# most 1/_GRAPH_MEMORY_SHARE of the GPU's memory: so the default cannot push a run that fits eagerly
-# out of memory, and models too large for that are too slow per chunk for launches to matter.
-_GRAPH_MEMORY_SHARE = 8
 
 
 class InfCLTrainer(Trainer):
@@ -527,7 +520,7 @@ class InfCLTrainer(Trainer):
                 # the default's graphs are bounded in number, and never stop a run that eager mode trains
                 by_default = setting is None
                 self._chunk_graphs = ChunkGraphs(model.parameters(),
-                                                 max_graphs=_DEFAULT_MAX_GRAPHS if by_default else None,
+                                                 max_graphs=DEFAULT_MAX_GRAPHS if by_default else None,
                                                  eager_on_failure=by_default)
                 self._key_stream = torch.cuda.Stream()
         return self._chunk_graphs
@@ -555,25 +548,8 @@ class InfCLTrainer(Trainer):
             return reason
         if args.no_grad_chunk_size not in (None, args.chunk_size):
             return "no_grad_chunk_size chunks the gradient-free pass otherwise than the replays"
-        inner = unwrap_model(model)
-        # (the layers' own flags, which transformers' gradient_checkpointing_enable sets)
-        if args.gradient_checkpointing or any(getattr(module, "gradient_checkpointing", False) is True
-                                              for module in inner.modules()):
-            return ("gradient checkpointing replays the forward inside the backward, which is not verified "
-                    "inside a graph")
-        host_draws = host_random_draws_in_training(inner)
-        if host_draws:
-            return (f"the model skips layers at random on the host ({listed_names(host_draws)}): a graph "
-                    "would repeat the skips of its capture")
-        trainable = [param for param in inner.parameters() if param.requires_grad]
-        buffers = _DEFAULT_MAX_GRAPHS * sum(param.numel() * param.element_size() for param in trainable)
-        memory = torch.cuda.get_device_properties(args.device).total_memory
-        if buffers * _GRAPH_MEMORY_SHARE > memory:
-            return (f"the graphs' gradient buffers (up to {buffers / 2**30:.1f} GiB) could take more than "
-                    f"1/{_GRAPH_MEMORY_SHARE} of the GPU's memory; a model this large gains little from them")
-        if any(param.device.type != "cuda" for param in trainable):
-            return "some trainable parameters are not on the GPU"
-        return None
+        return reason_against_default_graphs(unwrap_model(model), args.device,
+                                             gradient_checkpointing=args.gradient_checkpointing)
 
     # ---- logging -------------------------------------------------------------------------
 
