@@ -8,7 +8,7 @@ training step, and the held-out evaluation.
   learned scale and bias.
 - :func:`clip_loss` and :func:`training_step`: one forward/backward of a batch with the exact
   Inf-CL loss over the global batch (a ring across processes), in chunks with ``--chunk_size``
-  (GradCache).
+  (GradCache), on one GPU as CUDA graphs (:func:`chunk_graphs_for`).
 - :func:`evaluate`: zero-shot top-1 and image<->text recall of the held-out split.
 """
 
@@ -155,10 +155,47 @@ def clip_loss(args, groups, process_group="auto"):
     return loss_fn
 
 
+def graphs_cannot_run(device: torch.device, processes: int, fsdp2: bool,
+                      reduce_every_chunk: bool) -> str | None:
+    """What keeps the cached step's CUDA graphs (--chunk_cuda_graphs) from running, or None."""
+    if device.type != "cuda":
+        return f"this run trains on {device.type}, not on a CUDA GPU"
+    if processes > 1 or fsdp2:
+        return ("several processes reduce (FSDP2: and shard) the gradients in hooks that a CUDA graph would "
+                "skip (InfCLTrainer averages them after its graphs)")
+    if reduce_every_chunk:
+        return ("--reduce_every_chunk reduces the gradients in each replay's hooks, which a CUDA graph "
+                "would skip")
+    return None
+
+
+def chunk_graphs_for(model, asked: bool | None, *, device, processes: int, fsdp2: bool,
+                     reduce_every_chunk: bool):
+    """(the cached step's :class:`~hf_infcl.chunk_graphs.ChunkGraphs`, or None; why not, or None).
+
+    ``asked`` is --chunk_cuda_graphs: None (the default) turns them on where they can run and give the
+    eager step's gradients, at most ``DEFAULT_MAX_GRAPHS`` of them, a failed capture running eagerly
+    from then on; True where they can run (the caller refuses the rest); False never."""
+    from hf_infcl.chunk_graphs import DEFAULT_MAX_GRAPHS, ChunkGraphs, reason_against_default_graphs
+
+    if asked is False:
+        return None, "--chunk_cuda_graphs false"
+    reason = graphs_cannot_run(device, processes, fsdp2, reduce_every_chunk)
+    if reason is None and asked is None:
+        reason = reason_against_default_graphs(model, device)
+    if reason is not None:
+        return None, reason
+    by_default = asked is None
+    return ChunkGraphs(model.parameters(), max_graphs=DEFAULT_MAX_GRAPHS if by_default else None,
+                       eager_on_failure=by_default), None
+
+
 def training_step(embedder, model, batch, loss_fn, chunk_size=None, *, offload=False, device=None,
-                  no_sync=None, forward_context=contextlib.nullcontext, scale_loss=None, backward=None):
+                  no_sync=None, forward_context=contextlib.nullcontext, scale_loss=None, backward=None,
+                  chunk_graphs=None):
     """One forward/backward of the batch; the detached loss. ``embedder`` is what ``prepare``
-    returned (DDP, FSDP2 or the module), ``model`` the :class:`ClipEmbedder` inside it."""
+    returned (DDP, FSDP2 or the module), ``model`` the :class:`ClipEmbedder` inside it. With
+    ``chunk_graphs`` (one process) the chunks run as CUDA graphs and ``no_sync`` is not used."""
     from hf_infcl.grad_cache import cached_step
 
     if chunk_size:
@@ -172,9 +209,10 @@ def training_step(embedder, model, batch, loss_fn, chunk_size=None, *, offload=F
             loss_params=model.loss_parameters(),
             offload=offload,
             device=device,
-            no_sync=no_sync,
+            no_sync=None if chunk_graphs is not None else no_sync,
             forward_context=forward_context,
             scale_loss=scale_loss,
+            chunk_graphs=chunk_graphs,
         ).loss
     with forward_context():
         image_embeds, text_embeds = embedder(**batch)

@@ -247,6 +247,9 @@ BAD_NUMBERS = [
     ("train_clip", ["--class_names", "a,b"], "--class_names names the classes of --eval_dataset"),
     ("train_clip", ["--tiny_width", "3"], "--tiny_width must be a multiple of 2 (the tiny model's attention "
      "heads), got 3"),
+    ("train_clip", ["--chunk_cuda_graphs", "true"], "--chunk_cuda_graphs needs --chunk_size"),
+    ("train_clip", ["--chunk_cuda_graphs", "true", "--chunk_size", "8", "--use_cpu"],
+     "--chunk_cuda_graphs cannot run here: this run trains on cpu, not on a CUDA GPU"),
     ("train_retriever", ["--per_device_train_batch_size", "0"], "--per_device_train_batch_size must be > 0"),
     ("train_retriever", ["--per_device_train_batch_size", "-4"], "--per_device_train_batch_size must be > 0"),
     ("train_retriever", ["--max_train_pairs", "0"], "--max_train_pairs must be > 0"),
@@ -1025,6 +1028,47 @@ def test_a_pretrained_clip_trains_in_training_mode(tmp_path, monkeypatch):
     train_clip.main(["--output_dir", str(tmp_path / "second"), "--model_name_or_path", str(first),
                      "--max_steps", "3", "--eval_steps", "2"])
     assert modes == [{True}] * 3  # the evaluation after step 2 switches back to training mode
+
+
+def test_train_clip_chunk_graphs_where_they_can_run_and_the_banner_says_so():
+    """--chunk_cuda_graphs: false never; the default and true only on one process on a CUDA GPU
+    without --reduce_every_chunk (the default also weighs the model: GPU test below)."""
+    import train_clip
+
+    from clip_model import chunk_graphs_for
+
+    model, cpu, cuda = torch.nn.Linear(2, 2), torch.device("cpu"), torch.device("cuda")
+    single = dict(processes=1, fsdp2=False, reduce_every_chunk=False)
+    assert chunk_graphs_for(model, False, device=cuda, **single) == (None, "--chunk_cuda_graphs false")
+    for asked in (None, True):
+        assert chunk_graphs_for(model, asked, device=cpu, **single) == (
+            None, "this run trains on cpu, not on a CUDA GPU")
+        for other in (dict(processes=2), dict(fsdp2=True)):
+            graphs, why = chunk_graphs_for(model, asked, device=cuda, **{**single, **other})
+            assert graphs is None and why.startswith("several processes reduce (FSDP2: and shard)")
+        graphs, why = chunk_graphs_for(model, asked, device=cuda, **{**single, "reduce_every_chunk": True})
+        assert graphs is None and why.startswith("--reduce_every_chunk reduces the gradients")
+    assert train_clip.chunking(None, None, None, cuda) == ""
+    assert train_clip.chunking(16, object(), None, cuda) == ", chunks of 16 as CUDA graphs"
+    assert train_clip.chunking(16, None, "why", cuda) == ", chunks of 16 (no CUDA graphs: why)"
+    assert train_clip.chunking(16, None, "why", cpu) == ", chunks of 16"
+
+
+@pytest.mark.gpu
+def test_train_clip_chunks_as_cuda_graphs_by_default_train_as_eager_chunks(tmp_path, capsys):
+    """On one GPU with --chunk_size the chunks run as CUDA graphs by default and say so; the run
+    ends with the weights of the same run with --chunk_cuda_graphs false."""
+    import train_clip
+
+    common = ["--max_steps", "6", "--eval_steps", "0", "--global_batch_size", "64", "--chunk_size", "16"]
+    train_clip.main(["--output_dir", str(tmp_path / "graphs"), *common])
+    assert ", chunks of 16 as CUDA graphs)" in capsys.readouterr().out
+    train_clip.main(["--output_dir", str(tmp_path / "eager"), "--chunk_cuda_graphs", "false", *common])
+    assert ", chunks of 16 (no CUDA graphs: --chunk_cuda_graphs false)" in capsys.readouterr().out
+    graphed, eager = _weights(tmp_path / "graphs"), _weights(tmp_path / "eager")
+    assert graphed.keys() == eager.keys()
+    for name in eager:
+        torch.testing.assert_close(graphed[name], eager[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
 def colour_squares_csv(folder, rows=40):
