@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ops import reference
+from .ops.compiler_marks import run_eagerly
 from .ops.label_smoothing import smoothing_terms
 from .ops.logit_stats import LogitStats, announcing_rejections, logit_stats, select_block_ops
 from .ops.matryoshka import PrefixLogitStats, PrefixSpec, prefix_block_ops, prefix_inverse_norms
@@ -320,7 +321,7 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
         return reduce_per_row(per_row, reduction, total_rows=stats.total_rows, world_size=world_size)
 
 
-@torch.compiler.disable
+@run_eagerly
 def _reference_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives, query_groups,
                             key_groups, validate, hardness, label_smoothing, objectives):
     """The materialised loss (a graph break under torch.compile)."""
@@ -335,11 +336,14 @@ def _reference_per_row_loss(queries, keys, scale, bias, loss, symmetric, positiv
     )
 
 
+_smoothing_terms_eagerly = run_eagerly(smoothing_terms)
+
+
 def _smoothing_terms(queries, keys, scale, bias, positive_logit, positives, symmetric, label_smoothing,
                      group):
     """:func:`~hf_infcl.ops.label_smoothing.smoothing_terms`; across processes a graph break under
     torch.compile (its all-reduce), as the ring is."""
-    compute = smoothing_terms if group is None else torch.compiler.disable(smoothing_terms)
+    compute = smoothing_terms if group is None else _smoothing_terms_eagerly
     return compute(queries, keys, scale, bias, positive_logit, positives, symmetric=symmetric,
                    label_smoothing=label_smoothing, group=group)
 

@@ -210,6 +210,54 @@ def test_eager_only_backends_break_the_graph_cleanly(backend):
     _assert_same(_value_and_grads(compiled, *inputs), _value_and_grads(fn, *inputs), rtol=1e-12)
 
 
+def test_compiler_marks_stand_in_for_torchs_decorators():
+    """hf_infcl.ops.compiler_marks replaces torch.compiler's decorators, which import torch._dynamo
+    as they decorate: the constant mark is the attribute torch's sets, and a function run eagerly
+    breaks a compiled function's graph where torch.compiler.disable does, every call running it."""
+    from hf_infcl.ops.compiler_marks import constant_when_compiled, run_eagerly
+
+    def ours():
+        return True
+
+    def theirs():
+        return True
+
+    constant_when_compiled(ours)
+    torch._dynamo.assume_constant_result(theirs)
+    assert vars(ours) == vars(theirs) == {"_dynamo_marked_constant": True}
+
+    calls = []
+
+    def on_the_host(x):
+        calls.append(1)
+        return x * float(x.sum())  # a host synchronisation: a graph cannot hold it
+
+    def around(marked, x):
+        return marked(x + 1) * 2
+
+    x = torch.arange(3.0)
+    for mark in (run_eagerly, torch.compiler.disable):
+        torch._dynamo.reset()
+        calls.clear()
+        fn = functools.partial(around, mark(on_the_host))
+        compiled = torch.compile(fn, backend="eager")
+        for _ in range(3):
+            assert torch.equal(compiled(x), on_the_host(x + 1) * 2)
+        assert len(calls) == 6, mark  # three compiled calls, three eager ones
+        explained = torch._dynamo.explain(fn)(x)
+        assert (explained.graph_count, explained.graph_break_count) == (2, 1), mark
+
+
+def test_import_hf_infcl_leaves_torch_dynamo_unimported():
+    """Importing torch._dynamo takes about as long as importing torch: nothing at import needs it."""
+    import subprocess
+    import sys
+
+    code = "import sys, hf_infcl; print('torch._dynamo' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "False", result.stderr[-2000:]
+
+
 OBJECTIVES = {
     "any-sym": dict(options="softmax-sym", group_positives="any"),
     "each-asym-filter": dict(options="softmax-asym", group_positives="each", margin=0.1),

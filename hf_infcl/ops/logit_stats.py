@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from . import custom_ops, ring, warm_start
+from .compiler_marks import constant_when_compiled, run_eagerly
 from .key_blocks import SINGLE_BLOCK, KeyBlockLogitStats
 from .spec import BlockOps, StatsSpec, accumulation_dtype
 from .value_check import deferred_check
@@ -99,7 +100,7 @@ def logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups,
     return LogitStats(row_stat.to(acc), col_stat.to(acc), positive_logit, queries.shape[0], *positive_parts)
 
 
-@torch.compiler.disable
+@run_eagerly
 def _block_ops_stats(queries, keys, scale, bias, positives, labels, spec, ops, validate):
     """One process, eager: a block-ops object (which cannot be a custom-op argument: a graph
     break under torch.compile), or a named backend's outside a compiled region.
@@ -110,7 +111,7 @@ def _block_ops_stats(queries, keys, scale, bias, positives, labels, spec, ops, v
                                         SINGLE_BLOCK)
 
 
-@torch.compiler.disable
+@run_eagerly
 def _ring_stats(group, queries, keys, scale, bias, positives, labels, spec, backend,
                 reduction, label_smoothing, matryoshka_term) -> LogitStats:
     query_groups, guide_queries = labels[0], labels[4]
@@ -155,9 +156,9 @@ def backend_name(backend: str, device: torch.device) -> str:
     return "triton" if device.type == "cuda" and _triton_importable() else "torch"
 
 
-@torch.compiler.assume_constant_result
+@constant_when_compiled
 def _triton_importable() -> bool:
-    # assume_constant_result: torch.compile calls this once while tracing and keeps the answer,
+    # constant_when_compiled: torch.compile calls this once while tracing and keeps the answer,
     # instead of tracing an import.
     warm_start.wait()  # its thread may be importing the route right now
     try:
