@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .batch_statistics import listed_names
-from .ops.options import check_bool
+from .ops.options import check_bool, check_positive_int
 from .rng import host_random_draws_in_training
 
 __all__ = ["DEFAULT_MAX_GRAPHS", "ChunkGraphs", "average_gradients", "reason_against_default_graphs"]
@@ -117,11 +117,8 @@ class ChunkGraphs:
                  eager_on_failure: bool = False):
         if not torch.cuda.is_available():
             raise ValueError("ChunkGraphs needs a CUDA device: CUDA graphs exist only there")
-        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
-            raise ValueError(f"warmup must be an int >= 1, got {warmup!r}")
-        if max_graphs is not None and (not isinstance(max_graphs, int) or isinstance(max_graphs, bool)
-                                       or max_graphs < 1):
-            raise ValueError(f"max_graphs must be an int >= 1 or None, got {max_graphs!r}")
+        check_positive_int("warmup", warmup)
+        check_positive_int("max_graphs", max_graphs, optional=True)
         check_bool("eager_on_failure", eager_on_failure)
         unique = {id(p): p for p in parameters if isinstance(p, torch.Tensor) and p.requires_grad}
         self.parameters = list(unique.values())

@@ -22,6 +22,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, BatchEncoding, PretrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput, logging
 
+from .ops.options import check_positive_int
+
 try:
     from transformers import initialization as _hf_init
 except ImportError:  # transformers 4.x
@@ -239,8 +241,7 @@ def tokenize_texts(
         raise TypeError("texts must be a string or a list of strings")
     if instruction is not None and not isinstance(instruction, str):
         raise TypeError(f"instruction must be a string or None; got {type(instruction).__name__}")
-    if max_length is not None and not (isinstance(max_length, int) and max_length > 0):
-        raise ValueError(f"max_length must be a positive int or None; got {max_length!r}")
+    check_positive_int("max_length", max_length, optional=True)
     if padding_side not in (None, "left", "right"):
         raise ValueError(f"padding_side must be 'left', 'right' or None; got {padding_side!r}")
     if tokenizer.pad_token_id is None and len(texts) > 1:

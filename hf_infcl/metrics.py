@@ -35,6 +35,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from .ops.options import check_positive_int
+
 __all__ = ["RECALL_AT", "embeddings_by_width", "input_fingerprints", "relevant_ranks", "retrieval_metrics",
            "retrieval_recalls", "same_input_ids"]
 
@@ -94,8 +96,7 @@ def relevant_ranks(
     if query_ids is None and keys.shape[0] < queries.shape[0]:
         raise ValueError(f"without ids, key i answers query i: need at least {queries.shape[0]} keys, "
                          f"got {keys.shape[0]}")
-    if isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows <= 0:
-        raise ValueError(f"block_rows must be a positive int, got {block_rows!r}")
+    check_positive_int("block_rows", block_rows)
     device = keys.device
     query_ids = _ids(query_ids, queries.shape[0], "query_ids", device)
     key_ids = _ids(key_ids, keys.shape[0], "key_ids", device)

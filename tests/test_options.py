@@ -198,6 +198,23 @@ def test_one_chunk_size_rule_with_one_message_at_every_entry_point(tmp_path):
         cached_step(lambda chunk: chunk["x"], {"x": torch.randn(4, 2)}, lambda x: x.sum(), True)
 
 
+@pytest.mark.parametrize("value", [0, -3, True, 2.0, "4"], ids=repr)
+def test_every_positive_int_option_is_checked_by_one_rule(value):
+    """Block sizes, graph counts, lengths: one rule and one message, bools refused (True is an int)."""
+    from hf_infcl import TorchTiles
+    from hf_infcl.metrics import relevant_ranks
+
+    message = f"must be a positive int, got {value!r}$"
+    with pytest.raises(ValueError, match="^tile_rows " + message):
+        TorchTiles(tile_rows=value)
+    with pytest.raises(ValueError, match="^block_rows " + message):
+        relevant_ranks(torch.randn(2, 3), torch.randn(2, 3), block_rows=value)
+    with pytest.raises(ValueError, match="^max_graphs must be a positive int or None, got "):
+        options.check_positive_int("max_graphs", value, optional=True)
+    options.check_positive_int("max_graphs", None, optional=True)
+    options.check_positive_int("warmup", 1)
+
+
 @pytest.mark.parametrize("strength", [-1.0, float("nan"), "2", True],
                          ids=["negative", "nan", "string", "bool"])
 def test_one_hardness_check_for_the_loss_and_the_sentence_transformers_loss(strength):

@@ -237,10 +237,17 @@ def check_hardness(hardness_mode, hardness_strength) -> None:
     check_hardness_strength(hardness_strength)
 
 
+def check_positive_int(name: str, value, *, optional: bool = False) -> None:
+    """A positive int (not a bool), or None where ``optional``; ValueError naming ``name`` otherwise."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
+
+
 def check_chunk_size(name: str, value) -> None:
     """A chunk size is a positive int, or None (one chunk); ValueError naming ``name`` otherwise."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    check_positive_int(name, value, optional=True)
 
 
 def check_chunking(chunk_size, chunked: Mapping[str, Any] | None = None, *, name: str = "chunk_size") -> None:

@@ -32,6 +32,7 @@ from .distillation import (
     merge_soft_target_stats,
 )
 from .matryoshka import PrefixSpec, PrefixSums
+from .options import check_positive_int
 from .spec import (
     GroupMask,
     HardnessOffset,
@@ -73,9 +74,7 @@ class TorchTiles:
 
     def __post_init__(self):
         for name in ("tile_rows", "tile_keys"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_positive_int(name, getattr(self, name))
 
     def _tiles(self, m: int, k: int):
         for row_start in range(0, m, self.tile_rows):

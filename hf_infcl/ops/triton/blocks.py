@@ -36,6 +36,7 @@ import torch
 from ..distillation import DistillationSpec, SoftTargetGradients, TeacherLogits
 from ..key_blocks import combine_rows as torch_combine_rows
 from ..matryoshka import PrefixSpec, PrefixSums
+from ..options import check_positive_int
 from ..positive_pairs import GroupRanges, PositiveParts, counts_positives, takes_log_sum_exp
 from ..spec import GroupMask, HardnessOffset, LeftOutCounts, ScoreFilter, StatsSpec
 from ..tiled import TorchTiles
@@ -142,9 +143,7 @@ class TritonBlocks:
         if isinstance(entries, bool) or not isinstance(entries, int) or entries < 0:
             raise ValueError(f"listed_entries_per_vector must be a non-negative integer, got {entries!r}")
         for name in ("tile_rows", "tile_keys", "stat_splits", "column_buffer_entries"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+            check_positive_int(name, getattr(self, name), optional=True)
         share = self.listed_row_share
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
             raise ValueError(f"listed_row_share must be a number from 0 to 1, got {share!r}")
