@@ -157,16 +157,30 @@ def clip_loss(args, groups, process_group="auto"):
 
 def graphs_cannot_run(device: torch.device, processes: int, fsdp2: bool,
                       reduce_every_chunk: bool) -> str | None:
-    """What keeps the cached step's CUDA graphs (--chunk_cuda_graphs) from running, or None."""
+    """What keeps the cached step's CUDA graphs (--chunk_cuda_graphs) from running, or None. Under
+    DDP the graphs run the towers outside DDP's forward and the gradients are averaged after the
+    step (:func:`training_step`)."""
     if device.type != "cuda":
         return f"this run trains on {device.type}, not on a CUDA GPU"
-    if processes > 1 or fsdp2:
-        return ("several processes reduce (FSDP2: and shard) the gradients in hooks that a CUDA graph would "
-                "skip (InfCLTrainer averages them after its graphs)")
-    if reduce_every_chunk:
+    if fsdp2:
+        return "FSDP2 reduces and shards the gradients in hooks that a CUDA graph would skip"
+    if reduce_every_chunk and processes > 1:
         return ("--reduce_every_chunk reduces the gradients in each replay's hooks, which a CUDA graph "
                 "would skip")
     return None
+
+
+def ddp_training_stream(asked: bool | None, *, chunk_size, device, processes: int, fsdp2: bool,
+                        reduce_every_chunk: bool):
+    """A CUDA stream to wrap the model in DDP and train on where the cached step's graphs may run
+    under DDP, else None. DDP binds each parameter's gradient accumulator to the stream current
+    when it wraps the model, a backward waits on that stream, and a captured backward cannot wait
+    on the default one (:mod:`hf_infcl.chunk_graphs`)."""
+    if not chunk_size or asked is False or processes == 1:
+        return None
+    if graphs_cannot_run(device, processes, fsdp2, reduce_every_chunk) is not None:
+        return None
+    return torch.cuda.Stream(device)
 
 
 def chunk_graphs_for(model, asked: bool | None, *, device, processes: int, fsdp2: bool,
@@ -195,9 +209,20 @@ def training_step(embedder, model, batch, loss_fn, chunk_size=None, *, offload=F
                   chunk_graphs=None):
     """One forward/backward of the batch; the detached loss. ``embedder`` is what ``prepare``
     returned (DDP, FSDP2 or the module), ``model`` the :class:`ClipEmbedder` inside it. With
-    ``chunk_graphs`` (one process) the chunks run as CUDA graphs and ``no_sync`` is not used."""
+    ``chunk_graphs`` the chunks run as CUDA graphs through ``model`` (under DDP outside its forward:
+    DDP's hooks, which a graph would skip, do not run) and the gradients are averaged after the step,
+    as DDP's synchronised backward would; ``no_sync`` is not used then."""
+    from hf_infcl.chunk_graphs import average_gradients
     from hf_infcl.grad_cache import cached_step
 
+    if chunk_size and chunk_graphs is not None:
+        loss = cached_step(lambda chunk: model(**chunk), batch, loss_fn, chunk_size,
+                           loss_params=model.loss_parameters(), offload=offload, device=device,
+                           forward_context=forward_context, scale_loss=scale_loss,
+                           chunk_graphs=chunk_graphs).loss
+        if isinstance(embedder, torch.nn.parallel.DistributedDataParallel):
+            average_gradients(model.parameters(), embedder.process_group)
+        return loss
     if chunk_size:
         # The loss parameters as read before the step: under FSDP2 sharded DTensors, which
         # cached_step gives the loss as their full value and whose gradient it averages over ranks.
@@ -209,10 +234,9 @@ def training_step(embedder, model, batch, loss_fn, chunk_size=None, *, offload=F
             loss_params=model.loss_parameters(),
             offload=offload,
             device=device,
-            no_sync=None if chunk_graphs is not None else no_sync,
+            no_sync=no_sync,
             forward_context=forward_context,
             scale_loss=scale_loss,
-            chunk_graphs=chunk_graphs,
         ).loss
     with forward_context():
         image_embeds, text_embeds = embedder(**batch)

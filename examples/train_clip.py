@@ -45,6 +45,7 @@ from clip_model import (
     chunk_graphs_for,
     clamp_logit_scale,
     clip_loss,
+    ddp_training_stream,
     embedder_for,
     evaluate,
     freeze_towers,
@@ -152,11 +153,11 @@ class TrainArguments:
     reduce_every_chunk: bool = arg(False, "GradCache: reduce the gradients after every chunk's backward "
                                    "instead of once per step; under FSDP2 they then stay sharded.")
     chunk_cuda_graphs: bool | None = arg(
-        None, "GradCache on one GPU: run the chunks as CUDA graphs, one per chunk shape, which removes the "
-        "kernel-launch overhead that makes small chunks slow. Default: on wherever they can run (one process "
-        "on a CUDA GPU, without FSDP2 or --reduce_every_chunk) and give the eager step's gradients, at most "
-        "4 graphs; a chunk call that cannot be captured runs eagerly from then on, with a warning. true: on, "
-        "an error where they cannot run; false: off.")
+        None, "GradCache on GPUs: run the chunks as CUDA graphs, one per chunk shape, which removes the "
+        "kernel-launch overhead that makes small chunks slow. Default: on wherever they can run (CUDA GPUs, "
+        "one process or several under DDP, without FSDP2 or --reduce_every_chunk) and give the eager step's "
+        "gradients, at most 4 graphs; a chunk call that cannot be captured runs eagerly from then on, with a "
+        "warning. true: on, an error where they cannot run; false: off.")
     loss: LossKind | None = arg(None, "'softmax' (CLIP InfoNCE) or 'sigmoid' (SigLIP). Default: 'sigmoid' "
                                 "for a model with a logit bias (SigLIP), else 'softmax'.")
     symmetric: bool = arg(True, "Softmax: average image->text and text->image.")
@@ -326,6 +327,15 @@ def main(argv=None):
                           preprocess_images(processor.image_processor, classification.held_out))
     vectorised = vectorise_scalar_parameters(embedder) if fsdp2 else []  # fully_shard refuses 0-d ones
     optimizer = adamw(embedder, args.learning_rate, args.weight_decay, args.adam_beta2)
+    # Under DDP, where the chunks may run as CUDA graphs, DDP wraps the model and it trains on a CUDA
+    # stream of its own (clip_model.ddp_training_stream); the caller's stream is back for saving.
+    caller_stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
+    training_stream = ddp_training_stream(args.chunk_cuda_graphs, chunk_size=args.chunk_size, device=device,
+                                          processes=world, fsdp2=fsdp2,
+                                          reduce_every_chunk=args.reduce_every_chunk)
+    if training_stream is not None:
+        training_stream.wait_stream(caller_stream)  # the model's moves queued before
+        torch.cuda.set_stream(training_stream)
     # Not the loaders: each process already reads only its share; the loop moves batches to the device.
     embedder, optimizer = accelerator.prepare(embedder, optimizer)
 
@@ -391,6 +401,9 @@ def main(argv=None):
             evaluate_at, chunk_graphs)
     finally:
         batches.close()  # the join thread, and its DataLoader iterator
+        if training_stream is not None:
+            caller_stream.wait_stream(training_stream)
+            torch.cuda.set_stream(caller_stream)
 
     # ---- save
     accelerator.wait_for_everyone()

@@ -1031,11 +1031,12 @@ def test_a_pretrained_clip_trains_in_training_mode(tmp_path, monkeypatch):
 
 
 def test_train_clip_chunk_graphs_where_they_can_run_and_the_banner_says_so():
-    """--chunk_cuda_graphs: false never; the default and true only on one process on a CUDA GPU
-    without --reduce_every_chunk (the default also weighs the model: GPU test below)."""
+    """--chunk_cuda_graphs: false never; the default and true on CUDA GPUs, one process or several
+    under DDP (on a stream of their own), not under FSDP2 or with --reduce_every_chunk across
+    processes (the default also weighs the model: GPU tests below)."""
     import train_clip
 
-    from clip_model import chunk_graphs_for
+    from clip_model import chunk_graphs_for, ddp_training_stream
 
     model, cpu, cuda = torch.nn.Linear(2, 2), torch.device("cpu"), torch.device("cuda")
     single = dict(processes=1, fsdp2=False, reduce_every_chunk=False)
@@ -1043,15 +1044,42 @@ def test_train_clip_chunk_graphs_where_they_can_run_and_the_banner_says_so():
     for asked in (None, True):
         assert chunk_graphs_for(model, asked, device=cpu, **single) == (
             None, "this run trains on cpu, not on a CUDA GPU")
-        for other in (dict(processes=2), dict(fsdp2=True)):
-            graphs, why = chunk_graphs_for(model, asked, device=cuda, **{**single, **other})
-            assert graphs is None and why.startswith("several processes reduce (FSDP2: and shard)")
-        graphs, why = chunk_graphs_for(model, asked, device=cuda, **{**single, "reduce_every_chunk": True})
+        graphs, why = chunk_graphs_for(model, asked, device=cuda, **{**single, "fsdp2": True})
+        assert graphs is None and why.startswith("FSDP2 reduces and shards the gradients")
+        graphs, why = chunk_graphs_for(model, asked, device=cuda, processes=2, fsdp2=False,
+                                       reduce_every_chunk=True)
         assert graphs is None and why.startswith("--reduce_every_chunk reduces the gradients")
+        # no stream of its own without chunks, in one process, or where the graphs cannot run
+        for chunk_size, options in ((None, dict(processes=2)), (16, dict(processes=1)),
+                                    (16, dict(processes=2, fsdp2=True)), (16, dict(processes=2, device=cpu))):
+            assert ddp_training_stream(asked, chunk_size=chunk_size,
+                                       **{**single, "device": cuda, **options}) is None
+    assert ddp_training_stream(False, chunk_size=16, device=cuda, processes=2, fsdp2=False,
+                               reduce_every_chunk=False) is None
     assert train_clip.chunking(None, None, None, cuda) == ""
     assert train_clip.chunking(16, object(), None, cuda) == ", chunks of 16 as CUDA graphs"
     assert train_clip.chunking(16, None, "why", cuda) == ", chunks of 16 (no CUDA graphs: why)"
     assert train_clip.chunking(16, None, "why", cpu) == ", chunks of 16"
+
+
+@pytest.mark.gpu
+def test_train_clip_on_two_gpus_with_cuda_graphs_trains_as_eager_chunks(tmp_path):
+    """Two processes under DDP with --chunk_size: by default the chunks run as CUDA graphs (the
+    towers outside DDP's forward, the gradients averaged after the step, DDP on a stream of its
+    own) and the run ends with the eager run's weights."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    common = ("--max_steps", "6", "--eval_steps", "0", "--global_batch_size", "64", "--chunk_size", "8")
+    launch = ("--multi_gpu", "--num_processes", "2", *LAUNCH_VALUES)
+    graphed = accelerate_launch(tmp_path, *launch, script_args=("--output_dir", "graphs", *common))
+    assert "(2 processes on cuda, chunks of 8 as CUDA graphs)" in graphed, graphed[-3000:]
+    eager = accelerate_launch(tmp_path, *launch,
+                              script_args=("--output_dir", "eager", "--chunk_cuda_graphs", "false", *common))
+    assert "chunks of 8 (no CUDA graphs: --chunk_cuda_graphs false)" in eager
+    graphed_weights, eager_weights = _weights(tmp_path / "graphs"), _weights(tmp_path / "eager")
+    assert graphed_weights.keys() == eager_weights.keys()
+    for name in eager_weights:
+        torch.testing.assert_close(graphed_weights[name], eager_weights[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
 @pytest.mark.gpu
