@@ -8,7 +8,8 @@ training step, and the held-out evaluation.
   learned scale and bias.
 - :func:`clip_loss` and :func:`training_step`: one forward/backward of a batch with the exact
   Inf-CL loss over the global batch (a ring across processes), in chunks with ``--chunk_size``
-  (GradCache), on one GPU as CUDA graphs (:func:`chunk_graphs_for`).
+  (GradCache), on GPUs as CUDA graphs (:func:`chunk_graphs_for`; under DDP on a stream of their
+  own, :func:`ddp_training_stream`).
 - :func:`evaluate`: zero-shot top-1 and image<->text recall of the held-out split.
 """
 

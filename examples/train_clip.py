@@ -15,10 +15,11 @@ leaves model, processor, curves and model card in ``outputs/clip-digits``. The d
 
 The contrastive batch is global: every row is contrasted with the keys of all processes (a ring of
 key blocks, never an all-gather of the logits). ``--chunk_size`` runs the encoders on chunks of the
-batch (GradCache) and ``--offload`` keeps it in host memory, so the batch can be far larger than the
-encoders' activations allow. Every flag is checked before any work, ``--push_to_hub`` before
-training. One process needs no launcher (``accelerate launch`` without an ``accelerate config``
-warns about each launch flag it is not given); several without a GPU form a gloo group on the CPU.
+batch (GradCache; on GPUs the chunks run as CUDA graphs, ``--chunk_cuda_graphs``) and ``--offload``
+keeps it in host memory, so the batch can be far larger than the encoders' activations allow.
+Every flag is checked before any work, ``--push_to_hub`` before training. One process needs no
+launcher (``accelerate launch`` without an ``accelerate config`` warns about each launch flag it is
+not given); several without a GPU form a gloo group on the CPU.
 Under FSDP2 (GPUs only) the scalar logit scale trains as a 1-element vector, saved as a scalar.
 """
 
