@@ -330,11 +330,11 @@ def main(argv=None):
     optimizer = adamw(embedder, args.learning_rate, args.weight_decay, args.adam_beta2)
     # Under DDP, where the chunks may run as CUDA graphs, DDP wraps the model and it trains on a CUDA
     # stream of its own (clip_model.ddp_training_stream); the caller's stream is back for saving.
-    caller_stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
     training_stream = ddp_training_stream(args.chunk_cuda_graphs, chunk_size=args.chunk_size, device=device,
                                           processes=world, fsdp2=fsdp2,
                                           reduce_every_chunk=args.reduce_every_chunk)
     if training_stream is not None:
+        caller_stream = torch.cuda.current_stream()
         training_stream.wait_stream(caller_stream)  # the model's moves queued before
         torch.cuda.set_stream(training_stream)
     # Not the loaders: each process already reads only its share; the loop moves batches to the device.
