@@ -382,6 +382,32 @@ def test_gpu_70k_by_70k_bf16():
     _check_against_float64(70_000, 70_000, 64, "bf16", "softmax-sym", True, backend=TritonBlocks(poison=True))
 
 
+def test_fp16_copies_round_every_slice_as_the_whole_tensor():
+    """tf32_via_fp16's operands (and the default route's GEMM operands): each value rounds to fp16 as
+    to TF32, whatever tensor it sits in, so a slice of the keys (the ring's backward takes key
+    blocks in slices) multiplies exactly the values the whole block's forward did. Divided by its
+    own largest entry, a slice rounded otherwise, and a small ring's gradients were 1.5x further
+    from float64 than one process's (CPU, no kernel runs)."""
+    from hf_infcl.ops.triton.operands import round_to_tf32, scaled_fp16
+
+    gen = torch.Generator().manual_seed(7)
+    queries = torch.nn.functional.normalize(torch.randn(40, 32, generator=gen), dim=1)
+    keys = torch.nn.functional.normalize(torch.randn(300, 32, generator=gen), dim=1)
+
+    def values(operands):  # what the copies stand for, in fp32 (exact: the factors are powers of two)
+        return operands.queries.float() * operands.queries_max, operands.keys.float() * operands.keys_max
+
+    whole_queries, whole_keys = values(scaled_fp16(queries, keys))
+    for lo, hi in ((0, 64), (64, 200), (200, 300), (17, 18)):
+        slice_queries, slice_keys = values(scaled_fp16(queries, keys[lo:hi]))
+        assert torch.equal(slice_keys, whole_keys[lo:hi]), (lo, hi)
+        assert torch.equal(slice_queries, whole_queries)
+    # above fp16's subnormals, the same values as TF32's rounding to nearest
+    normal = whole_keys.abs() >= 2.0**-14 * float(scaled_fp16(queries, keys).keys_max)
+    assert torch.equal(whole_keys[normal], round_to_tf32(keys)[normal])
+    assert normal.float().mean() > 0.99
+
+
 def test_round_to_tf32_rounds_to_nearest():
     """The pre-rounding that makes Triton's truncating TF32 dot unbiased (CPU: no kernel runs)."""
     from hf_infcl.ops.triton.operands import round_to_tf32

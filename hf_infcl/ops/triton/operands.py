@@ -3,7 +3,7 @@ of fp32 inputs), the logit scale that keeps their logits right, and the launcher
 
 fp32 inputs with TF32 precision run the kernels on TF32 tensor cores after rounding the operands
 to TF32 to nearest (:func:`round_to_tf32`: the dot itself truncates), and the backward's GEMMs on
-fp16 copies scaled by 1 / max|x| per tensor (:func:`scaled_fp16`), with the factors folded into
+fp16 copies divided by a power of two per tensor (:func:`scaled_fp16`), with the factors folded into
 the accumulation. ``TritonBlocks(tf32_via_fp16=True)`` runs the kernels on those copies too.
 """
 
@@ -50,7 +50,7 @@ def kernel_operands(spec: StatsSpec, queries, keys, scale, via_fp16: bool) -> Op
 def gemm_operands(spec: StatsSpec, queries, keys, kernel: Operands, via_fp16: bool) -> Operands:
     """The operands of the backward's G K and G^T Q GEMMs (``scale`` unused).
 
-    fp32 inputs with TF32 precision multiply as fp16 copies scaled by 1 / max|x|: a TF32 GEMM
+    fp32 inputs with TF32 precision multiply as fp16 copies divided by a power of two: a TF32 GEMM
     rounds its operands to the same 10-bit mantissa, while fp16 halves the bytes of G and of the
     operands and runs at twice the TF32 rate. Otherwise: the kernels' operands.
     """
@@ -71,17 +71,12 @@ def dot_operands(gemm: Operands, kernel: Operands, scale: torch.Tensor):
     half-precision inputs themselves carry. fp32 inputs: the backward GEMMs' operands (the
     scaled fp16 copies of TF32 precision, or the fp32 inputs of "ieee"), with fp32 dot
     products. The scale takes every factor the operands were divided by."""
-    if gemm is not kernel:  # fp32 inputs with TF32 precision: fp16 copies divided by their maxima
+    if gemm is not kernel:  # fp32 inputs with TF32 precision: fp16 copies divided by powers of two
         return gemm.queries, gemm.keys, scale * product(gemm.queries_max, gemm.keys_max), torch.float32
     if gemm.queries.dtype not in HALF_TYPES:
         return gemm.queries, gemm.keys, scale, torch.float32
-    # Both factors from one small tensor, and each copy in one op that divides and converts
-    # (fewer host launches before the first GEMM, while the GPU is idle).
-    maxima = _largest_magnitudes(gemm.queries, gemm.keys)
-    inverse = torch.exp2(-torch.ceil(torch.log2(maxima)))  # 1 / (powers of two >= maxima)
-    copies = [torch.mul(t.detach(), factor, out=torch.empty(t.shape, dtype=torch.float16, device=t.device))
-              for t, factor in zip((gemm.queries, gemm.keys), inverse)]
-    return copies[0], copies[1], scale / inverse.prod(), torch.float16
+    fp16 = scaled_fp16(gemm.queries, gemm.keys)
+    return fp16.queries, fp16.keys, scale * fp16.queries_max * fp16.keys_max, torch.float16
 
 
 def resolved(spec: StatsSpec, queries: torch.Tensor) -> StatsSpec:
@@ -97,12 +92,21 @@ def is_tf32(spec: StatsSpec, queries: torch.Tensor) -> bool:
 
 
 def scaled_fp16(queries: torch.Tensor, keys: torch.Tensor) -> Operands:
-    """fp16 copies of fp32 operands divided by their largest magnitude (per tensor), so that
-    every value is in fp16's range; ``scale`` is left unset (None)."""
-    maxima = _largest_magnitudes(queries, keys)
+    """fp16 copies of the operands, each divided by the power of two at or above its largest
+    magnitude, so that every value is in fp16's range; ``scale`` is left unset (None); the
+    ``*_max`` fields hold the two factors. Both factors come from one small tensor, and each copy
+    from one op that divides and converts (few host launches, while the GPU waits for them).
+
+    A power of two, not the largest magnitude itself: dividing by it is exact, so each value
+    rounds to fp16 as it would to TF32 (above fp16's subnormals) whatever the tensor around it.
+    Divided by its own maximum, a slice of a tensor rounded otherwise than the whole: the ring's
+    backward, which takes each key block in slices, then recomputed logits rounded otherwise than
+    those of its forward's statistics, and its gradients were further from float64 than one
+    process's (1.5x in a CPU test of a small ring)."""
+    factors = torch.exp2(torch.ceil(torch.log2(_largest_magnitudes(queries, keys))))
     copies = [torch.div(t.detach(), factor, out=torch.empty(t.shape, dtype=torch.float16, device=t.device))
-              for t, factor in zip((queries, keys), maxima)]  # divided and converted in one op each
-    return Operands(copies[0], copies[1], None, maxima[0], maxima[1])
+              for t, factor in zip((queries, keys), factors)]
+    return Operands(copies[0], copies[1], None, factors[0], factors[1])
 
 
 def _largest_magnitudes(*tensors: torch.Tensor) -> torch.Tensor:

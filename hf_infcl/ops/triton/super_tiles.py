@@ -68,7 +68,7 @@ def walk(route: SuperTileRoute, gemm: Operands, grad_queries: torch.Tensor, grad
          g_factor: torch.Tensor | None, tile: tuple[int, int], precision: str, poison: bool) -> None:
     """Add G K into ``grad_queries`` and G^T Q into ``grad_keys`` over every super-tile of
     ``tile`` = (rows, keys), G from ``route``, stored divided by ``g_factor`` (:func:`g_scale`;
-    None: 1), the GEMMs on ``gemm``'s operands (divided by their maxima, if any); with the
+    None: 1), the GEMMs on ``gemm``'s operands (divided by their factors, if any); with the
     route's ``segments``, each segment's G times that segment's columns."""
     m, k = gemm.queries.shape[0], gemm.keys.shape[0]
     # The GEMMs add (G / g_scale) @ (K / k_max) into grad_queries, whose true increment is that
