@@ -216,29 +216,27 @@ def training_step(embedder, model, batch, loss_fn, chunk_size=None, *, offload=F
     from hf_infcl.chunk_graphs import average_gradients
     from hf_infcl.grad_cache import cached_step
 
-    if chunk_size and chunk_graphs is not None:
-        loss = cached_step(lambda chunk: model(**chunk), batch, loss_fn, chunk_size,
-                           loss_params=model.loss_parameters(), offload=offload, device=device,
-                           forward_context=forward_context, scale_loss=scale_loss,
-                           chunk_graphs=chunk_graphs).loss
-        if isinstance(embedder, torch.nn.parallel.DistributedDataParallel):
-            average_gradients(model.parameters(), embedder.process_group)
-        return loss
     if chunk_size:
+        graphed = chunk_graphs is not None
+        encoder = model if graphed else embedder
         # The loss parameters as read before the step: under FSDP2 sharded DTensors, which
         # cached_step gives the loss as their full value and whose gradient it averages over ranks.
-        return cached_step(
-            lambda chunk: embedder(**chunk),
+        loss = cached_step(
+            lambda chunk: encoder(**chunk),
             batch,
             loss_fn,
             chunk_size,
             loss_params=model.loss_parameters(),
             offload=offload,
             device=device,
-            no_sync=no_sync,
+            no_sync=None if graphed else no_sync,
             forward_context=forward_context,
             scale_loss=scale_loss,
+            chunk_graphs=chunk_graphs,
         ).loss
+        if graphed and isinstance(embedder, torch.nn.parallel.DistributedDataParallel):
+            average_gradients(model.parameters(), embedder.process_group)
+        return loss
     with forward_context():
         image_embeds, text_embeds = embedder(**batch)
     # Read after the forward: under FSDP2 the root's parameters are then the gathered tensors,
