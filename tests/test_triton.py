@@ -395,7 +395,8 @@ def test_fp16_copies_round_every_slice_as_the_whole_tensor():
     keys = torch.nn.functional.normalize(torch.randn(300, 32, generator=gen), dim=1)
 
     def values(operands):  # what the copies stand for, in fp32 (exact: the factors are powers of two)
-        return operands.queries.float() * operands.queries_max, operands.keys.float() * operands.keys_max
+        return (operands.queries.float() * operands.queries_factor,
+                operands.keys.float() * operands.keys_factor)
 
     whole_queries, whole_keys = values(scaled_fp16(queries, keys))
     for lo, hi in ((0, 64), (64, 200), (200, 300), (17, 18)):
@@ -403,7 +404,7 @@ def test_fp16_copies_round_every_slice_as_the_whole_tensor():
         assert torch.equal(slice_keys, whole_keys[lo:hi]), (lo, hi)
         assert torch.equal(slice_queries, whole_queries)
     # above fp16's subnormals, the same values as TF32's rounding to nearest
-    normal = whole_keys.abs() >= 2.0**-14 * float(scaled_fp16(queries, keys).keys_max)
+    normal = whole_keys.abs() >= 2.0**-14 * float(scaled_fp16(queries, keys).keys_factor)
     assert torch.equal(whole_keys[normal], round_to_tf32(keys)[normal])
     assert normal.float().mean() > 0.99
 

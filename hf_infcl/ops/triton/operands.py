@@ -25,8 +25,8 @@ class Operands:
     queries: torch.Tensor
     keys: torch.Tensor
     scale: torch.Tensor | None  # 0-d fp32: the logit scale for these operands
-    queries_max: torch.Tensor | None  # the factors the fp16 copies were divided by, if any
-    keys_max: torch.Tensor | None
+    queries_factor: torch.Tensor | None  # the factors the fp16 copies were divided by, if any
+    keys_factor: torch.Tensor | None
 
 
 def kernel_operands(spec: StatsSpec, queries, keys, scale, via_fp16: bool) -> Operands:
@@ -38,8 +38,8 @@ def kernel_operands(spec: StatsSpec, queries, keys, scale, via_fp16: bool) -> Op
         return Operands(queries, keys, scale, None, None)
     if via_fp16:
         fp16 = scaled_fp16(queries, keys)
-        return Operands(fp16.queries, fp16.keys, scale * fp16.queries_max * fp16.keys_max,
-                        fp16.queries_max, fp16.keys_max)
+        return Operands(fp16.queries, fp16.keys, scale * fp16.queries_factor * fp16.keys_factor,
+                        fp16.queries_factor, fp16.keys_factor)
     # Triton's TF32 dot truncates each operand's mantissa to 10 bits, which shrinks every logit
     # by about 1e-3 of its size while the positive logit is exact fp32, biasing the fp32 loss
     # value by several percent. Rounded to nearest first, the truncation is exact and the
@@ -57,7 +57,7 @@ def gemm_operands(spec: StatsSpec, queries, keys, kernel: Operands, via_fp16: bo
     if not is_tf32(spec, queries) or via_fp16:
         return kernel
     fp16 = scaled_fp16(queries, keys)
-    return Operands(fp16.queries, fp16.keys, kernel.scale, fp16.queries_max, fp16.keys_max)
+    return Operands(fp16.queries, fp16.keys, kernel.scale, fp16.queries_factor, fp16.keys_factor)
 
 
 def dot_operands(gemm: Operands, kernel: Operands, scale: torch.Tensor):
@@ -72,11 +72,11 @@ def dot_operands(gemm: Operands, kernel: Operands, scale: torch.Tensor):
     scaled fp16 copies of TF32 precision, or the fp32 inputs of "ieee"), with fp32 dot
     products. The scale takes every factor the operands were divided by."""
     if gemm is not kernel:  # fp32 inputs with TF32 precision: fp16 copies divided by powers of two
-        return gemm.queries, gemm.keys, scale * product(gemm.queries_max, gemm.keys_max), torch.float32
+        return gemm.queries, gemm.keys, scale * product(gemm.queries_factor, gemm.keys_factor), torch.float32
     if gemm.queries.dtype not in HALF_TYPES:
         return gemm.queries, gemm.keys, scale, torch.float32
     fp16 = scaled_fp16(gemm.queries, gemm.keys)
-    return fp16.queries, fp16.keys, scale * fp16.queries_max * fp16.keys_max, torch.float16
+    return fp16.queries, fp16.keys, scale * fp16.queries_factor * fp16.keys_factor, torch.float16
 
 
 def resolved(spec: StatsSpec, queries: torch.Tensor) -> StatsSpec:
@@ -94,7 +94,7 @@ def is_tf32(spec: StatsSpec, queries: torch.Tensor) -> bool:
 def scaled_fp16(queries: torch.Tensor, keys: torch.Tensor) -> Operands:
     """fp16 copies of the operands, each divided by the power of two at or above its largest
     magnitude, so that every value is in fp16's range; ``scale`` is left unset (None); the
-    ``*_max`` fields hold the two factors. Both factors come from one small tensor, and each copy
+    ``*_factor`` fields hold the two factors. Both factors come from one small tensor, and each copy
     from one op that divides and converts (few host launches, while the GPU waits for them).
 
     A power of two, not the largest magnitude itself: dividing by it is exact, so each value
@@ -169,7 +169,7 @@ def label_arguments(mask: GroupMask | None, hardness: HardnessOffset | None, ker
     products, and the filter's thresholds (without a guide) are compared with them: they are those
     of the fp16 copies when fp32 runs as scaled fp16, so both take the copies' factors."""
     arguments = mask_arguments(mask)
-    factor = product(kernel.queries_max, kernel.keys_max)
+    factor = product(kernel.queries_factor, kernel.keys_factor)
     if hardness is not None:
         device = hardness.query_ids.device
         strength = torch.tensor(hardness.strength, dtype=torch.float32, device=device)

@@ -71,11 +71,11 @@ def walk(route: SuperTileRoute, gemm: Operands, grad_queries: torch.Tensor, grad
     None: 1), the GEMMs on ``gemm``'s operands (divided by their factors, if any); with the
     route's ``segments``, each segment's G times that segment's columns."""
     m, k = gemm.queries.shape[0], gemm.keys.shape[0]
-    # The GEMMs add (G / g_scale) @ (K / k_max) into grad_queries, whose true increment is that
-    # times g_scale * k_max. Dividing the accumulator by the factor first and multiplying it back
+    # The GEMMs add (G / g_scale) @ (K / k_factor) into grad_queries, whose true increment is that
+    # times g_scale * k_factor. Dividing the accumulator by the factor first and multiplying it back
     # after keeps every product exactly one fp32 addmm (no rounded half-precision intermediate
     # that could overflow) at the cost of two cheap passes.
-    factor_q, factor_k = product(g_factor, gemm.keys_max), product(g_factor, gemm.queries_max)
+    factor_q, factor_k = product(g_factor, gemm.keys_factor), product(g_factor, gemm.queries_factor)
     if factor_q is not None:
         grad_queries.div_(factor_q)
     if factor_k is not None:
