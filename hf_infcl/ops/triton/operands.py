@@ -102,7 +102,7 @@ def scaled_fp16(queries: torch.Tensor, keys: torch.Tensor) -> Operands:
     Divided by its own maximum, a slice of a tensor rounded otherwise than the whole: the ring's
     backward, which takes each key block in slices, then recomputed logits rounded otherwise than
     those of its forward's statistics, and its gradients were further from float64 than one
-    process's (1.5x in a CPU test of a small ring)."""
+    process's."""
     factors = torch.exp2(torch.ceil(torch.log2(_largest_magnitudes(queries, keys))))
     copies = [torch.div(t.detach(), factor, out=torch.empty(t.shape, dtype=torch.float16, device=t.device))
               for t, factor in zip((queries, keys), factors)]
