@@ -7,7 +7,9 @@ Run on a machine with 2 (or more) GPUs:
 (``tests/test_ring.py::test_nccl_ring_parity_script`` runs it when two GPUs are visible;
 ``--cpu`` runs the same checks over gloo on CPU, a dry run of the script itself; ``--only A,B``
 runs the cases whose names contain A or B, e.g. ``--only filter,positives`` after a kernel change
-of the score filter, where a cold machine tunes every new kernel key first.)
+of the score filter, where a cold machine tunes every new kernel key first; ``--tf32-via-fp16``
+runs the fp32 cases' kernels on scaled fp16 copies, ``TritonBlocks(tf32_via_fp16=True)``, ring and
+one process alike.)
 
 Each rank holds its own uneven slice of a global batch (one case gives a rank no rows at all),
 with the options of each case (hard negatives, groups, the hardness offset, several positives per
@@ -151,13 +153,22 @@ def global_case(case: Case, world_size: int, seed: int):
     return parts
 
 
+FP16_COPIES = "--tf32-via-fp16" in sys.argv  # fp32 through scaled fp16 copies in the kernels too
+DTYPES = (torch.float32,) if FP16_COPIES else (torch.float32, torch.bfloat16)  # the copies are fp32's only
+
+
 def loss_of(case: Case, queries, keys, scale, bias, batch: dict, dtype, device, backend, **arguments):
     """The case's loss: ``contrastive_loss`` with its options, or, with a teacher,
     ``contrastive_distillation_loss`` on the same backend."""
+    blocks = {}
     if backend == "triton" and case.listed:
+        blocks.update(listed_row_share=1.0, listed_entries_per_vector=10**6)
+    if backend == "triton" and FP16_COPIES and dtype == torch.float32:
+        blocks.update(tf32_via_fp16=True)
+    if blocks:
         from hf_infcl.ops.triton import TritonBlocks
 
-        backend = TritonBlocks(listed_row_share=1.0, listed_entries_per_vector=10**6)
+        backend = TritonBlocks(**blocks)
     if case.teacher_width is None:
         return contrastive_loss(queries, keys, scale, bias, loss=case.loss, symmetric=case.symmetric,
                                 backend=backend, **arguments, **option_arguments(case, batch, dtype, device))
@@ -281,7 +292,8 @@ def main() -> int:
             backend = "torch"
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if rank == 0:
-        print(f"ring NCCL check: {world_size} ranks, backend={backend}, torch {torch.__version__}, "
+        print(f"ring NCCL check: {world_size} ranks, backend={backend}"
+              f"{', fp32 via fp16 copies' if FP16_COPIES else ''}, torch {torch.__version__}, "
               f"{'cpu (gloo)' if on_cpu else torch.cuda.get_device_name()}", flush=True)
 
     failures = []
@@ -292,7 +304,7 @@ def main() -> int:
         if name not in wanted:
             continue
         parts = global_case(case, world_size, seed=100 + index)
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in DTYPES:
             ring._MAX_SLICE_BYTES = case.slice_bytes or default_slice_bytes
             try:
                 value, grads = ring_gradients(case, parts[rank], dtype, device, backend)
@@ -329,7 +341,8 @@ def main() -> int:
                 failures.append((name, str(dtype)))
     dist.barrier()
     if rank == 0:
-        print(f"checked {len(wanted) * 2} cases in {time.perf_counter() - started:.1f} s", flush=True)
+        seconds = time.perf_counter() - started
+        print(f"checked {len(wanted) * len(DTYPES)} cases in {seconds:.1f} s", flush=True)
         print("ALL PASSED" if not failures else f"FAILED: {sorted(set(failures))}", flush=True)
     dist.destroy_process_group()
     return 1 if failures else 0
