@@ -130,6 +130,30 @@ def test_wait_gives_up_on_a_stuck_thread_with_a_warning(monkeypatch, caplog):
     assert "still running after 0.2 s" in caplog.text
 
 
+def test_reset_autotuning_waits_for_a_thread_still_importing_the_launch_module(monkeypatch):
+    """``hf_infcl.ops.reset_autotuning()`` right after ``import hf_infcl`` met the launch module half
+    imported by the thread (in sys.modules, its functions not yet defined) and raised
+    AttributeError (a benchmark on an H200 did); it waits for the thread first."""
+    import types
+
+    from hf_infcl import ops
+
+    name = "hf_infcl.ops.triton.launch"
+    resets = []
+    half_imported = types.ModuleType(name)
+    monkeypatch.setitem(sys.modules, name, half_imported)
+
+    def finish_the_import():
+        threading.Event().wait(0.2)
+        half_imported.reset_autotuning = lambda: resets.append(1)
+
+    thread = threading.Thread(target=finish_the_import, daemon=True)
+    thread.start()
+    monkeypatch.setattr(warm_start, "_thread", thread)
+    ops.reset_autotuning()
+    assert resets == [1]
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_the_thread_runs_at_import_and_leaves_cuda_uninitialised():
     """A fresh process on a CUDA machine: ``import hf_infcl`` starts the thread; once it is done,

@@ -11,6 +11,9 @@ def reset_autotuning() -> None:
     """Forget the Triton kernels' autotuned configurations: the next call of each kernel tunes
     afresh (a benchmark sweeping problem sizes tunes each for itself). Nothing to do, and Triton
     is not imported, when the kernels have not been loaded yet."""
+    from . import warm_start
+
+    warm_start.wait()  # its thread may be importing the launch module right now, half initialised
     launch = sys.modules.get(__name__ + ".triton.launch")
     if launch is not None:
         launch.reset_autotuning()
