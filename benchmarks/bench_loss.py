@@ -18,9 +18,11 @@ Implementations:
                                precision for fp32, i.e. no TF32); "OOM" when they do not fit.
   torch-tiled                  hf_infcl's tile-wise PyTorch backend (bf16 inputs; small b only).
   triton-bf16 / triton-tf32    hf_infcl's Triton backend on bf16 inputs, and on fp32 inputs with
-                               precision="tf32" (the default: TF32 tensor cores).
-  triton-tf32-fp16             fp32 inputs as scaled fp16 copies (TritonBlocks(tf32_via_fp16=True),
-                               opt-in: TF32's mantissa at the fp16 rate).
+                               precision="tf32" (its default route: scaled fp16 copies).
+  triton-tf32-fp16             fp32 inputs as scaled fp16 copies, asked for by name
+                               (TritonBlocks(tf32_via_fp16=True): TF32's mantissa at the fp16 rate).
+  triton-tf32-kernels          fp32 inputs on TF32 tensor cores in the kernels
+                               (TritonBlocks(tf32_via_fp16=False)).
   triton-bf16-gemm             sigmoid only: the one pass with each super-tile's dot products from a
                                cuBLAS GEMM and G from an elementwise kernel
                                (TritonBlocks(sigmoid_logits="gemm")), the default route where the
@@ -71,9 +73,10 @@ from bench_common import (  # this folder is on sys.path
 from hf_infcl.ops import reset_autotuning
 
 IMPLEMENTATIONS = ("vanilla-fp32", "vanilla-bf16", "torch-tiled", "triton-bf16", "triton-bf16-gemm",
-                   "triton-bf16-fused", "triton-tf32", "triton-tf32-fp16", "inf-cl", "siglip-kernel")
+                   "triton-bf16-fused", "triton-tf32", "triton-tf32-fp16", "triton-tf32-kernels", "inf-cl",
+                   "siglip-kernel")
 # Implementations that compute only one of the losses.
-ONLY_FOR = {"inf-cl": "softmax", "siglip-kernel": "sigmoid", "triton-tf32-fp16": "softmax",
+ONLY_FOR = {"inf-cl": "softmax", "siglip-kernel": "sigmoid",
             "triton-bf16-gemm": "sigmoid", "triton-bf16-fused": "sigmoid"}
 # The least number of GEMM passes each loss needs (the "floor").
 FLOOR_PASSES = {"softmax": 4, "sigmoid": 3}
@@ -161,10 +164,10 @@ def make_step(impl, q32, k32, params, loss_kind):
         return hf_infcl_step(*half, params, loss_kind, TritonBlocks(sigmoid_logits=route)), half
     if impl == "triton-tf32":
         return hf_infcl_step(*full, params, loss_kind, "triton", precision="tf32"), full
-    if impl == "triton-tf32-fp16":
+    if impl in ("triton-tf32-fp16", "triton-tf32-kernels"):
         from hf_infcl import TritonBlocks
 
-        blocks = TritonBlocks(tf32_via_fp16=True)
+        blocks = TritonBlocks(tf32_via_fp16=impl == "triton-tf32-fp16")
         return hf_infcl_step(*full, params, loss_kind, blocks, precision="tf32"), full
     if impl == "inf-cl":
         return inf_cl_step(*full, params), full

@@ -80,12 +80,13 @@ def test_gpu_sigmoid_tile_matches_float64(case):
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_gpu_default_sigmoid_route_is_the_gluon_kernel(monkeypatch, dtype, reduction):
     """What a user's sigmoid loss runs on a Hopper GPU: the default backend's one pass through the
     Gluon kernel (counted), with several super-tiles, matching float64 in the loss and in every
-    gradient, a learnable scale and bias included."""
+    gradient, a learnable scale and bias included. fp32 inputs (TF32 precision) take it too, as
+    their scaled fp16 copies."""
     calls = []
     kernel = gluon_sigmoid.sigmoid_tile
     monkeypatch.setattr(gluon_sigmoid, "sigmoid_tile", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
@@ -115,7 +116,7 @@ def test_gpu_default_sigmoid_route_is_the_gluon_kernel(monkeypatch, dtype, reduc
     expected = loss_and_grads(*rounded, TorchTiles(4096, 4096), "ieee")
     for name, a, b in zip(("loss", "dq", "dk", "dscale", "dbias"), got, expected):
         error = float((a - b).norm() / b.norm())
-        assert error < 1e-2, (seed, name, error)
+        assert error < (3e-3 if dtype == torch.float32 else 1e-2), (seed, name, error)
 
 
 @pytest.mark.gpu

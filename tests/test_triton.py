@@ -196,12 +196,12 @@ HARDNESS_CASES = [
 
 
 def _check_other_routes(problem, **options):
-    """The same problem through the TF32 emulation (scaled fp16) and the two-pass forward, where
-    they apply."""
+    """The same problem through the TF32 kernels (``tf32_via_fp16=False``) and the two-pass forward,
+    where they apply."""
     from hf_infcl.ops.triton import TritonBlocks
 
     if problem[3] == "tf32":
-        _check_against_float64(*problem, backend=TritonBlocks(poison=True, tf32_via_fp16=True), **options)
+        _check_against_float64(*problem, backend=TritonBlocks(poison=True, tf32_via_fp16=False), **options)
     if problem[4] == "softmax-sym":
         _check_against_float64(*problem, backend=TritonBlocks(poison=True, fused_columns=False), **options)
 
@@ -306,12 +306,13 @@ def test_gpu_two_pass_forward_matches_float64_reference(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("groups", [False, True], ids=["nogroups", "groups"])
-def test_gpu_tf32_via_fp16_matches_float64_reference(groups):
-    """The opt-in TF32 emulation: fp32 inputs as scaled fp16 copies (tf32_via_fp16=True)."""
+def test_gpu_tf32_kernels_match_float64_reference(groups):
+    """fp32 inputs on TF32 tensor cores in the kernels (tf32_via_fp16=False; the default multiplies
+    scaled fp16 copies)."""
     from hf_infcl.ops.triton import TritonBlocks
 
     _check_against_float64(1000, 3000, 257, "tf32", "softmax-sym", groups,
-                           backend=TritonBlocks(poison=True, tf32_via_fp16=True))
+                           backend=TritonBlocks(poison=True, tf32_via_fp16=False))
 
 
 @pytest.mark.gpu
@@ -383,11 +384,11 @@ def test_gpu_70k_by_70k_bf16():
 
 
 def test_fp16_copies_round_every_slice_as_the_whole_tensor():
-    """tf32_via_fp16's operands (and the default route's GEMM operands): each value rounds to fp16 as
-    to TF32, whatever tensor it sits in, so a slice of the keys (the ring's backward takes key
-    blocks in slices) multiplies exactly the values the whole block's forward did. Divided by its
-    own largest entry, a slice rounded otherwise, and the ring's gradients were further from
-    float64 than one process's (CPU, no kernel runs)."""
+    """The fp16 copies of fp32 inputs (the kernels' and GEMMs' operands by default): each value
+    rounds to fp16 as to TF32, whatever tensor it sits in, so a slice of the keys (the ring's
+    backward takes key blocks in slices) multiplies exactly the values the whole block's forward
+    did. Divided by its own largest entry, a slice rounded otherwise, and the ring's gradients
+    were further from float64 than one process's (CPU, no kernel runs)."""
     from hf_infcl.ops.triton.operands import round_to_tf32, scaled_fp16
 
     gen = torch.Generator().manual_seed(7)
@@ -431,7 +432,7 @@ def test_round_to_tf32_rounds_to_nearest():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["tf32", "tf32-via-fp16"])
+@pytest.mark.parametrize("variant", ["fp16-copies", "tf32-kernels"])
 def test_gpu_fp32_loss_is_unbiased_on_a_peaked_softmax(variant):
     """CLIP at scale 1/0.07 with confident positives: the positive logit (~14) is exact fp32, so
     logits that a truncating TF32 dot shrinks shift the loss one way. Random rounding averages out
@@ -455,7 +456,7 @@ def test_gpu_fp32_loss_is_unbiased_on_a_peaked_softmax(variant):
         return [value.detach().double(), *(g.double() for g in torch.autograd.grad(value, [qq, kk, scale]))]
 
     expected = loss_and_grads(torch.float64, TorchTiles(4096, 4096), "ieee")
-    got = loss_and_grads(torch.float32, TritonBlocks(tf32_via_fp16=variant == "tf32-via-fp16"), "tf32")
+    got = loss_and_grads(torch.float32, TritonBlocks(tf32_via_fp16=variant == "fp16-copies"), "tf32")
     errors = [float((a - b).norm() / b.norm()) for a, b in zip(got, expected)]
     print(variant, "loss, queries, keys, scale relative errors:", errors)
     assert errors[0] < 2e-5 and max(errors[1:]) < 1e-4, errors

@@ -32,10 +32,11 @@ from hf_infcl.ops.triton.jit_math import round_to_tf32 as jit_round_to_tf32  # n
 # Small super-tiles, split statistics and a small column-partial buffer, so that every case
 # crosses several tiles of every kernel, several row chunks of the fused forward, and merges
 # partial statistics; poison proves every output entry is written.
-BLOCKS = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=2, poison=True, column_buffer_entries=80)
-# tf32_via_fp16: fp32 inputs multiplied as scaled fp16 copies in the kernels too (opt-in).
-BLOCKS_VIA_FP16 = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=2, poison=True,
-                               column_buffer_entries=80, tf32_via_fp16=True)
+# fp32 inputs with TF32 precision: the kernels on operands rounded to TF32 (tf32_via_fp16=False).
+BLOCKS = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=2, poison=True, column_buffer_entries=80,
+                      tf32_via_fp16=False)
+# The default: fp32 inputs multiplied as scaled fp16 copies in the kernels too.
+BLOCKS_VIA_FP16 = dataclasses.replace(BLOCKS, tf32_via_fp16=True)
 # Every other route: the two-pass softmax forward, and the sigmoid loss's fused one pass.
 TWO_PASS = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=3, poison=True, fused_columns=False,
                         sigmoid_logits="fused")
@@ -44,8 +45,8 @@ TWO_PASS = TritonBlocks(tile_rows=20, tile_keys=24, stat_splits=3, poison=True, 
 # error is G rounded to fp16 (2^-11) plus the fp16 output of the G K / G^T Q products, which
 # d scale (a sum with cancellation) amplifies. fp32: rounding of c = 1 cases where P_ii ~ 1
 # and dq_i = s (sum_j P_ij k_j - k_i) cancels to a few ulps reached 2.2e-5 once in 2000 draws.
-# fp32-tf32 (the default path: kernels on operands rounded to TF32, the backward's GEMMs on
-# scaled fp16 copies and fp16 G) and fp32-tf32-fp16 (everything on scaled fp16 copies): the
+# fp32-tf32 (tf32_via_fp16=False: kernels on operands rounded to TF32, the backward's GEMMs on
+# scaled fp16 copies and fp16 G) and fp32-tf32-fp16 (the default: everything on scaled fp16 copies): the
 # operands carry a 10-bit mantissa while the positive logit and the reference use the exact
 # inputs; with a single row (m = 1) nothing averages that out: up to 6.2e-3 in 25 draws of every
 # shape here (bugs give errors of 0.1-1). (The interpreter's TF32 dot itself is exact fp32.)

@@ -95,13 +95,17 @@ class TritonBlocks:
         column_buffer_entries: fp32 entries (default 16M: 64 MiB) of the fused pass's column
             partials, one per (row block, key); more rows per launch when larger. (The one-pass
             Matryoshka forward keeps one per term: D times as many.)
-        tf32_via_fp16: multiply fp32 inputs with TF32 precision as scaled fp16 copies in the
-            kernels too: faster, but opt-in because its ring gradients come out further from
-            float64 than one GPU's, beyond the TF32 tolerance, for a reason not yet known. False
-            (the default) runs the kernels on TF32 tensor cores and only the GEMMs in fp16.
+        tf32_via_fp16: multiply fp32 inputs with TF32 precision as fp16 copies, each divided by
+            the power of two at or above its largest magnitude (exact), in the kernels and the
+            backward's GEMMs: TF32's 10-bit mantissa at twice the TF32 rate and half the bytes
+            (values under 2^-14 of their tensor's largest go through fp16's subnormals, an
+            absolute error of at most 2^-25 of it). True by default; False runs the kernels on
+            TF32 tensor cores (operands rounded to TF32 to nearest) and only the GEMMs on the
+            copies. In-batch distillation and the one-pass Matryoshka kernels always take TF32.
         sigmoid_logits: where the sigmoid loss's one pass gets each super-tile's dot products:
             ``"gluon"`` from the Gluon kernel of :mod:`.gluon_sigmoid`, which also forms G and the
-            sums (Hopper GPUs, fp16 / bf16 inputs, no group mask; a ValueError elsewhere);
+            sums (Hopper GPUs, fp16 / bf16 operands, fp32 inputs' fp16 copies included, no group
+            mask; a ValueError elsewhere);
             ``"gemm"`` from a cuBLAS GEMM into a buffer (fp16 for half-precision inputs, fp32
             for fp32 inputs), read by an elementwise kernel that writes G; ``"fused"`` from the
             gradient-tile kernel itself, which computes them and G in one kernel (no dot-product
@@ -126,7 +130,7 @@ class TritonBlocks:
     poison: bool = False
     fused_columns: bool = True
     column_buffer_entries: int = 16 * 2**20
-    tf32_via_fp16: bool = False
+    tf32_via_fp16: bool = True
     sigmoid_logits: str = "auto"
     listed_row_share: float = LISTED_ROW_SHARE
     listed_entries_per_vector: int = ENTRIES_PER_VECTOR
@@ -503,8 +507,8 @@ class TritonBlocks:
         if self.sigmoid_logits == "gluon" and not usable:
             raise ValueError(
                 "sigmoid_logits='gluon' needs a Hopper GPU (compute capability 9), a Triton with Gluon, "
-                "fp16 or bf16 inputs whose rows are 16-byte aligned, and no group mask; use 'auto' to fall "
-                "back to 'gemm' elsewhere")
+                "fp16 or bf16 inputs (or fp32 ones as fp16 copies, tf32_via_fp16) whose rows are 16-byte "
+                "aligned, and no group mask; use 'auto' to fall back to 'gemm' elsewhere")
         return usable
 
     def _rows_and_columns_in_one_pass(self, problem: _Problem):

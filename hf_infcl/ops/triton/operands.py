@@ -1,10 +1,11 @@
 """What the Triton block ops hand to the kernels and GEMMs: the operands (rounded or scaled copies
 of fp32 inputs), the logit scale that keeps their logits right, and the launchers' label arguments.
 
-fp32 inputs with TF32 precision run the kernels on TF32 tensor cores after rounding the operands
-to TF32 to nearest (:func:`round_to_tf32`: the dot itself truncates), and the backward's GEMMs on
-fp16 copies divided by a power of two per tensor (:func:`scaled_fp16`), with the factors folded into
-the accumulation. ``TritonBlocks(tf32_via_fp16=True)`` runs the kernels on those copies too.
+fp32 inputs with TF32 precision run the kernels and the backward's GEMMs on fp16 copies divided by
+a power of two per tensor (:func:`scaled_fp16`), with the factors folded into the logit scale and
+the accumulation: TF32's 10-bit mantissa at the fp16 rate. ``TritonBlocks(tf32_via_fp16=False)``
+runs the kernels on TF32 tensor cores instead, after rounding the operands to TF32 to nearest
+(:func:`round_to_tf32`: the dot itself truncates), and only the GEMMs on the copies.
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ def dot_operands(gemm: Operands, kernel: Operands, scale: torch.Tensor):
     half-precision inputs themselves carry. fp32 inputs: the backward GEMMs' operands (the
     scaled fp16 copies of TF32 precision, or the fp32 inputs of "ieee"), with fp32 dot
     products. The scale takes every factor the operands were divided by."""
-    if gemm is not kernel:  # fp32 inputs with TF32 precision: fp16 copies divided by powers of two
+    if gemm is not kernel:  # fp32 inputs, TF32 kernels: the GEMMs' fp16 copies divided by powers of two
         return gemm.queries, gemm.keys, scale * product(gemm.queries_factor, gemm.keys_factor), torch.float32
+    if gemm.queries_factor is not None:  # fp32 inputs as fp16 copies everywhere: the scale holds the factors
+        return gemm.queries, gemm.keys, scale, torch.float32
     if gemm.queries.dtype not in HALF_TYPES:
         return gemm.queries, gemm.keys, scale, torch.float32
     fp16 = scaled_fp16(gemm.queries, gemm.keys)
