@@ -80,7 +80,8 @@ def test_gpu_sigmoid_tile_matches_float64(case):
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_gpu_default_sigmoid_route_is_the_gluon_kernel(monkeypatch, dtype, reduction):
     """What a user's sigmoid loss runs on a Hopper GPU: the default backend's one pass through the
