@@ -187,10 +187,13 @@ def test_processes_tune_different_keys_side_by_side_and_both_are_saved(tmp_path)
 
 
 def _ship(folder, key, choice, kernel="grad_tile", device="NVIDIA H100 80GB HBM3", version="3.6.0"):
-    """A shipped file holding ``choice`` for ``key``, as the package ships them."""
+    """``choice`` for ``key`` added to a shipped file, as the package ships them."""
     folder.mkdir(parents=True, exist_ok=True)
+    path = folder / file_name(device, version)
+    shipped = json.loads(path.read_text()) if path.exists() else {}
     entry = {"kwargs": dict(choice.kwargs), "num_warps": choice.num_warps, "num_stages": choice.num_stages}
-    (folder / file_name(device, version)).write_text(json.dumps({kernel: {repr(key): entry}}))
+    shipped.setdefault(kernel, {})[repr(key)] = entry
+    path.write_text(json.dumps(shipped))
 
 
 def test_a_shipped_configuration_loads_without_tuning(tmp_path, caplog):
@@ -239,6 +242,35 @@ def test_a_look_up_without_tuning_finds_the_same_choice_as_a_launch_would(tmp_pa
     assert store.saved("stats", key, device, version, _Config) is None  # another kernel's
     store.retune()
     assert store.saved("grad_tile", key, device, version, _Config) is None
+
+
+def test_an_fp16_key_without_a_choice_of_its_own_takes_the_bf16_one(tmp_path):
+    """fp16 tensors (fp16 inputs, or fp32 ones multiplied as fp16 copies) load the shipped bf16
+    choice of the same width and size class instead of tuning; a choice of their own (shipped or
+    the machine's) comes first; keys that mix dtypes or hold no fp16 have no such fallback."""
+    bf16_key = (768, 2, "torch.bfloat16", "torch.float32")
+    fp16_key = (768, 2, "torch.float16", "torch.float32")
+    bf16_choice = _Config({"BLOCK_M": 256, "BLOCK_N": 64}, num_warps=8)
+    _ship(tmp_path / "shipped", bf16_key, bf16_choice)
+    store = TuningStore(tmp_path / "store", shipped=tmp_path / "shipped")
+    tuner = _Tuner()
+    _run(store, tuner, fp16_key)
+    assert tuner.tunings == 0 and tuner.cache[fp16_key] == bf16_choice
+    for unmatched in [(768, 2, "torch.float32", "torch.float32"), (768, 2, "torch.float16", "torch.bfloat16"),
+                      (512, 2, "torch.float16", "torch.float32")]:
+        tuner = _Tuner()
+        _run(store, tuner, unmatched)
+        assert tuner.tunings == 1, unmatched
+    shipped_fp16 = _Config({"BLOCK_M": 64})
+    _ship(tmp_path / "shipped", fp16_key, shipped_fp16)
+    tuner = _Tuner()
+    _run(TuningStore(tmp_path / "other_store", shipped=tmp_path / "shipped"), tuner, fp16_key)
+    assert tuner.tunings == 0 and tuner.cache[fp16_key] == shipped_fp16
+    own = _Config({"BLOCK_M": 32})
+    _run(TuningStore(tmp_path / "store", shipped=None), _Tuner(choice=own), fp16_key)
+    tuner = _Tuner()
+    _run(TuningStore(tmp_path / "store", shipped=tmp_path / "shipped"), tuner, fp16_key)
+    assert tuner.tunings == 0 and tuner.cache[fp16_key] == own
 
 
 def test_an_unreadable_shipped_file_is_no_file(tmp_path):

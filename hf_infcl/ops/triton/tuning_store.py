@@ -18,7 +18,8 @@ where that is set). If it cannot be written, tuning stays in memory, with one wa
 The package also ships configurations tuned on the GPUs the project is measured on
 (``shipped_tuning/`` beside this file, the same files), read when the machine's own store lacks a
 key: there, a first call loads instead of tuning. The machine's own choices come first, and
-``retune`` ignores both.
+``retune`` ignores both. A key of fp16 tensors without a choice of its own takes the same key's
+bf16 choice (:func:`_bf16_entry`).
 """
 
 from __future__ import annotations
@@ -138,10 +139,11 @@ class TuningStore:
         tunes, for launches kept out of the autotuner."""
         if self._retune:
             return None
-        for path in self._saved_files(device_name, triton_version):
-            config = _saved_config(path, kernel, repr(key), config_type)
-            if config is not None:
-                return config
+        for entry in (repr(key), _bf16_entry(key)):
+            for path in self._saved_files(device_name, triton_version) if entry else ():
+                config = _saved_config(path, kernel, entry, config_type)
+                if config is not None:
+                    return config
         return None
 
     def _load(self, tuner, kernel: str, entry: str, key: tuple, path: Path, config_type) -> bool:
@@ -180,6 +182,17 @@ def _saved_config(path: Path, kernel: str, entry: str, config_type):
         return None
     return config_type(saved["kwargs"], num_warps=saved["num_warps"], num_stages=saved["num_stages"],
                        num_ctas=saved.get("num_ctas", 1), maxnreg=saved.get("maxnreg"))
+
+
+def _bf16_entry(key: tuple) -> str | None:
+    """The entry of ``key`` with its fp16 tensors read as bf16, for a key with fp16 tensors and no
+    bf16 one (else None). fp16 and bf16 operands take the same tensor-core rate and bytes, and the
+    choices tuned for both mostly agree (benchmarks/README.md), while the shipped files hold bf16
+    at more widths: fp16 inputs, and fp32 ones multiplied as fp16 copies, load bf16's choice there
+    instead of tuning."""
+    if "torch.float16" not in key or "torch.bfloat16" in key:
+        return None
+    return repr(tuple("torch.bfloat16" if part == "torch.float16" else part for part in key))
 
 
 def file_name(device_name: str, triton_version: str) -> str:
