@@ -410,6 +410,26 @@ def test_fp16_copies_round_every_slice_as_the_whole_tensor():
     assert normal.float().mean() > 0.99
 
 
+@pytest.mark.parametrize("via_fp16", [True, False], ids=["fp16-copies", "tf32-kernels"])
+def test_sigmoid_dot_products_of_fp32_inputs_stay_fp32(via_fp16):
+    """The sigmoid one pass's cuBLAS dot products: fp32 inputs keep fp32 dot products of their fp16
+    copies on both routes (only half-precision inputs take fp16 dot products), with a scale
+    that undoes the copies' factors exactly (CPU, no kernel runs)."""
+    from hf_infcl.ops.spec import StatsSpec
+    from hf_infcl.ops.triton.operands import dot_operands, gemm_operands, kernel_operands
+
+    gen = torch.Generator().manual_seed(3)
+    queries, keys = 40 * torch.randn(5, 24, generator=gen), 0.01 * torch.randn(9, 24, generator=gen)
+    spec = StatsSpec("sigmoid", columns=False, precision="tf32")
+    kernel = kernel_operands(spec, queries, keys, torch.tensor(7.0), via_fp16)
+    gemm = gemm_operands(spec, queries, keys, kernel, via_fp16)
+    dot_queries, dot_keys, scale, product_dtype = dot_operands(gemm, kernel, kernel.scale)
+    assert product_dtype == torch.float32 and dot_queries.dtype == torch.float16
+    logits = scale * (dot_queries.double() @ dot_keys.double().T)
+    expected = 7.0 * (queries.double() @ keys.double().T)
+    assert torch.allclose(logits, expected, rtol=0, atol=2e-3 * float(expected.abs().max()))
+
+
 def test_round_to_tf32_rounds_to_nearest():
     """The pre-rounding that makes Triton's truncating TF32 dot unbiased (CPU: no kernel runs)."""
     from hf_infcl.ops.triton.operands import round_to_tf32
