@@ -1,9 +1,10 @@
 """How long a process's first loss call takes, with and without tuned configurations on disk.
 
-Runs the first call (forward + backward, bf16, learnable scale) of a fresh process several times
-against one tuning store (``HF_INFCL_CACHE``, a new empty folder): the first process tunes and
-saves, the later ones load. ``--at-once N`` starts N processes together instead, as the ranks of
-a job do on one machine: one tunes, the others wait for it and load.
+Runs the first call (forward + backward, bf16 unless ``--dtype`` says otherwise, learnable
+scale) of a fresh process several times against one tuning store (``HF_INFCL_CACHE``, a new empty
+folder): the first process tunes and saves, the later ones load. ``--at-once N`` starts N
+processes together instead, as the ranks of a job do on one machine: one tunes, the others wait
+for it and load.
 
     python benchmarks/bench_first_call.py --b 32768 --c 512 --runs 3
     python benchmarks/bench_first_call.py --at-once 2
@@ -26,8 +27,9 @@ FIRST_CALL = """
 import sys, time, torch
 from hf_infcl import contrastive_loss
 b, c, loss = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-q = torch.nn.functional.normalize(torch.randn(b, c, device="cuda"), dim=1).bfloat16().requires_grad_(True)
-k = torch.nn.functional.normalize(torch.randn(b, c, device="cuda"), dim=1).bfloat16().requires_grad_(True)
+dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[sys.argv[5]]
+q = torch.nn.functional.normalize(torch.randn(b, c, device="cuda"), dim=1).to(dtype).requires_grad_(True)
+k = torch.nn.functional.normalize(torch.randn(b, c, device="cuda"), dim=1).to(dtype).requires_grad_(True)
 log_scale = torch.tensor(2.3, device="cuda", requires_grad=True)
 bias = torch.tensor(-10.0, device="cuda", requires_grad=True) if loss == "sigmoid" else None
 torch.cuda.synchronize()
@@ -46,6 +48,8 @@ def main(argv=None):
     parser.add_argument("--b", type=int, default=32768)
     parser.add_argument("--c", type=int, default=512)
     parser.add_argument("--loss", choices=["softmax", "sigmoid"], default="softmax")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                        help="the features' dtype (fp32: TF32 precision, the default)")
     parser.add_argument("--runs", type=int, default=3, help="processes one after the other")
     parser.add_argument("--at-once", type=int, default=1, help="processes started together, per run")
     parser.add_argument("--warm-start", choices=["on", "off"], default="on",
@@ -65,7 +69,7 @@ def main(argv=None):
             env["TRITON_CACHE_DIR"] = triton_cache
         env.pop("HF_INFCL_TRITON_AUTOTUNE", None)
         command = [sys.executable, "-c", FIRST_CALL, str(args.b), str(args.c), args.loss,
-                   str(args.setup_seconds)]
+                   str(args.setup_seconds), args.dtype]
         for run in range(args.runs):
             start = time.perf_counter()
             processes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
