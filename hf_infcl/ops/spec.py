@@ -54,7 +54,7 @@ class StatsSpec:
         loss: ``"softmax"`` (row, and optionally column, log-sum-exp) or ``"sigmoid"``
             (row sum of softplus).
         columns: softmax only; also compute the column log-sum-exp (the symmetric loss needs it).
-        precision: how fp32 inputs are multiplied: ``"tf32"`` (TF32 tensor cores) or ``"ieee"``
+        precision: how fp32 inputs are multiplied: ``"tf32"`` (TF32's 10-bit mantissa) or ``"ieee"``
             (exact fp32); ``"auto"`` follows :func:`resolve_precision`. Ignored for
             half-precision and float64 inputs.
         gradients_in_forward: sigmoid only; the caller promises that every row's statistic

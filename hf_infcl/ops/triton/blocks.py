@@ -20,7 +20,8 @@ from the same logits, by the Gluon kernel on Hopper (half-precision inputs, no g
 by an elementwise kernel over cuBLAS dot products, or (``sigmoid_logits="fused"``) by the
 gradient-tile kernel.
 
-fp32 inputs run as :mod:`.operands` says (TF32 tensor cores, or exact fp32 for ``"ieee"``). The
+fp32 inputs run as :mod:`.operands` says (TF32's precision through scaled fp16 copies by default,
+TF32 tensor cores with ``tf32_via_fp16=False``, or exact fp32 for ``"ieee"``). The
 object keeps no state between calls, so the ring can call it once per visiting key block.
 Float64 inputs have no tensor-core path: they are handed to :class:`TorchTiles`.
 """
