@@ -299,3 +299,29 @@ def test_the_package_ships_configurations_of_the_current_kernels():
             for entry, saved in entries.items():
                 assert entry.startswith("(") and isinstance(saved["num_warps"], int), (path.name, entry)
                 assert {"BLOCK_M", "BLOCK_N", "BLOCK_K"} <= saved["kwargs"].keys(), (path.name, entry)
+
+
+COMMON_WIDTHS = (256, 384, 512, 768, 1024, 1152, 1536, 2048, 4096)
+
+
+def test_the_shipped_files_spare_bf16_fp16_and_fp32_the_tuning_at_the_common_widths(tmp_path):
+    """Both shipped GPUs hold bf16 choices for both kernels at every common width and tuned size
+    class, and each of them is what an fp16 launch of the same key loads: fp16 inputs, and fp32
+    ones (multiplied as fp16 copies), start without tuning there too."""
+    import ast
+
+    store = TuningStore(tmp_path / "store", shipped=SHIPPED_DIRECTORY)
+    for path in sorted(SHIPPED_DIRECTORY.glob("*.json")):
+        device, version = path.stem.split("--triton-")
+        for kernel, entries in json.loads(path.read_text()).items():
+            parsed = {ast.literal_eval(entry): saved for entry, saved in entries.items()}
+            bf16 = {key: saved for key, saved in parsed.items() if key[2:4] == ("torch.bfloat16",) * 2}
+            covered = {(key[0], key[1]) for key in bf16}
+            missing = {(c, size) for c in COMMON_WIDTHS for size in (1, 2)} - covered
+            assert not missing, (path.name, kernel, sorted(missing))
+            for key, saved in bf16.items():
+                fp16_key = tuple("torch.float16" if part == "torch.bfloat16" else part for part in key)
+                if repr(fp16_key) in entries:
+                    continue  # a choice of its own, tuned on fp16
+                loaded = store.saved(kernel, fp16_key, device, version, _Config)
+                assert loaded is not None and loaded.kwargs == saved["kwargs"], (path.name, kernel, key)
