@@ -1412,7 +1412,12 @@ def test_matryoshka_one_pass_matches_float64_oracle(shape, option, mode, monkeyp
         got["bias"] = bias.grad.double().reshape(1)
         wanted["bias"] = torch.tensor([float(expected_grads["bias"])])
     errors = {name: relative_error(got[name], wanted[name]) for name in wanted}
-    assert max(errors.values()) < TOLERANCE[mode], (seed, errors)
+    # One fp16 row (m = 1) averages nothing: its query gradient is one vector, a sum over the keys
+    # with cancellation, which the 2-wide prefix's normalisation scales by 1 / |q[:2]|, from G
+    # rounded to fp16. 600 draws of the sigmoid case: median 1.0e-3, 99th percentile 8.3e-3,
+    # largest 1.8e-2 (300 of each softmax case: up to 1.2e-2). Bugs give 0.1-1.
+    tolerance = 3e-2 if mode == "fp16" and m == 1 else TOLERANCE[mode]
+    assert max(errors.values()) < tolerance, (seed, errors)
 
 
 def test_matryoshka_statistics_merge_split_inner_ranges():
