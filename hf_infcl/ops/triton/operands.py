@@ -74,9 +74,8 @@ def dot_operands(gemm: Operands, kernel: Operands, scale: torch.Tensor):
     products. The scale takes every factor the operands were divided by."""
     if gemm is not kernel:  # fp32 inputs, TF32 kernels: the GEMMs' fp16 copies divided by powers of two
         return gemm.queries, gemm.keys, scale * product(gemm.queries_factor, gemm.keys_factor), torch.float32
-    if gemm.queries_factor is not None:  # fp32 inputs as fp16 copies everywhere: the scale holds the factors
-        return gemm.queries, gemm.keys, scale, torch.float32
-    if gemm.queries.dtype not in HALF_TYPES:
+    if gemm.queries_factor is not None or gemm.queries.dtype not in HALF_TYPES:
+        # fp32 inputs: as fp16 copies everywhere (the scale holds their factors), or exact ("ieee")
         return gemm.queries, gemm.keys, scale, torch.float32
     fp16 = scaled_fp16(gemm.queries, gemm.keys)
     return fp16.queries, fp16.keys, scale * fp16.queries_factor * fp16.keys_factor, torch.float16

@@ -139,8 +139,8 @@ class TuningStore:
         tunes, for launches kept out of the autotuner."""
         if self._retune:
             return None
-        for entry in (repr(key), _bf16_entry(key)):
-            for path in self._saved_files(device_name, triton_version) if entry else ():
+        for entry in filter(None, (repr(key), _bf16_entry(key))):
+            for path in self._saved_files(device_name, triton_version):
                 config = _saved_config(path, kernel, entry, config_type)
                 if config is not None:
                     return config
