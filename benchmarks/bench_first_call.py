@@ -9,6 +9,7 @@ for it and load.
     python benchmarks/bench_first_call.py --b 32768 --c 512 --runs 3
     python benchmarks/bench_first_call.py --at-once 2
     python benchmarks/bench_first_call.py --new-triton-cache --warm-start off   # fresh machine, no warm start
+    python benchmarks/bench_first_call.py --new-triton-cache --compile-plans off
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def main(argv=None):
     parser.add_argument("--warm-start", choices=["on", "off"], default="on",
                         help="Triton's per-process setup in a background thread from `import hf_infcl` "
                              "(HF_INFCL_TRITON_WARM_START; on by default)")
+    parser.add_argument("--compile-plans", choices=["on", "off"], default="on",
+                        help="the shipped compile plans: a first call's kernels compiled in parallel "
+                             "before it (HF_INFCL_COMPILE_PLANS; on by default)")
     parser.add_argument("--new-triton-cache", action="store_true",
                         help="a new empty Triton compile cache (TRITON_CACHE_DIR) for these runs, as on a "
                              "fresh machine: the first run compiles every kernel and its launcher")
@@ -64,7 +68,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as store, tempfile.TemporaryDirectory() as triton_cache:
         env = {**os.environ, "HF_INFCL_CACHE": store, "PYTHONPATH": str(ROOT),
-               "HF_INFCL_TRITON_WARM_START": "1" if args.warm_start == "on" else "0"}
+               "HF_INFCL_TRITON_WARM_START": "1" if args.warm_start == "on" else "0",
+               "HF_INFCL_COMPILE_PLANS": "1" if args.compile_plans == "on" else "0"}
         if args.new_triton_cache:
             env["TRITON_CACHE_DIR"] = triton_cache
         env.pop("HF_INFCL_TRITON_AUTOTUNE", None)

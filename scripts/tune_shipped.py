@@ -116,20 +116,26 @@ def parse_options(argv=None):
     parser.add_argument("--merge-only", action="store_true",
                         help="run no case: merge --store's file for this GPU into the shipped one")
     opts = parser.parse_args(argv)
+    split_case_options(parser, opts, SIZES)
+    if opts.merge_only and opts.store is None:
+        parser.error("--merge-only needs --store")
+    return opts
+
+
+def split_case_options(parser, opts, sizes: dict) -> None:
+    """``opts``' comma-separated ``widths``, ``dtypes``, ``losses`` and ``size_classes`` as lists,
+    each value checked (``sizes``: the size classes allowed); an error through ``parser``."""
     opts.widths = [int(width) for width in opts.widths.split(",")]
     opts.dtypes = opts.dtypes.split(",")
     opts.losses = opts.losses.split(",")
     opts.size_classes = [int(size_class) for size_class in opts.size_classes.split(",")]
     for name, values, allowed in [("--dtypes", opts.dtypes, DTYPES), ("--losses", opts.losses, LOSSES),
-                                  ("--size-classes", opts.size_classes, SIZES)]:
+                                  ("--size-classes", opts.size_classes, sizes)]:
         unknown = [value for value in values if value not in allowed]
         if unknown:
             parser.error(f"{name}: unknown {unknown}; choose from {list(allowed)}")
     if min(opts.widths) < 1:
         parser.error("--widths must be positive")
-    if opts.merge_only and opts.store is None:
-        parser.error("--merge-only needs --store")
-    return opts
 
 
 def main(argv=None) -> int:

@@ -42,7 +42,7 @@ from ..positive_pairs import GroupRanges, PositiveParts, counts_positives, takes
 from ..spec import GroupMask, HardnessOffset, LeftOutCounts, ScoreFilter, StatsSpec
 from ..tiled import TorchTiles
 from ..value_check import run_deferred_check
-from . import distillation, gluon_sigmoid, group_pairs, matryoshka, stats
+from . import compile_plans, distillation, gluon_sigmoid, group_pairs, matryoshka, stats
 from .combine_rows import combine_rows
 from .device import INTERPRET
 from .jit_math import dot_precision
@@ -489,8 +489,12 @@ class TritonBlocks:
         spec = resolved(spec, queries)
         kernel = kernel_operands(spec, queries, keys, scale, self.tf32_via_fp16)
         gemm = gemm_operands(spec, queries, keys, kernel, self.tf32_via_fp16)
-        return _Problem(spec, kernel, gemm, None if bias is None else scalar(bias),
-                        label_arguments(mask, hardness, kernel, score_filter))
+        labels = label_arguments(mask, hardness, kernel, score_filter)
+        if not INTERPRET:  # a first call of its kind compiles its kernels in parallel first
+            compile_plans.prepare(compile_plans.plan_key(
+                self, spec, queries, kernel.queries, queries.shape[0], keys.shape[0], queries.shape[1],
+                bias is not None, labels), queries.device)
+        return _Problem(spec, kernel, gemm, None if bias is None else scalar(bias), labels)
 
     def _walk(self, problem: _Problem, route, grad_queries, grad_keys, g_factor) -> None:
         m, k = problem.kernel.queries.shape[0], problem.kernel.keys.shape[0]

@@ -1,0 +1,206 @@
+"""Compile plans: the kernels a first call compiles, compiled in parallel before it.
+
+On a machine whose Triton cache is empty, a process's first loss call spends seconds compiling
+its kernels one after the other: the statistics kernel, the merges, the gradient tile and the
+row combiners of a softmax call, each through Triton, ``ptxas`` and (Triton 3.6) ``gcc`` for its
+launcher. None of that needs the one before it. A *plan* lists those kernels' specialisations
+(Triton's serialised signature, constants, alignment facts and options) for one kind of call, and
+the first launch of that kind compiles them all at once, one thread each, so the call finds them
+built and the wait is the longest single compile instead of their sum.
+
+The package ships plans recorded on the GPUs the project is measured on
+(``shipped_compile_plans/`` beside this file, one gzipped JSON file per device name and Triton
+version, named as the tuned configurations' files; ``scripts/record_compile_plans.py`` records
+them). A plan's key
+(:func:`plan_key`) holds everything of a call that decides which kernels it compiles: the block
+ops' settings, the loss's spec, the dtypes, the width, the problem's size class and whether its
+row and key counts are multiples of 16. A call of another kind finds no plan and compiles as
+before. A plan is used only where the tuned configurations it was recorded with are the ones the
+call will load, that is where this machine has tuned nothing of its own for the device (else the
+Triton cache most likely holds the kernels anyway), and each kernel only while its source is the
+one recorded (Triton's hash of it): after a kernel changes, its stale entry is skipped.
+
+Whatever goes wrong in a plan (a Triton whose internals differ, a failed compile) is logged at
+DEBUG level and changes nothing: the call compiles what it needs itself.
+``HF_INFCL_COMPILE_PLANS=0`` turns plans off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import importlib
+import json
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import triton
+
+from .device import INTERPRET, device_name
+from .tuning_store import file_name
+
+logger = logging.getLogger(__name__)
+
+ENVIRONMENT_VARIABLE = "HF_INFCL_COMPILE_PLANS"
+SHIPPED_DIRECTORY = Path(__file__).with_name("shipped_compile_plans")
+
+# Plan keys met in this process: each is prepared once.
+_PREPARED: set[tuple] = set()
+_LOCK = threading.Lock()
+# While a recording runs (:func:`recording`): the plan keys met and the kernels compiled, in order.
+_RECORDING: dict | None = None
+
+
+def plan_key(blocks, spec, queries: torch.Tensor, kernel_queries: torch.Tensor, rows: int, keys: int,
+             width: int, has_bias: bool, labels: dict) -> tuple:
+    """What of a call decides the kernels it compiles (see the module docstring). ``blocks``: the
+    block ops object (its settings pick kernels and tiles); ``spec``: the resolved statistics
+    spec; ``kernel_queries``: the queries as the kernels take them (fp32 inputs' fp16 copies);
+    ``labels``: the launchers' label arguments, of which only the names given count."""
+    from .launch import problem_size_class
+
+    given = tuple(sorted(name for name, value in labels.items() if value is not None))
+    # hashable values whose reprs are stable: the repr is taken once per key (prepare)
+    return (blocks, spec, queries.dtype, kernel_queries.dtype, width, problem_size_class(rows, keys),
+            rows % 16 == 0, keys % 16 == 0, has_bias, given)
+
+
+def prepare(key: tuple, device: torch.device) -> None:
+    """Before the first launch of a call of kind ``key`` in this process: compile its plan's
+    kernels in parallel, if there is a plan and it applies here (see the module docstring)."""
+    if key in _PREPARED:
+        return
+    with _LOCK:
+        if key in _PREPARED:
+            return
+        _PREPARED.add(key)
+    if _RECORDING is not None:
+        _RECORDING["keys"].append(repr(key))
+        return
+    if not _wanted(device):
+        return
+    try:
+        entries = shipped_plan(device_name(device), triton.__version__, repr(key))
+        if entries:
+            _compile_in_parallel(entries, device)
+    except Exception:  # the call compiles what it needs itself
+        logger.debug("hf_infcl: the compile plan of %s failed", key, exc_info=True)
+
+
+def _wanted(device: torch.device) -> bool:
+    from .launch import TUNING_STORE, _tunes
+
+    if os.environ.get(ENVIRONMENT_VARIABLE, "1") == "0" or INTERPRET or not _tunes():
+        return False
+    # a machine that tuned for itself may load other configurations than the plan was recorded with
+    return not TUNING_STORE.path(device_name(device), triton.__version__).exists()
+
+
+def shipped_plan(device: str, triton_version: str, key: str,
+                 directory: Path = SHIPPED_DIRECTORY) -> list[dict]:
+    """The kernels of the plan for ``key`` (a :func:`plan_key`'s repr) shipped for this device and
+    Triton version: each a dict of ``module``, ``name``, ``source`` (Triton's hash of the kernel's
+    source when recorded) and ``specialization``; empty where there is none."""
+    path = plan_path(directory, device, triton_version)
+    if path not in _SHIPPED:  # read once per process
+        _SHIPPED[path] = _read(path)
+    table = _SHIPPED[path]
+    kernels = table.get("kernels", {})
+    return [kernels[digest] for digest in table.get("plans", {}).get(key, []) if digest in kernels]
+
+
+def plan_path(directory: Path, device: str, triton_version: str) -> Path:
+    """The plan file of one device name and Triton version in ``directory``."""
+    return Path(directory) / (file_name(device, triton_version) + ".gz")
+
+
+def _compile_in_parallel(entries: list[dict], device: torch.device) -> None:
+    """Compile every entry that still matches its kernel's source, one thread each, and build its
+    launcher, so that the launches that follow find them in Triton's in-memory cache."""
+    kernels = [(kernel, entry["specialization"]) for kernel, entry in
+               ((_jit_function(entry), entry) for entry in entries) if kernel is not None]
+    if not kernels:
+        return
+
+    def build(kernel_and_specialization):
+        kernel, specialization = kernel_and_specialization
+        torch.cuda.set_device(device)  # Triton compiles for, and loads onto, the current device
+        compiled = kernel.preload(specialization)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        compiled._init_handles()  # the launcher and the module load, else done at the first launch
+
+    with ThreadPoolExecutor(min(len(kernels), os.cpu_count() or 1)) as pool:
+        for failure in [future.exception() for future in [pool.submit(build, item) for item in kernels]]:
+            if failure is not None:
+                logger.debug("hf_infcl: a compile plan's kernel failed to compile", exc_info=failure)
+
+
+def _jit_function(entry: dict):
+    """The JIT function an entry names, or None where it is gone or its source changed."""
+    kernel = getattr(importlib.import_module(entry["module"]), entry["name"], None)
+    if not isinstance(kernel, triton.runtime.JITFunction) or kernel.cache_key != entry["source"]:
+        logger.debug("hf_infcl: skipping the stale compile plan entry %s.%s", entry["module"], entry["name"])
+        return None
+    return kernel
+
+
+@contextlib.contextmanager
+def recording():
+    """Record what this process compiles inside the block: yields a dict whose ``keys`` are the
+    plan keys met (their reprs, in order) and ``kernels`` the entries compiled, as
+    :func:`shipped_plan` returns them. Run it around a fresh process's first call, with plans off
+    for that call by the recording itself."""
+    from triton import knobs
+
+    global _RECORDING
+    recorded = {"keys": [], "kernels": []}
+
+    def record(**hook):
+        kernel = hook["fn"].jit_function
+        recorded["kernels"].append({"module": kernel.fn.__module__, "name": kernel.fn.__name__,
+                                    "source": kernel.cache_key,
+                                    "specialization": hook["compile"]["specialization_data"]})
+
+    previous = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = record
+    _RECORDING = recorded
+    try:
+        yield recorded
+    finally:
+        _RECORDING = None
+        knobs.runtime.jit_post_compile_hook = previous
+
+
+def add_plan(path: Path, key: str, kernels: list[dict]) -> None:
+    """Write the plan of ``key`` (replacing an older one) into the plan file ``path``, each
+    kernel's entry kept once however many plans list it."""
+    table = _read(path)
+    stored = table.setdefault("kernels", {})
+    digests = []
+    for entry in kernels:
+        digest = hashlib.sha1(json.dumps(entry, sort_keys=True).encode()).hexdigest()[:16]
+        stored[digest] = entry
+        digests.append(digest)
+    table.setdefault("plans", {})[key] = digests
+    listed = {digest for plan in table["plans"].values() for digest in plan}
+    table["kernels"] = {digest: entry for digest, entry in stored.items() if digest in listed}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # mtime=0: the same plans give the same bytes
+    path.write_bytes(gzip.compress(json.dumps(table, indent=0, sort_keys=True).encode() + b"\n", mtime=0))
+
+
+_SHIPPED: dict[Path, dict] = {}
+
+
+def _read(path: Path) -> dict:
+    """A plan file's table, or an empty one where there is none or it cannot be read."""
+    try:
+        table = json.loads(gzip.decompress(path.read_bytes()))
+    except (OSError, ValueError, EOFError):
+        return {}
+    return table if isinstance(table, dict) else {}

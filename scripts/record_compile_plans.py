@@ -1,0 +1,137 @@
+"""Record the compile plans of the common first calls on this GPU into the package's shipped plans
+(``hf_infcl/ops/triton/shipped_compile_plans/``), so that a first call on a fresh machine with this
+GPU and Triton release compiles its kernels in parallel (``hf_infcl/ops/triton/compile_plans.py``).
+
+One case is a loss, a width c, a dtype and a size class, the cases of ``scripts/tune_shipped.py``
+plus the tiny class 0: the first call (forward and backward of ``hf_infcl.contrastive_loss`` on
+L2-normalised random features, learnable scale, and bias for the sigmoid loss) of a fresh process
+with an empty tuning store (so the shipped tuned configurations load, as on a fresh machine),
+recording each kernel it compiles. The plan of every case is written into the shipped file of this
+GPU name and Triton version (older plans of the same keys replaced). Record again after a change
+to a kernel: plans whose kernels' sources changed are skipped at run time.
+
+    python scripts/record_compile_plans.py --dry-run
+    python scripts/record_compile_plans.py --jobs 12
+    python scripts/record_compile_plans.py --widths 512 --dtypes bf16 --losses softmax --size-classes 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("tune_shipped", Path(__file__).with_name("tune_shipped.py"))
+tune_shipped = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tune_shipped)
+
+# Rows (= keys) of a case of each size class: the tuned classes' sizes of tune_shipped, but the
+# largest class at the 32k rows of the benchmarks, and the tiny class, which is not tuned.
+SIZES = {0: 1024, 1: tune_shipped.SIZES[1], 2: 32768}
+
+CHILD = """
+import json, sys, time, torch
+import torch.nn.functional as F
+from hf_infcl import contrastive_loss
+from hf_infcl.ops.triton import compile_plans
+loss, width, dtype, rows = sys.argv[1], int(sys.argv[2]), getattr(torch, sys.argv[3]), int(sys.argv[4])
+generator = torch.Generator(device="cuda").manual_seed(width)
+features = [F.normalize(torch.randn(rows, width, device="cuda", generator=generator), dim=1).to(dtype)
+            .requires_grad_() for _ in range(2)]
+log_scale = torch.tensor(2.6593, device="cuda", requires_grad=True)
+bias = torch.tensor(-10.0, device="cuda", requires_grad=True) if loss == "sigmoid" else None
+torch.cuda.synchronize()
+start = time.perf_counter()
+with compile_plans.recording() as recorded:
+    kind = "sigmoid" if loss == "sigmoid" else "softmax"
+    value = contrastive_loss(*features, log_scale.exp(), bias, loss=kind, symmetric=loss == "softmax",
+                             backend="triton")
+    value.backward()
+    torch.cuda.synchronize()
+recorded["seconds"] = time.perf_counter() - start
+print("RECORDED " + json.dumps(recorded))
+"""
+
+
+def record_case(case: tuple, env: dict) -> dict:
+    """One case's recording (``keys``, ``kernels``, ``seconds``) from a fresh process."""
+    loss, width, dtype, size_class = case
+    command = [sys.executable, "-c", CHILD, loss, str(width), tune_shipped.DTYPES[dtype],
+               str(SIZES[size_class])]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RECORDED ")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"{case}: the first call failed:\n{done.stderr[-3000:]}")
+    recorded = json.loads(lines[-1][len("RECORDED "):])
+    # a key without a shipped configuration tunes: its compiles are every candidate's, no plan
+    recorded["tuned"] = "hf_infcl: autotuning" in done.stderr
+    return recorded
+
+
+def parse_options(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--widths", default=",".join(map(str, tune_shipped.WIDTHS)), help="feature widths c")
+    parser.add_argument("--dtypes", default=",".join(tune_shipped.DTYPES), help="bf16, fp16, fp32")
+    parser.add_argument("--losses", default=",".join(tune_shipped.LOSSES),
+                        help=", ".join(tune_shipped.LOSSES))
+    parser.add_argument("--size-classes", default="0,1,2", help="size classes: 0, 1, 2")
+    parser.add_argument("--jobs", type=int, default=8, help="cases recorded at once (one process each)")
+    parser.add_argument("--shipped", default=None,
+                        help="the folder of the plan files (default: the package's shipped_compile_plans/)")
+    parser.add_argument("--dry-run", action="store_true", help="list the cases and stop")
+    opts = parser.parse_args(argv)
+    tune_shipped.split_case_options(parser, opts, SIZES)
+    if opts.jobs < 1:
+        parser.error("--jobs must be positive")
+    return opts
+
+
+def main(argv=None) -> int:
+    opts = parse_options(argv)
+    todo = tune_shipped.cases(opts.widths, opts.dtypes, opts.losses, opts.size_classes)
+    if opts.dry_run:
+        for case in todo:
+            print(*case)
+        print(f"{len(todo)} cases")
+        return 0
+    import torch
+    import triton
+
+    from hf_infcl.ops.triton.compile_plans import SHIPPED_DIRECTORY, add_plan, plan_path
+    from hf_infcl.ops.triton.device import device_name
+
+    if not torch.cuda.is_available():
+        print("record_compile_plans: needs a CUDA GPU (use --dry-run to list the cases)", file=sys.stderr)
+        return 1
+    path = plan_path(Path(opts.shipped or SHIPPED_DIRECTORY), device_name(torch.device("cuda")),
+                     triton.__version__)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as store:
+        # an empty tuning store: the shipped configurations load, as on a fresh machine
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_INFCL_CACHE": store}
+        env.pop("HF_INFCL_TRITON_AUTOTUNE", None)
+        with ThreadPoolExecutor(opts.jobs) as pool:
+            recordings = list(pool.map(lambda case: record_case(case, env), todo))
+    written = 0
+    for case, recorded in zip(todo, recordings):
+        print(f"{' '.join(map(str, case))}: {len(recorded['kernels'])} kernels, first call "
+              f"{recorded['seconds']:.2f} s, {len(set(recorded['keys']))} plan key(s)"
+              + (" - tuned, so no plan (ship its configuration first: scripts/tune_shipped.py)"
+                 if recorded["tuned"] else ""))
+        if recorded["keys"] and recorded["kernels"] and not recorded["tuned"]:
+            add_plan(path, recorded["keys"][0], recorded["kernels"])
+            written += 1
+    print(f"{written} plans written to {path} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""Compile plans (``hf_infcl.ops.triton.compile_plans``): the plan files, the plan keys, when a
+plan is compiled, recording, and the shipped plans; on a GPU, a fresh machine's first call that
+finds its kernels compiled by the plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hf_infcl.ops.spec import StatsSpec, resolve_precision  # noqa: E402
+from hf_infcl.ops.triton import compile_plans, launch  # noqa: E402
+from hf_infcl.ops.triton.blocks import TritonBlocks  # noqa: E402
+from hf_infcl.ops.triton.operands import kernel_operands, label_arguments  # noqa: E402
+from tests.helpers import plan_kernels  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+H200 = "NVIDIA H200"
+CUDA = torch.device("cuda")
+
+
+def entry(name: str, specialization: str = "{}") -> dict:
+    return {"module": "tests.helpers.plan_kernels", "name": name, "source": "s-" + name,
+            "specialization": specialization}
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch):
+    """No plan key prepared yet and no plan file read yet, as in a new process."""
+    monkeypatch.setattr(compile_plans, "_PREPARED", set())
+    monkeypatch.setattr(compile_plans, "_SHIPPED", {})
+
+
+def test_plans_share_their_kernels_in_the_file_and_read_back(tmp_path):
+    path = compile_plans.plan_path(tmp_path, H200, "3.6.0")
+    assert path.name == "NVIDIA-H200--triton-3.6.0.json.gz"
+    compile_plans.add_plan(path, "first", [entry("a"), entry("b")])
+    compile_plans.add_plan(path, "second", [entry("b"), entry("c")])
+    written = path.read_bytes()
+    assert compile_plans.shipped_plan(H200, "3.6.0", "first", tmp_path) == [entry("a"), entry("b")]
+    assert compile_plans.shipped_plan(H200, "3.6.0", "second", tmp_path) == [entry("b"), entry("c")]
+    assert compile_plans.shipped_plan(H200, "3.6.0", "third", tmp_path) == []
+    assert len(compile_plans._read(path)["kernels"]) == 3  # b once
+    compile_plans.add_plan(path, "first", [entry("c")])  # replaced: a is listed by no plan now
+    assert sorted(kernel["name"] for kernel in compile_plans._read(path)["kernels"].values()) == ["b", "c"]
+    compile_plans.add_plan(path, "first", [entry("a"), entry("b")])
+    assert path.read_bytes() == written  # the same plans give the same bytes
+
+
+def test_a_missing_or_unreadable_plan_file_gives_no_plan(tmp_path):
+    assert compile_plans.shipped_plan(H200, "3.6.0", "first", tmp_path) == []
+    compile_plans.plan_path(tmp_path, "other", "3.6.0").write_text("not gzip")
+    assert compile_plans.shipped_plan("other", "3.6.0", "first", tmp_path) == []
+
+
+def key_of(dtype=torch.bfloat16, width=512, rows=32768, keys=32768, blocks=None, loss="softmax", bias=False,
+           labels=None):
+    """The plan key of a plain call of these inputs (as ``TritonBlocks._prepare`` forms it)."""
+    blocks = blocks or TritonBlocks()
+    queries = torch.randn(2, width).to(dtype)
+    # precision resolved as for CUDA tensors (fp32: TF32, through fp16 copies by default)
+    spec = StatsSpec(loss, columns=loss == "softmax", precision=resolve_precision("auto", dtype, CUDA))
+    kernel = kernel_operands(spec, queries, queries, torch.tensor(1.0), blocks.tf32_via_fp16)
+    labels = label_arguments(None, None, kernel) if labels is None else labels
+    return compile_plans.plan_key(blocks, spec, queries, kernel.queries, rows, keys, width, bias, labels)
+
+
+def test_plan_keys_tell_apart_what_changes_a_calls_kernels():
+    base = key_of()
+    assert key_of() == base and hash(key_of()) == hash(base) and repr(key_of()) == repr(base)
+    assert "0x" not in repr(base)  # no object addresses: the repr is the key in the shipped files
+    variants = [key_of(dtype=torch.float16), key_of(dtype=torch.float32), key_of(width=768),
+                key_of(rows=4096, keys=4096), key_of(rows=32760), key_of(keys=32776),
+                key_of(blocks=TritonBlocks(tf32_via_fp16=False)), key_of(loss="sigmoid"), key_of(bias=True),
+                key_of(labels={"query_groups": torch.zeros(2)})]
+    assert len({base, *variants}) == len(variants) + 1
+    assert key_of(labels={"query_groups": None}) == key_of(labels={})  # only the arguments given count
+    # fp32 inputs: the kernels take fp16 copies, and the key says both
+    assert "torch.float32, torch.float16" in repr(key_of(dtype=torch.float32))
+
+
+def test_prepare_compiles_a_keys_plan_once(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(compile_plans, "_wanted", lambda device: True)
+    monkeypatch.setattr(compile_plans, "device_name", lambda device: H200)
+    monkeypatch.setattr(compile_plans, "shipped_plan",
+                        lambda name, version, key: [entry("a")] if "one" in key else [])
+    monkeypatch.setattr(compile_plans, "_compile_in_parallel",
+                        lambda entries, device: compiled.append(entries))
+    for _ in range(3):
+        compile_plans.prepare(("one",), torch.device("cpu"))
+        compile_plans.prepare(("two",), torch.device("cpu"))
+    assert compiled == [[entry("a")]]
+
+
+def test_a_failing_plan_is_logged_and_the_call_goes_on(monkeypatch, caplog):
+    def fail(entries, device):
+        raise RuntimeError("a Triton of other internals")
+
+    monkeypatch.setattr(compile_plans, "_wanted", lambda device: True)
+    monkeypatch.setattr(compile_plans, "device_name", lambda device: H200)
+    monkeypatch.setattr(compile_plans, "shipped_plan", lambda name, version, key: [entry("a")])
+    monkeypatch.setattr(compile_plans, "_compile_in_parallel", fail)
+    with caplog.at_level("DEBUG", logger="hf_infcl"):
+        compile_plans.prepare(("one",), torch.device("cpu"))
+    assert "compile plan" in caplog.text and "other internals" in caplog.text
+
+
+def test_plans_are_used_only_on_a_machine_that_tuned_nothing_unless_turned_off(monkeypatch, tmp_path):
+    monkeypatch.setattr(compile_plans, "device_name", lambda device: H200)
+    monkeypatch.setattr(launch, "_tunes", lambda: True)
+    monkeypatch.setenv("HF_INFCL_CACHE", str(tmp_path))
+    device = torch.device("cpu")
+    assert compile_plans._wanted(device)
+    monkeypatch.setenv("HF_INFCL_COMPILE_PLANS", "0")
+    assert not compile_plans._wanted(device)
+    monkeypatch.delenv("HF_INFCL_COMPILE_PLANS")
+    monkeypatch.setattr(launch, "_tunes", lambda: False)  # HF_INFCL_TRITON_AUTOTUNE=0: other configurations
+    assert not compile_plans._wanted(device)
+    monkeypatch.setattr(launch, "_tunes", lambda: True)
+    own = launch.TUNING_STORE.path(H200, compile_plans.triton.__version__)
+    own.parent.mkdir(parents=True)
+    own.write_text("{}")  # this machine tuned something: its choices may not be the plan's
+    assert not compile_plans._wanted(device)
+
+
+def test_entries_of_changed_or_missing_kernels_are_skipped():
+    current = {**entry("copy_kernel"), "source": plan_kernels.copy_kernel.cache_key}
+    assert compile_plans._jit_function(current) is plan_kernels.copy_kernel
+    assert compile_plans._jit_function({**current, "source": "an older source"}) is None
+    assert compile_plans._jit_function(entry("gone_kernel")) is None
+    assert compile_plans._jit_function(entry("NOT_A_KERNEL")) is None
+
+
+def test_compiling_a_plan_builds_every_kernel_and_logs_the_one_that_fails(monkeypatch, caplog):
+    built = []
+
+    class Compiled:
+        def __init__(self, name):
+            self.name = name
+
+        def _init_handles(self):
+            built.append(self.name)
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def preload(self, specialization):
+            if self.name == "bad":
+                raise RuntimeError("ptxas failed")
+            return Compiled(self.name)
+
+    monkeypatch.setattr(compile_plans, "_jit_function", lambda entry: Kernel(entry["name"]))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    with caplog.at_level("DEBUG", logger="hf_infcl"):
+        compile_plans._compile_in_parallel([entry("a"), entry("bad"), entry("c")], torch.device("cpu"))
+    assert sorted(built) == ["a", "c"] and "ptxas failed" in caplog.text
+
+
+def test_recording_lists_the_keys_met_and_the_kernels_compiled(monkeypatch):
+    from triton import knobs
+
+    def before(**hook):
+        raise AssertionError("the recording's hook replaces this one while it runs")
+
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", before)
+    monkeypatch.setattr(compile_plans, "_compile_in_parallel",
+                        lambda entries, device: pytest.fail("nothing compiles from plans while recording"))
+    with compile_plans.recording() as recorded:
+        compile_plans.prepare(("one",), torch.device("cpu"))
+        compile_plans.prepare(("one",), torch.device("cpu"))
+        knobs.runtime.jit_post_compile_hook(fn=types.SimpleNamespace(jit_function=plan_kernels.copy_kernel),
+                                            compile={"specialization_data": '{"name": "copy_kernel"}'})
+    assert knobs.runtime.jit_post_compile_hook is before
+    assert compile_plans._RECORDING is None
+    assert recorded["keys"] == [repr(("one",))]
+    assert recorded["kernels"] == [{"module": "tests.helpers.plan_kernels", "name": "copy_kernel",
+                                    "source": plan_kernels.copy_kernel.cache_key,
+                                    "specialization": '{"name": "copy_kernel"}'}]
+
+
+# --------------------------------------------------------------------------------------------
+# The shipped plans
+
+SHIPPED = sorted(compile_plans.SHIPPED_DIRECTORY.glob("*.json.gz"))
+COMMON_WIDTHS = (256, 384, 512, 768, 1024, 1152, 1536, 2048, 4096)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda path: path.name)
+def test_every_shipped_plan_names_kernels_of_the_package(path):
+    import importlib
+
+    from triton.runtime import JITFunction
+
+    table = compile_plans._read(path)
+    assert table["plans"] and all(table["plans"].values())
+    for plan in table["plans"].values():
+        for digest in plan:
+            kernel = table["kernels"][digest]
+            assert kernel["module"].startswith("hf_infcl.ops.triton.")
+            assert isinstance(getattr(importlib.import_module(kernel["module"]), kernel["name"]), JITFunction)
+            assert json.loads(kernel["specialization"])["name"].endswith(kernel["name"])
+
+
+def test_the_h200_plans_cover_the_default_calls_at_the_common_widths():
+    """The softmax call of every common width, dtype and size class has a plan, as the first call
+    measured in benchmarks/README.md (32k rows and keys, c = 512, bf16) does."""
+    path = compile_plans.plan_path(compile_plans.SHIPPED_DIRECTORY, H200, "3.6.0")
+    if not path.exists():
+        pytest.fail(f"no shipped plans for the H200: {path}")
+    missing = [(dtype, width, rows) for dtype in (torch.bfloat16, torch.float16, torch.float32)
+               for width in COMMON_WIDTHS for rows in (1024, 8192, 32768)
+               if not compile_plans.shipped_plan(H200, "3.6.0", repr(key_of(dtype, width, rows, rows)))]
+    assert not missing
+
+
+@pytest.mark.gpu
+def test_a_fresh_machines_first_call_finds_its_kernels_compiled_by_the_plan(tmp_path):
+    """A fresh process with an empty Triton cache and an empty tuning store (a fresh machine):
+    the first softmax call (32k x 512, bf16, learnable scale) compiles its plan's kernels in
+    parallel and then compiles nothing itself."""
+    child = """
+import json, torch
+import torch.nn.functional as F
+import triton
+from triton import knobs
+from hf_infcl import contrastive_loss
+from hf_infcl.ops.triton import compile_plans
+from hf_infcl.ops.triton.device import device_name
+counts = {"planned": 0, "launched": 0}
+def count(**hook):
+    counts["planned" if hook["is_manual_warmup"] else "launched"] += 1
+knobs.runtime.jit_post_compile_hook = count
+features = [F.normalize(torch.randn(32768, 512, device="cuda"), dim=1).bfloat16().requires_grad_()
+            for _ in range(2)]
+log_scale = torch.tensor(2.6593, device="cuda", requires_grad=True)
+contrastive_loss(*features, log_scale.exp()).backward()
+torch.cuda.synchronize()
+name = device_name(torch.device("cuda"))
+plans = compile_plans.plan_path(compile_plans.SHIPPED_DIRECTORY, name, triton.__version__)
+counts["shipped"] = plans.exists()
+print("COUNTS " + json.dumps(counts))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "HF_INFCL_CACHE": str(tmp_path / "store")}
+    env.pop("HF_INFCL_TRITON_AUTOTUNE", None)
+    env.pop("HF_INFCL_COMPILE_PLANS", None)
+    done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.split("COUNTS ")[-1])
+    if not counts["shipped"]:
+        pytest.skip("no compile plans are shipped for this GPU and Triton release")
+    assert counts["planned"] >= 5 and counts["launched"] == 0, counts
+
+
+def load_recording_script():
+    import importlib.util
+
+    path = ROOT / "scripts" / "record_compile_plans.py"
+    spec = importlib.util.spec_from_file_location("record_compile_plans", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_the_recording_script_lists_its_cases_and_refuses_bad_options(capsys):
+    script = load_recording_script()
+    assert script.main(["--dry-run", "--widths", "512", "--dtypes", "bf16", "--losses", "sigmoid"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["sigmoid 512 bf16 0", "sigmoid 512 bf16 1",
+                                                    "sigmoid 512 bf16 2", "3 cases"]
+    for size_class, rows in script.SIZES.items():  # each case's rows lie in its class
+        assert launch.problem_size_class(rows, rows) == size_class
+    for argv, message in [(["--jobs", "0"], "--jobs must be positive"),
+                          (["--size-classes", "3"], "--size-classes: unknown [3]")]:
+        with pytest.raises(SystemExit):
+            script.parse_options(argv)
+        assert message in capsys.readouterr().err
