@@ -160,6 +160,7 @@ def test_compiling_a_plan_builds_every_kernel_and_logs_the_one_that_fails(monkey
             return Compiled(self.name)
 
     monkeypatch.setattr(compile_plans, "_jit_function", lambda entry: Kernel(entry["name"]))
+    monkeypatch.setattr(compile_plans, "_make_device_caches", lambda kernels, device: None)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     with caplog.at_level("DEBUG", logger="hf_infcl"):
         compile_plans._compile_in_parallel([entry("a"), entry("bad"), entry("c")], torch.device("cpu"))

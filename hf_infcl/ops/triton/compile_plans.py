@@ -134,10 +134,20 @@ def _compile_in_parallel(entries: list[dict], device: torch.device) -> None:
         compiled = compiled.result() if hasattr(compiled, "result") else compiled
         compiled._init_handles()  # the launcher and the module load, else done at the first launch
 
+    _make_device_caches([kernel for kernel, _ in kernels], device)
     with ThreadPoolExecutor(min(len(kernels), os.cpu_count() or 1)) as pool:
         for failure in [future.exception() for future in [pool.submit(build, item) for item in kernels]]:
             if failure is not None:
                 logger.debug("hf_infcl: a compile plan's kernel failed to compile", exc_info=failure)
+
+
+def _make_device_caches(kernels: list, device: torch.device) -> None:
+    """Each kernel's cache for ``device`` made here, once: two threads compiling entries of one
+    kernel could otherwise each make it, and one of their compiled kernels would be lost."""
+    with torch.cuda.device(device):
+        index = triton.runtime.driver.active.get_current_device()
+        for kernel in kernels:
+            kernel.device_caches[index]  # noqa: B018  (made on first access)
 
 
 def _jit_function(entry: dict):
