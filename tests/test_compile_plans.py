@@ -186,7 +186,18 @@ def test_recording_lists_the_keys_met_and_the_kernels_compiled(monkeypatch):
     assert recorded["keys"] == [repr(("one",))]
     assert recorded["kernels"] == [{"module": "tests.helpers.plan_kernels", "name": "copy_kernel",
                                     "source": plan_kernels.copy_kernel.cache_key,
+                                    "digest": compile_plans.source_digest(plan_kernels.copy_kernel),
                                     "specialization": '{"name": "copy_kernel"}'}]
+
+
+def test_the_source_digest_changes_with_a_kernels_source_and_line():
+    kernel = plan_kernels.copy_kernel
+    digest = compile_plans.source_digest(kernel)
+    moved = types.SimpleNamespace(src=kernel.src, starting_line_number=kernel.starting_line_number + 1)
+    edited = types.SimpleNamespace(src=kernel.src + "\n", starting_line_number=kernel.starting_line_number)
+    same = types.SimpleNamespace(src=kernel.src, starting_line_number=kernel.starting_line_number)
+    assert compile_plans.source_digest(same) == digest
+    assert len({digest, compile_plans.source_digest(moved), compile_plans.source_digest(edited)}) == 3
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,19 +208,28 @@ COMMON_WIDTHS = (256, 384, 512, 768, 1024, 1152, 1536, 2048, 4096)
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda path: path.name)
-def test_every_shipped_plan_names_kernels_of_the_package(path):
+def test_every_shipped_plan_names_current_kernels_of_the_package(path):
+    """Each entry names a JIT function of the package whose source is the one recorded: after a
+    kernel changes, its plans are recorded again (scripts/record_compile_plans.py on that GPU),
+    else a fresh machine's first call compiles that kernel after its plan, one kernel at a time."""
     import importlib
 
     from triton.runtime import JITFunction
 
     table = compile_plans._read(path)
     assert table["plans"] and all(table["plans"].values())
+    stale = set()
     for plan in table["plans"].values():
         for digest in plan:
-            kernel = table["kernels"][digest]
-            assert kernel["module"].startswith("hf_infcl.ops.triton.")
-            assert isinstance(getattr(importlib.import_module(kernel["module"]), kernel["name"]), JITFunction)
-            assert json.loads(kernel["specialization"])["name"].endswith(kernel["name"])
+            entry = table["kernels"][digest]
+            assert entry["module"].startswith("hf_infcl.ops.triton.")
+            kernel = getattr(importlib.import_module(entry["module"]), entry["name"])
+            assert isinstance(kernel, JITFunction)
+            assert json.loads(entry["specialization"])["name"].endswith(entry["name"])
+            if entry["digest"] != compile_plans.source_digest(kernel):
+                stale.add(f"{entry['module']}.{entry['name']}")
+    assert not stale, (f"kernels changed since {path.name} was recorded: {sorted(stale)}; record its plans "
+                       "again with scripts/record_compile_plans.py on that GPU")
 
 
 def test_the_h200_plans_cover_the_default_calls_at_the_common_widths():

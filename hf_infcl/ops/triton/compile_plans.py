@@ -105,7 +105,8 @@ def shipped_plan(device: str, triton_version: str, key: str,
                  directory: Path = SHIPPED_DIRECTORY) -> list[dict]:
     """The kernels of the plan for ``key`` (a :func:`plan_key`'s repr) shipped for this device and
     Triton version: each a dict of ``module``, ``name``, ``source`` (Triton's hash of the kernel's
-    source when recorded) and ``specialization``; empty where there is none."""
+    source when recorded), ``digest`` (:func:`source_digest` then) and ``specialization``; empty
+    where there is none."""
     path = plan_path(directory, device, triton_version)
     if path not in _SHIPPED:  # read once per process
         _SHIPPED[path] = _read(path)
@@ -173,7 +174,7 @@ def recording():
     def record(**hook):
         kernel = hook["fn"].jit_function
         recorded["kernels"].append({"module": kernel.fn.__module__, "name": kernel.fn.__name__,
-                                    "source": kernel.cache_key,
+                                    "source": kernel.cache_key, "digest": source_digest(kernel),
                                     "specialization": hook["compile"]["specialization_data"]})
 
     previous = knobs.runtime.jit_post_compile_hook
@@ -184,6 +185,14 @@ def recording():
     finally:
         _RECORDING = None
         knobs.runtime.jit_post_compile_hook = previous
+
+
+def source_digest(kernel) -> str:
+    """A hash of a JIT function's own source and first line. Triton's hash (an entry's ``source``,
+    checked at run time) also covers the functions it calls, but differs between Triton
+    releases; this one does not, so a test without the recording's Triton can tell that a kernel
+    changed after its plans were recorded."""
+    return hashlib.sha1(f"{kernel.starting_line_number}\n{kernel.src}".encode()).hexdigest()[:16]
 
 
 def add_plan(path: Path, key: str, kernels: list[dict]) -> None:
