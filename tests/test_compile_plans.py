@@ -247,25 +247,33 @@ def test_the_h200_plans_cover_the_default_calls_at_the_common_widths():
 @pytest.mark.gpu
 def test_a_fresh_machines_first_call_finds_its_kernels_compiled_by_the_plan(tmp_path):
     """A fresh process with an empty Triton cache and an empty tuning store (a fresh machine):
-    the first softmax call (32k x 512, bf16, learnable scale) compiles its plan's kernels in
-    parallel and then compiles nothing itself."""
+    the first softmax call (8k x 512, bf16, learnable scale) compiles its plan's kernels in
+    parallel, then compiles nothing itself, and its loss and gradients are the float64
+    reference's."""
     child = """
 import json, torch
 import torch.nn.functional as F
 import triton
 from triton import knobs
 from hf_infcl import contrastive_loss
+from hf_infcl.ops import reference
 from hf_infcl.ops.triton import compile_plans
 from hf_infcl.ops.triton.device import device_name
 counts = {"planned": 0, "launched": 0}
 def count(**hook):
     counts["planned" if hook["is_manual_warmup"] else "launched"] += 1
 knobs.runtime.jit_post_compile_hook = count
-features = [F.normalize(torch.randn(32768, 512, device="cuda"), dim=1).bfloat16().requires_grad_()
+features = [F.normalize(torch.randn(8192, 512, device="cuda"), dim=1).bfloat16().requires_grad_()
             for _ in range(2)]
 log_scale = torch.tensor(2.6593, device="cuda", requires_grad=True)
-contrastive_loss(*features, log_scale.exp()).backward()
-torch.cuda.synchronize()
+loss = contrastive_loss(*features, log_scale.exp())
+grads = torch.autograd.grad(loss, [*features, log_scale])
+knobs.runtime.jit_post_compile_hook = None
+exact = [tensor.detach().double().requires_grad_() for tensor in (*features, log_scale)]
+expected = reference.per_row_loss(exact[0], exact[1], exact[2].exp()).mean()
+expected_grads = torch.autograd.grad(expected, exact)
+counts["errors"] = [((got.double() - want).norm() / want.norm()).item()
+                    for got, want in zip([loss, *grads], [expected, *expected_grads])]
 name = device_name(torch.device("cuda"))
 plans = compile_plans.plan_path(compile_plans.SHIPPED_DIRECTORY, name, triton.__version__)
 counts["shipped"] = plans.exists()
@@ -281,6 +289,8 @@ print("COUNTS " + json.dumps(counts))
     if not counts["shipped"]:
         pytest.skip("no compile plans are shipped for this GPU and Triton release")
     assert counts["planned"] >= 5 and counts["launched"] == 0, counts
+    # norm-wise relative errors of the loss and every gradient: bf16's tolerance (docs/contract.md)
+    assert max(counts["errors"]) < 1e-2, counts
 
 
 def load_recording_script():
