@@ -220,8 +220,8 @@ def test_every_shipped_plan_names_current_kernels_of_the_package(path):
     assert table["plans"] and all(table["plans"].values())
     stale = set()
     for plan in table["plans"].values():
-        for digest in plan:
-            entry = table["kernels"][digest]
+        for entry_id in plan:
+            entry = table["kernels"][entry_id]
             assert entry["module"].startswith("hf_infcl.ops.triton.")
             kernel = getattr(importlib.import_module(entry["module"]), entry["name"])
             assert isinstance(kernel, JITFunction)

@@ -11,14 +11,15 @@ built and the wait is the longest single compile instead of their sum.
 The package ships plans recorded on the GPUs the project is measured on
 (``shipped_compile_plans/`` beside this file, one gzipped JSON file per device name and Triton
 version, named as the tuned configurations' files; ``scripts/record_compile_plans.py`` records
-them). A plan's key
-(:func:`plan_key`) holds everything of a call that decides which kernels it compiles: the block
-ops' settings, the loss's spec, the dtypes, the width, the problem's size class and whether its
-row and key counts are multiples of 16. A call of another kind finds no plan and compiles as
-before. A plan is used only where the tuned configurations it was recorded with are the ones the
-call will load, that is where this machine has tuned nothing of its own for the device (else the
-Triton cache most likely holds the kernels anyway), and each kernel only while its source is the
-one recorded (Triton's hash of it): after a kernel changes, its stale entry is skipped.
+them). A plan's key (:func:`plan_key`) holds everything of a call that decides which kernels it
+compiles: the block ops' settings, the loss's spec, the dtypes, the width, the problem's size
+class, whether its row and key counts are multiples of 16, whether it has a bias and which label
+arguments it gives. A call of another kind finds no plan and compiles as before.
+
+A plan is used only where the tuned configurations it was recorded with are the ones the call will
+load, that is where this machine has tuned nothing of its own for the device (else the Triton
+cache most likely holds the kernels anyway), and each kernel only while its source is the one
+recorded (Triton's hash of it): after a kernel changes, its stale entry is skipped.
 
 Whatever goes wrong in a plan (a Triton whose internals differ, a failed compile) is logged at
 DEBUG level and changes nothing: the call compiles what it needs itself.
@@ -54,6 +55,8 @@ _PREPARED: set[tuple] = set()
 _LOCK = threading.Lock()
 # While a recording runs (:func:`recording`): the plan keys met and the kernels compiled, in order.
 _RECORDING: dict | None = None
+# The shipped plan files read so far, by path.
+_SHIPPED: dict[Path, dict] = {}
 
 
 def plan_key(blocks, spec, queries: torch.Tensor, kernel_queries: torch.Tensor, rows: int, keys: int,
@@ -112,7 +115,7 @@ def shipped_plan(device: str, triton_version: str, key: str,
         _SHIPPED[path] = _read(path)
     table = _SHIPPED[path]
     kernels = table.get("kernels", {})
-    return [kernels[digest] for digest in table.get("plans", {}).get(key, []) if digest in kernels]
+    return [kernels[entry_id] for entry_id in table.get("plans", {}).get(key, []) if entry_id in kernels]
 
 
 def plan_path(directory: Path, device: str, triton_version: str) -> Path:
@@ -196,24 +199,22 @@ def source_digest(kernel) -> str:
 
 
 def add_plan(path: Path, key: str, kernels: list[dict]) -> None:
-    """Write the plan of ``key`` (replacing an older one) into the plan file ``path``, each
-    kernel's entry kept once however many plans list it."""
+    """Write the plan of ``key`` (replacing an older one) into the plan file ``path``: the file's
+    ``kernels`` hold each entry once, under an id (a hash of the entry), however many plans list
+    it, and its ``plans`` list each key's entry ids."""
     table = _read(path)
     stored = table.setdefault("kernels", {})
-    digests = []
+    entry_ids = []
     for entry in kernels:
-        digest = hashlib.sha1(json.dumps(entry, sort_keys=True).encode()).hexdigest()[:16]
-        stored[digest] = entry
-        digests.append(digest)
-    table.setdefault("plans", {})[key] = digests
-    listed = {digest for plan in table["plans"].values() for digest in plan}
-    table["kernels"] = {digest: entry for digest, entry in stored.items() if digest in listed}
+        entry_id = hashlib.sha1(json.dumps(entry, sort_keys=True).encode()).hexdigest()[:16]
+        stored[entry_id] = entry
+        entry_ids.append(entry_id)
+    table.setdefault("plans", {})[key] = entry_ids
+    listed = {entry_id for plan in table["plans"].values() for entry_id in plan}
+    table["kernels"] = {entry_id: entry for entry_id, entry in stored.items() if entry_id in listed}
     path.parent.mkdir(parents=True, exist_ok=True)
     # mtime=0: the same plans give the same bytes
     path.write_bytes(gzip.compress(json.dumps(table, indent=0, sort_keys=True).encode() + b"\n", mtime=0))
-
-
-_SHIPPED: dict[Path, dict] = {}
 
 
 def _read(path: Path) -> dict:
