@@ -19,6 +19,9 @@ kernels' tuning keys and are not covered.
 A sweep of every case takes hours; split it over calls with ``--widths``/``--dtypes``/``--losses``
 and ``--budget-s`` (no case starts after the budget is spent). Cases already in the store load
 instead of tuning, so a sweep resumes where a stopped one ended when given the same ``--store``.
+
+The shipped compile plans of this GPU assume the shipped choices: after changing them, record the
+plans of the same cases again (``scripts/record_compile_plans.py``).
 """
 
 from __future__ import annotations
