@@ -293,6 +293,51 @@ print("COUNTS " + json.dumps(counts))
     assert max(counts["errors"]) < 1e-2, counts
 
 
+@pytest.mark.gpu
+def test_a_tuning_first_call_finds_every_candidate_compiled_before_the_autotuner_times_it(tmp_path):
+    """A fresh process, empty Triton cache and tuning store, a width with no shipped choice
+    (c = 200, 8k rows, bf16): the autotuned kernels' candidates are all compiled ahead (warm-up
+    compiles), none while the autotuner times them, and the loss and gradients are the float64
+    reference's."""
+    child = """
+import json, time, torch
+import torch.nn.functional as F
+from triton import knobs
+from hf_infcl import contrastive_loss
+from hf_infcl.ops import reference
+tuned = ("_stats_kernel", "_grad_tile_kernel")
+counts = {"ahead": 0, "while_timing": 0}
+def count(**hook):
+    if hook["fn"].jit_function.fn.__name__ in tuned:
+        counts["ahead" if hook["is_manual_warmup"] else "while_timing"] += 1
+knobs.runtime.jit_post_compile_hook = count
+features = [F.normalize(torch.randn(8192, 200, device="cuda"), dim=1).bfloat16().requires_grad_()
+            for _ in range(2)]
+log_scale = torch.tensor(2.6593, device="cuda", requires_grad=True)
+start = time.perf_counter()
+loss = contrastive_loss(*features, log_scale.exp())
+grads = torch.autograd.grad(loss, [*features, log_scale])
+torch.cuda.synchronize()
+counts["seconds"] = time.perf_counter() - start
+knobs.runtime.jit_post_compile_hook = None
+exact = [tensor.detach().double().requires_grad_() for tensor in (*features, log_scale)]
+expected = reference.per_row_loss(exact[0], exact[1], exact[2].exp()).mean()
+expected_grads = torch.autograd.grad(expected, exact)
+counts["errors"] = [((got.double() - want).norm() / want.norm()).item()
+                    for got, want in zip([loss, *grads], [expected, *expected_grads])]
+print("COUNTS " + json.dumps(counts))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "HF_INFCL_CACHE": str(tmp_path / "store")}
+    env.pop("HF_INFCL_TRITON_AUTOTUNE", None)
+    done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "hf_infcl: autotuning" in done.stderr  # the width has no saved choice: it tuned
+    counts = json.loads(done.stdout.split("COUNTS ")[-1])
+    assert counts["ahead"] >= 8 and counts["while_timing"] == 0, counts
+    assert max(counts["errors"]) < 1e-2, counts
+
+
 def load_recording_script():
     import importlib.util
 
@@ -315,3 +360,110 @@ def test_the_recording_script_lists_its_cases_and_refuses_bad_options(capsys):
         with pytest.raises(SystemExit):
             script.parse_options(argv)
         assert message in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# The autotuner's candidates, compiled in parallel before it times them
+
+
+def test_the_candidates_compile_with_the_arguments_the_autotuner_launches_them_with(monkeypatch, caplog):
+    """Every candidate the width keeps, with its own copy of the tensor descriptors (whose block
+    shapes its pre-hook sets), its options and the heuristics of its block sizes; a candidate that
+    fails to compile is logged and the others are built."""
+    import triton
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def set_blocks(arguments):
+        arguments["desc"].block_shape = [arguments["BLOCK_M"], arguments["BLOCK_K"]]
+
+    warmed, built = [], []
+
+    class Compiled:
+        def __init__(self, arguments):
+            self.arguments = arguments
+
+        def _init_handles(self):
+            built.append(self.arguments["BLOCK_M"])
+
+    class Body:
+        arg_names = ["x", "desc", "c"]
+
+        def warmup(self, grid, **arguments):
+            if arguments["BLOCK_M"] == 32:
+                raise RuntimeError("ptxas ran out of registers")
+            warmed.append(arguments)
+            return Compiled(arguments)
+
+    shapes = [(64, 64, 32, 4, 3), (128, 64, 64, 8, 3), (32, 64, 32, 4, 4), (128, 128, 256, 8, 2)]
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s,
+                             pre_hook=set_blocks) for m, n, k, w, s in shapes]
+    even_k = lambda arguments: arguments["c"] % arguments["BLOCK_K"] == 0  # noqa: E731
+    kernel = types.SimpleNamespace(name="test-r1", body=Body(), tuner=types.SimpleNamespace(configs=configs),
+                                   heuristics={"EVEN_K": even_k})
+    monkeypatch.setattr(compile_plans, "_make_device_caches", lambda kernels, device: None)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    x = torch.zeros(64, 96)
+    descriptor = TensorDescriptor.from_tensor(x, [16, 16])
+    with caplog.at_level("DEBUG", logger="hf_infcl"):
+        compile_plans.compile_candidates(kernel, lambda meta: (1,), (x, descriptor), {"c": 96},
+                                         torch.device("cpu"))
+    # c = 96: no K step above 128; the 32-row candidate fails
+    assert sorted(built) == [64, 128] and "out of registers" in caplog.text
+    for arguments in warmed:
+        assert arguments["x"] is x and arguments["c"] == 96
+        assert arguments["desc"] is not descriptor
+        assert arguments["desc"].block_shape == [arguments["BLOCK_M"], arguments["BLOCK_K"]]
+        assert arguments["EVEN_K"] == (96 % arguments["BLOCK_K"] == 0)
+    assert {(a["num_warps"], a["num_stages"]) for a in warmed} == {(4, 3), (8, 3)}
+    assert descriptor.block_shape == [16, 16]  # the launch's own descriptor is left as it was
+
+
+def test_the_candidates_compile_only_when_the_launch_tunes(monkeypatch, tmp_path):
+    """The tuning store says whether a launch tunes: not with a saved choice, yes without one."""
+    from hf_infcl.ops.triton.tuning_store import TuningStore
+
+    class Tuner:
+        cache = {}
+
+    store = TuningStore(tmp_path, shipped=None)
+    with store.tuned(Tuner(), "grad_tile", (512, 2, "torch.bfloat16"), H200, "3.6.0", dict) as tunes:
+        assert tunes
+        Tuner.cache[(512, 2, "torch.bfloat16")] = types.SimpleNamespace(
+            kwargs={"BLOCK_M": 64}, num_warps=4, num_stages=3)
+    with store.tuned(Tuner(), "grad_tile", (512, 2, "torch.bfloat16"), H200, "3.6.0", dict) as tunes:
+        assert not tunes  # in the tuner's cache now
+
+
+def test_a_launch_compiles_its_candidates_first_only_when_it_tunes(monkeypatch, tmp_path):
+    """launch(): a key without a saved choice compiles its candidates, then tunes (and saves); the
+    same key in a later process loads the saved choice and compiles nothing ahead."""
+    import triton
+
+    from hf_infcl.ops.triton.tuning_store import TuningStore
+
+    class Tuner:
+        keys, arg_names = ["c", "size_class"], ["x", "c", "size_class"]
+
+        def __init__(self):
+            self.cache, self.best_config = {}, None
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                key = (args[1], args[2], "torch.float32")
+                self.cache.setdefault(key, triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=3))
+                self.best_config = self.cache[key]
+            return run
+
+    compiled = []
+    monkeypatch.setattr(launch, "_tunes", lambda: True)
+    monkeypatch.setattr(launch, "device_name", lambda device: H200)
+    monkeypatch.setattr(launch, "TUNING_STORE", TuningStore(tmp_path, shipped=None))
+    monkeypatch.setattr(compile_plans, "compile_candidates",
+                        lambda kernel, grid, args, kwargs, device: compiled.append(args))
+    x = torch.zeros(4)
+    for _process in range(2):
+        monkeypatch.setattr(launch, "_CHOSEN", {})
+        kernel = launch.TunedKernel("test-r1", None, {}, Tuner(), triton.Config)
+        launch.launch(kernel, (1,), torch.device("cpu"), x, 512, 2)
+        assert kernel.tuner.best_config.kwargs == {"BLOCK_M": 64}
+        assert compiled == [(x, 512, 2)]  # the first process's launch only: the second loaded

@@ -29,6 +29,7 @@ DEBUG level and changes nothing: the call compiles what it needs itself.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gzip
 import hashlib
 import importlib
@@ -139,10 +140,54 @@ def _compile_in_parallel(entries: list[dict], device: torch.device) -> None:
         compiled._init_handles()  # the launcher and the module load, else done at the first launch
 
     _make_device_caches([kernel for kernel, _ in kernels], device)
-    with ThreadPoolExecutor(min(len(kernels), os.cpu_count() or 1)) as pool:
-        for failure in [future.exception() for future in [pool.submit(build, item) for item in kernels]]:
+    _in_threads(build, kernels)
+
+
+def compile_candidates(kernel, grid, args: tuple, kwargs: dict, device: torch.device) -> None:
+    """Before the autotuner times a launch's candidate configurations of ``kernel`` (a
+    :class:`~.launch.TunedKernel`), compile them all at once, one thread each: the autotuner
+    compiles them one after the other as it times them, which is most of a tuning's time on a
+    machine whose Triton cache lacks them. Each candidate is compiled for the arguments the
+    autotuner will launch it with (its pre-hook and the heuristics applied to a copy of them,
+    tensor descriptors included), so its runs find every one compiled. A failure is logged at
+    DEBUG level; the autotuner then compiles that candidate itself."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from .launch import candidates_for_width
+
+    named = {**dict(zip(kernel.body.arg_names, args)), **kwargs}
+    configs = candidates_for_width(kernel.tuner.configs, named)
+    if len(configs) < 2:  # nothing to time
+        return
+
+    def build(config):
+        torch.cuda.set_device(device)
+        # its own descriptors: a pre-hook sets their block shapes, part of the specialisation
+        arguments = {name: dataclasses.replace(value) if isinstance(value, TensorDescriptor) else value
+                     for name, value in named.items()}
+        arguments.update(config.kwargs)
+        if config.pre_hook is not None:
+            config.pre_hook(arguments)
+        arguments.update({name: heuristic(arguments) for name, heuristic in kernel.heuristics.items()})
+        compiled = kernel.body.warmup(grid=grid, **{**arguments, **config.all_kwargs()})
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        compiled._init_handles()
+
+    try:
+        _make_device_caches([kernel.body], device)
+        _in_threads(build, configs)
+    except Exception:  # the autotuner compiles what it needs itself
+        logger.debug("hf_infcl: compiling the candidates of %s in parallel failed", kernel.name,
+                     exc_info=True)
+
+
+def _in_threads(build, items: list) -> None:
+    """``build(item)`` for every item, one thread each (at most one per CPU core); each failure
+    logged at DEBUG level."""
+    with ThreadPoolExecutor(min(len(items), os.cpu_count() or 1)) as pool:
+        for failure in [future.exception() for future in [pool.submit(build, item) for item in items]]:
             if failure is not None:
-                logger.debug("hf_infcl: a compile plan's kernel failed to compile", exc_info=failure)
+                logger.debug("hf_infcl: a kernel failed to compile ahead of its launch", exc_info=failure)
 
 
 def _make_device_caches(kernels: list, device: torch.device) -> None:

@@ -27,6 +27,7 @@ from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..value_check import run_deferred_check
+from . import compile_plans
 from .device import INTERPRET, device_name
 from .tuning_store import TuningStore, tuning_key
 
@@ -147,7 +148,9 @@ def launch(kernel: TunedKernel, grid, device: torch.device, *args, config: trito
         _launch_with(kernel, chosen, grid, args, kwargs)
         return chosen
     with TUNING_STORE.tuned(kernel.tuner, kernel.name, key, device_name(device), triton.__version__,
-                            kernel.make_config):
+                            kernel.make_config) as tunes:
+        if tunes:  # the candidates compiled in parallel, not one by one as the autotuner times them
+            compile_plans.compile_candidates(kernel, grid, args, kwargs, device)
         kernel.tuner[grid](*args, **kwargs)
     _CHOSEN[(kernel.name, key)] = kernel.tuner.best_config
     return kernel.tuner.best_config

@@ -100,32 +100,32 @@ class TuningStore:
     def tuned(self, tuner, kernel: str, key: tuple, device_name: str, triton_version: str, config_type):
         """Around one launch of ``tuner`` whose tuning key is ``key``: load a saved configuration
         into the tuner first, or, if there is none, let the launch tune (under a lock shared by
-        the processes of this machine) and save its choice."""
+        the processes of this machine) and save its choice. Yields whether the launch tunes."""
         if key in tuner.cache:
-            yield
+            yield False
             return
         path = self.path(device_name, triton_version)
         entry = repr(key)
         saved = self.saved(kernel, key, device_name, triton_version, config_type)
         if saved is not None:
             tuner.cache[key] = saved
-            yield
+            yield False
             return
         try:
             lock = _locked(_key_lock_path(path, kernel, entry))  # held across the yield
         except OSError as error:
             self._warn_once(f"cannot write tuned configurations to {path.parent} ({error}); "
                             "each process tunes for itself")
-            yield
+            yield True
             return
         with lock:
             if not self._retune and self._load(tuner, kernel, entry, key, path, config_type):
-                yield
+                yield False
                 return
             logger.warning("hf_infcl: autotuning %s for %s on %s (once per machine: the choice is saved "
                            "to %s)", kernel, key, device_name, path)
             start = time.perf_counter()
-            yield
+            yield True
             elapsed = time.perf_counter() - start
             if key in tuner.cache:
                 self._save(kernel, entry, tuner.cache[key], path)
