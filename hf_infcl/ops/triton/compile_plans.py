@@ -24,6 +24,10 @@ recorded (Triton's hash of it): after a kernel changes, its stale entry is skipp
 Whatever goes wrong in a plan (a Triton whose internals differ, a failed compile) is logged at
 DEBUG level and changes nothing: the call compiles what it needs itself.
 ``HF_INFCL_COMPILE_PLANS=0`` turns plans off.
+
+The same idea serves a launch that tunes (no saved choice: :func:`compile_candidates`): Triton's
+autotuner compiles each candidate configuration as it times it, one after the other, so the
+candidates are compiled first, all at once.
 """
 
 from __future__ import annotations
