@@ -2,16 +2,17 @@
 configurations, :func:`launch` launches it.
 
 The first launch of a kernel and tuning key goes through Triton's autotuner, with the choice
-loaded from or saved to the machine's tuning store (:mod:`.tuning_store`); tiny problems
-(:data:`TINY`) and exact fp32 dots never tune, and run one configuration (a saved one, for tiny
-problems, where there is one). Every later launch
-with that key goes straight to the kernel with the configuration chosen then, because the
-autotuner's and the JIT function's Python cost more host time per launch than the GPU work of a
-backward's super-tile. That fast path evaluates the kernel's heuristics itself, and once the JIT
-function has compiled a launch's specialisation it calls the compiled kernel's own launcher, as
-``JITFunction.run`` does after its look-ups: it relies on Triton internals (the compiled kernel's
-``run``, ``function``, ``packed_metadata``, ``launch_metadata``) and falls back to the JIT
-function where a Triton lacks them, and under the interpreter.
+loaded from or saved to the machine's tuning store (:mod:`.tuning_store`); a launch that tunes
+compiles its candidates in parallel first (:func:`.compile_plans.compile_candidates`). Tiny
+problems (:data:`TINY`) and exact fp32 dots never tune, and run one configuration (a saved one,
+for tiny problems, where there is one). Every later launch with that key goes straight to the
+kernel with the configuration chosen then, because the autotuner's and the JIT function's Python
+cost more host time per launch than the GPU work of a backward's super-tile. That fast path
+evaluates the kernel's heuristics itself, and once the JIT function has compiled a launch's
+specialisation it calls the compiled kernel's own launcher, as ``JITFunction.run`` does after its
+look-ups: it relies on Triton internals (the compiled kernel's ``run``, ``function``,
+``packed_metadata``, ``launch_metadata``) and falls back to the JIT function where a Triton lacks
+them, and under the interpreter.
 """
 
 from __future__ import annotations
