@@ -445,3 +445,12 @@ def test_a_launch_compiles_its_candidates_first_only_when_it_tunes(monkeypatch, 
         launch.launch(kernel, (1,), torch.device("cpu"), x, 512, 2)
         assert kernel.tuner.best_config.kwargs == {"BLOCK_M": 64}
         assert compiled == [(x, 512, 2)]  # the first process's launch only: the second loaded
+
+
+def test_candidates_that_cannot_be_compiled_ahead_leave_it_to_the_autotuner(caplog):
+    """Whatever fails before the threads start (here a kernel without a JIT body) is logged; the
+    launch goes on to the autotuner, which compiles its candidates itself."""
+    kernel = types.SimpleNamespace(name="stand-in-r0", body=None, tuner=None, heuristics={})
+    with caplog.at_level("DEBUG", logger="hf_infcl"):
+        compile_plans.compile_candidates(kernel, (1,), (), {}, torch.device("cpu"))
+    assert "compiling the candidates of stand-in-r0 in parallel failed" in caplog.text

@@ -155,6 +155,14 @@ def compile_candidates(kernel, grid, args: tuple, kwargs: dict, device: torch.de
     autotuner will launch it with (its pre-hook and the heuristics applied to a copy of them,
     tensor descriptors included), so its runs find every one compiled. A failure is logged at
     DEBUG level; the autotuner then compiles that candidate itself."""
+    try:
+        _compile_candidates(kernel, grid, args, kwargs, device)
+    except Exception:  # the autotuner compiles what it needs itself
+        logger.debug("hf_infcl: compiling the candidates of %s in parallel failed", kernel.name,
+                     exc_info=True)
+
+
+def _compile_candidates(kernel, grid, args: tuple, kwargs: dict, device: torch.device) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from .launch import candidates_for_width
@@ -177,12 +185,8 @@ def compile_candidates(kernel, grid, args: tuple, kwargs: dict, device: torch.de
         compiled = compiled.result() if hasattr(compiled, "result") else compiled
         compiled._init_handles()
 
-    try:
-        _make_device_caches([kernel.body], device)
-        _in_threads(build, configs)
-    except Exception:  # the autotuner compiles what it needs itself
-        logger.debug("hf_infcl: compiling the candidates of %s in parallel failed", kernel.name,
-                     exc_info=True)
+    _make_device_caches([kernel.body], device)
+    _in_threads(build, configs)
 
 
 def _in_threads(build, items: list) -> None:
