@@ -61,15 +61,18 @@ print("RECORDED " + json.dumps(recorded))
 """
 
 
-def record_case(case: tuple, env: dict) -> dict:
-    """One case's recording (``keys``, ``kernels``, ``seconds``) from a fresh process."""
+def record_case(case: tuple, env: dict) -> dict | None:
+    """One case's recording (``keys``, ``kernels``, ``seconds``) from a fresh process; None (its
+    error printed) where the first call failed."""
     loss, width, dtype, size_class = case
     command = [sys.executable, "-c", CHILD, loss, str(width), tune_shipped.DTYPES[dtype],
                str(SIZES[size_class])]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RECORDED ")]
     if done.returncode or not lines:
-        raise RuntimeError(f"{case}: the first call failed:\n{done.stderr[-3000:]}")
+        print(f"{' '.join(map(str, case))}: the first call failed, no plan:\n{done.stderr[-3000:]}",
+              file=sys.stderr)
+        return None
     recorded = json.loads(lines[-1][len("RECORDED "):])
     # a key without a shipped configuration tunes: its compiles are every candidate's, no plan
     recorded["tuned"] = "hf_infcl: autotuning" in done.stderr
@@ -122,6 +125,8 @@ def main(argv=None) -> int:
             recordings = list(pool.map(lambda case: record_case(case, env), todo))
     written = 0
     for case, recorded in zip(todo, recordings):
+        if recorded is None:
+            continue
         print(f"{' '.join(map(str, case))}: {len(recorded['kernels'])} kernels, first call "
               f"{recorded['seconds']:.2f} s, {len(set(recorded['keys']))} plan key(s)"
               + (" - tuned, so no plan (ship its configuration first: scripts/tune_shipped.py)"
@@ -129,8 +134,10 @@ def main(argv=None) -> int:
         if recorded["keys"] and recorded["kernels"] and not recorded["tuned"]:
             add_plan(path, recorded["keys"][0], recorded["kernels"])
             written += 1
-    print(f"{written} plans written to {path} in {time.perf_counter() - started:.0f} s")
-    return 0
+    failed = recordings.count(None)
+    print(f"{written} plans written to {path} in {time.perf_counter() - started:.0f} s"
+          + (f"; {failed} cases failed (above)" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

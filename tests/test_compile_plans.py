@@ -454,3 +454,17 @@ def test_candidates_that_cannot_be_compiled_ahead_leave_it_to_the_autotuner(capl
     with caplog.at_level("DEBUG", logger="hf_infcl"):
         compile_plans.compile_candidates(kernel, (1,), (), {}, torch.device("cpu"))
     assert "compiling the candidates of stand-in-r0 in parallel failed" in caplog.text
+
+
+def test_the_recording_script_reads_a_cases_process_and_reports_a_failed_one(monkeypatch, capsys):
+    script = load_recording_script()
+    outcomes = {
+        "512": subprocess.CompletedProcess([], 0, 'RECORDED {"keys": ["k"], "kernels": [], "seconds": 1.0}\n',
+                                           "hf_infcl: autotuning stats-r5 for (512, 2)"),
+        "768": subprocess.CompletedProcess([], 1, "", "CUDA error: out of memory"),
+    }
+    monkeypatch.setattr(script.subprocess, "run", lambda command, **options: outcomes[command[4]])
+    recorded = script.record_case(("softmax", 512, "bf16", 2), {})
+    assert recorded == {"keys": ["k"], "kernels": [], "seconds": 1.0, "tuned": True}
+    assert script.record_case(("softmax", 768, "bf16", 2), {}) is None
+    assert "softmax 768 bf16 2: the first call failed" in capsys.readouterr().err
