@@ -37,26 +37,16 @@ _spec.loader.exec_module(tune_shipped)
 # largest class at the 32k rows of the benchmarks, and the tiny class, which is not tuned.
 SIZES = {0: 1024, 1: tune_shipped.SIZES[1], 2: 32768}
 
+# The case's first call as tune_shipped runs it, recorded.
 CHILD = """
-import json, sys, time, torch
-import torch.nn.functional as F
-from hf_infcl import contrastive_loss
+import json, sys
 from hf_infcl.ops.triton import compile_plans
-loss, width, dtype, rows = sys.argv[1], int(sys.argv[2]), getattr(torch, sys.argv[3]), int(sys.argv[4])
-generator = torch.Generator(device="cuda").manual_seed(width)
-features = [F.normalize(torch.randn(rows, width, device="cuda", generator=generator), dim=1).to(dtype)
-            .requires_grad_() for _ in range(2)]
-log_scale = torch.tensor(2.6593, device="cuda", requires_grad=True)
-bias = torch.tensor(-10.0, device="cuda", requires_grad=True) if loss == "sigmoid" else None
-torch.cuda.synchronize()
-start = time.perf_counter()
+sys.path.insert(0, sys.argv[1])
+import tune_shipped
+loss, dtype = sys.argv[2], sys.argv[4]
+width, size_class, rows = (int(sys.argv[index]) for index in (3, 5, 6))
 with compile_plans.recording() as recorded:
-    kind = "sigmoid" if loss == "sigmoid" else "softmax"
-    value = contrastive_loss(*features, log_scale.exp(), bias, loss=kind, symmetric=loss == "softmax",
-                             backend="triton")
-    value.backward()
-    torch.cuda.synchronize()
-recorded["seconds"] = time.perf_counter() - start
+    recorded["seconds"] = tune_shipped.run_case(loss, width, dtype, size_class, rows=rows)
 print("RECORDED " + json.dumps(recorded))
 """
 
@@ -65,8 +55,8 @@ def record_case(case: tuple, env: dict) -> dict | None:
     """One case's recording (``keys``, ``kernels``, ``seconds``) from a fresh process; None (its
     error printed) where the first call failed."""
     loss, width, dtype, size_class = case
-    command = [sys.executable, "-c", CHILD, loss, str(width), tune_shipped.DTYPES[dtype],
-               str(SIZES[size_class])]
+    command = [sys.executable, "-c", CHILD, str(Path(__file__).parent), loss, str(width), dtype,
+               str(size_class), str(SIZES[size_class])]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RECORDED ")]
     if done.returncode or not lines:

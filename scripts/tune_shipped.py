@@ -49,14 +49,15 @@ def cases(widths, dtypes, losses, size_classes) -> list[tuple[str, int, str, int
             for size_class, loss, width, dtype in itertools.product(size_classes, losses, widths, dtypes)]
 
 
-def run_case(loss: str, width: int, dtype: str, size_class: int) -> float:
-    """One forward and backward of the case (tuning its kernels' keys); its seconds."""
+def run_case(loss: str, width: int, dtype: str, size_class: int, rows: int | None = None) -> float:
+    """One forward and backward of the case (tuning its kernels' keys) with ``rows`` rows and keys
+    (default: ``SIZES[size_class]``); its seconds."""
     import torch
     import torch.nn.functional as F
 
     from hf_infcl import contrastive_loss
 
-    rows = SIZES[size_class]
+    rows = rows or SIZES[size_class]
     generator = torch.Generator(device="cuda").manual_seed(width + size_class)
     features = [F.normalize(torch.randn(rows, width, device="cuda", generator=generator), dim=1)
                 .to(getattr(torch, DTYPES[dtype])).requires_grad_() for _ in range(2)]

@@ -21,6 +21,7 @@ from hf_infcl.ops.triton import compile_plans, launch  # noqa: E402
 from hf_infcl.ops.triton.blocks import TritonBlocks  # noqa: E402
 from hf_infcl.ops.triton.operands import kernel_operands, label_arguments  # noqa: E402
 from tests.helpers import plan_kernels  # noqa: E402
+from tests.test_tuning_store import COMMON_WIDTHS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 H200 = "NVIDIA H200"
@@ -204,7 +205,6 @@ def test_the_source_digest_changes_with_a_kernels_source_and_line():
 # The shipped plans
 
 SHIPPED = sorted(compile_plans.SHIPPED_DIRECTORY.glob("*.json.gz"))
-COMMON_WIDTHS = (256, 384, 512, 768, 1024, 1152, 1536, 2048, 4096)
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda path: path.name)
@@ -238,8 +238,9 @@ def test_the_h200_plans_cover_the_default_calls_at_the_common_widths():
     path = compile_plans.plan_path(compile_plans.SHIPPED_DIRECTORY, H200, "3.6.0")
     if not path.exists():
         pytest.fail(f"no shipped plans for the H200: {path}")
+    recorded_rows = load_recording_script().SIZES.values()  # one batch of each size class
     missing = [(dtype, width, rows) for dtype in (torch.bfloat16, torch.float16, torch.float32)
-               for width in COMMON_WIDTHS for rows in (1024, 8192, 32768)
+               for width in COMMON_WIDTHS for rows in recorded_rows
                if not compile_plans.shipped_plan(H200, "3.6.0", repr(key_of(dtype, width, rows, rows)))]
     assert not missing
 
@@ -463,8 +464,26 @@ def test_the_recording_script_reads_a_cases_process_and_reports_a_failed_one(mon
                                            "hf_infcl: autotuning stats-r5 for (512, 2)"),
         "768": subprocess.CompletedProcess([], 1, "", "CUDA error: out of memory"),
     }
-    monkeypatch.setattr(script.subprocess, "run", lambda command, **options: outcomes[command[4]])
+    monkeypatch.setattr(script.subprocess, "run", lambda command, **options: outcomes[command[5]])
     recorded = script.record_case(("softmax", 512, "bf16", 2), {})
     assert recorded == {"keys": ["k"], "kernels": [], "seconds": 1.0, "tuned": True}
     assert script.record_case(("softmax", 768, "bf16", 2), {}) is None
     assert "softmax 768 bf16 2: the first call failed" in capsys.readouterr().err
+
+
+def test_the_recording_process_records_the_case_that_tune_shipped_runs(tmp_path):
+    """The recording's child process runs ``tune_shipped.run_case`` (here a stand-in that says what
+    it was asked) inside ``compile_plans.recording`` and prints what was recorded."""
+    script = load_recording_script()
+    (tmp_path / "tune_shipped.py").write_text(
+        "from hf_infcl.ops.triton import compile_plans\n"
+        "def run_case(loss, width, dtype, size_class, rows=None):\n"
+        "    assert compile_plans._RECORDING is not None\n"
+        "    print('CASE', loss, width, dtype, size_class, rows)\n"
+        "    return 1.5\n")
+    command = [sys.executable, "-c", script.CHILD, str(tmp_path), "sigmoid", "768", "fp16", "0", "1024"]
+    done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "CASE sigmoid 768 fp16 0 1024" in done.stdout
+    assert json.loads(done.stdout.split("RECORDED ")[-1]) == {"keys": [], "kernels": [], "seconds": 1.5}
