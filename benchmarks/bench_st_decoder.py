@@ -218,7 +218,7 @@ def run_step_part(opts, meta, record) -> None:
     progress("model built")
     if args.bf16:
         autocast_like_accelerate(model, device)
-    if args.activation_checkpointing:
+    if args.gradient_checkpointing:  # mirrors activation_checkpointing where transformers has it
         model.gradient_checkpointing_enable()
     mini_batch = opts.mini_batch_size or script_args.mini_batch_size
     tokens = script_args.max_seq_length

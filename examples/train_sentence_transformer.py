@@ -74,6 +74,7 @@ from example_cli import (
     POSITIVE,
     HubPush,
     argument_parser,
+    checkpointing_flag,
     close_process_group,
     fail,
     parse_with_defaults,
@@ -97,7 +98,7 @@ PRESETS = {
     "qwen3-0.6b": dict(
         config=QWEN3_0_6B, tokenizer_vocab=16384,
         defaults={"learning_rate": 2e-5, "max_seq_length": 128, "mini_batch_size": 64,
-                  "activation_checkpointing": True},
+                  checkpointing_flag(): True},
     ),
     "qwen3-tiny": dict(
         config=dict(QWEN3_0_6B, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -105,7 +106,7 @@ PRESETS = {
                     max_position_embeddings=512),
         tokenizer_vocab=1024,
         defaults={"learning_rate": 1e-3, "max_seq_length": 64, "mini_batch_size": 16,
-                  "activation_checkpointing": True},
+                  checkpointing_flag(): True},
     ),
 }
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.helpers.offline import offline_env
+from tests.helpers.trainer_fixtures import is_activation_checkpointing
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -715,7 +716,7 @@ def recording_sentence_transformer_trainer(monkeypatch) -> dict:
             result = super().train(*args, **kwargs)
             seen.update(prompts=self.args.prompts, mini_batch_size=self.loss.mini_batch_size,
                         no_grad_mini_batch_size=self.loss.no_grad_mini_batch_size,
-                        checkpointing=self.model[0].model.is_activation_checkpointing)
+                        checkpointing=is_activation_checkpointing(self.model[0].model))
             return result
 
     monkeypatch.setattr(sentence_transformers, "SentenceTransformerTrainer", RecordingTrainer)
@@ -876,7 +877,7 @@ def test_gradient_checkpointing_inside_the_cached_loss_changes_no_gradient():
 
     plain_loss, plain = loss_and_gradients()
     model.gradient_checkpointing_enable()
-    assert model[0].model.is_activation_checkpointing
+    assert is_activation_checkpointing(model[0].model)
     checkpointed_loss, checkpointed = loss_and_gradients()
     torch.testing.assert_close(checkpointed_loss, plain_loss, rtol=1e-12, atol=0)
     assert checkpointed.keys() == plain.keys() and len(plain) > 10
@@ -929,7 +930,7 @@ def test_the_qwen3_0_6b_preset_is_qwen3_embedding_0_6b():
     assert 5.95e8 < sum(p.numel() for p in backbone.parameters()) < 5.97e8
     script_args, args = train_st.parse_arguments(["--preset", "qwen3-0.6b"])
     assert args.learning_rate == 2e-5 and args.output_dir == "outputs/sentence-transformer-qwen3-0.6b"
-    assert args.activation_checkpointing and script_args.mini_batch_size == 64
+    assert args.gradient_checkpointing and script_args.mini_batch_size == 64  # the old name mirrors the new
     assert script_args.max_seq_length == 128 and script_args.query_prompt == RETRIEVAL_INSTRUCTION
     assert args.bf16 == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     script_args, args = train_st.parse_arguments(["--preset=qwen3-tiny", "--mini_batch_size", "4",

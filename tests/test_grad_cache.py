@@ -22,6 +22,7 @@ from hf_infcl.grad_cache import cached_step, split_batch
 from tests.helpers.offline import run_two_processes
 from tests.helpers.trainer_fixtures import (
     clip_batch,
+    is_activation_checkpointing,
     naflex_batch,
     one_thread,  # noqa: F401  (a fixture)
     pair_text_batch,
@@ -306,8 +307,7 @@ def test_gradient_checkpointing_inside_the_replay():
     # transformers >= 5.20 renamed it; the GPU image has an older 5.x
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable()
-    checkpointing = getattr(type(model), "is_activation_checkpointing", None)
-    assert checkpointing.fget(model) if checkpointing is not None else model.is_gradient_checkpointing
+    assert is_activation_checkpointing(model)
     batch = clip_batch(16, seed=13)
     reference_loss, reference = uncached_chunked_grads(model, batch, 4, seed=21)
     model.zero_grad()

@@ -16,6 +16,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def is_activation_checkpointing(model) -> bool:
+    """Whether a transformers model checkpoints its layers' activations, under the property's name
+    in the installed release (``is_activation_checkpointing`` from 5.20, ``is_gradient_checkpointing``
+    before; the old name warns where the new one exists)."""
+    checkpointing = getattr(type(model), "is_activation_checkpointing", None)
+    return checkpointing.fget(model) if checkpointing is not None else model.is_gradient_checkpointing
+
+
 def logit_scale_of(model) -> torch.Tensor:
     """The multiplier of the logits as the model's forward takes it (``exp(logit_scale)`` for CLIP,
     clamped first for Aimv2, ``1 / temperature`` for ALIGN; differentiable), read through the
