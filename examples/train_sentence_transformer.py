@@ -51,6 +51,7 @@ chunks (faster; exact gradients only for a model without dropout, see ``InfCLLos
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 import tempfile
@@ -327,6 +328,23 @@ def load_model(script_args, data, device):
     return model
 
 
+def checkpoint_the_model_itself(model, args) -> None:
+    """Turn on the activation checkpointing the arguments ask for on the model itself, and clear
+    the flag, where the Trainer's own call would fail: sentence-transformers before 6.2 takes
+    nothing but ``gradient_checkpointing_kwargs`` in ``gradient_checkpointing_enable``, and the
+    Trainer of newer transformers passes ``every_n_layers`` and ``offload`` too (a TypeError at
+    the start of ``train``). Elsewhere the Trainer does it, as usual."""
+    if not args.gradient_checkpointing:  # mirrors activation_checkpointing where transformers has both
+        return
+    parameters = inspect.signature(model.gradient_checkpointing_enable).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD or p.name == "every_n_layers" for p in parameters):
+        return
+    model.gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)
+    for name in ("gradient_checkpointing", "activation_checkpointing"):
+        if hasattr(args, name):
+            setattr(args, name, False)
+
+
 def main(argv=None):
     from datasets import Dataset
     from sentence_transformers import SentenceTransformerTrainer
@@ -349,6 +367,7 @@ def main(argv=None):
 
     data = script_args.load_pairs(seed=args.seed)
     model = load_model(script_args, data, str(args.device))
+    checkpoint_the_model_itself(model, args)
     if not args.prompts:  # --prompts, when given, is the Trainer's own and wins in training
         args.prompts = side_prompts(model) or None  # the prompts evaluate_retrieval puts before each side
     train = Dataset.from_dict({"anchor": [q for q, _ in data.train], "positive": [p for _, p in data.train]})

@@ -917,6 +917,33 @@ def test_the_decoder_preset_trains_in_bf16_on_a_gpu(tmp_path, monkeypatch):
     assert after != before and all(0 <= value <= 1 for value in after.values())
 
 
+@pytest.mark.parametrize("takes_new_arguments", [False, True])
+def test_checkpointing_is_turned_on_on_the_model_where_the_trainer_would_fail(takes_new_arguments):
+    """With a sentence-transformers whose gradient_checkpointing_enable takes no ``every_n_layers``
+    (before 6.2; newer transformers' Trainer passes it), the example turns checkpointing on itself,
+    with the arguments' kwargs, and clears the flag; otherwise it leaves both to the Trainer."""
+    train_st = text_example("train_sentence_transformer")
+    calls = []
+
+    class OldModel:
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            calls.append(gradient_checkpointing_kwargs)
+
+    class NewModel:
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
+            calls.append(gradient_checkpointing_kwargs)
+
+    args = train_st.parse_arguments(["--preset", "qwen3-tiny"])[1]
+    assert args.gradient_checkpointing
+    args.gradient_checkpointing_kwargs = {"use_reentrant": False}
+    train_st.checkpoint_the_model_itself(NewModel() if takes_new_arguments else OldModel(), args)
+    if takes_new_arguments:
+        assert calls == [] and args.gradient_checkpointing
+    else:
+        assert calls == [{"use_reentrant": False}] and not args.gradient_checkpointing
+        assert not getattr(args, "activation_checkpointing", False)
+
+
 def test_the_qwen3_0_6b_preset_is_qwen3_embedding_0_6b():
     """The preset's layout has Qwen3-Embedding-0.6B's parameter count (0.596 B), on the meta device so
     that nothing is allocated; its defaults give way to the flags given."""
