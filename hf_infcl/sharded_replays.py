@@ -13,6 +13,10 @@ the last replay (:func:`hf_infcl.sharding.fsdp_no_sync` around the others).
 With gradient accumulation the Trainer's own ``no_sync`` holds the replays of every micro-batch
 but the last unreduced, and is left alone.
 
+Under DDP, sentence-transformers releases before the fix of their issue #4027 replay without
+``no_sync``, so DDP all-reduces after every mini-batch; there the mixin holds all replays but the
+last in ``no_sync`` itself, as those of FSDP2 (:func:`_replays_reduce_each`).
+
 Under DeepSpeed (the loss's ``model`` is the engine) the replays run inside the engine's backward,
 which the Trainer calls on the loss, and ZeRO takes each parameter's gradient once per engine
 backward (ZeRO-2 stops at the second replay with "Gradient computed twice").
@@ -44,6 +48,19 @@ def is_deepspeed_engine(module) -> bool:
     """Whether ``module`` is a DeepSpeed engine (what sentence-transformers' Trainer puts in the
     loss under ``deepspeed=...``)."""
     return hasattr(module, "set_gradient_accumulation_boundary")
+
+
+def _replays_reduce_each(model) -> bool:
+    """Whether ``model`` is a DDP module that sentence-transformers' replays would all-reduce after
+    every mini-batch: their releases without ``_ddp_replay_context`` (before the fix of their issue
+    #4027) replay without ``no_sync``; later ones hold all replays but the last in it themselves.
+    A static graph is left as it is: its reducer must see a synchronised first backward."""
+    from sentence_transformers.base.losses import gradcache
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = getattr(model, "_orig_mod", model)  # under torch.compile
+    return (isinstance(model, DistributedDataParallel) and not model.static_graph
+            and not hasattr(gradcache, "_ddp_replay_context"))
 
 
 def _reduces_gradients(module) -> bool:
@@ -110,6 +127,11 @@ class ShardedReplaysMixin:
             if _reduces_gradients(self.model):  # else an outer no_sync keeps every replay unreduced
                 self._no_sync = fsdp_no_sync(self.model)
                 self._no_sync.__enter__()
+        elif _replays_reduce_each(self.model):
+            ddp = getattr(self.model, "_orig_mod", self.model)
+            if ddp.require_backward_grad_sync:  # else an outer no_sync keeps every replay unreduced
+                self._no_sync = ddp.no_sync()
+                self._no_sync.__enter__()
         else:
             return super().forward_cached(sentence_features, labels)
         self._texts_to_replay = 0
@@ -166,7 +188,7 @@ class ShardedReplaysMixin:
             gather_once.__exit__(None, None, None)
 
     def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
-        if self._texts_to_replay is not None:  # a cached step under FSDP2 or DeepSpeed
+        if self._texts_to_replay is not None:  # a cached step this mixin holds (see forward_cached)
             if not with_grad:
                 self._texts_to_replay += end - begin  # every text of the first pass is replayed once
             else:
