@@ -9,8 +9,7 @@
 - :func:`check_numeric_flags`: every numeric flag checked before any work, with a one-line error
   that names the flag (``--global_batch_size must be > 0, got 0``).
 - :func:`given_value`, :func:`preset_defaults`: a flag's value read before parsing, and the
-  defaults a text example's ``--preset`` sets (its own, bf16 where supported, the output folder);
-  :func:`checkpointing_flag`: the name of the checkpointing flag in the installed transformers.
+  defaults a text example's ``--preset`` sets (its own, bf16 where supported, the output folder).
 - :func:`check_output_dir`: ``--output_dir`` is a folder that can be written, checked before any
   work (a run must not train for an hour and then fail to save).
 - :func:`checkpoint_folder`: ``--resume_from_checkpoint``'s folder (a path, or ``latest``: the last
@@ -75,16 +74,6 @@ def has_accelerator() -> bool:
     """Whether torch sees an accelerator (CUDA, ROCm, MPS, XPU, ...) to copy batches to."""
     accelerator = getattr(torch, "accelerator", None)
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
-
-
-def checkpointing_flag() -> str:
-    """The training argument that turns activation checkpointing on in the installed transformers:
-    ``activation_checkpointing`` where it exists (5.20 and later, which keep the older
-    ``gradient_checkpointing`` as an alias that warns), else ``gradient_checkpointing``."""
-    from transformers import TrainingArguments
-
-    names = {field.name for field in dataclasses.fields(TrainingArguments)}
-    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
 
 def fail(message: str):

@@ -68,6 +68,7 @@ from hf_infcl.ops.options import (
     check_chunking,
     check_matryoshka,
 )
+from hf_infcl.training_args import CHECKPOINTING_ARGUMENT
 
 from decoder_text import RETRIEVAL_INSTRUCTION, end_texts_with_eos, train_bpe_tokenizer
 from example_cli import (
@@ -75,7 +76,6 @@ from example_cli import (
     POSITIVE,
     HubPush,
     argument_parser,
-    checkpointing_flag,
     close_process_group,
     fail,
     parse_with_defaults,
@@ -99,7 +99,7 @@ PRESETS = {
     "qwen3-0.6b": dict(
         config=QWEN3_0_6B, tokenizer_vocab=16384,
         defaults={"learning_rate": 2e-5, "max_seq_length": 128, "mini_batch_size": 64,
-                  checkpointing_flag(): True},
+                  CHECKPOINTING_ARGUMENT: True},
     ),
     "qwen3-tiny": dict(
         config=dict(QWEN3_0_6B, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -107,7 +107,7 @@ PRESETS = {
                     max_position_embeddings=512),
         tokenizer_vocab=1024,
         defaults={"learning_rate": 1e-3, "max_seq_length": 64, "mini_batch_size": 16,
-                  checkpointing_flag(): True},
+                  CHECKPOINTING_ARGUMENT: True},
     ),
 }
 

@@ -38,8 +38,8 @@ from .ops.options import (
     check_matryoshka_weights,
 )
 
-__all__ = ["CHUNK_GRADIENT_SYNCS", "CHUNK_PARAMETER_GATHERS", "FIELD_CHECKS", "TEACHER_COLUMNS",
-           "InfCLTrainingArguments"]
+__all__ = ["CHECKPOINTING_ARGUMENT", "CHUNK_GRADIENT_SYNCS", "CHUNK_PARAMETER_GATHERS", "FIELD_CHECKS",
+           "TEACHER_COLUMNS", "InfCLTrainingArguments"]
 
 ChunkGradientSync = Literal["step", "chunk"]
 CHUNK_GRADIENT_SYNCS: tuple[str, ...] = get_args(ChunkGradientSync)
@@ -47,6 +47,12 @@ ChunkParameterGather = Literal["step", "chunk"]
 CHUNK_PARAMETER_GATHERS: tuple[str, ...] = get_args(ChunkParameterGather)
 # The batch columns of a teacher's precomputed embeddings of the rows and of the keys (distillation_weight).
 TEACHER_COLUMNS: tuple[str, str] = ("teacher_query_embeds", "teacher_key_embeds")
+
+# The training argument that turns activation checkpointing on, by the installed transformers'
+# name: activation_checkpointing from 5.20 (which keeps gradient_checkpointing as an alias that
+# warns when set), gradient_checkpointing before. Reading args.gradient_checkpointing works in both.
+CHECKPOINTING_ARGUMENT: str = ("activation_checkpointing" if "activation_checkpointing"
+                               in TrainingArguments.__dataclass_fields__ else "gradient_checkpointing")
 
 FieldCheck = Callable[[str, Any], None]  # (field name, value) -> None, or a ValueError/TypeError naming it
 

@@ -19,6 +19,7 @@ from transformers import (
 from hf_infcl import contrastive_loss
 from hf_infcl.dual_encoder import DualEncoder, DualEncoderConfig, is_decoder_config, tokenize_texts
 from hf_infcl.models import contrastive_loss_kind, encode_keys, encode_queries, model_family
+from hf_infcl.training_args import CHECKPOINTING_ARGUMENT
 from tests.helpers.trainer_fixtures import (
     DECODER_EOS,
     PairDataset,
@@ -418,6 +419,8 @@ def test_gradient_checkpointing_reaches_the_towers_and_keeps_the_gradients(enabl
     batch = decoder_text_batch(6, padding_side="left")
     plain = _loss_grads(tiny_decoder_dual_encoder(shared=False, dropout=0.0), batch)
     model = tiny_decoder_dual_encoder(shared=False, dropout=0.0)
+    if not hasattr(model, enable):
+        pytest.skip(f"this transformers has no {enable} (the new name came in 5.20)")
     getattr(model, enable)()
     layers = [layer for tower in (model.query_encoder, model.doc_encoder) for layer in tower.layers]
     assert layers and all(layer.gradient_checkpointing for layer in layers)
@@ -470,7 +473,7 @@ def test_trainer_chunked_decoder_steps_match_the_whole_batch(tmp_path, model_typ
     dataset = PairDataset(decoder_text_batch(16, seed=5, padding_side="left"))
     settings = dict(per_device_train_batch_size=16, max_steps=3, optim="sgd", learning_rate=0.05)
     runs = {}
-    chunked = dict(chunk_size=4, activation_checkpointing=checkpointing)
+    chunked = {"chunk_size": 4, CHECKPOINTING_ARGUMENT: checkpointing}
     for name, extra in (("whole", {}), ("chunked", chunked)):
         first = _FirstStepGrads()
         model = tiny_decoder_dual_encoder(shared=False, dropout=0.0, model_type=model_type)
