@@ -288,9 +288,16 @@ def whole_parameters(model, dtensors: bool = True):
                for name, param in module._parameters.items() if dtensors and is_dtensor(param)]
     for module, name, param in sharded:
         module._parameters[name] = torch.nn.Parameter(full_value(param).detach(), requires_grad=False)
+    # sentence-transformers before 6.2 moves the model at every encode (model.to(device)), which
+    # FSDP2's DTensor parameters refuse ("Couldn't swap"); they are on their device already.
+    stays = not dtensors and any(is_dtensor(param) for param in model.parameters())
+    if stays:
+        model.to = lambda *args, **kwargs: model
     try:
         yield
     finally:
+        if stays:
+            del model.to
         for module, name, param in sharded:
             module._parameters[name] = param
 
