@@ -28,6 +28,7 @@ from tests.helpers.sentence_transformers_fixtures import (  # noqa: E402
     build_tiny_model_dir,
     load_tiny_model,
     loss_and_gradients,
+    replay_tolerance,
     text_columns,
 )
 
@@ -81,7 +82,7 @@ def theirs(model, guide, mini_batch_size, **options):
 
 
 def assert_same_step(expected, actual, tolerance=None):
-    tolerance = tolerance or (FLOAT64 if expected[0].dtype == torch.float64 else TOLERANCE)
+    tolerance = tolerance or (replay_tolerance(FLOAT64) if expected[0].dtype == torch.float64 else TOLERANCE)
     expected_loss, expected_grads = expected
     actual_loss, actual_grads = actual
     assert actual_loss.dtype == expected_loss.dtype
@@ -192,6 +193,12 @@ def test_cached_parity_with_two_negatives_columns_and_uneven_mini_batches(model6
 
 @pytest.mark.parametrize("mini_batch_size", CACHED)
 def test_parity_with_a_guide_of_another_tokenizer(model64, retokenizing_guide, mini_batch_size):
+    import sentence_transformers
+    from packaging.version import Version
+
+    if mini_batch_size is not None and Version(sentence_transformers.__version__) < Version("6.2"):
+        pytest.skip("CachedGISTEmbedLoss of sentence-transformers before 6.2 fails on a guide with another "
+                    "tokenizer ('str' object has no attribute 'to'): no reference to compare with")
     loss = losses.InfCLGISTLoss(model64, retokenizing_guide)
     assert loss.must_retokenize and not losses.InfCLGISTLoss(model64, model64).must_retokenize
     columns = text_columns(ROWS, 3, seed=41)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from packaging.version import Version
 
 sentence_transformers = pytest.importorskip("sentence_transformers")
 
@@ -23,6 +22,8 @@ from sentence_transformers.sentence_transformer import losses as st_losses  # no
 
 from hf_infcl import losses  # noqa: E402
 from tests.helpers.sentence_transformers_fixtures import (  # noqa: E402
+    FP32_REPLAY,
+    FP32_REPLAY_TOLERANCE,
     HIDDEN,
     SPECIAL_TOKENS,
     WORDS,
@@ -34,12 +35,8 @@ from tests.helpers.sentence_transformers_fixtures import (  # noqa: E402
 from tests.test_gist import assert_same_step as assert_same_gist_step  # noqa: E402
 
 FLOAT64 = {"rtol": 1e-9, "atol": 1e-12}
-# sentence-transformers before 6.2 (6.0.0 and 6.0.1 read) multiplies the cached replay's embeddings
-# with their cached gradients in fp32 even for a float64 model, so the cached steps' parameter
-# gradients are fp32-rounded there (up to 3e-7 apart in gradients up to 2 large, on CUDA and CPU
-# alike): under those releases float64 steps are compared at fp32's precision.
-FP32_REPLAY = Version(sentence_transformers.__version__) < Version("6.2")
-FLOAT64_STEP = {"rtol": 1e-6, "atol": 1e-6} if FP32_REPLAY else None
+# float64 steps at fp32's precision under a sentence-transformers that replays in fp32 (FP32_REPLAY)
+FLOAT64_STEP = FP32_REPLAY_TOLERANCE if FP32_REPLAY else None
 
 
 def assert_same_step(expected, actual):
