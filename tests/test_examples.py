@@ -907,6 +907,7 @@ def test_a_query_prompt_without_a_preset_goes_before_the_queries(tmp_path, monke
 def test_the_decoder_preset_trains_in_bf16_on_a_gpu(tmp_path, monkeypatch):
     """On a GPU with bf16 the preset trains under bf16 autocast by default, with checkpointing and
     mini-batches, to finite scores that changed."""
+    pytest.importorskip("datasets")
     train_st = text_example("train_sentence_transformer")
     seen = recording_sentence_transformer_trainer(monkeypatch)
     argv = ["--preset", "qwen3-tiny", "--output_dir", str(tmp_path / "out"), "--max_train_pairs", "64",
