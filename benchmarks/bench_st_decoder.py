@@ -387,6 +387,7 @@ def run_sharded_part(opts, meta, record) -> None:
              "--dataloader_num_workers", "0", *engine_flags(opts.engine)]
     _, args = preset_arguments(opts.preset, opts.cpu, flags)
     args.prompts = example.side_prompts(model) or None  # the query prompt before the anchors, as the example
+    example.checkpoint_the_model_itself(model, args)  # as the example, where the Trainer's call would fail
     if opts.engine == "zero3" and not on_gpu:  # on CPU TrainingArguments leaves DeepSpeed's comms alone
         import deepspeed
 
