@@ -15,7 +15,7 @@ but the last unreduced, and is left alone.
 
 Under DDP, sentence-transformers releases before the fix of their issue #4027 replay without
 ``no_sync``, so DDP all-reduces after every mini-batch; there the mixin holds all replays but the
-last in ``no_sync`` itself, as those of FSDP2 (:func:`_replays_reduce_each`).
+last in ``no_sync`` itself, as those of FSDP2 (:func:`_ddp_reducing_each_replay`).
 
 Under DeepSpeed (the loss's ``model`` is the engine) the replays run inside the engine's backward,
 which the Trainer calls on the loss, and ZeRO takes each parameter's gradient once per engine
@@ -50,17 +50,20 @@ def is_deepspeed_engine(module) -> bool:
     return hasattr(module, "set_gradient_accumulation_boundary")
 
 
-def _replays_reduce_each(model) -> bool:
-    """Whether ``model`` is a DDP module that sentence-transformers' replays would all-reduce after
-    every mini-batch: their releases without ``_ddp_replay_context`` (before the fix of their issue
-    #4027) replay without ``no_sync``; later ones hold all replays but the last in it themselves.
-    A static graph is left as it is: its reducer must see a synchronised first backward."""
+def _ddp_reducing_each_replay(model):
+    """The DDP module behind ``model`` (under torch.compile too) where sentence-transformers'
+    replays would all-reduce it after every mini-batch, else None: their releases without
+    ``_ddp_replay_context`` (before the fix of their issue #4027) replay without ``no_sync``; later
+    ones hold all replays but the last in it themselves. A static graph is left as it is: its
+    reducer must see a synchronised first backward."""
     from sentence_transformers.base.losses import gradcache
     from torch.nn.parallel import DistributedDataParallel
 
-    model = getattr(model, "_orig_mod", model)  # under torch.compile
-    return (isinstance(model, DistributedDataParallel) and not model.static_graph
-            and not hasattr(gradcache, "_ddp_replay_context"))
+    model = getattr(model, "_orig_mod", model)
+    if (isinstance(model, DistributedDataParallel) and not model.static_graph
+            and not hasattr(gradcache, "_ddp_replay_context")):
+        return model
+    return None
 
 
 def _reduces_gradients(module) -> bool:
@@ -127,8 +130,7 @@ class ShardedReplaysMixin:
             if _reduces_gradients(self.model):  # else an outer no_sync keeps every replay unreduced
                 self._no_sync = fsdp_no_sync(self.model)
                 self._no_sync.__enter__()
-        elif _replays_reduce_each(self.model):
-            ddp = getattr(self.model, "_orig_mod", self.model)
+        elif (ddp := _ddp_reducing_each_replay(self.model)) is not None:
             if ddp.require_backward_grad_sync:  # else an outer no_sync keeps every replay unreduced
                 self._no_sync = ddp.no_sync()
                 self._no_sync.__enter__()
