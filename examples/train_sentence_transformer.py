@@ -347,9 +347,8 @@ def checkpoint_the_model_itself(model, args) -> None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD or p.name == "every_n_layers" for p in parameters):
         return
     model.gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)
-    for name in ("gradient_checkpointing", "activation_checkpointing"):
-        if hasattr(args, name):
-            setattr(args, name, False)
+    for name in {"gradient_checkpointing", CHECKPOINTING_ARGUMENT}:  # both, where the new name exists
+        setattr(args, name, False)
 
 
 def main(argv=None):
