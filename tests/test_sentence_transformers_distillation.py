@@ -22,21 +22,20 @@ from sentence_transformers.sentence_transformer import losses as st_losses  # no
 
 from hf_infcl import losses  # noqa: E402
 from tests.helpers.sentence_transformers_fixtures import (  # noqa: E402
-    FP32_REPLAY,
-    FP32_REPLAY_TOLERANCE,
     HIDDEN,
     SPECIAL_TOKENS,
     WORDS,
     build_tiny_model_dir,
     features,
     load_tiny_model,
+    replay_tolerance,
     text_columns,
 )
 from tests.test_gist import assert_same_step as assert_same_gist_step  # noqa: E402
 
 FLOAT64 = {"rtol": 1e-9, "atol": 1e-12}
-# float64 steps at fp32's precision under a sentence-transformers that replays in fp32 (FP32_REPLAY)
-FLOAT64_STEP = FP32_REPLAY_TOLERANCE if FP32_REPLAY else None
+# float64 steps at fp32's precision under a sentence-transformers that replays in fp32, else test_gist's
+FLOAT64_STEP = replay_tolerance(None)
 
 
 def assert_same_step(expected, actual):

@@ -22,9 +22,9 @@ FP32_REPLAY = Version(sentence_transformers.__version__) < Version("6.2")
 FP32_REPLAY_TOLERANCE = {"rtol": 1e-6, "atol": 1e-6}
 
 
-def replay_tolerance(tolerance: dict) -> dict:
-    """``tolerance`` for a float64 comparison that involves a cached replay, or fp32's precision
-    where sentence-transformers replays in fp32 (:data:`FP32_REPLAY`)."""
+def replay_tolerance(tolerance: dict | None) -> dict | None:
+    """``tolerance`` for a float64 comparison that involves a cached replay (None: the comparison's
+    own default), or fp32's precision where sentence-transformers replays in fp32 (:data:`FP32_REPLAY`)."""
     return FP32_REPLAY_TOLERANCE if FP32_REPLAY else tolerance
 
 
