@@ -139,9 +139,7 @@ def _compile_in_parallel(entries: list[dict], device: torch.device) -> None:
     def build(kernel_and_specialization):
         kernel, specialization = kernel_and_specialization
         torch.cuda.set_device(device)  # Triton compiles for, and loads onto, the current device
-        compiled = kernel.preload(specialization)
-        compiled = compiled.result() if hasattr(compiled, "result") else compiled
-        compiled._init_handles()  # the launcher and the module load, else done at the first launch
+        _load(kernel.preload(specialization))
 
     _make_device_caches([kernel for kernel, _ in kernels], device)
     _in_threads(build, kernels)
@@ -181,12 +179,17 @@ def _compile_candidates(kernel, grid, args: tuple, kwargs: dict, device: torch.d
         if config.pre_hook is not None:
             config.pre_hook(arguments)
         arguments.update({name: heuristic(arguments) for name, heuristic in kernel.heuristics.items()})
-        compiled = kernel.body.warmup(grid=grid, **{**arguments, **config.all_kwargs()})
-        compiled = compiled.result() if hasattr(compiled, "result") else compiled
-        compiled._init_handles()
+        _load(kernel.body.warmup(grid=grid, **{**arguments, **config.all_kwargs()}))
 
     _make_device_caches([kernel.body], device)
     _in_threads(build, configs)
+
+
+def _load(compiled) -> None:
+    """Build a just-compiled kernel's launcher and load its module (else done at its first launch),
+    after waiting for it where Triton compiled it asynchronously."""
+    compiled = compiled.result() if hasattr(compiled, "result") else compiled
+    compiled._init_handles()
 
 
 def _in_threads(build, items: list) -> None:
