@@ -49,9 +49,11 @@ def cases(widths, dtypes, losses, size_classes) -> list[tuple[str, int, str, int
             for size_class, loss, width, dtype in itertools.product(size_classes, losses, widths, dtypes)]
 
 
-def run_case(loss: str, width: int, dtype: str, size_class: int, rows: int | None = None) -> float:
+def run_case(loss: str, width: int, dtype: str, size_class: int, rows: int | None = None,
+             backend="triton") -> float:
     """One forward and backward of the case (tuning its kernels' keys) with ``rows`` rows and keys
-    (default: ``SIZES[size_class]``); its seconds."""
+    (default: ``SIZES[size_class]``) on ``backend`` (a block ops object for other settings); its
+    seconds."""
     import torch
     import torch.nn.functional as F
 
@@ -66,7 +68,7 @@ def run_case(loss: str, width: int, dtype: str, size_class: int, rows: int | Non
     start = time.perf_counter()
     kind = "sigmoid" if loss == "sigmoid" else "softmax"
     value = contrastive_loss(*features, log_scale.exp(), bias, loss=kind, symmetric=loss == "softmax",
-                             backend="triton")
+                             backend=backend)
     value.backward()
     torch.cuda.synchronize()
     return time.perf_counter() - start

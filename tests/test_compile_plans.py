@@ -29,7 +29,7 @@ CUDA = torch.device("cuda")
 
 
 def entry(name: str, specialization: str = "{}") -> dict:
-    return {"module": "tests.helpers.plan_kernels", "name": name, "source": "s-" + name,
+    return {"module": "tests.helpers.plan_kernels", "name": name, "digest": "d-" + name,
             "specialization": specialization}
 
 
@@ -134,9 +134,13 @@ def test_plans_are_used_only_on_a_machine_that_tuned_nothing_unless_turned_off(m
 
 
 def test_entries_of_changed_or_missing_kernels_are_skipped():
-    current = {**entry("copy_kernel"), "source": plan_kernels.copy_kernel.cache_key}
-    assert compile_plans._jit_function(current) is plan_kernels.copy_kernel
-    assert compile_plans._jit_function({**current, "source": "an older source"}) is None
+    kernel = plan_kernels.copy_kernel
+    current = {**entry("copy_kernel"), "digest": compile_plans.source_digest(kernel)}
+    assert compile_plans._jit_function(current) is kernel
+    assert compile_plans._jit_function({**current, "source": "Triton's hash, unused"}) is kernel
+    assert compile_plans._jit_function({**current, "digest": "an older source"}) is None
+    undigested = {name: value for name, value in current.items() if name != "digest"}
+    assert compile_plans._jit_function(undigested) is None
     assert compile_plans._jit_function(entry("gone_kernel")) is None
     assert compile_plans._jit_function(entry("NOT_A_KERNEL")) is None
 
@@ -168,6 +172,63 @@ def test_compiling_a_plan_builds_every_kernel_and_logs_the_one_that_fails(monkey
     assert sorted(built) == ["a", "c"] and "ptxas failed" in caplog.text
 
 
+def test_a_background_kernel_compiles_in_its_own_thread_and_the_plan_does_not_wait_for_it(monkeypatch):
+    """A plan builds its other kernels before it returns; the background kernel's compile goes on
+    in a thread that ``compiling`` reports until it is done, and a fork waits for it."""
+    import threading
+
+    release, built = threading.Event(), []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def preload(self, specialization):
+            if self.name == "slow":
+                assert release.wait(30)
+            return types.SimpleNamespace(_init_handles=lambda: built.append(self.name))
+
+    kernels = {name: Kernel(name) for name in ("fast", "slow", "other")}
+    monkeypatch.setattr(compile_plans, "_jit_function", lambda entry: kernels[entry["name"]])
+    monkeypatch.setattr(compile_plans, "_make_device_caches", lambda kernels, device: None)
+    monkeypatch.setattr(compile_plans, "_BACKGROUND_KERNELS", [])
+    monkeypatch.setattr(compile_plans, "_BACKGROUND_THREADS", {})
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    assert compile_plans.compiles_in_background(kernels["slow"]) is kernels["slow"]
+    assert not compile_plans.compiling(kernels["slow"])  # nothing started yet
+    compile_plans._compile_in_parallel([entry("slow"), entry("fast"), entry("other")], torch.device("cpu"))
+    assert sorted(built) == ["fast", "other"]
+    assert compile_plans.compiling(kernels["slow"]) and not compile_plans.compiling(kernels["fast"])
+    release.set()
+    compile_plans.wait_for_background(kernels["slow"], timeout=30)
+    assert not compile_plans.compiling(kernels["slow"]) and sorted(built) == ["fast", "other", "slow"]
+
+
+def test_the_sigmoid_pass_takes_cublas_while_the_gluon_kernel_compiles_unless_gluon_is_asked(monkeypatch):
+    """``sigmoid_logits="auto"`` takes the cuBLAS route while a plan builds the Gluon kernel in the
+    background, and the Gluon route once it is built; ``"gluon"`` waits for it."""
+    from hf_infcl.ops.triton import gluon_sigmoid
+
+    if not gluon_sigmoid.available():
+        pytest.skip("this Triton has no Gluon")
+    assert compile_plans._in_background(gluon_sigmoid._sigmoid_tile_kernel)
+    building, waited = [True], []
+    monkeypatch.setattr(gluon_sigmoid, "usable", lambda queries, keys, has_mask: True)
+    monkeypatch.setattr(compile_plans, "compiling", lambda kernel: building[0])
+
+    def wait_for_background(kernel):
+        waited.append(kernel)
+        building[0] = False
+
+    monkeypatch.setattr(compile_plans, "wait_for_background", wait_for_background)
+    operands = types.SimpleNamespace(queries=None, keys=None)
+    problem = types.SimpleNamespace(kernel=operands, gemm=operands, labels={})
+    assert not TritonBlocks()._gluon_dots(problem) and not waited
+    assert TritonBlocks(sigmoid_logits="gluon")._gluon_dots(problem)
+    assert waited == [gluon_sigmoid._sigmoid_tile_kernel]
+    assert TritonBlocks()._gluon_dots(problem)  # built: the Gluon route
+
+
 def test_recording_lists_the_keys_met_and_the_kernels_compiled(monkeypatch):
     from triton import knobs
 
@@ -186,7 +247,6 @@ def test_recording_lists_the_keys_met_and_the_kernels_compiled(monkeypatch):
     assert compile_plans._RECORDING is None
     assert recorded["keys"] == [repr(("one",))]
     assert recorded["kernels"] == [{"module": "tests.helpers.plan_kernels", "name": "copy_kernel",
-                                    "source": plan_kernels.copy_kernel.cache_key,
                                     "digest": compile_plans.source_digest(plan_kernels.copy_kernel),
                                     "specialization": '{"name": "copy_kernel"}'}]
 
@@ -254,39 +314,50 @@ from hf_infcl import contrastive_loss
 from hf_infcl.ops import reference
 from hf_infcl.ops.triton import compile_plans
 from hf_infcl.ops.triton.device import device_name
-rows, width = int(sys.argv[1]), int(sys.argv[2])
-compiles = []  # (kernel, whether compiled ahead of its launch)
+rows, width, kind, calls = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+compiles = []  # per call: (kernel, whether compiled ahead of its launch)
 def record(**hook):
-    compiles.append((hook["fn"].jit_function.fn.__name__, hook["is_manual_warmup"]))
+    compiles[-1].append((hook["fn"].jit_function.fn.__name__, hook["is_manual_warmup"]))
 knobs.runtime.jit_post_compile_hook = record
 features = [F.normalize(torch.randn(rows, width, device="cuda"), dim=1).bfloat16().requires_grad_()
             for _ in range(2)]
 log_scale = torch.tensor(2.6593, device="cuda", requires_grad=True)
-loss = contrastive_loss(*features, log_scale.exp())
-grads = torch.autograd.grad(loss, [*features, log_scale])
-knobs.runtime.jit_post_compile_hook = None
-exact = [tensor.detach().double().requires_grad_() for tensor in (*features, log_scale)]
-expected = reference.per_row_loss(exact[0], exact[1], exact[2].exp()).mean()
+bias = torch.tensor(-10.0, device="cuda", requires_grad=True) if kind == "sigmoid" else None
+leaves = [*features, log_scale] + ([bias] if bias is not None else [])
+exact = [tensor.detach().double().requires_grad_() for tensor in leaves]
+expected = reference.per_row_loss(exact[0], exact[1], exact[2].exp(), *exact[3:], loss=kind).mean()
 expected_grads = torch.autograd.grad(expected, exact)
-errors = [((got.double() - want).norm() / want.norm()).item()
-          for got, want in zip([loss, *grads], [expected, *expected_grads])]
+errors, building = [], []
+for call in range(calls):
+    compiles.append([])
+    loss = contrastive_loss(*features, log_scale.exp(), bias, loss=kind)
+    grads = torch.autograd.grad(loss, leaves)
+    building.append(compile_plans.compiling_any())
+    errors.append([((got.double() - want).norm() / want.norm()).item()
+                   for got, want in zip([loss, *grads], [expected, *expected_grads])])
+    compile_plans.wait_for_background()
+knobs.runtime.jit_post_compile_hook = None
 plans = compile_plans.plan_path(compile_plans.SHIPPED_DIRECTORY, device_name(torch.device("cuda")),
                                 triton.__version__)
-print("RESULT " + json.dumps({"compiles": compiles, "errors": errors, "shipped": plans.exists()}))
+print("RESULT " + json.dumps({"compiles": compiles, "errors": errors, "building": building,
+                              "shipped": plans.exists()}))
 """
 
 
-def fresh_first_call(tmp_path, rows: int, width: int) -> tuple[dict, str]:
-    """A fresh process's first softmax call (bf16, learnable scale) with an empty Triton cache and
-    an empty tuning store, as on a fresh machine: (its ``compiles``, the norm-wise relative
-    ``errors`` of its loss and gradients from the float64 reference, whether plans are
-    ``shipped`` for this GPU), and its stderr."""
+def fresh_first_call(tmp_path, rows: int, width: int, loss: str = "softmax",
+                     calls: int = 1) -> tuple[dict, str]:
+    """A fresh process's first ``calls`` calls (bf16, learnable scale, and bias for the sigmoid
+    loss) with an empty Triton cache and an empty tuning store, as on a fresh machine: per call,
+    its ``compiles`` (kernel, compiled ahead of its launch), the norm-wise relative ``errors`` of
+    its loss and gradients from the float64 reference, and whether a plan was still ``building``
+    a kernel in the background after it (each call waits for that before the next); whether plans
+    are ``shipped`` for this GPU; and the process's stderr."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
            "HF_INFCL_CACHE": str(tmp_path / "store")}
     env.pop("HF_INFCL_TRITON_AUTOTUNE", None)
     env.pop("HF_INFCL_COMPILE_PLANS", None)
-    done = subprocess.run([sys.executable, "-c", FRESH_FIRST_CALL, str(rows), str(width)], env=env,
-                          capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", FRESH_FIRST_CALL, str(rows), str(width), loss, str(calls)],
+                          env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.split("RESULT ")[-1]), done.stderr
 
@@ -299,9 +370,32 @@ def test_a_fresh_machines_first_call_finds_its_kernels_compiled_by_the_plan(tmp_
     result, _ = fresh_first_call(tmp_path, 8192, 512)
     if not result["shipped"]:
         pytest.skip("no compile plans are shipped for this GPU and Triton release")
-    ahead = [name for name, planned in result["compiles"] if planned]
-    assert len(ahead) >= 5 and len(ahead) == len(result["compiles"]), result["compiles"]
-    assert max(result["errors"]) < 1e-2, result["errors"]
+    compiles = result["compiles"][0]
+    ahead = [name for name, planned in compiles if planned]
+    assert len(ahead) >= 5 and len(ahead) == len(compiles), compiles
+    assert max(result["errors"][0]) < 1e-2, result["errors"]
+
+
+@pytest.mark.gpu
+def test_a_fresh_machines_first_sigmoid_call_takes_cublas_while_its_plan_builds_the_gluon_kernel(tmp_path):
+    """At 8k x 768 the first sigmoid call compiles nothing after its plan and does not wait for the
+    Gluon kernel, which the plan builds in the background (the call takes the cuBLAS route); the
+    next call, once it is built, takes the Gluon kernel without compiling it. Both calls' loss and
+    gradients are the float64 reference's."""
+    from hf_infcl.ops.triton import gluon_sigmoid
+
+    if not gluon_sigmoid.usable(*[torch.ones(8, 16, device=CUDA, dtype=torch.bfloat16)] * 2, has_mask=False):
+        pytest.skip("the Gluon kernel needs a Hopper GPU and a Triton with Gluon")
+    result, _ = fresh_first_call(tmp_path, 8192, 768, loss="sigmoid", calls=2)
+    if not result["shipped"]:
+        pytest.skip("no compile plans are shipped for this GPU and Triton release")
+    first, second = result["compiles"]
+    gluon_built_ahead = ["_sigmoid_tile_kernel", True]  # (a list: through JSON)
+    assert first and all(planned for _, planned in first), first
+    assert gluon_built_ahead in first + second, result["compiles"]
+    assert result["building"][0] or gluon_built_ahead in first  # the compile may end during the call
+    assert all(planned for _, planned in second) and not result["building"][1], result
+    assert max(max(errors) for errors in result["errors"]) < 1e-2, result["errors"]
 
 
 @pytest.mark.gpu
@@ -311,10 +405,10 @@ def test_a_tuning_first_call_finds_every_candidate_compiled_before_the_autotuner
     gradients are the float64 reference's."""
     result, stderr = fresh_first_call(tmp_path, 8192, 200)
     assert "hf_infcl: autotuning" in stderr  # no saved choice: it tuned
-    tuned = [(name, ahead) for name, ahead in result["compiles"]
+    tuned = [(name, ahead) for name, ahead in result["compiles"][0]
              if name in ("_stats_kernel", "_grad_tile_kernel")]
     assert sum(ahead for _, ahead in tuned) >= 8 and all(ahead for _, ahead in tuned), tuned
-    assert max(result["errors"]) < 1e-2, result["errors"]
+    assert max(result["errors"][0]) < 1e-2, result["errors"]
 
 
 def load_recording_script():
@@ -473,17 +567,21 @@ def test_the_recording_script_reads_a_cases_process_and_reports_a_failed_one(mon
 
 def test_the_recording_process_records_the_case_that_tune_shipped_runs(tmp_path):
     """The recording's child process runs ``tune_shipped.run_case`` (here a stand-in that says what
-    it was asked) inside ``compile_plans.recording`` and prints what was recorded."""
+    it was asked) inside ``compile_plans.recording`` and prints what was recorded; a sigmoid case
+    also runs on the cuBLAS route, which a first call takes while its plan builds the Gluon kernel."""
     script = load_recording_script()
     (tmp_path / "tune_shipped.py").write_text(
         "from hf_infcl.ops.triton import compile_plans\n"
-        "def run_case(loss, width, dtype, size_class, rows=None):\n"
+        "def run_case(loss, width, dtype, size_class, rows=None, backend='triton'):\n"
         "    assert compile_plans._RECORDING is not None\n"
-        "    print('CASE', loss, width, dtype, size_class, rows)\n"
+        "    route = getattr(backend, 'sigmoid_logits', backend)\n"
+        "    print('CASE', loss, width, dtype, size_class, rows, route)\n"
         "    return 1.5\n")
-    command = [sys.executable, "-c", script.CHILD, str(tmp_path), "sigmoid", "768", "fp16", "0", "1024"]
-    done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                          text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "CASE sigmoid 768 fp16 0 1024" in done.stdout
-    assert json.loads(done.stdout.split("RECORDED ")[-1]) == {"keys": [], "kernels": [], "seconds": 1.5}
+    for loss, routes in [("sigmoid", ["triton", "gemm"]), ("softmax", ["triton"])]:
+        command = [sys.executable, "-c", script.CHILD, str(tmp_path), loss, "768", "fp16", "0", "1024"]
+        done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        cases = [line for line in done.stdout.splitlines() if line.startswith("CASE")]
+        assert cases == [f"CASE {loss} 768 fp16 0 1024 {route}" for route in routes]
+        assert json.loads(done.stdout.split("RECORDED ")[-1]) == {"keys": [], "kernels": [], "seconds": 1.5}

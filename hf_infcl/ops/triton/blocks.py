@@ -111,7 +111,9 @@ class TritonBlocks:
             for fp32 inputs), read by an elementwise kernel that writes G; ``"fused"`` from the
             gradient-tile kernel itself, which computes them and G in one kernel (no dot-product
             buffer, but its tensor-core work and its elementwise work run one after the other);
-            ``"auto"`` (the default): ``"gluon"`` where it can run, else ``"gemm"``.
+            ``"auto"`` (the default): ``"gluon"`` where it can run, else ``"gemm"``; also
+            ``"gemm"`` while a first call's compile plan is still building the Gluon kernel in
+            the background (:mod:`.compile_plans`), so that call does not wait for it.
         listed_row_share: with a guide, the softmax loss finds the entries the score filter
             leaves out first (:mod:`.left_out`); where at most this share of the rows has any,
             the other rows' statistics run without the filter, and the backward lists the entries
@@ -514,7 +516,8 @@ class TritonBlocks:
                 "sigmoid_logits='gluon' needs a Hopper GPU (compute capability 9), a Triton with Gluon, "
                 "fp16 or bf16 inputs (or fp32 ones as fp16 copies, tf32_via_fp16) whose rows are 16-byte "
                 "aligned, and no group mask; use 'auto' to fall back to 'gemm' elsewhere")
-        return usable
+        # while a compile plan builds the kernel in the background, "auto" takes the cuBLAS route
+        return usable and gluon_sigmoid.ready(wait=self.sigmoid_logits == "gluon")
 
     def _rows_and_columns_in_one_pass(self, problem: _Problem):
         """Row and column log-sum-exp from one pass over the tiles, rows in the chunks of

@@ -18,12 +18,18 @@ arguments it gives. A call of another kind finds no plan and compiles as before.
 
 A plan is used only where the tuned configurations it was recorded with are the ones the call will
 load, that is where this machine has tuned nothing of its own for the device (else the Triton
-cache most likely holds the kernels anyway), and each kernel only while its source is the one
-recorded (Triton's hash of it): after a kernel changes, its stale entry is skipped.
+cache most likely holds the kernels anyway), and each kernel only while its own source is the one
+recorded (:func:`source_digest`): after a kernel changes, its stale entry is skipped.
 
 Whatever goes wrong in a plan (a Triton whose internals differ, a failed compile) is logged at
 DEBUG level and changes nothing: the call compiles what it needs itself.
 ``HF_INFCL_COMPILE_PLANS=0`` turns plans off.
+
+A kernel whose call has another route to take meanwhile (:func:`compiles_in_background`: the
+sigmoid loss's Gluon kernel, whose compile alone takes longer than all the others together) is
+compiled in a background thread instead: the plan's other kernels are built before the call goes
+on, and the call takes the other route while :func:`compiling` says the kernel is not ready. A
+fork, and the process's exit, wait for that thread.
 
 The same idea serves a launch that tunes (no saved choice: :func:`compile_candidates`): Triton's
 autotuner compiles each candidate configuration as it times it, one after the other, so the
@@ -62,6 +68,11 @@ _LOCK = threading.Lock()
 _RECORDING: dict | None = None
 # The shipped plan files read so far, by path.
 _SHIPPED: dict[Path, dict] = {}
+# JIT functions that plans compile in the background (:func:`compiles_in_background`), and the
+# threads compiling them now, by the kernel's id: hashing a JIT function computes Triton's hash of
+# it, which under Triton 3.6 would change other kernels' hashes (see source_digest).
+_BACKGROUND_KERNELS: list = []
+_BACKGROUND_THREADS: dict[int, threading.Thread] = {}
 
 
 def plan_key(blocks, spec, queries: torch.Tensor, kernel_queries: torch.Tensor, rows: int, keys: int,
@@ -112,8 +123,8 @@ def _wanted(device: torch.device) -> bool:
 def shipped_plan(device: str, triton_version: str, key: str,
                  directory: Path = SHIPPED_DIRECTORY) -> list[dict]:
     """The kernels of the plan for ``key`` (a :func:`plan_key`'s repr) shipped for this device and
-    Triton version: each a dict of ``module``, ``name``, ``source`` (Triton's hash of the kernel's
-    source when recorded), ``digest`` (:func:`source_digest` then) and ``specialization``; empty
+    Triton version: each a dict of ``module``, ``name``, ``digest`` (:func:`source_digest` when
+    recorded) and ``specialization`` (older entries also hold ``source``, unused); empty
     where there is none."""
     path = plan_path(directory, device, triton_version)
     if path not in _SHIPPED:  # read once per process
@@ -128,9 +139,44 @@ def plan_path(directory: Path, device: str, triton_version: str) -> Path:
     return Path(directory) / (file_name(device, triton_version) + ".gz")
 
 
+def compiles_in_background(kernel):
+    """Mark a JIT function whose callers have another route for the time it compiles: a plan
+    compiles it in a background thread and returns without it; callers ask :func:`compiling`
+    before they launch it. Returns the kernel (usable as a decorator)."""
+    if not _in_background(kernel):
+        _BACKGROUND_KERNELS.append(kernel)
+    return kernel
+
+
+def _in_background(kernel) -> bool:
+    return any(kernel is marked for marked in _BACKGROUND_KERNELS)
+
+
+def compiling(kernel) -> bool:
+    """Whether a plan is compiling ``kernel`` in the background now (its launch would compile it
+    again, in the caller's thread)."""
+    thread = _BACKGROUND_THREADS.get(id(kernel))
+    return thread is not None and thread.is_alive()
+
+
+def compiling_any() -> bool:
+    """Whether a plan is compiling any kernel in the background now."""
+    return any(thread.is_alive() for thread in list(_BACKGROUND_THREADS.values()))
+
+
+def wait_for_background(kernel=None, timeout: float | None = None) -> None:
+    """Return once the background compile of ``kernel`` (every one's, for None) is done."""
+    threads = list(_BACKGROUND_THREADS.values()) if kernel is None else [_BACKGROUND_THREADS.get(id(kernel))]
+    for thread in threads:
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+
 def _compile_in_parallel(entries: list[dict], device: torch.device) -> None:
     """Compile every entry that still matches its kernel's source, one thread each, and build its
-    launcher, so that the launches that follow find them in Triton's in-memory cache."""
+    launcher, so that the launches that follow find them in Triton's in-memory cache. Entries of
+    kernels that compile in the background are started first, in a thread of their own that this
+    does not wait for."""
     kernels = [(kernel, entry["specialization"]) for kernel, entry in
                ((_jit_function(entry), entry) for entry in entries) if kernel is not None]
     if not kernels:
@@ -142,7 +188,13 @@ def _compile_in_parallel(entries: list[dict], device: torch.device) -> None:
         _load(kernel.preload(specialization))
 
     _make_device_caches([kernel for kernel, _ in kernels], device)
-    _in_threads(build, kernels)
+    for kernel in [kernel for kernel in _BACKGROUND_KERNELS if any(kernel is item[0] for item in kernels)]:
+        # not a daemon: a process that ends meanwhile finishes the compile (into Triton's cache)
+        thread = threading.Thread(target=_in_threads, name="hf_infcl-background-compile",
+                                  args=(build, [item for item in kernels if item[0] is kernel]))
+        _BACKGROUND_THREADS[id(kernel)] = thread
+        thread.start()
+    _in_threads(build, [item for item in kernels if not _in_background(item[0])])
 
 
 def compile_candidates(kernel, grid, args: tuple, kwargs: dict, device: torch.device) -> None:
@@ -195,6 +247,8 @@ def _load(compiled) -> None:
 def _in_threads(build, items: list) -> None:
     """``build(item)`` for every item, one thread each (at most one per CPU core); each failure
     logged at DEBUG level."""
+    if not items:
+        return
     with ThreadPoolExecutor(min(len(items), os.cpu_count() or 1)) as pool:
         for failure in [future.exception() for future in [pool.submit(build, item) for item in items]]:
             if failure is not None:
@@ -211,9 +265,11 @@ def _make_device_caches(kernels: list, device: torch.device) -> None:
 
 
 def _jit_function(entry: dict):
-    """The JIT function an entry names, or None where it is gone or its source changed."""
+    """The JIT function an entry names, or None where it is gone or its own source changed. (A
+    change in a helper it calls leaves the entry usable: the specialisation still fits, and the
+    compile takes the current sources.)"""
     kernel = getattr(importlib.import_module(entry["module"]), entry["name"], None)
-    if not isinstance(kernel, triton.runtime.JITFunction) or kernel.cache_key != entry["source"]:
+    if not isinstance(kernel, triton.runtime.JITFunction) or entry.get("digest") != source_digest(kernel):
         logger.debug("hf_infcl: skipping the stale compile plan entry %s.%s", entry["module"], entry["name"])
         return None
     return kernel
@@ -233,7 +289,7 @@ def recording():
     def record(**hook):
         kernel = hook["fn"].jit_function
         recorded["kernels"].append({"module": kernel.fn.__module__, "name": kernel.fn.__name__,
-                                    "source": kernel.cache_key, "digest": source_digest(kernel),
+                                    "digest": source_digest(kernel),
                                     "specialization": hook["compile"]["specialization_data"]})
 
     previous = knobs.runtime.jit_post_compile_hook
@@ -247,10 +303,12 @@ def recording():
 
 
 def source_digest(kernel) -> str:
-    """A hash of a JIT function's own source and first line. Triton's hash (an entry's ``source``,
-    checked at run time) also covers the functions it calls, but differs between Triton
-    releases; this one does not, so a test without the recording's Triton can tell that a kernel
-    changed after its plans were recorded."""
+    """A hash of a JIT function's own source and first line, the same under every Triton release
+    (so a test without the recording's Triton can tell that a kernel changed after its plans were
+    recorded) and in every process. Triton's own hash of a kernel also covers the functions it
+    calls, but it differs between releases, and under Triton 3.6 it even depends on which kernels
+    the process hashed before (a Gluon kernel hashed first changes the hash of every Triton
+    kernel that shares a helper with it)."""
     return hashlib.sha1(f"{kernel.starting_line_number}\n{kernel.src}".encode()).hexdigest()[:16]
 
 
@@ -280,3 +338,8 @@ def _read(path: Path) -> dict:
     except (OSError, ValueError, EOFError):
         return {}
     return table if isinstance(table, dict) else {}
+
+
+# A fork while a background compile holds an import lock (or Triton's) would leave the child stuck.
+if hasattr(os, "register_at_fork"):  # POSIX only
+    os.register_at_fork(before=wait_for_background)

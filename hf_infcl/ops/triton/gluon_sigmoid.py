@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from . import compile_plans
 from .device import is_hopper, sm_count, tma_aligned
 from .jit_math import LOG2E, log1p_of_positive, reciprocal
 
@@ -303,6 +304,20 @@ if gluon is not None:
                          softplus_sums_ptr, scale_ptr, bias_ptr, inv_g_scale_ptr, n_rows, n_keys, 1, HAS_BIAS,
                          SCALED_G, EVEN, STAGES)),
         ], [4], [WORKER_REGISTERS])
+
+    # Its compile takes seconds, longer than the rest of a sigmoid call's kernels together; a plan
+    # builds it in the background while the call takes the cuBLAS route (``ready``).
+    compile_plans.compiles_in_background(_sigmoid_tile_kernel)
+
+
+def ready(wait: bool) -> bool:
+    """Whether the kernel can launch without waiting for a compile a plan started in the
+    background; with ``wait``, wait for that compile first (True)."""
+    if gluon is None:
+        return False
+    if wait:
+        compile_plans.wait_for_background(_sigmoid_tile_kernel)
+    return not compile_plans.compiling(_sigmoid_tile_kernel)
 
 
 def sigmoid_tile(
