@@ -9,24 +9,26 @@ in registers, in fp32 (not rounded to fp16), and no fp16 copies of the operands 
 Structure, in Gluon (Triton's explicit dialect, ``triton.experimental.gluon``), after the
 "ping-pong" kernels of CUTLASS and FlashAttention-3:
 
-* one persistent program per SM runs two consumer warpgroups (``gl.warp_specialize``); each takes
-  a contiguous run of the super-tile's 128 x 128 tiles in row-major order, so that it adds its
-  row sums to memory about once per row block rather than once per tile;
+* one persistent program per SM runs two consumer warpgroups and one producer warp
+  (``gl.warp_specialize``); each consumer takes a contiguous run of the super-tile's 128 x 128
+  tiles in row-major order, so that it adds its row sums to memory about once per row block
+  rather than once per tile;
 * the warpgroups take turns at the tensor cores (the ``turn`` mbarriers): one multiplies its
   tile, chunk by chunk of ``BLOCK_K`` columns, with asynchronous ``wgmma`` into an fp32
   accumulator in registers, while the other runs its previous tile's epilogue;
-* both multiply out of one ring of ``STAGES`` shared-memory stages filled by TMA, in the order
-  of their turns; the warpgroup at the tensor cores issues the loads ``STAGES - 1`` chunks ahead
-  of itself, whichever warpgroup they are for, so it has the whole ring to hide their latency;
-  ``ready`` / ``empty`` mbarriers hand each stage from the copy engine to the MMA and back;
+* both multiply out of one ring of ``STAGES`` shared-memory stages that the producer warp fills
+  by TMA, in the order of their turns, as soon as a stage is free; ``ready`` / ``empty``
+  mbarriers hand each stage from the copy engine to the MMA and back. (With the loads issued by
+  the warpgroup at the tensor cores instead, between its MMAs, the kernel without an epilogue ran
+  at 1.2-1.3 cuBLAS passes; with the producer, at one.)
 * the epilogue: z = s x + b, u = e^-|z|, G = sigmoid(z) (one reciprocal of 1 + u) stored in the
   operands' dtype (divided by a scale if asked), and the row sums of G and of
   softplus(z) = max(z, 0) + log1p(u), with the log1p terms summed through products (see
   ``_epilogue``), in eight column parts of the tile so that the temporaries of one part, not of
   the whole tile, sit beside the accumulator's registers.
 
-The epilogue is kept short because it does not hide under the other warpgroup's MMAs: its
-instructions add to the kernel's time one for one. The turns stay because the shared ring needs
+The epilogue is kept short because it hides only in part under the other warpgroup's MMAs (its
+instructions take about as long as a tile's MMAs). The turns stay because the shared ring needs
 the order; a ring per warpgroup left the MMAs waiting on their loads.
 
 It covers the common case only: half-precision operands whose rows are 16-byte aligned, no
@@ -64,6 +66,8 @@ BLOCK_M, BLOCK_N, BLOCK_K, STAGES = 128, 128, 64, 6
 # Registers per thread of the second consumer warpgroup (the first gets what is left): the
 # accumulator takes 128, the epilogue's temporaries most of the rest.
 _WORKER_REGISTERS = 240
+# Registers per thread of the producer warp, which only computes addresses and waits.
+_PRODUCER_REGISTERS = 40
 
 
 def available() -> bool:
@@ -87,6 +91,18 @@ def usable(queries: torch.Tensor, keys: torch.Tensor, has_mask: bool) -> bool:
 if gluon is not None:
 
     @gluon.jit
+    def _program_tiles(n_rows, n_keys, BM: gl.constexpr, BN: gl.constexpr):
+        """The program's share of the super-tile's tiles (numbered in row-major order): the number
+        of key tiles, and the first tile and length of each consumer's run."""
+        n_key_tiles = gl.cdiv(n_keys, BN)
+        n_tiles = gl.cdiv(n_rows, BM) * n_key_tiles
+        per_worker = gl.cdiv(n_tiles, 2 * gl.num_programs(0))
+        first_tiles = (2 * gl.program_id(0) * per_worker, (2 * gl.program_id(0) + 1) * per_worker)
+        runs = (gl.minimum(gl.maximum(n_tiles - first_tiles[0], 0), per_worker),
+                gl.minimum(gl.maximum(n_tiles - first_tiles[1], 0), per_worker))
+        return n_key_tiles, first_tiles, runs
+
+    @gluon.jit
     def _tile_of_chunk(chunk, n_chunks, first_tiles, runs):
         """The tile and column offset of the program's ``chunk``-th chunk. The program's chunks go
         in the order its two warpgroups multiply them: their tiles alternate (the first
@@ -102,23 +118,22 @@ if gluon is not None:
     def _issue_loads(chunk, n_chunks, first_tiles, runs, n_key_tiles, q_desc, k_desc, q_bufs, k_bufs, ready,
                      empty, STAGES: gl.constexpr):
         """TMA loads of the program's ``chunk``-th chunk into stage ``chunk % STAGES`` of the ring,
-        once the MMA that read that stage last is done; nothing past the last chunk."""
+        once the MMA that read that stage last is done."""
         BM: gl.constexpr = q_desc.block_type.shape[0]
         BK: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
-        pending = chunk < (runs[0] + runs[1]) * n_chunks
         tile, k_chunk = _tile_of_chunk(chunk, n_chunks, first_tiles, runs)
         row_tile = tile // n_key_tiles
         key_tile = tile - row_tile * n_key_tiles
         stage = chunk % STAGES
         # The stage's previous chunk was released (its use count's parity); a fresh barrier
         # passes parity 1 at once, so the first round waits for nothing.
-        mbarrier.wait(empty.index(stage), ((chunk // STAGES) & 1) ^ 1, pred=pending)
+        mbarrier.wait(empty.index(stage), ((chunk // STAGES) & 1) ^ 1)
         bar = ready.index(stage)
-        mbarrier.expect(bar, q_desc.block_type.nbytes + k_desc.block_type.nbytes, pred=pending)
+        mbarrier.expect(bar, q_desc.block_type.nbytes + k_desc.block_type.nbytes)
         k_offset = k_chunk * BK
-        tma.async_copy_global_to_shared(q_desc, [row_tile * BM, k_offset], bar, q_bufs.index(stage), pending)
-        tma.async_copy_global_to_shared(k_desc, [key_tile * BN, k_offset], bar, k_bufs.index(stage), pending)
+        tma.async_copy_global_to_shared(q_desc, [row_tile * BM, k_offset], bar, q_bufs.index(stage))
+        tma.async_copy_global_to_shared(k_desc, [key_tile * BN, k_offset], bar, k_bufs.index(stage))
 
     @gluon.jit
     def _halves(x):
@@ -208,19 +223,12 @@ if gluon is not None:
                   STAGES: gl.constexpr):
         """One consumer warpgroup: a contiguous run of tiles in row-major order (so that it adds its
         row sums to memory about once per row block, not once per tile), multiplied from the
-        ring the two warpgroups share. The one at the tensor cores issues the loads STAGES - 1
-        chunks ahead of itself, whichever warpgroup they are for: with the other one in its
-        epilogue, it has the whole ring to hide the loads' latency in."""
+        ring the two warpgroups share."""
         BM: gl.constexpr = q_desc.block_type.shape[0]
         BN: gl.constexpr = k_desc.block_type.shape[0]
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
-        n_key_tiles = gl.cdiv(n_keys, BN)
-        n_tiles = gl.cdiv(n_rows, BM) * n_key_tiles
-        per_worker = gl.cdiv(n_tiles, 2 * gl.num_programs(0))
-        first_tiles = (2 * gl.program_id(0) * per_worker, (2 * gl.program_id(0) + 1) * per_worker)
-        runs = (gl.minimum(gl.maximum(n_tiles - first_tiles[0], 0), per_worker),
-                gl.minimum(gl.maximum(n_tiles - first_tiles[1], 0), per_worker))
+        n_key_tiles, first_tiles, runs = _program_tiles(n_rows, n_keys, BM, BN)
         my_tiles = runs[GROUP]
         n_chunks = gl.cdiv(q_desc.shape[1], q_desc.block_type.shape[1])
 
@@ -232,10 +240,6 @@ if gluon is not None:
         if SCALED_G:
             inv_g_scale = gl.load(inv_g_scale_ptr)
 
-        if GROUP == 0:
-            for ahead in gl.static_range(STAGES - 1):
-                _issue_loads(ahead, n_chunks, first_tiles, runs, n_key_tiles, q_desc, k_desc, q_bufs, k_bufs,
-                             ready, empty, STAGES)
         # The first warpgroup's first turn is free (parity 1 of a fresh barrier has completed);
         # after that each waits for the other to have issued its tile's MMAs, while the other
         # has tiles left (the second warpgroup's run is never the longer one).
@@ -259,11 +263,9 @@ if gluon is not None:
                 mbarrier.wait(ready.index(stage), (chunk // STAGES) & 1)
                 acc = warpgroup_mma(q_bufs.index(stage), k_bufs.index(stage).permute((1, 0)), acc,
                                     use_acc=k_chunk > 0, is_async=True)
-                # The MMA before this one is done: release its stage, load STAGES - 1 ahead.
+                # The MMA before this one is done: release its stage to the producer.
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 mbarrier.arrive(empty.index((chunk + STAGES - 1) % STAGES), pred=k_chunk > 0)
-                _issue_loads(chunk + STAGES - 1, n_chunks, first_tiles, runs, n_key_tiles, q_desc, k_desc,
-                             q_bufs, k_bufs, ready, empty, STAGES)
             mbarrier.arrive(turn.index(1 - GROUP))
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((first_chunk + n_chunks - 1) % STAGES))
@@ -279,10 +281,21 @@ if gluon is not None:
                 row_softplus = gl.zeros([BM], gl.float32, sums_layout)
 
     @gluon.jit
+    def _producer(q_desc, k_desc, q_bufs, k_bufs, ready, empty, n_rows, n_keys, STAGES: gl.constexpr):
+        """The producer warp: every chunk of the program, in the order the consumers multiply them,
+        loaded into the ring as soon as its stage is free."""
+        n_key_tiles, first_tiles, runs = _program_tiles(n_rows, n_keys, q_desc.block_type.shape[0],
+                                                        k_desc.block_type.shape[0])
+        n_chunks = gl.cdiv(q_desc.shape[1], q_desc.block_type.shape[1])
+        for chunk in range((runs[0] + runs[1]) * n_chunks):
+            _issue_loads(chunk, n_chunks, first_tiles, runs, n_key_tiles, q_desc, k_desc, q_bufs, k_bufs,
+                         ready, empty, STAGES)
+
+    @gluon.jit
     def _sigmoid_tile_kernel(q_desc, k_desc, g_ptr, stride_g, row_sums_ptr, softplus_sums_ptr, scale_ptr,
                              bias_ptr, inv_g_scale_ptr, n_rows, n_keys, HAS_BIAS: gl.constexpr,
                              SCALED_G: gl.constexpr, EVEN: gl.constexpr, STAGES: gl.constexpr,
-                             WORKER_REGISTERS: gl.constexpr):
+                             WORKER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
         BM: gl.constexpr = q_desc.block_type.shape[0]
         BK: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -303,7 +316,8 @@ if gluon is not None:
             (_consumer, (q_desc, k_desc, q_bufs, k_bufs, ready, empty, turn, g_ptr, stride_g, row_sums_ptr,
                          softplus_sums_ptr, scale_ptr, bias_ptr, inv_g_scale_ptr, n_rows, n_keys, 1, HAS_BIAS,
                          SCALED_G, EVEN, STAGES)),
-        ], [4], [WORKER_REGISTERS])
+            (_producer, (q_desc, k_desc, q_bufs, k_bufs, ready, empty, n_rows, n_keys, STAGES)),
+        ], [4, 1], [WORKER_REGISTERS, PRODUCER_REGISTERS])
 
     # Its compile takes seconds, longer than the rest of a sigmoid call's kernels together; a plan
     # builds it in the background while the call takes the cuBLAS route (``ready``).
@@ -344,7 +358,7 @@ def sigmoid_tile(
         bias if bias is not None else scale, inv_g_scale if inv_g_scale is not None else scale,
         n_rows, n_keys, HAS_BIAS=bias is not None, SCALED_G=inv_g_scale is not None,
         EVEN=n_rows % BLOCK_M == 0 and n_keys % BLOCK_N == 0, STAGES=STAGES,
-        WORKER_REGISTERS=_WORKER_REGISTERS, num_warps=4,
+        WORKER_REGISTERS=_WORKER_REGISTERS, PRODUCER_REGISTERS=_PRODUCER_REGISTERS, num_warps=4,
     )
 
 
