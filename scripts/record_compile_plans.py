@@ -15,6 +15,13 @@ to a kernel: plans whose kernels' sources changed are skipped at run time.
     python scripts/record_compile_plans.py --dry-run
     python scripts/record_compile_plans.py --jobs 12
     python scripts/record_compile_plans.py --widths 512 --dtypes bf16 --losses softmax --size-classes 2
+    python scripts/record_compile_plans.py --as-device "NVIDIA H100 80GB HBM3"   # on an H200
+
+``--as-device NAME`` records the plans of another GPU of the same architecture and SM count (an H100
+SXM's on an H200: both sm_90 with 132 SMs, so Triton compiles the same kernels for both): the cases
+run under that GPU's name, so they load its shipped tuned configurations, and the plans go into its
+file. A plan only says what to compile ahead; where it is wrong for the real GPU, that GPU's first
+call compiles what it needs itself, as without a plan.
 """
 
 from __future__ import annotations
@@ -41,7 +48,10 @@ SIZES = {0: 1024, 1: tune_shipped.SIZES[1], 2: 32768}
 
 # The case's first call as tune_shipped runs it, recorded.
 CHILD = """
-import json, sys
+import json, os, sys
+import torch
+if os.environ.get("RECORD_AS_DEVICE"):  # another GPU of this architecture: its name, so its tuned choices
+    torch.cuda.get_device_name = lambda *args, **kwargs: os.environ["RECORD_AS_DEVICE"]
 from hf_infcl.ops.triton import compile_plans
 sys.path.insert(0, sys.argv[1])
 import tune_shipped
@@ -85,6 +95,8 @@ def parse_options(argv=None):
     parser.add_argument("--jobs", type=int, default=8, help="cases recorded at once (one process each)")
     parser.add_argument("--shipped", default=None,
                         help="the folder of the plan files (default: the package's shipped_compile_plans/)")
+    parser.add_argument("--as-device", default=None,
+                        help="record for another GPU of this architecture and SM count, by its name")
     parser.add_argument("--dry-run", action="store_true", help="list the cases and stop")
     opts = parser.parse_args(argv)
     tune_shipped.split_case_options(parser, opts, SIZES)
@@ -110,13 +122,16 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("record_compile_plans: needs a CUDA GPU (use --dry-run to list the cases)", file=sys.stderr)
         return 1
-    path = plan_path(Path(opts.shipped or SHIPPED_DIRECTORY), device_name(torch.device("cuda")),
-                     triton.__version__)
+    path = plan_path(Path(opts.shipped or SHIPPED_DIRECTORY),
+                     opts.as_device or device_name(torch.device("cuda")), triton.__version__)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as store:
         # an empty tuning store: the shipped configurations load, as on a fresh machine
         env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_INFCL_CACHE": store}
         env.pop("HF_INFCL_TRITON_AUTOTUNE", None)
+        env.pop("RECORD_AS_DEVICE", None)
+        if opts.as_device:
+            env["RECORD_AS_DEVICE"] = opts.as_device
         with ThreadPoolExecutor(opts.jobs) as pool:
             recordings = list(pool.map(lambda case: record_case(case, env), todo))
     written = 0

@@ -292,16 +292,18 @@ def test_every_shipped_plan_names_current_kernels_of_the_package(path):
                        "again with scripts/record_compile_plans.py on that GPU")
 
 
-def test_the_h200_plans_cover_the_default_calls_at_the_common_widths():
+@pytest.mark.parametrize("device", [H200, "NVIDIA H100 80GB HBM3"])
+def test_the_plans_of_the_h200_and_the_h100_cover_the_default_calls_at_the_common_widths(device):
     """The softmax call of every common width, dtype and size class has a plan, as the first call
-    measured in benchmarks/README.md (32k rows and keys, c = 512, bf16) does."""
-    path = compile_plans.plan_path(compile_plans.SHIPPED_DIRECTORY, H200, "3.6.0")
+    measured in benchmarks/README.md (32k rows and keys, c = 512, bf16) does. (The H100's were
+    recorded on an H200 under the H100's name: ``record_compile_plans.py --as-device``.)"""
+    path = compile_plans.plan_path(compile_plans.SHIPPED_DIRECTORY, device, "3.6.0")
     if not path.exists():
-        pytest.fail(f"no shipped plans for the H200: {path}")
+        pytest.fail(f"no shipped plans for the {device}: {path}")
     recorded_rows = load_recording_script().SIZES.values()  # one batch of each size class
     missing = [(dtype, width, rows) for dtype in (torch.bfloat16, torch.float16, torch.float32)
                for width in COMMON_WIDTHS for rows in recorded_rows
-               if not compile_plans.shipped_plan(H200, "3.6.0", repr(key_of(dtype, width, rows, rows)))]
+               if not compile_plans.shipped_plan(device, "3.6.0", repr(key_of(dtype, width, rows, rows)))]
     assert not missing
 
 
@@ -574,14 +576,25 @@ def test_the_recording_process_records_the_case_that_tune_shipped_runs(tmp_path)
         "from hf_infcl.ops.triton import compile_plans\n"
         "def run_case(loss, width, dtype, size_class, rows=None, backend='triton'):\n"
         "    assert compile_plans._RECORDING is not None\n"
+        "    import torch\n"
         "    route = getattr(backend, 'sigmoid_logits', backend)\n"
-        "    print('CASE', loss, width, dtype, size_class, rows, route)\n"
+        "    try:\n"
+        "        device = torch.cuda.get_device_name(0)\n"
+        "    except (AssertionError, RuntimeError):  # no CUDA\n"
+        "        device = None\n"
+        "    print('CASE', loss, width, dtype, size_class, rows, route, '|', device)\n"
         "    return 1.5\n")
-    for loss, routes in [("sigmoid", ["triton", "gemm"]), ("softmax", ["triton"])]:
+    for loss, routes, as_device in [("sigmoid", ["triton", "gemm"], None),
+                                    ("softmax", ["triton"], "NVIDIA H100 80GB HBM3")]:
         command = [sys.executable, "-c", script.CHILD, str(tmp_path), loss, "768", "fp16", "0", "1024"]
-        done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                              text=True)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env.pop("RECORD_AS_DEVICE", None)
+        if as_device:  # --as-device: the case runs under another GPU's name
+            env["RECORD_AS_DEVICE"] = as_device
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
-        cases = [line for line in done.stdout.splitlines() if line.startswith("CASE")]
-        assert cases == [f"CASE {loss} 768 fp16 0 1024 {route}" for route in routes]
+        cases = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("CASE")]
+        assert [case for case, _ in cases] == [f"CASE {loss} 768 fp16 0 1024 {route}" for route in routes]
+        real = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "None"
+        assert {device for _, device in cases} == {as_device or real}
         assert json.loads(done.stdout.split("RECORDED ")[-1]) == {"keys": [], "kernels": [], "seconds": 1.5}

@@ -8,10 +8,10 @@ launcher. None of that needs the one before it. A *plan* lists those kernels' sp
 the first launch of that kind compiles them all at once, one thread each, so the call finds them
 built and the wait is the longest single compile instead of their sum.
 
-The package ships plans recorded on the GPUs the project is measured on
-(``shipped_compile_plans/`` beside this file, one gzipped JSON file per device name and Triton
-version, named as the tuned configurations' files; ``scripts/record_compile_plans.py`` records
-them). A plan's key (:func:`plan_key`) holds everything of a call that decides which kernels it
+The package ships plans recorded on the GPUs the project is measured on, or on a GPU of the same
+architecture and SM count under the other's name (``shipped_compile_plans/`` beside this file, one
+gzipped JSON file per device name and Triton version, named as the tuned configurations' files;
+``scripts/record_compile_plans.py`` records them). A plan's key (:func:`plan_key`) holds everything of a call that decides which kernels it
 compiles: the block ops' settings, the loss's spec, the dtypes, the width, the problem's size
 class, whether its row and key counts are multiples of 16, whether it has a bias and which label
 arguments it gives. A call of another kind finds no plan and compiles as before.
