@@ -11,10 +11,11 @@ built and the wait is the longest single compile instead of their sum.
 The package ships plans recorded on the GPUs the project is measured on, or on a GPU of the same
 architecture and SM count under the other's name (``shipped_compile_plans/`` beside this file, one
 gzipped JSON file per device name and Triton version, named as the tuned configurations' files;
-``scripts/record_compile_plans.py`` records them). A plan's key (:func:`plan_key`) holds everything of a call that decides which kernels it
-compiles: the block ops' settings, the loss's spec, the dtypes, the width, the problem's size
-class, whether its row and key counts are multiples of 16, whether it has a bias and which label
-arguments it gives. A call of another kind finds no plan and compiles as before.
+``scripts/record_compile_plans.py`` records them). A plan's key (:func:`plan_key`) holds everything
+of a call that decides which kernels it compiles: the block ops' settings, the loss's spec, the
+dtypes, the width, the problem's size class, whether its row and key counts are multiples of 16,
+whether it has a bias and which label arguments it gives. A call of another kind finds no plan and
+compiles as before.
 
 A plan is used only where the tuned configurations it was recorded with are the ones the call will
 load, that is where this machine has tuned nothing of its own for the device (else the Triton
@@ -157,11 +158,6 @@ def compiling(kernel) -> bool:
     again, in the caller's thread)."""
     thread = _BACKGROUND_THREADS.get(id(kernel))
     return thread is not None and thread.is_alive()
-
-
-def compiling_any() -> bool:
-    """Whether a plan is compiling any kernel in the background now."""
-    return any(thread.is_alive() for thread in list(_BACKGROUND_THREADS.values()))
 
 
 def wait_for_background(kernel=None, timeout: float | None = None) -> None:
