@@ -18,9 +18,9 @@ Structure, in Gluon (Triton's explicit dialect, ``triton.experimental.gluon``), 
   accumulator in registers, while the other runs its previous tile's epilogue;
 * both multiply out of one ring of ``STAGES`` shared-memory stages that the producer warp fills
   by TMA, in the order of their turns, as soon as a stage is free; ``ready`` / ``empty``
-  mbarriers hand each stage from the copy engine to the MMA and back. (With the loads issued by
-  the warpgroup at the tensor cores instead, between its MMAs, the kernel without an epilogue ran
-  at 1.2-1.3 cuBLAS passes; with the producer, at one.)
+  mbarriers hand each stage from the copy engine to the MMA and back. (Loads issued by the
+  warpgroup at the tensor cores, between its MMAs, kept the MMAs below cuBLAS's rate even without
+  an epilogue; see benchmarks/README.md.)
 * the epilogue: z = s x + b, u = e^-|z|, G = sigmoid(z) (one reciprocal of 1 + u) stored in the
   operands' dtype (divided by a scale if asked), and the row sums of G and of
   softplus(z) = max(z, 0) + log1p(u), with the log1p terms summed through products (see
