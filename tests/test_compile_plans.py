@@ -204,6 +204,47 @@ def test_a_background_kernel_compiles_in_its_own_thread_and_the_plan_does_not_wa
     assert not compile_plans.compiling(kernels["slow"]) and sorted(built) == ["fast", "other", "slow"]
 
 
+BACKGROUND_THEN_FORK_AND_EXIT = """
+import os, sys, time, types, torch
+from hf_infcl.ops.triton import compile_plans
+done_file = sys.argv[1]
+class Kernel:  # a background kernel whose compile takes a while and leaves a file when it ends
+    def preload(self, specialization):
+        time.sleep(float(specialization))
+        with open(done_file, "a") as f:
+            f.write("built " + specialization + "\\n")
+        return types.SimpleNamespace(_init_handles=lambda: None)
+slow = compile_plans.compiles_in_background(Kernel())
+compile_plans._jit_function = lambda entry: slow
+compile_plans._make_device_caches = lambda kernels, device: None
+torch.cuda.set_device = lambda device: None
+compile_plans._compile_in_parallel([{"specialization": "1.0"}], torch.device("cpu"))
+print("compiling", compile_plans.compiling(slow))
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+print("compiling after fork", compile_plans.compiling(slow))
+compile_plans._compile_in_parallel([{"specialization": "0.5"}], torch.device("cpu"))
+print("compiling at exit", compile_plans.compiling(slow))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_fork_and_the_process_exit_wait_for_a_background_compile(tmp_path):
+    """A fork waits for the background compile (a child must not inherit a half-held lock), and a
+    process that ends while one runs finishes it first (into Triton's cache, for the next process)."""
+    done_file = tmp_path / "built.txt"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", BACKGROUND_THEN_FORK_AND_EXIT, str(done_file)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["compiling True", "compiling after fork False",
+                                        "compiling at exit True"]
+    assert done_file.read_text().splitlines() == ["built 1.0", "built 0.5"]
+
+
 def test_the_sigmoid_pass_takes_cublas_while_the_gluon_kernel_compiles_unless_gluon_is_asked(monkeypatch):
     """``sigmoid_logits="auto"`` takes the cuBLAS route while a plan builds the Gluon kernel in the
     background, and the Gluon route once it is built; ``"gluon"`` waits for it."""
