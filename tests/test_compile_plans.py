@@ -199,9 +199,10 @@ def test_a_background_kernel_compiles_in_its_own_thread_and_the_plan_does_not_wa
     compile_plans._compile_in_parallel([entry("slow"), entry("fast"), entry("other")], torch.device("cpu"))
     assert sorted(built) == ["fast", "other"]
     assert compile_plans.compiling(kernels["slow"]) and not compile_plans.compiling(kernels["fast"])
+    compile_plans._compile_in_parallel([entry("slow")], torch.device("cpu"))  # another plan's, meanwhile
     release.set()
-    compile_plans.wait_for_background(kernels["slow"], timeout=30)
-    assert not compile_plans.compiling(kernels["slow"]) and sorted(built) == ["fast", "other", "slow"]
+    compile_plans.wait_for_background(kernels["slow"], timeout=30)  # waits for both
+    assert not compile_plans.compiling(kernels["slow"]) and sorted(built) == ["fast", "other", "slow", "slow"]
 
 
 BACKGROUND_THEN_FORK_AND_EXIT = """

@@ -73,7 +73,7 @@ _SHIPPED: dict[Path, dict] = {}
 # threads compiling them now, by the kernel's id: hashing a JIT function computes Triton's hash of
 # it, which under Triton 3.6 would change other kernels' hashes (see source_digest).
 _BACKGROUND_KERNELS: list = []
-_BACKGROUND_THREADS: dict[int, threading.Thread] = {}
+_BACKGROUND_THREADS: dict[int, list[threading.Thread]] = {}
 
 
 def plan_key(blocks, spec, queries: torch.Tensor, kernel_queries: torch.Tensor, rows: int, keys: int,
@@ -156,15 +156,14 @@ def _in_background(kernel) -> bool:
 def compiling(kernel) -> bool:
     """Whether a plan is compiling ``kernel`` in the background now (its launch would compile it
     again, in the caller's thread)."""
-    thread = _BACKGROUND_THREADS.get(id(kernel))
-    return thread is not None and thread.is_alive()
+    return any(thread.is_alive() for thread in _BACKGROUND_THREADS.get(id(kernel), ()))
 
 
 def wait_for_background(kernel=None, timeout: float | None = None) -> None:
     """Return once the background compile of ``kernel`` (every one's, for None) is done."""
-    threads = list(_BACKGROUND_THREADS.values()) if kernel is None else [_BACKGROUND_THREADS.get(id(kernel))]
-    for thread in threads:
-        if thread is not None and thread is not threading.current_thread():
+    kernels = list(_BACKGROUND_THREADS) if kernel is None else [id(kernel)]
+    for thread in [thread for key in kernels for thread in _BACKGROUND_THREADS.get(key, ())]:
+        if thread is not threading.current_thread():
             thread.join(timeout)
 
 
@@ -188,7 +187,8 @@ def _compile_in_parallel(entries: list[dict], device: torch.device) -> None:
         # not a daemon: a process that ends meanwhile finishes the compile (into Triton's cache)
         thread = threading.Thread(target=_in_threads, name="hf_infcl-background-compile",
                                   args=(build, [item for item in kernels if item[0] is kernel]))
-        _BACKGROUND_THREADS[id(kernel)] = thread
+        threads = _BACKGROUND_THREADS.setdefault(id(kernel), [])
+        threads[:] = [*(earlier for earlier in threads if earlier.is_alive()), thread]
         thread.start()
     _in_threads(build, [item for item in kernels if not _in_background(item[0])])
 
