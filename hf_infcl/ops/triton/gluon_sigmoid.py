@@ -21,15 +21,20 @@ Structure, in Gluon (Triton's explicit dialect, ``triton.experimental.gluon``), 
   mbarriers hand each stage from the copy engine to the MMA and back. (Loads issued by the
   warpgroup at the tensor cores, between its MMAs, kept the MMAs below cuBLAS's rate even without
   an epilogue; see benchmarks/README.md.)
-* the epilogue: z = s x + b, u = e^-|z|, G = sigmoid(z) (one reciprocal of 1 + u) stored in the
-  operands' dtype (divided by a scale if asked), and the row sums of G and of
+* a consumer keeps ``MMAS_IN_FLIGHT`` chunks' MMAs queued before it waits for the oldest: its
+  warps share their schedulers with the other warpgroup's epilogue, and a deeper queue keeps the
+  tensor cores busy while they wait for an issue slot;
+* the epilogue: z = s x + b (in log2 units), u = 2^-|z|, G = sigmoid(z) (one reciprocal of
+  1 + u) in the operands' dtype (divided by a scale if asked), and the row sums of G and of
   softplus(z) = max(z, 0) + log1p(u), with the log1p terms summed through products (see
   ``_epilogue``), in eight column parts of the tile so that the temporaries of one part, not of
-  the whole tile, sit beside the accumulator's registers.
+  the whole tile, sit beside the accumulator's registers;
+* each part of G goes to global memory by a TMA store from a small ring of shared-memory buffers
+  per consumer (``G_BUFFERS``), not by stores from registers: those wrote 16 bytes per row and
+  instruction, half a memory sector, and cost more than the epilogue's arithmetic.
 
-The epilogue is kept short because it hides only in part under the other warpgroup's MMAs (its
-instructions take about as long as a tile's MMAs). The turns stay because the shared ring needs
-the order; a ring per warpgroup left the MMAs waiting on their loads.
+The turns stay because the shared ring needs the order; a ring per warpgroup left the MMAs
+waiting on their loads.
 
 It covers the common case only: half-precision operands whose rows are 16-byte aligned, no
 group mask, on a GPU of compute capability 9 (Hopper), with a Triton that has Gluon. Everything
@@ -44,12 +49,13 @@ import triton
 
 from . import compile_plans
 from .device import is_hopper, sm_count, tma_aligned
-from .jit_math import LOG2E, log1p_of_positive, reciprocal
+from .jit_math import LN2, LOG2E, log1p_of_positive, reciprocal
 
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -63,6 +69,10 @@ except ImportError:  # a Triton without Gluon: the general route only
 # c walked in chunks of 64; six stages of a query and a key chunk: 6 x (16 + 16) KiB = 192 KiB of
 # the 227 KiB of shared memory.
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES = 128, 128, 64, 6
+# G leaves in the epilogue's parts of 128 x 16 entries, through two 4 KiB buffers per consumer.
+G_COLUMNS, G_BUFFERS = BLOCK_N // 8, 2
+# Chunks whose MMAs a consumer has queued when it waits for the oldest.
+MMAS_IN_FLIGHT = 3
 # Registers per thread of the second consumer warpgroup (the first gets what is left): the
 # accumulator takes 128, the epilogue's temporaries most of the rest.
 _WORKER_REGISTERS = 240
@@ -91,16 +101,20 @@ def usable(queries: torch.Tensor, keys: torch.Tensor, has_mask: bool) -> bool:
 if gluon is not None:
 
     @gluon.jit
-    def _program_tiles(n_rows, n_keys, BM: gl.constexpr, BN: gl.constexpr):
+    def _program_tiles(n_rows, n_keys, q_desc, k_desc):
         """The program's share of the super-tile's tiles (numbered in row-major order): the number
-        of key tiles, and the first tile and length of each consumer's run."""
+        of key tiles and of chunks of c per tile, and the first tile and length of each consumer's
+        run."""
+        BM: gl.constexpr = q_desc.block_type.shape[0]
+        BN: gl.constexpr = k_desc.block_type.shape[0]
         n_key_tiles = gl.cdiv(n_keys, BN)
+        n_chunks = gl.cdiv(q_desc.shape[1], q_desc.block_type.shape[1])
         n_tiles = gl.cdiv(n_rows, BM) * n_key_tiles
         per_worker = gl.cdiv(n_tiles, 2 * gl.num_programs(0))
         first_tiles = (2 * gl.program_id(0) * per_worker, (2 * gl.program_id(0) + 1) * per_worker)
         runs = (gl.minimum(gl.maximum(n_tiles - first_tiles[0], 0), per_worker),
                 gl.minimum(gl.maximum(n_tiles - first_tiles[1], 0), per_worker))
-        return n_key_tiles, first_tiles, runs
+        return n_key_tiles, n_chunks, first_tiles, runs
 
     @gluon.jit
     def _tile_of_chunk(chunk, n_chunks, first_tiles, runs):
@@ -144,31 +158,33 @@ if gluon is not None:
         return gl.split(x.reshape([ROWS, 2, COLS // 2]).permute(0, 2, 1))
 
     @gluon.jit
-    def _epilogue_part(dots, row_valid, keys, g_ptrs, scale, bias, inv_g_scale, n_keys,
-                       HAS_BIAS: gl.constexpr, SCALED_G: gl.constexpr, EVEN: gl.constexpr):
-        """G of one part of a tile, stored; returns its row sums of G and of max(z, 0), and
-        u = e^-|z| (softplus(z) = max(z, 0) + log1p(u); the caller takes the log1p of products)."""
+    def _epilogue_part(dots, row_valid, keys, scale, bias, inv_g_scale, n_keys, g_desc, g_buffer, g_row,
+                       g_column, HAS_BIAS: gl.constexpr, SCALED_G: gl.constexpr, EVEN: gl.constexpr,
+                       G_BUFFERS: gl.constexpr):
+        """G of one part of a tile, stored at (``g_row``, ``g_column``) of G through ``g_buffer``;
+        returns, per entry, G, max(z, 0) and u = 2^-|z| (softplus = (max(z, 0) + log2(1 + u)) ln 2;
+        the caller takes the logarithm of products). ``scale`` and ``bias`` are in log2 units."""
         z = dots * scale
         if HAS_BIAS:
             z = z + bias
-        u = gl.exp2(gl.abs(z) * -LOG2E)
+        u = gl.exp2(-gl.abs(z))
         r = reciprocal(1.0 + u)
         grad = gl.where(z >= 0.0, r, u * r)
         linear = gl.maximum(z, 0.0)
-        if not EVEN:
+        if not EVEN:  # the sums skip what lies past the tile; the TMA store clips it
             in_tile = row_valid[:, None] & (keys < n_keys)[None, :]
             grad = gl.where(in_tile, grad, 0.0)
             linear = gl.where(in_tile, linear, 0.0)
             u = gl.where(in_tile, u, 0.0)
-        row_grad = gl.sum(grad, axis=1)
-        row_linear = gl.sum(linear, axis=1)
+        stored = grad
         if SCALED_G:
-            grad = grad * inv_g_scale
-        if EVEN:
-            gl.store(g_ptrs, grad.to(g_ptrs.dtype.element_ty))
-        else:
-            gl.store(g_ptrs, grad.to(g_ptrs.dtype.element_ty), mask=in_tile)
-        return row_grad, row_linear, u
+            stored = grad * inv_g_scale
+        # The store that last read this buffer (G_BUFFERS parts ago) is done.
+        tma.store_wait(pendings=G_BUFFERS - 1)
+        g_buffer.store(stored.to(g_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(g_desc, [g_row, g_column], g_buffer)
+        return grad, linear, u
 
     @gluon.jit
     def _eighths(x):
@@ -179,17 +195,21 @@ if gluon is not None:
         return _halves(a) + _halves(b) + _halves(c) + _halves(d)
 
     @gluon.jit
-    def _epilogue(acc, row_tile, key_tile, g_ptr, stride_g, scale, bias, inv_g_scale, n_rows, n_keys,
-                  HAS_BIAS: gl.constexpr, SCALED_G: gl.constexpr, EVEN: gl.constexpr):
-        """G = sigmoid(z) of one tile into ``g_ptr``; returns the tile's row sums of G and of
-        softplus(z). The tile goes in eight column parts, so that the elementwise temporaries of a
-        part, not of the whole tile, sit beside the accumulator's registers.
+    def _epilogue(acc, row_tile, key_tile, g_desc, g_bufs, first_buffer, scale, bias, inv_g_scale, n_rows,
+                  n_keys, HAS_BIAS: gl.constexpr, SCALED_G: gl.constexpr, EVEN: gl.constexpr,
+                  G_BUFFERS: gl.constexpr):
+        """G = sigmoid(z) of one tile into G (``g_desc``) through the consumer's ``G_BUFFERS``
+        buffers of ``g_bufs`` from ``first_buffer`` on;
+        returns the tile's row sums of G and of softplus(z). ``scale`` and ``bias`` are in log2
+        units. The tile goes in eight column parts, so that the elementwise temporaries of a part,
+        not of the whole tile, sit beside the accumulator's registers.
 
-        The log1p terms of softplus are summed as log1p(prod (1 + u) - 1) over the eight entries
-        that a thread holds at one position of the parts (``excess``, never forming 1 + u: every
-        rounding is relative to the partial product, and the product stays below 2^8), which
-        costs two operations per logit and one log1p per eight (a log1p of each, about twenty
-        operations, would be a third of the epilogue)."""
+        The row sums are added entry-wise across the parts (the two column halves of a part first:
+        in the MMA layout those are registers of one thread) and reduced across threads once per
+        tile. The log1p terms of softplus are summed as log1p(prod (1 + u) - 1) over the 16
+        entries of a row that a thread holds at one position of the parts' halves (``excess``,
+        never forming 1 + u: every rounding is relative to the partial product, and the product
+        stays below 2^16), which costs two operations per logit and one log1p per sixteen."""
         BM: gl.constexpr = acc.type.shape[0]
         BN: gl.constexpr = acc.type.shape[1]
         PART: gl.constexpr = BN // 8
@@ -197,30 +217,35 @@ if gluon is not None:
         layout: gl.constexpr = parts[0].type.layout
         local_rows = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
         local_keys = gl.arange(0, PART, layout=gl.SliceLayout(0, layout))
-        rows = row_tile * BM + local_rows
-        row_valid = rows < n_rows
-        # int64 only in the tile's base; in-tile offsets fit int32 (BM rows of the super-tile).
-        g_tile = g_ptr + (row_tile * BM).to(gl.int64) * stride_g + key_tile * BN
-        offsets = local_rows[:, None] * stride_g + local_keys[None, :]
-        row_grad = gl.zeros([BM], gl.float32, gl.SliceLayout(1, layout))
-        row_softplus = gl.zeros([BM], gl.float32, gl.SliceLayout(1, layout))
-        excess = gl.zeros([BM, PART], gl.float32, layout)
+        row_valid = row_tile * BM + local_rows < n_rows
         for part in gl.static_range(8):
-            start = part * PART
-            part_grad, part_linear, u = _epilogue_part(
-                parts[part], row_valid, key_tile * BN + start + local_keys, g_tile + start + offsets, scale,
-                bias, inv_g_scale, n_keys, HAS_BIAS, SCALED_G, EVEN)
-            row_grad += part_grad
-            row_softplus += part_linear
-            excess = excess + u + excess * u
-        row_softplus += gl.sum(log1p_of_positive(excess), axis=1)
-        return row_grad, row_softplus
+            column = key_tile * BN + part * PART
+            grad, linear, u = _epilogue_part(
+                parts[part], row_valid, column + local_keys, scale, bias, inv_g_scale, n_keys, g_desc,
+                g_bufs.index(first_buffer + part % G_BUFFERS), row_tile * BM, column, HAS_BIAS, SCALED_G,
+                EVEN, G_BUFFERS)
+            grad_first, grad_second = _halves(grad)
+            linear_first, linear_second = _halves(linear)
+            if part == 0:
+                grad_sums = grad_first + grad_second
+                linear_sums = linear_first + linear_second
+                excess = u
+            else:
+                grad_sums += grad_first + grad_second
+                linear_sums += linear_first + linear_second
+                excess = excess + u + excess * u
+        excess_first, excess_second = _halves(excess)
+        excess = excess_first + excess_second + excess_first * excess_second
+        row_grad = gl.sum(grad_sums, axis=1)
+        row_softplus = gl.sum(linear_sums, axis=1) * LN2 + gl.sum(log1p_of_positive(excess), axis=1)
+        sums_layout: gl.constexpr = gl.SliceLayout(1, layout)
+        return gl.convert_layout(row_grad, sums_layout), gl.convert_layout(row_softplus, sums_layout)
 
     @gluon.jit
-    def _consumer(q_desc, k_desc, q_bufs, k_bufs, ready, empty, turn, g_ptr, stride_g, row_sums_ptr,
+    def _consumer(q_desc, k_desc, q_bufs, k_bufs, ready, empty, turn, g_desc, g_bufs, row_sums_ptr,
                   softplus_sums_ptr, scale_ptr, bias_ptr, inv_g_scale_ptr, n_rows, n_keys,
                   GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, SCALED_G: gl.constexpr, EVEN: gl.constexpr,
-                  STAGES: gl.constexpr):
+                  STAGES: gl.constexpr, MMAS_IN_FLIGHT: gl.constexpr, G_BUFFERS: gl.constexpr):
         """One consumer warpgroup: a contiguous run of tiles in row-major order (so that it adds its
         row sums to memory about once per row block, not once per tile), multiplied from the
         ring the two warpgroups share."""
@@ -228,14 +253,14 @@ if gluon is not None:
         BN: gl.constexpr = k_desc.block_type.shape[0]
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
-        n_key_tiles, first_tiles, runs = _program_tiles(n_rows, n_keys, BM, BN)
+        n_key_tiles, n_chunks, first_tiles, runs = _program_tiles(n_rows, n_keys, q_desc, k_desc)
         my_tiles = runs[GROUP]
-        n_chunks = gl.cdiv(q_desc.shape[1], q_desc.block_type.shape[1])
 
-        scale = gl.load(scale_ptr)
+        # The epilogue works in log2 units: 2^(z log2 e) = e^z.
+        scale = gl.load(scale_ptr) * LOG2E
         bias = 0.0
         if HAS_BIAS:
-            bias = gl.load(bias_ptr)
+            bias = gl.load(bias_ptr) * LOG2E
         inv_g_scale = 1.0
         if SCALED_G:
             inv_g_scale = gl.load(inv_g_scale_ptr)
@@ -263,14 +288,18 @@ if gluon is not None:
                 mbarrier.wait(ready.index(stage), (chunk // STAGES) & 1)
                 acc = warpgroup_mma(q_bufs.index(stage), k_bufs.index(stage).permute((1, 0)), acc,
                                     use_acc=k_chunk > 0, is_async=True)
-                # The MMA before this one is done: release its stage to the producer.
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                mbarrier.arrive(empty.index((chunk + STAGES - 1) % STAGES), pred=k_chunk > 0)
+                # The MMA MMAS_IN_FLIGHT chunks back is done: release its stage to the producer.
+                acc = warpgroup_mma_wait(num_outstanding=MMAS_IN_FLIGHT, deps=(acc,))
+                mbarrier.arrive(empty.index((chunk + STAGES - MMAS_IN_FLIGHT) % STAGES),
+                                pred=k_chunk >= MMAS_IN_FLIGHT)
             mbarrier.arrive(turn.index(1 - GROUP))
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((first_chunk + n_chunks - 1) % STAGES))
-            tile_grad, tile_softplus = _epilogue(acc, row_tile, key_tile, g_ptr, stride_g, scale, bias,
-                                                 inv_g_scale, n_rows, n_keys, HAS_BIAS, SCALED_G, EVEN)
+            for behind in gl.static_range(MMAS_IN_FLIGHT):  # the tile's last chunks' stages
+                last_chunks = n_chunks - MMAS_IN_FLIGHT + behind
+                mbarrier.arrive(empty.index((first_chunk + last_chunks) % STAGES), pred=last_chunks >= 0)
+            tile_grad, tile_softplus = _epilogue(acc, row_tile, key_tile, g_desc, g_bufs, GROUP * G_BUFFERS,
+                                                 scale, bias, inv_g_scale, n_rows, n_keys, HAS_BIAS, SCALED_G,
+                                                 EVEN, G_BUFFERS)
             row_grad += tile_grad
             row_softplus += tile_softplus
             if (nth_tile == my_tiles - 1) or (key_tile == n_key_tiles - 1):  # this row block's last tile
@@ -279,28 +308,30 @@ if gluon is not None:
                 gl.atomic_add(softplus_sums_ptr + rows, row_softplus, mask=rows < n_rows, sem="relaxed")
                 row_grad = gl.zeros([BM], gl.float32, sums_layout)
                 row_softplus = gl.zeros([BM], gl.float32, sums_layout)
+        tma.store_wait(pendings=0)  # G's last stores have read their buffers before the program ends
 
     @gluon.jit
     def _producer(q_desc, k_desc, q_bufs, k_bufs, ready, empty, n_rows, n_keys, STAGES: gl.constexpr):
         """The producer warp: every chunk of the program, in the order the consumers multiply them,
         loaded into the ring as soon as its stage is free."""
-        n_key_tiles, first_tiles, runs = _program_tiles(n_rows, n_keys, q_desc.block_type.shape[0],
-                                                        k_desc.block_type.shape[0])
-        n_chunks = gl.cdiv(q_desc.shape[1], q_desc.block_type.shape[1])
+        n_key_tiles, n_chunks, first_tiles, runs = _program_tiles(n_rows, n_keys, q_desc, k_desc)
         for chunk in range((runs[0] + runs[1]) * n_chunks):
             _issue_loads(chunk, n_chunks, first_tiles, runs, n_key_tiles, q_desc, k_desc, q_bufs, k_bufs,
                          ready, empty, STAGES)
 
     @gluon.jit
-    def _sigmoid_tile_kernel(q_desc, k_desc, g_ptr, stride_g, row_sums_ptr, softplus_sums_ptr, scale_ptr,
-                             bias_ptr, inv_g_scale_ptr, n_rows, n_keys, HAS_BIAS: gl.constexpr,
-                             SCALED_G: gl.constexpr, EVEN: gl.constexpr, STAGES: gl.constexpr,
-                             WORKER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
+    def _sigmoid_tile_kernel(q_desc, k_desc, g_desc, row_sums_ptr, softplus_sums_ptr, scale_ptr, bias_ptr,
+                             inv_g_scale_ptr, n_rows, n_keys, HAS_BIAS: gl.constexpr, SCALED_G: gl.constexpr,
+                             EVEN: gl.constexpr, STAGES: gl.constexpr, MMAS_IN_FLIGHT: gl.constexpr,
+                             G_BUFFERS: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
+                             PRODUCER_REGISTERS: gl.constexpr):
         BM: gl.constexpr = q_desc.block_type.shape[0]
         BK: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, BK], q_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, BK], k_desc.layout)
+        g_bufs = gl.allocate_shared_memory(g_desc.dtype, [2 * G_BUFFERS] + g_desc.block_type.shape,
+                                           g_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -310,12 +341,12 @@ if gluon is not None:
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
         gl.warp_specialize([
-            (_consumer, (q_desc, k_desc, q_bufs, k_bufs, ready, empty, turn, g_ptr, stride_g, row_sums_ptr,
+            (_consumer, (q_desc, k_desc, q_bufs, k_bufs, ready, empty, turn, g_desc, g_bufs, row_sums_ptr,
                          softplus_sums_ptr, scale_ptr, bias_ptr, inv_g_scale_ptr, n_rows, n_keys, 0, HAS_BIAS,
-                         SCALED_G, EVEN, STAGES)),
-            (_consumer, (q_desc, k_desc, q_bufs, k_bufs, ready, empty, turn, g_ptr, stride_g, row_sums_ptr,
+                         SCALED_G, EVEN, STAGES, MMAS_IN_FLIGHT, G_BUFFERS)),
+            (_consumer, (q_desc, k_desc, q_bufs, k_bufs, ready, empty, turn, g_desc, g_bufs, row_sums_ptr,
                          softplus_sums_ptr, scale_ptr, bias_ptr, inv_g_scale_ptr, n_rows, n_keys, 1, HAS_BIAS,
-                         SCALED_G, EVEN, STAGES)),
+                         SCALED_G, EVEN, STAGES, MMAS_IN_FLIGHT, G_BUFFERS)),
             (_producer, (q_desc, k_desc, q_bufs, k_bufs, ready, empty, n_rows, n_keys, STAGES)),
         ], [4, 1], [WORKER_REGISTERS, PRODUCER_REGISTERS])
 
@@ -341,31 +372,37 @@ def sigmoid_tile(
 ) -> None:
     """One super-tile of the sigmoid one pass: G = sigmoid(scale * queries keys^T + bias) (divided by
     the scale whose inverse ``inv_g_scale`` holds, if given) into ``g_out`` [rows, keys] (the
-    operands' dtype, unit last stride), and the row sums of G and of softplus into ``row_sums``
-    and ``softplus_sums`` (fp32 [rows], added to). What ``cuBLAS dots + sigmoid_from_dots`` compute
-    without a mask, with the dot products in fp32 instead of rounded to fp16. ``descriptors``:
-    the (queries, keys) descriptors of :func:`make_descriptor`, made once
-    per operand by a caller that calls this for many super-tiles."""
+    operands' dtype, unit last stride, rows and start 16-byte aligned: G leaves by TMA, which writes
+    whole 16-byte units, so a row's entries past its last key up to the next 16-byte boundary are
+    overwritten, with zeros), and the row sums of G and of softplus into ``row_sums`` and
+    ``softplus_sums`` (fp32 [rows], added to).
+    What ``cuBLAS dots + sigmoid_from_dots`` compute without a mask, with the dot products in fp32
+    instead of rounded to fp16. ``descriptors``: the (queries, keys) descriptors of
+    :func:`make_descriptor`, made once per operand by a caller that calls this for many
+    super-tiles."""
     n_rows, n_keys = queries.shape[0], keys.shape[0]
+    if not tma_aligned(g_out):
+        raise ValueError("g_out: its start and row stride must be multiples of 16 bytes (G leaves the "
+                         "kernel by TMA)")
     q_desc, k_desc = descriptors if descriptors is not None else (make_descriptor(queries, BLOCK_M),
                                                                   make_descriptor(keys, BLOCK_N))
-    if BLOCK_M * g_out.stride(0) >= 2**31:
-        raise ValueError("a super-tile row block too large for the kernel's int32 offsets")
     tiles = triton.cdiv(n_rows, BLOCK_M) * triton.cdiv(n_keys, BLOCK_N)
     grid = (max(1, min(sm_count(queries.device), triton.cdiv(tiles, 2))),)
     _sigmoid_tile_kernel[grid](
-        q_desc, k_desc, g_out, g_out.stride(0), row_sums, softplus_sums, scale,
+        q_desc, k_desc, make_descriptor(g_out, BLOCK_M, G_COLUMNS), row_sums, softplus_sums, scale,
         bias if bias is not None else scale, inv_g_scale if inv_g_scale is not None else scale,
         n_rows, n_keys, HAS_BIAS=bias is not None, SCALED_G=inv_g_scale is not None,
-        EVEN=n_rows % BLOCK_M == 0 and n_keys % BLOCK_N == 0, STAGES=STAGES,
-        WORKER_REGISTERS=_WORKER_REGISTERS, PRODUCER_REGISTERS=_PRODUCER_REGISTERS, num_warps=4,
+        EVEN=n_rows % BLOCK_M == 0 and n_keys % BLOCK_N == 0, STAGES=STAGES, MMAS_IN_FLIGHT=MMAS_IN_FLIGHT,
+        G_BUFFERS=G_BUFFERS, WORKER_REGISTERS=_WORKER_REGISTERS, PRODUCER_REGISTERS=_PRODUCER_REGISTERS,
+        num_warps=4,
     )
 
 
-def make_descriptor(operand: torch.Tensor, block_rows: int):
-    """The TMA descriptor of a [rows, c] operand as the kernel reads it: blocks of ``block_rows``
-    rows (``BLOCK_M`` for queries, ``BLOCK_N`` for keys) by ``BLOCK_K`` columns."""
-    block = [block_rows, BLOCK_K]
-    dtype = gl.bfloat16 if operand.dtype == torch.bfloat16 else gl.float16
+def make_descriptor(tensor: torch.Tensor, block_rows: int, block_columns: int = BLOCK_K):
+    """The TMA descriptor of a 2-D half-precision tensor as the kernel reads or writes it: blocks of
+    ``block_rows`` x ``block_columns`` (an operand [rows, c]: ``BLOCK_M`` or ``BLOCK_N`` rows by
+    ``BLOCK_K`` columns; G: ``BLOCK_M`` by ``G_COLUMNS``)."""
+    block = [block_rows, block_columns]
+    dtype = gl.bfloat16 if tensor.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return GluonTensorDescriptor.from_tensor(operand, block, layout)
+    return GluonTensorDescriptor.from_tensor(tensor, block, layout)
