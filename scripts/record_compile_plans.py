@@ -6,9 +6,10 @@ One case is a loss, a width c, a dtype and a size class, the cases of ``scripts/
 plus the tiny class 0: the first call (forward and backward of ``hf_infcl.contrastive_loss`` on
 L2-normalised random features, learnable scale, and bias for the sigmoid loss) of a fresh process
 with an empty tuning store (so the shipped tuned configurations load, as on a fresh machine),
-recording each kernel it compiles. A sigmoid case also records a call on the cuBLAS route
-(``sigmoid_logits="gemm"``), which a first call takes while its plan builds the Gluon kernel in the
-background. The plan of every case is written into the shipped file of this
+recording each kernel it compiles. Each case also records a call on the route a first call takes
+while its plan builds a Gluon kernel in the background: the cuBLAS route of the sigmoid loss
+(``sigmoid_logits="gemm"``), the statistics kernel of the softmax loss
+(``softmax_statistics="triton"``). The plan of every case is written into the shipped file of this
 GPU name and Triton version (older plans of the same keys replaced). Record again after a change
 to a kernel: plans whose kernels' sources changed are skipped at run time.
 
@@ -59,10 +60,10 @@ loss, dtype = sys.argv[2], sys.argv[4]
 width, size_class, rows = (int(sys.argv[index]) for index in (3, 5, 6))
 with compile_plans.recording() as recorded:
     recorded["seconds"] = tune_shipped.run_case(loss, width, dtype, size_class, rows=rows)
-    if loss == "sigmoid":  # the cuBLAS route, which a first call takes while its plan builds the Gluon kernel
-        from hf_infcl.ops.triton import TritonBlocks
-        tune_shipped.run_case(loss, width, dtype, size_class, rows=rows,
-                              backend=TritonBlocks(sigmoid_logits="gemm"))
+    # the routes a first call takes while its plan builds a Gluon kernel in the background
+    from hf_infcl.ops.triton import TritonBlocks
+    meanwhile = dict(sigmoid_logits="gemm") if loss == "sigmoid" else dict(softmax_statistics="triton")
+    tune_shipped.run_case(loss, width, dtype, size_class, rows=rows, backend=TritonBlocks(**meanwhile))
 print("RECORDED " + json.dumps(recorded))
 """
 

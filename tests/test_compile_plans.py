@@ -271,6 +271,38 @@ def test_the_sigmoid_pass_takes_cublas_while_the_gluon_kernel_compiles_unless_gl
     assert TritonBlocks()._gluon_dots(problem)  # built: the Gluon route
 
 
+def test_the_softmax_forward_takes_stats_while_the_gluon_kernel_compiles_unless_gluon_is_asked(monkeypatch):
+    """``softmax_statistics="auto"`` takes the statistics kernel of .stats while a plan builds the
+    Gluon kernel in the background, and the Gluon one once it is built; ``"gluon"`` waits for it."""
+    from hf_infcl.ops.triton import gluon_stats
+
+    if gluon_stats.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    assert compile_plans._in_background(gluon_stats._stats_tile_kernel)
+    building, waited = [True], []
+    monkeypatch.setattr(gluon_stats, "usable", lambda queries, keys: True)
+    monkeypatch.setattr(compile_plans, "compiling", lambda kernel: building[0])
+
+    def wait_for_background(kernel):
+        waited.append(kernel)
+        building[0] = False
+
+    monkeypatch.setattr(compile_plans, "wait_for_background", wait_for_background)
+    operands = types.SimpleNamespace(queries=torch.empty(256, 768), keys=torch.empty(384, 768))
+    problem = types.SimpleNamespace(kernel=operands, bias=None, labels={})
+    assert not TritonBlocks()._gluon_statistics(problem) and not waited
+    assert TritonBlocks(softmax_statistics="gluon")._gluon_statistics(problem)
+    assert waited == [gluon_stats._stats_tile_kernel]
+    assert TritonBlocks()._gluon_statistics(problem)  # built: the Gluon kernel
+    assert not TritonBlocks(softmax_statistics="triton")._gluon_statistics(problem)
+    partial = types.SimpleNamespace(queries=torch.empty(200, 768), keys=operands.keys)
+    assert not TritonBlocks()._gluon_statistics(types.SimpleNamespace(kernel=partial, bias=None, labels={}))
+    narrow = types.SimpleNamespace(queries=torch.empty(256, 512), keys=torch.empty(384, 512))
+    assert not TritonBlocks()._gluon_statistics(types.SimpleNamespace(kernel=narrow, bias=None, labels={}))
+    assert TritonBlocks(softmax_statistics="gluon")._gluon_statistics(
+        types.SimpleNamespace(kernel=narrow, bias=None, labels={}))  # by name: any width
+
+
 def test_recording_lists_the_keys_met_and_the_kernels_compiled(monkeypatch):
     from triton import knobs
 
@@ -611,15 +643,17 @@ def test_the_recording_script_reads_a_cases_process_and_reports_a_failed_one(mon
 
 def test_the_recording_process_records_the_case_that_tune_shipped_runs(tmp_path):
     """The recording's child process runs ``tune_shipped.run_case`` (here a stand-in that says what
-    it was asked) inside ``compile_plans.recording`` and prints what was recorded; a sigmoid case
-    also runs on the cuBLAS route, which a first call takes while its plan builds the Gluon kernel."""
+    it was asked) inside ``compile_plans.recording`` and prints what was recorded; each case also
+    runs on the route a first call takes while its plan builds a Gluon kernel: the sigmoid loss's
+    cuBLAS route, the softmax loss's statistics kernel of .stats."""
     script = load_recording_script()
     (tmp_path / "tune_shipped.py").write_text(
         "from hf_infcl.ops.triton import compile_plans\n"
         "def run_case(loss, width, dtype, size_class, rows=None, backend='triton'):\n"
         "    assert compile_plans._RECORDING is not None\n"
         "    import torch\n"
-        "    route = getattr(backend, 'sigmoid_logits', backend)\n"
+        "    route = backend if isinstance(backend, str) else (\n"
+        "        backend.sigmoid_logits if loss == 'sigmoid' else backend.softmax_statistics)\n"
         "    try:\n"
         "        device = torch.cuda.get_device_name(0)\n"
         "    except (AssertionError, RuntimeError):  # no CUDA\n"
@@ -627,7 +661,7 @@ def test_the_recording_process_records_the_case_that_tune_shipped_runs(tmp_path)
         "    print('CASE', loss, width, dtype, size_class, rows, route, '|', device)\n"
         "    return 1.5\n")
     for loss, routes, as_device in [("sigmoid", ["triton", "gemm"], None),
-                                    ("softmax", ["triton"], "NVIDIA H100 80GB HBM3")]:
+                                    ("softmax", ["triton", "triton"], "NVIDIA H100 80GB HBM3")]:
         command = [sys.executable, "-c", script.CHILD, str(tmp_path), loss, "768", "fp16", "0", "1024"]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         env.pop("RECORD_AS_DEVICE", None)

@@ -15,15 +15,7 @@ import torch
 
 from hf_infcl import contrastive_loss
 from hf_infcl.ops.triton import TritonBlocks, gluon_sigmoid
-
-
-def _hopper() -> bool:
-    if not (torch.cuda.is_available() and gluon_sigmoid.available()):
-        return False
-    return torch.cuda.get_device_capability()[0] == 9
-
-
-hopper_only = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU and a Triton with Gluon")
+from tests.helpers.gluon import hopper_only, loss_and_grads, paired_rows, unit_rows
 
 # (rows, keys, c, dtype, scaled G): whole and partial 128 x 128 tiles, widths that are and are not
 # multiples of the kernel's 64-wide chunks, fp16 with G stored divided by a scale.
@@ -47,10 +39,7 @@ def _tile_id(case):
 @pytest.mark.parametrize("case", TILE_CASES, ids=[_tile_id(c) for c in TILE_CASES])
 def test_gpu_sigmoid_tile_matches_float64(case):
     m, k, c, dtype, scaled = case
-    seed = int(torch.randint(0, 2**31, ()).item())
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    queries = torch.nn.functional.normalize(torch.randn(m, c, device="cuda", generator=gen), dim=1).to(dtype)
-    keys = torch.nn.functional.normalize(torch.randn(k, c, device="cuda", generator=gen), dim=1).to(dtype)
+    seed, gen, queries, keys = unit_rows(m, k, c, dtype)
     # Logits over both signs and far into the tails (scale 10-30, bias -10..0).
     scale = 10.0 + 20.0 * torch.rand((), device="cuda", generator=gen)
     bias = -10.0 * torch.rand((), device="cuda", generator=gen)
@@ -96,30 +85,19 @@ def test_gpu_default_sigmoid_route_is_the_gluon_kernel(monkeypatch, dtype, reduc
     calls = []
     kernel = gluon_sigmoid.sigmoid_tile
     monkeypatch.setattr(gluon_sigmoid, "sigmoid_tile", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
-    seed = int(torch.randint(0, 2**31, ()).item())
-    gen = torch.Generator(device="cuda").manual_seed(seed)
     m, k, c = 3000, 5000, 256
-    queries = torch.nn.functional.normalize(torch.randn(m, c, device="cuda", generator=gen), dim=1)
-    keys = torch.nn.functional.normalize(torch.randn(k, c, device="cuda", generator=gen), dim=1)
-    keys[:m] += 0.5 * queries
+    seed, queries, keys = paired_rows(m, k, c)
 
-    def loss_and_grads(q, kk, backend, precision):
-        q, kk = q.clone().requires_grad_(True), kk.clone().requires_grad_(True)
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        scale = torch.tensor(11.0, dtype=acc, device="cuda", requires_grad=True)
-        bias = torch.tensor(-9.0, dtype=acc, device="cuda", requires_grad=True)
-        loss = contrastive_loss(q, kk, scale, bias, loss="sigmoid", reduction=reduction, backend=backend,
-                                precision=precision)
-        grads = torch.autograd.grad(loss, (q, kk, scale, bias))
-        return [loss.detach().double()] + [grad.double() for grad in grads]
+    def loss_and_grads_of(q, kk, backend, precision):
+        return loss_and_grads(q, kk, backend, precision, 11.0, -9.0, loss="sigmoid", reduction=reduction)
 
     blocks = TritonBlocks(tile_rows=1024, tile_keys=2048, poison=True)
-    got = loss_and_grads(queries.to(dtype), keys.to(dtype), blocks, "auto")
+    got = loss_and_grads_of(queries.to(dtype), keys.to(dtype), blocks, "auto")
     assert len(calls) == 3 * 3, "the one pass did not run through the Gluon kernel"
     rounded = (queries.to(dtype).double(), keys.to(dtype).double())
     from hf_infcl.ops.tiled import TorchTiles
 
-    expected = loss_and_grads(*rounded, TorchTiles(4096, 4096), "ieee")
+    expected = loss_and_grads_of(*rounded, TorchTiles(4096, 4096), "ieee")
     for name, a, b in zip(("loss", "dq", "dk", "dscale", "dbias"), got, expected):
         error = float((a - b).norm() / b.norm())
         assert error < (3e-3 if dtype == torch.float32 else 1e-2), (seed, name, error)

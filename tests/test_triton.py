@@ -39,6 +39,7 @@ def test_kernels_under_interpreter_match_float64_reference():
     ("tile_rows", 0, ValueError, "tile_rows must be a positive int or None, got 0"),
     ("column_buffer_entries", 2.5, ValueError, "column_buffer_entries must be a positive int or None"),
     ("sigmoid_logits", "fast", ValueError, "sigmoid_logits must be one of"),
+    ("softmax_statistics", "gemm", ValueError, "softmax_statistics must be one of"),
     ("fused_columns", "yes", TypeError, "fused_columns must be True or False, got 'yes'"),
     ("tf32_via_fp16", None, TypeError, "tf32_via_fp16 must be True or False, got None"),
 ])

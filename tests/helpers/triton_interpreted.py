@@ -249,6 +249,16 @@ def test_gluon_route_refuses_without_a_hopper_gpu():
     assert TritonBlocks().sigmoid_logits == "auto"
 
 
+def test_gluon_statistics_refuse_without_a_hopper_gpu():
+    """Likewise the symmetric softmax forward's Gluon kernel: by name it says what it needs; the
+    default takes the statistics kernel of .stats."""
+    case = random_case(5, 9, 16, groups=False, custom_positives=False, seed=0)
+    q, k = case["queries"].float(), case["keys"].float()
+    with pytest.raises(ValueError, match="softmax_statistics='gluon' needs a Hopper GPU"):
+        contrastive_loss(q, k, torch.tensor(10.0), backend=TritonBlocks(softmax_statistics="gluon"))
+    assert TritonBlocks().softmax_statistics == "auto"
+
+
 HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
 HARDNESS_SHAPES = [(1, 6, 40), (7, 19, 40), (33, 71, 3), (19, 45, 32)]
 

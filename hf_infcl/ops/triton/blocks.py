@@ -42,7 +42,7 @@ from ..positive_pairs import GroupRanges, PositiveParts, counts_positives, takes
 from ..spec import GroupMask, HardnessOffset, LeftOutCounts, ScoreFilter, StatsSpec
 from ..tiled import TorchTiles
 from ..value_check import run_deferred_check
-from . import compile_plans, distillation, gluon_sigmoid, group_pairs, matryoshka, stats
+from . import compile_plans, distillation, gluon_sigmoid, gluon_stats, group_pairs, matryoshka, stats
 from .combine_rows import combine_rows
 from .device import INTERPRET
 from .jit_math import dot_precision
@@ -73,6 +73,7 @@ from .operands import (
 from .super_tiles import CublasDotsRoute, GluonRoute, GradTileRoute, RouteArguments, g_scale, walk
 
 SIGMOID_LOGITS = ("auto", "gluon", "gemm", "fused")
+SOFTMAX_STATISTICS = ("auto", "gluon", "triton")
 # The statistics kernel's tallest row block: a launch over a multiple of it needs no row masks.
 _WHOLE_ROWS = max(config.kwargs["BLOCK_M"] for config in stats.STATS_KERNEL.tuner.configs)
 
@@ -114,6 +115,14 @@ class TritonBlocks:
             ``"auto"`` (the default): ``"gluon"`` where it can run, else ``"gemm"``; also
             ``"gemm"`` while a first call's compile plan is still building the Gluon kernel in
             the background (:mod:`.compile_plans`), so that call does not wait for it.
+        softmax_statistics: which kernel gives the symmetric softmax loss's row and column
+            statistics in the forward's one pass: ``"gluon"`` the Gluon kernel of
+            :mod:`.gluon_stats` (Hopper GPUs, fp16 / bf16 operands, fp32 inputs' fp16 copies
+            included, no bias, group mask, hardness offset or score filter; a ValueError
+            elsewhere); ``"triton"`` the statistics kernel of :mod:`.stats`; ``"auto"`` (the
+            default): ``"gluon"`` where it can run, the row and key counts are multiples of 128
+            and c is at least 768, else ``"triton"``, which is also taken while a first call's
+            compile plan is still building the Gluon kernel in the background.
         listed_row_share: with a guide, the softmax loss finds the entries the score filter
             leaves out first (:mod:`.left_out`); where at most this share of the rows has any,
             the other rows' statistics run without the filter, and the backward lists the entries
@@ -135,6 +144,7 @@ class TritonBlocks:
     column_buffer_entries: int = 16 * 2**20
     tf32_via_fp16: bool = True
     sigmoid_logits: str = "auto"
+    softmax_statistics: str = "auto"
     listed_row_share: float = LISTED_ROW_SHARE
     listed_entries_per_vector: int = ENTRIES_PER_VECTOR
     matryoshka_one_pass: bool = False
@@ -146,6 +156,9 @@ class TritonBlocks:
     def __post_init__(self):
         if self.sigmoid_logits not in SIGMOID_LOGITS:
             raise ValueError(f"sigmoid_logits must be one of {SIGMOID_LOGITS}, got {self.sigmoid_logits!r}")
+        if self.softmax_statistics not in SOFTMAX_STATISTICS:
+            raise ValueError(f"softmax_statistics must be one of {SOFTMAX_STATISTICS}, "
+                             f"got {self.softmax_statistics!r}")
         entries = self.listed_entries_per_vector
         if isinstance(entries, bool) or not isinstance(entries, int) or entries < 0:
             raise ValueError(f"listed_entries_per_vector must be a non-negative integer, got {entries!r}")
@@ -519,9 +532,63 @@ class TritonBlocks:
         # while a compile plan builds the kernel in the background, "auto" takes the cuBLAS route
         return usable and gluon_sigmoid.ready(wait=self.sigmoid_logits == "gluon")
 
+    def _gluon_statistics(self, problem: _Problem) -> bool:
+        """Whether the one-pass forward takes the Gluon kernel (``softmax_statistics``)."""
+        if self.softmax_statistics == "triton":
+            return False
+        queries, keys = problem.kernel.queries, problem.kernel.keys
+        usable = problem.bias is None and not problem.labels and gluon_stats.usable(queries, keys)
+        if self.softmax_statistics == "gluon":
+            if not usable:
+                raise ValueError(
+                    "softmax_statistics='gluon' needs a Hopper GPU (compute capability 9), a Triton with "
+                    "Gluon, fp16 or bf16 inputs (or fp32 ones as fp16 copies, tf32_via_fp16) whose rows are "
+                    "16-byte aligned, and no bias, group mask, hardness offset or score filter; use 'auto' "
+                    "to fall back to 'triton' elsewhere")
+            return gluon_stats.ready(wait=True)
+        # "auto": whole tiles only (partial ones take the kernel's masked path, which spills), and
+        # widths where it measured faster in the loss
+        whole = queries.shape[0] % gluon_stats.BLOCK_M == 0 and keys.shape[0] % gluon_stats.BLOCK_N == 0
+        wide = queries.shape[1] >= gluon_stats.AUTO_MIN_WIDTH
+        # while a compile plan builds the kernel in the background, take .stats
+        return usable and whole and wide and gluon_stats.ready(wait=False)
+
+    def _rows_and_columns_by_gluon(self, problem: _Problem):
+        """Row and column log-sum-exp from the Gluon kernel (:mod:`.gluon_stats`), rows in chunks
+        whose column partials (four per row block and key) fit ``column_buffer_entries``."""
+        queries, keys, scale = problem.kernel.queries, problem.kernel.keys, problem.kernel.scale
+        (m, k), device = (queries.shape[0], keys.shape[0]), queries.device
+        per_block = gluon_stats.PARTIALS_PER_BLOCK
+        chunk_rows = min(m, max(1, self.column_buffer_entries // (per_block * k)) * gluon_stats.BLOCK_M)
+        partials = torch.empty((per_block * -(-chunk_rows // gluon_stats.BLOCK_M), k), dtype=torch.float32,
+                               device=device)
+        splits = gluon_stats.splits_for(chunk_rows, k, device, self.stat_splits)
+        row_buffer = torch.empty(splits * chunk_rows, dtype=torch.float32, device=device)
+        row_stat = col_stat = None
+        for r0 in range(0, m, chunk_rows):
+            r1 = min(r0 + chunk_rows, m)
+            # each split's rows one after the other, and the partials' leading rows: contiguous
+            row_out = row_buffer[: splits * (r1 - r0)].view(splits, r1 - r0)
+            written = partials[: per_block * -(-(r1 - r0) // gluon_stats.BLOCK_M)]
+            if self.poison:
+                row_out.fill_(float("nan"))
+                written.fill_(float("nan"))
+            used = gluon_stats.row_and_column_stats(queries[r0:r1], keys, scale, row_out, written, splits)
+            rows = row_out[0] if used == 1 else stats.merge_partials(row_out[:used], log_sum_exp=True)
+            if r1 - r0 == m:  # one chunk: its rows are all the rows
+                row_stat = rows
+            else:
+                if row_stat is None:
+                    row_stat = torch.empty(m, dtype=torch.float32, device=device)
+                row_stat[r0:r1] = rows
+            col_stat = stats.merge_partials(written, log_sum_exp=True, previous=col_stat, out=col_stat)
+        return row_stat, col_stat
+
     def _rows_and_columns_in_one_pass(self, problem: _Problem):
         """Row and column log-sum-exp from one pass over the tiles, rows in the chunks of
         :meth:`_column_partial_chunks`."""
+        if self._gluon_statistics(problem):
+            return self._rows_and_columns_by_gluon(problem)
         queries, keys, scale = problem.kernel.queries, problem.kernel.keys, problem.kernel.scale
         m = queries.shape[0]
         row_stat = col_stat = None

@@ -159,6 +159,14 @@ def compiling(kernel) -> bool:
     return any(thread.is_alive() for thread in _BACKGROUND_THREADS.get(id(kernel), ()))
 
 
+def launchable(kernel, wait: bool) -> bool:
+    """Whether ``kernel`` can launch without compiling it again while a plan compiles it in the
+    background; with ``wait``, wait for that compile first (True)."""
+    if wait:
+        wait_for_background(kernel)
+    return not compiling(kernel)
+
+
 def wait_for_background(kernel=None, timeout: float | None = None) -> None:
     """Return once the background compile of ``kernel`` (every one's, for None) is done."""
     kernels = list(_BACKGROUND_THREADS) if kernel is None else [id(kernel)]

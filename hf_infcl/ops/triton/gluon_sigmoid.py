@@ -129,16 +129,14 @@ if gluon is not None:
         return tile, chunk - slot * n_chunks
 
     @gluon.jit
-    def _issue_loads(chunk, n_chunks, first_tiles, runs, n_key_tiles, q_desc, k_desc, q_bufs, k_bufs, ready,
-                     empty, STAGES: gl.constexpr):
-        """TMA loads of the program's ``chunk``-th chunk into stage ``chunk % STAGES`` of the ring,
-        once the MMA that read that stage last is done."""
+    def _issue_loads(chunk, k_chunk, row_tile, key_tile, q_desc, k_desc, q_bufs, k_bufs, ready, empty,
+                     STAGES: gl.constexpr):
+        """TMA loads of the program's ``chunk``-th chunk (column chunk ``k_chunk`` of the tile at
+        ``row_tile``, ``key_tile``) into stage ``chunk % STAGES`` of the ring, once the MMA that read
+        that stage last is done."""
         BM: gl.constexpr = q_desc.block_type.shape[0]
         BK: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
-        tile, k_chunk = _tile_of_chunk(chunk, n_chunks, first_tiles, runs)
-        row_tile = tile // n_key_tiles
-        key_tile = tile - row_tile * n_key_tiles
         stage = chunk % STAGES
         # The stage's previous chunk was released (its use count's parity); a fresh barrier
         # passes parity 1 at once, so the first round waits for nothing.
@@ -242,6 +240,37 @@ if gluon is not None:
         return gl.convert_layout(row_grad, sums_layout), gl.convert_layout(row_softplus, sums_layout)
 
     @gluon.jit
+    def _multiply(q_bufs, k_bufs, ready, empty, turn, acc, nth_tile, runs, turn_phase, n_chunks,
+                  GROUP: gl.constexpr, STAGES: gl.constexpr, MMAS_IN_FLIGHT: gl.constexpr):
+        """The consumer's ``nth_tile``-th tile into ``acc``, chunk by chunk out of the shared ring,
+        in its turn at the tensor cores (the other consumer's turn follows once the last chunk is
+        issued); every stage it read released. Returns the accumulator and the turn's phase."""
+        # The first warpgroup's first turn is free (parity 1 of a fresh barrier has completed);
+        # after that each waits for the other to have issued its tile's MMAs, while the other
+        # has tiles left (the second warpgroup's run is never the longer one).
+        if nth_tile < runs[1 - GROUP] + 1 - GROUP:
+            mbarrier.wait(turn.index(GROUP), turn_phase)
+            turn_phase = turn_phase ^ 1
+        slot = gl.where(nth_tile < runs[1], 2 * nth_tile + GROUP, nth_tile + runs[1])
+        first_chunk = slot * n_chunks
+        for k_chunk in range(n_chunks):
+            chunk = first_chunk + k_chunk
+            stage = chunk % STAGES
+            mbarrier.wait(ready.index(stage), (chunk // STAGES) & 1)
+            acc = warpgroup_mma(q_bufs.index(stage), k_bufs.index(stage).permute((1, 0)), acc,
+                                use_acc=k_chunk > 0, is_async=True)
+            # The MMA MMAS_IN_FLIGHT chunks back is done: release its stage to the producer.
+            acc = warpgroup_mma_wait(num_outstanding=MMAS_IN_FLIGHT, deps=(acc,))
+            mbarrier.arrive(empty.index((chunk + STAGES - MMAS_IN_FLIGHT) % STAGES),
+                            pred=k_chunk >= MMAS_IN_FLIGHT)
+        mbarrier.arrive(turn.index(1 - GROUP))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        for behind in gl.static_range(MMAS_IN_FLIGHT):  # the tile's last chunks' stages
+            last_chunks = n_chunks - MMAS_IN_FLIGHT + behind
+            mbarrier.arrive(empty.index((first_chunk + last_chunks) % STAGES), pred=last_chunks >= 0)
+        return acc, turn_phase
+
+    @gluon.jit
     def _consumer(q_desc, k_desc, q_bufs, k_bufs, ready, empty, turn, g_desc, g_bufs, row_sums_ptr,
                   softplus_sums_ptr, scale_ptr, bias_ptr, inv_g_scale_ptr, n_rows, n_keys,
                   GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, SCALED_G: gl.constexpr, EVEN: gl.constexpr,
@@ -265,10 +294,7 @@ if gluon is not None:
         if SCALED_G:
             inv_g_scale = gl.load(inv_g_scale_ptr)
 
-        # The first warpgroup's first turn is free (parity 1 of a fresh barrier has completed);
-        # after that each waits for the other to have issued its tile's MMAs, while the other
-        # has tiles left (the second warpgroup's run is never the longer one).
-        turn_phase = 1 - GROUP
+        turn_phase = 1 - GROUP  # see _multiply
         acc = gl.zeros([BM, BN], gl.float32, layout)
         sums_layout: gl.constexpr = gl.SliceLayout(1, _eighths(acc)[0].type.layout)
         row_grad = gl.zeros([BM], gl.float32, sums_layout)
@@ -277,26 +303,8 @@ if gluon is not None:
             tile = first_tiles[GROUP] + nth_tile
             row_tile = tile // n_key_tiles
             key_tile = tile - row_tile * n_key_tiles
-            if nth_tile < runs[1 - GROUP] + 1 - GROUP:
-                mbarrier.wait(turn.index(GROUP), turn_phase)
-                turn_phase = turn_phase ^ 1
-            slot = gl.where(nth_tile < runs[1], 2 * nth_tile + GROUP, nth_tile + runs[1])
-            first_chunk = slot * n_chunks
-            for k_chunk in range(n_chunks):
-                chunk = first_chunk + k_chunk
-                stage = chunk % STAGES
-                mbarrier.wait(ready.index(stage), (chunk // STAGES) & 1)
-                acc = warpgroup_mma(q_bufs.index(stage), k_bufs.index(stage).permute((1, 0)), acc,
-                                    use_acc=k_chunk > 0, is_async=True)
-                # The MMA MMAS_IN_FLIGHT chunks back is done: release its stage to the producer.
-                acc = warpgroup_mma_wait(num_outstanding=MMAS_IN_FLIGHT, deps=(acc,))
-                mbarrier.arrive(empty.index((chunk + STAGES - MMAS_IN_FLIGHT) % STAGES),
-                                pred=k_chunk >= MMAS_IN_FLIGHT)
-            mbarrier.arrive(turn.index(1 - GROUP))
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            for behind in gl.static_range(MMAS_IN_FLIGHT):  # the tile's last chunks' stages
-                last_chunks = n_chunks - MMAS_IN_FLIGHT + behind
-                mbarrier.arrive(empty.index((first_chunk + last_chunks) % STAGES), pred=last_chunks >= 0)
+            acc, turn_phase = _multiply(q_bufs, k_bufs, ready, empty, turn, acc, nth_tile, runs, turn_phase,
+                                        n_chunks, GROUP, STAGES, MMAS_IN_FLIGHT)
             tile_grad, tile_softplus = _epilogue(acc, row_tile, key_tile, g_desc, g_bufs, GROUP * G_BUFFERS,
                                                  scale, bias, inv_g_scale, n_rows, n_keys, HAS_BIAS, SCALED_G,
                                                  EVEN, G_BUFFERS)
@@ -316,8 +324,10 @@ if gluon is not None:
         loaded into the ring as soon as its stage is free."""
         n_key_tiles, n_chunks, first_tiles, runs = _program_tiles(n_rows, n_keys, q_desc, k_desc)
         for chunk in range((runs[0] + runs[1]) * n_chunks):
-            _issue_loads(chunk, n_chunks, first_tiles, runs, n_key_tiles, q_desc, k_desc, q_bufs, k_bufs,
-                         ready, empty, STAGES)
+            tile, k_chunk = _tile_of_chunk(chunk, n_chunks, first_tiles, runs)
+            row_tile = tile // n_key_tiles
+            _issue_loads(chunk, k_chunk, row_tile, tile - row_tile * n_key_tiles, q_desc, k_desc, q_bufs,
+                         k_bufs, ready, empty, STAGES)
 
     @gluon.jit
     def _sigmoid_tile_kernel(q_desc, k_desc, g_desc, row_sums_ptr, softplus_sums_ptr, scale_ptr, bias_ptr,
@@ -358,11 +368,7 @@ if gluon is not None:
 def ready(wait: bool) -> bool:
     """Whether the kernel can launch without waiting for a compile a plan started in the
     background; with ``wait``, wait for that compile first (True)."""
-    if gluon is None:
-        return False
-    if wait:
-        compile_plans.wait_for_background(_sigmoid_tile_kernel)
-    return not compile_plans.compiling(_sigmoid_tile_kernel)
+    return gluon is not None and compile_plans.launchable(_sigmoid_tile_kernel, wait)
 
 
 def sigmoid_tile(

@@ -1,0 +1,260 @@
+"""Hopper kernel for the symmetric softmax loss's forward: each row's log-sum-exp and each key's,
+from one pass over the tiles.
+
+What it replaces, where it can run: the statistics kernel of :mod:`.stats` with fused column
+partials, whose tensor-core work and per-logit work (two exponentials, row and column maxima and
+sums) run one after the other in each program. Here they overlap, on the skeleton of the sigmoid
+loss's kernel (:mod:`.gluon_sigmoid`): one persistent program per SM, two consumer warpgroups that
+take turns at the tensor cores, each running its tile's epilogue while the other multiplies, and
+one producer warp that loads every chunk by TMA into a shared ring.
+
+The work is cut into *items*: a block of 128 rows against one of ``splits`` equal ranges of key
+tiles. A consumer takes a contiguous run of items, walks each item's tiles and keeps its rows'
+running maximum and sum of exponentials in registers; at the item's end it writes their
+log-sum-exp into ``row_out[split]`` (merged across splits afterwards). Each tile also gives, for
+each of its keys, the log-sum-exp over each warp's 32 rows (rows r with (r mod 64) div 16 equal to
+the warp's index): those reductions stay inside a warp (no shared memory, no barrier), and
+``column_partials`` gets four rows per row block, merged afterwards as the statistics kernel's.
+
+Logits are handled in log2 units (the scale times log2 e), and each maximum is taken over the dot
+products and scaled once, since the scale is positive. A tile goes through its epilogue in eight
+column parts, so that the temporaries of one part, not of the whole tile, sit beside the
+accumulator's registers.
+
+It covers the plain symmetric softmax forward only: half-precision operands whose rows are 16-byte
+aligned, no bias, no group mask, hardness offset or score filter, on a Hopper GPU, with a Triton
+that has Gluon. Everything else takes :mod:`.stats`. Gluon kernels do not run under
+``TRITON_INTERPRET``: its tests (``tests/test_gluon_stats.py``) run on GPUs only, against float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from . import compile_plans
+from .device import is_hopper, sm_count, tma_aligned
+from .gluon_sigmoid import (
+    _PRODUCER_REGISTERS,
+    BLOCK_M,
+    BLOCK_N,
+    MMAS_IN_FLIGHT,
+    STAGES,
+    gluon,
+    make_descriptor,
+)
+from .jit_math import LN2, LOG2E
+
+if gluon is not None:  # (None: a Triton without Gluon)
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+    from .gluon_sigmoid import _eighths, _issue_loads, _multiply, _tile_of_chunk
+
+# Registers per thread of the second consumer warpgroup (the first gets what is left).
+_WORKER_REGISTERS = 232
+# Column partial rows per row block: one per warp of a consumer warpgroup.
+PARTIALS_PER_BLOCK = 4
+# The narrowest c that "auto" takes it for: no faster in the loss below (benchmarks/README.md).
+AUTO_MIN_WIDTH = 768
+
+
+def usable(queries: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether :func:`row_and_column_stats` can take these operands (see the module docstring)."""
+    return (
+        gluon is not None
+        and queries.is_cuda
+        and queries.dtype in (torch.float16, torch.bfloat16)
+        and keys.dtype == queries.dtype
+        and is_hopper(queries.device)
+        and all(tma_aligned(t) for t in (queries, keys))
+    )
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _program_items(n_items, TILES: gl.constexpr):
+        """The program's share of the items, in tiles (each item is TILES tiles): the first tile
+        and the length of each consumer's run, whole items each."""
+        per_worker = gl.cdiv(n_items, 2 * gl.num_programs(0))
+        first = (2 * gl.program_id(0) * per_worker, (2 * gl.program_id(0) + 1) * per_worker)
+        runs = (gl.minimum(gl.maximum(n_items - first[0], 0), per_worker) * TILES,
+                gl.minimum(gl.maximum(n_items - first[1], 0), per_worker) * TILES)
+        return (first[0] * TILES, first[1] * TILES), runs
+
+    @gluon.jit
+    def _tile_place(tile, SPLITS: gl.constexpr, TILES: gl.constexpr):
+        """(row tile, key tile, split, tile within the split) of the ``tile``-th tile, items in
+        row-major order (a row block's splits one after the other)."""
+        item = tile // TILES
+        within = tile - item * TILES
+        row_tile = item // SPLITS
+        split = item - row_tile * SPLITS
+        return row_tile, split * TILES + within, split, within
+
+    @gluon.jit
+    def _column_part(dots, scale, col_partial_ptr, row_tile, first_key, n_keys, EVEN: gl.constexpr):
+        """Each warp's log-sum-exp over its 32 rows of one part [128, PART] of a tile's dot
+        products (-inf outside the problem), stored at ``col_partial[row_tile * 4 + warp, key]``
+        in natural units."""
+        PART: gl.constexpr = dots.type.shape[1]
+        # rows as (64-row half, warp, row within the warp's 16): the half is a register index, so
+        # the reduction over it stays in the thread; the one over the 16 rows crosses lanes.
+        by_warp = dots.reshape([2, 4, 16, PART])
+        col_max = gl.max(gl.max(by_warp, axis=0), axis=1) * scale
+        col_shift = col_max
+        if not EVEN:  # a column with no row in the problem: shift by 0, its sum is 0, its LSE -inf
+            col_shift = gl.where(col_max == float("-inf"), 0.0, col_max)
+        terms = gl.exp2(by_warp * scale - gl.expand_dims(gl.expand_dims(col_shift, 1), 0))
+        col_lse = (col_shift + gl.log2(gl.sum(gl.sum(terms, axis=0), axis=1))) * LN2
+        layout: gl.constexpr = col_lse.type.layout
+        warps = gl.arange(0, 4, layout=gl.SliceLayout(1, layout))
+        keys = first_key + gl.arange(0, PART, layout=gl.SliceLayout(0, layout))
+        pointers = col_partial_ptr + (row_tile * 4 + warps).to(gl.int64)[:, None] * n_keys + keys[None, :]
+        if EVEN:
+            gl.store(pointers, col_lse)
+        else:
+            gl.store(pointers, col_lse, mask=(keys < n_keys)[None, :] & (warps < 4)[:, None])
+
+    @gluon.jit
+    def _consumer(q_desc, k_desc, q_bufs, k_bufs, ready, empty, turn, row_out_ptr, col_partial_ptr, scale_ptr,
+                  n_rows, n_keys, n_items, GROUP: gl.constexpr, SPLITS: gl.constexpr, TILES: gl.constexpr,
+                  EVEN: gl.constexpr, STAGES: gl.constexpr, MMAS_IN_FLIGHT: gl.constexpr):
+        """One consumer warpgroup: a contiguous run of items, each a row block's running row
+        statistics over the item's tiles, and each tile's column partials."""
+        BM: gl.constexpr = q_desc.block_type.shape[0]
+        BN: gl.constexpr = k_desc.block_type.shape[0]
+        PART: gl.constexpr = BN // 8
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+        first_tiles, runs = _program_items(n_items, TILES)
+        n_chunks = gl.cdiv(q_desc.shape[1], q_desc.block_type.shape[1])
+        scale = gl.load(scale_ptr) * LOG2E  # log2 units
+        turn_phase = 1 - GROUP  # see gluon_sigmoid._multiply
+        acc = gl.zeros([BM, BN], gl.float32, layout)
+        row_layout: gl.constexpr = gl.SliceLayout(1, layout)
+        part_rows: gl.constexpr = gl.SliceLayout(1, _eighths(acc)[0].type.layout)
+        local_rows = gl.arange(0, BM, layout=row_layout)
+        local_keys = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+        running_max = gl.full([BM], float("-inf"), gl.float32, row_layout)
+        running_sum = gl.zeros([BM], gl.float32, row_layout)
+        for nth_tile in range(runs[GROUP]):
+            row_tile, key_tile, split, within = _tile_place(first_tiles[GROUP] + nth_tile, SPLITS, TILES)
+            acc, turn_phase = _multiply(q_bufs, k_bufs, ready, empty, turn, acc, nth_tile, runs, turn_phase,
+                                        n_chunks, GROUP, STAGES, MMAS_IN_FLIGHT)
+            rows = row_tile * BM + local_rows
+            dots = acc
+            if not EVEN:
+                keys = key_tile * BN + local_keys
+                dots = gl.where((rows < n_rows)[:, None] & (keys < n_keys)[None, :], dots, float("-inf"))
+            new_max = gl.maximum(running_max, gl.max(dots, axis=1) * scale)
+            shift = new_max
+            if not EVEN:  # rows that have met no key yet: shift by 0
+                shift = gl.where(new_max == float("-inf"), 0.0, new_max)
+            running_sum = running_sum * gl.exp2(running_max - shift)
+            running_max = new_max
+            parts = _eighths(dots)
+            part_shift = gl.convert_layout(shift, part_rows)
+            for part in gl.static_range(8):
+                # the rows' terms added entry-wise across the parts, reduced across lanes once
+                if part == 0:
+                    row_terms = gl.exp2(parts[part] * scale - part_shift[:, None])
+                else:
+                    row_terms += gl.exp2(parts[part] * scale - part_shift[:, None])
+                _column_part(parts[part], scale, col_partial_ptr, row_tile, key_tile * BN + part * PART,
+                             n_keys, EVEN)
+            running_sum += gl.convert_layout(gl.sum(row_terms, axis=1), row_layout)
+            if within == TILES - 1:  # the item's last tile: its rows' log-sum-exp over the split
+                row_shift = running_max
+                if not EVEN:
+                    row_shift = gl.where(running_max == float("-inf"), 0.0, running_max)
+                row_lse = (row_shift + gl.log2(running_sum)) * LN2
+                gl.store(row_out_ptr + split.to(gl.int64) * n_rows + rows, row_lse, mask=rows < n_rows)
+                running_max = gl.full([BM], float("-inf"), gl.float32, row_layout)
+                running_sum = gl.zeros([BM], gl.float32, row_layout)
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, q_bufs, k_bufs, ready, empty, n_items, SPLITS: gl.constexpr,
+                  TILES: gl.constexpr, STAGES: gl.constexpr):
+        """The producer warp: every chunk of the program, in the order the consumers multiply them,
+        loaded into the ring as soon as its stage is free."""
+        first_tiles, runs = _program_items(n_items, TILES)
+        n_chunks = gl.cdiv(q_desc.shape[1], q_desc.block_type.shape[1])
+        for chunk in range((runs[0] + runs[1]) * n_chunks):
+            tile, k_chunk = _tile_of_chunk(chunk, n_chunks, first_tiles, runs)
+            row_tile, key_tile, split, within = _tile_place(tile, SPLITS, TILES)
+            _issue_loads(chunk, k_chunk, row_tile, key_tile, q_desc, k_desc, q_bufs, k_bufs, ready, empty,
+                         STAGES)
+
+    @gluon.jit
+    def _stats_tile_kernel(q_desc, k_desc, row_out_ptr, col_partial_ptr, scale_ptr, n_rows, n_keys, n_items,
+                           SPLITS: gl.constexpr, TILES: gl.constexpr, EVEN: gl.constexpr,
+                           STAGES: gl.constexpr, MMAS_IN_FLIGHT: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
+                           PRODUCER_REGISTERS: gl.constexpr):
+        BM: gl.constexpr = q_desc.block_type.shape[0]
+        BK: gl.constexpr = q_desc.block_type.shape[1]
+        BN: gl.constexpr = k_desc.block_type.shape[0]
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, BK], q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, BK], k_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        gl.warp_specialize([
+            (_consumer, (q_desc, k_desc, q_bufs, k_bufs, ready, empty, turn, row_out_ptr, col_partial_ptr,
+                         scale_ptr, n_rows, n_keys, n_items, 0, SPLITS, TILES, EVEN, STAGES, MMAS_IN_FLIGHT)),
+            (_consumer, (q_desc, k_desc, q_bufs, k_bufs, ready, empty, turn, row_out_ptr, col_partial_ptr,
+                         scale_ptr, n_rows, n_keys, n_items, 1, SPLITS, TILES, EVEN, STAGES, MMAS_IN_FLIGHT)),
+            (_producer, (q_desc, k_desc, q_bufs, k_bufs, ready, empty, n_items, SPLITS, TILES, STAGES)),
+        ], [4, 1], [WORKER_REGISTERS, PRODUCER_REGISTERS])
+
+    # Its compile takes seconds: a plan builds it in the background while the call takes the
+    # statistics kernel of .stats (``ready``).
+    compile_plans.compiles_in_background(_stats_tile_kernel)
+
+
+def ready(wait: bool) -> bool:
+    """Whether the kernel can launch without waiting for a compile a plan started in the
+    background; with ``wait``, wait for that compile first (True)."""
+    return gluon is not None and compile_plans.launchable(_stats_tile_kernel, wait)
+
+
+def splits_for(n_rows: int, n_keys: int, device: torch.device, splits: int | None = None) -> int:
+    """How many equal ranges of key tiles each row block's keys are cut into: ``splits`` as asked
+    (at most one per key tile), or about eight items per SM, as a divisor of the key tiles where
+    one fits, so that every item has whole tiles when the problem does."""
+    key_tiles = triton.cdiv(n_keys, BLOCK_N)
+    if splits is not None:
+        return max(1, min(splits, key_tiles))
+    wanted = max(1, math.ceil(8 * sm_count(device) / triton.cdiv(n_rows, BLOCK_M)))
+    return max(d for d in range(1, min(wanted, key_tiles) + 1) if key_tiles % d == 0)
+
+
+def row_and_column_stats(queries: torch.Tensor, keys: torch.Tensor, scale: torch.Tensor,
+                         row_out: torch.Tensor, column_partials: torch.Tensor, splits: int) -> int:
+    """Row log-sum-exp of ``scale * queries keys^T`` per range of keys into ``row_out`` (fp32
+    [>= splits, rows]: split s's rows are ``row_out[s]``), and the column log-sum-exp over each 32
+    rows into ``column_partials`` (fp32 [>= PARTIALS_PER_BLOCK * cdiv(rows, BLOCK_M), keys]; every
+    such row written). ``splits`` (:func:`splits_for`) is rounded to whole tiles per split; returns
+    the number used."""
+    n_rows, n_keys = queries.shape[0], keys.shape[0]
+    key_tiles = triton.cdiv(n_keys, BLOCK_N)
+    tiles_per_split = triton.cdiv(key_tiles, splits)
+    splits = triton.cdiv(key_tiles, tiles_per_split)
+    n_items = triton.cdiv(n_rows, BLOCK_M) * splits
+    grid = (max(1, min(sm_count(queries.device), triton.cdiv(n_items, 2))),)
+    _stats_tile_kernel[grid](
+        make_descriptor(queries, BLOCK_M), make_descriptor(keys, BLOCK_N), row_out, column_partials, scale,
+        n_rows, n_keys, n_items, SPLITS=splits, TILES=tiles_per_split,
+        EVEN=n_rows % BLOCK_M == 0 and n_keys % (BLOCK_N * tiles_per_split) == 0, STAGES=STAGES,
+        MMAS_IN_FLIGHT=MMAS_IN_FLIGHT, WORKER_REGISTERS=_WORKER_REGISTERS,
+        PRODUCER_REGISTERS=_PRODUCER_REGISTERS, num_warps=4,
+    )
+    return splits

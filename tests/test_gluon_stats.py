@@ -1,0 +1,107 @@
+"""The Gluon kernel of the symmetric softmax loss's forward statistics (``hf_infcl.ops.triton.gluon_stats``).
+
+GPU (Hopper): the kernel's row and column log-sum-exps against float64 on the same rounded
+operands, over whole and partial tiles, one and several splits of the keys, with the output
+buffers poisoned with NaN (every entry written); the loss's default route on such a GPU goes
+through the kernel and matches float64 in the loss and every gradient, and the statistics kernel
+of ``.stats`` (``softmax_statistics="triton"``) to rounding; asking for the kernel where it cannot
+run is a clear error. Gluon kernels do not run under ``TRITON_INTERPRET``: on CPU (CI) these skip,
+and ``tests/helpers/triton_interpreted.py`` checks the refusal there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_infcl import contrastive_loss
+from hf_infcl.ops.triton import TritonBlocks, gluon_stats, stats
+from tests.helpers.gluon import hopper_only, loss_and_grads, paired_rows, unit_rows
+
+# (rows, keys, c, dtype, splits): whole and partial 128 x 128 tiles, widths that are and are not
+# multiples of the kernel's 64-wide chunks, one split and several (the last one partly past the keys).
+STATS_CASES = [
+    (1024, 2048, 768, torch.bfloat16, 2),
+    (1000, 3000, 200, torch.bfloat16, 3),
+    (777, 2331, 72, torch.float16, 1),
+    (4096, 8192, 512, torch.float16, 4),
+    (130, 129, 1024, torch.bfloat16, 2),
+    (1, 5, 8, torch.bfloat16, 1),
+]
+
+
+def _case_id(case):
+    m, k, c, dtype, splits = case
+    return f"m{m}-k{k}-c{c}-{str(dtype)[6:]}-s{splits}"
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("case", STATS_CASES, ids=[_case_id(c) for c in STATS_CASES])
+def test_gpu_row_and_column_stats_match_float64(case):
+    m, k, c, dtype, splits = case
+    seed, gen, queries, keys = unit_rows(m, k, c, dtype)
+    keys[: min(m, k)] += 0.3 * queries[: min(m, k)]  # positives above the rest, as a loss sees them
+    scale = 10.0 + 90.0 * torch.rand((), device="cuda", generator=gen)  # CLIP's range, logits to +-100
+    row_out = torch.full((splits, m), float("nan"), device="cuda")
+    partials = torch.full((gluon_stats.PARTIALS_PER_BLOCK * -(-m // gluon_stats.BLOCK_M), k), float("nan"),
+                          device="cuda")
+    used = gluon_stats.row_and_column_stats(queries, keys, scale, row_out, partials, splits)
+    assert 1 <= used <= splits
+    assert torch.isfinite(row_out[:used]).all() and not torch.isnan(partials).any(), (seed, "unwritten")
+    rows = stats.merge_partials(row_out[:used], log_sum_exp=True)
+    columns = stats.merge_partials(partials, log_sum_exp=True)
+    z = scale.double() * (queries.double() @ keys.double().T)
+    # fp32 statistics of fp32 dot products: log-sum-exps to a few ulps of |z| <= 100
+    for got, expected in ((rows, torch.logsumexp(z, 1)), (columns, torch.logsumexp(z, 0))):
+        error = float((got.double() - expected).abs().max())
+        assert error < 1e-4, (seed, error)
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_default_symmetric_softmax_statistics_are_the_gluon_kernel(monkeypatch, dtype):
+    """What a user's CLIP loss runs on a Hopper GPU: the forward's statistics from the Gluon kernel
+    (counted; rows in several chunks), the loss and every gradient matching float64 and the
+    statistics kernel of .stats. fp32 inputs (TF32 precision) take it too, as fp16 copies."""
+    calls = []
+    kernel = gluon_stats.row_and_column_stats
+    monkeypatch.setattr(gluon_stats, "row_and_column_stats",
+                        lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    m, k, c = 2048, 3072, 768  # "auto" takes the kernel from c = 768 on
+    seed, queries, keys = paired_rows(m, k, c)
+
+    def loss_and_grads_of(q, kk, backend, precision):
+        return loss_and_grads(q, kk, backend, precision, 1 / 0.07)
+
+    # column partials for 1024 rows at a time: two chunks
+    blocks = TritonBlocks(poison=True, column_buffer_entries=4 * 8 * k)
+    got = loss_and_grads_of(queries.to(dtype), keys.to(dtype), blocks, "auto")
+    assert len(calls) == 2, "the forward's statistics did not come from the Gluon kernel"
+    triton_route = loss_and_grads_of(queries.to(dtype), keys.to(dtype),
+                                     TritonBlocks(poison=True, softmax_statistics="triton"), "auto")
+    rounded = (queries.to(dtype).double(), keys.to(dtype).double())
+    from hf_infcl.ops.tiled import TorchTiles
+
+    expected = loss_and_grads_of(*rounded, TorchTiles(4096, 4096), "ieee")
+    for name, a, b, t in zip(("loss", "dq", "dk", "dscale"), got, expected, triton_route):
+        error = float((a - b).norm() / b.norm())
+        assert error < (3e-3 if dtype == torch.float32 else 1e-2), (seed, name, error)
+        assert float((a - t).norm() / t.norm()) < 1e-3, (seed, name, "against the .stats route")
+
+
+@pytest.mark.gpu
+@hopper_only
+def test_gpu_gluon_statistics_refuse_a_group_mask():
+    """softmax_statistics='gluon' names what it needs where it cannot run (a group mask here; the
+    interpreted tests check a machine without a GPU); "auto" takes .stats there."""
+    q = torch.nn.functional.normalize(torch.randn(128, 16, device="cuda"), dim=1).bfloat16().requires_grad_()
+    k = torch.nn.functional.normalize(torch.randn(128, 16, device="cuda"), dim=1).bfloat16()
+    groups = torch.arange(128, device="cuda") // 2
+    scale = torch.tensor(10.0, device="cuda")
+    with pytest.raises(ValueError, match="softmax_statistics='gluon' needs"):
+        contrastive_loss(q, k, scale, backend=TritonBlocks(softmax_statistics="gluon"), query_groups=groups,
+                         key_groups=groups)
+    loss = contrastive_loss(q, k, scale, backend=TritonBlocks(), query_groups=groups, key_groups=groups)
+    assert torch.isfinite(loss)
