@@ -565,6 +565,7 @@ class TritonBlocks:
         splits = gluon_stats.splits_for(chunk_rows, k, device, self.stat_splits)
         row_buffer = torch.empty(splits * chunk_rows, dtype=torch.float32, device=device)
         row_stat = col_stat = None
+        run_deferred_check()  # the one-process value check, just before the first kernel
         for r0 in range(0, m, chunk_rows):
             r1 = min(r0 + chunk_rows, m)
             # each split's rows one after the other, and the partials' leading rows: contiguous
