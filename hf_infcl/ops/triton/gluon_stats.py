@@ -34,8 +34,8 @@ import math
 import torch
 import triton
 
-from . import compile_plans
-from .device import is_hopper, sm_count, tma_aligned
+from . import compile_plans, gluon_sigmoid
+from .device import sm_count
 from .gluon_sigmoid import (
     _PRODUCER_REGISTERS,
     BLOCK_M,
@@ -51,26 +51,26 @@ if gluon is not None:  # (None: a Triton without Gluon)
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
+    # what this kernel shares with the sigmoid loss's: its parts, loads, tile order and MMA loop
     from .gluon_sigmoid import _eighths, _issue_loads, _multiply, _tile_of_chunk
 
 # Registers per thread of the second consumer warpgroup (the first gets what is left).
 _WORKER_REGISTERS = 232
-# Column partial rows per row block: one per warp of a consumer warpgroup.
+# Column partial rows per row block: one per warp of a consumer warpgroup, each over the warp's
+# 32 rows (the module docstring says which).
 PARTIALS_PER_BLOCK = 4
-# The narrowest c that "auto" takes it for: no faster in the loss below (benchmarks/README.md).
+# The narrowest width c that ``softmax_statistics="auto"`` takes this kernel for: at narrower ones
+# the loss measured no faster with it than with .stats (benchmarks/README.md), though the kernel
+# alone was.
 AUTO_MIN_WIDTH = 768
 
 
 def usable(queries: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether :func:`row_and_column_stats` can take these operands (see the module docstring)."""
-    return (
-        gluon is not None
-        and queries.is_cuda
-        and queries.dtype in (torch.float16, torch.bfloat16)
-        and keys.dtype == queries.dtype
-        and is_hopper(queries.device)
-        and all(tma_aligned(t) for t in (queries, keys))
-    )
+    """Whether :func:`row_and_column_stats` can take these operands (see the module docstring):
+    the sigmoid loss's kernel's conditions without a group mask, which are this kernel's too; the
+    bias, masks and other options it does not cover are for the caller to rule out, as
+    ``TritonBlocks`` does."""
+    return gluon_sigmoid.usable(queries, keys, has_mask=False)
 
 
 if gluon is not None:
