@@ -259,6 +259,44 @@ def test_gluon_statistics_refuse_without_a_hopper_gpu():
     assert TritonBlocks().softmax_statistics == "auto"
 
 
+def _gluon_stats_in_torch(queries, keys, scale, row_out, column_partials, splits):
+    """What ``gluon_stats.row_and_column_stats`` writes, in torch: each split's row log-sum-exps,
+    and per 128-row block four column log-sum-exps, over the rows r with (r mod 64) div 16 = warp."""
+    from hf_infcl.ops.triton import gluon_stats
+
+    rows, n_keys = queries.shape[0], keys.shape[0]
+    per_split = gluon_stats.BLOCK_N * triton.cdiv(triton.cdiv(n_keys, gluon_stats.BLOCK_N), splits)
+    used = triton.cdiv(n_keys, per_split)
+    z = scale.double() * (queries.double() @ keys.double().T)
+    for split in range(used):
+        row_out[split] = torch.logsumexp(z[:, split * per_split:(split + 1) * per_split], 1)
+    blocks = triton.cdiv(rows, gluon_stats.BLOCK_M)
+    padded = torch.full((blocks * gluon_stats.BLOCK_M, n_keys), float("-inf"), dtype=torch.float64)
+    padded[:rows] = z
+    by_warp = padded.view(blocks, 2, 4, 16, n_keys).permute(0, 2, 1, 3, 4).reshape(blocks * 4, 32, n_keys)
+    column_partials[: blocks * 4] = torch.logsumexp(by_warp, 1)
+    return used
+
+
+def test_the_gluon_statistics_route_walks_row_chunks_and_merges_them(monkeypatch):
+    """The Gluon statistics route's host side, with the kernel's outputs made in torch (Gluon does
+    not run here): rows in several chunks of whole row blocks, each with two splits of the keys,
+    the last chunk partial; the loss and every gradient match float64."""
+    from hf_infcl.ops.triton import gluon_stats
+
+    calls = []
+    monkeypatch.setattr(gluon_stats, "usable", lambda queries, keys: True)
+    monkeypatch.setattr(gluon_stats, "ready", lambda wait: True)
+    monkeypatch.setattr(gluon_stats, "row_and_column_stats",
+                        lambda *args: calls.append(args[0].shape[0]) or _gluon_stats_in_torch(*args))
+    case = random_case(300, 400, 16, groups=False, custom_positives=False, seed=3)
+    blocks = TritonBlocks(tile_rows=128, tile_keys=160, stat_splits=2, poison=True,
+                          column_buffer_entries=4 * 400, softmax_statistics="gluon")
+    errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES["softmax-sym"])
+    assert calls == [128, 128, 44], calls
+    assert max(errors.values()) < TOLERANCE["fp32-ieee"], errors
+
+
 HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
 HARDNESS_SHAPES = [(1, 6, 40), (7, 19, 40), (33, 71, 3), (19, 45, 32)]
 
