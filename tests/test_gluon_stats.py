@@ -35,6 +35,19 @@ def _case_id(case):
     return f"m{m}-k{k}-c{c}-{str(dtype)[6:]}-s{splits}"
 
 
+def test_row_and_column_stats_refuse_buffers_the_kernel_would_misaddress():
+    """The kernel writes split s's rows at s * rows and partial p at p * keys: a view with longer
+    rows (a wider buffer's first columns) is refused, naming it, before anything runs."""
+    queries, keys = torch.zeros(100, 8), torch.zeros(300, 8)
+    scale = torch.tensor(1.0)
+    partials = torch.empty(4, 300)
+    with pytest.raises(ValueError, match="row_out must hold contiguous rows of 100 entries"):
+        gluon_stats.row_and_column_stats(queries, keys, scale, torch.empty(2, 128)[:, :100], partials, 2)
+    with pytest.raises(ValueError, match="column_partials must hold contiguous rows of 300 entries"):
+        narrow_partials = torch.empty(4, 320)[:, :300]
+        gluon_stats.row_and_column_stats(queries, keys, scale, torch.empty(2, 100), narrow_partials, 2)
+
+
 @pytest.mark.gpu
 @hopper_only
 @pytest.mark.parametrize("case", STATS_CASES, ids=[_case_id(c) for c in STATS_CASES])

@@ -245,6 +245,13 @@ def row_and_column_stats(queries: torch.Tensor, keys: torch.Tensor, scale: torch
     such row written). ``splits`` (:func:`splits_for`) is rounded to whole tiles per split; returns
     the number used."""
     n_rows, n_keys = queries.shape[0], keys.shape[0]
+    # the kernel addresses both by its own row counts: split s's rows at s * rows, partial p at p * keys
+    if row_out.stride() != (n_rows, 1):
+        raise ValueError(f"row_out must hold contiguous rows of {n_rows} entries, got strides "
+                         f"{row_out.stride()}")
+    if column_partials.stride() != (n_keys, 1):
+        raise ValueError(f"column_partials must hold contiguous rows of {n_keys} entries, got strides "
+                         f"{column_partials.stride()}")
     key_tiles = triton.cdiv(n_keys, BLOCK_N)
     tiles_per_split = triton.cdiv(key_tiles, splits)
     splits = triton.cdiv(key_tiles, tiles_per_split)
