@@ -27,10 +27,11 @@ DEBUG level and changes nothing: the call compiles what it needs itself.
 ``HF_INFCL_COMPILE_PLANS=0`` turns plans off.
 
 A kernel whose call has another route to take meanwhile (:func:`compiles_in_background`: the
-sigmoid loss's Gluon kernel, whose compile alone takes longer than all the others together) is
-compiled in a background thread instead: the plan's other kernels are built before the call goes
-on, and the call takes the other route while :func:`compiling` says the kernel is not ready. A
-fork, and the process's exit, wait for that thread.
+Gluon kernels of the sigmoid loss and of the softmax forward's statistics, each of whose compiles
+alone takes longer than all the others together) is compiled in a background thread instead:
+the plan's other kernels are built before the call goes on, and the call takes the other route
+while :func:`compiling` says the kernel is not ready. A fork, and the process's exit, wait for
+that thread.
 
 The same idea serves a launch that tunes (no saved choice: :func:`compile_candidates`): Triton's
 autotuner compiles each candidate configuration as it times it, one after the other, so the
