@@ -128,14 +128,24 @@ def _store_column_partials(col_partial_ptr, block, inner_index, inner_valid, n_i
 
 # ROUND_TEACHER: an fp32 teacher multiplied with TF32 is rounded to TF32 to nearest as it is loaded
 # (the score filter's guide's rule), as the student's fp32 operands are in copies before the kernels.
-# restore_value: configs with a smaller BLOCK_M write more blocks of the column-partial buffer; a
-# trial config's must not stay there after tuning (the statistics kernel's rule).
-SOFT_TARGET_STATS_KERNEL = autotuned(_soft_target_stats_kernel, "soft_target_stats", BASE_SHAPES, {
-    "EVEN_K": even_k, "EVEN_TEACHER_K": _even_teacher_k, "ROUND_TEACHER": round_guide("teacher_outer_ptr")},
+_STATS_HEURISTICS = {"EVEN_K": even_k, "EVEN_TEACHER_K": _even_teacher_k,
+                     "ROUND_TEACHER": round_guide("teacher_outer_ptr")}
+SOFT_TARGET_STATS_KERNEL = autotuned(_soft_target_stats_kernel, "soft_target_stats", BASE_SHAPES,
+                                     _STATS_HEURISTICS)
+
+# With the column partials, two logit tiles and their columns' statistics are live at once: the
+# base shapes' 128 x 128 tiles spill registers there (64 fp32 registers per tile and thread at 8
+# warps), so this variant has its own candidates (32 per tile), under its own name in the tuning
+# store. restore_value: configs with a smaller BLOCK_M write more blocks of the column-partial
+# buffer; a trial config's must not stay there after tuning (the statistics kernel's rule).
+_WITH_COLUMNS_SHAPES = [(128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (128, 64, 32, 8, 4), (64, 64, 64, 4, 3),
+                        (64, 128, 64, 8, 3), (128, 32, 64, 4, 3)]
+SOFT_TARGET_STATS_WITH_COLUMNS_KERNEL = autotuned(
+    _soft_target_stats_kernel, "soft_target_stats_with_columns", _WITH_COLUMNS_SHAPES, _STATS_HEURISTICS,
     restore_value=["col_partial_ptr"])
 
 # The smallest row block of any configuration: a column-partial buffer has a row per such block.
-MIN_BLOCK_M = min(config.kwargs["BLOCK_M"] for config in SOFT_TARGET_STATS_KERNEL.tuner.configs)
+MIN_BLOCK_M = min(config.kwargs["BLOCK_M"] for config in SOFT_TARGET_STATS_WITH_COLUMNS_KERNEL.tuner.configs)
 
 
 def soft_target_stats(outer: torch.Tensor, inner: torch.Tensor, teacher_outer: torch.Tensor,
@@ -164,7 +174,7 @@ def soft_target_stats(outer: torch.Tensor, inner: torch.Tensor, teacher_outer: t
                          f"{tuple(column_partials.shape)}")
     grid = lambda meta: (triton.cdiv(n_outer, meta["BLOCK_M"]), splits)  # noqa: E731
     launch(
-        SOFT_TARGET_STATS_KERNEL, grid, outer.device,
+        SOFT_TARGET_STATS_WITH_COLUMNS_KERNEL if fused else SOFT_TARGET_STATS_KERNEL, grid, outer.device,
         outer, inner, teacher_outer, teacher_inner, scale, teacher_scale, student_lse, teacher_lse, gap,
         column_partials if fused else unused_pointer(outer.device),
         n_outer, n_inner, c, teacher_outer.shape[1], outer.stride(0), inner.stride(0),
