@@ -21,8 +21,6 @@ and, named in ``--variants`` only (not run by default):
   distill-tilesN  the same on ``TorchTiles(N, N)`` (``backend="torch"`` takes 4096 on CUDA; smaller
                tiles leave the GPU waiting on the host's launches); e.g. ``distill-tiles1024``
   distill-triton  the same on ``backend=TritonBlocks()``
-  distill-two-pass  the same on ``TritonBlocks(fused_columns=False)``: the keys' statistics in a
-               second, column-major pass of the statistics kernel, not from the rows' pass
   filter-guide-masked  ``filter-guide`` with the forward and the backward filtering every tile
                (``TritonBlocks(listed_row_share=0)``), as they do where many rows have left-out
                entries: the A/B of finding those entries first, in one run
@@ -87,8 +85,7 @@ from hf_infcl import TorchTiles, contrastive_distillation_loss, contrastive_loss
 VARIANTS = ("plain", "groups-any", "groups-each", "filter", "filter-guide")
 # run when named (and tiled variants)
 EXTRA_VARIANTS = ("distill", "matryoshka", "matryoshka-per-width", "filter-every-tile")
-# run when named, on CUDA
-GPU_ONLY_VARIANTS = ("distill-triton", "distill-two-pass", "filter-guide-masked", "matryoshka-one-pass")
+GPU_ONLY_VARIANTS = ("distill-triton", "filter-guide-masked", "matryoshka-one-pass")  # when named, on CUDA
 GROUP_SIZE = 5
 POSITIVE_COSINE = 0.6  # a positive's expected cosine to its query
 NEAR_COPIES = 0.01  # the share of (query, key) pairs that are near-copies of another pair
@@ -157,10 +154,10 @@ def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda",
         teacher = F.normalize(torch.randn(2, b, c, device=device, dtype=dtype, generator=generator), dim=-1)
         tiles = _tiles(variant)
         backend = TorchTiles(tiles, tiles) if tiles else "auto"
-        if variant in ("distill-triton", "distill-two-pass"):
+        if variant == "distill-triton":
             from hf_infcl.ops.triton import TritonBlocks
 
-            backend = TritonBlocks(fused_columns=variant == "distill-triton")
+            backend = TritonBlocks()
         loss_fn = functools.partial(contrastive_distillation_loss, teacher_queries=teacher[0],
                                     teacher_keys=teacher[1], teacher_logit_scale=20.0,
                                     distillation_weight=0.5, backend=backend)

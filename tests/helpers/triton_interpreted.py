@@ -1293,22 +1293,15 @@ def distillation_case(m, k, c, teacher_width, seed):
                 positives=positives)
 
 
-# The symmetric loss's forward: one pass whose row chunks leave the columns' partials (BLOCKS'
-# small buffer: several chunks), or a second, column-major pass.
-DISTILLATION_FORWARDS = {"asym": (False, True), "sym": (True, True), "sym-two-pass": (True, False)}
-
-
 @pytest.mark.parametrize("mode", DISTILLATION_MODES)
-@pytest.mark.parametrize("forward", DISTILLATION_FORWARDS)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["asym", "sym"])
 @pytest.mark.parametrize("shape", DISTILLATION_SHAPES,
                          ids=[f"m{m}-k{k}-c{c}-t{t}" for m, k, c, t in DISTILLATION_SHAPES])
-def test_distillation_matches_float64_oracle(shape, forward, mode):
+def test_distillation_matches_float64_oracle(shape, symmetric, mode):
     from hf_infcl import contrastive_distillation_loss
     from tests.helpers.oracle_distillation import distillation_loss
 
     dtype, precision, blocks = MODES[mode]
-    symmetric, fused_columns = DISTILLATION_FORWARDS[forward]
-    blocks = dataclasses.replace(blocks, fused_columns=fused_columns)
     seed = random.randrange(2**31)
     case = distillation_case(*shape, seed)
     weight = 1.0 if seed % 2 else 0.5  # the KL alone, or mixed with InfoNCE
@@ -1359,36 +1352,6 @@ def test_distillation_statistics_merge_split_inner_ranges():
     for got in (whole, split):
         for part, reference in zip(got, expected):
             assert torch.allclose(part.double(), reference, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("splits", [1, 3])
-def test_distillation_column_partials_merge_to_the_column_statistics(splits):
-    """soft_target_stats with rows outer leaves each key's statistics over each row block in
-    column_partials (unwritten blocks stay -inf); merge_column_partials gives the keys' statistics
-    over every row, as the column-major pass does, and both equal float64."""
-    from hf_infcl.ops.triton.distillation import MIN_BLOCK_M, merge_column_partials, soft_target_stats
-
-    case = distillation_case(37, 45, 20, 12, seed=random.randrange(2**31))
-    f32 = {name: value.float() for name, value in case.items() if value.is_floating_point()}
-    scale, teacher_scale = torch.tensor(6.0), torch.tensor(4.0)
-    blocks = -(-37 // MIN_BLOCK_M) + 2  # two more than any configuration writes
-    partials = torch.full((3 * blocks, 45), float("-inf"))
-    rows = soft_target_stats(f32["queries"], f32["keys"], f32["teacher_queries"], f32["teacher_keys"], scale,
-                             teacher_scale, precision="ieee", splits=splits, column_partials=partials)
-    columns = merge_column_partials(partials)
-    two_pass = soft_target_stats(f32["keys"], f32["queries"], f32["teacher_keys"], f32["teacher_queries"],
-                                 scale, teacher_scale, precision="ieee", splits=splits)
-    z = 6.0 * case["queries"] @ case["keys"].T
-    t = 4.0 * case["teacher_queries"] @ case["teacher_keys"].T
-    for got, logits, teacher_logits in ((rows, z, t), (columns, z.T, t.T), (two_pass, z.T, t.T)):
-        teacher_probs = torch.softmax(teacher_logits, dim=1)
-        expected = (torch.logsumexp(logits, 1), torch.logsumexp(teacher_logits, 1),
-                    (teacher_probs * (teacher_logits - logits)).sum(1))
-        for part, reference in zip(got, expected):
-            assert torch.allclose(part.double(), reference, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="column_partials"):
-        soft_target_stats(f32["queries"], f32["keys"], f32["teacher_queries"], f32["teacher_keys"], scale,
-                          teacher_scale, precision="ieee", column_partials=partials[:3])
 
 
 # Matryoshka in one pass (docs/contract.md, "Matryoshka in one call"; hf_infcl.ops.triton.matryoshka):

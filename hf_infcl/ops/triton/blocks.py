@@ -34,13 +34,7 @@ from typing import ClassVar
 
 import torch
 
-from ..distillation import (
-    DistillationSpec,
-    SoftTargetGradients,
-    SoftTargetStats,
-    TeacherLogits,
-    merge_soft_target_stats,
-)
+from ..distillation import DistillationSpec, SoftTargetGradients, TeacherLogits
 from ..key_blocks import combine_rows as torch_combine_rows
 from ..matryoshka import PrefixSpec, PrefixSums
 from ..options import check_positive_int
@@ -336,36 +330,19 @@ class TritonBlocks:
     def distillation_forward_block(self, spec: DistillationSpec, queries, keys, scale,
                                    teacher: TeacherLogits):
         """In-batch distillation's statistics (:class:`~hf_infcl.ops.distillation.DistillationBlockOps`):
-        the rows' over the keys, and with ``spec.columns`` the keys' over the rows, both from one
-        pass of :func:`.distillation.soft_target_stats` over the tiles (rows in the chunks of
-        :meth:`_column_partial_chunks`), or with ``fused_columns=False`` a second, column-major
-        pass."""
+        the rows' over the keys, and with ``spec.columns`` the keys' over the rows, each in one
+        pass of :func:`.distillation.soft_target_stats`."""
         if queries.dtype == torch.float64:
             run_deferred_check()
             return TorchTiles().distillation_forward_block(spec, queries, keys, scale, teacher)
         student, teacher = self._distillation_operands(spec, queries, keys, scale, teacher)
         options = dict(precision=spec.precision, splits=self.stat_splits)
-        if not (spec.columns and self.fused_columns):
-            rows = distillation.soft_target_stats(student.queries, student.keys, teacher.queries,
-                                                  teacher.keys, student.scale, teacher.scale, **options)
-            columns = None
-            if spec.columns:
-                columns = distillation.soft_target_stats(student.keys, student.queries, teacher.keys,
-                                                         teacher.queries, student.scale, teacher.scale,
-                                                         **options)
-            return rows, columns
-        m, k = queries.shape[0], keys.shape[0]
-        rows = SoftTargetStats(*torch.empty((3, m), dtype=torch.float32, device=queries.device))
+        rows = distillation.soft_target_stats(student.queries, student.keys, teacher.queries, teacher.keys,
+                                              student.scale, teacher.scale, **options)
         columns = None
-        chunks = self._column_partial_chunks(m, k, distillation.MIN_BLOCK_M, 3, queries.device)
-        for r0, r1, partials in chunks:
-            chunk = distillation.soft_target_stats(
-                student.queries[r0:r1], student.keys, teacher.queries[r0:r1], teacher.keys, student.scale,
-                teacher.scale, column_partials=partials.view(-1, k), **options)
-            for whole, part in zip(rows, chunk):
-                whole[r0:r1] = part
-            chunk_columns = distillation.merge_column_partials(partials.view(-1, k))
-            columns = chunk_columns if columns is None else merge_soft_target_stats(columns, chunk_columns)
+        if spec.columns:
+            columns = distillation.soft_target_stats(student.keys, student.queries, teacher.keys,
+                                                     teacher.queries, student.scale, teacher.scale, **options)
         return rows, columns
 
     def distillation_backward_block(self, spec: DistillationSpec, queries, keys, scale,

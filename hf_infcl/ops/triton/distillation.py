@@ -8,9 +8,6 @@ each outer vector keeps three running numbers: the student's log-sum-exp, the te
 teacher-weighted sum of (t - z), rescaled whenever the teacher's running maximum moves, as the
 log-sum-exp's sum is. When there are too few outer blocks to fill the GPU, the inner range is
 split over several programs whose partial statistics merge as two disjoint sets of keys do.
-With rows outer, the same tiles can also give each key's three statistics over the program's
-rows (``column_partials``), merged afterwards by :func:`merge_column_partials`: the symmetric
-loss's forward is then one pass over the tiles (two products each) instead of two.
 
 ``SoftTargetRoute``: the backward's super-tile route (:mod:`.super_tiles`): its kernel forms
 G = a_i P_ij - b_i T_ij (+ the columns' c_j P'_ij - d_j T'_ij) from the same two logits and the
@@ -30,15 +27,7 @@ import triton.language as tl
 
 from ..distillation import SoftTargetGradients, SoftTargetStats, TeacherLogits, merge_soft_target_stats
 from .device import INTERPRET, unused_pointer
-from .jit_math import (
-    column_lse,
-    dot_precision,
-    dot_tile,
-    even_k,
-    exp_in_units,
-    outer_block_and_inner_range,
-    round_guide,
-)
+from .jit_math import dot_precision, dot_tile, even_k, exp_in_units, outer_block_and_inner_range, round_guide
 from .launch import BASE_SHAPES, autotuned, launch, problem_size_class
 from .operands import scalar
 from .stats import inner_splits
@@ -53,14 +42,14 @@ def _even_teacher_k(args: dict) -> bool:
 @triton.jit
 def _soft_target_stats_kernel(
     outer_ptr, inner_ptr, teacher_outer_ptr, teacher_inner_ptr, scale_ptr, teacher_scale_ptr,
-    student_lse_ptr, teacher_lse_ptr, gap_ptr, col_partial_ptr,
+    student_lse_ptr, teacher_lse_ptr, gap_ptr,
     n_outer, n_inner, c, c_teacher, stride_outer, stride_inner, stride_teacher_outer, stride_teacher_inner,
     inner_per_split, size_class,
-    FUSED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_TEACHER: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND_TEACHER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     EVEN_TEACHER_K: tl.constexpr,
 ):
-    block, outer_index, outer_valid, inner_start, inner_end = outer_block_and_inner_range(
+    _, outer_index, outer_valid, inner_start, inner_end = outer_block_and_inner_range(
         n_outer, n_inner, inner_per_split, BLOCK_M)
     scale = tl.load(scale_ptr).to(tl.float32)
     teacher_scale = tl.load(teacher_scale_ptr).to(tl.float32)
@@ -83,8 +72,6 @@ def _soft_target_stats_kernel(
                                      PRECISION, UPCAST, EVEN_TEACHER_K, False, ROUND_TEACHER)
         z = tl.where(valid, z, float("-inf"))
         t = tl.where(valid, t, float("-inf"))
-        if FUSED_COLUMNS:
-            _store_column_partials(col_partial_ptr, block, inner_index, inner_valid, n_inner, z, t, valid)
         # Each running sum is relative to its running maximum; a row that has seen nothing yet has
         # maximum -inf and is shifted by 0, so that no -inf - -inf appears.
         new_max = tl.maximum(student_max, tl.max(z, axis=1))
@@ -110,92 +97,36 @@ def _soft_target_stats_kernel(
     tl.store(gap_ptr + out, tl.where(teacher_sum > 0.0, gap / teacher_sum, 0.0), mask=outer_valid)
 
 
-@triton.jit
-def _store_column_partials(col_partial_ptr, block, inner_index, inner_valid, n_inner, z, t, valid):
-    """One tile's three statistics of each key over the tile's rows (every row of the tile has
-    a finite logit for a valid key), at (block, statistic, key) of the partial buffer."""
-    student_lse = column_lse(z, False)
-    teacher_max = tl.max(t, axis=0)
-    teacher_shift = tl.where(teacher_max == float("-inf"), 0.0, teacher_max)
-    weights = exp_in_units(t - teacher_shift[None, :], False)
-    teacher_sum = tl.sum(weights, axis=0)
-    gap = tl.sum(tl.where(valid, weights * (t - z), 0.0), axis=0)
-    partial = col_partial_ptr + block * 3 * n_inner + inner_index
-    tl.store(partial, student_lse, mask=inner_valid)
-    tl.store(partial + n_inner, teacher_shift + tl.log(teacher_sum), mask=inner_valid)
-    tl.store(partial + 2 * n_inner, gap / tl.where(inner_valid, teacher_sum, 1.0), mask=inner_valid)
-
-
 # ROUND_TEACHER: an fp32 teacher multiplied with TF32 is rounded to TF32 to nearest as it is loaded
 # (the score filter's guide's rule), as the student's fp32 operands are in copies before the kernels.
-_STATS_HEURISTICS = {"EVEN_K": even_k, "EVEN_TEACHER_K": _even_teacher_k,
-                     "ROUND_TEACHER": round_guide("teacher_outer_ptr")}
-SOFT_TARGET_STATS_KERNEL = autotuned(_soft_target_stats_kernel, "soft_target_stats", BASE_SHAPES,
-                                     _STATS_HEURISTICS)
-
-# With the column partials, two logit tiles and their columns' statistics are live at once: the
-# base shapes' 128 x 128 tiles spill registers there (64 fp32 registers per tile and thread at 8
-# warps), so this variant has its own candidates (32 per tile), under its own name in the tuning
-# store. restore_value: configs with a smaller BLOCK_M write more blocks of the column-partial
-# buffer; a trial config's must not stay there after tuning (the statistics kernel's rule).
-_WITH_COLUMNS_SHAPES = [(128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (128, 64, 32, 8, 4), (64, 64, 64, 4, 3),
-                        (64, 128, 64, 8, 3), (128, 32, 64, 4, 3)]
-SOFT_TARGET_STATS_WITH_COLUMNS_KERNEL = autotuned(
-    _soft_target_stats_kernel, "soft_target_stats_with_columns", _WITH_COLUMNS_SHAPES, _STATS_HEURISTICS,
-    restore_value=["col_partial_ptr"])
-
-# The smallest row block of any configuration: a column-partial buffer has a row per such block.
-MIN_BLOCK_M = min(config.kwargs["BLOCK_M"] for config in SOFT_TARGET_STATS_WITH_COLUMNS_KERNEL.tuner.configs)
+SOFT_TARGET_STATS_KERNEL = autotuned(_soft_target_stats_kernel, "soft_target_stats", BASE_SHAPES, {
+    "EVEN_K": even_k, "EVEN_TEACHER_K": _even_teacher_k, "ROUND_TEACHER": round_guide("teacher_outer_ptr")})
 
 
 def soft_target_stats(outer: torch.Tensor, inner: torch.Tensor, teacher_outer: torch.Tensor,
                       teacher_inner: torch.Tensor, scale: torch.Tensor, teacher_scale: torch.Tensor, *,
-                      precision: str, splits: int | None = None,
-                      column_partials: torch.Tensor | None = None) -> SoftTargetStats:
+                      precision: str, splits: int | None = None) -> SoftTargetStats:
     """The distillation statistics of each ``outer`` vector over every ``inner`` one (rows over
     keys, or keys over rows for the column statistics), fp32 [n_outer] each: the student's
     log-sum-exp of z = scale <outer, inner>, the teacher's of t = teacher_scale <teacher_outer,
     teacher_inner>, and the gap sum_j softmax(t)_j (t_j - z_j). ``inner`` must not be empty.
-    ``splits``: programs sharing one outer block's inner range (None: enough to fill the GPU).
-
-    ``column_partials`` (rows outer; fp32 [>= 3 * cdiv(n_outer, MIN_BLOCK_M), n_inner], contiguous,
-    filled with -inf by the caller) also receives each inner vector's three statistics over each
-    row block of the launch: :func:`merge_column_partials` folds them into the column statistics."""
+    ``splits``: programs sharing one outer block's inner range (None: enough to fill the GPU)."""
     n_outer, c = outer.shape
     n_inner = inner.shape[0]
     splits, inner_per_split = inner_splits(n_outer, n_inner, outer.device, splits)
     student_lse, teacher_lse, gap = torch.empty((3, splits, n_outer), dtype=torch.float32,
                                                 device=outer.device)
-    fused = column_partials is not None
-    if fused and (column_partials.shape[0] < 3 * triton.cdiv(n_outer, MIN_BLOCK_M)
-                  or column_partials.shape[1] != n_inner or not column_partials.is_contiguous()):
-        raise ValueError(f"column_partials must be contiguous, of at least "
-                         f"{3 * triton.cdiv(n_outer, MIN_BLOCK_M)} rows of {n_inner}, got "
-                         f"{tuple(column_partials.shape)}")
     grid = lambda meta: (triton.cdiv(n_outer, meta["BLOCK_M"]), splits)  # noqa: E731
     launch(
-        SOFT_TARGET_STATS_WITH_COLUMNS_KERNEL if fused else SOFT_TARGET_STATS_KERNEL, grid, outer.device,
+        SOFT_TARGET_STATS_KERNEL, grid, outer.device,
         outer, inner, teacher_outer, teacher_inner, scale, teacher_scale, student_lse, teacher_lse, gap,
-        column_partials if fused else unused_pointer(outer.device),
         n_outer, n_inner, c, teacher_outer.shape[1], outer.stride(0), inner.stride(0),
         teacher_outer.stride(0), teacher_inner.stride(0), inner_per_split,
-        problem_size_class(n_outer, n_inner), FUSED_COLUMNS=fused,
-        PRECISION=dot_precision(outer.dtype, precision), UPCAST=INTERPRET,
+        problem_size_class(n_outer, n_inner), PRECISION=dot_precision(outer.dtype, precision),
+        UPCAST=INTERPRET,
     )
     # the splits' key sets are disjoint: they merge as any two blocks of keys do
     return functools.reduce(merge_soft_target_stats, map(SoftTargetStats, student_lse, teacher_lse, gap))
-
-
-def merge_column_partials(column_partials: torch.Tensor) -> SoftTargetStats:
-    """The column statistics [n_inner] that :func:`soft_target_stats` left in ``column_partials``
-    (fp32 [3 * blocks, n_inner]): the row blocks are disjoint sets of rows, so they merge as
-    :func:`~hf_infcl.ops.distillation.merge_soft_target_stats` merges two, all at once. Blocks no
-    configuration wrote hold -inf and count for nothing."""
-    student_lse, teacher_lse, gap = column_partials.view(-1, 3, column_partials.shape[1]).unbind(1)
-    whole_teacher_lse = torch.logsumexp(teacher_lse, 0)
-    shares = torch.exp(teacher_lse - whole_teacher_lse)  # 0 for a block of no rows
-    weighted = torch.where(teacher_lse == float("-inf"), 0.0, shares * gap)
-    return SoftTargetStats(torch.logsumexp(student_lse, 0), whole_teacher_lse, weighted.sum(0))
 
 
 @triton.jit
