@@ -29,6 +29,10 @@ Implementations:
                                Gluon kernel (the default on Hopper GPUs) cannot run.
   triton-bf16-fused            sigmoid only: the one pass with the dot products computed inside the
                                gradient-tile kernel (TritonBlocks(sigmoid_logits="fused")).
+  triton-bf16-stats-triton / triton-bf16-stats-gluon
+                               softmax only: the forward's statistics from the Triton kernel or
+                               from the Hopper (Gluon) kernel, asked for by name
+                               (TritonBlocks(softmax_statistics=...)); "auto" picks by width.
   inf-cl                       the published inf-cl (``cal_inf_loss`` both ways), when importable,
                                on a torch.distributed world of one process; skipped otherwise.
                                Softmax only.
@@ -73,11 +77,12 @@ from bench_common import (  # this folder is on sys.path
 from hf_infcl.ops import reset_autotuning
 
 IMPLEMENTATIONS = ("vanilla-fp32", "vanilla-bf16", "torch-tiled", "triton-bf16", "triton-bf16-gemm",
-                   "triton-bf16-fused", "triton-tf32", "triton-tf32-fp16", "triton-tf32-kernels", "inf-cl",
-                   "siglip-kernel")
+                   "triton-bf16-fused", "triton-bf16-stats-triton", "triton-bf16-stats-gluon", "triton-tf32",
+                   "triton-tf32-fp16", "triton-tf32-kernels", "inf-cl", "siglip-kernel")
 # Implementations that compute only one of the losses.
 ONLY_FOR = {"inf-cl": "softmax", "siglip-kernel": "sigmoid",
-            "triton-bf16-gemm": "sigmoid", "triton-bf16-fused": "sigmoid"}
+            "triton-bf16-gemm": "sigmoid", "triton-bf16-fused": "sigmoid",
+            "triton-bf16-stats-triton": "softmax", "triton-bf16-stats-gluon": "softmax"}
 # The least number of GEMM passes each loss needs (the "floor").
 FLOOR_PASSES = {"softmax": 4, "sigmoid": 3}
 DEFAULT_SIZES = "8k,32k,64k,128k,1m"
@@ -162,6 +167,11 @@ def make_step(impl, q32, k32, params, loss_kind):
 
         route = impl.rsplit("-", 1)[1]
         return hf_infcl_step(*half, params, loss_kind, TritonBlocks(sigmoid_logits=route)), half
+    if impl in ("triton-bf16-stats-triton", "triton-bf16-stats-gluon"):
+        from hf_infcl import TritonBlocks
+
+        blocks = TritonBlocks(softmax_statistics=impl.rsplit("-", 1)[1])
+        return hf_infcl_step(*half, params, loss_kind, blocks), half
     if impl == "triton-tf32":
         return hf_infcl_step(*full, params, loss_kind, "triton", precision="tf32"), full
     if impl in ("triton-tf32-fp16", "triton-tf32-kernels"):
