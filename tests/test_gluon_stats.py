@@ -82,14 +82,14 @@ def test_gpu_default_symmetric_softmax_statistics_are_the_gluon_kernel(monkeypat
     kernel = gluon_stats.row_and_column_stats
     monkeypatch.setattr(gluon_stats, "row_and_column_stats",
                         lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
-    m, k, c = 2048, 3072, 768  # "auto" takes the kernel from c = 768 on
+    m, k, c = 32768, 32768, 384  # "auto" takes the kernel from 32k x 32k at c = 384 on
     seed, queries, keys = paired_rows(m, k, c)
 
     def loss_and_grads_of(q, kk, backend, precision):
         return loss_and_grads(q, kk, backend, precision, 1 / 0.07)
 
-    # column partials for 1024 rows at a time: two chunks
-    blocks = TritonBlocks(poison=True, column_buffer_entries=4 * 8 * k)
+    # the default buffer holds the column partials of 16k rows: two chunks
+    blocks = TritonBlocks(poison=True)
     got = loss_and_grads_of(queries.to(dtype), keys.to(dtype), blocks, "auto")
     assert len(calls) == 2, "the forward's statistics did not come from the Gluon kernel"
     triton_route = loss_and_grads_of(queries.to(dtype), keys.to(dtype),

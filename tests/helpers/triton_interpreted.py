@@ -297,6 +297,28 @@ def test_the_gluon_statistics_route_walks_row_chunks_and_merges_them(monkeypatch
     assert max(errors.values()) < TOLERANCE["fp32-ieee"], errors
 
 
+@pytest.mark.parametrize("m, k, c, takes", [(256, 256, 32, True), (128, 256, 32, False), (128, 256, 64, True),
+                                           (256, 256, 16, False), (200, 256, 32, False)],
+                         ids=["enough-work", "too-few-keys", "wider", "too-narrow", "partial-tiles"])
+def test_auto_takes_the_gluon_statistics_by_width_and_work(monkeypatch, m, k, c, takes):
+    """``softmax_statistics="auto"`` takes the Gluon kernel for whole tiles whose width and work
+    (rows x keys x c) reach the module's thresholds, here scaled down (width 32, work 256 x 256 x 32)."""
+    from hf_infcl.ops.triton import gluon_stats
+
+    calls = []
+    monkeypatch.setattr(gluon_stats, "usable", lambda queries, keys: True)
+    monkeypatch.setattr(gluon_stats, "ready", lambda wait: True)
+    monkeypatch.setattr(gluon_stats, "AUTO_MIN_WIDTH", 32)
+    monkeypatch.setattr(gluon_stats, "AUTO_MIN_WORK", 256 * 256 * 32)
+    monkeypatch.setattr(gluon_stats, "row_and_column_stats",
+                        lambda *args: calls.append(args[0].shape[0]) or _gluon_stats_in_torch(*args))
+    case = random_case(m, k, c, groups=False, custom_positives=False, seed=5)
+    blocks = TritonBlocks(tile_rows=128, tile_keys=128, poison=True)
+    errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES["softmax-sym"])
+    assert bool(calls) == takes, calls
+    assert max(errors.values()) < TOLERANCE["fp32-ieee"], errors
+
+
 HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
 HARDNESS_SHAPES = [(1, 6, 40), (7, 19, 40), (33, 71, 3), (19, 45, 32)]
 

@@ -120,9 +120,10 @@ class TritonBlocks:
             :mod:`.gluon_stats` (Hopper GPUs, fp16 / bf16 operands, fp32 inputs' fp16 copies
             included, no bias, group mask, hardness offset or score filter; a ValueError
             elsewhere); ``"triton"`` the statistics kernel of :mod:`.stats`; ``"auto"`` (the
-            default): ``"gluon"`` where it can run, the row and key counts are multiples of 128
-            and c is at least 768, else ``"triton"``, which is also taken while a first call's
-            compile plan is still building the Gluon kernel in the background.
+            default): ``"gluon"`` where it can run, the row and key counts are multiples of 128,
+            c is at least 384 and rows x keys x c at least 3 * 2^37 (e.g. 32k x 32k at c = 384),
+            else ``"triton"``, which is also taken while a first call's compile plan is still
+            building the Gluon kernel in the background.
         listed_row_share: with a guide, the softmax loss finds the entries the score filter
             leaves out first (:mod:`.left_out`); where at most this share of the rows has any,
             the other rows' statistics run without the filter, and the backward lists the entries
@@ -547,11 +548,12 @@ class TritonBlocks:
                     "to fall back to 'triton' elsewhere")
             return gluon_stats.ready(wait=True)
         # "auto": whole tiles only (partial ones take the kernel's masked path, which spills), and
-        # widths where it measured faster in the loss
-        whole = queries.shape[0] % gluon_stats.BLOCK_M == 0 and keys.shape[0] % gluon_stats.BLOCK_N == 0
-        wide = queries.shape[1] >= gluon_stats.AUTO_MIN_WIDTH
+        # widths and sizes where it measured faster in the loss
+        (m, c), k = queries.shape, keys.shape[0]
+        whole = m % gluon_stats.BLOCK_M == 0 and k % gluon_stats.BLOCK_N == 0
+        large = c >= gluon_stats.AUTO_MIN_WIDTH and m * k * c >= gluon_stats.AUTO_MIN_WORK
         # while a compile plan builds the kernel in the background, take .stats
-        return usable and whole and wide and gluon_stats.ready(wait=False)
+        return usable and whole and large and gluon_stats.ready(wait=False)
 
     def _rows_and_columns_by_gluon(self, problem: _Problem):
         """Row and column log-sum-exp from the Gluon kernel (:mod:`.gluon_stats`), rows in chunks

@@ -59,10 +59,10 @@ _WORKER_REGISTERS = 232
 # Column partial rows per row block: one per warp of a consumer warpgroup, each over the warp's
 # 32 rows (the module docstring says which).
 PARTIALS_PER_BLOCK = 4
-# The narrowest width c that ``softmax_statistics="auto"`` takes this kernel for: at narrower ones
-# the loss measured no faster with it than with .stats (benchmarks/README.md), though the kernel
-# alone was.
-AUTO_MIN_WIDTH = 768
+# Where ``softmax_statistics="auto"`` takes this kernel: c >= 384 and rows x keys x c >= 3 * 2^37
+# (32k x 32k at c = 384, 16k x 16k at 1536); on less work the loss measured no faster with it.
+AUTO_MIN_WIDTH = 384
+AUTO_MIN_WORK = 3 * 2**37
 
 
 def usable(queries: torch.Tensor, keys: torch.Tensor) -> bool:
