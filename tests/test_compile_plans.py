@@ -281,6 +281,7 @@ def test_the_softmax_forward_takes_stats_while_the_gluon_kernel_compiles_unless_
     assert compile_plans._in_background(gluon_stats._stats_tile_kernel)
     building, waited = [True], []
     monkeypatch.setattr(gluon_stats, "usable", lambda queries, keys: True)
+    monkeypatch.setattr(gluon_stats, "AUTO_MIN_WORK", 256 * 384 * 768)  # these shapes' work, scaled down
     monkeypatch.setattr(compile_plans, "compiling", lambda kernel: building[0])
 
     def wait_for_background(kernel):
@@ -297,10 +298,12 @@ def test_the_softmax_forward_takes_stats_while_the_gluon_kernel_compiles_unless_
     assert not TritonBlocks(softmax_statistics="triton")._gluon_statistics(problem)
     partial = types.SimpleNamespace(queries=torch.empty(200, 768), keys=operands.keys)
     assert not TritonBlocks()._gluon_statistics(types.SimpleNamespace(kernel=partial, bias=None, labels={}))
-    narrow = types.SimpleNamespace(queries=torch.empty(256, 512), keys=torch.empty(384, 512))
+    narrow = types.SimpleNamespace(queries=torch.empty(256, 256), keys=torch.empty(384, 256))
     assert not TritonBlocks()._gluon_statistics(types.SimpleNamespace(kernel=narrow, bias=None, labels={}))
     assert TritonBlocks(softmax_statistics="gluon")._gluon_statistics(
         types.SimpleNamespace(kernel=narrow, bias=None, labels={}))  # by name: any width
+    less_work = types.SimpleNamespace(queries=torch.empty(128, 768), keys=operands.keys)
+    assert not TritonBlocks()._gluon_statistics(types.SimpleNamespace(kernel=less_work, bias=None, labels={}))
 
 
 def test_recording_lists_the_keys_met_and_the_kernels_compiled(monkeypatch):
