@@ -367,7 +367,7 @@ class TritonBlocks:
         route = distillation.SoftTargetRoute(student.queries, student.keys, student.scale, teacher, rows,
                                              columns, row_sums, None if g_factor is None else 1.0 / g_factor,
                                              spec.precision)
-        tile = self._super_tile(student.queries.dtype, queries.shape[0], keys.shape[0])
+        tile = self._super_tile(student.queries.dtype, queries.shape[0], keys.shape[0], route.g_alone)
         walk(route, student, grad_queries, grad_keys, g_factor, tile, spec.precision, self.poison)
         return row_sums
 

@@ -186,7 +186,7 @@ class SoftTargetRoute:
     the kernel recomputes both logits of each super-tile and writes its G (divided by the walk's
     G factor, ``inv_g_scale`` its inverse) and adds its row sums into ``row_sums``."""
 
-    g_alone = False
+    g_alone = True  # its kernel makes both products itself: no dot-product buffer beside G
     segments = None
 
     def __init__(self, queries: torch.Tensor, keys: torch.Tensor, scale: torch.Tensor, teacher: TeacherLogits,
