@@ -299,7 +299,7 @@ def test_the_gluon_statistics_route_walks_row_chunks_and_merges_them(monkeypatch
 
 @pytest.mark.parametrize("m, k, c, takes", [(256, 256, 32, True), (128, 256, 32, False), (128, 256, 64, True),
                                            (256, 256, 16, False), (200, 256, 32, False)],
-                         ids=["enough-work", "too-few-keys", "wider", "too-narrow", "partial-tiles"])
+                         ids=["enough-work", "too-little-work", "wider", "too-narrow", "partial-tiles"])
 def test_auto_takes_the_gluon_statistics_by_width_and_work(monkeypatch, m, k, c, takes):
     """``softmax_statistics="auto"`` takes the Gluon kernel for whole tiles whose width and work
     (rows x keys x c) reach the module's thresholds, here scaled down (width 32, work 256 x 256 x 32)."""
