@@ -21,6 +21,9 @@ and, named in ``--variants`` only (not run by default):
   distill-tilesN  the same on ``TorchTiles(N, N)`` (``backend="torch"`` takes 4096 on CUDA; smaller
                tiles leave the GPU waiting on the host's launches); e.g. ``distill-tiles1024``
   distill-triton  the same on ``backend=TritonBlocks()``
+  filter-stats-triton  ``filter`` with the forward's statistics from the Triton kernel with masks
+               (``TritonBlocks(softmax_statistics="triton")``) instead of the Gluon kernel, which
+               "auto" takes where it can: the A/B of the two, in one run
   filter-guide-masked  ``filter-guide`` with the forward and the backward filtering every tile
                (``TritonBlocks(listed_row_share=0)``), as they do where many rows have left-out
                entries: the A/B of finding those entries first, in one run
@@ -85,7 +88,8 @@ from hf_infcl import TorchTiles, contrastive_distillation_loss, contrastive_loss
 VARIANTS = ("plain", "groups-any", "groups-each", "filter", "filter-guide")
 # run when named (and tiled variants)
 EXTRA_VARIANTS = ("distill", "matryoshka", "matryoshka-per-width", "filter-every-tile")
-GPU_ONLY_VARIANTS = ("distill-triton", "filter-guide-masked", "matryoshka-one-pass")  # when named, on CUDA
+# when named, on CUDA
+GPU_ONLY_VARIANTS = ("distill-triton", "filter-guide-masked", "filter-stats-triton", "matryoshka-one-pass")
 GROUP_SIZE = 5
 POSITIVE_COSINE = 0.6  # a positive's expected cosine to its query
 NEAR_COPIES = 0.01  # the share of (query, key) pairs that are near-copies of another pair
@@ -141,6 +145,10 @@ def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda",
             from hf_infcl.ops.triton import TritonBlocks
 
             options.update(backend=TritonBlocks(listed_row_share=0.0))
+        if variant == "filter-stats-triton":
+            from hf_infcl.ops.triton import TritonBlocks
+
+            options.update(backend=TritonBlocks(softmax_statistics="triton"))
     elif variant.startswith("matryoshka") and variant != "matryoshka-per-width":
         options = dict(matryoshka_dims=matryoshka_dims)
         if _tiles(variant):

@@ -118,3 +118,75 @@ def test_gpu_gluon_statistics_refuse_a_group_mask():
                          key_groups=groups)
     loss = contrastive_loss(q, k, scale, backend=TritonBlocks(), query_groups=groups, key_groups=groups)
     assert torch.isfinite(loss)
+
+
+# (rows, keys, c, margin, strategy, custom positives): whole and partial tiles, hard-negative keys,
+# positives in and out of order, both strategies, margins 0 (GIST's default) and above.
+FILTER_CASES = [
+    (1024, 2048, 768, 0.1, "absolute", False),
+    (1024, 1024, 512, 0.0, "absolute", False),
+    (1000, 1500, 200, 0.05, "relative", True),
+    (2048, 2048, 384, 0.02, "absolute", True),
+]
+
+
+def _filter_case_id(case):
+    m, k, c, margin, strategy, custom = case
+    return f"m{m}-k{k}-c{c}-{strategy}{margin}" + ("-permuted" if custom else "")
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", FILTER_CASES, ids=[_filter_case_id(c) for c in FILTER_CASES])
+def test_gpu_own_score_filter_statistics_from_the_gluon_kernel_match_float64(monkeypatch, case, dtype):
+    """The score filter without a guide through the Gluon kernel (counted): its bounds instead of
+    running maxima, its positive test in the tiles that may hold a positive, keys that are nobody's
+    positive; the loss and every gradient against float64 and against the masked statistics kernel
+    of .stats. A tenth of the keys are near-copies of other rows' positives, so the filter leaves
+    entries out in every row block."""
+    m, k, c, margin, strategy, custom = case
+    calls = []
+    kernel = gluon_stats.row_and_column_stats
+    monkeypatch.setattr(gluon_stats, "row_and_column_stats",
+                        lambda *a, **kw: calls.append(a[-1] is not None) or kernel(*a, **kw))
+    seed, queries, keys = paired_rows(m, k, c)
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    options = dict(false_negative_margin=margin, false_negative_strategy=strategy)
+    positives = torch.arange(m, device="cuda")
+    if custom:
+        positives = options["positives"] = torch.randperm(k, device="cuda", generator=generator)[:m]
+        keys[positives] += 0.5 * queries
+    copies = torch.randperm(k, device="cuda", generator=generator)[: k // 10]
+    originals = positives[torch.randint(0, m, (k // 10,), device="cuda", generator=generator)]
+    noise = torch.randn(k // 10, c, device="cuda", generator=generator)
+    keys[copies] = keys[originals] + 0.02 * noise / c**0.5
+
+    got = loss_and_grads(queries.to(dtype), keys.to(dtype),
+                         TritonBlocks(poison=True, softmax_statistics="gluon"), "auto", 1 / 0.07, **options)
+    assert calls and all(calls), "the filtered statistics did not come from the Gluon kernel"
+    triton_route = loss_and_grads(queries.to(dtype), keys.to(dtype),
+                                  TritonBlocks(poison=True, softmax_statistics="triton"), "auto", 1 / 0.07,
+                                  **options)
+    from hf_infcl.ops.tiled import TorchTiles
+
+    rounded = (queries.to(dtype).double(), keys.to(dtype).double())
+    expected = loss_and_grads(*rounded, TorchTiles(1024, 1024), "ieee", 1 / 0.07, **options)
+    for name, a, b, t in zip(("loss", "dq", "dk", "dscale"), got, expected, triton_route):
+        assert float((a - b).norm() / b.norm()) < 1e-2, (seed, name, "against float64")
+        assert float((a - t).norm() / t.norm()) < 1e-3, (seed, name, "against the .stats route")
+
+
+@pytest.mark.gpu
+@hopper_only
+def test_gpu_gluon_statistics_refuse_a_negative_margin():
+    """The kernel's bounds hold for margins >= 0 only: softmax_statistics='gluon' refuses a
+    negative one, naming the score filter; "auto" takes .stats there."""
+    q = torch.nn.functional.normalize(torch.randn(128, 64, device="cuda"), dim=1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(128, 64, device="cuda"), dim=1).bfloat16()
+    scale = torch.tensor(10.0, device="cuda")
+    with pytest.raises(ValueError, match="a score filter only without a guide or groups, of margin >= 0"):
+        contrastive_loss(q, k, scale, backend=TritonBlocks(softmax_statistics="gluon"),
+                         false_negative_margin=-0.1)
+    loss = contrastive_loss(q, k, scale, backend=TritonBlocks(), false_negative_margin=-0.1)
+    assert torch.isfinite(loss)

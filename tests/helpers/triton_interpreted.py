@@ -259,20 +259,35 @@ def test_gluon_statistics_refuse_without_a_hopper_gpu():
     assert TritonBlocks().softmax_statistics == "auto"
 
 
-def _gluon_stats_in_torch(queries, keys, scale, row_out, column_partials, splits):
+def _gluon_stats_in_torch(queries, keys, scale, row_out, column_partials, splits, score_filter=None):
     """What ``gluon_stats.row_and_column_stats`` writes, in torch: each split's row log-sum-exps,
-    and per 128-row block four column log-sum-exps, over the rows r with (r mod 64) div 16 = warp."""
+    and per 128-row block four column log-sum-exps, over the rows r with (r mod 64) div 16 = warp;
+    with ``score_filter``, over the entries its thresholds (made from its bounds) keep, and -inf for
+    the keys that are nobody's positive."""
     from hf_infcl.ops.triton import gluon_stats
 
     rows, n_keys = queries.shape[0], keys.shape[0]
     per_split = gluon_stats.BLOCK_N * triton.cdiv(triton.cdiv(n_keys, gluon_stats.BLOCK_N), splits)
     used = triton.cdiv(n_keys, per_split)
-    z = scale.double() * (queries.double() @ keys.double().T)
+    dots = queries.double() @ keys.double().T
+    z = column_z = scale.double() * dots
+    if score_filter is not None:
+        def thresholds(bounds):
+            bounds = bounds.double()
+            return bounds - (score_filter.margin + score_filter.relative_margin * bounds.abs())
+
+        candidates = score_filter.positives.long()[:, None] != torch.arange(n_keys)[None, :]
+        z = z.masked_fill((dots > thresholds(score_filter.row_bounds)[:, None]) & candidates, float("-inf"))
+        column_z = column_z.masked_fill((dots > thresholds(score_filter.key_bounds)[None, :]) & candidates,
+                                        float("-inf"))
+        # keys that are nobody's positive (bound 0; no positive pair scores exactly 0 here): every
+        # row left out, the worst their columns may give, since those are not the loss's
+        column_z[:, score_filter.key_bounds == 0] = float("-inf")
     for split in range(used):
         row_out[split] = torch.logsumexp(z[:, split * per_split:(split + 1) * per_split], 1)
     blocks = triton.cdiv(rows, gluon_stats.BLOCK_M)
     padded = torch.full((blocks * gluon_stats.BLOCK_M, n_keys), float("-inf"), dtype=torch.float64)
-    padded[:rows] = z
+    padded[:rows] = column_z
     by_warp = padded.view(blocks, 2, 4, 16, n_keys).permute(0, 2, 1, 3, 4).reshape(blocks * 4, 32, n_keys)
     column_partials[: blocks * 4] = torch.logsumexp(by_warp, 1)
     return used
@@ -295,6 +310,41 @@ def test_the_gluon_statistics_route_walks_row_chunks_and_merges_them(monkeypatch
     errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES["softmax-sym"])
     assert calls == [128, 128, 44], calls
     assert max(errors.values()) < TOLERANCE["fp32-ieee"], errors
+
+
+@pytest.mark.parametrize("strategy, margin", [("absolute", 0.1), ("absolute", 0.0), ("relative", 0.3)])
+def test_the_gluon_statistics_route_takes_the_own_score_filter(monkeypatch, strategy, margin):
+    """The score filter without a guide through the Gluon statistics route (the kernel's outputs
+    made in torch from the arguments it gets): each row's and key's bound from its threshold, the
+    positives as indices into the keys (custom ones, hard-negative keys that are nobody's), rows in
+    chunks; the loss and every gradient match float64. "auto" takes .stats for a negative margin,
+    which "gluon" refuses."""
+    from hf_infcl.ops.triton import gluon_stats
+
+    filters = []
+    monkeypatch.setattr(gluon_stats, "usable", lambda queries, keys: True)
+    monkeypatch.setattr(gluon_stats, "ready", lambda wait: True)
+    monkeypatch.setattr(gluon_stats, "row_and_column_stats",
+                        lambda *args: filters.append(args[-1]) or _gluon_stats_in_torch(*args))
+    case = random_case(256, 384, 16, groups=False, custom_positives=True, seed=7)
+    # near-copies of other rows' positives: false negatives the filter leaves out
+    positives = case["positives"]
+    case["keys"][positives[:40]] = case["keys"][positives[40:80]] + 0.01 * case["keys"][positives[:40]]
+    case = dict(case, objectives=dict(false_negative_margin=margin, false_negative_strategy=strategy))
+    blocks = TritonBlocks(tile_rows=128, tile_keys=160, poison=True, column_buffer_entries=4 * 384)
+    monkeypatch.setattr(gluon_stats, "AUTO_MIN_WIDTH", 16)
+    monkeypatch.setattr(gluon_stats, "AUTO_MIN_WORK", 0)
+    errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES["softmax-sym"])
+    assert len(filters) == 2 and all(f is not None for f in filters), filters
+    assert max(errors.values()) < TOLERANCE["fp32-ieee"], errors
+
+    filters.clear()  # a negative margin: the bounds would not hold
+    case["objectives"]["false_negative_margin"] = -0.1
+    errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES["softmax-sym"])
+    assert not filters and max(errors.values()) < TOLERANCE["fp32-ieee"], errors
+    with pytest.raises(ValueError, match="a score filter only without a guide or groups, of margin >= 0"):
+        errors_against_reference(case, torch.float32, TritonBlocks(softmax_statistics="gluon"), "ieee",
+                                 LOSSES["softmax-sym"])
 
 
 @pytest.mark.parametrize("m, k, c, takes", [(256, 256, 32, True), (128, 256, 32, False), (128, 256, 64, True),

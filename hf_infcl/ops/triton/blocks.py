@@ -39,6 +39,7 @@ from ..key_blocks import combine_rows as torch_combine_rows
 from ..matryoshka import PrefixSpec, PrefixSums
 from ..options import check_positive_int
 from ..positive_pairs import GroupRanges, PositiveParts, counts_positives, takes_log_sum_exp
+from ..score_filter import positive_scores
 from ..spec import GroupMask, HardnessOffset, LeftOutCounts, ScoreFilter, StatsSpec
 from ..tiled import TorchTiles
 from ..value_check import run_deferred_check
@@ -118,11 +119,12 @@ class TritonBlocks:
         softmax_statistics: which kernel gives the symmetric softmax loss's row and column
             statistics in the forward's one pass: ``"gluon"`` the Gluon kernel of
             :mod:`.gluon_stats` (Hopper GPUs, fp16 / bf16 operands, fp32 inputs' fp16 copies
-            included, no bias, group mask, hardness offset or score filter; a ValueError
-            elsewhere); ``"triton"`` the statistics kernel of :mod:`.stats`; ``"auto"`` (the
-            default): ``"gluon"`` where it can run, the row and key counts are multiples of 128,
-            c is at least 384 and rows x keys x c at least 3 * 2^37 (e.g. 32k x 32k at c = 384),
-            else ``"triton"``, which is also taken while a first call's compile plan is still
+            included, no bias, group mask or hardness offset; the score filter only without a
+            guide or groups, with a margin >= 0, below 1 with "relative", and not on fp16
+            copies; a ValueError elsewhere); ``"triton"`` the statistics kernel of :mod:`.stats`;
+            ``"auto"`` (the default): ``"gluon"`` where it can run, the row and key counts are
+            multiples of 128, c is at least 384 and rows x keys x c at least 3 * 2^37 (e.g. 32k x
+            32k at c = 384), else ``"triton"``, which is also taken while a first call's compile plan is still
             building the Gluon kernel in the background.
         listed_row_share: with a guide, the softmax loss finds the entries the score filter
             leaves out first (:mod:`.left_out`); where at most this share of the rows has any,
@@ -538,14 +540,16 @@ class TritonBlocks:
         if self.softmax_statistics == "triton":
             return False
         queries, keys = problem.kernel.queries, problem.kernel.keys
-        usable = problem.bias is None and not problem.labels and gluon_stats.usable(queries, keys)
+        usable = (problem.bias is None and (not problem.labels or _own_score_filter(problem))
+                  and gluon_stats.usable(queries, keys))
         if self.softmax_statistics == "gluon":
             if not usable:
                 raise ValueError(
                     "softmax_statistics='gluon' needs a Hopper GPU (compute capability 9), a Triton with "
                     "Gluon, fp16 or bf16 inputs (or fp32 ones as fp16 copies, tf32_via_fp16) whose rows are "
-                    "16-byte aligned, and no bias, group mask, hardness offset or score filter; use 'auto' "
-                    "to fall back to 'triton' elsewhere")
+                    "16-byte aligned, and no bias, group mask or hardness offset; a score filter only "
+                    "without a guide or groups, of margin >= 0 (below 1 with 'relative') and without fp16 "
+                    "copies; use 'auto' to fall back to 'triton' elsewhere")
             return gluon_stats.ready(wait=True)
         # "auto": whole tiles only (partial ones take the kernel's masked path, which spills), and
         # widths and sizes where it measured faster in the loss
@@ -567,6 +571,7 @@ class TritonBlocks:
         splits = gluon_stats.splits_for(chunk_rows, k, device, self.stat_splits)
         row_buffer = torch.empty(splits * chunk_rows, dtype=torch.float32, device=device)
         row_stat = col_stat = None
+        score_filter = _gluon_filter(problem) if problem.labels else None
         run_deferred_check()  # the one-process value check, just before the first kernel
         for r0 in range(0, m, chunk_rows):
             r1 = min(r0 + chunk_rows, m)
@@ -576,7 +581,10 @@ class TritonBlocks:
             if self.poison:
                 row_out.fill_(float("nan"))
                 written.fill_(float("nan"))
-            used = gluon_stats.row_and_column_stats(queries[r0:r1], keys, scale, row_out, written, splits)
+            chunk_filter = None if score_filter is None else score_filter._replace(
+                row_bounds=score_filter.row_bounds[r0:r1], positives=score_filter.positives[r0:r1])
+            used = gluon_stats.row_and_column_stats(queries[r0:r1], keys, scale, row_out, written, splits,
+                                                    chunk_filter)
             rows = row_out[0] if used == 1 else stats.merge_partials(row_out[:used], log_sum_exp=True)
             if r1 - r0 == m:  # one chunk: its rows are all the rows
                 row_stat = rows
@@ -585,6 +593,8 @@ class TritonBlocks:
                     row_stat = torch.empty(m, dtype=torch.float32, device=device)
                 row_stat[r0:r1] = rows
             col_stat = stats.merge_partials(written, log_sum_exp=True, previous=col_stat, out=col_stat)
+        if score_filter is not None:  # keys that are nobody's positive: no column term (the backward's p = 0)
+            col_stat.masked_fill_(problem.labels["key_thresholds"] == float("inf"), float("inf"))
         return row_stat, col_stat
 
     def _rows_and_columns_in_one_pass(self, problem: _Problem):
@@ -664,6 +674,38 @@ class _Problem:
     def route_arguments(self, row_sums, g_factor, softplus_sums=None) -> RouteArguments:
         inv_g_scale = None if g_factor is None else 1.0 / g_factor
         return RouteArguments(self.kernel, self.bias, self.labels, inv_g_scale, row_sums, softplus_sums)
+
+
+# The labels of the score filter without a guide, groups or hardness offset.
+_OWN_SCORE_FILTER_LABELS = {"positive_keys", "key_offset", "row_thresholds", "key_thresholds"}
+
+
+def _own_score_filter(problem: _Problem) -> bool:
+    """Whether the problem's only labels are a score filter the Gluon statistics kernel takes
+    (:class:`.gluon_stats.OwnScoreFilter`): the model's own scores, with a column statistic, a
+    margin >= 0 (below 1 with "relative": each threshold's sign is then its positive's), and the
+    kernels' operands not fp16 copies (whose thresholds are in other units)."""
+    spec, labels = problem.spec, problem.labels
+    if set(labels) != _OWN_SCORE_FILTER_LABELS or problem.kernel.queries_factor is not None:
+        return False
+    margin = spec.false_negative_margin
+    return margin >= 0 and (spec.false_negative_strategy == "absolute" or margin < 1)
+
+
+def _gluon_filter(problem: _Problem) -> gluon_stats.OwnScoreFilter:
+    """The own-score filter's arguments of the Gluon statistics kernel: the bounds from the
+    thresholds, the positives as indices into this block's keys."""
+    spec, labels = problem.spec, problem.labels
+    margin, strategy = spec.false_negative_margin, spec.false_negative_strategy
+    positives = labels["positive_keys"] - labels["key_offset"]
+    inside = (positives >= 0) & (positives < problem.kernel.keys.shape[0])
+    return gluon_stats.OwnScoreFilter(
+        row_bounds=positive_scores(labels["row_thresholds"], margin, strategy).contiguous(),
+        positives=torch.where(inside, positives, -1).to(torch.int32).contiguous(),
+        key_bounds=positive_scores(labels["key_thresholds"], margin, strategy).contiguous(),
+        margin=margin if strategy == "absolute" else 0.0,
+        relative_margin=margin if strategy == "relative" else 0.0,
+    )
 
 
 def _rows_of(problem: _Problem, rows: torch.Tensor, labels: dict) -> _Problem:

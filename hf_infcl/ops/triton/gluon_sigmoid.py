@@ -117,6 +117,26 @@ if gluon is not None:
         return n_key_tiles, n_chunks, first_tiles, runs
 
     @gluon.jit
+    def _operand_ring(q_desc, k_desc, STAGES: gl.constexpr):
+        """The shared ring both Gluon kernels load their operands into: ``STAGES`` chunks of rows
+        and of keys, a ``ready`` and an ``empty`` barrier per stage, and the two consumers' ``turn``
+        barriers at the tensor cores (see :func:`_multiply`)."""
+        BM: gl.constexpr = q_desc.block_type.shape[0]
+        BK: gl.constexpr = q_desc.block_type.shape[1]
+        BN: gl.constexpr = k_desc.block_type.shape[0]
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, BK], q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, BK], k_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        return q_bufs, k_bufs, ready, empty, turn
+
+    @gluon.jit
     def _tile_of_chunk(chunk, n_chunks, first_tiles, runs):
         """The tile and column offset of the program's ``chunk``-th chunk. The program's chunks go
         in the order its two warpgroups multiply them: their tiles alternate (the first
@@ -335,21 +355,9 @@ if gluon is not None:
                              EVEN: gl.constexpr, STAGES: gl.constexpr, MMAS_IN_FLIGHT: gl.constexpr,
                              G_BUFFERS: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
                              PRODUCER_REGISTERS: gl.constexpr):
-        BM: gl.constexpr = q_desc.block_type.shape[0]
-        BK: gl.constexpr = q_desc.block_type.shape[1]
-        BN: gl.constexpr = k_desc.block_type.shape[0]
-        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, BK], q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, BK], k_desc.layout)
+        q_bufs, k_bufs, ready, empty, turn = _operand_ring(q_desc, k_desc, STAGES)
         g_bufs = gl.allocate_shared_memory(g_desc.dtype, [2 * G_BUFFERS] + g_desc.block_type.shape,
                                            g_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
         gl.warp_specialize([
             (_consumer, (q_desc, k_desc, q_bufs, k_bufs, ready, empty, turn, g_desc, g_bufs, row_sums_ptr,
                          softplus_sums_ptr, scale_ptr, bias_ptr, inv_g_scale_ptr, n_rows, n_keys, 0, HAS_BIAS,

@@ -21,15 +21,21 @@ products and scaled once, since the scale is positive. A tile goes through its e
 column parts, so that the temporaries of one part, not of the whole tile, sit beside the
 accumulator's registers.
 
-It covers the plain symmetric softmax forward only: half-precision operands whose rows are 16-byte
-aligned, no bias, no group mask, hardness offset or score filter, on a Hopper GPU, with a Triton
-that has Gluon. Everything else takes :mod:`.stats`. Gluon kernels do not run under
+With the score filter on the model's own scores (:class:`OwnScoreFilter`; FILTER), each row's and
+each key's bound, its positive pair's dot product, shifts its exponentials instead of a running
+maximum: with a margin >= 0 no logit a row or key keeps exceeds it (docs/algorithms.md says why).
+Only the tiles whose keys may hold one of the row block's positives test for them.
+
+It covers the symmetric softmax forward, plain or with that filter: half-precision operands whose
+rows are 16-byte aligned, no bias, group mask, hardness offset or guide, on a Hopper GPU, with a
+Triton that has Gluon. Everything else takes :mod:`.stats`. Gluon kernels do not run under
 ``TRITON_INTERPRET``: its tests (``tests/test_gluon_stats.py``) run on GPUs only, against float64.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -49,10 +55,9 @@ from .jit_math import LN2, LOG2E
 
 if gluon is not None:  # (None: a Triton without Gluon)
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
     # what this kernel shares with the sigmoid loss's: its parts, loads, tile order and MMA loop
-    from .gluon_sigmoid import _eighths, _issue_loads, _multiply, _tile_of_chunk
+    from .gluon_sigmoid import _eighths, _issue_loads, _multiply, _operand_ring, _tile_of_chunk
 
 # Registers per thread of the second consumer warpgroup (the first gets what is left).
 _WORKER_REGISTERS = 232
@@ -120,9 +125,76 @@ if gluon is not None:
             gl.store(pointers, col_lse, mask=(keys < n_keys)[None, :] & (warps < 4)[:, None])
 
     @gluon.jit
+    def _filtered_part(dots, scale, row_shift, row_gap, positives, key_bound_ptr, margin, relative_margin,
+                       col_partial_ptr, row_tile, first_key, n_keys, EVEN: gl.constexpr, TEST: gl.constexpr):
+        """One part [128, PART] of a tile under the own-score filter: returns its rows' kept terms,
+        and stores each warp's column log-sum-exp over its 32 rows as :func:`_column_part` does.
+        Every exponential is shifted by a bound of what its row or key keeps (its positive's dot
+        product: ``row_shift`` and the keys' bounds, times ``scale``), so no maximum is taken; an
+        entry is left out where its shifted logit is above its threshold's, ``-(margin +
+        relative_margin * |bound|) * scale`` (``row_gap`` for the rows). Entries outside the
+        problem hold -inf."""
+        PART: gl.constexpr = dots.type.shape[1]
+        layout: gl.constexpr = dots.type.layout
+        keys = first_key + gl.arange(0, PART, layout=gl.SliceLayout(0, layout))
+        if EVEN:
+            key_bound = gl.load(key_bound_ptr + keys)
+        else:
+            key_bound = gl.load(key_bound_ptr + keys, mask=keys < n_keys, other=0.0)
+        key_shift = key_bound * scale
+        key_gap = -(margin + relative_margin * gl.abs(key_bound)) * scale
+        # a NaN logit is never above its threshold: it stays
+        row_logits = dots * scale - row_shift[:, None]
+        row_dropped = row_logits > row_gap[:, None]
+        col_logits = dots * scale - key_shift[None, :]
+        col_dropped = col_logits > key_gap[None, :]
+        if TEST:  # (tiles that may hold a row's positive) positives are never left out
+            candidates = positives[:, None] != keys[None, :]
+            row_dropped = row_dropped & candidates
+            col_dropped = col_dropped & candidates
+        row_terms = gl.where(row_dropped, 0.0, gl.exp2(row_logits))
+        col_terms = gl.where(col_dropped, 0.0, gl.exp2(col_logits))
+        col_sums = gl.sum(gl.sum(col_terms.reshape([2, 4, 16, PART]), axis=0), axis=1)
+        sums_layout: gl.constexpr = col_sums.type.layout
+        warps = gl.arange(0, 4, layout=gl.SliceLayout(1, sums_layout))
+        keys = first_key + gl.arange(0, PART, layout=gl.SliceLayout(0, sums_layout))
+        col_lse = (gl.convert_layout(key_shift, gl.SliceLayout(0, sums_layout))[None, :]
+                   + gl.log2(col_sums)) * LN2
+        pointers = col_partial_ptr + (row_tile * 4 + warps).to(gl.int64)[:, None] * n_keys + keys[None, :]
+        if EVEN:
+            gl.store(pointers, col_lse)
+        else:
+            gl.store(pointers, col_lse, mask=(keys < n_keys)[None, :] & (warps < 4)[:, None])
+        return row_terms
+
+    @gluon.jit
+    def _filtered_tile(parts, scale, row_shift, row_gap, positive_ptr, key_bound_ptr, margin, relative_margin,
+                       col_partial_ptr, row_tile, key_tile, n_rows, n_keys, EVEN: gl.constexpr,
+                       TEST: gl.constexpr):
+        """:func:`_filtered_part` over a tile's eight parts; returns the rows' kept terms, added
+        entry-wise across the parts. With TEST, the rows' positives are loaded and kept."""
+        PART: gl.constexpr = parts[0].type.shape[1]
+        BM: gl.constexpr = parts[0].type.shape[0]
+        positives = None
+        if TEST:
+            rows = row_tile * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, parts[0].type.layout))
+            positives = gl.load(positive_ptr + rows, mask=rows < n_rows, other=-1)
+        for part in gl.static_range(8):
+            terms = _filtered_part(parts[part], scale, row_shift, row_gap, positives, key_bound_ptr, margin,
+                                   relative_margin, col_partial_ptr, row_tile, (key_tile * 8 + part) * PART,
+                                   n_keys, EVEN, TEST)
+            if part == 0:
+                row_terms = terms
+            else:
+                row_terms += terms
+        return row_terms
+
+    @gluon.jit
     def _consumer(q_desc, k_desc, q_bufs, k_bufs, ready, empty, turn, row_out_ptr, col_partial_ptr, scale_ptr,
-                  n_rows, n_keys, n_items, GROUP: gl.constexpr, SPLITS: gl.constexpr, TILES: gl.constexpr,
-                  EVEN: gl.constexpr, STAGES: gl.constexpr, MMAS_IN_FLIGHT: gl.constexpr):
+                  row_bound_ptr, positive_ptr, positive_low_ptr, positive_high_ptr, key_bound_ptr, margin,
+                  relative_margin, n_rows, n_keys, n_items, GROUP: gl.constexpr, SPLITS: gl.constexpr,
+                  TILES: gl.constexpr, EVEN: gl.constexpr, FILTER: gl.constexpr, STAGES: gl.constexpr,
+                  MMAS_IN_FLIGHT: gl.constexpr):
         """One consumer warpgroup: a contiguous run of items, each a row block's running row
         statistics over the item's tiles, and each tile's column partials."""
         BM: gl.constexpr = q_desc.block_type.shape[0]
@@ -150,28 +222,45 @@ if gluon is not None:
             if not EVEN:
                 keys = key_tile * BN + local_keys
                 dots = gl.where((rows < n_rows)[:, None] & (keys < n_keys)[None, :], dots, float("-inf"))
-            new_max = gl.maximum(running_max, gl.max(dots, axis=1) * scale)
-            shift = new_max
-            if not EVEN:  # rows that have met no key yet: shift by 0
-                shift = gl.where(new_max == float("-inf"), 0.0, new_max)
-            running_sum = running_sum * gl.exp2(running_max - shift)
-            running_max = new_max
             parts = _eighths(dots)
-            part_shift = gl.convert_layout(shift, part_rows)
-            for part in gl.static_range(8):
-                # the rows' terms added entry-wise across the parts, reduced across lanes once
-                if part == 0:
-                    row_terms = gl.exp2(parts[part] * scale - part_shift[:, None])
+            if FILTER:
+                # each row's exponentials shifted by its bound: no running maximum
+                part_row_index = row_tile * BM + gl.arange(0, BM, layout=part_rows)
+                inside = part_row_index < n_rows
+                row_bound = gl.load(row_bound_ptr + part_row_index, mask=inside, other=0.0)
+                row_shift = row_bound * scale
+                row_gap = -(margin + relative_margin * gl.abs(row_bound)) * scale
+                # only the tiles whose keys may hold a row's positive test for them
+                key_start = key_tile * BN
+                if (gl.load(positive_low_ptr + row_tile) < key_start + BN) & (
+                        gl.load(positive_high_ptr + row_tile) >= key_start):
+                    row_terms = _filtered_tile(parts, scale, row_shift, row_gap, positive_ptr, key_bound_ptr,
+                                               margin, relative_margin, col_partial_ptr, row_tile, key_tile,
+                                               n_rows, n_keys, EVEN, True)
                 else:
-                    row_terms += gl.exp2(parts[part] * scale - part_shift[:, None])
-                _column_part(parts[part], scale, col_partial_ptr, row_tile, key_tile * BN + part * PART,
-                             n_keys, EVEN)
+                    row_terms = _filtered_tile(parts, scale, row_shift, row_gap, positive_ptr, key_bound_ptr,
+                                               margin, relative_margin, col_partial_ptr, row_tile, key_tile,
+                                               n_rows, n_keys, EVEN, False)
+                shift = gl.convert_layout(row_shift, row_layout)
+            else:
+                new_max = gl.maximum(running_max, gl.max(dots, axis=1) * scale)
+                shift = new_max
+                if not EVEN:  # rows that have met no key yet: shift by 0
+                    shift = gl.where(new_max == float("-inf"), 0.0, new_max)
+                running_sum = running_sum * gl.exp2(running_max - shift)
+                running_max = new_max
+                part_shift = gl.convert_layout(shift, part_rows)
+                for part in gl.static_range(8):
+                    # the rows' terms added entry-wise across the parts, reduced across lanes once
+                    if part == 0:
+                        row_terms = gl.exp2(parts[part] * scale - part_shift[:, None])
+                    else:
+                        row_terms += gl.exp2(parts[part] * scale - part_shift[:, None])
+                    _column_part(parts[part], scale, col_partial_ptr, row_tile, key_tile * BN + part * PART,
+                                 n_keys, EVEN)
             running_sum += gl.convert_layout(gl.sum(row_terms, axis=1), row_layout)
             if within == TILES - 1:  # the item's last tile: its rows' log-sum-exp over the split
-                row_shift = running_max
-                if not EVEN:
-                    row_shift = gl.where(running_max == float("-inf"), 0.0, running_max)
-                row_lse = (row_shift + gl.log2(running_sum)) * LN2
+                row_lse = (shift + gl.log2(running_sum)) * LN2
                 gl.store(row_out_ptr + split.to(gl.int64) * n_rows + rows, row_lse, mask=rows < n_rows)
                 running_max = gl.full([BM], float("-inf"), gl.float32, row_layout)
                 running_sum = gl.zeros([BM], gl.float32, row_layout)
@@ -190,28 +279,22 @@ if gluon is not None:
                          STAGES)
 
     @gluon.jit
-    def _stats_tile_kernel(q_desc, k_desc, row_out_ptr, col_partial_ptr, scale_ptr, n_rows, n_keys, n_items,
-                           SPLITS: gl.constexpr, TILES: gl.constexpr, EVEN: gl.constexpr,
-                           STAGES: gl.constexpr, MMAS_IN_FLIGHT: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
-                           PRODUCER_REGISTERS: gl.constexpr):
-        BM: gl.constexpr = q_desc.block_type.shape[0]
-        BK: gl.constexpr = q_desc.block_type.shape[1]
-        BN: gl.constexpr = k_desc.block_type.shape[0]
-        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, BK], q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, BK], k_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
+    def _stats_tile_kernel(q_desc, k_desc, row_out_ptr, col_partial_ptr, scale_ptr, row_bound_ptr,
+                           positive_ptr, positive_low_ptr, positive_high_ptr, key_bound_ptr, margin,
+                           relative_margin, n_rows, n_keys,
+                           n_items, SPLITS: gl.constexpr, TILES: gl.constexpr, EVEN: gl.constexpr,
+                           FILTER: gl.constexpr, STAGES: gl.constexpr, MMAS_IN_FLIGHT: gl.constexpr,
+                           WORKER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
+        q_bufs, k_bufs, ready, empty, turn = _operand_ring(q_desc, k_desc, STAGES)
         gl.warp_specialize([
             (_consumer, (q_desc, k_desc, q_bufs, k_bufs, ready, empty, turn, row_out_ptr, col_partial_ptr,
-                         scale_ptr, n_rows, n_keys, n_items, 0, SPLITS, TILES, EVEN, STAGES, MMAS_IN_FLIGHT)),
+                         scale_ptr, row_bound_ptr, positive_ptr, positive_low_ptr, positive_high_ptr,
+                         key_bound_ptr, margin, relative_margin, n_rows, n_keys, n_items, 0, SPLITS, TILES,
+                         EVEN, FILTER, STAGES, MMAS_IN_FLIGHT)),
             (_consumer, (q_desc, k_desc, q_bufs, k_bufs, ready, empty, turn, row_out_ptr, col_partial_ptr,
-                         scale_ptr, n_rows, n_keys, n_items, 1, SPLITS, TILES, EVEN, STAGES, MMAS_IN_FLIGHT)),
+                         scale_ptr, row_bound_ptr, positive_ptr, positive_low_ptr, positive_high_ptr,
+                         key_bound_ptr, margin, relative_margin, n_rows, n_keys, n_items, 1, SPLITS, TILES,
+                         EVEN, FILTER, STAGES, MMAS_IN_FLIGHT)),
             (_producer, (q_desc, k_desc, q_bufs, k_bufs, ready, empty, n_items, SPLITS, TILES, STAGES)),
         ], [4, 1], [WORKER_REGISTERS, PRODUCER_REGISTERS])
 
@@ -237,13 +320,40 @@ def splits_for(n_rows: int, n_keys: int, device: torch.device, splits: int | Non
     return max(d for d in range(1, min(wanted, key_tiles) + 1) if key_tiles % d == 0)
 
 
+class OwnScoreFilter(NamedTuple):
+    """The own-score filter as this kernel takes it (docs/contract.md, "False negatives by score",
+    without a guide, margin >= 0): each row's and each key's *bound*, the dot product of its
+    positive pair, which no logit it keeps exceeds, so the bound shifts its exponentials instead of
+    a running maximum; the thresholds are made from the bounds in the kernel, ``bound - (margin +
+    relative_margin * |bound|)``. Keys that are nobody's positive take any finite bound: their
+    column statistic is not one of the loss's, and the caller sets it aside."""
+
+    row_bounds: torch.Tensor  # fp32 [rows], in the units of the kernel's dot products
+    positives: torch.Tensor  # int32 [rows]: each row's positive as an index into the keys, -1 if not there
+    key_bounds: torch.Tensor  # fp32 [keys]
+    margin: float
+    relative_margin: float
+
+
+def _positive_ranges(positives: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest and largest positive of each row block (int32 [row blocks]; a block without
+    any has an empty range): the kernel tests for positives only in the tiles that meet it."""
+    blocks = triton.cdiv(positives.shape[0], BLOCK_M)
+    padded = positives.new_full((blocks * BLOCK_M,), -1)
+    padded[: positives.shape[0]] = positives
+    high = padded.view(blocks, BLOCK_M).amax(1)
+    low = torch.where(padded < 0, torch.iinfo(torch.int32).max, padded).view(blocks, BLOCK_M).amin(1)
+    return low.to(torch.int32), high.to(torch.int32)
+
+
 def row_and_column_stats(queries: torch.Tensor, keys: torch.Tensor, scale: torch.Tensor,
-                         row_out: torch.Tensor, column_partials: torch.Tensor, splits: int) -> int:
+                         row_out: torch.Tensor, column_partials: torch.Tensor, splits: int,
+                         score_filter: OwnScoreFilter | None = None) -> int:
     """Row log-sum-exp of ``scale * queries keys^T`` per range of keys into ``row_out`` (fp32
     [>= splits, rows]: split s's rows are ``row_out[s]``), and the column log-sum-exp over each 32
     rows into ``column_partials`` (fp32 [>= PARTIALS_PER_BLOCK * cdiv(rows, BLOCK_M), keys]; every
-    such row written). ``splits`` (:func:`splits_for`) is rounded to whole tiles per split; returns
-    the number used."""
+    such row written), over the entries ``score_filter`` keeps if given. ``splits``
+    (:func:`splits_for`) is rounded to whole tiles per split; returns the number used."""
     n_rows, n_keys = queries.shape[0], keys.shape[0]
     # the kernel addresses both by its own row counts: split s's rows at s * rows, partial p at p * keys
     if row_out.stride() != (n_rows, 1):
@@ -257,10 +367,21 @@ def row_and_column_stats(queries: torch.Tensor, keys: torch.Tensor, scale: torch
     splits = triton.cdiv(key_tiles, tiles_per_split)
     n_items = triton.cdiv(n_rows, BLOCK_M) * splits
     grid = (max(1, min(sm_count(queries.device), triton.cdiv(n_items, 2))),)
+    if score_filter is None:
+        filter_arguments = (scale,) * 5 + (0.0, 0.0)  # (unused pointers and margins)
+    else:
+        for name, rows in (("row_bounds", n_rows), ("positives", n_rows), ("key_bounds", n_keys)):
+            vector = getattr(score_filter, name)
+            if vector.shape != (rows,) or not vector.is_contiguous():
+                raise ValueError(f"score_filter.{name} must be a contiguous vector of {rows} entries")
+        filter_arguments = (score_filter.row_bounds, score_filter.positives,
+                            *_positive_ranges(score_filter.positives), score_filter.key_bounds,
+                            float(score_filter.margin), float(score_filter.relative_margin))
     _stats_tile_kernel[grid](
         make_descriptor(queries, BLOCK_M), make_descriptor(keys, BLOCK_N), row_out, column_partials, scale,
-        n_rows, n_keys, n_items, SPLITS=splits, TILES=tiles_per_split,
-        EVEN=n_rows % BLOCK_M == 0 and n_keys % (BLOCK_N * tiles_per_split) == 0, STAGES=STAGES,
+        *filter_arguments, n_rows, n_keys, n_items, SPLITS=splits, TILES=tiles_per_split,
+        EVEN=n_rows % BLOCK_M == 0 and n_keys % (BLOCK_N * tiles_per_split) == 0,
+        FILTER=score_filter is not None, STAGES=STAGES,
         MMAS_IN_FLIGHT=MMAS_IN_FLIGHT, WORKER_REGISTERS=_WORKER_REGISTERS,
         PRODUCER_REGISTERS=_PRODUCER_REGISTERS, num_warps=4,
     )
