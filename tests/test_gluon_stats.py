@@ -4,9 +4,12 @@ GPU (Hopper): the kernel's row and column log-sum-exps against float64 on the sa
 operands, over whole and partial tiles, one and several splits of the keys, with the output
 buffers poisoned with NaN (every entry written); the loss's default route on such a GPU goes
 through the kernel and matches float64 in the loss and every gradient, and the statistics kernel
-of ``.stats`` (``softmax_statistics="triton"``) to rounding; asking for the kernel where it cannot
-run is a clear error. Gluon kernels do not run under ``TRITON_INTERPRET``: on CPU (CI) these skip,
-and ``tests/helpers/triton_interpreted.py`` checks the refusal there.
+of ``.stats`` (``softmax_statistics="triton"``) to rounding; so does the score filter on the
+model's own scores through the kernel (its bounds instead of maxima, positives in and out of
+order, hard negatives, both strategies); asking for the kernel where it cannot run (a group mask,
+a negative margin) is a clear error. Gluon kernels do not run under ``TRITON_INTERPRET``: on CPU
+(CI) these skip, and ``tests/helpers/triton_interpreted.py`` checks the refusal and the route's
+host side there.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ def _case_id(case):
 
 def test_row_and_column_stats_refuse_buffers_the_kernel_would_misaddress():
     """The kernel writes split s's rows at s * rows and partial p at p * keys: a view with longer
-    rows (a wider buffer's first columns) is refused, naming it, before anything runs."""
+    rows (a wider buffer's first columns) is refused, naming it, before anything runs; so is a
+    score filter's vector of another length."""
     queries, keys = torch.zeros(100, 8), torch.zeros(300, 8)
     scale = torch.tensor(1.0)
     partials = torch.empty(4, 300)
@@ -46,6 +50,10 @@ def test_row_and_column_stats_refuse_buffers_the_kernel_would_misaddress():
     with pytest.raises(ValueError, match="column_partials must hold contiguous rows of 300 entries"):
         narrow_partials = torch.empty(4, 320)[:, :300]
         gluon_stats.row_and_column_stats(queries, keys, scale, torch.empty(2, 100), narrow_partials, 2)
+    bounds = gluon_stats.OwnScoreFilter(row_bounds=torch.zeros(100), positives=torch.zeros(100).int(),
+                                        key_bounds=torch.zeros(299), margin=0.1, relative_margin=0.0)
+    with pytest.raises(ValueError, match="score_filter.key_bounds must be a contiguous vector of 300"):
+        gluon_stats.row_and_column_stats(queries, keys, scale, torch.empty(2, 100), partials, 2, bounds)
 
 
 @pytest.mark.gpu
