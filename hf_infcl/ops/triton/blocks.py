@@ -124,8 +124,8 @@ class TritonBlocks:
             copies; a ValueError elsewhere); ``"triton"`` the statistics kernel of :mod:`.stats`;
             ``"auto"`` (the default): ``"gluon"`` where it can run, the row and key counts are
             multiples of 128, c is at least 384 and rows x keys x c at least 3 * 2^37 (e.g. 32k x
-            32k at c = 384), else ``"triton"``, which is also taken while a first call's compile plan is still
-            building the Gluon kernel in the background.
+            32k at c = 384), else ``"triton"``, which is also taken while a first call's compile
+            plan is still building the Gluon kernel in the background.
         listed_row_share: with a guide, the softmax loss finds the entries the score filter
             leaves out first (:mod:`.left_out`); where at most this share of the rows has any,
             the other rows' statistics run without the filter, and the backward lists the entries
