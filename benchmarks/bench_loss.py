@@ -32,7 +32,8 @@ Implementations:
   triton-bf16-stats-triton / triton-bf16-stats-gluon
                                softmax only: the forward's statistics from the Triton kernel or
                                from the Hopper (Gluon) kernel, asked for by name
-                               (TritonBlocks(softmax_statistics=...)); "auto" picks by width.
+                               (TritonBlocks(softmax_statistics=...)); "auto" picks by width and
+                               work (rows x keys x c).
   inf-cl                       the published inf-cl (``cal_inf_loss`` both ways), when importable,
                                on a torch.distributed world of one process; skipped otherwise.
                                Softmax only.
