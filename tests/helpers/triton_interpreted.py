@@ -1067,6 +1067,51 @@ def test_the_filter_with_the_default_positives_matches_reference(loss_name, rout
         assert torch.equal(value, as_indices[name]), (seed, name)
 
 
+@pytest.mark.parametrize("guided", [False, True], ids=["own", "guide"])
+@pytest.mark.parametrize("route", ["blocks", "whole-blocks"])
+@pytest.mark.parametrize("loss_name", list(LOSSES))
+def test_the_filter_s_tiles_without_left_out_entries_skip_its_masks(loss_name, route, guided):
+    """The backward's tiles with no score above any of their thresholds run without the filter's
+    masks (``may_leave_out``), the others with them. Positives far above every other score, and
+    near-copies planted: an extra key close to row 3's positive (a false negative of row 3), a row
+    close to row 2 (it leaves key 2 out, and key 2's column leaves it out). Those tiles and the
+    diagonal ones (the positives score above their thresholds) take the masks, most others not. A
+    tile wrongly taken as without left-out entries keeps a near-copy: the comparison with float64
+    fails."""
+    blocks, (m, k, c) = DEFAULT_POSITIVE_ROUTES[route]
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+
+    def near(x):
+        return x + 0.01 * torch.randn(c, generator=gen, dtype=torch.float64)
+
+    queries = torch.nn.functional.normalize(torch.randn(m, c, generator=gen, dtype=torch.float64), dim=1)
+    queries[m - 1] = near(queries[2])
+    keys = 0.3 * torch.nn.functional.normalize(torch.randn(k, c, generator=gen, dtype=torch.float64), dim=1)
+    keys[:m] += queries  # each positive scores about 1, any other key about 0.3 / sqrt(c) * N(0, 1)
+    keys[k - 2] = near(keys[3])
+    case = dict(queries=queries, keys=keys, scale=float(torch.empty(1).uniform_(2.0, 5.0, generator=gen)),
+                bias=-3.0, positives=None, query_groups=None, key_groups=None,
+                row_weights=torch.rand(m, generator=gen, dtype=torch.float64) + 0.1)
+    objectives = dict(false_negative_margin=0.2)
+    if guided:  # the same features a little apart: the same entries left out
+        blocks = dataclasses.replace(blocks, listed_row_share=0.0)  # else the softmax loss lists them
+        noise = 1e-3 * torch.randn(m + k, c, generator=gen, dtype=torch.float64)
+        objectives.update(guide_queries=queries + noise[:m], guide_keys=keys + noise[m:])
+    case["objectives"] = objectives
+    errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES[loss_name])
+    assert max(errors.values()) < TOLERANCE["fp32-ieee"], (seed, errors)
+
+    # the premise: the interpreter's 16 x 16 tiles, off the diagonal, with and without left-out entries
+    scores = queries @ keys.T
+    thresholds = scores.diagonal() - 0.2
+    over = scores > thresholds[:, None]
+    over[:, :m] |= scores[:, :m] > thresholds[None, :]
+    over[range(m), range(m)] = False
+    tiles = torch.nn.functional.max_pool2d(over.double()[None], 16, ceil_mode=True)[0]
+    assert 0 < tiles.sum() < tiles.numel() - 2, (seed, tiles)
+
+
 @pytest.mark.parametrize("filter_name", ["absolute", "guide"])
 @pytest.mark.parametrize("mode", [None, "any"])
 def test_two_pass_forward_with_the_filter_matches_reference(mode, filter_name):

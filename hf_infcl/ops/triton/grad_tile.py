@@ -7,6 +7,11 @@ writes G (divided by a GPU-resident scale when the caller scales it) to a bounde
 of R x C entries in the dtype of the GEMMs that follow (docs/algorithms.md says why G goes
 through that buffer). It reads its query and key tiles through TMA tensor descriptors where the
 GPU has them.
+
+With the score filter, a tile applies the filter's masks only where one of its scores lies above
+the lowest of its thresholds (:func:`.jit_math.may_leave_out`): in a batch of a trained model, the
+near-copies and the positives' own tiles; the other tiles run the unmasked epilogue, whose
+registers the masks would otherwise crowd.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from .jit_math import (
     hardness_offset_logits,
     in_units,
     log2_units,
+    may_leave_out,
     not_positive,
     round_guide,
     scale_and_bias,
@@ -44,55 +50,31 @@ _GRAD_SHAPES = [*BASE_SHAPES, (256, 128, 64, 8, 3), (128, 256, 128, 8, 2), (64, 
 
 
 @triton.jit
-def _grad_tile_kernel(
-    q_ptr, k_ptr, q_desc, k_desc, g_ptr, row_sums_ptr, softplus_sums_ptr, scale_ptr, bias_ptr,
-    inv_g_scale_ptr, row_stat_ptr, col_stat_ptr, row_weight_ptr, col_weight_ptr,
-    row_group_ptr, key_group_ptr, positive_ptr, key_offset, query_id_ptr, key_owner_ptr, hardness_ptr,
-    guide_q_ptr, guide_k_ptr, row_threshold_ptr, key_threshold_ptr,
-    n_rows, n_keys, c, stride_q, stride_k, stride_g, size_class, c_guide, stride_guide_q, stride_guide_k,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
-    ONE_PASS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, HARDNESS: tl.constexpr,
-    FILTER: tl.constexpr, GUIDE: tl.constexpr, GROUP_POSITIVES: tl.constexpr, CLAMP: tl.constexpr,
-    SCALED_G: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    EVEN_GUIDE_K: tl.constexpr, ROUND_GUIDE: tl.constexpr, FULL: tl.constexpr, LOG2: tl.constexpr,
-):
-    row_index = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    key_index = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    row_valid = row_index < n_rows
-    key_valid = key_index < n_keys
-
-    scale, bias = scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS, LOG2)
-    dots = dot_tile(q_ptr, k_ptr, q_desc, k_desc, row_index, key_index, row_valid, key_valid,
-                    tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N, c, stride_q, stride_k,
-                    BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST, EVEN_K, TMA)
-
-    # Full blocks (FULL) without a group mask allow every pair: no mask tile at all.
-    if HAS_MASK or not FULL:
-        allowed = allowed_pairs(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
-                                positive_ptr, key_offset, HAS_MASK)
-    logits = scaled_logits(dots, scale, bias, HAS_BIAS)
+def _g_terms(dots, scale, bias, scores, row_index, key_index, row_valid, key_valid, row_stat_ptr,
+             col_stat_ptr, row_weight_ptr, col_weight_ptr, row_group_ptr, key_group_ptr, positive_ptr,
+             key_offset, query_id_ptr, key_owner_ptr, hardness_ptr, row_threshold_ptr, key_threshold_ptr,
+             COLUMNS: tl.constexpr, SIGMOID: tl.constexpr, ONE_PASS: tl.constexpr, HARDNESS: tl.constexpr,
+             FILTER: tl.constexpr, GROUP_POSITIVES: tl.constexpr, CLAMP: tl.constexpr, HAS_BIAS: tl.constexpr,
+             LOG2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(G, the one-pass sigmoid route's softplus terms) of a tile before the group mask: each
+    direction's probabilities times its weights (the sigmoid loss's sigmoid), and with FILTER each
+    term only where its own threshold keeps the entry of ``scores``. Without ONE_PASS the second
+    value is G again. The logits are made here, from the ``dots``: not made before a caller's branch,
+    they need not be held beside the dots across it."""
     if FILTER:
-        # The score filter: each direction's term where its own threshold keeps the entry.
-        scores = dots
-        if GUIDE:
-            scores = dot_tile(guide_q_ptr, guide_k_ptr, None, None, row_index, key_index, row_valid,
-                              key_valid, 0, 0, c_guide, stride_guide_q, stride_guide_k, BLOCK_M, BLOCK_N,
-                              BLOCK_K, PRECISION, UPCAST, EVEN_GUIDE_K, False, ROUND_GUIDE)
         candidates = not_positive(row_index, key_index, row_valid, key_valid, tl.program_id(0) * BLOCK_M,
                                   tl.program_id(1) * BLOCK_N, positive_ptr, key_offset, row_group_ptr,
                                   key_group_ptr, False, GROUP_POSITIVES, BLOCK_M, BLOCK_N)
         row_dropped = score_filter_drops(scores, candidates, row_threshold_ptr, row_index, row_valid, True)
+    logits = scaled_logits(dots, scale, bias, HAS_BIAS)
     if ONE_PASS:
         # The sigmoid loss's one pass: unit row weights, and the softplus row sums (the row
         # statistic) from the same logits and the same exponential.
         grad, softplus_terms = sigmoid_and_softplus(logits)
-        if HAS_MASK or not FULL:
-            softplus_terms = tl.where(allowed, softplus_terms, 0.0)
         if FILTER:
             softplus_terms = tl.where(row_dropped, 0.0, softplus_terms)
             grad = tl.where(row_dropped, 0.0, grad)
-        tl.atomic_add(softplus_sums_ptr + row_index, tl.sum(softplus_terms, axis=1), mask=row_valid)
+        return grad, softplus_terms
     elif SIGMOID:
         row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
         grad = row_weight[:, None] * tl.sigmoid(logits)
@@ -131,6 +113,63 @@ def _grad_tile_kernel(
                 grad += tl.where(column_dropped, 0.0, col_weight[None, :] * p_col)
             else:
                 grad += col_weight[None, :] * p_col
+    return grad, grad
+
+
+@triton.jit
+def _grad_tile_kernel(
+    q_ptr, k_ptr, q_desc, k_desc, g_ptr, row_sums_ptr, softplus_sums_ptr, scale_ptr, bias_ptr,
+    inv_g_scale_ptr, row_stat_ptr, col_stat_ptr, row_weight_ptr, col_weight_ptr,
+    row_group_ptr, key_group_ptr, positive_ptr, key_offset, query_id_ptr, key_owner_ptr, hardness_ptr,
+    guide_q_ptr, guide_k_ptr, row_threshold_ptr, key_threshold_ptr,
+    n_rows, n_keys, c, stride_q, stride_k, stride_g, size_class, c_guide, stride_guide_q, stride_guide_k,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COLUMNS: tl.constexpr, SIGMOID: tl.constexpr,
+    ONE_PASS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, HARDNESS: tl.constexpr,
+    FILTER: tl.constexpr, GUIDE: tl.constexpr, GROUP_POSITIVES: tl.constexpr, CLAMP: tl.constexpr,
+    SCALED_G: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_GUIDE_K: tl.constexpr, ROUND_GUIDE: tl.constexpr, FULL: tl.constexpr, LOG2: tl.constexpr,
+):
+    row_index = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    key_index = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    row_valid = row_index < n_rows
+    key_valid = key_index < n_keys
+
+    scale, bias = scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS, LOG2)
+    dots = dot_tile(q_ptr, k_ptr, q_desc, k_desc, row_index, key_index, row_valid, key_valid,
+                    tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N, c, stride_q, stride_k,
+                    BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST, EVEN_K, TMA)
+
+    # Full blocks (FULL) without a group mask allow every pair: no mask tile at all.
+    if HAS_MASK or not FULL:
+        allowed = allowed_pairs(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
+                                positive_ptr, key_offset, HAS_MASK)
+    scores = dots
+    filter_masks = False
+    if FILTER:
+        if GUIDE:
+            scores = dot_tile(guide_q_ptr, guide_k_ptr, None, None, row_index, key_index, row_valid,
+                              key_valid, 0, 0, c_guide, stride_guide_q, stride_guide_k, BLOCK_M, BLOCK_N,
+                              BLOCK_K, PRECISION, UPCAST, EVEN_GUIDE_K, False, ROUND_GUIDE)
+        # Most tiles hold no score above any of their thresholds: those skip the filter's masks.
+        filter_masks = may_leave_out(scores, row_threshold_ptr, key_threshold_ptr, row_index, key_index,
+                                     row_valid, key_valid, COLUMNS, FULL)
+    if filter_masks:
+        grad, softplus_terms = _g_terms(
+            dots, scale, bias, scores, row_index, key_index, row_valid, key_valid, row_stat_ptr, col_stat_ptr,
+            row_weight_ptr, col_weight_ptr, row_group_ptr, key_group_ptr, positive_ptr, key_offset,
+            query_id_ptr, key_owner_ptr, hardness_ptr, row_threshold_ptr, key_threshold_ptr, COLUMNS, SIGMOID,
+            ONE_PASS, HARDNESS, True, GROUP_POSITIVES, CLAMP, HAS_BIAS, LOG2, BLOCK_M, BLOCK_N)
+    else:
+        grad, softplus_terms = _g_terms(
+            dots, scale, bias, scores, row_index, key_index, row_valid, key_valid, row_stat_ptr, col_stat_ptr,
+            row_weight_ptr, col_weight_ptr, row_group_ptr, key_group_ptr, positive_ptr, key_offset,
+            query_id_ptr, key_owner_ptr, hardness_ptr, row_threshold_ptr, key_threshold_ptr, COLUMNS, SIGMOID,
+            ONE_PASS, HARDNESS, False, GROUP_POSITIVES, CLAMP, HAS_BIAS, LOG2, BLOCK_M, BLOCK_N)
+    if ONE_PASS:
+        if HAS_MASK or not FULL:
+            softplus_terms = tl.where(allowed, softplus_terms, 0.0)
+        tl.atomic_add(softplus_sums_ptr + row_index, tl.sum(softplus_terms, axis=1), mask=row_valid)
     if HAS_MASK or not FULL:
         # where(), not a product: a masked entry may hold 0 * inf = nan.
         grad = tl.where(allowed, grad, 0.0)

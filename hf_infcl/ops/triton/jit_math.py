@@ -305,6 +305,23 @@ def score_filter_drops(scores, candidates, threshold_ptr, index, valid, OUTER: t
 
 
 @triton.jit
+def may_leave_out(scores, row_threshold_ptr, key_threshold_ptr, row_index, key_index, row_valid, key_valid,
+                  COLUMNS: tl.constexpr, FULL: tl.constexpr):
+    """Whether the score filter may leave out an entry of a [rows, keys] tile of ``scores``: some
+    score of the tile is above the lowest threshold of its rows (with COLUMNS, of its rows and keys).
+    Where not, every entry is kept (:func:`score_filter_drops` would drop none), and the tile needs
+    no masks: one maximum per entry instead of the masks' comparisons. A NaN score never counts
+    (the masks keep it too)."""
+    lowest = tl.min(tl.load(row_threshold_ptr + row_index, mask=row_valid, other=float("inf")), axis=0)
+    if COLUMNS:
+        key_thresholds = tl.load(key_threshold_ptr + key_index, mask=key_valid, other=float("inf"))
+        lowest = tl.minimum(lowest, tl.min(key_thresholds, axis=0))
+    if not FULL:  # the scores of rows and keys past the ends are meaningless
+        scores = tl.where(row_valid[:, None] & key_valid[None, :], scores, float("-inf"))
+    return tl.max(tl.max(scores, axis=1), axis=0) > lowest
+
+
+@triton.jit
 def hardness_offset_logits(logits, dots, row_index, key_index, row_valid, key_valid, query_id_ptr,
                            key_owner_ptr, positive_ptr, key_offset, strength, row_group_ptr, key_group_ptr,
                            HARDNESS: tl.constexpr, GROUP_POSITIVES: tl.constexpr):
