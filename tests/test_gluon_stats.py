@@ -135,6 +135,7 @@ FILTER_CASES = [
     (1024, 1024, 512, 0.0, "absolute", False),
     (1000, 1500, 200, 0.05, "relative", True),
     (2048, 2048, 384, 0.02, "absolute", True),
+    (1024, 2048, 512, -0.1, "absolute", False),  # Qwen3-Embedding's rule
 ]
 
 
@@ -187,14 +188,42 @@ def test_gpu_own_score_filter_statistics_from_the_gluon_kernel_match_float64(mon
 
 @pytest.mark.gpu
 @hopper_only
-def test_gpu_gluon_statistics_refuse_a_negative_margin():
-    """The kernel's bounds hold for margins >= 0 only: softmax_statistics='gluon' refuses a
-    negative one, naming the score filter; "auto" takes .stats there."""
+def test_gpu_a_negative_margin_at_a_large_scale_stays_finite():
+    """With a negative margin the kernel's bounds sit halfway between each positive and its
+    threshold: at scale 300, keys 0.4 above their rows' positives (kept: the threshold is 0.5 above)
+    give terms of e^45 there, where a positive's bound would give e^120, past fp32. The loss and
+    every gradient against float64 and the masked statistics kernel of .stats."""
+    seed, queries, keys = paired_rows(1024, 1024, 512)
+    keys[512:576] = 0.9 * queries[:64]  # rows 0-63 score them about 0.4 above their positives
+    operands = (queries.bfloat16(), keys.bfloat16())
+
+    def loss_and_grads_of(q, kk, backend, precision):
+        return loss_and_grads(q, kk, backend, precision, 300.0, false_negative_margin=-0.5)
+
+    got = loss_and_grads_of(*operands, TritonBlocks(poison=True, softmax_statistics="gluon"), "auto")
+    masked = loss_and_grads_of(*operands, TritonBlocks(poison=True, softmax_statistics="triton"), "auto")
+    from hf_infcl.ops.tiled import TorchTiles
+
+    expected = loss_and_grads_of(*(x.double() for x in operands), TorchTiles(1024, 1024), "ieee")
+    for name, a, b, t in zip(("loss", "dq", "dk", "dscale"), got, expected, masked):
+        assert torch.isfinite(a).all(), (seed, name)
+        assert float((a - b).norm() / b.norm()) < 1e-2, (seed, name, "against float64")
+        # (at scale 300 a dot product's rounding moves a logit 300 times as far)
+        assert float((a - t).norm() / t.norm()) < 5e-3, (seed, name, "against the .stats route")
+
+
+@pytest.mark.gpu
+@hopper_only
+def test_gpu_gluon_statistics_refuse_a_margin_whose_bounds_may_not_hold():
+    """A negative "relative" margin (its thresholds' distance to the positives unbounded) or an
+    "absolute" one below -0.5: softmax_statistics='gluon' refuses, naming the score filter; "auto"
+    takes .stats there."""
     q = torch.nn.functional.normalize(torch.randn(128, 64, device="cuda"), dim=1).bfloat16()
     k = torch.nn.functional.normalize(torch.randn(128, 64, device="cuda"), dim=1).bfloat16()
     scale = torch.tensor(10.0, device="cuda")
-    with pytest.raises(ValueError, match="a score filter only without a guide or groups, of margin >= 0"):
-        contrastive_loss(q, k, scale, backend=TritonBlocks(softmax_statistics="gluon"),
-                         false_negative_margin=-0.1)
-    loss = contrastive_loss(q, k, scale, backend=TritonBlocks(), false_negative_margin=-0.1)
-    assert torch.isfinite(loss)
+    for options in (dict(false_negative_margin=-0.1, false_negative_strategy="relative"),
+                    dict(false_negative_margin=-0.6)):
+        with pytest.raises(ValueError, match="without a guide or groups, of margin >= -0.5"):
+            contrastive_loss(q, k, scale, backend=TritonBlocks(softmax_statistics="gluon"), **options)
+        loss = contrastive_loss(q, k, scale, backend=TritonBlocks(), **options)
+        assert torch.isfinite(loss)

@@ -312,13 +312,15 @@ def test_the_gluon_statistics_route_walks_row_chunks_and_merges_them(monkeypatch
     assert max(errors.values()) < TOLERANCE["fp32-ieee"], errors
 
 
-@pytest.mark.parametrize("strategy, margin", [("absolute", 0.1), ("absolute", 0.0), ("relative", 0.3)])
+@pytest.mark.parametrize("strategy, margin", [("absolute", 0.1), ("absolute", 0.0), ("relative", 0.3),
+                                              ("absolute", -0.1)])
 def test_the_gluon_statistics_route_takes_the_own_score_filter(monkeypatch, strategy, margin):
     """The score filter without a guide through the Gluon statistics route (the kernel's outputs
-    made in torch from the arguments it gets): each row's and key's bound from its threshold, the
-    positives as indices into the keys (custom ones, hard-negative keys that are nobody's), rows in
-    chunks; the loss and every gradient match float64. "auto" takes .stats for a negative margin,
-    which "gluon" refuses."""
+    made in torch from the arguments it gets): each row's and key's bound from its threshold (with
+    a negative margin, halfway to its positive), the positives as indices into the keys (custom
+    ones, hard-negative keys that are nobody's), rows in chunks; the loss and every gradient match
+    float64. "auto" takes .stats for a negative relative margin and one below -0.5, which "gluon"
+    refuses."""
     from hf_infcl.ops.triton import gluon_stats
 
     filters = []
@@ -338,13 +340,14 @@ def test_the_gluon_statistics_route_takes_the_own_score_filter(monkeypatch, stra
     assert len(filters) == 2 and all(f is not None for f in filters), filters
     assert max(errors.values()) < TOLERANCE["fp32-ieee"], errors
 
-    filters.clear()  # a negative margin: the bounds would not hold
-    case["objectives"]["false_negative_margin"] = -0.1
-    errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES["softmax-sym"])
-    assert not filters and max(errors.values()) < TOLERANCE["fp32-ieee"], errors
-    with pytest.raises(ValueError, match="a score filter only without a guide or groups, of margin >= 0"):
-        errors_against_reference(case, torch.float32, TritonBlocks(softmax_statistics="gluon"), "ieee",
-                                 LOSSES["softmax-sym"])
+    for strategy, margin in [("relative", -0.1), ("absolute", -0.6)]:  # not taken: their bounds may not hold
+        filters.clear()
+        case["objectives"].update(false_negative_margin=margin, false_negative_strategy=strategy)
+        errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES["softmax-sym"])
+        assert not filters and max(errors.values()) < TOLERANCE["fp32-ieee"], errors
+        with pytest.raises(ValueError, match="without a guide or groups, of margin >= -0.5"):
+            errors_against_reference(case, torch.float32, TritonBlocks(softmax_statistics="gluon"), "ieee",
+                                     LOSSES["softmax-sym"])
 
 
 @pytest.mark.parametrize("m, k, c, takes", [(256, 256, 32, True), (128, 256, 32, False), (128, 256, 64, True),

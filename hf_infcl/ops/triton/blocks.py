@@ -120,8 +120,9 @@ class TritonBlocks:
             statistics in the forward's one pass: ``"gluon"`` the Gluon kernel of
             :mod:`.gluon_stats` (Hopper GPUs, fp16 / bf16 operands, fp32 inputs' fp16 copies
             included, no bias, group mask or hardness offset; the score filter only without a
-            guide or groups, with a margin >= 0, below 1 with "relative", and not on fp16
-            copies; a ValueError elsewhere); ``"triton"`` the statistics kernel of :mod:`.stats`;
+            guide or groups, with a margin from -0.5 ("absolute") or from 0 to below 1
+            ("relative"), and not on fp16 copies; a ValueError elsewhere); ``"triton"`` the
+            statistics kernel of :mod:`.stats`;
             ``"auto"`` (the default): ``"gluon"`` where it can run, the row and key counts are
             multiples of 128, c is at least 384 and rows x keys x c at least 3 * 2^37 (e.g. 32k x
             32k at c = 384), else ``"triton"``, which is also taken while a first call's compile
@@ -548,8 +549,8 @@ class TritonBlocks:
                     "softmax_statistics='gluon' needs a Hopper GPU (compute capability 9), a Triton with "
                     "Gluon, fp16 or bf16 inputs (or fp32 ones as fp16 copies, tf32_via_fp16) whose rows are "
                     "16-byte aligned, and no bias, group mask or hardness offset; a score filter only "
-                    "without a guide or groups, of margin >= 0 (below 1 with 'relative') and without fp16 "
-                    "copies; use 'auto' to fall back to 'triton' elsewhere")
+                    "without a guide or groups, of margin >= -0.5 with 'absolute' (0 to below 1 with "
+                    "'relative') and without fp16 copies; use 'auto' to fall back to 'triton' elsewhere")
             return gluon_stats.ready(wait=True)
         # "auto": whole tiles only (partial ones take the kernel's masked path, which spills), and
         # widths and sizes where it measured faster in the loss
@@ -680,30 +681,52 @@ class _Problem:
 _OWN_SCORE_FILTER_LABELS = {"positive_keys", "key_offset", "row_thresholds", "key_thresholds"}
 
 
+# The most negative "absolute" margin the Gluon statistics kernel takes (Qwen3-Embedding's rule is
+# -0.1). Its bounds then sit halfway between each positive and its threshold, so that no kept term
+# exceeds exp(scale * |margin| / 2) and the positive's is at least the inverse: within fp32's range
+# for scales up to about 300 at this margin.
+GLUON_MIN_MARGIN = -0.5
+
+
 def _own_score_filter(problem: _Problem) -> bool:
     """Whether the problem's only labels are a score filter the Gluon statistics kernel takes
-    (:class:`.gluon_stats.OwnScoreFilter`): the model's own scores, with a column statistic, a
-    margin >= 0 (below 1 with "relative": each threshold's sign is then its positive's), and the
-    kernels' operands not fp16 copies (whose thresholds are in other units)."""
+    (:class:`.gluon_stats.OwnScoreFilter`): the model's own scores, with a column statistic, an
+    "absolute" margin from :data:`GLUON_MIN_MARGIN` on or a "relative" one from 0 to below 1 (each
+    threshold's sign is then its positive's), and the kernels' operands not fp16 copies (whose
+    thresholds are in other units)."""
     spec, labels = problem.spec, problem.labels
     if set(labels) != _OWN_SCORE_FILTER_LABELS or problem.kernel.queries_factor is not None:
         return False
     margin = spec.false_negative_margin
-    return margin >= 0 and (spec.false_negative_strategy == "absolute" or margin < 1)
+    if spec.false_negative_strategy == "absolute":
+        return margin >= GLUON_MIN_MARGIN
+    return 0 <= margin < 1
 
 
 def _gluon_filter(problem: _Problem) -> gluon_stats.OwnScoreFilter:
     """The own-score filter's arguments of the Gluon statistics kernel: the bounds from the
-    thresholds, the positives as indices into this block's keys."""
+    thresholds, the positives as indices into this block's keys. A bound is a row's (or key's)
+    positive's score; with a negative margin the kernel's bound is its threshold less half the
+    margin's size, and its margin half the margin, so that the kernel's thresholds are the same."""
     spec, labels = problem.spec, problem.labels
     margin, strategy = spec.false_negative_margin, spec.false_negative_strategy
     positives = labels["positive_keys"] - labels["key_offset"]
     inside = (positives >= 0) & (positives < problem.kernel.keys.shape[0])
+    if strategy == "absolute":
+        kernel_margin = margin if margin >= 0 else margin / 2
+
+        def bounds(thresholds):  # a key that is nobody's positive (threshold +inf): any finite bound
+            return torch.where(thresholds == float("inf"), 0.0, thresholds + kernel_margin).contiguous()
+    else:
+        kernel_margin = 0.0
+
+        def bounds(thresholds):
+            return positive_scores(thresholds, margin, strategy).contiguous()
     return gluon_stats.OwnScoreFilter(
-        row_bounds=positive_scores(labels["row_thresholds"], margin, strategy).contiguous(),
+        row_bounds=bounds(labels["row_thresholds"]),
         positives=torch.where(inside, positives, -1).to(torch.int32).contiguous(),
-        key_bounds=positive_scores(labels["key_thresholds"], margin, strategy).contiguous(),
-        margin=margin if strategy == "absolute" else 0.0,
+        key_bounds=bounds(labels["key_thresholds"]),
+        margin=kernel_margin,
         relative_margin=margin if strategy == "relative" else 0.0,
     )
 

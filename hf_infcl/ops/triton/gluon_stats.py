@@ -22,8 +22,8 @@ column parts, so that the temporaries of one part, not of the whole tile, sit be
 accumulator's registers.
 
 With the score filter on the model's own scores (:class:`OwnScoreFilter`; FILTER), each row's and
-each key's bound, its positive pair's dot product, shifts its exponentials instead of a running
-maximum: with a margin >= 0 no logit a row or key keeps exceeds it (docs/algorithms.md says why).
+each key's bound (its positive pair's dot product where the margin is >= 0) shifts its exponentials
+instead of a running maximum: no logit a row or key keeps is far above it (docs/algorithms.md).
 Only the tiles whose keys may hold one of the row block's positives test for them.
 
 It covers the symmetric softmax forward, plain or with that filter: half-precision operands whose
@@ -322,11 +322,13 @@ def splits_for(n_rows: int, n_keys: int, device: torch.device, splits: int | Non
 
 class OwnScoreFilter(NamedTuple):
     """The own-score filter as this kernel takes it (docs/contract.md, "False negatives by score",
-    without a guide, margin >= 0): each row's and each key's *bound*, the dot product of its
-    positive pair, which no logit it keeps exceeds, so the bound shifts its exponentials instead of
+    without a guide): each row's and each key's *bound*, which shifts its exponentials instead of
     a running maximum; the thresholds are made from the bounds in the kernel, ``bound - (margin +
-    relative_margin * |bound|)``. Keys that are nobody's positive take any finite bound: their
-    column statistic is not one of the loss's, and the caller sets it aside."""
+    relative_margin * |bound|)``. With a margin >= 0 the bound is the dot product of the positive
+    pair, which no logit the row or key keeps exceeds; with a negative ``margin`` (the caller's
+    half), kept logits exceed the bound by at most ``|margin|``, and the positive's lies as far
+    below it. Keys that are nobody's positive take any finite bound: their column statistic is not
+    one of the loss's, and the caller sets it aside."""
 
     row_bounds: torch.Tensor  # fp32 [rows], in the units of the kernel's dot products
     positives: torch.Tensor  # int32 [rows]: each row's positive as an index into the keys, -1 if not there
