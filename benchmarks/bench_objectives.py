@@ -12,6 +12,8 @@ log-scale, through the public ``hf_infcl.contrastive_loss``:
   filter-guide the same with a guide of the same width (a second, frozen embedding of the batch)
   filter-every-tile  ``false_negative_margin=2.5``: every key but the positive left out, so every
                tile pays for the filter's masks (its worst case; not run by default)
+  filter-qwen3 ``false_negative_margin=-0.1``: Qwen3-Embedding's rule, a negative left out where it
+               scores above its row's positive plus 0.1 (not run by default)
 
 and, named in ``--variants`` only (not run by default):
 
@@ -87,7 +89,7 @@ from hf_infcl import TorchTiles, contrastive_distillation_loss, contrastive_loss
 
 VARIANTS = ("plain", "groups-any", "groups-each", "filter", "filter-guide")
 # run when named (and tiled variants)
-EXTRA_VARIANTS = ("distill", "matryoshka", "matryoshka-per-width", "filter-every-tile")
+EXTRA_VARIANTS = ("distill", "matryoshka", "matryoshka-per-width", "filter-every-tile", "filter-qwen3")
 # when named, on CUDA
 GPU_ONLY_VARIANTS = ("distill-triton", "filter-guide-masked", "filter-stats-triton", "matryoshka-one-pass")
 GROUP_SIZE = 5
@@ -138,7 +140,8 @@ def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda",
         groups = torch.arange(b, device=device) // GROUP_SIZE
         options = dict(query_groups=groups, key_groups=groups, group_positives=variant.split("-")[1])
     elif variant.startswith("filter"):
-        options = dict(false_negative_margin=2.5 if variant == "filter-every-tile" else 0.1)
+        margins = {"filter-every-tile": 2.5, "filter-qwen3": -0.1}
+        options = dict(false_negative_margin=margins.get(variant, 0.1))
         if variant.startswith("filter-guide"):
             options.update(guide_queries=guide[0].to(dtype), guide_keys=guide[1].to(dtype))
         if variant == "filter-guide-masked":
