@@ -706,28 +706,20 @@ def _own_score_filter(problem: _Problem) -> bool:
 def _gluon_filter(problem: _Problem) -> gluon_stats.OwnScoreFilter:
     """The own-score filter's arguments of the Gluon statistics kernel: the bounds from the
     thresholds, the positives as indices into this block's keys. A bound is a row's (or key's)
-    positive's score; with a negative margin the kernel's bound is its threshold less half the
-    margin's size, and its margin half the margin, so that the kernel's thresholds are the same."""
+    positive's score, from which the kernel makes the threshold again; with a negative margin the
+    kernel takes half the margin, so its bound lies halfway between positive and threshold and its
+    thresholds are the same."""
     spec, labels = problem.spec, problem.labels
     margin, strategy = spec.false_negative_margin, spec.false_negative_strategy
+    kernel_margin = margin if margin >= 0 else margin / 2
     positives = labels["positive_keys"] - labels["key_offset"]
     inside = (positives >= 0) & (positives < problem.kernel.keys.shape[0])
-    if strategy == "absolute":
-        kernel_margin = margin if margin >= 0 else margin / 2
-
-        def bounds(thresholds):  # a key that is nobody's positive (threshold +inf): any finite bound
-            return torch.where(thresholds == float("inf"), 0.0, thresholds + kernel_margin).contiguous()
-    else:
-        kernel_margin = 0.0
-
-        def bounds(thresholds):
-            return positive_scores(thresholds, margin, strategy).contiguous()
     return gluon_stats.OwnScoreFilter(
-        row_bounds=bounds(labels["row_thresholds"]),
+        row_bounds=positive_scores(labels["row_thresholds"], kernel_margin, strategy).contiguous(),
         positives=torch.where(inside, positives, -1).to(torch.int32).contiguous(),
-        key_bounds=bounds(labels["key_thresholds"]),
-        margin=kernel_margin,
-        relative_margin=margin if strategy == "relative" else 0.0,
+        key_bounds=positive_scores(labels["key_thresholds"], kernel_margin, strategy).contiguous(),
+        margin=kernel_margin if strategy == "absolute" else 0.0,
+        relative_margin=kernel_margin if strategy == "relative" else 0.0,
     )
 
 
