@@ -340,9 +340,11 @@ def test_the_gluon_statistics_route_takes_the_own_score_filter(monkeypatch, stra
     assert len(filters) == 2 and all(f is not None for f in filters), filters
     assert max(errors.values()) < TOLERANCE["fp32-ieee"], errors
 
-    for strategy, margin in [("relative", -0.1), ("absolute", -0.6)]:  # not taken: their bounds may not hold
+    # not taken: their bounds may not hold
+    for refused_strategy, refused_margin in [("relative", -0.1), ("absolute", -0.6)]:
         filters.clear()
-        case["objectives"].update(false_negative_margin=margin, false_negative_strategy=strategy)
+        case["objectives"].update(false_negative_margin=refused_margin,
+                                  false_negative_strategy=refused_strategy)
         errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES["softmax-sym"])
         assert not filters and max(errors.values()) < TOLERANCE["fp32-ieee"], errors
         with pytest.raises(ValueError, match="without a guide or groups, of margin >= -0.5"):
