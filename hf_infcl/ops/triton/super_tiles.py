@@ -84,16 +84,27 @@ def walk(route: SuperTileRoute, gemm: Operands, grad_queries: torch.Tensor, grad
     segments = route.segments
     # Row stride padded to 8 elements so that cuBLAS sees aligned leading dimensions.
     scratch = route.scratch((tile_rows, -(-tile_keys // 8) * 8), gemm.queries.dtype)
-    # Every view the loop needs, made once: the loop runs once per super-tile, and slicing a
-    # dozen tensors per super-tile cost more host time than the GPU work it launched.
-    rows = [(gemm.queries[r0:r1], grad_queries[r0:r1], route.row_panel(r0, r1))
-            for r0, r1 in _bounds(m, tile_rows)]
-    keys = [(gemm.keys[k0:k1], grad_keys[k0:k1], route.key_tile(k0, k1)) for k0, k1 in _bounds(k, tile_keys)]
+    # Every view the loop needs, made once (the loop runs once per super-tile, and slicing a dozen
+    # tensors per super-tile cost more host time than the GPU work it launched), and each when the
+    # loop first needs it: made all up front, they kept the GPU idle before the first launch.
+    def row_views(r0, r1):
+        return gemm.queries[r0:r1], grad_queries[r0:r1], route.row_panel(r0, r1)
+
+    def key_views(k0, k1):
+        return gemm.keys[k0:k1], grad_keys[k0:k1], route.key_tile(k0, k1)
+
+    row_bounds, key_bounds = _bounds(m, tile_rows), _bounds(k, tile_keys)
+    first_rows = row_views(*row_bounds[0])
+    keys = [key_views(*key_bounds[0])] + [None] * (len(key_bounds) - 1)  # the rest at the first row panel
     g_views = {}  # at most four shapes: full, last row panel, last key tile, both
     run_deferred_check()  # the one-process value check, just before the first kernel
     with _cublas_precision(gemm.queries.dtype, precision, gemm.queries.device):
-        for gemm_queries, row_grad, row_panel in rows:
-            for gemm_keys, key_grad, key_tile in keys:
+        for panel, (r0, r1) in enumerate(row_bounds):
+            gemm_queries, row_grad, row_panel = first_rows if panel == 0 else row_views(r0, r1)
+            for tile_index, (k0, k1) in enumerate(key_bounds):
+                if keys[tile_index] is None:
+                    keys[tile_index] = key_views(k0, k1)
+                gemm_keys, key_grad, key_tile = keys[tile_index]
                 shape = (gemm_queries.shape[0], gemm_keys.shape[0])
                 g = g_views.get(shape)
                 if g is None:
