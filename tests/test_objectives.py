@@ -401,6 +401,31 @@ def test_one_process_counts_the_pairs_before_its_first_kernel_and_lists_them_aft
     assert events == ["counted", "forward_block", "listed", "backward_block"]
 
 
+@pytest.mark.parametrize("guided", [False, True], ids=["own-scores", "guide"])
+def test_the_backward_reuses_the_forward_s_thresholds(monkeypatch, guided):
+    """The score filter's thresholds (one GEMV of the positives and a few small launches, made
+    while the GPU waits) are made once per step: the backward takes the forward's, and its
+    gradients are the float64 oracle's."""
+    from hf_infcl.ops import key_blocks
+
+    calls = []
+    thresholds = key_blocks.score_filter.thresholds
+    monkeypatch.setattr(key_blocks.score_filter, "thresholds",
+                        lambda *args: calls.append(1) or thresholds(*args))
+    case = make_case(9, 14, 5, seed=random.randrange(2**31), guide_width=3 if guided else None)
+    options = dict(logit_scale=case["scale"], positives=case["positives"], false_negative_margin=0.2,
+                   guide_queries=case.get("guide_queries"), guide_keys=case.get("guide_keys"))
+    results = []
+    for backend in (TorchTiles(4, 4), "reference"):
+        queries, keys = (case[name].clone().requires_grad_() for name in ("queries", "keys"))
+        loss = contrastive_loss(queries, keys, backend=backend, **options)
+        results.append((loss, *torch.autograd.grad(loss, (queries, keys))))
+        if backend != "reference":
+            assert calls == [1]
+    for value, expected in zip(*results):
+        torch.testing.assert_close(value, expected, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_group_ranges_hold_the_same_pairs_as_the_list(seed):
     """The ranges that the Triton block ops walk (no host synchronisation) enumerate, from the rows'

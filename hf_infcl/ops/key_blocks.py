@@ -64,7 +64,6 @@ from .spec import (
     accumulation_dtype,
     takes_one_pass,
 )
-from .value_check import run_deferred_check
 
 # Row chunks for the O(m c) epilogues, so they allocate no full-size fp32 temporaries.
 _EPILOGUE_ELEMENTS = 2**22
@@ -259,6 +258,7 @@ class ForwardStats(NamedTuple):
     unit: UnitGradients | None
     pairs: BlockPairs | GroupRanges | None = None  # one process's pairs, for the backward
     left_out: LeftOutCounts | None = None  # one process's left-out counts, for the backward
+    labels: PairLabels | None = None  # the labels as completed for the kernels (complete_labels)
 
 
 def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, queries, keys, scale, bias,
@@ -286,10 +286,12 @@ def stats_forward(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, qu
         col_stat = empty()
     if parts is None:
         positive = positive_logits(queries, keys, positives, scale, bias, row_combiner(ops))
-        return ForwardStats(row_stat, col_stat, positive, empty(), empty(), empty(), unit, left_out=left_out)
+        return ForwardStats(row_stat, col_stat, positive, empty(), empty(), empty(), unit, left_out=left_out,
+                            labels=labels)
     counts_and_columns = (empty() if t is None else t for t in (parts.columns, parts.row_counts,
                                                                  parts.column_counts))
-    return ForwardStats(row_stat, col_stat, parts.rows, *counts_and_columns, unit, parts.pairs, left_out)
+    return ForwardStats(row_stat, col_stat, parts.rows, *counts_and_columns, unit, parts.pairs, left_out,
+                        labels)
 
 
 def one_pass(spec: StatsSpec, schedule: KeyBlockSchedule, ops: BlockOps) -> bool:
@@ -363,8 +365,11 @@ def complete_labels(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, 
     """``labels`` with the rows' positives as global key indices (keys numbered in rank order),
     which group masking, the hardness offset, the score filter and the positive pairs need
     (``positives`` None: ``keys[:m]``), and with the score filter's thresholds
-    (:func:`hf_infcl.ops.score_filter.thresholds`)."""
+    (:func:`hf_infcl.ops.score_filter.thresholds`). Labels the forward completed (a backward's)
+    are returned as they are."""
     if labels.query_groups is None and labels.query_ids is None and not spec.filters:
+        return labels
+    if labels.positive_keys is not None:
         return labels
     global_positives = positives
     if positives is None:
@@ -373,8 +378,11 @@ def complete_labels(schedule: KeyBlockSchedule, spec: StatsSpec, ops: BlockOps, 
     labels = labels._replace(positive_keys=global_positives + offset if offset else global_positives)
     if not spec.filters:
         return labels
-    run_deferred_check()  # the thresholds read the positives: the first kernel that does
-    row_thresholds, key_thresholds = score_filter.thresholds(spec, queries, keys, positives,
+    # The thresholds index keys by the positives before the one-process value check has read them
+    # (it runs just before the loss's first kernel, so that the GPU does not idle through this host
+    # work): clamped, an index out of range reads a key, not past the keys, and the check rejects it.
+    index = None if positives is None else positives.clamp(0, keys.shape[0] - 1)
+    row_thresholds, key_thresholds = score_filter.thresholds(spec, queries, keys, index,
                                                              labels.guide_queries, labels.guide_keys,
                                                              row_combiner(ops))
     return labels._replace(row_thresholds=row_thresholds, key_thresholds=key_thresholds)
@@ -402,6 +410,11 @@ class KeyBlockLogitStats(torch.autograd.Function):
                               stats.positive, stats.column_positive)
         ctx.spec, ctx.ops, ctx.schedule, ctx.unit, ctx.pairs = spec, ops, schedule, stats.unit, stats.pairs
         ctx.left_out = stats.left_out
+        # what complete_labels added (no inputs: those are saved above), so that the backward,
+        # which starts while the GPU has nothing queued, does not make it again
+        completed = stats.labels
+        ctx.completed = None if completed is None else (completed.positive_keys, completed.row_thresholds,
+                                                        completed.key_thresholds)
         ctx.mark_non_differentiable(stats.positive_counts, stats.column_counts)
         return stats[:6]
 
@@ -411,6 +424,10 @@ class KeyBlockLogitStats(torch.autograd.Function):
          guide_queries, guide_keys, row_stat, col_stat, positive, column_positive) = ctx.saved_tensors
         labels = PairLabels(query_groups, key_groups, query_ids, key_owners, guide_queries=guide_queries,
                             guide_keys=guide_keys)
+        if ctx.completed is not None:
+            positive_keys, row_thresholds, key_thresholds = ctx.completed
+            labels = labels._replace(positive_keys=positive_keys, row_thresholds=row_thresholds,
+                                     key_thresholds=key_thresholds)
         # On the CPU the backward runs in the caller's thread, under its autocast if it is on: the
         # gradients keep the forward's precision (hf_infcl.loss turns autocast off for the forward).
         with torch.autocast(queries.device.type, enabled=False):

@@ -39,14 +39,3 @@ def thresholds(spec: StatsSpec, queries, keys, positives, guide_queries, guide_k
     else:
         key_thresholds[positives] = row_thresholds  # positives are distinct here (loss.py checks)
     return row_thresholds, key_thresholds
-
-
-def positive_scores(thresholds: torch.Tensor, margin: float, strategy: str) -> torch.Tensor:
-    """The positives' scores that :func:`thresholds` made ``thresholds`` from with ``margin``, to
-    rounding: for any "absolute" margin, for a "relative" one from 0 to below 1 (where a
-    threshold's sign is its score's); an +inf threshold (a key that is nobody's positive) gives 0."""
-    if strategy == "absolute":
-        scores = thresholds + margin
-    else:  # tau = g - |g| * margin: g = tau / (1 - margin) where g >= 0, tau / (1 + margin) where not
-        scores = torch.where(thresholds >= 0, thresholds / (1 - margin), thresholds / (1 + margin))
-    return torch.where(thresholds == float("inf"), 0.0, scores)

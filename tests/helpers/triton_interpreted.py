@@ -352,6 +352,51 @@ def test_the_gluon_statistics_route_takes_the_own_score_filter(monkeypatch, stra
                                      LOSSES["softmax-sym"])
 
 
+@pytest.mark.parametrize("strategy, margin", [("absolute", 0.1), ("absolute", -0.05), ("relative", 0.3),
+                                              ("relative", 0.0)])
+@pytest.mark.parametrize("m, k, offset", [(300, 200, 0), (100, 500, 40), (128, 128, 0)],
+                         ids=["more-rows", "more-keys-offset", "one-block"])
+def test_the_own_score_bounds_kernel_inverts_thresholds_and_bounds_each_block_s_positives(strategy, margin,
+                                                                                          m, k, offset):
+    """The Gluon statistics kernel's filter arguments from one launch (own_score_bounds): each
+    bound the positive's score its threshold was made from (float64 inverse; 0 for keys that are
+    nobody's positive), the positives as indices into the block's keys from ``offset`` on (-1
+    where outside), and each 128-row block's smallest and largest of them (an empty range for a
+    block without any)."""
+    from hf_infcl.ops.triton import gluon_stats
+    from hf_infcl.ops.triton.own_score_bounds import own_score_filter
+
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    scores = torch.randn(m, generator=gen, dtype=torch.float64)
+    positive_keys = torch.randint(-50, k + offset + 60, (m,), generator=gen)
+    if m > 256:
+        positive_keys[256:] = -7  # the last block: no positive among the keys
+    if strategy == "absolute":
+        row_thresholds = scores - margin
+    else:
+        row_thresholds = scores - scores.abs() * margin
+    key_thresholds = torch.full((k,), float("inf"), dtype=torch.float64)
+    key_scores = torch.randn(k, generator=gen, dtype=torch.float64)
+    some = torch.randperm(k, generator=gen)[: k // 2]
+    key_thresholds[some] = (key_scores - margin if strategy == "absolute"
+                            else key_scores - key_scores.abs() * margin)[some]
+    result = own_score_filter(row_thresholds.float(), key_thresholds.float(), positive_keys, offset, k,
+                              margin, strategy)
+    torch.testing.assert_close(result.row_bounds.double(), scores, rtol=1e-6, atol=1e-6)
+    expected_keys = torch.where(key_thresholds == float("inf"), 0.0, key_scores)
+    torch.testing.assert_close(result.key_bounds.double(), expected_keys, rtol=1e-6, atol=1e-6)
+    local = positive_keys - offset
+    inside = (local >= 0) & (local < k)
+    assert torch.equal(result.positives, torch.where(inside, local, -1).int())
+    margins = (margin, 0.0) if strategy == "absolute" else (0.0, margin)
+    assert (result.margin, result.relative_margin) == margins
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(result.ranges,
+                                                                  gluon_stats.positive_ranges(result.positives)))
+    with pytest.raises(ValueError, match="key_thresholds must have"):
+        own_score_filter(row_thresholds.float(), key_thresholds[1:].float(), positive_keys, offset, k, margin,
+                         strategy)
+
+
 @pytest.mark.parametrize("m, k, c, takes", [(256, 256, 32, True), (128, 256, 32, False), (128, 256, 64, True),
                                            (256, 256, 16, False), (200, 256, 32, False)],
                          ids=["enough-work", "too-little-work", "wider", "too-narrow", "partial-tiles"])
@@ -831,11 +876,21 @@ def test_value_checks_raise_before_the_first_kernel(route, monkeypatch):
     """The Triton block ops make one process's value checks (scale > 0, positives in range)
     after preparing their operands, just before the loss's first kernel (for the statistics
     kernel: in its launch, just before the kernel): the error names the argument, and no
-    kernel of the loss (statistics, gradient tiles, the sigmoid one pass's GEMM) has run."""
+    kernel of the loss (statistics, gradient tiles, the sigmoid one pass's GEMM) has run. The
+    score filter's thresholds come before the check, from the positives clamped into the keys:
+    an index past them would end the process on a GPU."""
     from hf_infcl.ops.triton import blocks, stats, super_tiles
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel of the loss ran before the values were checked")
+
+    combine_rows = blocks.combine_rows
+
+    def thresholds_only(**arguments):  # the filter's thresholds: the positives' scores, indices in range
+        index = arguments["source_index"]
+        assert route.startswith("filter") and arguments["dot_with"] is not None, "a loss kernel ran first"
+        assert index is None or 0 <= int(index.min()) <= int(index.max()) < arguments["sources"].shape[0]
+        return combine_rows(**arguments)
 
     class NoKernel:  # the statistics kernel's autotuner: launched as tuner[grid](...)
         def __getitem__(self, grid):
@@ -845,7 +900,7 @@ def test_value_checks_raise_before_the_first_kernel(route, monkeypatch):
     monkeypatch.setattr(stats, "merge_partials", no_kernel)
     for name in ("grad_tile", "sigmoid_from_dots", "add_product"):
         monkeypatch.setattr(super_tiles, name, no_kernel)
-    monkeypatch.setattr(blocks, "combine_rows", no_kernel)  # the positives' scores, the filter's thresholds
+    monkeypatch.setattr(blocks, "combine_rows", thresholds_only)
     gen = torch.Generator().manual_seed(11)
     queries = torch.randn(9, 8, generator=gen).requires_grad_(True)
     keys = torch.randn(12, 8, generator=gen).requires_grad_(True)

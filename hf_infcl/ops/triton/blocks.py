@@ -39,7 +39,6 @@ from ..key_blocks import combine_rows as torch_combine_rows
 from ..matryoshka import PrefixSpec, PrefixSums
 from ..options import check_positive_int
 from ..positive_pairs import GroupRanges, PositiveParts, counts_positives, takes_log_sum_exp
-from ..score_filter import positive_scores
 from ..spec import GroupMask, HardnessOffset, LeftOutCounts, ScoreFilter, StatsSpec
 from ..tiled import TorchTiles
 from ..value_check import run_deferred_check
@@ -71,6 +70,7 @@ from .operands import (
     scalar,
     sliced,
 )
+from .own_score_bounds import own_score_filter
 from .super_tiles import CublasDotsRoute, GluonRoute, GradTileRoute, RouteArguments, g_scale, walk
 
 SIGMOID_LOGITS = ("auto", "gluon", "gemm", "fused")
@@ -582,8 +582,12 @@ class TritonBlocks:
             if self.poison:
                 row_out.fill_(float("nan"))
                 written.fill_(float("nan"))
-            chunk_filter = None if score_filter is None else score_filter._replace(
-                row_bounds=score_filter.row_bounds[r0:r1], positives=score_filter.positives[r0:r1])
+            chunk_filter = None
+            if score_filter is not None:  # (chunks start at whole row blocks)
+                blocks = slice(r0 // gluon_stats.BLOCK_M, -(-r1 // gluon_stats.BLOCK_M))
+                chunk_filter = score_filter._replace(
+                    row_bounds=score_filter.row_bounds[r0:r1], positives=score_filter.positives[r0:r1],
+                    ranges=tuple(bound[blocks] for bound in score_filter.ranges))
             used = gluon_stats.row_and_column_stats(queries[r0:r1], keys, scale, row_out, written, splits,
                                                     chunk_filter)
             rows = row_out[0] if used == 1 else stats.merge_partials(row_out[:used], log_sum_exp=True)
@@ -704,23 +708,17 @@ def _own_score_filter(problem: _Problem) -> bool:
 
 
 def _gluon_filter(problem: _Problem) -> gluon_stats.OwnScoreFilter:
-    """The own-score filter's arguments of the Gluon statistics kernel: the bounds from the
-    thresholds, the positives as indices into this block's keys. A bound is a row's (or key's)
-    positive's score, from which the kernel makes the threshold again; with a negative margin the
-    kernel takes half the margin, so its bound lies halfway between positive and threshold and its
-    thresholds are the same."""
+    """The own-score filter's arguments of the Gluon statistics kernel (:mod:`.own_score_bounds`):
+    the bounds from the thresholds, the positives as indices into this block's keys. A bound is a
+    row's (or key's) positive's score, from which the kernel makes the threshold again; with a
+    negative margin the kernel takes half the margin, so its bound lies halfway between positive
+    and threshold and its thresholds are the same. Made before the value check's
+    synchronisation, so that the GPU does not idle through this host work."""
     spec, labels = problem.spec, problem.labels
-    margin, strategy = spec.false_negative_margin, spec.false_negative_strategy
-    kernel_margin = margin if margin >= 0 else margin / 2
-    positives = labels["positive_keys"] - labels["key_offset"]
-    inside = (positives >= 0) & (positives < problem.kernel.keys.shape[0])
-    return gluon_stats.OwnScoreFilter(
-        row_bounds=positive_scores(labels["row_thresholds"], kernel_margin, strategy).contiguous(),
-        positives=torch.where(inside, positives, -1).to(torch.int32).contiguous(),
-        key_bounds=positive_scores(labels["key_thresholds"], kernel_margin, strategy).contiguous(),
-        margin=kernel_margin if strategy == "absolute" else 0.0,
-        relative_margin=kernel_margin if strategy == "relative" else 0.0,
-    )
+    margin = spec.false_negative_margin
+    return own_score_filter(labels["row_thresholds"], labels["key_thresholds"], labels["positive_keys"],
+                            labels["key_offset"], problem.kernel.keys.shape[0],
+                            margin if margin >= 0 else margin / 2, spec.false_negative_strategy)
 
 
 def _rows_of(problem: _Problem, rows: torch.Tensor, labels: dict) -> _Problem:

@@ -335,11 +335,15 @@ class OwnScoreFilter(NamedTuple):
     key_bounds: torch.Tensor  # fp32 [keys]
     margin: float
     relative_margin: float
+    # :func:`positive_ranges` of ``positives``, made ahead by a caller that wants the launch to
+    # find them ready; None: made at the launch
+    ranges: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def _positive_ranges(positives: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def positive_ranges(positives: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The smallest and largest positive of each row block (int32 [row blocks]; a block without
-    any has an empty range): the kernel tests for positives only in the tiles that meet it."""
+    any has an empty range): the kernel tests for positives only in the tiles that meet it. Row
+    chunks that start at a multiple of :data:`BLOCK_M` take the slices of their blocks."""
     blocks = triton.cdiv(positives.shape[0], BLOCK_M)
     padded = positives.new_full((blocks * BLOCK_M,), -1)
     padded[: positives.shape[0]] = positives
@@ -372,12 +376,18 @@ def row_and_column_stats(queries: torch.Tensor, keys: torch.Tensor, scale: torch
     if score_filter is None:
         filter_arguments = (scale,) * 5 + (0.0, 0.0)  # (unused pointers and margins)
     else:
-        for name, rows in (("row_bounds", n_rows), ("positives", n_rows), ("key_bounds", n_keys)):
-            vector = getattr(score_filter, name)
-            if vector.shape != (rows,) or not vector.is_contiguous():
-                raise ValueError(f"score_filter.{name} must be a contiguous vector of {rows} entries")
-        filter_arguments = (score_filter.row_bounds, score_filter.positives,
-                            *_positive_ranges(score_filter.positives), score_filter.key_bounds,
+        ranges = score_filter.ranges
+        if ranges is None:
+            ranges = positive_ranges(score_filter.positives)
+        row_blocks = triton.cdiv(n_rows, BLOCK_M)
+        for name, vector, length in (("row_bounds", score_filter.row_bounds, n_rows),
+                                     ("positives", score_filter.positives, n_rows),
+                                     ("key_bounds", score_filter.key_bounds, n_keys),
+                                     ("ranges[0]", ranges[0], row_blocks),
+                                     ("ranges[1]", ranges[1], row_blocks)):
+            if vector.shape != (length,) or not vector.is_contiguous():
+                raise ValueError(f"score_filter.{name} must be a contiguous vector of {length} entries")
+        filter_arguments = (score_filter.row_bounds, score_filter.positives, *ranges, score_filter.key_bounds,
                             float(score_filter.margin), float(score_filter.relative_margin))
     _stats_tile_kernel[grid](
         make_descriptor(queries, BLOCK_M), make_descriptor(keys, BLOCK_N), row_out, column_partials, scale,
