@@ -101,6 +101,14 @@ if gluon is not None:
         return row_tile, split * TILES + within, split, within
 
     @gluon.jit
+    def _log2(x):
+        """log2 by the special-function unit (lg2.approx: an absolute error of about 2^-22, far
+        below what an fp32 log-sum-exp keeps): the library's, a polynomial of about 25
+        instructions, took a sixth of a tile's epilogue in the column log-sum-exps."""
+        return gl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
     def _column_part(dots, scale, col_partial_ptr, row_tile, first_key, n_keys, EVEN: gl.constexpr):
         """Each warp's log-sum-exp over its 32 rows of one part [128, PART] of a tile's dot
         products (-inf outside the problem), stored at ``col_partial[row_tile * 4 + warp, key]``
@@ -114,7 +122,7 @@ if gluon is not None:
         if not EVEN:  # a column with no row in the problem: shift by 0, its sum is 0, its LSE -inf
             col_shift = gl.where(col_max == float("-inf"), 0.0, col_max)
         terms = gl.exp2(by_warp * scale - gl.expand_dims(gl.expand_dims(col_shift, 1), 0))
-        col_lse = (col_shift + gl.log2(gl.sum(gl.sum(terms, axis=0), axis=1))) * LN2
+        col_lse = (col_shift + _log2(gl.sum(gl.sum(terms, axis=0), axis=1))) * LN2
         layout: gl.constexpr = col_lse.type.layout
         warps = gl.arange(0, 4, layout=gl.SliceLayout(1, layout))
         keys = first_key + gl.arange(0, PART, layout=gl.SliceLayout(0, layout))
@@ -125,22 +133,29 @@ if gluon is not None:
             gl.store(pointers, col_lse, mask=(keys < n_keys)[None, :] & (warps < 4)[:, None])
 
     @gluon.jit
-    def _filtered_part(dots, scale, row_shift, row_gap, positives, key_bound_ptr, margin, relative_margin,
+    def _key_bounds(key_bound_ptr, first_key, n_keys, PART: gl.constexpr, layout: gl.constexpr,
+                    EVEN: gl.constexpr):
+        """The bounds of the ``PART`` keys from ``first_key`` on, in ``layout`` (0 past the keys)."""
+        keys = first_key + gl.arange(0, PART, layout=layout)
+        if EVEN:
+            bounds = gl.load(key_bound_ptr + keys)
+        else:
+            bounds = gl.load(key_bound_ptr + keys, mask=keys < n_keys, other=0.0)
+        return bounds
+
+    @gluon.jit
+    def _filtered_part(dots, scale, row_shift, row_gap, positives, key_bound, margin, relative_margin,
                        col_partial_ptr, row_tile, first_key, n_keys, EVEN: gl.constexpr, TEST: gl.constexpr):
         """One part [128, PART] of a tile under the own-score filter: returns its rows' kept terms,
         and stores each warp's column log-sum-exp over its 32 rows as :func:`_column_part` does.
         Every exponential is shifted by a bound of what its row or key keeps (its positive's dot
-        product: ``row_shift`` and the keys' bounds, times ``scale``), so no maximum is taken; an
-        entry is left out where its shifted logit is above its threshold's, ``-(margin +
+        product: ``row_shift`` and the part's ``key_bound``, times ``scale``), so no maximum is
+        taken; an entry is left out where its shifted logit is above its threshold's, ``-(margin +
         relative_margin * |bound|) * scale`` (``row_gap`` for the rows). Entries outside the
         problem hold -inf."""
         PART: gl.constexpr = dots.type.shape[1]
         layout: gl.constexpr = dots.type.layout
         keys = first_key + gl.arange(0, PART, layout=gl.SliceLayout(0, layout))
-        if EVEN:
-            key_bound = gl.load(key_bound_ptr + keys)
-        else:
-            key_bound = gl.load(key_bound_ptr + keys, mask=keys < n_keys, other=0.0)
         key_shift = key_bound * scale
         key_gap = -(margin + relative_margin * gl.abs(key_bound)) * scale
         # a NaN logit is never above its threshold: it stays
@@ -159,7 +174,7 @@ if gluon is not None:
         warps = gl.arange(0, 4, layout=gl.SliceLayout(1, sums_layout))
         keys = first_key + gl.arange(0, PART, layout=gl.SliceLayout(0, sums_layout))
         col_lse = (gl.convert_layout(key_shift, gl.SliceLayout(0, sums_layout))[None, :]
-                   + gl.log2(col_sums)) * LN2
+                   + _log2(col_sums)) * LN2
         pointers = col_partial_ptr + (row_tile * 4 + warps).to(gl.int64)[:, None] * n_keys + keys[None, :]
         if EVEN:
             gl.store(pointers, col_lse)
@@ -168,21 +183,31 @@ if gluon is not None:
         return row_terms
 
     @gluon.jit
-    def _filtered_tile(parts, scale, row_shift, row_gap, positive_ptr, key_bound_ptr, margin, relative_margin,
-                       col_partial_ptr, row_tile, key_tile, n_rows, n_keys, EVEN: gl.constexpr,
-                       TEST: gl.constexpr):
+    def _filtered_tile(parts, scale, row_shift, row_gap, positive_ptr, key_bound_ptr, first_bounds, margin,
+                       relative_margin, col_partial_ptr, row_tile, key_tile, n_rows, n_keys,
+                       EVEN: gl.constexpr, TEST: gl.constexpr):
         """:func:`_filtered_part` over a tile's eight parts; returns the rows' kept terms, added
-        entry-wise across the parts. With TEST, the rows' positives are loaded and kept."""
+        entry-wise across the parts. ``first_bounds``: the first part's key bounds, loaded before
+        the tile's products were waited for; each later part's are loaded while the part before it
+        runs, so that no part waits for its loads. With TEST, the rows' positives are loaded and
+        kept."""
         PART: gl.constexpr = parts[0].type.shape[1]
         BM: gl.constexpr = parts[0].type.shape[0]
+        bounds_layout: gl.constexpr = first_bounds.type.layout
         positives = None
         if TEST:
             rows = row_tile * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, parts[0].type.layout))
             positives = gl.load(positive_ptr + rows, mask=rows < n_rows, other=-1)
+        key_bounds = first_bounds
         for part in gl.static_range(8):
-            terms = _filtered_part(parts[part], scale, row_shift, row_gap, positives, key_bound_ptr, margin,
+            if part < 7:
+                next_bounds = _key_bounds(key_bound_ptr, (key_tile * 8 + part + 1) * PART, n_keys, PART,
+                                          bounds_layout, EVEN)
+            terms = _filtered_part(parts[part], scale, row_shift, row_gap, positives, key_bounds, margin,
                                    relative_margin, col_partial_ptr, row_tile, (key_tile * 8 + part) * PART,
                                    n_keys, EVEN, TEST)
+            if part < 7:
+                key_bounds = next_bounds
             if part == 0:
                 row_terms = terms
             else:
@@ -209,12 +234,19 @@ if gluon is not None:
         acc = gl.zeros([BM, BN], gl.float32, layout)
         row_layout: gl.constexpr = gl.SliceLayout(1, layout)
         part_rows: gl.constexpr = gl.SliceLayout(1, _eighths(acc)[0].type.layout)
+        part_keys: gl.constexpr = gl.SliceLayout(0, _eighths(acc)[0].type.layout)
         local_rows = gl.arange(0, BM, layout=row_layout)
         local_keys = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
         running_max = gl.full([BM], float("-inf"), gl.float32, row_layout)
         running_sum = gl.zeros([BM], gl.float32, row_layout)
         for nth_tile in range(runs[GROUP]):
             row_tile, key_tile, split, within = _tile_place(first_tiles[GROUP] + nth_tile, SPLITS, TILES)
+            if FILTER:  # the tile's bounds and positive range, loaded while its products are waited for
+                part_row_index = row_tile * BM + gl.arange(0, BM, layout=part_rows)
+                row_bound = gl.load(row_bound_ptr + part_row_index, mask=part_row_index < n_rows, other=0.0)
+                lowest_positive = gl.load(positive_low_ptr + row_tile)
+                highest_positive = gl.load(positive_high_ptr + row_tile)
+                first_bounds = _key_bounds(key_bound_ptr, key_tile * BN, n_keys, PART, part_keys, EVEN)
             acc, turn_phase = _multiply(q_bufs, k_bufs, ready, empty, turn, acc, nth_tile, runs, turn_phase,
                                         n_chunks, GROUP, STAGES, MMAS_IN_FLIGHT)
             rows = row_tile * BM + local_rows
@@ -225,22 +257,19 @@ if gluon is not None:
             parts = _eighths(dots)
             if FILTER:
                 # each row's exponentials shifted by its bound: no running maximum
-                part_row_index = row_tile * BM + gl.arange(0, BM, layout=part_rows)
-                inside = part_row_index < n_rows
-                row_bound = gl.load(row_bound_ptr + part_row_index, mask=inside, other=0.0)
                 row_shift = row_bound * scale
                 row_gap = -(margin + relative_margin * gl.abs(row_bound)) * scale
                 # only the tiles whose keys may hold a row's positive test for them
-                key_start = key_tile * BN
-                if (gl.load(positive_low_ptr + row_tile) < key_start + BN) & (
-                        gl.load(positive_high_ptr + row_tile) >= key_start):
-                    row_terms = _filtered_tile(parts, scale, row_shift, row_gap, positive_ptr, key_bound_ptr,
-                                               margin, relative_margin, col_partial_ptr, row_tile, key_tile,
-                                               n_rows, n_keys, EVEN, True)
+                if (lowest_positive < key_tile * BN + BN) & (highest_positive >= key_tile * BN):
+                    row_terms = _filtered_tile(parts, scale, row_shift, row_gap, positive_ptr,
+                                               key_bound_ptr, first_bounds, margin, relative_margin,
+                                               col_partial_ptr, row_tile, key_tile, n_rows, n_keys, EVEN,
+                                               True)
                 else:
-                    row_terms = _filtered_tile(parts, scale, row_shift, row_gap, positive_ptr, key_bound_ptr,
-                                               margin, relative_margin, col_partial_ptr, row_tile, key_tile,
-                                               n_rows, n_keys, EVEN, False)
+                    row_terms = _filtered_tile(parts, scale, row_shift, row_gap, positive_ptr,
+                                               key_bound_ptr, first_bounds, margin, relative_margin,
+                                               col_partial_ptr, row_tile, key_tile, n_rows, n_keys, EVEN,
+                                               False)
                 shift = gl.convert_layout(row_shift, row_layout)
             else:
                 new_max = gl.maximum(running_max, gl.max(dots, axis=1) * scale)
