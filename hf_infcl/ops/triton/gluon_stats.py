@@ -104,7 +104,7 @@ if gluon is not None:
     def _log2(x):
         """log2 by the special-function unit (lg2.approx: an absolute error of about 2^-22, far
         below what an fp32 log-sum-exp keeps): the library's, a polynomial of about 25
-        instructions, took a sixth of a tile's epilogue in the column log-sum-exps."""
+        instructions, was a third of a tile's epilogue in the column log-sum-exps."""
         return gl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32,
                                          is_pure=True, pack=1)
 
