@@ -51,32 +51,14 @@ def test_row_and_column_stats_refuse_buffers_the_kernel_would_misaddress():
         narrow_partials = torch.empty(4, 320)[:, :300]
         gluon_stats.row_and_column_stats(queries, keys, scale, torch.empty(2, 100), narrow_partials, 2)
     bounds = gluon_stats.OwnScoreFilter(row_bounds=torch.zeros(100), positives=torch.zeros(100).int(),
-                                        key_bounds=torch.zeros(299), margin=0.1, relative_margin=0.0)
+                                        key_bounds=torch.zeros(299), margin=0.1, relative_margin=0.0,
+                                        ranges=(torch.zeros(1).int(), torch.zeros(1).int()))
     with pytest.raises(ValueError, match="score_filter.key_bounds must be a contiguous vector of 300"):
         gluon_stats.row_and_column_stats(queries, keys, scale, torch.empty(2, 100), partials, 2, bounds)
-    made_ahead = bounds._replace(key_bounds=torch.zeros(300),
-                                 ranges=(torch.zeros(2).int(), torch.zeros(1).int()))
+    wrong_ranges = bounds._replace(key_bounds=torch.zeros(300),
+                                   ranges=(torch.zeros(2).int(), torch.zeros(1).int()))
     with pytest.raises(ValueError, match=r"score_filter.ranges\[0\] must be a contiguous vector of 1 "):
-        gluon_stats.row_and_column_stats(queries, keys, scale, torch.empty(2, 100), partials, 2, made_ahead)
-
-
-def test_positive_ranges_bound_each_row_block_s_positives_and_slice_by_whole_blocks():
-    """The ranges the kernel tests positives in: each block of 128 rows' smallest and largest
-    positive (-1, a positive outside the keys, is none; a block without any has an empty range),
-    and a chunk of rows from a whole block on has its blocks' slice of them."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
-    positives = torch.randint(-1, 5000, (300,), generator=gen).int()
-    positives[128:256] = -1
-    low, high = gluon_stats.positive_ranges(positives)
-    assert low.dtype == high.dtype == torch.int32 and low.shape == high.shape == (3,)
-    for block, (first, last) in enumerate(zip(low.tolist(), high.tolist())):
-        found = [p for p in positives[128 * block: 128 * (block + 1)].tolist() if p >= 0]
-        if found:
-            assert (first, last) == (min(found), max(found))
-        else:
-            assert first > last  # empty: no key tile meets it
-    chunk = gluon_stats.positive_ranges(positives[128:])
-    assert torch.equal(chunk[0], low[1:]) and torch.equal(chunk[1], high[1:])
+        gluon_stats.row_and_column_stats(queries, keys, scale, torch.empty(2, 100), partials, 2, wrong_ranges)
 
 
 @pytest.mark.gpu

@@ -362,8 +362,7 @@ def test_the_own_score_bounds_kernel_inverts_thresholds_and_bounds_each_block_s_
     bound the positive's score its threshold was made from (float64 inverse; 0 for keys that are
     nobody's positive), the positives as indices into the block's keys from ``offset`` on (-1
     where outside), and each 128-row block's smallest and largest of them (an empty range for a
-    block without any)."""
-    from hf_infcl.ops.triton import gluon_stats
+    block without any), of which a chunk of rows from a whole block on has its blocks' slice."""
     from hf_infcl.ops.triton.own_score_bounds import own_score_filter
 
     gen = torch.Generator().manual_seed(random.randrange(2**31))
@@ -390,8 +389,18 @@ def test_the_own_score_bounds_kernel_inverts_thresholds_and_bounds_each_block_s_
     assert torch.equal(result.positives, torch.where(inside, local, -1).int())
     margins = (margin, 0.0) if strategy == "absolute" else (0.0, margin)
     assert (result.margin, result.relative_margin) == margins
-    assert all(torch.equal(mine, theirs) for mine, theirs in zip(result.ranges,
-                                                                  gluon_stats.positive_ranges(result.positives)))
+    low, high = result.ranges
+    assert low.dtype == high.dtype == torch.int32 and low.shape == high.shape == (-(-m // 128),)
+    for block, (first, last) in enumerate(zip(low.tolist(), high.tolist())):
+        found = [p for p in result.positives[128 * block: 128 * (block + 1)].tolist() if p >= 0]
+        if found:
+            assert (first, last) == (min(found), max(found))
+        else:
+            assert first > last  # empty: no key tile meets it
+    if m > 128:
+        chunk = own_score_filter(row_thresholds[128:].float(), key_thresholds.float(), positive_keys[128:],
+                                 offset, k, margin, strategy)
+        assert torch.equal(chunk.ranges[0], low[1:]) and torch.equal(chunk.ranges[1], high[1:])
     with pytest.raises(ValueError, match="key_thresholds must have"):
         own_score_filter(row_thresholds.float(), key_thresholds[1:].float(), positive_keys, offset, k, margin,
                          strategy)

@@ -364,21 +364,10 @@ class OwnScoreFilter(NamedTuple):
     key_bounds: torch.Tensor  # fp32 [keys]
     margin: float
     relative_margin: float
-    # :func:`positive_ranges` of ``positives``, made ahead by a caller that wants the launch to
-    # find them ready; None: made at the launch
-    ranges: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-def positive_ranges(positives: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The smallest and largest positive of each row block (int32 [row blocks]; a block without
-    any has an empty range): the kernel tests for positives only in the tiles that meet it. Row
-    chunks that start at a multiple of :data:`BLOCK_M` take the slices of their blocks."""
-    blocks = triton.cdiv(positives.shape[0], BLOCK_M)
-    padded = positives.new_full((blocks * BLOCK_M,), -1)
-    padded[: positives.shape[0]] = positives
-    high = padded.view(blocks, BLOCK_M).amax(1)
-    low = torch.where(padded < 0, torch.iinfo(torch.int32).max, padded).view(blocks, BLOCK_M).amin(1)
-    return low.to(torch.int32), high.to(torch.int32)
+    # int32 [row blocks] each: every block of BLOCK_M rows' smallest and largest positive (low >
+    # high for a block without any); the kernel tests for positives only in the tiles they meet.
+    # A chunk of rows from a multiple of BLOCK_M on takes the slices of its blocks.
+    ranges: tuple[torch.Tensor, torch.Tensor]
 
 
 def row_and_column_stats(queries: torch.Tensor, keys: torch.Tensor, scale: torch.Tensor,
@@ -406,8 +395,6 @@ def row_and_column_stats(queries: torch.Tensor, keys: torch.Tensor, scale: torch
         filter_arguments = (scale,) * 5 + (0.0, 0.0)  # (unused pointers and margins)
     else:
         ranges = score_filter.ranges
-        if ranges is None:
-            ranges = positive_ranges(score_filter.positives)
         row_blocks = triton.cdiv(n_rows, BLOCK_M)
         for name, vector, length in (("row_bounds", score_filter.row_bounds, n_rows),
                                      ("positives", score_filter.positives, n_rows),

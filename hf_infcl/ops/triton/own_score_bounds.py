@@ -9,7 +9,7 @@ threshold was made from (:mod:`hf_infcl.ops.score_filter`):
 
 (a key that is nobody's positive, tau = +inf, takes 0). It also takes each row's positive as an
 index into the block's keys (-1 where the positive is not among them) and each block of
-``BLOCK_M`` rows' smallest and largest such index (:func:`.gluon_stats.positive_ranges`). Made with
+``BLOCK_M`` rows' smallest and largest such index (``OwnScoreFilter.ranges``). Made with
 torch operations these are about twenty small launches, each a few microseconds of host time while
 the GPU waits for the statistics kernel; this kernel makes them all at once.
 """
@@ -63,13 +63,14 @@ def own_score_filter(row_thresholds: torch.Tensor, key_thresholds: torch.Tensor,
     ``strategy`` ("absolute" any margin, "relative" from 0 to below 1, where a threshold's sign
     is its score's): fp32 ``row_thresholds`` [rows] and ``key_thresholds`` [n_keys], the rows'
     positives ``positive_keys`` [rows] as global key indices, the block's first key at
-    ``key_offset``; the ranges made too."""
+    ``key_offset``; the row blocks' ranges made too."""
     n_rows = row_thresholds.shape[0]
     if key_thresholds.shape != (n_keys,) or positive_keys.shape != (n_rows,):
         raise ValueError(f"key_thresholds must have {n_keys} entries and positive_keys {n_rows}, got "
                          f"{tuple(key_thresholds.shape)} and {tuple(positive_keys.shape)}")
     if strategy not in ("absolute", "relative"):
         raise ValueError(f"strategy must be 'absolute' or 'relative', got {strategy!r}")
+    relative = strategy == "relative"
     device, block = row_thresholds.device, gluon_stats.BLOCK_M
     row_bounds = torch.empty(n_rows, dtype=torch.float32, device=device)
     positives = torch.empty(n_rows, dtype=torch.int32, device=device)
@@ -78,8 +79,7 @@ def own_score_filter(row_thresholds: torch.Tensor, key_thresholds: torch.Tensor,
     _own_score_bounds_kernel[(max(triton.cdiv(n_rows, block), triton.cdiv(n_keys, block)),)](
         row_thresholds.contiguous(), key_thresholds.contiguous(), positive_keys.contiguous(), row_bounds,
         positives, key_bounds, low, high, key_offset, float(margin), n_rows, n_keys,
-        RELATIVE=strategy == "relative", BLOCK=block,
+        RELATIVE=relative, BLOCK=block,
     )
-    relative = strategy == "relative"
     return gluon_stats.OwnScoreFilter(row_bounds, positives, key_bounds, margin=0.0 if relative else margin,
                                       relative_margin=margin if relative else 0.0, ranges=(low, high))
