@@ -23,6 +23,14 @@ SXM's on an H200: both sm_90 with 132 SMs, so Triton compiles the same kernels f
 run under that GPU's name, so they load its shipped tuned configurations, and the plans go into its
 file. A plan only says what to compile ahead; where it is wrong for the real GPU, that GPU's first
 call compiles what it needs itself, as without a plan.
+
+``--refresh-digests`` needs no GPU: after an edit inside a kernel's body that left its parameters as
+they were, each recorded specialisation (the parameters' types, constants and options) still
+describes what a first call compiles, so only the entries' source digests are brought up to date,
+in every shipped file. An entry whose kernel's parameters changed is left stale and named: record
+its plans again on the GPU.
+
+    python scripts/record_compile_plans.py --refresh-digests
 """
 
 from __future__ import annotations
@@ -99,6 +107,9 @@ def parse_options(argv=None):
     parser.add_argument("--as-device", default=None,
                         help="record for another GPU of this architecture and SM count, by its name")
     parser.add_argument("--dry-run", action="store_true", help="list the cases and stop")
+    parser.add_argument("--refresh-digests", action="store_true",
+                        help="no GPU: bring the shipped entries' digests up to date where their kernels' "
+                             "parameters did not change")
     opts = parser.parse_args(argv)
     tune_shipped.split_case_options(parser, opts, SIZES)
     if opts.jobs < 1:
@@ -108,6 +119,8 @@ def parse_options(argv=None):
 
 def main(argv=None) -> int:
     opts = parse_options(argv)
+    if opts.refresh_digests:
+        return refresh_digests(Path(opts.shipped) if opts.shipped else None)
     todo = tune_shipped.cases(opts.widths, opts.dtypes, opts.losses, opts.size_classes)
     if opts.dry_run:
         for case in todo:
@@ -150,6 +163,37 @@ def main(argv=None) -> int:
     print(f"{written} plans written to {path} in {time.perf_counter() - started:.0f} s"
           + (f"; {failed} cases failed (above)" if failed else ""))
     return 1 if failed else 0
+
+
+def refresh_digests(directory: Path | None = None) -> int:
+    """Every plan file in ``directory`` (default: the shipped plans) with its entries' digests made
+    current where the kernel's parameters are the recorded ones (see the module docstring); 1 if an
+    entry is left stale."""
+    from hf_infcl.ops.triton import compile_plans
+
+    left_stale = set()
+    for path in sorted(Path(directory or compile_plans.SHIPPED_DIRECTORY).glob("*.json.gz")):
+        table = compile_plans._read(path)
+        renamed, refreshed = {}, 0
+        for entry_id, entry in table.get("kernels", {}).items():
+            kernel = getattr(importlib.import_module(entry["module"]), entry["name"])
+            digest = compile_plans.source_digest(kernel)
+            if entry["digest"] != digest:
+                if list(json.loads(entry["specialization"])["signature"]) != list(kernel.arg_names):
+                    left_stale.add(f"{entry['module']}.{entry['name']}")
+                else:
+                    entry = {**entry, "digest": digest}
+                    refreshed += 1
+            renamed[entry_id] = compile_plans.entry_id(entry), entry
+        table["kernels"] = {new_id: entry for new_id, entry in renamed.values()}
+        table["plans"] = {key: [renamed[entry_id][0] for entry_id in plan]
+                          for key, plan in table["plans"].items()}
+        compile_plans.write_table(path, table)
+        print(f"{path.name}: {refreshed} entries' digests refreshed")
+    if left_stale:
+        print(f"parameters changed, record these kernels' plans again on the GPU: {sorted(left_stale)}",
+              file=sys.stderr)
+    return 1 if left_stale else 0
 
 
 if __name__ == "__main__":

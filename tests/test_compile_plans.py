@@ -677,3 +677,30 @@ def test_the_recording_process_records_the_case_that_tune_shipped_runs(tmp_path)
         real = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "None"
         assert {device for _, device in cases} == {as_device or real}
         assert json.loads(done.stdout.split("RECORDED ")[-1]) == {"keys": [], "kernels": [], "seconds": 1.5}
+
+
+def test_refreshing_digests_keeps_entries_whose_parameters_are_unchanged(tmp_path, capsys):
+    """``--refresh-digests``: an entry whose kernel's body changed gets the current digest (under its
+    new id, in every plan that lists it); one whose parameters changed stays stale, and the script
+    says so and fails."""
+    script = load_recording_script()
+    path = compile_plans.plan_path(tmp_path, H200, "3.6.0")
+    signature = {name: "*fp32" for name in plan_kernels.copy_kernel.arg_names}
+    same_parameters = json.dumps({"name": "copy_kernel", "signature": signature})
+    body_edited = dict(entry("copy_kernel", same_parameters), digest="an older body")
+    compile_plans.add_plan(path, "first", [body_edited])
+    compile_plans.add_plan(path, "second", [body_edited])
+    assert script.main(["--refresh-digests", "--shipped", str(tmp_path)]) == 0
+    current = dict(body_edited, digest=compile_plans.source_digest(plan_kernels.copy_kernel))
+    for key in ("first", "second"):
+        assert compile_plans.shipped_plan(H200, "3.6.0", key, tmp_path) == [current]
+    assert len(compile_plans._read(path)["kernels"]) == 1
+
+    parameters_changed = dict(entry("copy_kernel", json.dumps({"signature": {"source": "*fp32"}})),
+                              digest="an older kernel")
+    compile_plans.add_plan(path, "third", [parameters_changed])
+    assert script.main(["--refresh-digests", "--shipped", str(tmp_path)]) == 1
+    table = compile_plans._read(path)  # (shipped_plan keeps the file it read first)
+    assert [table["kernels"][entry_id] for entry_id in table["plans"]["third"]] == [parameters_changed]
+    assert "record these kernels' plans again on the GPU: ['tests.helpers.plan_kernels.copy_kernel']" in \
+        capsys.readouterr().err

@@ -325,15 +325,24 @@ def add_plan(path: Path, key: str, kernels: list[dict]) -> None:
     stored = table.setdefault("kernels", {})
     entry_ids = []
     for entry in kernels:
-        entry_id = hashlib.sha1(json.dumps(entry, sort_keys=True).encode()).hexdigest()[:16]
-        stored[entry_id] = entry
-        entry_ids.append(entry_id)
+        stored[entry_id(entry)] = entry
+        entry_ids.append(entry_id(entry))
     table.setdefault("plans", {})[key] = entry_ids
-    listed = {entry_id for plan in table["plans"].values() for entry_id in plan}
-    table["kernels"] = {entry_id: entry for entry_id, entry in stored.items() if entry_id in listed}
+    listed = {listed_id for plan in table["plans"].values() for listed_id in plan}
+    table["kernels"] = {stored_id: entry for stored_id, entry in stored.items() if stored_id in listed}
+    write_table(path, table)
+
+
+def write_table(path: Path, table: dict) -> None:
+    """Write a plan file's table (``kernels``, ``plans``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     # mtime=0: the same plans give the same bytes
     path.write_bytes(gzip.compress(json.dumps(table, indent=0, sort_keys=True).encode() + b"\n", mtime=0))
+
+
+def entry_id(entry: dict) -> str:
+    """The id a plan file stores ``entry`` under: a hash of it."""
+    return hashlib.sha1(json.dumps(entry, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _read(path: Path) -> dict:

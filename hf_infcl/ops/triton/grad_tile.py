@@ -27,6 +27,7 @@ from .jit_math import (
     at_most_zero,
     dot_precision,
     dot_tile,
+    dropped_by_thresholds,
     even_guide_k,
     even_k,
     exp_in_units,
@@ -38,7 +39,6 @@ from .jit_math import (
     round_guide,
     scale_and_bias,
     scaled_logits,
-    score_filter_drops,
     sigmoid_and_softplus,
 )
 from .launch import BASE_SHAPES, autotuned, launch, problem_size_class
@@ -50,22 +50,23 @@ _GRAD_SHAPES = [*BASE_SHAPES, (256, 128, 64, 8, 3), (128, 256, 128, 8, 2), (64, 
 
 
 @triton.jit
-def _g_terms(dots, scale, bias, scores, row_index, key_index, row_valid, key_valid, row_stat_ptr,
-             col_stat_ptr, row_weight_ptr, col_weight_ptr, row_group_ptr, key_group_ptr, positive_ptr,
-             key_offset, query_id_ptr, key_owner_ptr, hardness_ptr, row_threshold_ptr, key_threshold_ptr,
+def _g_terms(dots, scale, bias, scores, row_index, key_index, row_valid, key_valid, row_stat, col_stat,
+             row_weight, col_weight, row_group_ptr, key_group_ptr, positive_ptr, key_offset, query_id_ptr,
+             key_owner_ptr, hardness_ptr, row_thresholds, key_thresholds,
              COLUMNS: tl.constexpr, SIGMOID: tl.constexpr, ONE_PASS: tl.constexpr, HARDNESS: tl.constexpr,
              FILTER: tl.constexpr, GROUP_POSITIVES: tl.constexpr, CLAMP: tl.constexpr, HAS_BIAS: tl.constexpr,
              LOG2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(G, the one-pass sigmoid route's softplus terms) of a tile before the group mask: each
     direction's probabilities times its weights (the sigmoid loss's sigmoid), and with FILTER each
     term only where its own threshold keeps the entry of ``scores``. Without ONE_PASS the second
-    value is G again. The logits are made here, from the ``dots``: not made before a caller's branch,
-    they need not be held beside the dots across it."""
+    value is G again. The statistics, weights and thresholds come loaded (:func:`_epilogue_vectors`).
+    The logits are made here, from the ``dots``: not made before a caller's branch, they need not be
+    held beside the dots across it."""
     if FILTER:
         candidates = not_positive(row_index, key_index, row_valid, key_valid, tl.program_id(0) * BLOCK_M,
                                   tl.program_id(1) * BLOCK_N, positive_ptr, key_offset, row_group_ptr,
                                   key_group_ptr, False, GROUP_POSITIVES, BLOCK_M, BLOCK_N)
-        row_dropped = score_filter_drops(scores, candidates, row_threshold_ptr, row_index, row_valid, True)
+        row_dropped = dropped_by_thresholds(scores, candidates, row_thresholds, True)
     logits = scaled_logits(dots, scale, bias, HAS_BIAS)
     if ONE_PASS:
         # The sigmoid loss's one pass: unit row weights, and the softplus row sums (the row
@@ -76,13 +77,10 @@ def _g_terms(dots, scale, bias, scores, row_index, key_index, row_valid, key_val
             grad = tl.where(row_dropped, 0.0, grad)
         return grad, softplus_terms
     elif SIGMOID:
-        row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
         grad = row_weight[:, None] * tl.sigmoid(logits)
         if FILTER:
             grad = tl.where(row_dropped, 0.0, grad)
     else:
-        row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
-        row_stat = tl.load(row_stat_ptr + row_index, mask=row_valid, other=0.0)
         if HARDNESS != 0:
             strength = in_units(tl.load(hardness_ptr).to(tl.float32), LOG2)
             row_logits = hardness_offset_logits(logits, dots, row_index, key_index, row_valid, key_valid,
@@ -99,8 +97,6 @@ def _g_terms(dots, scale, bias, scores, row_index, key_index, row_valid, key_val
         if FILTER:  # where(), not a product: a left-out entry may hold 0 * inf = nan
             grad = tl.where(row_dropped, 0.0, grad)
         if COLUMNS:
-            col_stat = tl.load(col_stat_ptr + key_index, mask=key_valid, other=0.0)
-            col_weight = tl.load(col_weight_ptr + key_index, mask=key_valid, other=0.0)
             # Their own exponential (docs/algorithms.md). Where col_stat is -inf (a key no row may
             # pair with), p_col is inf and col_weight 0: the where() below drops it.
             col_exponent = logits - in_units(col_stat, LOG2)[None, :]
@@ -108,12 +104,34 @@ def _g_terms(dots, scale, bias, scores, row_index, key_index, row_valid, key_val
                 col_exponent = at_most_zero(col_exponent)
             p_col = exp_in_units(col_exponent, LOG2)
             if FILTER:
-                column_dropped = score_filter_drops(scores, candidates, key_threshold_ptr, key_index,
-                                                    key_valid, False)
+                column_dropped = dropped_by_thresholds(scores, candidates, key_thresholds, False)
                 grad += tl.where(column_dropped, 0.0, col_weight[None, :] * p_col)
             else:
                 grad += col_weight[None, :] * p_col
     return grad, grad
+
+
+@triton.jit
+def _epilogue_vectors(row_index, key_index, row_valid, key_valid, row_stat_ptr, col_stat_ptr, row_weight_ptr,
+                      col_weight_ptr, row_threshold_ptr, key_threshold_ptr, COLUMNS: tl.constexpr,
+                      SIGMOID: tl.constexpr, ONE_PASS: tl.constexpr, FILTER: tl.constexpr):
+    """(row_stat, col_stat, row_weight, col_weight, row_thresholds, key_thresholds) of a tile, 0.0
+    for those the options do not read (thresholds +inf past the ends). Loaded before the K-loop, so
+    that their trip to memory overlaps it instead of stalling the epilogue."""
+    row_stat, col_stat, row_weight, col_weight = 0.0, 0.0, 0.0, 0.0
+    row_thresholds, key_thresholds = 0.0, 0.0
+    if not ONE_PASS:
+        row_weight = tl.load(row_weight_ptr + row_index, mask=row_valid, other=0.0)
+        if not SIGMOID:
+            row_stat = tl.load(row_stat_ptr + row_index, mask=row_valid, other=0.0)
+            if COLUMNS:
+                col_stat = tl.load(col_stat_ptr + key_index, mask=key_valid, other=0.0)
+                col_weight = tl.load(col_weight_ptr + key_index, mask=key_valid, other=0.0)
+    if FILTER:
+        row_thresholds = tl.load(row_threshold_ptr + row_index, mask=row_valid, other=float("inf"))
+        if COLUMNS:
+            key_thresholds = tl.load(key_threshold_ptr + key_index, mask=key_valid, other=float("inf"))
+    return row_stat, col_stat, row_weight, col_weight, row_thresholds, key_thresholds
 
 
 @triton.jit
@@ -136,6 +154,9 @@ def _grad_tile_kernel(
     key_valid = key_index < n_keys
 
     scale, bias = scale_and_bias(scale_ptr, bias_ptr, HAS_BIAS, LOG2)
+    row_stat, col_stat, row_weight, col_weight, row_thresholds, key_thresholds = _epilogue_vectors(
+        row_index, key_index, row_valid, key_valid, row_stat_ptr, col_stat_ptr, row_weight_ptr,
+        col_weight_ptr, row_threshold_ptr, key_threshold_ptr, COLUMNS, SIGMOID, ONE_PASS, FILTER)
     dots = dot_tile(q_ptr, k_ptr, q_desc, k_desc, row_index, key_index, row_valid, key_valid,
                     tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N, c, stride_q, stride_k,
                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST, EVEN_K, TMA)
@@ -152,19 +173,19 @@ def _grad_tile_kernel(
                               key_valid, 0, 0, c_guide, stride_guide_q, stride_guide_k, BLOCK_M, BLOCK_N,
                               BLOCK_K, PRECISION, UPCAST, EVEN_GUIDE_K, False, ROUND_GUIDE)
         # Most tiles hold no score above any of their thresholds: those skip the filter's masks.
-        filter_masks = may_leave_out(scores, row_threshold_ptr, key_threshold_ptr, row_index, key_index,
-                                     row_valid, key_valid, COLUMNS, FULL)
+        filter_masks = may_leave_out(scores, row_thresholds, key_thresholds, row_valid, key_valid, COLUMNS,
+                                     FULL)
     if filter_masks:
         grad, softplus_terms = _g_terms(
-            dots, scale, bias, scores, row_index, key_index, row_valid, key_valid, row_stat_ptr, col_stat_ptr,
-            row_weight_ptr, col_weight_ptr, row_group_ptr, key_group_ptr, positive_ptr, key_offset,
-            query_id_ptr, key_owner_ptr, hardness_ptr, row_threshold_ptr, key_threshold_ptr, COLUMNS, SIGMOID,
+            dots, scale, bias, scores, row_index, key_index, row_valid, key_valid, row_stat, col_stat,
+            row_weight, col_weight, row_group_ptr, key_group_ptr, positive_ptr, key_offset,
+            query_id_ptr, key_owner_ptr, hardness_ptr, row_thresholds, key_thresholds, COLUMNS, SIGMOID,
             ONE_PASS, HARDNESS, True, GROUP_POSITIVES, CLAMP, HAS_BIAS, LOG2, BLOCK_M, BLOCK_N)
     else:
         grad, softplus_terms = _g_terms(
-            dots, scale, bias, scores, row_index, key_index, row_valid, key_valid, row_stat_ptr, col_stat_ptr,
-            row_weight_ptr, col_weight_ptr, row_group_ptr, key_group_ptr, positive_ptr, key_offset,
-            query_id_ptr, key_owner_ptr, hardness_ptr, row_threshold_ptr, key_threshold_ptr, COLUMNS, SIGMOID,
+            dots, scale, bias, scores, row_index, key_index, row_valid, key_valid, row_stat, col_stat,
+            row_weight, col_weight, row_group_ptr, key_group_ptr, positive_ptr, key_offset,
+            query_id_ptr, key_owner_ptr, hardness_ptr, row_thresholds, key_thresholds, COLUMNS, SIGMOID,
             ONE_PASS, HARDNESS, False, GROUP_POSITIVES, CLAMP, HAS_BIAS, LOG2, BLOCK_M, BLOCK_N)
     if ONE_PASS:
         if HAS_MASK or not FULL:

@@ -297,24 +297,30 @@ def score_filter_drops(scores, candidates, threshold_ptr, index, valid, OUTER: t
     vectors) or of its inner one. The outer vectors' statistic takes its own vectors' thresholds
     (rows', or keys' with keys outer); the fused column statistic of a rows-outer tile takes the
     inner (keys') ones. A NaN score is never above: it stays."""
-    threshold = tl.load(threshold_ptr + index, mask=valid, other=0.0)
-    if OUTER:
-        return (scores > threshold[:, None]) & candidates
-    else:
-        return (scores > threshold[None, :]) & candidates
+    return dropped_by_thresholds(scores, candidates, tl.load(threshold_ptr + index, mask=valid, other=0.0),
+                                 OUTER)
 
 
 @triton.jit
-def may_leave_out(scores, row_threshold_ptr, key_threshold_ptr, row_index, key_index, row_valid, key_valid,
-                  COLUMNS: tl.constexpr, FULL: tl.constexpr):
+def dropped_by_thresholds(scores, candidates, thresholds, OUTER: tl.constexpr):
+    """:func:`score_filter_drops` with the ``thresholds`` of the outer (OUTER) or inner vectors
+    already loaded."""
+    if OUTER:
+        return (scores > thresholds[:, None]) & candidates
+    else:
+        return (scores > thresholds[None, :]) & candidates
+
+
+@triton.jit
+def may_leave_out(scores, row_thresholds, key_thresholds, row_valid, key_valid, COLUMNS: tl.constexpr,
+                  FULL: tl.constexpr):
     """Whether the score filter may leave out an entry of a [rows, keys] tile of ``scores``: some
-    score of the tile is above the lowest threshold of its rows (with COLUMNS, of its rows and keys).
-    Where not, every entry is kept (:func:`score_filter_drops` would drop none), and the tile needs
-    no masks: one maximum per entry instead of the masks' comparisons. A NaN score never counts
-    (the masks keep it too)."""
-    lowest = tl.min(tl.load(row_threshold_ptr + row_index, mask=row_valid, other=float("inf")), axis=0)
+    score of the tile is above the lowest of its rows' ``row_thresholds`` (with COLUMNS, of those
+    and its keys' ``key_thresholds``; +inf past the ends). Where not, every entry is kept
+    (:func:`score_filter_drops` would drop none), and the tile needs no masks: one maximum per
+    entry instead of the masks' comparisons. A NaN score never counts (the masks keep it too)."""
+    lowest = tl.min(row_thresholds, axis=0)
     if COLUMNS:
-        key_thresholds = tl.load(key_threshold_ptr + key_index, mask=key_valid, other=float("inf"))
         lowest = tl.minimum(lowest, tl.min(key_thresholds, axis=0))
     if not FULL:  # the scores of rows and keys past the ends are meaningless
         scores = tl.where(row_valid[:, None] & key_valid[None, :], scores, float("-inf"))
