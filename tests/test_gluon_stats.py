@@ -86,15 +86,48 @@ def test_gpu_row_and_column_stats_match_float64(case):
 
 @pytest.mark.gpu
 @hopper_only
+def test_gpu_a_launch_past_the_jit_function_equals_a_launch_through_it(monkeypatch):
+    """``launch_jit``: the first launch of a specialisation goes through the JIT function and keeps
+    its compiled kernel; the next one, with new tensors and descriptors of the same shapes, goes
+    through that kernel's launcher and writes the same statistics, bit for bit; another shape is
+    another specialisation, through the JIT function again."""
+    from hf_infcl.ops.triton import launch
+
+    monkeypatch.setattr(launch, "_COMPILED", {})
+    compiled_launches = []
+    launch_compiled = launch._launch_compiled
+    monkeypatch.setattr(launch, "_launch_compiled",
+                        lambda *arguments: (compiled_launches.append(1), launch_compiled(*arguments)))
+    seed, gen, queries, keys = unit_rows(1024, 2048, 512, torch.bfloat16)
+    scale = torch.tensor(20.0, device="cuda")
+
+    def statistics(queries, keys):
+        row_out = torch.full((2, queries.shape[0]), float("nan"), device="cuda")
+        partials = torch.full((gluon_stats.PARTIALS_PER_BLOCK * -(-queries.shape[0] // gluon_stats.BLOCK_M),
+                               keys.shape[0]), float("nan"), device="cuda")
+        used = gluon_stats.row_and_column_stats(queries, keys, scale, row_out, partials, 2)
+        return row_out[:used], partials
+
+    through_jit = statistics(queries, keys)
+    assert len(launch._COMPILED) == 1 and not compiled_launches
+    past_jit = statistics(queries.clone(), keys.clone())
+    assert compiled_launches == [1]
+    for got, expected in zip(past_jit, through_jit):
+        assert torch.equal(got, expected), seed
+    statistics(queries[:512], keys)
+    assert len(launch._COMPILED) == 2 and compiled_launches == [1]
+
+
+@pytest.mark.gpu
+@hopper_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gpu_default_symmetric_softmax_statistics_are_the_gluon_kernel(monkeypatch, dtype):
     """What a user's CLIP loss runs on a Hopper GPU: the forward's statistics from the Gluon kernel
     (counted; rows in several chunks), the loss and every gradient matching float64 and the
     statistics kernel of .stats. fp32 inputs (TF32 precision) take it too, as fp16 copies."""
     calls = []
-    kernel = gluon_stats.row_and_column_stats
-    monkeypatch.setattr(gluon_stats, "row_and_column_stats",
-                        lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    kernel = gluon_stats.stats_launch
+    monkeypatch.setattr(gluon_stats, "stats_launch", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     m, k, c = 32768, 32768, 384  # "auto" takes the kernel from 32k x 32k at c = 384 on
     seed, queries, keys = paired_rows(m, k, c)
 
@@ -161,8 +194,8 @@ def test_gpu_own_score_filter_statistics_from_the_gluon_kernel_match_float64(mon
     entries out in every row block."""
     m, k, c, margin, strategy, custom = case
     calls = []
-    kernel = gluon_stats.row_and_column_stats
-    monkeypatch.setattr(gluon_stats, "row_and_column_stats",
+    kernel = gluon_stats.stats_launch
+    monkeypatch.setattr(gluon_stats, "stats_launch",
                         lambda *a, **kw: calls.append(a[-1] is not None) or kernel(*a, **kw))
     seed, queries, keys = paired_rows(m, k, c)
     generator = torch.Generator(device="cuda").manual_seed(seed)

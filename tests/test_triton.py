@@ -674,3 +674,22 @@ def test_the_width_pruning_keeps_the_narrowest_candidates_when_all_are_wider():
     wide = [launch.triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": k}, num_warps=4, num_stages=3)
             for k in (128, 64, 64)]
     assert launch.candidates_for_width(wide, {"c": 8}) == wide[1:]
+
+
+def test_the_launch_key_of_a_gluon_descriptor_holds_its_layout():
+    """``launch_jit`` finds a compiled kernel by the launch's specialisation facts: two Gluon
+    descriptors (recognised by their fields) of the same tensor shape and block but other shared
+    layouts give two keys, so that a launch never takes a kernel compiled for another layout."""
+    import types
+
+    from hf_infcl.ops.triton import launch
+
+    def descriptor(base, layout):
+        return types.SimpleNamespace(base=base, shape=list(base.shape), strides=list(base.stride()),
+                                     block_shape=[128, 64], layout=layout, padding="zero")
+
+    first, second = torch.zeros(256, 64, dtype=torch.bfloat16), torch.ones(256, 64, dtype=torch.bfloat16)
+    same = launch._specialization([descriptor(first, "swizzle 128"), 7])
+    assert launch._specialization([descriptor(second, "swizzle 128"), 7]) == same
+    assert launch._specialization([descriptor(second, "swizzle 64"), 7]) != same
+    assert launch._specialization([descriptor(second[:128], "swizzle 128"), 7]) != same

@@ -260,8 +260,9 @@ def test_gluon_statistics_refuse_without_a_hopper_gpu():
 
 
 def _gluon_stats_in_torch(queries, keys, scale, row_out, column_partials, splits, score_filter=None):
-    """What ``gluon_stats.row_and_column_stats`` writes, in torch: each split's row log-sum-exps,
-    and per 128-row block four column log-sum-exps, over the rows r with (r mod 64) div 16 = warp;
+    """What ``gluon_stats.row_and_column_stats`` (a ``stats_launch``) writes, in torch: each split's
+    row log-sum-exps, and per 128-row block four column log-sum-exps, over the rows r with (r mod
+    64) div 16 = warp;
     with ``score_filter``, over the entries its thresholds (made from its bounds) keep, and -inf for
     the keys that are nobody's positive."""
     from hf_infcl.ops.triton import gluon_stats
@@ -302,8 +303,8 @@ def test_the_gluon_statistics_route_walks_row_chunks_and_merges_them(monkeypatch
     calls = []
     monkeypatch.setattr(gluon_stats, "usable", lambda queries, keys: True)
     monkeypatch.setattr(gluon_stats, "ready", lambda wait: True)
-    monkeypatch.setattr(gluon_stats, "row_and_column_stats",
-                        lambda *args: calls.append(args[0].shape[0]) or _gluon_stats_in_torch(*args))
+    monkeypatch.setattr(gluon_stats, "stats_launch",
+                        lambda *args: lambda: calls.append(args[0].shape[0]) or _gluon_stats_in_torch(*args))
     case = random_case(300, 400, 16, groups=False, custom_positives=False, seed=3)
     blocks = TritonBlocks(tile_rows=128, tile_keys=160, stat_splits=2, poison=True,
                           column_buffer_entries=4 * 400, softmax_statistics="gluon")
@@ -326,8 +327,8 @@ def test_the_gluon_statistics_route_takes_the_own_score_filter(monkeypatch, stra
     filters = []
     monkeypatch.setattr(gluon_stats, "usable", lambda queries, keys: True)
     monkeypatch.setattr(gluon_stats, "ready", lambda wait: True)
-    monkeypatch.setattr(gluon_stats, "row_and_column_stats",
-                        lambda *args: filters.append(args[-1]) or _gluon_stats_in_torch(*args))
+    monkeypatch.setattr(gluon_stats, "stats_launch",
+                        lambda *args: lambda: filters.append(args[-1]) or _gluon_stats_in_torch(*args))
     case = random_case(256, 384, 16, groups=False, custom_positives=True, seed=7)
     # near-copies of other rows' positives: false negatives the filter leaves out
     positives = case["positives"]
@@ -419,8 +420,8 @@ def test_auto_takes_the_gluon_statistics_by_width_and_work(monkeypatch, m, k, c,
     monkeypatch.setattr(gluon_stats, "ready", lambda wait: True)
     monkeypatch.setattr(gluon_stats, "AUTO_MIN_WIDTH", 32)
     monkeypatch.setattr(gluon_stats, "AUTO_MIN_WORK", 256 * 256 * 32)
-    monkeypatch.setattr(gluon_stats, "row_and_column_stats",
-                        lambda *args: calls.append(args[0].shape[0]) or _gluon_stats_in_torch(*args))
+    monkeypatch.setattr(gluon_stats, "stats_launch",
+                        lambda *args: lambda: calls.append(args[0].shape[0]) or _gluon_stats_in_torch(*args))
     case = random_case(m, k, c, groups=False, custom_positives=False, seed=5)
     blocks = TritonBlocks(tile_rows=128, tile_keys=128, poison=True)
     errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES["softmax-sym"])

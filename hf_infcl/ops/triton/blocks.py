@@ -571,25 +571,34 @@ class TritonBlocks:
                                device=device)
         splits = gluon_stats.splits_for(chunk_rows, k, device, self.stat_splits)
         row_buffer = torch.empty(splits * chunk_rows, dtype=torch.float32, device=device)
-        row_stat = col_stat = None
         score_filter = _gluon_filter(problem) if problem.labels else None
-        run_deferred_check()  # the one-process value check, just before the first kernel
-        for r0 in range(0, m, chunk_rows):
-            r1 = min(r0 + chunk_rows, m)
+
+        def chunk_launch(r0, r1):
+            """(row_out, written, the launch) of rows r0:r1."""
             # each split's rows one after the other, and the partials' leading rows: contiguous
             row_out = row_buffer[: splits * (r1 - r0)].view(splits, r1 - r0)
             written = partials[: per_block * -(-(r1 - r0) // gluon_stats.BLOCK_M)]
-            if self.poison:
-                row_out.fill_(float("nan"))
-                written.fill_(float("nan"))
             chunk_filter = None
             if score_filter is not None:  # (chunks start at whole row blocks)
                 blocks = slice(r0 // gluon_stats.BLOCK_M, -(-r1 // gluon_stats.BLOCK_M))
                 chunk_filter = score_filter._replace(
                     row_bounds=score_filter.row_bounds[r0:r1], positives=score_filter.positives[r0:r1],
                     ranges=tuple(bound[blocks] for bound in score_filter.ranges))
-            used = gluon_stats.row_and_column_stats(queries[r0:r1], keys, scale, row_out, written, splits,
-                                                    chunk_filter)
+            return row_out, written, gluon_stats.stats_launch(queries[r0:r1], keys, scale, row_out, written,
+                                                              splits, chunk_filter)
+
+        # The first chunk's launch made before the value check's synchronisation, so that after it
+        # the GPU waits on the launch alone; each later one while the GPU runs the one before.
+        first = chunk_launch(0, min(chunk_rows, m))
+        run_deferred_check()  # the one-process value check, just before the first kernel
+        row_stat = col_stat = None
+        for r0 in range(0, m, chunk_rows):
+            r1 = min(r0 + chunk_rows, m)
+            row_out, written, launch_chunk = first if r0 == 0 else chunk_launch(r0, r1)
+            if self.poison:
+                row_out.fill_(float("nan"))
+                written.fill_(float("nan"))
+            used = launch_chunk()
             rows = row_out[0] if used == 1 else stats.merge_partials(row_out[:used], log_sum_exp=True)
             if r1 - r0 == m:  # one chunk: its rows are all the rows
                 row_stat = rows

@@ -52,6 +52,7 @@ from .gluon_sigmoid import (
     make_descriptor,
 )
 from .jit_math import LN2, LOG2E
+from .launch import launch_jit
 
 if gluon is not None:  # (None: a Triton without Gluon)
     from triton.experimental.gluon import language as gl
@@ -378,6 +379,28 @@ def row_and_column_stats(queries: torch.Tensor, keys: torch.Tensor, scale: torch
     rows into ``column_partials`` (fp32 [>= PARTIALS_PER_BLOCK * cdiv(rows, BLOCK_M), keys]; every
     such row written), over the entries ``score_filter`` keeps if given. ``splits``
     (:func:`splits_for`) is rounded to whole tiles per split; returns the number used."""
+    return stats_launch(queries, keys, scale, row_out, column_partials, splits, score_filter)()
+
+
+class StatsLaunch(NamedTuple):
+    """One launch of the kernel, its arguments checked and made: called, it launches and returns
+    the number of splits used. Made before a host synchronisation, it leaves the GPU waiting on
+    the launch alone after it."""
+
+    grid: tuple[int]
+    arguments: tuple
+    constants: dict
+    splits: int
+
+    def __call__(self) -> int:
+        launch_jit(_stats_tile_kernel, self.grid, *self.arguments, **self.constants)
+        return self.splits
+
+
+def stats_launch(queries: torch.Tensor, keys: torch.Tensor, scale: torch.Tensor, row_out: torch.Tensor,
+                 column_partials: torch.Tensor, splits: int,
+                 score_filter: OwnScoreFilter | None = None) -> StatsLaunch:
+    """The launch :func:`row_and_column_stats` makes (the same arguments), not launched yet."""
     n_rows, n_keys = queries.shape[0], keys.shape[0]
     # the kernel addresses both by its own row counts: split s's rows at s * rows, partial p at p * keys
     if row_out.stride() != (n_rows, 1):
@@ -405,12 +428,10 @@ def row_and_column_stats(queries: torch.Tensor, keys: torch.Tensor, scale: torch
                 raise ValueError(f"score_filter.{name} must be a contiguous vector of {length} entries")
         filter_arguments = (score_filter.row_bounds, score_filter.positives, *ranges, score_filter.key_bounds,
                             float(score_filter.margin), float(score_filter.relative_margin))
-    _stats_tile_kernel[grid](
-        make_descriptor(queries, BLOCK_M), make_descriptor(keys, BLOCK_N), row_out, column_partials, scale,
-        *filter_arguments, n_rows, n_keys, n_items, SPLITS=splits, TILES=tiles_per_split,
-        EVEN=n_rows % BLOCK_M == 0 and n_keys % (BLOCK_N * tiles_per_split) == 0,
-        FILTER=score_filter is not None, STAGES=STAGES,
-        MMAS_IN_FLIGHT=MMAS_IN_FLIGHT, WORKER_REGISTERS=_WORKER_REGISTERS,
-        PRODUCER_REGISTERS=_PRODUCER_REGISTERS, num_warps=4,
-    )
-    return splits
+    arguments = (make_descriptor(queries, BLOCK_M), make_descriptor(keys, BLOCK_N), row_out, column_partials,
+                 scale, *filter_arguments, n_rows, n_keys, n_items)
+    constants = dict(SPLITS=splits, TILES=tiles_per_split,
+                     EVEN=n_rows % BLOCK_M == 0 and n_keys % (BLOCK_N * tiles_per_split) == 0,
+                     FILTER=score_filter is not None, STAGES=STAGES, MMAS_IN_FLIGHT=MMAS_IN_FLIGHT,
+                     WORKER_REGISTERS=_WORKER_REGISTERS, PRODUCER_REGISTERS=_PRODUCER_REGISTERS, num_warps=4)
+    return StatsLaunch(grid, arguments, constants, splits)

@@ -1,5 +1,6 @@
-"""Launching the autotuned kernels: :func:`autotuned` wraps a kernel with its candidate
-configurations, :func:`launch` launches it.
+"""Launching the kernels: :func:`autotuned` wraps a kernel with its candidate configurations,
+:func:`launch` launches it; :func:`launch_jit` launches a kernel without an autotuner (a Gluon
+kernel, a kernel of fixed blocks) past its JIT function's look-ups, as below.
 
 The first launch of a kernel and tuning key goes through Triton's autotuner, with the choice
 loaded from or saved to the machine's tuning store (:mod:`.tuning_store`); a launch that tunes
@@ -214,12 +215,27 @@ def _launch_with(kernel: TunedKernel, config: triton.Config, grid, args: tuple, 
         config.pre_hook(named)
     constexprs = {name: heuristic(named) for name, heuristic in kernel.heuristics.items()}
     named.update(constexprs)
+    _launch_cached(body, config, grid, args, {**kwargs, **config.all_kwargs(), **constexprs}, named)
+
+
+def launch_jit(body, grid, *args, **kwargs) -> None:
+    """``body[grid](*args, **kwargs)`` for a JIT function launched without an autotuner (a Triton or
+    a Gluon kernel): once a launch of the same specialisation has compiled it, through the compiled
+    kernel's own launcher, as :func:`launch` does past the autotuner. The JIT function's look-ups
+    cost more host time than its launch, and where the GPU waits for the launch (just after a host
+    synchronisation) that time is the GPU's too."""
+    _launch_cached(body, None, grid, args, kwargs, {**dict(zip(body.arg_names, args)), **kwargs})
+
+
+def _launch_cached(body, config: triton.Config | None, grid, args: tuple, kwargs: dict, named: dict) -> None:
+    """``body[grid](*args, **kwargs)``, or the compiled kernel an earlier such launch with the same
+    ``config`` and the same :func:`_specialization` of the ``named`` values returned."""
     key = (body, id(config), _specialization(named.values()))
     compiled = _COMPILED.get(key)
     if compiled is not None:
         _launch_compiled(body, compiled[1], grid, named)
         return
-    compiled = body[grid](*args, **kwargs, **config.all_kwargs(), **constexprs)
+    compiled = body[grid](*args, **kwargs)
     if not INTERPRET and all(hasattr(compiled, name) for name in _COMPILED_KERNEL_API):
         _COMPILED[key] = (config, compiled)  # the config kept alive, so that its id stays its own
 
@@ -228,9 +244,9 @@ def _specialization(values) -> tuple:
     """What a launch's compiled kernel depends on besides the configuration, for every argument
     value (constexprs included): a superset of what Triton specialises on (a tensor's dtype and
     16-byte alignment; an integer's width, divisibility by 16 and being 1; a tensor descriptor's
-    dtype, alignment, shape, strides and block), so that two launches with one key never need
-    two compilations. The converse (a new key for a kernel Triton already has) only costs one
-    launch through the JIT function."""
+    dtype, alignment, shape, strides and block, and a Gluon one's shared layout), so that two
+    launches with one key never need two compilations. The converse (a new key for a kernel Triton
+    already has) only costs one launch through the JIT function."""
     facts = []
     for value in values:
         if isinstance(value, torch.Tensor):
@@ -239,12 +255,19 @@ def _specialization(values) -> tuple:
             facts.append(value)
         elif isinstance(value, int):
             facts.append((value == 1, value % 16 == 0, -(2**31) <= value < 2**31))
-        elif isinstance(value, TensorDescriptor):
-            facts.append((value.base.dtype, value.base.data_ptr() % 16 == 0, tuple(value.shape),
-                          tuple(value.strides), tuple(value.block_shape), value.padding))
+        elif isinstance(value, TensorDescriptor) or _is_gluon_descriptor(value):
+            facts.append((type(value), value.base.dtype, value.base.data_ptr() % 16 == 0, tuple(value.shape),
+                          tuple(value.strides), tuple(value.block_shape), value.padding,
+                          repr(getattr(value, "layout", None))))
         else:  # strings and other constexpr values
             facts.append(value)
     return tuple(facts)
+
+
+def _is_gluon_descriptor(value) -> bool:
+    """Whether ``value`` is a Gluon tensor descriptor (a host-side TMA descriptor with its shared
+    layout), by its fields: Gluon is an experimental part of Triton, whose module paths move."""
+    return all(hasattr(value, name) for name in ("base", "shape", "strides", "block_shape", "layout"))
 
 
 def _launch_compiled(body, compiled, grid, named: dict) -> None:

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from . import gluon_stats
+from .launch import launch_jit
 
 
 @triton.jit
@@ -76,10 +77,9 @@ def own_score_filter(row_thresholds: torch.Tensor, key_thresholds: torch.Tensor,
     positives = torch.empty(n_rows, dtype=torch.int32, device=device)
     key_bounds = torch.empty(n_keys, dtype=torch.float32, device=device)
     low, high = (torch.empty(triton.cdiv(n_rows, block), dtype=torch.int32, device=device) for _ in range(2))
-    _own_score_bounds_kernel[(max(triton.cdiv(n_rows, block), triton.cdiv(n_keys, block)),)](
-        row_thresholds.contiguous(), key_thresholds.contiguous(), positive_keys.contiguous(), row_bounds,
-        positives, key_bounds, low, high, key_offset, float(margin), n_rows, n_keys,
-        RELATIVE=relative, BLOCK=block,
-    )
+    launch_jit(_own_score_bounds_kernel, (max(triton.cdiv(n_rows, block), triton.cdiv(n_keys, block)),),
+               row_thresholds.contiguous(), key_thresholds.contiguous(), positive_keys.contiguous(),
+               row_bounds, positives, key_bounds, low, high, key_offset, float(margin), n_rows, n_keys,
+               RELATIVE=relative, BLOCK=block)
     return gluon_stats.OwnScoreFilter(row_bounds, positives, key_bounds, margin=0.0 if relative else margin,
                                       relative_margin=margin if relative else 0.0, ranges=(low, high))
