@@ -166,27 +166,32 @@ def _grad_tile_kernel(
         allowed = allowed_pairs(row_index, key_index, row_valid, key_valid, row_group_ptr, key_group_ptr,
                                 positive_ptr, key_offset, HAS_MASK)
     scores = dots
-    filter_masks = False
+    # The filter's masks are compiled only with FILTER (a branch on a Python bool set before it is
+    # not static under every Triton), and taken only by the tiles that may leave an entry out.
     if FILTER:
         if GUIDE:
             scores = dot_tile(guide_q_ptr, guide_k_ptr, None, None, row_index, key_index, row_valid,
                               key_valid, 0, 0, c_guide, stride_guide_q, stride_guide_k, BLOCK_M, BLOCK_N,
                               BLOCK_K, PRECISION, UPCAST, EVEN_GUIDE_K, False, ROUND_GUIDE)
         # Most tiles hold no score above any of their thresholds: those skip the filter's masks.
-        filter_masks = may_leave_out(scores, row_thresholds, key_thresholds, row_valid, key_valid, COLUMNS,
-                                     FULL)
-    if filter_masks:
-        grad, softplus_terms = _g_terms(
-            dots, scale, bias, scores, row_index, key_index, row_valid, key_valid, row_stat, col_stat,
-            row_weight, col_weight, row_group_ptr, key_group_ptr, positive_ptr, key_offset,
-            query_id_ptr, key_owner_ptr, hardness_ptr, row_thresholds, key_thresholds, COLUMNS, SIGMOID,
-            ONE_PASS, HARDNESS, True, GROUP_POSITIVES, CLAMP, HAS_BIAS, LOG2, BLOCK_M, BLOCK_N)
+        if may_leave_out(scores, row_thresholds, key_thresholds, row_valid, key_valid, COLUMNS, FULL):
+            grad, softplus_terms = _g_terms(
+                dots, scale, bias, scores, row_index, key_index, row_valid, key_valid, row_stat, col_stat,
+                row_weight, col_weight, row_group_ptr, key_group_ptr, positive_ptr, key_offset, query_id_ptr,
+                key_owner_ptr, hardness_ptr, row_thresholds, key_thresholds, COLUMNS, SIGMOID, ONE_PASS,
+                HARDNESS, True, GROUP_POSITIVES, CLAMP, HAS_BIAS, LOG2, BLOCK_M, BLOCK_N)
+        else:
+            grad, softplus_terms = _g_terms(
+                dots, scale, bias, scores, row_index, key_index, row_valid, key_valid, row_stat, col_stat,
+                row_weight, col_weight, row_group_ptr, key_group_ptr, positive_ptr, key_offset, query_id_ptr,
+                key_owner_ptr, hardness_ptr, row_thresholds, key_thresholds, COLUMNS, SIGMOID, ONE_PASS,
+                HARDNESS, False, GROUP_POSITIVES, CLAMP, HAS_BIAS, LOG2, BLOCK_M, BLOCK_N)
     else:
         grad, softplus_terms = _g_terms(
             dots, scale, bias, scores, row_index, key_index, row_valid, key_valid, row_stat, col_stat,
-            row_weight, col_weight, row_group_ptr, key_group_ptr, positive_ptr, key_offset,
-            query_id_ptr, key_owner_ptr, hardness_ptr, row_thresholds, key_thresholds, COLUMNS, SIGMOID,
-            ONE_PASS, HARDNESS, False, GROUP_POSITIVES, CLAMP, HAS_BIAS, LOG2, BLOCK_M, BLOCK_N)
+            row_weight, col_weight, row_group_ptr, key_group_ptr, positive_ptr, key_offset, query_id_ptr,
+            key_owner_ptr, hardness_ptr, row_thresholds, key_thresholds, COLUMNS, SIGMOID, ONE_PASS,
+            HARDNESS, False, GROUP_POSITIVES, CLAMP, HAS_BIAS, LOG2, BLOCK_M, BLOCK_N)
     if ONE_PASS:
         if HAS_MASK or not FULL:
             softplus_terms = tl.where(allowed, softplus_terms, 0.0)
