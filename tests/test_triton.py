@@ -693,3 +693,33 @@ def test_the_launch_key_of_a_gluon_descriptor_holds_its_layout():
     assert launch._specialization([descriptor(second, "swizzle 128"), 7]) == same
     assert launch._specialization([descriptor(second, "swizzle 64"), 7]) != same
     assert launch._specialization([descriptor(second[:128], "swizzle 128"), 7]) != same
+
+
+def test_a_launch_key_counts_a_runtime_float_by_its_type_and_a_constexpr_by_its_value(monkeypatch):
+    """A float argument (a margin) is compiled as an fp32 value: launches that differ only in it
+    share one compiled kernel, whatever the value; a constexpr's value picks the kernel."""
+    import types
+
+    from hf_infcl.ops.triton import launch
+
+    body = types.SimpleNamespace(params=[types.SimpleNamespace(name="margin", is_constexpr=False),
+                                         types.SimpleNamespace(name="BLOCK", is_constexpr=True)])
+    compiled = types.SimpleNamespace(**{name: None for name in launch._COMPILED_KERNEL_API})
+    jit_launches = []
+
+    class Body:
+        params = body.params
+        arg_names = ["margin", "BLOCK"]
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: jit_launches.append(args) or compiled
+
+    kernel = Body()
+    monkeypatch.setattr(launch, "_COMPILED", {})
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    monkeypatch.setattr(launch, "_launch_compiled", lambda body, compiled, grid, named: None)
+    launch.launch_jit(kernel, (1,), 0.1, BLOCK=64)
+    launch.launch_jit(kernel, (1,), 0.25, BLOCK=64)
+    assert len(jit_launches) == 1 and len(launch._COMPILED) == 1
+    launch.launch_jit(kernel, (1,), 0.25, BLOCK=128)
+    assert len(jit_launches) == 2 and len(launch._COMPILED) == 2
