@@ -325,8 +325,8 @@ def add_plan(path: Path, key: str, kernels: list[dict]) -> None:
     stored = table.setdefault("kernels", {})
     entry_ids = []
     for entry in kernels:
-        stored[entry_id(entry)] = entry
         entry_ids.append(entry_id(entry))
+        stored[entry_ids[-1]] = entry
     table.setdefault("plans", {})[key] = entry_ids
     listed = {listed_id for plan in table["plans"].values() for listed_id in plan}
     table["kernels"] = {stored_id: entry for stored_id, entry in stored.items() if stored_id in listed}

@@ -257,7 +257,8 @@ def _launch_cached(body, config: triton.Config | None, grid, args: tuple, kwargs
 
 def _specialization(values) -> tuple:
     """What a launch's compiled kernel depends on besides the configuration, for every argument
-    value (constexprs included): a superset of what Triton specialises on (a tensor's dtype and
+    value (the constexprs come as ``("constexpr", value)``, from :func:`_launch_cached`, and count
+    by their values): a superset of what Triton specialises on (a tensor's dtype and
     16-byte alignment; an integer's width, divisibility by 16 and being 1; a tensor descriptor's
     dtype, alignment, shape, strides and block, and a Gluon one's shared layout), so that two
     launches with one key never need two compilations. The converse (a new key for a kernel Triton
