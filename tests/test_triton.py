@@ -376,6 +376,25 @@ def test_gpu_backend_name_with_mean_reduction():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("loss_name", ["softmax-sym", "sigmoid"])
+def test_gpu_a_bad_scale_read_behind_queued_work_raises_and_the_next_call_is_exact(loss_name):
+    """The scale is read after the statistics are queued (hf_infcl.ops.value_check): made on the
+    GPU behind a long product, its value must still be the one checked, and the call must raise
+    before it returns, leaving the device fit for the next call."""
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    q = torch.randn(2000, 256, generator=gen, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2500, 256, generator=gen, device="cuda", dtype=torch.bfloat16)
+    options = {name: value for name, value in LOSSES[loss_name].items() if name != "use_bias"}
+    bias = -10.0 if loss_name == "sigmoid" else None
+    for bad in (-(1.0 + torch.rand((), generator=gen, device="cuda")), torch.zeros((), device="cuda")):
+        busy = torch.randn(8192, 8192, generator=gen, device="cuda")
+        scale = (busy @ busy)[0, 0] * 0.0 + bad  # the scale's value is ready only after the product
+        with pytest.raises(ValueError, match="logit_scale must be > 0"):
+            contrastive_loss(q, k, scale, bias, **options)
+    _check_against_float64(1000, 3000, 257, "bf16", loss_name, False, backend="auto")
+
+
+@pytest.mark.gpu
 @pytest.mark.slow
 def test_gpu_70k_by_70k_bf16():
     """m * k = 4.9e9 > 2^31 logits: int64 indexing, many super-tiles, split-free row blocks."""

@@ -1,7 +1,9 @@
 """Where one process makes the checks that read values (hf_infcl.ops.value_check): block ops
 that ask for it (the Triton ones) get the check pending and run it just before their first
 kernel; any other block ops see it made before they are called; a check nobody ran still runs
-before the loss returns. (The Triton block ops themselves: tests/helpers/triton_interpreted.py.)"""
+before the loss returns. A check of the scale alone on a GPU reads it after the block ops were
+called, and still raises before the loss returns. (The Triton block ops themselves:
+tests/helpers/triton_interpreted.py; the GPU's own reading: tests/test_triton.py.)"""
 
 from __future__ import annotations
 
@@ -82,3 +84,35 @@ def test_a_deferred_check_that_passes_runs_once_and_changes_nothing():
     assert calls == [1]
     value_check.run_deferred_check()  # nothing left pending after the call
     assert calls == [1]
+
+
+@pytest.fixture
+def scale_read_later_on_cpu(monkeypatch):
+    """The CPU treated as the GPU is: the scale read after the block ops were called."""
+    monkeypatch.setattr(value_check, "READ_SCALE_LATER_ON", ("cpu",))
+
+
+@pytest.mark.parametrize("ops_class", [RecordingTiles, DeferringTiles], ids=["other-ops", "deferring-ops"])
+def test_a_scale_read_later_raises_after_the_block_ops_and_before_the_loss_returns(
+        scale_read_later_on_cpu, ops_class):
+    events = []
+    ops = ops_class(events=events, runs_first_kernel=False)
+    queries, keys = inputs()
+    with pytest.raises(ValueError, match="logit_scale must be > 0"):
+        contrastive_loss(queries, keys, torch.tensor(-1.0, dtype=torch.float64), backend=ops)
+    assert events == ["forward"]  # the block ops ran, and their result was not returned
+    # positives given: a kernel indexes the keys by them, so the check comes first as before
+    with pytest.raises(ValueError, match="positives"):
+        contrastive_loss(queries, keys, 2.0, positives=torch.tensor([0, 1, 2, 3, 4, 8]),
+                         backend=RecordingTiles(events=events, runs_first_kernel=False))
+    assert events == ["forward"]
+
+
+def test_a_scale_read_later_that_passes_changes_nothing(scale_read_later_on_cpu):
+    queries, keys = inputs()
+    scale = torch.tensor(2.5, dtype=torch.float64, requires_grad=True)
+    expected = contrastive_loss(queries, keys, scale, backend="reference")
+    value = contrastive_loss(queries, keys, scale, backend=DeferringTiles(events=[], runs_first_kernel=False))
+    torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-12)
+    value.backward()
+    assert scale.grad is not None and torch.isfinite(scale.grad)
