@@ -265,12 +265,16 @@ def _specialization(values) -> tuple:
     already has) only costs one launch through the JIT function."""
     facts = []
     for value in values:
-        if isinstance(value, torch.Tensor):
+        kind = type(value)
+        # the common kinds first, by exact type (a launch has some fifty values; this is host time)
+        if kind is tuple or kind is type or kind is str:  # a constexpr, a float's type, a string
+            facts.append(value)
+        elif kind is int or (isinstance(value, int) and not isinstance(value, bool)):
+            facts.append((value == 1, value % 16 == 0, -(2**31) <= value < 2**31))
+        elif isinstance(value, torch.Tensor):
             facts.append((value.dtype, value.data_ptr() % 16 == 0))
         elif isinstance(value, bool) or value is None:
             facts.append(value)
-        elif isinstance(value, int):
-            facts.append((value == 1, value % 16 == 0, -(2**31) <= value < 2**31))
         elif isinstance(value, TensorDescriptor) or _is_gluon_descriptor(value):
             facts.append((type(value), value.base.dtype, value.base.data_ptr() % 16 == 0, tuple(value.shape),
                           tuple(value.strides), tuple(value.block_shape), value.padding,
