@@ -15,6 +15,10 @@ a server CPU). This script measures both sides for one size:
 
     python benchmarks/bench_host_time.py --b 8192 --c 512
     python benchmarks/bench_host_time.py --b 8192 --c 512 --loss sigmoid
+
+``--host-profile N`` then issues N more hf_infcl steps, each from an idle GPU, under cProfile and
+prints where the host's time went (by own time and by cumulative time). cProfile slows Python
+down, so read its shares, not its absolute times.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from bench_common import median_issue_seconds, one_size_parser  # this folder is
 def main():
     parser = one_size_parser(__doc__, rows=8192)
     parser.add_argument("--steps", type=int, default=20, help="steps whose issue time is measured")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="also profile the host while it issues N hf_infcl steps (cProfile)")
+    parser.add_argument("--profile-lines", type=int, default=30, help="functions listed per ordering")
     args = parser.parse_args()
 
     import triton
@@ -50,6 +57,29 @@ def main():
     print(f"{'':14s}{'step ms':>10s}{'host ms':>10s}")
     for name in steps:
         print(f"{name:14s}{step_ms[name]:10.3f}{host_ms[name]:10.3f}")
+    if args.host_profile:
+        print_host_profile(steps["hf_infcl"], args.host_profile, args.profile_lines)
+
+
+def print_host_profile(step, steps: int, lines: int) -> None:
+    """cProfile of the host issuing ``steps`` steps, each from an idle GPU (as ``host`` above)."""
+    import cProfile
+    import pstats
+
+    from bench_common import synchronize
+
+    profiler = cProfile.Profile()
+    for _ in range(steps):
+        synchronize()
+        profiler.enable()
+        step()
+        profiler.disable()
+    synchronize()
+    stats = pstats.Stats(profiler)
+    stats.strip_dirs()
+    for order in ("tottime", "cumulative"):
+        print(f"\nhost profile of {steps} steps, by {order}:")
+        stats.sort_stats(order).print_stats(lines)
 
 
 if __name__ == "__main__":
