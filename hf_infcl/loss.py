@@ -1,6 +1,6 @@
 """The public loss: ``contrastive_loss`` and the ``InfCLLoss`` module.
 
-This layer checks arguments (before any kernel runs), picks a backend, assembles the per-row
+This layer checks arguments (docs/contract.md, "Errors", says when), picks a backend, assembles the per-row
 loss from the backend's statistics and the positive logits, and reduces. The contract it
 implements is docs/contract.md.
 """
@@ -278,9 +278,9 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
                                 label_smoothing, objectives, matryoshka_dims, matryoshka_weights)
     group, world_size = resolve_process_group(process_group)
     in_ring = world_size > 1
-    # One process makes the checks that read values (scale > 0, positives in range) where the
-    # statistics start, still before the first kernel (hf_infcl.ops.value_check says why); under
-    # torch.compile they would break the graph here. The ring checks here: every rank must agree.
+    # One process makes the checks that read values (scale > 0, positives in range) around the
+    # statistics (hf_infcl.ops.value_check says where and why); under torch.compile they would
+    # break the graph here. The ring checks here: every rank must agree.
     deferred = not in_ring
     device = queries.device if torch.is_tensor(queries) else None
     with announcing_rejections(group if in_ring else None, device):
