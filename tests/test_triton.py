@@ -716,7 +716,8 @@ def test_the_launch_key_of_a_gluon_descriptor_holds_its_layout():
 
 def test_a_launch_key_counts_a_runtime_float_by_its_type_and_a_constexpr_by_its_value(monkeypatch):
     """A float argument (a margin) is compiled as an fp32 value: launches that differ only in it
-    share one compiled kernel, whatever the value; a constexpr's value picks the kernel."""
+    share one compiled kernel, whatever the value; a constexpr's value picks the kernel, and so
+    does a launch option's."""
     import types
 
     from hf_infcl.ops.triton import launch
@@ -742,3 +743,8 @@ def test_a_launch_key_counts_a_runtime_float_by_its_type_and_a_constexpr_by_its_
     assert len(jit_launches) == 1 and len(launch._COMPILED) == 1
     launch.launch_jit(kernel, (1,), 0.25, BLOCK=128)
     assert len(jit_launches) == 2 and len(launch._COMPILED) == 2
+    # a launch option is no parameter: by its value too (4 and 8 warps share every integer fact)
+    launch.launch_jit(kernel, (1,), 0.25, BLOCK=128, num_warps=4)
+    launch.launch_jit(kernel, (1,), 0.25, BLOCK=128, num_warps=8)
+    launch.launch_jit(kernel, (1,), 0.5, BLOCK=128, num_warps=8)
+    assert len(jit_launches) == 4 and len(launch._COMPILED) == 4

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from .device import INTERPRET, unused_pointer
+from .launch import launch_jit
 
 # Columns per step of a row: up to 1024 (c = 768 takes one masked step).
 _MAX_BLOCK = 64 if INTERPRET else 1024
@@ -106,7 +107,8 @@ def combine_rows(*, rows: int, sources, source_index, source_weight=None, entry_
     for tensor in (sources, accumulator, out, dot_with):
         if tensor is not None and tensor.stride(-1) != 1:
             raise ValueError("combine_rows needs rows with unit column stride")
-    _combine_rows_kernel[(rows,)](
+    launch_jit(
+        _combine_rows_kernel, (rows,),
         pointer(out), pointer(accumulator), pointer(weight), pointer(sources), pointer(source_index),
         pointer(source_weight), pointer(offsets), pointer(scale), pointer(dot_with), pointer(dot_index),
         pointer(dots), width, sources.shape[0], stride(out), stride(accumulator), sources.stride(0),

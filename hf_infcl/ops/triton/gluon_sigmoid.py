@@ -50,6 +50,7 @@ import triton
 from . import compile_plans
 from .device import is_hopper, sm_count, tma_aligned
 from .jit_math import LN2, LOG2E, log1p_of_positive, reciprocal
+from .launch import launch_jit
 
 try:
     from triton.experimental import gluon
@@ -402,7 +403,8 @@ def sigmoid_tile(
                                                                   make_descriptor(keys, BLOCK_N))
     tiles = triton.cdiv(n_rows, BLOCK_M) * triton.cdiv(n_keys, BLOCK_N)
     grid = (max(1, min(sm_count(queries.device), triton.cdiv(tiles, 2))),)
-    _sigmoid_tile_kernel[grid](
+    launch_jit(
+        _sigmoid_tile_kernel, grid,
         q_desc, k_desc, make_descriptor(g_out, BLOCK_M, G_COLUMNS), row_sums, softplus_sums, scale,
         bias if bias is not None else scale, inv_g_scale if inv_g_scale is not None else scale,
         n_rows, n_keys, HAS_BIAS=bias is not None, SCALED_G=inv_g_scale is not None,

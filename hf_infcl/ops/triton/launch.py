@@ -202,8 +202,8 @@ _CHOSEN: dict[tuple, triton.Config] = {}
 # Compiled kernels by (JIT function, id of the configuration, _specialization of the arguments):
 # the same key again launches the compiled kernel through its own launcher.
 _COMPILED: dict[tuple, tuple] = {}
-# Each launched JIT function's constexpr parameters, by name.
-_CONSTEXPR_NAMES: dict = {}
+# Each launched JIT function's parameters that are not constexprs, by name.
+_RUNTIME_NAMES: dict = {}
 _COMPILED_KERNEL_API = ("run", "function", "packed_metadata", "launch_metadata")
 
 
@@ -231,19 +231,20 @@ def launch_jit(body, grid, *args, **kwargs) -> None:
 
 def _launch_cached(body, config: triton.Config | None, grid, args: tuple, kwargs: dict, named: dict) -> None:
     """``body[grid](*args, **kwargs)``, or the compiled kernel an earlier such launch with the same
-    ``config`` and the same :func:`_specialization` of the ``named`` values returned. A constexpr
-    counts by its value (each value is another kernel: an integer's divisibility, which is all an
-    argument's specialisation holds, would take a kernel of SPLITS=2 for SPLITS=4); a float that is
-    not one by its type alone (Triton passes it as an fp32 value), so that a margin that changes
-    every step does not add a key every step."""
+    ``config`` and the same :func:`_specialization` of the ``named`` values returned. A constexpr,
+    and a launch option such as ``num_warps``, counts by its value (each value is another kernel:
+    an integer's divisibility, which is all an argument's specialisation holds, would take a
+    kernel of SPLITS=2 for SPLITS=4); a float that is not one by its type alone (Triton passes
+    it as an fp32 value), so that a margin that changes every step does not add a key every step."""
     if INTERPRET:  # no compiled kernels to keep
         body[grid](*args, **kwargs)
         return
-    constexprs = _CONSTEXPR_NAMES.get(body)
-    if constexprs is None:
-        constexprs = frozenset(param.name for param in body.params if param.is_constexpr)
-        _CONSTEXPR_NAMES[body] = constexprs
-    values = (("constexpr", value) if name in constexprs
+    runtime = _RUNTIME_NAMES.get(body)
+    if runtime is None:
+        runtime = frozenset(param.name for param in body.params if not param.is_constexpr)
+        _RUNTIME_NAMES[body] = runtime
+    # a constexpr, or a launch option such as num_warps (no parameter at all), counts by its value
+    values = (("constexpr", value) if name not in runtime
               else float if isinstance(value, float) else value for name, value in named.items())
     key = (body, id(config), _specialization(values))
     compiled = _COMPILED.get(key)

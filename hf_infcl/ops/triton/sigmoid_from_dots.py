@@ -16,6 +16,7 @@ from .jit_math import (
     scale_and_bias,
     sigmoid_and_exponential,
 )
+from .launch import launch_jit
 
 # (BLOCK_M, BLOCK_N, warps, key blocks per program): wide along the keys (16-byte loads and stores
 # per thread), a few rows, and several key blocks per program so that the row sums are reduced
@@ -113,7 +114,8 @@ def sigmoid_from_dots(
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_keys, block_n * key_blocks))
     if block_m * max(dots.stride(0), g_out.stride(0)) >= 2**31:
         raise ValueError("a super-tile row block too large for the kernel's int32 offsets")
-    _sigmoid_from_dots_kernel[grid](
+    launch_jit(
+        _sigmoid_from_dots_kernel, grid,
         dots, g_out, row_sums, softplus_sums, scale, bias if bias is not None else dummy,
         inv_g_scale if inv_g_scale is not None else dummy,
         row_groups if has_mask else dummy, key_groups if has_mask else dummy,

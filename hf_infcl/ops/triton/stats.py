@@ -40,7 +40,7 @@ from .jit_math import (
     score_filter_drops,
     softplus,
 )
-from .launch import BASE_SHAPES, autotuned, launch, problem_size_class
+from .launch import BASE_SHAPES, autotuned, launch, launch_jit, problem_size_class
 
 # Autotuning candidates beyond the base shapes: a small tile, and narrow row blocks with long
 # steps along a wide c (768-1024).
@@ -348,7 +348,8 @@ def merge_partials(partials: torch.Tensor, *, log_sum_exp: bool, previous: torch
         out = torch.empty(n, dtype=torch.float32, device=partials.device)
     if n == 0:
         return out
-    _merge_partials_kernel[(triton.cdiv(n, _MERGE_BLOCK_N),)](
+    launch_jit(
+        _merge_partials_kernel, (triton.cdiv(n, _MERGE_BLOCK_N),),
         partials, previous if previous is not None else out, out, n_parts, n, partials.stride(0),
         LOG_SUM_EXP=log_sum_exp, HAS_PREVIOUS=previous is not None, BLOCK_PARTS=_MERGE_BLOCK_PARTS,
         BLOCK_N=_MERGE_BLOCK_N, num_warps=4,
