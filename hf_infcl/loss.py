@@ -37,6 +37,7 @@ from .ops.options import (
 )
 from .ops.ring import MatryoshkaTerm
 from .ops.spec import BlockOps, StatsSpec, accumulation_dtype, resolve_precision
+from .ops.value_check import check_scale_value as _check_scale_value
 from .ops.value_check import check_values as _check_values
 
 
@@ -296,13 +297,16 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
         check_label_smoothing(label_smoothing, loss, grouped=query_groups is not None,
                               hardness=hardness_mode is not None,
                               filtered=objectives.false_negative_margin is not None)
+    # A scale given as a number was checked on the host: with the default pairing nothing is left
+    # to read, and the host need not wait for the GPU at all.
+    reads_values = deferred and not (positives is None and isinstance(logit_scale, (int, float)))
     # The loss computes in its inputs' dtype under its own precision policy (``precision``), with
     # autocast on or off: the Triton kernels never see autocast, and the torch and reference backends
     # must not either, or a bf16 autocast would round their logits (|z| up to the scale) to bf16.
     with torch.autocast(queries.device.type, enabled=False):
         if backend == "reference":  # the materialised oracle (one process: the checks refuse it in a ring)
             per_row = _reference_per_row_loss(queries, keys, scale, bias, loss, symmetric, positives,
-                                              query_groups, key_groups, validate=deferred,
+                                              query_groups, key_groups, validate=reads_values,
                                               hardness=(hardness_mode, hardness_strength, query_ids,
                                                         key_owners), label_smoothing=label_smoothing,
                                               objectives=objectives)
@@ -310,7 +314,7 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
         spec = _stats_spec(loss, symmetric, precision, queries, reduction, (queries, keys, scale, bias),
                            hardness_mode, hardness_strength, objectives)
         stats = logit_stats(queries, keys, scale, bias, positives, query_groups, key_groups, spec, backend,
-                            group=group if in_ring else None, reduction=reduction, validate=deferred,
+                            group=group if in_ring else None, reduction=reduction, validate=reads_values,
                             query_ids=query_ids, key_owners=key_owners, label_smoothing=label_smoothing,
                             guide_queries=objectives.guide_queries, guide_keys=objectives.guide_keys,
                             matryoshka_term=matryoshka_term)
@@ -450,7 +454,8 @@ def as_scalar_tensor(name, value, dtype, device, allow_none):
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a float or a scalar tensor, got a bool")
     if isinstance(value, (int, float)):
-        return torch.tensor(float(value), dtype=dtype, device=device)
+        # a fill, not torch.tensor: its copy of a host value to the GPU synchronises with the stream
+        return torch.full((), float(value), dtype=dtype, device=device)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a float or a scalar tensor, got {type(value).__name__}")
     if value.numel() != 1:
@@ -520,6 +525,8 @@ def check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, pos
 
     acc = accumulation_dtype(queries.dtype)
     scale = as_scalar_tensor("logit_scale", logit_scale, acc, device, allow_none=False)
+    if isinstance(logit_scale, (int, float)):  # its value is at hand: checked here, not read back
+        _check_scale_value(float(logit_scale))
     bias = as_scalar_tensor("logit_bias", logit_bias, acc, device, allow_none=True)
     if check_values:
         _check_values(scale, positives, n_keys, distinct_positives)

@@ -77,9 +77,10 @@ def test_a_deferred_check_that_passes_runs_once_and_changes_nothing():
         calls.append(1)
         check(*arguments)
 
+    scale = torch.tensor(3.0, dtype=torch.float64)  # a tensor: its value must be read (a float's is at hand)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(value_check, "check_values", counted)
-        value = contrastive_loss(queries, keys, 3.0, backend=DeferringTiles(events=[]))
+        value = contrastive_loss(queries, keys, scale, backend=DeferringTiles(events=[]))
     torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-12)
     assert calls == [1]
     value_check.run_deferred_check()  # nothing left pending after the call
@@ -116,3 +117,28 @@ def test_a_scale_read_later_that_passes_changes_nothing(scale_read_later_on_cpu)
     torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-12)
     value.backward()
     assert scale.grad is not None and torch.isfinite(scale.grad)
+
+
+@pytest.mark.parametrize("read_later", [False, True], ids=["cpu", "read-later"])
+def test_a_scale_given_as_a_number_is_checked_on_the_host_and_never_read_back(monkeypatch, read_later):
+    """A float scale's value is at hand: a bad one raises before the block ops are called, and a
+    good one with the default pairing leaves nothing to read (no host synchronisation at all)."""
+    if read_later:
+        monkeypatch.setattr(value_check, "READ_SCALE_LATER_ON", ("cpu",))
+    readings = []
+    monkeypatch.setattr(value_check, "check_values", lambda *arguments: readings.append("check_values"))
+    monkeypatch.setattr(value_check, "ScaleReading", lambda scale: readings.append("ScaleReading"))
+    events = []
+    queries, keys = inputs()
+    for bad in (-1.0, 0, 0.0):
+        with pytest.raises(ValueError, match="logit_scale must be > 0"):
+            contrastive_loss(queries, keys, bad, backend=DeferringTiles(events=events))
+    assert events == [] and readings == []
+    expected = contrastive_loss(queries, keys, 2.5, backend="reference")
+    value = contrastive_loss(queries, keys, 2.5, backend=DeferringTiles(events=events))
+    torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-12)
+    assert events == ["forward", "checked"] and readings == []
+    # positives given: their range is still read (the scale with them, in one reading)
+    contrastive_loss(queries, keys, 2.5, positives=torch.tensor([0, 1, 2, 3, 4, 7]),
+                     backend=DeferringTiles(events=events))
+    assert readings == ["check_values"]

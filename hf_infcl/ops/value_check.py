@@ -13,8 +13,9 @@ process:
   before their first kernel, so that the GPU waits on as little host work as possible; every other
   route runs it before its work starts.
 
-The ring checks before the size exchange instead (every rank must agree), so none of this
-concerns it.
+A scale given as a number is checked on the host (``hf_infcl.loss.check_arguments``); with the
+default pairing such a call asks for no check here at all. The ring checks before the size
+exchange instead (every rank must agree), so none of this concerns it.
 """
 
 from __future__ import annotations

@@ -174,7 +174,7 @@ def label_arguments(mask: GroupMask | None, hardness: HardnessOffset | None, ker
     factor = product(kernel.queries_factor, kernel.keys_factor)
     if hardness is not None:
         device = hardness.query_ids.device
-        strength = torch.tensor(hardness.strength, dtype=torch.float32, device=device)
+        strength = torch.full((), hardness.strength, dtype=torch.float32, device=device)  # a fill: no copy
         arguments.update(
             query_ids=hardness.query_ids.to(torch.int64).contiguous(),
             key_owners=hardness.key_owners.to(torch.int64).contiguous(),
