@@ -57,8 +57,9 @@ matrix) does not fit at these sizes.
 
 ``--profile`` prints, per variant, one step's GPU time by kernel and its sum next to the step's
 time (their difference is time the GPU waited for the host). ``--trace DIR`` writes, per variant,
-a Chrome trace of three steps with the host's operators beside the kernels (open it in Perfetto),
-to find what the GPU waits for.
+a Chrome trace of three steps (``--trace-steps``), queued back to back, with the host's operators
+beside the kernels (open it in Perfetto, or read it with ``trace_gaps.py``), to find what the GPU
+waits for.
 """
 
 from __future__ import annotations
@@ -202,14 +203,17 @@ def profile(step, name: str, ms: float, rows: int = 10) -> None:
 
 
 def trace(step, path: str, steps: int = 3) -> None:
-    """``steps`` more steps under torch.profiler, host operators and kernels, as a Chrome trace."""
-    from torch.profiler import ProfilerActivity
+    """``steps`` more steps under torch.profiler, host operators and kernels, as a Chrome trace:
+    queued back to back as training queues them, each in a ``ProfilerStep#i`` range (what a
+    profiler schedule marks), so that ``trace_gaps.py --skip-steps`` can leave the first out."""
+    from torch.profiler import ProfilerActivity, record_function
     from torch.profiler import profile as torch_profile
 
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
+        for index in range(steps):
+            with record_function(f"ProfilerStep#{index}"):
+                step()
         torch.cuda.synchronize()
     prof.export_chrome_trace(path)
 
@@ -224,7 +228,8 @@ def main(argv=None):
     parser.add_argument("--csv", default=None, help="write CSV rows here")
     parser.add_argument("--profile", action="store_true", help="print each variant's kernels (one step)")
     parser.add_argument("--trace", default=None, metavar="DIR",
-                        help="write each variant's Chrome trace of three steps into DIR")
+                        help="write each variant's Chrome trace of --trace-steps steps into DIR")
+    parser.add_argument("--trace-steps", type=int, default=3, help="steps in each trace")
     parser.add_argument("--matryoshka-dims", default=None,
                         help="the Matryoshka variants' widths, e.g. 2048,1024,512,256,128")
     args = parser.parse_args(argv)
@@ -263,7 +268,7 @@ def main(argv=None):
                 profile(step, f"{variant} {format_count(b)}/{c}", ms)
             if args.trace:
                 Path(args.trace).mkdir(parents=True, exist_ok=True)
-                trace(step, str(Path(args.trace) / f"{variant}-{format_count(b)}-{c}.json"))
+                trace(step, str(Path(args.trace) / f"{variant}-{format_count(b)}-{c}.json"), args.trace_steps)
             rows.append({"variant": variant, "b": b, "c": c, "ms": ms, "host_ms": host_ms,
                          "peak_mib": peak / 2**20, "vs_plain": ms / plain_ms if plain_ms else float("nan")})
             # each row as it comes, so that a run cut short by its time limit keeps what it measured

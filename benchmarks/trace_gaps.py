@@ -8,7 +8,12 @@ that moment is the outermost one that is not a plain ``aten::`` operator (an aut
 forward, its backward, or a profiler step), or "outside the loss" if there is none. Gaps shorter
 than ``--min-us`` are summed per operator as "short gaps".
 
+Where the trace marks its steps (``ProfilerStep#i`` ranges, as ``bench_objectives.py --trace`` and
+a profiler schedule write), ``--skip-steps K`` leaves out the kernels and gaps launched in the
+first K steps: the first starts from an idle GPU, the later ones show the steady state.
+
     python benchmarks/trace_gaps.py DIR/filter-32k-512.json --steps 3
+    python benchmarks/trace_gaps.py DIR/plain-32k-512.json --steps 5 --skip-steps 1
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import re
 from collections import defaultdict
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -52,17 +58,51 @@ def region_at(regions: list[tuple[float, float, str]], starts: list[float], time
     return name.replace("autograd::engine::evaluate_function: ", "")
 
 
-def gaps(events: list[dict], min_us: float) -> dict[tuple[str, str], list[float]]:
-    """{(host region, next kernel or "(short gaps)"): [gap µs, ...]} over the trace."""
-    launches = {event["args"]["correlation"]: event["ts"] for event in events
-                if event.get("cat") == "cuda_runtime" and "correlation" in event.get("args", {})}
+_STEP = re.compile(r"ProfilerStep#(\d+)$")
+
+
+def step_ranges(events: list[dict]) -> list[tuple[float, float, int]]:
+    """(start, end, number) of the trace's ``ProfilerStep#number`` host ranges."""
+    ranges = []
+    for event in events:
+        match = _STEP.match(event.get("name", ""))
+        if match and event.get("cat") in ("cpu_op", "user_annotation"):
+            ranges.append((event["ts"], event["ts"] + event["dur"], int(match.group(1))))
+    return sorted(ranges)
+
+
+def launched_in_skipped_step(ranges: list[tuple[float, float, int]], time: float, skip_steps: int) -> bool:
+    return any(start <= time <= end and number < skip_steps for start, end, number in ranges)
+
+
+def launch_times(events: list[dict]) -> dict:
+    """The host time of each launch, by its correlation id."""
+    return {event["args"]["correlation"]: event["ts"] for event in events
+            if event.get("cat") == "cuda_runtime" and "correlation" in event.get("args", {})}
+
+
+def kept_gpu_events(events: list[dict], skip_steps: int = 0) -> list[dict]:
+    """The kernels and copies in time order, less those launched in the first ``skip_steps`` steps."""
     gpu = sorted((event for event in events if event.get("cat") in GPU_CATEGORIES),
                  key=lambda event: event["ts"])
+    if not skip_steps:
+        return gpu
+    ranges, launches = step_ranges(events), launch_times(events)
+    if not ranges:
+        raise ValueError("--skip-steps needs a trace whose steps are marked (ProfilerStep#i ranges)")
+    return [event for event in gpu if not launched_in_skipped_step(
+        ranges, launches.get(event.get("args", {}).get("correlation"), event["ts"]), skip_steps)]
+
+
+def gaps(events: list[dict], min_us: float, skip_steps: int = 0) -> dict[tuple[str, str], list[float]]:
+    """{(host region, next kernel or "(short gaps)"): [gap µs, ...]} over the trace, less the
+    kernels launched in the first ``skip_steps`` marked steps and the gaps before them."""
+    launches = launch_times(events)
     regions = host_regions(events)
     starts = [region[0] for region in regions]
     found: dict[tuple[str, str], list[float]] = defaultdict(list)
     busy_until = None
-    for event in gpu:
+    for event in kept_gpu_events(events, skip_steps):
         if busy_until is not None and event["ts"] > busy_until:
             idle = event["ts"] - busy_until
             launched = launches.get(event.get("args", {}).get("correlation"), event["ts"])
@@ -81,18 +121,24 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps in each trace (figures are per step)")
     parser.add_argument("--min-us", type=float, default=30.0, help="gaps shorter than this are summed")
     parser.add_argument("--rows", type=int, default=8, help="rows per trace")
+    parser.add_argument("--skip-steps", type=int, default=0,
+                        help="leave out the first K marked steps (figures are per step of the rest)")
     args = parser.parse_args(argv)
+    if not 0 <= args.skip_steps < args.steps:
+        parser.error(f"--skip-steps must lie in [0, --steps), got {args.skip_steps}")
+    steps = args.steps - args.skip_steps
     for path in args.traces:
         events = load_events(path)
-        kernel_us = sum(event["dur"] for event in events if event.get("cat") == "kernel")
-        found = gaps(events, args.min_us)
+        kernel_us = sum(event["dur"] for event in kept_gpu_events(events, args.skip_steps)
+                        if event.get("cat") == "kernel")
+        found = gaps(events, args.min_us, args.skip_steps)
         idle_us = sum(sum(values) for values in found.values())
-        print(f"== {path}: {kernel_us / args.steps / 1e3:.2f} ms of kernels and "
-              f"{idle_us / args.steps / 1e3:.2f} ms idle per step")
+        print(f"== {path}: {kernel_us / steps / 1e3:.2f} ms of kernels and "
+              f"{idle_us / steps / 1e3:.2f} ms idle per step")
         ranked = sorted(found.items(), key=lambda item: -sum(item[1]))[: args.rows]
         for (region, kernel), values in ranked:
-            per_step = sum(values) / args.steps
-            print(f"   {per_step:8.0f} us  x{len(values) / args.steps:4.1f}  {region} -> {kernel}")
+            per_step = sum(values) / steps
+            print(f"   {per_step:8.0f} us  x{len(values) / steps:4.1f}  {region} -> {kernel}")
 
 
 if __name__ == "__main__":
