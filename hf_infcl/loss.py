@@ -299,7 +299,7 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
                               filtered=objectives.false_negative_margin is not None)
     # A scale given as a number was checked on the host: with the default pairing nothing is left
     # to read, and the host need not wait for the GPU at all.
-    reads_values = deferred and not (positives is None and isinstance(logit_scale, (int, float)))
+    reads_values = deferred and not (positives is None and _scale_at_hand(logit_scale))
     # The loss computes in its inputs' dtype under its own precision policy (``precision``), with
     # autocast on or off: the Triton kernels never see autocast, and the torch and reference backends
     # must not either, or a bf16 autocast would round their logits (|z| up to the scale) to bf16.
@@ -446,6 +446,11 @@ def _check_index_vector(name, tensor, length, device):
         raise ValueError(f"{name} is on {tensor.device} but queries are on {device}")
 
 
+def _scale_at_hand(logit_scale) -> bool:
+    """Whether ``logit_scale`` is a number, its value on the host (a bool is refused elsewhere)."""
+    return isinstance(logit_scale, (int, float)) and not isinstance(logit_scale, bool)
+
+
 def as_scalar_tensor(name, value, dtype, device, allow_none):
     if value is None:
         if allow_none:
@@ -525,7 +530,7 @@ def check_arguments(queries, keys, logit_scale, logit_bias, loss, symmetric, pos
 
     acc = accumulation_dtype(queries.dtype)
     scale = as_scalar_tensor("logit_scale", logit_scale, acc, device, allow_none=False)
-    if isinstance(logit_scale, (int, float)):  # its value is at hand: checked here, not read back
+    if _scale_at_hand(logit_scale):  # checked here, not read back
         _check_scale_value(float(logit_scale))
     bias = as_scalar_tensor("logit_bias", logit_bias, acc, device, allow_none=True)
     if check_values:

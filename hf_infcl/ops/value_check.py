@@ -30,6 +30,12 @@ import torch
 _PENDING: contextvars.ContextVar = contextvars.ContextVar("hf_infcl_pending_value_check", default=None)
 
 
+def reads_scale_only(positives: torch.Tensor | None) -> bool:
+    """Whether the checks read the scale alone: no positives given (``keys[:m]``, in range by
+    construction), so nothing to range-check and no kernel that indexes memory by them."""
+    return positives is None or not positives.numel()
+
+
 def check_values(scale: torch.Tensor, positives: torch.Tensor | None, n_keys: int,
                  distinct_positives: bool = False) -> None:
     """The argument checks that read values (one host synchronisation): ``logit_scale`` > 0 and
@@ -37,7 +43,7 @@ def check_values(scale: torch.Tensor, positives: torch.Tensor | None, n_keys: in
     construction, so only the scale is read); with ``distinct_positives`` (the score filter with a
     column statistic), no key the positive of two rows."""
     scale = scale.detach().reshape(())
-    if positives is None or not positives.numel():
+    if reads_scale_only(positives):
         scale_value, positive_range, shared = scale.item(), (), 0
     else:
         readings = [scale.to(torch.float64), positives.min().to(torch.float64),
@@ -102,7 +108,7 @@ def deferred_check(ops, scale: torch.Tensor, positives: torch.Tensor | None, n_k
     if not enabled:
         yield
         return
-    if (positives is None or not positives.numel()) and scale.device.type in READ_SCALE_LATER_ON:
+    if reads_scale_only(positives) and scale.device.type in READ_SCALE_LATER_ON:
         reading = ScaleReading(scale)
         yield
         reading.check()

@@ -280,7 +280,7 @@ def _specialization(values) -> tuple:
             facts.append((type(value), value.base.dtype, value.base.data_ptr() % 16 == 0, tuple(value.shape),
                           tuple(value.strides), tuple(value.block_shape), value.padding,
                           repr(getattr(value, "layout", None))))
-        else:  # strings and other constexpr values
+        else:  # any other constexpr value
             facts.append(value)
     return tuple(facts)
 
