@@ -233,6 +233,8 @@ def main(argv=None):
     parser.add_argument("--matryoshka-dims", default=None,
                         help="the Matryoshka variants' widths, e.g. 2048,1024,512,256,128")
     args = parser.parse_args(argv)
+    if args.trace_steps < 1:
+        parser.error(f"--trace-steps must be at least 1, got {args.trace_steps}")
     matryoshka_dims = None
     if args.matryoshka_dims:
         matryoshka_dims = tuple(int(dim) for dim in args.matryoshka_dims.split(","))

@@ -55,3 +55,9 @@ def test_the_variants_differ_from_plain():
     for variant in bench_objectives.VARIANTS[1:] + bench_objectives.EXTRA_VARIANTS:
         other = bench_objectives.make_step(variant, 40, 24, device="cpu", dtype=torch.float32)()
         assert not torch.allclose(other[0], plain[0]), variant
+
+
+def test_a_trace_of_no_steps_is_refused_naming_the_option(capsys):
+    with pytest.raises(SystemExit):
+        bench_objectives.main(["--trace", "unused", "--trace-steps", "0"])
+    assert "--trace-steps must be at least 1, got 0" in capsys.readouterr().err

@@ -82,3 +82,9 @@ def test_skipping_the_first_marked_step_keeps_the_steady_state(tmp_path, capsys)
 def test_skipping_steps_needs_marked_steps(tmp_path):
     with pytest.raises(ValueError, match="ProfilerStep"):
         trace_gaps.gaps(trace_gaps.load_events(str(_trace(tmp_path))), min_us=30, skip_steps=1)
+
+
+def test_skipping_every_step_is_refused_naming_the_option(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        trace_gaps.main([str(_two_step_trace(tmp_path)), "--steps", "2", "--skip-steps", "2"])
+    assert "--skip-steps must lie in [0, --steps), got 2" in capsys.readouterr().err
