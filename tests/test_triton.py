@@ -748,3 +748,50 @@ def test_a_launch_key_counts_a_runtime_float_by_its_type_and_a_constexpr_by_its_
     launch.launch_jit(kernel, (1,), 0.25, BLOCK=128, num_warps=8)
     launch.launch_jit(kernel, (1,), 0.5, BLOCK=128, num_warps=8)
     assert len(jit_launches) == 4 and len(launch._COMPILED) == 4
+
+
+def test_a_launch_key_counts_a_tensor_by_dtype_and_alignment_and_an_integer_by_its_facts():
+    """Two launches share a compiled kernel exactly when every argument has the same facts: a
+    tensor's dtype and 16-byte alignment (not its address), an integer's being 1, divisibility by
+    16 and 32-bit width (not its value); a subclass (a Parameter) counts as its base type."""
+    from hf_infcl.ops.triton import launch
+
+    base = torch.zeros(64, dtype=torch.float32)
+    facts = launch._specialization
+    assert facts([base, 32]) == facts([base[4:], 48])  # 16 bytes further on, another multiple of 16
+    assert facts([base, 32]) != facts([base[1:], 32])  # 4 bytes: not aligned
+    assert facts([base, 32]) != facts([base.to(torch.float16), 32])
+    assert facts([base, 32]) != facts([base, 33]) != facts([base, 1])
+    assert facts([base, 32]) != facts([base, 2**32])
+    assert facts([torch.nn.Parameter(base), 32]) == facts([base, 32])
+    assert facts([0.5, None, True]) == facts([0.25, None, True]) != facts([0.5, None, False])
+
+
+def test_a_launch_makes_its_jit_keyword_arguments_only_when_it_compiles(monkeypatch):
+    """Past the autotuner, the JIT function's keyword arguments (the config's and the heuristics')
+    are made only for a launch that goes through the JIT function: host time per launch."""
+    import types
+
+    from hf_infcl.ops.triton import launch
+
+    compiled = types.SimpleNamespace(**{name: None for name in launch._COMPILED_KERNEL_API})
+    jit_launches, made = [], []
+
+    class Body:
+        params = [types.SimpleNamespace(name="n", is_constexpr=False)]
+        arg_names = ["n"]
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: jit_launches.append(kwargs) or compiled
+
+    def kwargs():
+        made.append(1)
+        return {"num_warps": 4}
+
+    monkeypatch.setattr(launch, "_COMPILED", {})
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    monkeypatch.setattr(launch, "_launch_compiled", lambda body, compiled, grid, named: None)
+    body = Body()
+    for n in (32, 64, 96):
+        launch._launch_cached(body, None, (1,), (n,), kwargs, {"n": n})
+    assert jit_launches == [{"num_warps": 4}] and made == [1]

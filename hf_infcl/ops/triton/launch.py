@@ -217,7 +217,7 @@ def _launch_with(kernel: TunedKernel, config: triton.Config, grid, args: tuple, 
         config.pre_hook(named)
     constexprs = {name: heuristic(named) for name, heuristic in kernel.heuristics.items()}
     named.update(constexprs)
-    _launch_cached(body, config, grid, args, {**kwargs, **config.all_kwargs(), **constexprs}, named)
+    _launch_cached(body, config, grid, args, lambda: {**kwargs, **config.all_kwargs(), **constexprs}, named)
 
 
 def launch_jit(body, grid, *args, **kwargs) -> None:
@@ -235,54 +235,54 @@ def _launch_cached(body, config: triton.Config | None, grid, args: tuple, kwargs
     and a launch option such as ``num_warps``, counts by its value (each value is another kernel:
     an integer's divisibility, which is all an argument's specialisation holds, would take a
     kernel of SPLITS=2 for SPLITS=4); a float that is not one by its type alone (Triton passes
-    it as an fp32 value), so that a margin that changes every step does not add a key every step."""
+    it as an fp32 value), so that a margin that changes every step does not add a key every step.
+    ``kwargs`` may be a function that returns them: they are needed only to compile."""
     if INTERPRET:  # no compiled kernels to keep
-        body[grid](*args, **kwargs)
+        body[grid](*args, **(kwargs() if callable(kwargs) else kwargs))
         return
     runtime = _RUNTIME_NAMES.get(body)
     if runtime is None:
         runtime = frozenset(param.name for param in body.params if not param.is_constexpr)
         _RUNTIME_NAMES[body] = runtime
-    # a constexpr, or a launch option such as num_warps (no parameter at all), counts by its value
-    values = (("constexpr", value) if name not in runtime
-              else float if isinstance(value, float) else value for name, value in named.items())
-    key = (body, id(config), _specialization(values))
+    # the names in their order, then a constexpr or a launch option (no parameter at all) by its
+    # value and an argument by its facts
+    key = (body, id(config), tuple(named),
+           tuple(_fact(value) if name in runtime else value for name, value in named.items()))
     compiled = _COMPILED.get(key)
     if compiled is not None:
         _launch_compiled(body, compiled[1], grid, named)
         return
-    compiled = body[grid](*args, **kwargs)
+    compiled = body[grid](*args, **(kwargs() if callable(kwargs) else kwargs))
     if all(hasattr(compiled, name) for name in _COMPILED_KERNEL_API):
         _COMPILED[key] = (config, compiled)  # the config kept alive, so that its id stays its own
 
 
 def _specialization(values) -> tuple:
-    """What a launch's compiled kernel depends on besides the configuration, for every argument
-    value (the constexprs come as ``("constexpr", value)``, from :func:`_launch_cached`, and count
-    by their values): a superset of what Triton specialises on (a tensor's dtype and
-    16-byte alignment; an integer's width, divisibility by 16 and being 1; a tensor descriptor's
-    dtype, alignment, shape, strides and block, and a Gluon one's shared layout), so that two
-    launches with one key never need two compilations. The converse (a new key for a kernel Triton
-    already has) only costs one launch through the JIT function."""
-    facts = []
-    for value in values:
-        kind = type(value)
-        # the common kinds first, by exact type (a launch has some fifty values; this is host time)
-        if kind is tuple or kind is type or kind is str:  # a constexpr, a float's type, a string
-            facts.append(value)
-        elif kind is int or (isinstance(value, int) and not isinstance(value, bool)):
-            facts.append((value == 1, value % 16 == 0, -(2**31) <= value < 2**31))
-        elif isinstance(value, torch.Tensor):
-            facts.append((value.dtype, value.data_ptr() % 16 == 0))
-        elif isinstance(value, bool) or value is None:
-            facts.append(value)
-        elif isinstance(value, TensorDescriptor) or _is_gluon_descriptor(value):
-            facts.append((type(value), value.base.dtype, value.base.data_ptr() % 16 == 0, tuple(value.shape),
-                          tuple(value.strides), tuple(value.block_shape), value.padding,
-                          repr(getattr(value, "layout", None))))
-        else:  # any other constexpr value
-            facts.append(value)
-    return tuple(facts)
+    """What a launch's compiled kernel depends on besides the configuration and its constexprs, for
+    every argument value (:func:`_fact` of each)."""
+    return tuple(map(_fact, values))
+
+
+def _fact(value):
+    """What a compiled kernel depends on of one argument value: a superset of what Triton
+    specialises on (a tensor's dtype and 16-byte alignment; an integer's width, divisibility by 16
+    and being 1; a float by its type alone; a tensor descriptor's dtype, alignment, shape, strides
+    and block, and a Gluon one's shared layout), so that two launches with one key never need two
+    compilations. The converse (a new key for a kernel Triton already has) only costs one launch
+    through the JIT function."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return value == 1, value % 16 == 0, -(2**31) <= value < 2**31
+    if isinstance(value, float):
+        return float
+    if isinstance(value, TensorDescriptor) or _is_gluon_descriptor(value):
+        return (type(value), value.base.dtype, value.base.data_ptr() % 16 == 0, tuple(value.shape),
+                tuple(value.strides), tuple(value.block_shape), value.padding,
+                repr(getattr(value, "layout", None)))
+    return value
 
 
 def _is_gluon_descriptor(value) -> bool:
