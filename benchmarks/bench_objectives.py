@@ -59,7 +59,9 @@ matrix) does not fit at these sizes.
 time (their difference is time the GPU waited for the host). ``--trace DIR`` writes, per variant,
 a Chrome trace of three steps (``--trace-steps``), queued back to back, with the host's operators
 beside the kernels (open it in Perfetto, or read it with ``trace_gaps.py``), to find what the GPU
-waits for.
+waits for. ``--trace-kernels-only`` leaves the host's operators out of it: the profiler's host
+bookkeeping then no longer slows the host, so the gaps are those of an unprofiled run (and
+``trace_gaps.py`` names only the kernels around each).
 """
 
 from __future__ import annotations
@@ -202,15 +204,17 @@ def profile(step, name: str, ms: float, rows: int = 10) -> None:
     print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
 
 
-def trace(step, path: str, steps: int = 3) -> None:
+def trace(step, path: str, steps: int = 3, kernels_only: bool = False) -> None:
     """``steps`` more steps under torch.profiler, host operators and kernels, as a Chrome trace:
     queued back to back as training queues them, each in a ``ProfilerStep#i`` range (what a
-    profiler schedule marks), so that ``trace_gaps.py --skip-steps`` can leave the first out."""
+    profiler schedule marks), so that ``trace_gaps.py --skip-steps`` can leave the first out.
+    ``kernels_only``: the GPU's activity alone (no host operators, no step ranges)."""
     from torch.profiler import ProfilerActivity, record_function
     from torch.profiler import profile as torch_profile
 
     torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] if kernels_only else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with torch_profile(activities=activities) as prof:
         for index in range(steps):
             with record_function(f"ProfilerStep#{index}"):
                 step()
@@ -230,9 +234,13 @@ def main(argv=None):
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="write each variant's Chrome trace of --trace-steps steps into DIR")
     parser.add_argument("--trace-steps", type=int, default=3, help="steps in each trace")
+    parser.add_argument("--trace-kernels-only", action="store_true",
+                        help="trace the GPU's activity alone, without the host's operators")
     parser.add_argument("--matryoshka-dims", default=None,
                         help="the Matryoshka variants' widths, e.g. 2048,1024,512,256,128")
     args = parser.parse_args(argv)
+    if args.trace_kernels_only and not args.trace:
+        parser.error("--trace-kernels-only needs --trace DIR")
     if args.trace_steps < 1:
         parser.error(f"--trace-steps must be at least 1, got {args.trace_steps}")
     matryoshka_dims = None
@@ -270,7 +278,8 @@ def main(argv=None):
                 profile(step, f"{variant} {format_count(b)}/{c}", ms)
             if args.trace:
                 Path(args.trace).mkdir(parents=True, exist_ok=True)
-                trace(step, str(Path(args.trace) / f"{variant}-{format_count(b)}-{c}.json"), args.trace_steps)
+                trace(step, str(Path(args.trace) / f"{variant}-{format_count(b)}-{c}.json"), args.trace_steps,
+                      args.trace_kernels_only)
             rows.append({"variant": variant, "b": b, "c": c, "ms": ms, "host_ms": host_ms,
                          "peak_mib": peak / 2**20, "vs_plain": ms / plain_ms if plain_ms else float("nan")})
             # each row as it comes, so that a run cut short by its time limit keeps what it measured

@@ -61,3 +61,37 @@ def test_a_trace_of_no_steps_is_refused_naming_the_option(capsys):
     with pytest.raises(SystemExit):
         bench_objectives.main(["--trace", "unused", "--trace-steps", "0"])
     assert "--trace-steps must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_kernels_only_is_refused_without_a_trace_naming_the_option(capsys):
+    with pytest.raises(SystemExit):
+        bench_objectives.main(["--trace-kernels-only"])
+    assert "--trace-kernels-only needs --trace DIR" in capsys.readouterr().err
+
+
+def _trace_events(tmp_path, device: str, kernels_only: bool) -> list[dict]:
+    import json
+
+    step = bench_objectives.make_step("plain", 40, 24, device=device, dtype=torch.float32)
+    path = tmp_path / f"{kernels_only}.json"
+    bench_objectives.trace(step, str(path), steps=2, kernels_only=kernels_only)
+    return json.loads(path.read_text())["traceEvents"]
+
+
+def _host_operators(events: list[dict]) -> list[dict]:
+    return [event for event in events if event.get("cat") in ("cpu_op", "user_annotation")]
+
+
+def test_a_full_trace_holds_the_host_operators_and_the_step_ranges(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)  # (on the CPU: nothing to wait for)
+    host = _host_operators(_trace_events(tmp_path, "cpu", kernels_only=False))
+    assert {"ProfilerStep#0", "ProfilerStep#1"} <= {event["name"] for event in host}
+
+
+@pytest.mark.gpu
+def test_gpu_a_kernels_only_trace_holds_kernels_and_no_host_operators(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
+    events = _trace_events(tmp_path, "cuda", kernels_only=True)
+    assert not _host_operators(events)
+    assert any(event.get("cat") == "kernel" for event in events)
