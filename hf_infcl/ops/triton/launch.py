@@ -229,9 +229,10 @@ def launch_jit(body, grid, *args, **kwargs) -> None:
     _launch_cached(body, None, grid, args, kwargs, {**dict(zip(body.arg_names, args)), **kwargs})
 
 
-def _launch_cached(body, config: triton.Config | None, grid, args: tuple, kwargs: dict, named: dict) -> None:
+def _launch_cached(body, config: triton.Config | None, grid, args: tuple, kwargs: dict | Callable[[], dict],
+                   named: dict) -> None:
     """``body[grid](*args, **kwargs)``, or the compiled kernel an earlier such launch with the same
-    ``config`` and the same :func:`_specialization` of the ``named`` values returned. A constexpr,
+    ``config`` and the same facts (:func:`_fact`) of the ``named`` values returned. A constexpr,
     and a launch option such as ``num_warps``, counts by its value (each value is another kernel:
     an integer's divisibility, which is all an argument's specialisation holds, would take a
     kernel of SPLITS=2 for SPLITS=4); a float that is not one by its type alone (Triton passes
