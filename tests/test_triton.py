@@ -708,10 +708,10 @@ def test_the_launch_key_of_a_gluon_descriptor_holds_its_layout():
                                      block_shape=[128, 64], layout=layout, padding="zero")
 
     first, second = torch.zeros(256, 64, dtype=torch.bfloat16), torch.ones(256, 64, dtype=torch.bfloat16)
-    same = launch._specialization([descriptor(first, "swizzle 128"), 7])
-    assert launch._specialization([descriptor(second, "swizzle 128"), 7]) == same
-    assert launch._specialization([descriptor(second, "swizzle 64"), 7]) != same
-    assert launch._specialization([descriptor(second[:128], "swizzle 128"), 7]) != same
+    same = launch._fact(descriptor(first, "swizzle 128"))
+    assert launch._fact(descriptor(second, "swizzle 128")) == same
+    assert launch._fact(descriptor(second, "swizzle 64")) != same
+    assert launch._fact(descriptor(second[:128], "swizzle 128")) != same
 
 
 def test_a_launch_key_counts_a_runtime_float_by_its_type_and_a_constexpr_by_its_value(monkeypatch):
@@ -757,7 +757,9 @@ def test_a_launch_key_counts_a_tensor_by_dtype_and_alignment_and_an_integer_by_i
     from hf_infcl.ops.triton import launch
 
     base = torch.zeros(64, dtype=torch.float32)
-    facts = launch._specialization
+    def facts(values):
+        return [launch._fact(value) for value in values]
+
     assert facts([base, 32]) == facts([base[4:], 48])  # 16 bytes further on, another multiple of 16
     assert facts([base, 32]) != facts([base[1:], 32])  # 4 bytes: not aligned
     assert facts([base, 32]) != facts([base.to(torch.float16), 32])

@@ -199,8 +199,9 @@ def _tunes() -> bool:
 # The configuration each (kernel name, tuning key) ran with in this process, once tuned or loaded.
 _CHOSEN: dict[tuple, triton.Config] = {}
 
-# Compiled kernels by (JIT function, id of the configuration, _specialization of the arguments):
-# the same key again launches the compiled kernel through its own launcher.
+# Compiled kernels by (JIT function, id of the configuration, the launch's names, their values or
+# facts: see _launch_cached): the same key again launches the compiled kernel through its own
+# launcher.
 _COMPILED: dict[tuple, tuple] = {}
 # Each launched JIT function's parameters that are not constexprs, by name.
 _RUNTIME_NAMES: dict = {}
@@ -256,12 +257,6 @@ def _launch_cached(body, config: triton.Config | None, grid, args: tuple, kwargs
     compiled = body[grid](*args, **(kwargs() if callable(kwargs) else kwargs))
     if all(hasattr(compiled, name) for name in _COMPILED_KERNEL_API):
         _COMPILED[key] = (config, compiled)  # the config kept alive, so that its id stays its own
-
-
-def _specialization(values) -> tuple:
-    """What a launch's compiled kernel depends on besides the configuration and its constexprs, for
-    every argument value (:func:`_fact` of each)."""
-    return tuple(map(_fact, values))
 
 
 def _fact(value):
