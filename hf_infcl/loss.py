@@ -39,6 +39,7 @@ from .ops.ring import MatryoshkaTerm
 from .ops.spec import BlockOps, StatsSpec, accumulation_dtype, resolve_precision
 from .ops.value_check import check_scale_value as _check_scale_value
 from .ops.value_check import check_values as _check_values
+from .ops.value_check import reads_scale_only as _reads_scale_only
 
 
 def contrastive_loss(
@@ -299,7 +300,7 @@ def _contrastive_loss(queries, keys, logit_scale, logit_bias, positives, query_g
                               filtered=objectives.false_negative_margin is not None)
     # A scale given as a number was checked on the host: with the default pairing nothing is left
     # to read, and the host need not wait for the GPU at all.
-    reads_values = deferred and not (positives is None and _scale_at_hand(logit_scale))
+    reads_values = deferred and not (_reads_scale_only(positives) and _scale_at_hand(logit_scale))
     # The loss computes in its inputs' dtype under its own precision policy (``precision``), with
     # autocast on or off: the Triton kernels never see autocast, and the torch and reference backends
     # must not either, or a bf16 autocast would round their logits (|z| up to the scale) to bf16.

@@ -227,20 +227,20 @@ def launch_jit(body, grid, *args, **kwargs) -> None:
     kernel's own launcher, as :func:`launch` does past the autotuner. The JIT function's look-ups
     cost more host time than its launch, and where the GPU waits for the launch (just after a host
     synchronisation) that time is the GPU's too."""
-    _launch_cached(body, None, grid, args, kwargs, {**dict(zip(body.arg_names, args)), **kwargs})
+    _launch_cached(body, None, grid, args, lambda: kwargs, {**dict(zip(body.arg_names, args)), **kwargs})
 
 
-def _launch_cached(body, config: triton.Config | None, grid, args: tuple, kwargs: dict | Callable[[], dict],
+def _launch_cached(body, config: triton.Config | None, grid, args: tuple, jit_kwargs: Callable[[], dict],
                    named: dict) -> None:
-    """``body[grid](*args, **kwargs)``, or the compiled kernel an earlier such launch with the same
+    """``body[grid](*args, **jit_kwargs())``, or the compiled kernel an earlier such launch with the same
     ``config`` and the same facts (:func:`_fact`) of the ``named`` values returned. A constexpr,
     and a launch option such as ``num_warps``, counts by its value (each value is another kernel:
     an integer's divisibility, which is all an argument's specialisation holds, would take a
     kernel of SPLITS=2 for SPLITS=4); a float that is not one by its type alone (Triton passes
     it as an fp32 value), so that a margin that changes every step does not add a key every step.
-    ``kwargs`` may be a function that returns them: they are needed only to compile."""
+    ``jit_kwargs`` makes the JIT function's keyword arguments, which only a compile needs."""
     if INTERPRET:  # no compiled kernels to keep
-        body[grid](*args, **(kwargs() if callable(kwargs) else kwargs))
+        body[grid](*args, **jit_kwargs())
         return
     runtime = _RUNTIME_NAMES.get(body)
     if runtime is None:
@@ -254,7 +254,7 @@ def _launch_cached(body, config: triton.Config | None, grid, args: tuple, kwargs
     if compiled is not None:
         _launch_compiled(body, compiled[1], grid, named)
         return
-    compiled = body[grid](*args, **(kwargs() if callable(kwargs) else kwargs))
+    compiled = body[grid](*args, **jit_kwargs())
     if all(hasattr(compiled, name) for name in _COMPILED_KERNEL_API):
         _COMPILED[key] = (config, compiled)  # the config kept alive, so that its id stays its own
 
