@@ -1541,6 +1541,66 @@ def test_distillation_statistics_merge_split_inner_ranges():
             assert torch.allclose(part.double(), reference, rtol=1e-5, atol=1e-5)
 
 
+def _soft_target_stats_direct(z: torch.Tensor, t: torch.Tensor, dim: int) -> torch.Tensor:
+    """[3, n]: the student's and the teacher's log-sum-exps over ``dim`` and the gap, directly."""
+    gap = (torch.softmax(t, dim=dim) * (t - z)).sum(dim=dim)
+    return torch.stack([torch.logsumexp(z, dim=dim), torch.logsumexp(t, dim=dim), gap])
+
+
+@pytest.mark.parametrize("previous", [False, True], ids=["alone", "with-previous"])
+@pytest.mark.parametrize("sets", [1, 6, 11], ids=lambda sets: f"sets{sets}")
+def test_soft_target_parts_merge_into_the_statistics_over_every_key(sets, previous):
+    """merge_soft_target_parts (the splits' and the Gluon kernel's column partials' merge) against
+    float64: numbers of sets that are and are not a multiple of the kernel's block, logits ~30
+    wide (shares that underflow), a set of no keys (-inf, -inf, gap 0) that counts for nothing, a
+    column with no key at all (gap 0, not NaN), running statistics merged in place, and a strided
+    view as the output (a chunk of a longer buffer) whose neighbours stay untouched."""
+    from hf_infcl.ops.triton.distillation import merge_soft_target_parts
+
+    generator = torch.Generator().manual_seed(random.randrange(2**31))
+    n, per_set, earlier = 21, 5, 4
+    z, t = (30 * torch.randn(sets * per_set + earlier, n, dtype=torch.float64, generator=generator)
+            for _ in range(2))
+    starts = range(0, sets * per_set, per_set)
+    parts = torch.stack([_soft_target_stats_direct(z[r:r + per_set], t[r:r + per_set], 0) for r in starts], 1)
+    nothing = torch.tensor([float("-inf"), float("-inf"), 0.0], dtype=torch.float64)
+    empty_set = sets // 2 if sets > 1 else None  # its keys are left out of the oracle too
+    if empty_set is not None:
+        parts[:, empty_set] = nothing[:, None]
+    parts[:, :, 3] = nothing[:, None]  # column 3 reached no key in any set
+    counted = [r for index, r in enumerate(starts) if index != empty_set]
+    rows = torch.cat([torch.arange(r, r + per_set) for r in counted])
+    buffer = torch.full((3, n + 7), float("nan"))
+    out, running = buffer[:, 2 : n + 2], None
+    if previous:  # the last keys as an earlier chunk's running statistics
+        rows = torch.cat([rows, torch.arange(sets * per_set, sets * per_set + earlier)])
+        out.copy_(_soft_target_stats_direct(z[-earlier:], t[-earlier:], 0))
+        out[:, 3] = nothing
+        running = out
+    expected = _soft_target_stats_direct(z[rows], t[rows], 0)
+    expected[:, 3] = nothing
+    result = merge_soft_target_parts(parts.float(), previous=running, out=out)
+    assert result.data_ptr() == out.data_ptr()
+    assert buffer[:, :2].isnan().all() and buffer[:, n + 2:].isnan().all()
+    # fp32 merges of fp32 statistics of size ~100
+    torch.testing.assert_close(result.double(), expected, rtol=1e-5, atol=1e-4)
+    assert result[:, 3].tolist() == [float("-inf"), float("-inf"), 0.0]
+
+
+def test_soft_target_parts_merge_propagates_nan():
+    """A NaN statistic in a set or in the running statistics gives NaN, never a finite number."""
+    from hf_infcl.ops.triton.distillation import merge_soft_target_parts
+
+    parts = torch.randn(3, 5, 4)
+    parts[0, 2, 1] = float("nan")  # a student log-sum-exp
+    parts[1, 3, 2] = float("nan")  # a teacher log-sum-exp: its share, and so the gap, too
+    previous = torch.randn(3, 4)
+    previous[2, 3] = float("nan")  # a running gap
+    result = merge_soft_target_parts(parts, previous=previous.clone())
+    assert result[0, 1].isnan() and result[1, 2].isnan() and result[2, 2].isnan() and result[2, 3].isnan()
+    assert result[:, 0].isfinite().all()
+
+
 # Matryoshka in one pass (docs/contract.md, "Matryoshka in one call"; hf_infcl.ops.triton.matryoshka):
 # the prefix statistics kernel in both directions (split inner ranges merged) and the prefix route
 # over several poisoned super-tiles, against the float64 oracle on the same rounded inputs.

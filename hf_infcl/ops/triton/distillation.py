@@ -19,16 +19,14 @@ Logits stay in natural units (one multiply by log2(e) per exponential): exact fp
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ..distillation import SoftTargetGradients, SoftTargetStats, TeacherLogits, merge_soft_target_stats
+from ..distillation import SoftTargetGradients, SoftTargetStats, TeacherLogits
 from .device import INTERPRET, unused_pointer
 from .jit_math import dot_precision, dot_tile, even_k, exp_in_units, outer_block_and_inner_range, round_guide
-from .launch import BASE_SHAPES, autotuned, launch, problem_size_class
+from .launch import BASE_SHAPES, autotuned, launch, launch_jit, problem_size_class
 from .operands import scalar
 from .stats import inner_splits
 from .super_tiles import fp32_vector
@@ -114,8 +112,8 @@ def soft_target_stats(outer: torch.Tensor, inner: torch.Tensor, teacher_outer: t
     n_outer, c = outer.shape
     n_inner = inner.shape[0]
     splits, inner_per_split = inner_splits(n_outer, n_inner, outer.device, splits)
-    student_lse, teacher_lse, gap = torch.empty((3, splits, n_outer), dtype=torch.float32,
-                                                device=outer.device)
+    student_lse, teacher_lse, gap = parts = torch.empty((3, splits, n_outer), dtype=torch.float32,
+                                                        device=outer.device)
     grid = lambda meta: (triton.cdiv(n_outer, meta["BLOCK_M"]), splits)  # noqa: E731
     launch(
         SOFT_TARGET_STATS_KERNEL, grid, outer.device,
@@ -126,7 +124,92 @@ def soft_target_stats(outer: torch.Tensor, inner: torch.Tensor, teacher_outer: t
         UPCAST=INTERPRET,
     )
     # the splits' key sets are disjoint: they merge as any two blocks of keys do
-    return functools.reduce(merge_soft_target_stats, map(SoftTargetStats, student_lse, teacher_lse, gap))
+    return SoftTargetStats(*merge_soft_target_parts(parts))
+
+
+_MERGE_BLOCK_PARTS = 4 if INTERPRET else 8
+_MERGE_BLOCK_N = 16 if INTERPRET else 128
+
+
+@triton.jit
+def _merge_soft_target_parts_kernel(
+    parts_ptr, previous_ptr, out_ptr, n_parts, n, stride_statistic, stride_part, stride_out,
+    HAS_PREVIOUS: tl.constexpr, BLOCK_PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """out[:, j] = the statistics over the union of the disjoint key sets p of parts[:, p, j]
+    (student log-sum-exp, teacher log-sum-exp, gap), and of previous[:, j] when given: the
+    log-sum-exps merge online, the gaps as means under the teacher's shares. A set of no keys
+    (teacher -inf) counts for nothing, a union of none has gap 0, a NaN anywhere gives NaN."""
+    columns = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = columns < n
+    if HAS_PREVIOUS:  # the running statistics, one more set of keys
+        student_top = tl.load(previous_ptr + columns, mask=valid, other=float("-inf"))
+        teacher_top = tl.load(previous_ptr + stride_out + columns, mask=valid, other=float("-inf"))
+        teacher_weighted_gap = tl.load(previous_ptr + 2 * stride_out + columns, mask=valid, other=0.0)
+        student_total = tl.where(student_top == float("-inf"), 0.0, 1.0)
+        teacher_total = tl.where(teacher_top == float("-inf"), 0.0, 1.0)
+        teacher_weighted_gap *= teacher_total
+    else:
+        student_top = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+        teacher_top = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+        student_total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        teacher_total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        teacher_weighted_gap = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for first in range(0, n_parts, BLOCK_PARTS):
+        parts = first + tl.arange(0, BLOCK_PARTS).to(tl.int64)
+        inside = (parts[:, None] < n_parts) & valid[None, :]
+        at = parts_ptr + parts[:, None] * stride_part + columns[None, :]
+        student = tl.load(at, mask=inside, other=float("-inf"))
+        teacher = tl.load(at + stride_statistic, mask=inside, other=float("-inf"))
+        gap = tl.load(at + 2 * stride_statistic, mask=inside, other=0.0)
+        # measured from 0 while every value so far is -inf, so that no -inf - -inf appears
+        new_top = tl.maximum(student_top, tl.max(student, axis=0))
+        base = tl.where(new_top == float("-inf"), 0.0, new_top)
+        student_shares = tl.exp(student - base[None, :])
+        student_total = student_total * tl.exp(student_top - base) + tl.sum(student_shares, axis=0)
+        student_top = new_top
+        new_top = tl.maximum(teacher_top, tl.max(teacher, axis=0))
+        base = tl.where(new_top == float("-inf"), 0.0, new_top)
+        rescale = tl.exp(teacher_top - base)
+        shares = tl.exp(teacher - base[None, :])
+        teacher_total = teacher_total * rescale + tl.sum(shares, axis=0)
+        # a set of no keys has share 0 and gap 0: 0, never 0 * inf
+        weighted = tl.where(shares == 0.0, 0.0, shares * gap)
+        teacher_weighted_gap = teacher_weighted_gap * rescale + tl.sum(weighted, axis=0)
+        teacher_top = new_top
+    # a NaN statistic must give NaN even where tl.maximum dropped it from the running top
+    student_lse = tl.where(student_total != student_total, student_total, student_top + tl.log(student_total))
+    teacher_lse = tl.where(teacher_total != teacher_total, teacher_total, teacher_top + tl.log(teacher_total))
+    gap = tl.where(teacher_total == 0.0, 0.0, teacher_weighted_gap / teacher_total)
+    tl.store(out_ptr + columns, student_lse, mask=valid)
+    tl.store(out_ptr + stride_out + columns, teacher_lse, mask=valid)
+    tl.store(out_ptr + 2 * stride_out + columns, gap, mask=valid)
+
+
+def merge_soft_target_parts(parts: torch.Tensor, previous: torch.Tensor | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [3, n]: the statistics (student log-sum-exp, teacher log-sum-exp, gap) over the union
+    of disjoint sets of keys, from each set's in fp32 ``parts`` [3, sets, n], and from
+    ``previous`` [3, n] (the running statistics of one more set) when given: what
+    :func:`~hf_infcl.ops.distillation.merge_soft_target_stats` gives set by set, in one launch.
+    ``out`` [3, n] may be ``previous`` itself, or a view into a longer buffer."""
+    _, n_parts, n = parts.shape
+    if parts.stride(2) != 1:
+        raise ValueError("merge_soft_target_parts needs parts with unit column stride")
+    if out is None:
+        out = torch.empty((3, n), dtype=torch.float32, device=parts.device)
+    for name, tensor in (("out", out), ("previous", previous)):
+        if tensor is not None and (tensor.stride(1) != 1 or tensor.stride(0) != out.stride(0)):
+            raise ValueError(f"{name} must have unit column stride, and the stride of out between statistics")
+    if n == 0:
+        return out
+    launch_jit(
+        _merge_soft_target_parts_kernel, (triton.cdiv(n, _MERGE_BLOCK_N),),
+        parts, previous if previous is not None else out, out, n_parts, n, parts.stride(0), parts.stride(1),
+        out.stride(0), HAS_PREVIOUS=previous is not None, BLOCK_PARTS=_MERGE_BLOCK_PARTS,
+        BLOCK_N=_MERGE_BLOCK_N, num_warps=4,
+    )
+    return out
 
 
 @triton.jit
