@@ -23,6 +23,8 @@ and, named in ``--variants`` only (not run by default):
   distill-tilesN  the same on ``TorchTiles(N, N)`` (``backend="torch"`` takes 4096 on CUDA; smaller
                tiles leave the GPU waiting on the host's launches); e.g. ``distill-tiles1024``
   distill-triton  the same on ``backend=TritonBlocks()``
+  distill-triton-kernels  the same on the Triton kernels (``TritonBlocks(distillation_kernels="triton")``),
+               not the Gluon ones that ``"auto"`` takes on Hopper
   filter-stats-triton  ``filter`` with the forward's statistics from the Triton kernel with masks
                (``TritonBlocks(softmax_statistics="triton")``) instead of the Gluon kernel, which
                "auto" takes where it can: the A/B of the two, in one run
@@ -94,7 +96,8 @@ VARIANTS = ("plain", "groups-any", "groups-each", "filter", "filter-guide")
 # run when named (and tiled variants)
 EXTRA_VARIANTS = ("distill", "matryoshka", "matryoshka-per-width", "filter-every-tile", "filter-qwen3")
 # when named, on CUDA
-GPU_ONLY_VARIANTS = ("distill-triton", "filter-guide-masked", "filter-stats-triton", "matryoshka-one-pass")
+GPU_ONLY_VARIANTS = ("distill-triton", "distill-triton-kernels", "filter-guide-masked", "filter-stats-triton",
+                     "matryoshka-one-pass")
 GROUP_SIZE = 5
 POSITIVE_COSINE = 0.6  # a positive's expected cosine to its query
 NEAR_COPIES = 0.01  # the share of (query, key) pairs that are near-copies of another pair
@@ -168,10 +171,11 @@ def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda",
         teacher = F.normalize(torch.randn(2, b, c, device=device, dtype=dtype, generator=generator), dim=-1)
         tiles = _tiles(variant)
         backend = TorchTiles(tiles, tiles) if tiles else "auto"
-        if variant == "distill-triton":
+        if variant in ("distill-triton", "distill-triton-kernels"):
             from hf_infcl.ops.triton import TritonBlocks
 
-            backend = TritonBlocks()
+            kernels = "triton" if variant == "distill-triton-kernels" else "auto"
+            backend = TritonBlocks(distillation_kernels=kernels)
         loss_fn = functools.partial(contrastive_distillation_loss, teacher_queries=teacher[0],
                                     teacher_keys=teacher[1], teacher_logit_scale=20.0,
                                     distillation_weight=0.5, backend=backend)

@@ -34,7 +34,12 @@ from typing import ClassVar
 
 import torch
 
-from ..distillation import DistillationSpec, SoftTargetGradients, TeacherLogits
+from ..distillation import (
+    DistillationSpec,
+    SoftTargetGradients,
+    SoftTargetStats,
+    TeacherLogits,
+)
 from ..key_blocks import combine_rows as torch_combine_rows
 from ..matryoshka import PrefixSpec, PrefixSums
 from ..options import check_positive_int
@@ -42,7 +47,16 @@ from ..positive_pairs import GroupRanges, PositiveParts, counts_positives, takes
 from ..spec import GroupMask, HardnessOffset, LeftOutCounts, ScoreFilter, StatsSpec
 from ..tiled import TorchTiles
 from ..value_check import run_deferred_check
-from . import compile_plans, distillation, gluon_sigmoid, gluon_stats, group_pairs, matryoshka, stats
+from . import (
+    compile_plans,
+    distillation,
+    gluon_distillation,
+    gluon_sigmoid,
+    gluon_stats,
+    group_pairs,
+    matryoshka,
+    stats,
+)
 from .combine_rows import combine_rows
 from .device import INTERPRET
 from .jit_math import dot_precision
@@ -127,6 +141,13 @@ class TritonBlocks:
             multiples of 128, c is at least 384 and rows x keys x c at least 3 * 2^37 (e.g. 32k x
             32k at c = 384), else ``"triton"``, which is also taken while a first call's compile
             plan is still building the Gluon kernel in the background.
+        distillation_kernels: which kernels run in-batch distillation: ``"gluon"`` those of
+            :mod:`.gluon_distillation` (the symmetric forward's statistics of both directions in one
+            pass, and the backward's G of each super-tile; Hopper GPUs, fp16 / bf16 student and
+            teacher embeddings of one dtype; a ValueError elsewhere); ``"triton"`` those of
+            :mod:`.distillation` (two passes for the symmetric statistics); ``"auto"`` (the
+            default): ``"gluon"`` where it can run and the row and key counts are multiples of its
+            tiles, else ``"triton"``.
         listed_row_share: with a guide, the softmax loss finds the entries the score filter
             leaves out first (:mod:`.left_out`); where at most this share of the rows has any,
             the other rows' statistics run without the filter, and the backward lists the entries
@@ -149,6 +170,9 @@ class TritonBlocks:
     tf32_via_fp16: bool = True
     sigmoid_logits: str = "auto"
     softmax_statistics: str = "auto"
+    # Out of the repr, which names a call's compile plan (.compile_plans.plan_key): distillation
+    # calls have no plans, and the shipped plans' names stay those of the other settings.
+    distillation_kernels: str = dataclasses.field(default="auto", repr=False)
     listed_row_share: float = LISTED_ROW_SHARE
     listed_entries_per_vector: int = ENTRIES_PER_VECTOR
     matryoshka_one_pass: bool = False
@@ -160,9 +184,9 @@ class TritonBlocks:
     def __post_init__(self):
         if self.sigmoid_logits not in SIGMOID_LOGITS:
             raise ValueError(f"sigmoid_logits must be one of {SIGMOID_LOGITS}, got {self.sigmoid_logits!r}")
-        if self.softmax_statistics not in SOFTMAX_STATISTICS:
-            raise ValueError(f"softmax_statistics must be one of {SOFTMAX_STATISTICS}, "
-                             f"got {self.softmax_statistics!r}")
+        for name in ("softmax_statistics", "distillation_kernels"):
+            if getattr(self, name) not in SOFTMAX_STATISTICS:
+                raise ValueError(f"{name} must be one of {SOFTMAX_STATISTICS}, got {getattr(self, name)!r}")
         entries = self.listed_entries_per_vector
         if isinstance(entries, bool) or not isinstance(entries, int) or entries < 0:
             raise ValueError(f"listed_entries_per_vector must be a non-negative integer, got {entries!r}")
@@ -334,12 +358,15 @@ class TritonBlocks:
     def distillation_forward_block(self, spec: DistillationSpec, queries, keys, scale,
                                    teacher: TeacherLogits):
         """In-batch distillation's statistics (:class:`~hf_infcl.ops.distillation.DistillationBlockOps`):
-        the rows' over the keys, and with ``spec.columns`` the keys' over the rows, each in one
-        pass of :func:`.distillation.soft_target_stats`."""
+        the rows' over the keys, and with ``spec.columns`` the keys' over the rows: both in one pass
+        of the Gluon kernel where it runs (:meth:`_gluon_distillation`), else each in one pass of
+        :func:`.distillation.soft_target_stats`."""
         if queries.dtype == torch.float64:
             run_deferred_check()
             return TorchTiles().distillation_forward_block(spec, queries, keys, scale, teacher)
         student, teacher = self._distillation_operands(spec, queries, keys, scale, teacher)
+        if spec.columns and self._gluon_distillation(student, teacher):
+            return self._distillation_by_gluon(student, teacher)
         options = dict(precision=spec.precision, splits=self.stat_splits)
         rows = distillation.soft_target_stats(student.queries, student.keys, teacher.queries, teacher.keys,
                                               student.scale, teacher.scale, **options)
@@ -367,12 +394,59 @@ class TritonBlocks:
             return direction.student_weight.abs() + direction.target_weight.abs()
 
         g_factor = g_scale(student.queries.dtype, bound(rows), bound(columns))
-        route = distillation.SoftTargetRoute(student.queries, student.keys, student.scale, teacher, rows,
-                                             columns, row_sums, None if g_factor is None else 1.0 / g_factor,
-                                             spec.precision)
+        inv_g_scale = None if g_factor is None else 1.0 / g_factor
+        if self._gluon_distillation(student, teacher):
+            route = gluon_distillation.GluonSoftTargetRoute(student.queries, student.keys, student.scale,
+                                                            teacher, rows, columns, row_sums, inv_g_scale)
+        else:
+            route = distillation.SoftTargetRoute(student.queries, student.keys, student.scale, teacher, rows,
+                                                 columns, row_sums, inv_g_scale, spec.precision)
         tile = self._super_tile(student.queries.dtype, queries.shape[0], keys.shape[0], route.g_alone)
         walk(route, student, grad_queries, grad_keys, g_factor, tile, spec.precision, self.poison)
         return row_sums
+
+    def _gluon_distillation(self, student, teacher: TeacherLogits) -> bool:
+        """Whether distillation takes the Gluon kernels (``distillation_kernels``)."""
+        if self.distillation_kernels == "triton":
+            return False
+        operands = (student.queries, student.keys, teacher.queries, teacher.keys)
+        usable = gluon_distillation.usable(*operands)
+        if self.distillation_kernels == "gluon":
+            if not usable:
+                raise ValueError(
+                    "distillation_kernels='gluon' needs a Hopper GPU (compute capability 9), a Triton "
+                    "with Gluon, and fp16 or bf16 student and teacher embeddings of one dtype whose rows "
+                    "are 16-byte aligned; use 'auto' to fall back to 'triton' elsewhere")
+            return True
+        # "auto": whole tiles only (partial ones take the kernel's masked path, which spills)
+        whole = (student.queries.shape[0] % gluon_distillation.BLOCK_M == 0
+                 and student.keys.shape[0] % gluon_distillation.BLOCK_N == 0)
+        return usable and whole
+
+    def _distillation_by_gluon(self, student, teacher: TeacherLogits):
+        """Both directions' distillation statistics from the Gluon kernel
+        (:mod:`.gluon_distillation`), rows in chunks whose column partials (three statistics,
+        four per row block and key) fit ``column_buffer_entries``."""
+        queries, keys = student.queries, student.keys
+        (m, k), device = (queries.shape[0], keys.shape[0]), queries.device
+        per_block = 3 * gluon_distillation.PARTIALS_PER_BLOCK
+        block_m = gluon_distillation.BLOCK_M
+        chunk_rows = min(m, max(1, self.column_buffer_entries // (per_block * k)) * block_m)
+        partials = torch.empty(per_block * -(-chunk_rows // block_m) * k, dtype=torch.float32, device=device)
+        rows = torch.empty((3, m), dtype=torch.float32, device=device)
+        columns = torch.empty((3, k), dtype=torch.float32, device=device)
+        if self.poison:
+            rows.fill_(float("nan"))
+            columns.fill_(float("nan"))
+        run_deferred_check()  # the one-process value check, just before the first kernel
+        for r0 in range(0, m, chunk_rows):
+            r1 = min(r0 + chunk_rows, m)
+            if self.poison:
+                partials.fill_(float("nan"))
+            gluon_distillation.soft_target_stats_both(
+                queries[r0:r1], keys, teacher.queries[r0:r1], teacher.keys, student.scale, teacher.scale,
+                partials, rows[:, r0:r1], columns, accumulate_columns=r0 > 0, splits=self.stat_splits)
+        return SoftTargetStats(*rows), SoftTargetStats(*columns)
 
     def _distillation_operands(self, spec: DistillationSpec, queries, keys, scale, teacher: TeacherLogits):
         """(the student's operands and logit scale, the teacher's) as the distillation kernels take
