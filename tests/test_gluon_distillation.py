@@ -45,6 +45,24 @@ def test_a_column_partials_buffer_too_small_is_refused_naming_it():
                                                   torch.empty(3, 300), accumulate_columns=False)
 
 
+@pytest.mark.parametrize("row_blocks, key_tiles",
+                         [(37, 512), (42, 512), (10, 2048), (9, 2048), (128, 256), (1, 512)])
+def test_the_automatic_splits_keep_the_busiest_consumer_near_an_even_share(monkeypatch, row_blocks,
+                                                                           key_tiles):
+    """On 132 SMs (an H100 or H200: 264 consumers), for the row chunks the loss launches at 32k
+    and 128k keys and a few others: the automatic split divides the key tiles, and the consumer
+    with the most items has at most 15 % more tiles than an even share of all of them (the
+    launch's length). Given splits are kept, down to the number of key tiles."""
+    monkeypatch.setattr(gluon_distillation, "sm_count", lambda device: 132)
+    n_rows, n_keys = row_blocks * gluon_distillation.BLOCK_M, key_tiles * gluon_distillation.BLOCK_N
+    splits = gluon_distillation.splits_for(n_rows, n_keys, torch.device("cpu"))
+    assert key_tiles % splits == 0
+    busiest = -(-row_blocks * splits // 264) * (key_tiles // splits)
+    assert busiest <= 1.15 * row_blocks * key_tiles / 264, (splits, busiest)
+    assert gluon_distillation.splits_for(n_rows, n_keys, torch.device("cpu"), splits=3) == 3
+    assert gluon_distillation.splits_for(n_rows, n_keys, torch.device("cpu"), splits=10**6) == key_tiles
+
+
 def test_an_unknown_distillation_kernels_is_refused_naming_it_and_the_option_is_out_of_the_repr():
     with pytest.raises(ValueError, match="distillation_kernels must be one of"):
         TritonBlocks(distillation_kernels="cublas")

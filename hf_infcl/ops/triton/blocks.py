@@ -431,7 +431,10 @@ class TritonBlocks:
         (m, k), device = (queries.shape[0], keys.shape[0]), queries.device
         per_block = 3 * gluon_distillation.PARTIALS_PER_BLOCK
         block_m = gluon_distillation.BLOCK_M
-        chunk_rows = min(m, max(1, self.column_buffer_entries // (per_block * k)) * block_m)
+        # as few chunks as the buffer allows, of equal row blocks (no short last launch)
+        row_blocks = -(-m // block_m)
+        chunks = -(-row_blocks // max(1, self.column_buffer_entries // (per_block * k)))
+        chunk_rows = min(m, -(-row_blocks // chunks) * block_m)
         partials = torch.empty(per_block * -(-chunk_rows // block_m) * k, dtype=torch.float32, device=device)
         rows = torch.empty((3, m), dtype=torch.float32, device=device)
         columns = torch.empty((3, k), dtype=torch.float32, device=device)

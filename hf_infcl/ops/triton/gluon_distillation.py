@@ -29,8 +29,6 @@ run on GPUs only, against float64.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 
@@ -459,14 +457,27 @@ if gluon is not None:
                               n_student, n_chunks, STAGES)),
         ], [4, 1], [WORKER_REGISTERS, PRODUCER_REGISTERS])
 
+# What finishing an item costs a consumer beyond its tiles (storing the row block's statistics and
+# starting afresh), in tiles: an estimate, which only breaks ties between splits.
+ITEM_OVERHEAD_TILES = 0.5
+
+
 def splits_for(n_rows: int, n_keys: int, device: torch.device, splits: int | None = None) -> int:
-    """How many equal ranges of key tiles each row block's keys are cut into (as
-    :func:`.gluon_stats.splits_for`, with this kernel's tiles)."""
+    """How many equal ranges of key tiles each row block's keys are cut into (``splits`` if
+    given, at most the key tiles): the divisor of the key tiles whose items (a row block's range)
+    keep the busiest consumer shortest. Each program's two consumers take equal runs of whole
+    items, so the launch lasts cdiv(items, consumers) items; more splits spread them more evenly
+    but each item costs ``ITEM_OVERHEAD_TILES`` more."""
     key_tiles = triton.cdiv(n_keys, BLOCK_N)
     if splits is not None:
         return max(1, min(splits, key_tiles))
-    wanted = max(1, math.ceil(8 * sm_count(device) / triton.cdiv(n_rows, BLOCK_M)))
-    return max(d for d in range(1, min(wanted, key_tiles) + 1) if key_tiles % d == 0)
+    consumers, row_blocks = 2 * sm_count(device), triton.cdiv(n_rows, BLOCK_M)
+
+    def busiest_consumer(d: int) -> float:
+        return triton.cdiv(row_blocks * d, consumers) * (key_tiles // d + ITEM_OVERHEAD_TILES)
+
+    divisors = [d for d in range(1, key_tiles + 1) if key_tiles % d == 0]
+    return min(divisors, key=lambda d: (busiest_consumer(d), d))
 
 
 def soft_target_stats_both(queries: torch.Tensor, keys: torch.Tensor, teacher_queries: torch.Tensor,
