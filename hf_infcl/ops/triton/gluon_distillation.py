@@ -46,11 +46,18 @@ if gluon is not None:  # (None: a Triton without Gluon)
         fence_async_shared,
         mbarrier,
         tma,
-        warpgroup_mma,
         warpgroup_mma_wait,
     )
 
-    from .gluon_sigmoid import _eighths, _operand_ring, _program_tiles, _tile_of_chunk
+    from .gluon_sigmoid import (
+        _eighths,
+        _multiply_chunks,
+        _operand_ring,
+        _program_tiles,
+        _release_last_stages,
+        _take_turn,
+        _tile_of_chunk,
+    )
     from .gluon_stats import _log2, _program_items, _tile_place
 
 # 128 x 64 logits per warpgroup and model; c walked in chunks of 64; six stages of a row chunk
@@ -111,34 +118,14 @@ if gluon is not None:
         rest into ``teacher``, in its turn at the tensor cores, as :func:`.gluon_sigmoid._multiply`
         multiplies one; every stage it read released. Returns both accumulators and the turn's
         phase."""
-        if nth_tile < runs[1 - GROUP] + 1 - GROUP:
-            mbarrier.wait(turn.index(GROUP), turn_phase)
-            turn_phase = turn_phase ^ 1
-        slot = gl.where(nth_tile < runs[1], 2 * nth_tile + GROUP, nth_tile + runs[1])
-        first_chunk = slot * n_chunks
-        for k_chunk in range(n_student):
-            chunk = first_chunk + k_chunk
-            stage = chunk % STAGES
-            mbarrier.wait(ready.index(stage), (chunk // STAGES) & 1)
-            student = warpgroup_mma(q_bufs.index(stage), k_bufs.index(stage).permute((1, 0)), student,
-                                    use_acc=k_chunk > 0, is_async=True)
-            student = warpgroup_mma_wait(num_outstanding=MMAS_IN_FLIGHT, deps=(student,))
-            mbarrier.arrive(empty.index((chunk + STAGES - MMAS_IN_FLIGHT) % STAGES),
-                            pred=k_chunk >= MMAS_IN_FLIGHT)
-        for k_chunk in range(n_student, n_chunks):
-            chunk = first_chunk + k_chunk
-            stage = chunk % STAGES
-            mbarrier.wait(ready.index(stage), (chunk // STAGES) & 1)
-            teacher = warpgroup_mma(q_bufs.index(stage), k_bufs.index(stage).permute((1, 0)), teacher,
-                                    use_acc=k_chunk > n_student, is_async=True)
-            teacher = warpgroup_mma_wait(num_outstanding=MMAS_IN_FLIGHT, deps=(teacher,))
-            mbarrier.arrive(empty.index((chunk + STAGES - MMAS_IN_FLIGHT) % STAGES),
-                            pred=k_chunk >= MMAS_IN_FLIGHT)
+        first_chunk, turn_phase = _take_turn(turn, nth_tile, runs, turn_phase, n_chunks, GROUP)
+        student = _multiply_chunks(q_bufs, k_bufs, ready, empty, student, first_chunk, 0, n_student, STAGES,
+                                   MMAS_IN_FLIGHT)
+        teacher = _multiply_chunks(q_bufs, k_bufs, ready, empty, teacher, first_chunk, n_student, n_chunks,
+                                   STAGES, MMAS_IN_FLIGHT)
         mbarrier.arrive(turn.index(1 - GROUP))
         student, teacher = warpgroup_mma_wait(num_outstanding=0, deps=(student, teacher))
-        for behind in gl.static_range(MMAS_IN_FLIGHT):  # the tile's last chunks' stages
-            last_chunks = n_chunks - MMAS_IN_FLIGHT + behind
-            mbarrier.arrive(empty.index((first_chunk + last_chunks) % STAGES), pred=last_chunks >= 0)
+        _release_last_stages(empty, first_chunk, n_chunks, STAGES, MMAS_IN_FLIGHT)
         return student, teacher, turn_phase
 
     @gluon.jit

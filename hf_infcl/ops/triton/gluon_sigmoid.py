@@ -261,11 +261,9 @@ if gluon is not None:
         return gl.convert_layout(row_grad, sums_layout), gl.convert_layout(row_softplus, sums_layout)
 
     @gluon.jit
-    def _multiply(q_bufs, k_bufs, ready, empty, turn, acc, nth_tile, runs, turn_phase, n_chunks,
-                  GROUP: gl.constexpr, STAGES: gl.constexpr, MMAS_IN_FLIGHT: gl.constexpr):
-        """The consumer's ``nth_tile``-th tile into ``acc``, chunk by chunk out of the shared ring,
-        in its turn at the tensor cores (the other consumer's turn follows once the last chunk is
-        issued); every stage it read released. Returns the accumulator and the turn's phase."""
+    def _take_turn(turn, nth_tile, runs, turn_phase, n_chunks, GROUP: gl.constexpr):
+        """Wait for the consumer's turn at the tensor cores for its ``nth_tile``-th tile. Returns the
+        tile's first chunk in the shared ring and the turn's phase."""
         # The first warpgroup's first turn is free (parity 1 of a fresh barrier has completed);
         # after that each waits for the other to have issued its tile's MMAs, while the other
         # has tiles left (the second warpgroup's run is never the longer one).
@@ -273,22 +271,46 @@ if gluon is not None:
             mbarrier.wait(turn.index(GROUP), turn_phase)
             turn_phase = turn_phase ^ 1
         slot = gl.where(nth_tile < runs[1], 2 * nth_tile + GROUP, nth_tile + runs[1])
-        first_chunk = slot * n_chunks
-        for k_chunk in range(n_chunks):
+        return slot * n_chunks, turn_phase
+
+    @gluon.jit
+    def _multiply_chunks(q_bufs, k_bufs, ready, empty, acc, first_chunk, start, stop, STAGES: gl.constexpr,
+                         MMAS_IN_FLIGHT: gl.constexpr):
+        """``acc`` = the product of the tile's chunks ``start`` to ``stop`` out of the shared ring
+        (its first chunk at ``first_chunk``), each stage released once the MMA that read it is done,
+        except the last MMAS_IN_FLIGHT (:func:`_release_last_stages`)."""
+        for k_chunk in range(start, stop):
             chunk = first_chunk + k_chunk
             stage = chunk % STAGES
             mbarrier.wait(ready.index(stage), (chunk // STAGES) & 1)
             acc = warpgroup_mma(q_bufs.index(stage), k_bufs.index(stage).permute((1, 0)), acc,
-                                use_acc=k_chunk > 0, is_async=True)
+                                use_acc=k_chunk > start, is_async=True)
             # The MMA MMAS_IN_FLIGHT chunks back is done: release its stage to the producer.
             acc = warpgroup_mma_wait(num_outstanding=MMAS_IN_FLIGHT, deps=(acc,))
             mbarrier.arrive(empty.index((chunk + STAGES - MMAS_IN_FLIGHT) % STAGES),
                             pred=k_chunk >= MMAS_IN_FLIGHT)
-        mbarrier.arrive(turn.index(1 - GROUP))
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        for behind in gl.static_range(MMAS_IN_FLIGHT):  # the tile's last chunks' stages
+        return acc
+
+    @gluon.jit
+    def _release_last_stages(empty, first_chunk, n_chunks, STAGES: gl.constexpr,
+                             MMAS_IN_FLIGHT: gl.constexpr):
+        """Release the stages of the tile's last MMAS_IN_FLIGHT chunks, once every MMA is done."""
+        for behind in gl.static_range(MMAS_IN_FLIGHT):
             last_chunks = n_chunks - MMAS_IN_FLIGHT + behind
             mbarrier.arrive(empty.index((first_chunk + last_chunks) % STAGES), pred=last_chunks >= 0)
+
+    @gluon.jit
+    def _multiply(q_bufs, k_bufs, ready, empty, turn, acc, nth_tile, runs, turn_phase, n_chunks,
+                  GROUP: gl.constexpr, STAGES: gl.constexpr, MMAS_IN_FLIGHT: gl.constexpr):
+        """The consumer's ``nth_tile``-th tile into ``acc``, chunk by chunk out of the shared ring,
+        in its turn at the tensor cores (the other consumer's turn follows once the last chunk is
+        issued); every stage it read released. Returns the accumulator and the turn's phase."""
+        first_chunk, turn_phase = _take_turn(turn, nth_tile, runs, turn_phase, n_chunks, GROUP)
+        acc = _multiply_chunks(q_bufs, k_bufs, ready, empty, acc, first_chunk, 0, n_chunks, STAGES,
+                               MMAS_IN_FLIGHT)
+        mbarrier.arrive(turn.index(1 - GROUP))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _release_last_stages(empty, first_chunk, n_chunks, STAGES, MMAS_IN_FLIGHT)
         return acc, turn_phase
 
     @gluon.jit
