@@ -1,6 +1,6 @@
-"""Hopper kernel for in-batch distillation's symmetric forward: every row's and every key's
-statistics (the student's and the teacher's log-sum-exps and the gap, :class:`SoftTargetStats`)
-from one pass over the tiles.
+"""Hopper kernels for in-batch distillation: the symmetric forward's statistics of every row and
+every key (the student's and the teacher's log-sum-exps and the gap, :class:`SoftTargetStats`)
+from one pass over the tiles, and the backward's G of each super-tile (:class:`GluonSoftTargetRoute`).
 
 What it replaces: the two passes of :func:`.distillation.soft_target_stats` (rows over keys, then
 keys over rows), each multiplying both models' products for every tile, four products per entry
@@ -21,10 +21,14 @@ rows' running maxima (the teacher's weights also weigh the row's gap, t - z) and
 maxima over the warp's rows (the same for the columns). Logits are in log2 units (each scale
 times log2 e) and converted back where the statistics are stored.
 
+The backward's kernel runs on the same skeleton over one super-tile: each tile's two products,
+then G = a_i P_ij - b_i T_ij (+ the columns' c_j P'_ij - d_j T'_ij) stored by TMA in parts of
+128 x 8, and the row sums added once per row block.
+
 It covers half-precision operands, the student's and the teacher's of one dtype, whose rows are
-16-byte aligned, on a Hopper GPU with a Triton that has Gluon. Everything else takes the two passes.
-Gluon kernels do not run under ``TRITON_INTERPRET``: its tests (``tests/test_gluon_distillation.py``)
-run on GPUs only, against float64.
+16-byte aligned, on a Hopper GPU with a Triton that has Gluon. Everything else takes the Triton
+kernels of :mod:`.distillation`. Gluon kernels do not run under ``TRITON_INTERPRET``: their tests
+against float64 (``tests/test_gluon_distillation.py``) run on GPUs only.
 """
 
 from __future__ import annotations
