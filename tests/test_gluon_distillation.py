@@ -27,12 +27,7 @@ import torch
 from hf_infcl.ops.distillation import SoftTargetStats
 from hf_infcl.ops.triton import TritonBlocks, gluon_distillation
 from tests.helpers.gluon import hopper_only, unit_rows
-
-
-def _direct_stats(z: torch.Tensor, t: torch.Tensor, dim: int) -> SoftTargetStats:
-    """The statistics over ``dim`` of the student's logits ``z`` and the teacher's ``t``, directly."""
-    gap = (torch.softmax(t, dim=dim) * (t - z)).sum(dim=dim)
-    return SoftTargetStats(torch.logsumexp(z, dim=dim), torch.logsumexp(t, dim=dim), gap)
+from tests.helpers.oracle_distillation import soft_target_stats_direct
 
 
 def test_a_column_partials_buffer_too_small_is_refused_naming_it():
@@ -118,7 +113,7 @@ def test_gpu_both_directions_statistics_match_float64(case):
             assert not torch.isnan(partials[:used]).any(), (seed, "a column partial left unwritten")
         # fp32 statistics of fp32 dot products, logits up to +-100
         for direction, got, dim in (("rows", rows, 1), ("columns", columns, 0)):
-            for name, a, b in zip(SoftTargetStats._fields, got, _direct_stats(z, t, dim)):
+            for name, a, b in zip(SoftTargetStats._fields, got, soft_target_stats_direct(z, t, dim)):
                 error = float((a.double() - b).abs().max())
                 assert error < 1e-4, (seed, len(chunks), direction, name, error)
 

@@ -5,13 +5,22 @@ written from its definition, sum_j p^t (log p^t - log p^s) over the materialised
 the contract's rearranged form, which the backends use); the gradients are the contract's closed
 form dL/dz_ij, so a wrong backward cannot hide behind the same mistake here. The InfoNCE part of a
 mixed loss is tests/helpers/oracle.py's. Only for small shapes (it materialises everything).
+``soft_target_stats_direct`` gives the backends' intermediate statistics from given logits, in torch.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from tests.helpers.oracle import contract_loss
+
+
+def soft_target_stats_direct(z: torch.Tensor, t: torch.Tensor, dim: int):
+    """(student log-sum-exp, teacher log-sum-exp, gap) over ``dim`` of the student's logits ``z``
+    and the teacher's ``t``, from their definitions: the gap is sum softmax(t) (t - z)."""
+    gap = (torch.softmax(t, dim=dim) * (t - z)).sum(dim=dim)
+    return torch.logsumexp(z, dim=dim), torch.logsumexp(t, dim=dim), gap
 
 
 def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:

@@ -19,6 +19,7 @@ from hf_infcl import contrastive_loss
 from hf_infcl.ops.spec import GroupMask, HardnessOffset, StatsSpec
 from hf_infcl.ops.tiled import TorchTiles
 from tests.helpers.hardness_cases import with_hardness
+from tests.helpers.oracle_distillation import soft_target_stats_direct
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 (run through tests/test_triton.py)", allow_module_level=True)
@@ -1522,7 +1523,7 @@ def test_distillation_matches_float64_oracle(shape, symmetric, mode):
 
 def test_distillation_statistics_merge_split_inner_ranges():
     """soft_target_stats with the inner range split over programs (each split's partial statistics
-    merged on the host) equals it in one range, and both equal float64."""
+    merged by merge_soft_target_parts) equals it in one range, and both equal float64."""
     from hf_infcl.ops.triton.distillation import soft_target_stats
 
     case = distillation_case(9, 53, 20, 12, seed=3)
@@ -1534,17 +1535,15 @@ def test_distillation_statistics_merge_split_inner_ranges():
     split = soft_target_stats(*operands, precision="ieee", splits=4)
     z = 6.0 * case["queries"] @ case["keys"].T
     t = 4.0 * case["teacher_queries"] @ case["teacher_keys"].T
-    teacher_probs = torch.softmax(t, dim=1)
-    expected = (torch.logsumexp(z, 1), torch.logsumexp(t, 1), (teacher_probs * (t - z)).sum(1))
+    expected = soft_target_stats_direct(z, t, dim=1)
     for got in (whole, split):
         for part, reference in zip(got, expected):
             assert torch.allclose(part.double(), reference, rtol=1e-5, atol=1e-5)
 
 
-def _soft_target_stats_direct(z: torch.Tensor, t: torch.Tensor, dim: int) -> torch.Tensor:
-    """[3, n]: the student's and the teacher's log-sum-exps over ``dim`` and the gap, directly."""
-    gap = (torch.softmax(t, dim=dim) * (t - z)).sum(dim=dim)
-    return torch.stack([torch.logsumexp(z, dim=dim), torch.logsumexp(t, dim=dim), gap])
+def _stacked_soft_target_stats(z: torch.Tensor, t: torch.Tensor, dim: int) -> torch.Tensor:
+    """[3, n]: :func:`soft_target_stats_direct` stacked, as the merge kernel holds them."""
+    return torch.stack(soft_target_stats_direct(z, t, dim))
 
 
 @pytest.mark.parametrize("previous", [False, True], ids=["alone", "with-previous"])
@@ -1562,7 +1561,8 @@ def test_soft_target_parts_merge_into_the_statistics_over_every_key(sets, previo
     z, t = (30 * torch.randn(sets * per_set + earlier, n, dtype=torch.float64, generator=generator)
             for _ in range(2))
     starts = range(0, sets * per_set, per_set)
-    parts = torch.stack([_soft_target_stats_direct(z[r:r + per_set], t[r:r + per_set], 0) for r in starts], 1)
+    parts = torch.stack([_stacked_soft_target_stats(z[r:r + per_set], t[r:r + per_set], 0) for r in starts],
+                        dim=1)
     nothing = torch.tensor([float("-inf"), float("-inf"), 0.0], dtype=torch.float64)
     empty_set = sets // 2 if sets > 1 else None  # its keys are left out of the oracle too
     if empty_set is not None:
@@ -1574,10 +1574,10 @@ def test_soft_target_parts_merge_into_the_statistics_over_every_key(sets, previo
     out, running = buffer[:, 2 : n + 2], None
     if previous:  # the last keys as an earlier chunk's running statistics
         rows = torch.cat([rows, torch.arange(sets * per_set, sets * per_set + earlier)])
-        out.copy_(_soft_target_stats_direct(z[-earlier:], t[-earlier:], 0))
+        out.copy_(_stacked_soft_target_stats(z[-earlier:], t[-earlier:], 0))
         out[:, 3] = nothing
         running = out
-    expected = _soft_target_stats_direct(z[rows], t[rows], 0)
+    expected = _stacked_soft_target_stats(z[rows], t[rows], 0)
     expected[:, 3] = nothing
     result = merge_soft_target_parts(parts.float(), previous=running, out=out)
     assert result.data_ptr() == out.data_ptr()

@@ -448,6 +448,7 @@ if gluon is not None:
                               n_student, n_chunks, STAGES)),
         ], [4, 1], [WORKER_REGISTERS, PRODUCER_REGISTERS])
 
+
 # What finishing an item costs a consumer beyond its tiles (storing the row block's statistics and
 # starting afresh), in tiles: an estimate, which only breaks ties between splits.
 ITEM_OVERHEAD_TILES = 0.5
