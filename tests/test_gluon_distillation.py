@@ -26,7 +26,7 @@ import torch
 
 from hf_infcl.ops.distillation import SoftTargetStats
 from hf_infcl.ops.triton import TritonBlocks, gluon_distillation
-from tests.helpers.gluon import hopper_only, unit_rows
+from tests.helpers.gluon import hopper_only, spiked_rows, unit_rows
 from tests.helpers.oracle_distillation import soft_target_stats_direct
 
 
@@ -116,6 +116,34 @@ def test_gpu_both_directions_statistics_match_float64(case):
             for name, a, b in zip(SoftTargetStats._fields, got, soft_target_stats_direct(z, t, dim)):
                 error = float((a.double() - b).abs().max())
                 assert error < 1e-4, (seed, len(chunks), direction, name, error)
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("spiked", ["student", "teacher"])
+def test_gpu_logits_far_apart_within_a_warps_rows_match_float64(spiked):
+    """Every 16th row's logit with its own key at 4 x the scale, in the student or in the teacher:
+    the other keys' logits in that warp's rows lie hundreds below it. Each column partial is
+    shifted by the column's own maxima, so none underflows: against float64, with two row blocks,
+    where a lost partial would move a column's statistics far past the bound."""
+    m, k, c, teacher_c = 256, 512, 64, 128
+    student_spiked = spiked == "student"
+    seed, generator, *spiky = spiked_rows(m, k, c if student_spiked else teacher_c, torch.bfloat16)
+    _, _, *plain = unit_rows(m, k, teacher_c if student_spiked else c, torch.bfloat16)
+    (queries, keys), (teacher_queries, teacher_keys) = (spiky, plain) if student_spiked else (plain, spiky)
+    scale, teacher_scale = (torch.tensor(value, device="cuda") for value in (100.0, 50.0))
+    partials = torch.full((3 * gluon_distillation.PARTIALS_PER_BLOCK * 2 * k,), float("nan"), device="cuda")
+    rows, columns = (torch.full((3, n), float("nan"), device="cuda") for n in (m, k))
+    gluon_distillation.soft_target_stats_both(queries, keys, teacher_queries, teacher_keys, scale,
+                                              teacher_scale, partials, rows, columns,
+                                              accumulate_columns=False, splits=2)
+    z = scale.double() * (queries.double() @ keys.double().T)
+    t = teacher_scale.double() * (teacher_queries.double() @ teacher_keys.double().T)
+    # logits up to 400: fp32 statistics to a few ulps of that
+    for direction, got, dim in (("rows", rows, 1), ("columns", columns, 0)):
+        for name, a, b in zip(SoftTargetStats._fields, got, soft_target_stats_direct(z, t, dim)):
+            error = float((a.double() - b).abs().max())
+            assert error < 4e-4, (seed, spiked, direction, name, error)
 
 
 # (rows, keys, c, teacher c, columns, G factor): whole and partial 128 x 64 tiles, a teacher of

@@ -19,7 +19,7 @@ import torch
 
 from hf_infcl import contrastive_loss
 from hf_infcl.ops.triton import TritonBlocks, gluon_stats, stats
-from tests.helpers.gluon import hopper_only, loss_and_grads, paired_rows, unit_rows
+from tests.helpers.gluon import hopper_only, loss_and_grads, paired_rows, spiked_rows, unit_rows
 
 # (rows, keys, c, dtype, splits): whole and partial 128 x 128 tiles, widths that are and are not
 # multiples of the kernel's 64-wide chunks, one split and several (the last one partly past the keys).
@@ -82,6 +82,30 @@ def test_gpu_row_and_column_stats_match_float64(case):
     for got, expected in ((rows, torch.logsumexp(z, 1)), (columns, torch.logsumexp(z, 0))):
         error = float((got.double() - expected).abs().max())
         assert error < 1e-4, (seed, error)
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("m, k, c, splits", [(128, 256, 64, 1), (1000, 3000, 200, 3)],
+                         ids=["m128-k256-c64-s1", "m1000-k3000-c200-s3"])
+def test_gpu_logits_far_apart_within_a_warps_rows_match_float64(m, k, c, splits):
+    """Every 16th row's logit with its own key at 4 x the scale (400): the other keys' logits in
+    that warp's rows lie hundreds below it. Each column partial is shifted by the column's own
+    maximum, so none of them underflows: against float64, with so few row blocks that one lost
+    partial would move a column's log-sum-exp far past the bound."""
+    seed, gen, queries, keys = spiked_rows(m, k, c, torch.bfloat16)
+    scale = torch.tensor(100.0, device="cuda")
+    row_out = torch.full((splits, m), float("nan"), device="cuda")
+    partials = torch.full((gluon_stats.PARTIALS_PER_BLOCK * -(-m // gluon_stats.BLOCK_M), k), float("nan"),
+                          device="cuda")
+    used = gluon_stats.row_and_column_stats(queries, keys, scale, row_out, partials, splits)
+    rows = stats.merge_partials(row_out[:used], log_sum_exp=True)
+    columns = stats.merge_partials(partials, log_sum_exp=True)
+    z = scale.double() * (queries.double() @ keys.double().T)
+    # logits up to 400: fp32 log-sum-exps to a few ulps of that
+    for got, expected in ((rows, torch.logsumexp(z, 1)), (columns, torch.logsumexp(z, 0))):
+        error = float((got.double() - expected).abs().max())
+        assert error < 4e-4, (seed, error)
 
 
 @pytest.mark.gpu

@@ -29,6 +29,17 @@ def unit_rows(m: int, k: int, c: int, dtype: torch.dtype):
     return seed, generator, queries, keys
 
 
+def spiked_rows(m: int, k: int, c: int, dtype: torch.dtype, spike: float = 4.0):
+    """(seed, generator, queries [m, c], keys [k, c]) as :func:`unit_rows` gives them, with every
+    16th query (one per 16 rows, so in every warp's rows of a tile) ``spike`` times its key: at
+    CLIP's scales that row's logit with its key lies hundreds above every logit of the other keys
+    in its warp's rows, where a shift shared across rows would underflow their terms."""
+    seed, generator, queries, keys = unit_rows(m, k, c, dtype)
+    spiked = torch.arange(0, min(m, k), 16, device="cuda")
+    queries[spiked] = (spike * keys[spiked].float()).to(dtype)
+    return seed, generator, queries, keys
+
+
 def paired_rows(m: int, k: int, c: int):
     """(seed, queries [m, c], keys [k, c]) in fp32 on the GPU, L2-normalised, each of the first m
     keys pulled towards its query (the positives stand out, as a loss sees them)."""
