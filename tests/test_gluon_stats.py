@@ -61,14 +61,10 @@ def test_row_and_column_stats_refuse_buffers_the_kernel_would_misaddress():
         gluon_stats.row_and_column_stats(queries, keys, scale, torch.empty(2, 100), partials, 2, wrong_ranges)
 
 
-@pytest.mark.gpu
-@hopper_only
-@pytest.mark.parametrize("case", STATS_CASES, ids=[_case_id(c) for c in STATS_CASES])
-def test_gpu_row_and_column_stats_match_float64(case):
-    m, k, c, dtype, splits = case
-    seed, gen, queries, keys = unit_rows(m, k, c, dtype)
-    keys[: min(m, k)] += 0.3 * queries[: min(m, k)]  # positives above the rest, as a loss sees them
-    scale = 10.0 + 90.0 * torch.rand((), device="cuda", generator=gen)  # CLIP's range, logits to +-100
+def _stats_errors(seed, queries, keys, scale, splits):
+    """The kernel's row and column log-sum-exps (every output entry written: the buffers start as
+    NaN) against float64 on the same rounded operands: the largest absolute errors."""
+    m, k = queries.shape[0], keys.shape[0]
     row_out = torch.full((splits, m), float("nan"), device="cuda")
     partials = torch.full((gluon_stats.PARTIALS_PER_BLOCK * -(-m // gluon_stats.BLOCK_M), k), float("nan"),
                           device="cuda")
@@ -78,10 +74,20 @@ def test_gpu_row_and_column_stats_match_float64(case):
     rows = stats.merge_partials(row_out[:used], log_sum_exp=True)
     columns = stats.merge_partials(partials, log_sum_exp=True)
     z = scale.double() * (queries.double() @ keys.double().T)
+    return [float((got.double() - expected).abs().max())
+            for got, expected in ((rows, torch.logsumexp(z, 1)), (columns, torch.logsumexp(z, 0)))]
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("case", STATS_CASES, ids=[_case_id(c) for c in STATS_CASES])
+def test_gpu_row_and_column_stats_match_float64(case):
+    m, k, c, dtype, splits = case
+    seed, gen, queries, keys = unit_rows(m, k, c, dtype)
+    keys[: min(m, k)] += 0.3 * queries[: min(m, k)]  # positives above the rest, as a loss sees them
+    scale = 10.0 + 90.0 * torch.rand((), device="cuda", generator=gen)  # CLIP's range, logits to +-100
     # fp32 statistics of fp32 dot products: log-sum-exps to a few ulps of |z| <= 100
-    for got, expected in ((rows, torch.logsumexp(z, 1)), (columns, torch.logsumexp(z, 0))):
-        error = float((got.double() - expected).abs().max())
-        assert error < 1e-4, (seed, error)
+    assert max(_stats_errors(seed, queries, keys, scale, splits)) < 1e-4, seed
 
 
 @pytest.mark.gpu
@@ -93,19 +99,9 @@ def test_gpu_logits_far_apart_within_a_warps_rows_match_float64(m, k, c, splits)
     that warp's rows lie hundreds below it. Each column partial is shifted by the column's own
     maximum, so none of them underflows: against float64, with so few row blocks that one lost
     partial would move a column's log-sum-exp far past the bound."""
-    seed, gen, queries, keys = spiked_rows(m, k, c, torch.bfloat16)
-    scale = torch.tensor(100.0, device="cuda")
-    row_out = torch.full((splits, m), float("nan"), device="cuda")
-    partials = torch.full((gluon_stats.PARTIALS_PER_BLOCK * -(-m // gluon_stats.BLOCK_M), k), float("nan"),
-                          device="cuda")
-    used = gluon_stats.row_and_column_stats(queries, keys, scale, row_out, partials, splits)
-    rows = stats.merge_partials(row_out[:used], log_sum_exp=True)
-    columns = stats.merge_partials(partials, log_sum_exp=True)
-    z = scale.double() * (queries.double() @ keys.double().T)
+    seed, _, queries, keys = spiked_rows(m, k, c, torch.bfloat16)
     # logits up to 400: fp32 log-sum-exps to a few ulps of that
-    for got, expected in ((rows, torch.logsumexp(z, 1)), (columns, torch.logsumexp(z, 0))):
-        error = float((got.double() - expected).abs().max())
-        assert error < 4e-4, (seed, error)
+    assert max(_stats_errors(seed, queries, keys, torch.tensor(100.0, device="cuda"), splits)) < 4e-4, seed
 
 
 @pytest.mark.gpu
