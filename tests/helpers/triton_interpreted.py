@@ -321,8 +321,33 @@ def test_the_gluon_statistics_route_takes_the_own_score_filter(monkeypatch, stra
     made in torch from the arguments it gets): each row's and key's bound from its threshold (with
     a negative margin, halfway to its positive), the positives as indices into the keys (custom
     ones, hard-negative keys that are nobody's), rows in chunks; the loss and every gradient match
-    float64. "auto" takes .stats for a negative relative margin and one below -0.5, which "gluon"
-    refuses."""
+    float64."""
+    filters = _gluon_statistics_in_torch(monkeypatch)
+    case = _own_score_filter_case(256, 384, margin, strategy)
+    blocks = TritonBlocks(tile_rows=128, tile_keys=160, poison=True, column_buffer_entries=4 * 384)
+    errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES["softmax-sym"])
+    assert len(filters) == 2 and all(f is not None for f in filters), filters
+    assert max(errors.values()) < TOLERANCE["fp32-ieee"], errors
+
+
+@pytest.mark.parametrize("strategy, margin", [("relative", -0.1), ("absolute", -0.6)])
+def test_the_gluon_statistics_route_leaves_filters_whose_bounds_may_not_hold_to_stats(monkeypatch, strategy,
+                                                                                      margin):
+    """A negative relative margin and one below -0.5: "auto" takes .stats (the loss and every
+    gradient still match float64), and "gluon" refuses, naming what it needs."""
+    filters = _gluon_statistics_in_torch(monkeypatch)
+    case = _own_score_filter_case(130, 200, margin, strategy)
+    blocks = TritonBlocks(tile_rows=128, tile_keys=160, poison=True, column_buffer_entries=4 * 200)
+    errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES["softmax-sym"])
+    assert not filters and max(errors.values()) < TOLERANCE["fp32-ieee"], errors
+    with pytest.raises(ValueError, match="without a guide or groups, of margin >= -0.5"):
+        errors_against_reference(case, torch.float32, TritonBlocks(softmax_statistics="gluon"), "ieee",
+                                 LOSSES["softmax-sym"])
+
+
+def _gluon_statistics_in_torch(monkeypatch) -> list:
+    """The Gluon statistics route on this machine: its kernel's outputs made in torch, "auto"
+    taking it at any width and work; returns the list of the filters its launches get."""
     from hf_infcl.ops.triton import gluon_stats
 
     filters = []
@@ -330,28 +355,18 @@ def test_the_gluon_statistics_route_takes_the_own_score_filter(monkeypatch, stra
     monkeypatch.setattr(gluon_stats, "ready", lambda wait: True)
     monkeypatch.setattr(gluon_stats, "stats_launch",
                         lambda *args: lambda: filters.append(args[-1]) or _gluon_stats_in_torch(*args))
-    case = random_case(256, 384, 16, groups=False, custom_positives=True, seed=7)
-    # near-copies of other rows' positives: false negatives the filter leaves out
-    positives = case["positives"]
-    case["keys"][positives[:40]] = case["keys"][positives[40:80]] + 0.01 * case["keys"][positives[:40]]
-    case = dict(case, objectives=dict(false_negative_margin=margin, false_negative_strategy=strategy))
-    blocks = TritonBlocks(tile_rows=128, tile_keys=160, poison=True, column_buffer_entries=4 * 384)
     monkeypatch.setattr(gluon_stats, "AUTO_MIN_WIDTH", 16)
     monkeypatch.setattr(gluon_stats, "AUTO_MIN_WORK", 0)
-    errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES["softmax-sym"])
-    assert len(filters) == 2 and all(f is not None for f in filters), filters
-    assert max(errors.values()) < TOLERANCE["fp32-ieee"], errors
+    return filters
 
-    # not taken: their bounds may not hold
-    for refused_strategy, refused_margin in [("relative", -0.1), ("absolute", -0.6)]:
-        filters.clear()
-        case["objectives"].update(false_negative_margin=refused_margin,
-                                  false_negative_strategy=refused_strategy)
-        errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES["softmax-sym"])
-        assert not filters and max(errors.values()) < TOLERANCE["fp32-ieee"], errors
-        with pytest.raises(ValueError, match="without a guide or groups, of margin >= -0.5"):
-            errors_against_reference(case, torch.float32, TritonBlocks(softmax_statistics="gluon"), "ieee",
-                                     LOSSES["softmax-sym"])
+
+def _own_score_filter_case(m: int, k: int, margin: float, strategy: str) -> dict:
+    """A softmax case of custom positives with the own-score filter: the first 40 rows' positives
+    near-copies of the next 40's (false negatives the filter leaves out)."""
+    case = random_case(m, k, 16, groups=False, custom_positives=True, seed=7)
+    positives = case["positives"]
+    case["keys"][positives[:40]] = case["keys"][positives[40:80]] + 0.01 * case["keys"][positives[:40]]
+    return dict(case, objectives=dict(false_negative_margin=margin, false_negative_strategy=strategy))
 
 
 @pytest.mark.parametrize("strategy, margin", [("absolute", 0.1), ("absolute", -0.05), ("relative", 0.3),
