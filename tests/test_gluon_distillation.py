@@ -9,7 +9,8 @@ the shipped compile plans).
 GPU (Hopper): both directions' statistics (the student's and the teacher's log-sum-exps and the
 gap) against float64 on the same rounded operands, over whole and partial tiles, a teacher of
 another width, one split of the keys and several, rows in one call and in two whose key
-statistics merge, the partials and the outputs poisoned with NaN; a
+statistics merge, logits hundreds apart within a warp's rows (student or teacher), the partials
+and the outputs poisoned with NaN; a
 super-tile's G and row sums from the backward's kernel against the Triton route's, with and
 without the columns' terms and a G factor, the G buffer poisoned with NaN; the
 distillation loss through the kernel (counted; rows in several chunks) against float64 in the loss

@@ -1,14 +1,14 @@
 """The Gluon kernel of the symmetric softmax loss's forward statistics (``hf_infcl.ops.triton.gluon_stats``).
 
-GPU (Hopper): the kernel's row and column log-sum-exps against float64 on the same rounded
-operands, over whole and partial tiles, one and several splits of the keys, with the output
-buffers poisoned with NaN (every entry written); the loss's default route on such a GPU goes
-through the kernel and matches float64 in the loss and every gradient, and the statistics kernel
-of ``.stats`` (``softmax_statistics="triton"``) to rounding; so does the score filter on the
-model's own scores through the kernel (its bounds instead of maxima, positives in and out of
-order, hard negatives, both strategies); asking for the kernel where it cannot run (a group mask,
-a negative margin) is a clear error. Gluon kernels do not run under ``TRITON_INTERPRET``: on CPU
-(CI) these skip, and ``tests/helpers/triton_interpreted.py`` checks the refusal and the route's
+GPU (Hopper): the kernel's row and column log-sum-exps against float64 on the same rounded operands,
+over whole and partial tiles, one and several splits of the keys, logits hundreds apart within a
+warp's rows, with the output buffers poisoned with NaN (every entry written); the loss's default
+route on such a GPU goes through the kernel and matches float64 in the loss and every gradient, and
+the statistics kernel of ``.stats`` (``softmax_statistics="triton"``) to rounding; so does the score
+filter on the model's own scores through the kernel (its bounds instead of maxima, positives in and
+out of order, hard negatives, both strategies); asking for the kernel where it cannot run (a group
+mask, a negative margin) is a clear error. Gluon kernels do not run under ``TRITON_INTERPRET``: on
+CPU (CI) these skip, and ``tests/helpers/triton_interpreted.py`` checks the refusal and the route's
 host side there.
 """
 
