@@ -295,17 +295,25 @@ def _gluon_stats_in_torch(queries, keys, scale, row_out, column_partials, splits
     return used
 
 
+def _route_gluon_statistics_through_torch(monkeypatch, record) -> list:
+    """The Gluon statistics route on this machine, where Gluon does not run: the kernel taken as
+    usable and compiled, its outputs made in torch (:func:`_gluon_stats_in_torch`); returns the
+    list into which each launch puts ``record(launch arguments)``."""
+    from hf_infcl.ops.triton import gluon_stats
+
+    records = []
+    monkeypatch.setattr(gluon_stats, "usable", lambda queries, keys: True)
+    monkeypatch.setattr(gluon_stats, "ready", lambda wait: True)
+    monkeypatch.setattr(gluon_stats, "stats_launch",
+                        lambda *args: lambda: records.append(record(args)) or _gluon_stats_in_torch(*args))
+    return records
+
+
 def test_the_gluon_statistics_route_walks_row_chunks_and_merges_them(monkeypatch):
     """The Gluon statistics route's host side, with the kernel's outputs made in torch (Gluon does
     not run here): rows in several chunks of whole row blocks, each with two splits of the keys,
     the last chunk partial; the loss and every gradient match float64."""
-    from hf_infcl.ops.triton import gluon_stats
-
-    calls = []
-    monkeypatch.setattr(gluon_stats, "usable", lambda queries, keys: True)
-    monkeypatch.setattr(gluon_stats, "ready", lambda wait: True)
-    monkeypatch.setattr(gluon_stats, "stats_launch",
-                        lambda *args: lambda: calls.append(args[0].shape[0]) or _gluon_stats_in_torch(*args))
+    calls = _route_gluon_statistics_through_torch(monkeypatch, lambda args: args[0].shape[0])
     case = random_case(300, 400, 16, groups=False, custom_positives=False, seed=3)
     blocks = TritonBlocks(tile_rows=128, tile_keys=160, stat_splits=2, poison=True,
                           column_buffer_entries=4 * 400, softmax_statistics="gluon")
@@ -322,7 +330,7 @@ def test_the_gluon_statistics_route_takes_the_own_score_filter(monkeypatch, stra
     a negative margin, halfway to its positive), the positives as indices into the keys (custom
     ones, hard-negative keys that are nobody's), rows in chunks; the loss and every gradient match
     float64."""
-    filters = _gluon_statistics_in_torch(monkeypatch)
+    filters = _filters_of_gluon_statistics_at_any_size(monkeypatch)
     case = _own_score_filter_case(256, 384, margin, strategy)
     blocks = TritonBlocks(tile_rows=128, tile_keys=160, poison=True, column_buffer_entries=4 * 384)
     errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES["softmax-sym"])
@@ -335,7 +343,7 @@ def test_the_gluon_statistics_route_leaves_filters_whose_bounds_may_not_hold_to_
                                                                                       margin):
     """A negative relative margin and one below -0.5: "auto" takes .stats (the loss and every
     gradient still match float64), and "gluon" refuses, naming what it needs."""
-    filters = _gluon_statistics_in_torch(monkeypatch)
+    filters = _filters_of_gluon_statistics_at_any_size(monkeypatch)
     case = _own_score_filter_case(130, 200, margin, strategy)
     blocks = TritonBlocks(tile_rows=128, tile_keys=160, poison=True, column_buffer_entries=4 * 200)
     errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES["softmax-sym"])
@@ -345,19 +353,14 @@ def test_the_gluon_statistics_route_leaves_filters_whose_bounds_may_not_hold_to_
                                  LOSSES["softmax-sym"])
 
 
-def _gluon_statistics_in_torch(monkeypatch) -> list:
-    """The Gluon statistics route on this machine: its kernel's outputs made in torch, "auto"
-    taking it at any width and work; returns the list of the filters its launches get."""
+def _filters_of_gluon_statistics_at_any_size(monkeypatch) -> list:
+    """:func:`_route_gluon_statistics_through_torch` with "auto" taking the kernel at any width and
+    work; returns the list of the score filters its launches get."""
     from hf_infcl.ops.triton import gluon_stats
 
-    filters = []
-    monkeypatch.setattr(gluon_stats, "usable", lambda queries, keys: True)
-    monkeypatch.setattr(gluon_stats, "ready", lambda wait: True)
-    monkeypatch.setattr(gluon_stats, "stats_launch",
-                        lambda *args: lambda: filters.append(args[-1]) or _gluon_stats_in_torch(*args))
     monkeypatch.setattr(gluon_stats, "AUTO_MIN_WIDTH", 16)
     monkeypatch.setattr(gluon_stats, "AUTO_MIN_WORK", 0)
-    return filters
+    return _route_gluon_statistics_through_torch(monkeypatch, lambda args: args[-1])
 
 
 def _own_score_filter_case(m: int, k: int, margin: float, strategy: str) -> dict:
@@ -431,13 +434,9 @@ def test_auto_takes_the_gluon_statistics_by_width_and_work(monkeypatch, m, k, c,
     (rows x keys x c) reach the module's thresholds, here scaled down (width 32, work 256 x 256 x 32)."""
     from hf_infcl.ops.triton import gluon_stats
 
-    calls = []
-    monkeypatch.setattr(gluon_stats, "usable", lambda queries, keys: True)
-    monkeypatch.setattr(gluon_stats, "ready", lambda wait: True)
     monkeypatch.setattr(gluon_stats, "AUTO_MIN_WIDTH", 32)
     monkeypatch.setattr(gluon_stats, "AUTO_MIN_WORK", 256 * 256 * 32)
-    monkeypatch.setattr(gluon_stats, "stats_launch",
-                        lambda *args: lambda: calls.append(args[0].shape[0]) or _gluon_stats_in_torch(*args))
+    calls = _route_gluon_statistics_through_torch(monkeypatch, lambda args: args[0].shape[0])
     case = random_case(m, k, c, groups=False, custom_positives=False, seed=5)
     blocks = TritonBlocks(tile_rows=128, tile_keys=128, poison=True)
     errors = errors_against_reference(case, torch.float32, blocks, "ieee", LOSSES["softmax-sym"])
