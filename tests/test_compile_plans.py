@@ -304,6 +304,14 @@ def test_the_softmax_forward_takes_stats_while_the_gluon_kernel_compiles_unless_
         types.SimpleNamespace(kernel=narrow, bias=None, labels={}))  # by name: any width
     less_work = types.SimpleNamespace(queries=torch.empty(128, 768), keys=operands.keys)
     assert not TritonBlocks()._gluon_statistics(types.SimpleNamespace(kernel=less_work, bias=None, labels={}))
+    # from c = AUTO_MAX_WIDTH on, .stats (more work than the narrower shapes: not the rule of work)
+    for width, gluon_by_auto in ((gluon_stats.AUTO_MAX_WIDTH - 16, True), (gluon_stats.AUTO_MAX_WIDTH, False),
+                                 (2 * gluon_stats.AUTO_MAX_WIDTH, False)):
+        wide = types.SimpleNamespace(queries=torch.empty(256, width), keys=torch.empty(384, width))
+        assert TritonBlocks()._gluon_statistics(
+            types.SimpleNamespace(kernel=wide, bias=None, labels={})) == gluon_by_auto, width
+        assert TritonBlocks(softmax_statistics="gluon")._gluon_statistics(
+            types.SimpleNamespace(kernel=wide, bias=None, labels={}))  # by name: any width
 
 
 def test_recording_lists_the_keys_met_and_the_kernels_compiled(monkeypatch):

@@ -138,9 +138,9 @@ class TritonBlocks:
             ("relative"), and not on fp16 copies; a ValueError elsewhere); ``"triton"`` the
             statistics kernel of :mod:`.stats`;
             ``"auto"`` (the default): ``"gluon"`` where it can run, the row and key counts are
-            multiples of 128, c is at least 384 and rows x keys x c at least 3 * 2^37 (e.g. 32k x
-            32k at c = 384), else ``"triton"``, which is also taken while a first call's compile
-            plan is still building the Gluon kernel in the background.
+            multiples of 128, c is at least 384 and below 2048 and rows x keys x c at least
+            3 * 2^37 (e.g. 32k x 32k at c = 384), else ``"triton"``, which is also taken while a
+            first call's compile plan is still building the Gluon kernel in the background.
         distillation_kernels: which kernels run in-batch distillation: ``"gluon"`` those of
             :mod:`.gluon_distillation` (the symmetric forward's statistics of both directions in one
             pass, and the backward's G of each super-tile; Hopper GPUs, fp16 / bf16 student and
@@ -633,7 +633,8 @@ class TritonBlocks:
         # widths and sizes where it measured faster in the loss
         (m, c), k = queries.shape, keys.shape[0]
         whole = m % gluon_stats.BLOCK_M == 0 and k % gluon_stats.BLOCK_N == 0
-        large = c >= gluon_stats.AUTO_MIN_WIDTH and m * k * c >= gluon_stats.AUTO_MIN_WORK
+        large = (gluon_stats.AUTO_MIN_WIDTH <= c < gluon_stats.AUTO_MAX_WIDTH
+                 and m * k * c >= gluon_stats.AUTO_MIN_WORK)
         # while a compile plan builds the kernel in the background, take .stats
         return usable and whole and large and gluon_stats.ready(wait=False)
 
