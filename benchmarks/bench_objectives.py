@@ -22,6 +22,10 @@ and, named in ``--variants`` only (not run by default):
                on CUDA)
   distill-tilesN  the same on ``TorchTiles(N, N)`` (``backend="torch"`` takes 4096 on CUDA; smaller
                tiles leave the GPU waiting on the host's launches); e.g. ``distill-tiles1024``
+  distill-materialised  the same loss as the published recipes write it (NeMo's
+               ``infonce_distill_loss``, FlagEmbedding's in-batch ``kd_loss``): the student's and
+               the teacher's b x b logits materialised, fp32 log-softmax of each in both directions,
+               ``kl_div`` and ``cross_entropy``; "OOM" where it does not fit
   distill-triton  the same on ``backend=TritonBlocks()``
   distill-triton-kernels  the same on the Triton kernels (``TritonBlocks(distillation_kernels="triton")``),
                not the Gluon ones that ``"auto"`` takes on Hopper
@@ -52,7 +56,9 @@ ratio column is each variant's time over ``plain``'s at the same (b, c), measure
 ``issue ms`` is the median time the host takes to issue a step from an idle GPU: where it nears
 the step's time, the host, not the GPU, sets the pace.
 No published contrastive kernel has these objectives; the materialised way (a b x b logit and mask
-matrix) does not fit at these sizes.
+matrix) does not fit at these sizes. A variant that runs out of memory gets a row with status "OOM";
+``loss`` is each variant's loss value on the same features (equal for ``distill`` and
+``distill-materialised`` up to rounding).
 
     python benchmarks/bench_objectives.py --sizes 32k,128k --widths 512,768 --csv out.csv
     python benchmarks/bench_objectives.py --sizes 32k --widths 512 --profile   # kernels of one step
@@ -71,6 +77,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from math import nan
 from pathlib import Path
 
 import torch
@@ -81,6 +88,7 @@ from bench_common import (  # this folder is on sys.path
     device_name,
     format_count,
     free_memory,
+    is_out_of_memory,
     median_issue_seconds,
     median_seconds,
     parse_count,
@@ -94,7 +102,8 @@ from hf_infcl import TorchTiles, contrastive_distillation_loss, contrastive_loss
 
 VARIANTS = ("plain", "groups-any", "groups-each", "filter", "filter-guide")
 # run when named (and tiled variants)
-EXTRA_VARIANTS = ("distill", "matryoshka", "matryoshka-per-width", "filter-every-tile", "filter-qwen3")
+EXTRA_VARIANTS = ("distill", "distill-materialised", "matryoshka", "matryoshka-per-width",
+                  "filter-every-tile", "filter-qwen3")
 # when named, on CUDA
 GPU_ONLY_VARIANTS = ("distill-triton", "distill-triton-kernels", "filter-guide-masked", "filter-stats-triton",
                      "matryoshka-one-pass")
@@ -126,6 +135,24 @@ def trained_features(b: int, c: int, generator: torch.Generator, device: str):
         noise = torch.randn(len(copies), c, device=device, generator=generator)
         x[copies] = x[originals] + 0.05 * noise / c**0.5
     return q, k
+
+
+def materialised_distillation(queries, keys, teacher_queries, teacher_keys, logit_scale,
+                               teacher_logit_scale: float, distillation_weight: float) -> torch.Tensor:
+    """``contrastive_distillation_loss`` (symmetric, mean, ``keys[i]`` row i's positive) as the
+    published recipes compute it: both b x b logit matrices materialised in the features' dtype, then
+    fp32 log-softmax, ``kl_div`` and ``cross_entropy`` over rows and over columns."""
+    student = logit_scale * (queries @ keys.T).float()
+    with torch.no_grad():
+        teacher = teacher_logit_scale * (teacher_queries @ teacher_keys.T).float()
+    labels = torch.arange(student.shape[0], device=student.device)
+    total = 0.0
+    for student_logits, teacher_logits in ((student, teacher), (student.T, teacher.T)):
+        log_student = F.log_softmax(student_logits, dim=1)
+        log_teacher = F.log_softmax(teacher_logits, dim=1)
+        kl = F.kl_div(log_student, log_teacher, log_target=True, reduction="batchmean")
+        total = total + distillation_weight * kl + (1 - distillation_weight) * F.nll_loss(log_student, labels)
+    return total / 2
 
 
 def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda", dtype=torch.bfloat16,
@@ -179,6 +206,9 @@ def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda",
         loss_fn = functools.partial(contrastive_distillation_loss, teacher_queries=teacher[0],
                                     teacher_keys=teacher[1], teacher_logit_scale=20.0,
                                     distillation_weight=0.5, backend=backend)
+        if variant == "distill-materialised":
+            def loss_fn(queries, keys, logit_scale):
+                return materialised_distillation(queries, keys, *teacher, logit_scale, 20.0, 0.5)
 
     if variant == "matryoshka-per-width":
         def loss_fn(queries, keys, logit_scale):
@@ -188,6 +218,7 @@ def make_step(variant: str, b: int, c: int, seed: int = 0, device: str = "cuda",
 
     def step():
         loss = loss_fn(F.normalize(q, dim=1), F.normalize(k, dim=1), logit_scale=log_scale.exp())
+        step.loss = loss.detach()  # the last step's value, for the table
         return torch.autograd.grad(loss, [q, k, log_scale])
 
     return step
@@ -270,33 +301,51 @@ def main(argv=None):
     for b, c in zip(sizes, widths):
         plain_ms = None
         for variant in variants:
-            step = make_step(variant, b, c, matryoshka_dims=matryoshka_dims)
-            step()  # the first call tunes the kernels of this shape
-            seconds = median_seconds(step, args.steps, warmup=2)
-            host_ms = median_issue_seconds(step, args.steps) * 1e3
-            peak, _ = peak_above(step)
-            ms = seconds * 1e3
-            if variant == "plain":
-                plain_ms = ms
-            if args.profile:
-                profile(step, f"{variant} {format_count(b)}/{c}", ms)
-            if args.trace:
-                Path(args.trace).mkdir(parents=True, exist_ok=True)
-                trace(step, str(Path(args.trace) / f"{variant}-{format_count(b)}-{c}.json"), args.trace_steps,
-                      args.trace_kernels_only)
-            rows.append({"variant": variant, "b": b, "c": c, "ms": ms, "host_ms": host_ms,
-                         "peak_mib": peak / 2**20, "vs_plain": ms / plain_ms if plain_ms else float("nan")})
-            # each row as it comes, so that a run cut short by its time limit keeps what it measured
-            print(f"{variant} {format_count(b)}/{c}: {ms:.2f} ms ({host_ms:.2f} ms to issue), "
-                  f"{peak / 2**20:.0f} MiB", file=sys.stderr, flush=True)
-            write_csv(path, [{**meta, **row} for row in rows])
-            del step
+            row = measure_or_oom(variant, b, c, args, matryoshka_dims)
             free_memory()
+            if variant == "plain":
+                plain_ms = row["ms"]
+            row = {"variant": variant, "b": b, "c": c, **row,
+                   "vs_plain": row["ms"] / plain_ms if plain_ms else nan}
+            rows.append(row)
+            # each row as it comes, so that a run cut short by its time limit keeps what it measured
+            print(f"{variant} {format_count(b)}/{c}: {row['ms']:.2f} ms ({row['host_ms']:.2f} ms to issue), "
+                  f"{row['peak_mib']:.0f} MiB, loss {row['loss']:.6f}, {row['status']}",
+                  file=sys.stderr, flush=True)
+            write_csv(path, [{**meta, **row} for row in rows])
     columns = [Column("variant", 13, align="<"), Column("b", 5), Column("c", 5), Column("ms", 9, ".2f"),
-               Column("issue ms", 9, ".2f"), Column("MiB", 7, ".0f"), Column("x plain", 8, ".3f")]
+               Column("issue ms", 9, ".2f"), Column("MiB", 7, ".0f"), Column("x plain", 8, ".3f"),
+               Column("loss", 10, ".6f"), Column("status", 7, align="<")]
     print_table(columns, [(r["variant"], format_count(r["b"]), r["c"], r["ms"], r["host_ms"], r["peak_mib"],
-                           r["vs_plain"])
+                           r["vs_plain"], r["loss"], r["status"])
                           for r in rows], title=" | ".join(str(value) for value in meta.values()))
+
+
+def measure_or_oom(variant: str, b: int, c: int, args, matryoshka_dims) -> dict:
+    """:func:`measure`, or a row of status "OOM" where the variant does not fit."""
+    try:
+        return measure(variant, b, c, args, matryoshka_dims)
+    except Exception as error:  # noqa: BLE001 - an OOM is a result
+        if not is_out_of_memory(error):
+            raise
+    return {"ms": nan, "host_ms": nan, "peak_mib": nan, "loss": nan, "status": "OOM"}
+
+
+def measure(variant: str, b: int, c: int, args, matryoshka_dims) -> dict:
+    """One variant at (b, c): its step's median time, the host's time to issue it, its peak memory
+    above the inputs and its loss (and ``--profile`` / ``--trace``'s output)."""
+    step = make_step(variant, b, c, matryoshka_dims=matryoshka_dims)
+    step()  # the first call tunes the kernels of this shape
+    ms = median_seconds(step, args.steps, warmup=2) * 1e3
+    host_ms = median_issue_seconds(step, args.steps) * 1e3
+    peak, _ = peak_above(step)
+    if args.profile:
+        profile(step, f"{variant} {format_count(b)}/{c}", ms)
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
+        trace(step, str(Path(args.trace) / f"{variant}-{format_count(b)}-{c}.json"), args.trace_steps,
+              args.trace_kernels_only)
+    return {"ms": ms, "host_ms": host_ms, "peak_mib": peak / 2**20, "loss": float(step.loss), "status": "ok"}
 
 
 if __name__ == "__main__":

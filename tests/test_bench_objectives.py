@@ -41,6 +41,35 @@ def test_the_same_loss_on_other_tiles(variant):
         bench_objectives.main(["--variants", f"{variant}-tiles0"])
 
 
+def test_the_materialised_distillation_is_the_same_loss_as_ours():
+    """``distill-materialised`` times the recipes' way of the loss ``distill`` times: the same loss,
+    the same gradients (the teacher is drawn alike for both)."""
+    on_cpu = dict(device="cpu", dtype=torch.float32)
+    ours_step = bench_objectives.make_step("distill", 40, 24, **on_cpu)
+    materialised_step = bench_objectives.make_step("distill-materialised", 40, 24, **on_cpu)
+    ours, materialised = ours_step(), materialised_step()
+    torch.testing.assert_close(materialised_step.loss, ours_step.loss, rtol=1e-5, atol=1e-6)
+    assert ours_step.loss > 0.1  # a KL and an InfoNCE term of random features, not a trivial zero
+    for theirs, mine in zip(materialised, ours):
+        torch.testing.assert_close(theirs, mine, rtol=1e-4, atol=1e-6)
+
+
+def test_a_variant_out_of_memory_is_a_row_of_status_oom(monkeypatch):
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+
+    monkeypatch.setattr(bench_objectives, "measure", out_of_memory)
+    row = bench_objectives.measure_or_oom("distill-materialised", 40, 24, None, None)
+    assert row["status"] == "OOM" and row["ms"] != row["ms"]  # NaN
+
+    def broken(*args):
+        raise RuntimeError("not a memory error")
+
+    monkeypatch.setattr(bench_objectives, "measure", broken)
+    with pytest.raises(RuntimeError, match="not a memory error"):
+        bench_objectives.measure_or_oom("distill", 40, 24, None, None)
+
+
 def test_matryoshka_per_width_is_the_same_loss_as_the_one_pass():
     """The two Matryoshka variants time the same loss by two routes."""
     on_cpu = dict(device="cpu", dtype=torch.float32)
