@@ -377,6 +377,26 @@ def test_every_shipped_plan_names_current_kernels_of_the_package(path):
                        "again with scripts/record_compile_plans.py on that GPU")
 
 
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda path: path.name)
+def test_no_shipped_plan_compiles_the_gluon_statistics_kernel_where_auto_does_not_take_it(path):
+    """From c = ``gluon_stats.AUTO_MAX_WIDTH`` on, ``softmax_statistics="auto"`` takes the statistics
+    kernel of .stats: a plan there that still listed the Gluon kernel would compile it in the
+    background for nothing, and a short process would wait for that compile at its exit."""
+    import re
+
+    from hf_infcl.ops.triton import gluon_stats
+
+    table = compile_plans._read(path)
+    widths_with_gluon = set()
+    for key, plan in table["plans"].items():
+        width = int(re.search(r"\), torch\.\w+, torch\.\w+, (\d+), \d+, ", key).group(1))
+        names = {table["kernels"][entry_id]["name"] for entry_id in plan}
+        if "softmax_statistics='auto'" in key and "_stats_tile_kernel" in names:
+            widths_with_gluon.add(width)
+    assert widths_with_gluon, "no plan lists the Gluon statistics kernel: the key's format changed?"
+    assert max(widths_with_gluon) < gluon_stats.AUTO_MAX_WIDTH, sorted(widths_with_gluon)
+
+
 @pytest.mark.parametrize("device", [H200, "NVIDIA H100 80GB HBM3"])
 def test_the_plans_of_the_h200_and_the_h100_cover_the_default_calls_at_the_common_widths(device):
     """The softmax call of every common width, dtype and size class has a plan, as the first call
