@@ -85,8 +85,9 @@ def main(argv=None):
                     raise SystemExit(err[-4000:])
                 tuned = "tuned" if "hf_infcl: autotuning" in err else "loaded"
                 first = [line for line in out.splitlines() if line.startswith("FIRST CALL")][-1]
-                print(f"run {run} process {index}: {first} ({tuned}); "
-                      f"process wall {time.perf_counter() - start:.1f} s", flush=True)
+                # the setup time in every line: with none, the call also waits for Triton's setup
+                print(f"run {run} process {index}: {first} ({tuned}; after {args.setup_seconds:g} s of "
+                      f"setup); process wall {time.perf_counter() - start:.1f} s", flush=True)
 
 
 if __name__ == "__main__":
