@@ -67,8 +67,8 @@ _WORKER_REGISTERS = 232
 PARTIALS_PER_BLOCK = 4
 # Where ``softmax_statistics="auto"`` takes this kernel: 384 <= c < 2048 and rows x keys x c >=
 # 3 * 2^37 (32k x 32k at c = 384, 16k x 16k at 1536). On less work the loss measured no faster
-# with it; from c = 2048 on, :mod:`.stats` (tuned to 128 x 256 tiles there) measured 4-9 % faster
-# on an H100 and within 1-4 % of it on an H200 (benchmarks/README.md).
+# with it; from c = 2048 on, :mod:`.stats` (tuned to 128 x 256 tiles there) measured faster in the
+# loss, or as fast (benchmarks/README.md, "The two statistics kernels by width").
 AUTO_MIN_WIDTH = 384
 AUTO_MAX_WIDTH = 2048
 AUTO_MIN_WORK = 3 * 2**37
