@@ -647,7 +647,7 @@ def main(argv=None):
         vanilla_rate = rate if kind == "vanilla" else vanilla_rate
         rows.append(dict(measure="samples/s at B_v", config=label, batch=b_v, value=f"{rate:.1f}",
                          unit="samples/s", peak_gib=f"{peak:.1f}",
-                         ratio=f"{rate / vanilla_rate:.0%} of vanilla" if vanilla_rate else ""))
+                         ratio=f"{rate / vanilla_rate:.1%} of vanilla" if vanilla_rate else ""))
 
     elapsed = time.perf_counter() - started
     common = dict(device=device, **packages, model="tiny" if options.tiny else "CLIP ViT-B/32",
