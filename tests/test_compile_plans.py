@@ -377,24 +377,21 @@ def test_every_shipped_plan_names_current_kernels_of_the_package(path):
                        "again with scripts/record_compile_plans.py on that GPU")
 
 
-@pytest.mark.parametrize("path", SHIPPED, ids=lambda path: path.name)
-def test_no_shipped_plan_compiles_the_gluon_statistics_kernel_where_auto_does_not_take_it(path):
-    """From c = ``gluon_stats.AUTO_MAX_WIDTH`` on, ``softmax_statistics="auto"`` takes the statistics
-    kernel of .stats: a plan there that still listed the Gluon kernel would compile it in the
-    background for nothing, and a short process would wait for that compile at its exit."""
-    import re
-
+@pytest.mark.parametrize("device", [H200, "NVIDIA H100 80GB HBM3"])
+def test_the_shipped_plans_list_the_gluon_statistics_kernel_where_auto_takes_it(device):
+    """At 32k rows, as much work as the Gluon kernel's rule asks for at every width from
+    ``gluon_stats.AUTO_MIN_WIDTH``, a plan lists that kernel exactly where ``softmax_statistics="auto"``
+    takes it: below ``AUTO_MAX_WIDTH``. A plan past that bound that still listed it would compile it
+    in the background for nothing, and a short process would wait for that compile at its exit."""
     from hf_infcl.ops.triton import gluon_stats
 
-    table = compile_plans._read(path)
-    widths_with_gluon = set()
-    for key, plan in table["plans"].items():
-        width = int(re.search(r"\), torch\.\w+, torch\.\w+, (\d+), \d+, ", key).group(1))
-        names = {table["kernels"][entry_id]["name"] for entry_id in plan}
-        if "softmax_statistics='auto'" in key and "_stats_tile_kernel" in names:
-            widths_with_gluon.add(width)
-    assert widths_with_gluon, "no plan lists the Gluon statistics kernel: the key's format changed?"
-    assert max(widths_with_gluon) < gluon_stats.AUTO_MAX_WIDTH, sorted(widths_with_gluon)
+    rows = max(load_recording_script().SIZES.values())
+    listed = {(dtype, width): "_stats_tile_kernel" in {entry["name"] for entry in compile_plans.shipped_plan(
+                  device, "3.6.0", repr(key_of(dtype, width, rows, rows)))}
+              for dtype in (torch.bfloat16, torch.float16, torch.float32) for width in COMMON_WIDTHS}
+    expected = {(dtype, width): gluon_stats.AUTO_MIN_WIDTH <= width < gluon_stats.AUTO_MAX_WIDTH
+                for dtype, width in listed}
+    assert listed == expected
 
 
 @pytest.mark.parametrize("device", [H200, "NVIDIA H100 80GB HBM3"])
