@@ -13,7 +13,9 @@ Steps:
    ``--ours-factors`` x B_v (32 first; the bar is >= 32 x B_v). Host memory bounds this: 32 x B_v
    pairs of bf16 224 px images take 32 x B_v x 0.3 MB of pinned memory.
 3. samples/s at B_v: vanilla, ours without chunking, ours with chunk 256, ours with chunk 256 and
-   offload (--warmup untimed steps, then --steps timed ones).
+   offload (--warmup untimed steps, then --steps timed ones); on a GPU also the chunked two with
+   ``chunk_cuda_graphs=False`` and with every chunk replayed (``cached_step(keep_last_chunk=False)``,
+   the last chunk not kept).
 
 The table is printed last; CSV rows (with device and versions) go to $OUT/bench_trainer.csv when
 $OUT is set, or to --csv.
@@ -43,10 +45,13 @@ out-of-memory rank takes its peers down with it instead of leaving them waiting)
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import platform
 import sys
 import time
+from unittest import mock
 
 import torch
 from bench_common import (
@@ -64,6 +69,7 @@ from torch.utils.data import Dataset
 from transformers import CLIPConfig, CLIPModel, PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
 from hf_infcl import InfCLTrainer, InfCLTrainingArguments
+from hf_infcl.grad_cache import cached_step
 from hf_infcl.sharding import prepare_for_sharding
 
 IMAGE_SIZE = 224
@@ -229,10 +235,12 @@ def print_rows(rows, widths, peak: str = "peak GiB") -> None:
 
 
 def run(kind: str, batch: int, steps: int, options, chunk_size=None, offload=False, cuda_graphs=None,
-        warmup=1, profile=False):
+        warmup=1, profile=False, replay_every_chunk=False):
     """Train ``steps`` steps; return (seconds per step after ``warmup`` steps, peak GiB), or None
     when the device (or, with offload, pinned host memory) runs out of memory. ``profile``: one
-    more step under the profiler, outside the timed ones; its report is printed."""
+    more step under the profiler, outside the timed ones; its report is printed.
+    ``replay_every_chunk``: the cached step with ``keep_last_chunk=False`` (the A/B of keeping
+    the last chunk's activations instead of replaying it)."""
     config = clip_b32_config(options.tiny)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     common = dict(output_dir=os.path.join(options.work_dir, kind), per_device_train_batch_size=batch,
@@ -260,7 +268,10 @@ def run(kind: str, batch: int, steps: int, options, chunk_size=None, offload=Fal
             trainer = InfCLTrainer(model=model, args=args, train_dataset=Indices(batch * common["max_steps"]),
                                    data_collator=collator, callbacks=callbacks)
         trainer.remove_callback(PrinterCallback)
-        trainer.train()
+        every_chunk = functools.partial(cached_step, keep_last_chunk=False)
+        with (mock.patch("hf_infcl.trainer.cached_step", every_chunk) if replay_every_chunk
+              else contextlib.nullcontext()):
+            trainer.train()
         peak = peak_gib()
         if profiler is not None and profiler.report and int(os.environ.get("RANK", "0")) == 0:
             print(f"    profile of {kind}: {profiler.report}", flush=True)
@@ -633,6 +644,12 @@ def main(argv=None):
             (f"InfCLTrainer, chunk {options.chunk_size} + offload, chunk_cuda_graphs=False",
              "infcl-chunk-offload-eager",
              {"chunk_size": options.chunk_size, "offload": True, "cuda_graphs": False}),
+            # the defaults, the last chunk replayed as the others instead of kept
+            (f"InfCLTrainer, chunk {options.chunk_size}, every chunk replayed", "infcl-chunk-replay-all",
+             {"chunk_size": options.chunk_size, "replay_every_chunk": True}),
+            (f"InfCLTrainer, chunk {options.chunk_size} + offload, every chunk replayed",
+             "infcl-chunk-offload-replay-all",
+             {"chunk_size": options.chunk_size, "offload": True, "replay_every_chunk": True}),
         ]
     vanilla_rate = None
     for label, kind, kwargs in configs:

@@ -9,6 +9,9 @@ splits one optimisation step into three phases:
 3. replay each chunk's forward *with* grad under its recorded RNG state, so dropout draws the
    same masks, and backpropagate the cached embedding gradient through it.
 
+The last chunk is embedded with grad in phase 1 and backpropagated right after phase 2, its
+activations kept in between, so it is not replayed: one chunk's forward less per step.
+
 The parameter gradients are exactly those of the full-batch step; peak activation memory is
 that of one chunk. This module knows nothing of the Trainer: it takes encoder callables, the
 batch and a loss callable, so it serves the Trainer, an Accelerate loop and plain PyTorch.
@@ -105,7 +108,7 @@ import torch
 
 from .batch_statistics import check_no_batch_statistics
 from .chunk_graphs import ChunkGraphs
-from .ops.options import check_chunk_size, check_graphs_chunking
+from .ops.options import check_bool, check_chunk_size, check_graphs_chunking
 from .rng import RngState
 from .sharding import accumulate_sharded_grad, full_value, is_dtensor, is_zero3_parameter
 
@@ -141,6 +144,7 @@ def cached_step(
     no_grad_chunk_size: int | None = None,
     backward: Callable[[torch.Tensor], object] | None = None,
     chunk_graphs: ChunkGraphs | None = None,
+    keep_last_chunk: bool = True,
 ) -> CachedStepOutput:
     """Run one gradient-cached forward/backward; parameter ``.grad`` accumulate as for the full batch.
 
@@ -181,6 +185,12 @@ def cached_step(
             DDP, call the encoders outside DDP's forward and
             :func:`hf_infcl.chunk_graphs.average_gradients` after the step. The two passes must
             chunk alike.
+        keep_last_chunk: embed the last chunk (of the last encoder) with grad in the first pass and
+            backpropagate it right after the loss, instead of replaying it: one chunk's forward
+            less per step, for holding that chunk's activations while the loss runs. It applies
+            where the two passes chunk alike, without a ``backward`` hook, and where that encoder
+            has more than one chunk; with ``chunk_graphs``, where they can hold its two graphs
+            (its forward and its backward). ``False`` replays every chunk.
 
     Returns:
         :class:`CachedStepOutput` with the detached loss and embeddings.
@@ -190,6 +200,7 @@ def cached_step(
             in training mode: each chunk alone, twice); plain callables: see the module docstring.
     """
     towers = _towers(encoders, inputs, no_sync, forward_context, chunk_size, no_grad_chunk_size)
+    check_bool("keep_last_chunk", keep_last_chunk)
     loss_params = _checked_loss_params(loss_params)
     device = torch.device(device) if device is not None else None
     if chunk_graphs is not None:
@@ -202,10 +213,18 @@ def cached_step(
     for tower in towers:
         tower.split(chunk_size, None if replay_rng else no_grad_chunk_size, offload, device)
     feed = functools.partial(_on_device, device=device, offload=offload)
+    # The kept chunk's backward runs before every replay: never the step's (or, with no_sync per
+    # encoder, its encoder's) last, which reduces under DDP; a backward hook (DeepSpeed) keeps its
+    # own order.
+    last_site = len(towers) - 1
+    keeps = (keep_last_chunk and replay_rng and backward is None and len(towers[-1].chunks) > 1
+             and (chunk_graphs is None or chunk_graphs.has_room_for_split(("kept", last_site))))
 
     for site, tower in enumerate(towers):
-        _embed_without_grad(tower, site, feed, chunk_graphs)
+        _embed_first_pass(tower, site, feed, chunk_graphs, keep_last=keeps and site == last_site)
     loss, embeddings, param_grads = _loss_and_embedding_grads(towers, loss_fn, loss_params, scale_loss)
+    if keeps:
+        _backpropagate_kept(towers[-1])
     _replay(towers, param_grads, feed, replay_rng, backward, chunk_graphs)
     return CachedStepOutput(loss=loss.detach(), embeddings=tuple(e.detach() for e in embeddings))
 
@@ -224,6 +243,8 @@ class _Tower:
     rng_states: list[RngState] = field(default_factory=list)  # phase 1, per first-pass chunk
     outputs: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # phase 1, per first-pass chunk
     grads: tuple[torch.Tensor | None, ...] = ()  # phase 2: the loss's gradient per output, whole batch
+    kept: _KeptChunk | None = None  # phase 1's last chunk, embedded with grad, awaiting its backward
+    kept_last: bool = False  # whether that chunk was kept (and so is not replayed)
 
     def split(self, chunk_size, no_grad_chunk_size, offload: bool, device) -> None:
         """The batch in (pinned host or device) memory, cut into the chunks of both passes
@@ -267,15 +288,67 @@ def _checked_loss_params(loss_params) -> list[torch.Tensor]:
     return loss_params
 
 
-def _embed_without_grad(tower: _Tower, site: int, feed, chunk_graphs: ChunkGraphs | None) -> None:
-    """Phase 1: embed every chunk without grad; remember the RNG state each chunk started from."""
-    with torch.no_grad():
-        for chunk in feed(tower.first_pass_chunks):
-            tower.rng_states.append(RngState.capture(*chunk.values()))
-            if chunk_graphs is None:
+def _embed_first_pass(tower: _Tower, site: int, feed, chunk_graphs: ChunkGraphs | None,
+                      keep_last: bool) -> None:
+    """Phase 1: embed every chunk without grad, remembering the RNG state each chunk started from;
+    ``keep_last``: the last chunk with grad, kept for its backward (:class:`_KeptChunk`)."""
+    last = len(tower.first_pass_chunks) - 1
+    for index, chunk in enumerate(feed(tower.first_pass_chunks)):
+        tower.rng_states.append(RngState.capture(*chunk.values()))
+        if keep_last and index == last:
+            tower.kept = _KeptChunk.embed(tower, site, chunk, chunk_graphs)
+            tower.kept_last = True
+            tower.outputs.append(tower.kept.outputs)
+        elif chunk_graphs is None:
+            with torch.no_grad():
                 tower.outputs.append(_as_tuple(tower.embed(chunk)))
-            else:
+        else:
+            with torch.no_grad():
                 tower.outputs.append(chunk_graphs.run(("embed", site), tower.embed, chunk))
+
+
+@dataclass
+class _KeptChunk:
+    """A tower's last chunk, embedded with grad in phase 1; its backward (``finish``) runs right
+    after the loss, before any replay, so it is never a synchronised one: its forward and backward
+    both run inside the tower's ``no_sync``."""
+
+    chunk: dict
+    outputs: tuple[torch.Tensor, ...]  # detached, for the loss
+    finish: Callable[[list], bool]  # backpropagates its cached gradient; False: it must be replayed
+
+    @classmethod
+    def embed(cls, tower: _Tower, site: int, chunk: dict, chunk_graphs: ChunkGraphs | None) -> _KeptChunk:
+        if chunk_graphs is not None:
+            outputs, finish = chunk_graphs.run_split(("kept", site), tower.embed, _backpropagate, chunk)
+            return cls(chunk, outputs, finish)
+        with _unsynced(tower):
+            live = _as_tuple(tower.embed(chunk))
+
+        def finish(grad_slices) -> bool:
+            with _unsynced(tower):
+                _backpropagate(live, grad_slices)
+            return True
+
+        return cls(chunk, tuple(output.detach() for output in live), finish)
+
+
+def _unsynced(tower: _Tower) -> contextlib.AbstractContextManager:
+    return tower.no_sync() if tower.no_sync is not None else contextlib.nullcontext()
+
+
+def _backpropagate_kept(tower: _Tower) -> None:
+    """The kept chunk's share of the loss backpropagated (through its graph, or, where that graph's
+    capture failed, through an eager replay under the chunk's RNG state)."""
+    kept, tower.kept = tower.kept, None
+    starts = [grad.shape[0] - output.shape[0] if grad is not None else 0
+              for output, grad in zip(kept.outputs, tower.grads)]
+    grad_slices = _grad_slices(kept.outputs, tower.grads, starts)
+    if not kept.finish(grad_slices):
+        with _unsynced(tower):
+            with tower.rng_states[-1].restored():
+                replayed = _as_tuple(tower.embed(kept.chunk))
+            _backpropagate(replayed, _grad_slices(replayed, tower.grads, starts))
 
 
 @dataclass
@@ -349,8 +422,9 @@ def _replay(towers: list[_Tower], param_grads: _LossParamGrads, feed, replay_rng
     (plain), or are added after the replays (sharded; with ``chunk_graphs``, plain too)."""
     for site, tower in enumerate(towers):
         row_starts = [0] * len(tower.grads)
-        last = len(tower.chunks) - 1
-        for index, chunk in enumerate(feed(tower.chunks)):
+        replayed_chunks = tower.chunks[:-1] if tower.kept_last else tower.chunks
+        last = len(replayed_chunks) - 1
+        for index, chunk in enumerate(feed(replayed_chunks)):
             rng = tower.rng_states[index].restored() if replay_rng else contextlib.nullcontext()
             if chunk_graphs is not None:
                 # the rows of each output are those the no-grad pass produced for this chunk
@@ -363,7 +437,7 @@ def _replay(towers: list[_Tower], param_grads: _LossParamGrads, feed, replay_rng
             synced = index == last and tower.syncs_last_replay
             riding = ((param_grads.plain if last_overall else [])
                       + (param_grads.zero3 if site == index == 0 else []))
-            with (tower.no_sync() if tower.no_sync is not None and not synced else contextlib.nullcontext()):
+            with (_unsynced(tower) if not synced else contextlib.nullcontext()):
                 with rng:
                     replayed = _as_tuple(tower.embed(chunk))
                 _backpropagate(replayed, _grad_slices(replayed, tower.grads, row_starts), riding, backward)

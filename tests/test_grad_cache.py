@@ -219,30 +219,79 @@ def test_two_towers_as_separate_encoders_and_scaled_loss():
     assert_same_grads(parameter_grads(model), full_grads)
 
 
+@pytest.mark.parametrize("keep_last_chunk", [True, False], ids=["last-chunk-kept", "every-chunk-replayed"])
 @pytest.mark.parametrize("per_tower", [False, True], ids=["one-factory", "factory-per-tower"])
-def test_no_sync_wraps_every_replay_but_the_last(per_tower):
+def test_no_sync_holds_every_backward_but_the_last_unsynchronised(per_tower, keep_last_chunk):
+    """DDP's rule, kept or not: each chunk's forward with grad and its backward run in the same
+    state, inside ``no_sync`` but for the step's last backward (with a factory per tower, each
+    tower's last); each chunk is backpropagated once, and a kept chunk is not replayed."""
     model = tiny_clip(dropout=0.0)
     batch = clip_batch(10, seed=5)
-    entered = []
+    inside = {"image": False, "text": False, "any": False}
+    forwards, backwards = [], []
 
     def factory(tag):
         @contextlib.contextmanager
         def no_sync():
-            entered.append(tag)
+            inside[tag] = True
             yield
+            inside[tag] = False
         return no_sync
+
+    def tower(name, features, tag):
+        def encode(chunk):
+            embeds = features(**chunk).pooler_output
+            if torch.is_grad_enabled():
+                forwards.append((name, not inside[tag]))
+                embeds.register_hook(lambda grad: backwards.append((name, not inside[tag])))
+            else:
+                forwards.append((name, None))
+            return embeds
+        return encode
 
     images = {"pixel_values": batch["pixel_values"]}
     texts = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    tags = ("image", "text") if per_tower else ("any", "any")
     no_sync = [factory("image"), factory("text")] if per_tower else factory("any")
+    towers = [tower("image", model.get_image_features, tags[0]),
+              tower("text", model.get_text_features, tags[1])]
+    cached_step(towers, [images, texts], lambda i, t: contrastive_loss(i, t, 10.0), 4, no_sync=no_sync,
+                keep_last_chunk=keep_last_chunk)
+    # 3 chunks per tower (4 + 4 + 2 rows): each backpropagated once; the text tower's last one kept
+    without_grad = [name for name, synced in forwards if synced is None]
+    assert without_grad == ["image"] * 3 + ["text"] * (2 if keep_last_chunk else 3)
+    with_grad = [(name, synced) for name, synced in forwards if synced is not None]
+    assert sorted(with_grad) == sorted(backwards) and len(backwards) == 6
+    if per_tower:
+        last_of_each = [max(i for i, (n, _) in enumerate(backwards) if n == t) for t in ("image", "text")]
+        assert [synced for _, synced in backwards] == [i in last_of_each for i in range(6)]
+    else:
+        assert [synced for _, synced in backwards] == [False] * 5 + [True]
+    if keep_last_chunk:  # the kept chunk: embedded with grad before the loss, backpropagated first
+        assert forwards[5] == ("text", False) and backwards[0] == ("text", False)
+
+
+def test_the_kept_last_chunk_gives_the_gradients_of_replaying_it():
+    """Dropout on: the last chunk embedded once, with grad, draws the masks its replay would have,
+    so the step's loss and gradients are those of replaying every chunk; separate towers and a
+    shorter last chunk."""
+    model = tiny_clip(dropout=0.2)
+    batch = clip_batch(10, seed=9)
+    images = {"pixel_values": batch["pixel_values"]}
+    texts = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     towers = [lambda c: model.get_image_features(**c).pooler_output,
               lambda c: model.get_text_features(**c).pooler_output]
-    cached_step(towers, [images, texts], lambda i, t: contrastive_loss(i, t, 10.0), 4, no_sync=no_sync)
-    # 3 chunks per tower (4 + 4 + 2 rows), 6 replays
-    if per_tower:
-        assert entered == ["image", "image", "text", "text"]
-    else:
-        assert entered == ["any"] * 5
+    results = {}
+    for keep in (False, True):
+        model.zero_grad()
+        torch.manual_seed(17)
+        loss = cached_step(towers, [images, texts], lambda i, t, s: contrastive_loss(i, t, s.exp()), 4,
+                           loss_params=[model.logit_scale], keep_last_chunk=keep).loss
+        results[keep] = loss, parameter_grads(model)
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-6, atol=1e-6)
+    assert_same_grads(results[True][1], results[False][1])
+    with pytest.raises(TypeError, match="keep_last_chunk must be a bool, got int"):
+        cached_step(towers, [images, texts], lambda i, t: contrastive_loss(i, t, 10.0), 4, keep_last_chunk=1)
 
 
 def test_split_batch_repeats_scalars_and_checks_sizes():
@@ -548,6 +597,52 @@ def test_chunks_the_graphs_leave_to_eager_mode_give_the_uncached_gradients_in_fl
         assert failures[0].startswith("capturing a CUDA graph of the chunk call ('embed', 0) failed")
     else:
         assert graphs.captured == 1 and graphs.failure is None and not failures
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["kept", "backward-capture-fails", "no-room"])
+def test_the_kept_last_chunk_in_graphs_gives_the_uncached_gradients_in_float64(how):
+    """The last (2-row) chunk embedded with grad and backpropagated after the loss through its own
+    pair of graphs, step after step, dropout on, against the eager, uncached reference.
+    ``backward-capture-fails``: its backward reads a value on the host, which the capture of its
+    backward's graph cannot hold: that chunk is then replayed eagerly from its random state, one
+    warning, every later call eager. ``no-room``: ``max_graphs`` holds the 4-row chunks' two graphs
+    only, so once they are captured the last chunk is replayed, not kept."""
+    model, batch = float64_clip_on_gpu(dropout=0.2)
+    batch = {name: value.cuda() for name, value in batch.items()}
+    encode = clip_encoder(model)
+    graphs = ChunkGraphs(model.parameters(), eager_on_failure=True,
+                         max_graphs=2 if how == "no-room" else None)
+
+    def encoder(chunk):
+        embeddings = encode(chunk)
+        if how == "backward-capture-fails" and embeddings[0].requires_grad and len(embeddings[0]) == 2:
+            embeddings[0].register_hook(lambda grad: grad if math.isfinite(grad.sum().item()) else grad)
+        return embeddings
+
+    kept_calls = []
+    run_split = graphs.run_split
+    graphs.run_split = lambda *args: kept_calls.append(args[0]) or run_split(*args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            reference_loss, reference = uncached_chunked_grads(model, batch, 4, seed=500 + step)
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(500 + step)
+            result = cached_step(encoder, batch, clip_loss, 4, loss_params=[model.logit_scale],
+                                 chunk_graphs=graphs)
+            torch.testing.assert_close(result.loss, reference_loss, rtol=1e-12, atol=1e-12)
+            assert_same_grads(parameter_grads(model), reference, rtol=1e-10, atol=1e-12)
+    failures = [str(warning.message) for warning in caught if "run eagerly" in str(warning.message)]
+    if how == "kept":
+        # the 4-row chunks' no-grad pass and replay; the kept chunk's forward and backward
+        assert graphs.captured == 4 and not failures and kept_calls == [("kept", 0)] * 4
+    elif how == "backward-capture-fails":
+        assert graphs.captured == 0 and graphs.failure is not None and len(failures) == 1, failures
+        assert failures[0].startswith("capturing a CUDA graph of the chunk call ('kept', 0) failed")
+    else:
+        # kept in the first step only, eagerly, before the bound was reached
+        assert graphs.captured == 2 and not failures and kept_calls == [("kept", 0)]
 
 
 @pytest.mark.gpu
