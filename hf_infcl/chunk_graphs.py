@@ -195,7 +195,7 @@ class ChunkGraphs:
         key = (site, str(spec), torch.is_grad_enabled(), tuple(_leaf_signature(leaf) for leaf in leaves))
         captured = self._graphs.get(key)
         if captured is not None:
-            outputs = captured.replay(leaves)
+            outputs = _detached(captured.replay(leaves))
             backward_graph = self._graphs[(key, "backward")]
 
             def finish(grads) -> bool:
@@ -217,7 +217,7 @@ class ChunkGraphs:
         captured = self._capture_or_fail(site, forward, leaves, spec)
         if captured is None:
             return self._eager_split(forward, backward, args)
-        outputs = captured.replay(leaves)
+        outputs = _detached(captured.replay(leaves))
 
         def capture_backward(grads) -> bool:
             grad_leaves, grad_spec = tree_flatten(list(grads))
@@ -242,7 +242,7 @@ class ChunkGraphs:
             backward(live, list(grads))
             return True
 
-        return tuple(output.detach() for output in live), finish
+        return _detached(live), finish
 
     def _capture_or_fail(self, site, fn, leaves, spec) -> _CapturedCall | None:
         """:meth:`_capture`; where it fails, every later call runs eagerly and this returns None
@@ -378,6 +378,11 @@ def _leaf_signature(leaf):
         raise TypeError(f"a graphed chunk call got an unhashable {type(leaf).__name__} among its inputs: "
                         "pass tensors, or values fixed into the graph that can be hashed") from None
     return ("value", leaf)
+
+
+def _detached(outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    # a captured forward's copies would otherwise hang on the autograd graph of its capture
+    return tuple(output.detach() for output in outputs)
 
 
 def _outputs(result) -> tuple[torch.Tensor, ...]:
