@@ -174,8 +174,9 @@ class ChunkGraphs:
         """Whether :meth:`run_split` of ``site`` runs as the other calls do: through its graphs
         (held, or room for both under ``max_graphs``), or eagerly as every call does after a
         failed capture."""
-        if self.failure is not None or any(key[0] == site for key in self._graphs):
-            return True
+        return self.failure is not None or any(key[0] == site for key in self._graphs) or self._room_for_two()
+
+    def _room_for_two(self) -> bool:
         return self.max_graphs is None or len(self._graphs) + 2 <= self.max_graphs
 
     def run_split(self, site: Hashable, forward: Callable, backward: Callable,
@@ -208,11 +209,10 @@ class ChunkGraphs:
                 return True
 
             return outputs, finish
-        eager = (self.failure is not None or not self.has_room_for_split(site)
-                 or self._eager_calls[key] < self.warmup)
-        if eager:
-            if self.failure is None and self.has_room_for_split(site):
-                self._eager_calls[key] += 1
+        if self.failure is not None or not self._room_for_two():
+            return self._eager_split(forward, backward, args)
+        if self._eager_calls[key] < self.warmup:
+            self._eager_calls[key] += 1
             return self._eager_split(forward, backward, args)
         captured = self._capture_or_fail(site, forward, leaves, spec)
         if captured is None:
