@@ -60,8 +60,7 @@ logger = logging.getLogger(__name__)
 
 
 # Graphs a run turns on by default (not asked for): at most this many, enough for both passes over
-# whole chunks and the two of the kept last chunk (see cached_step's keep_last_chunk); further
-# shapes (text padded per batch) run eagerly.
+# whole chunks and a last, shorter one; further shapes (text padded per batch) run eagerly.
 DEFAULT_MAX_GRAPHS = 4
 # ... and only where the gradient buffers that many graphs could hold (one per replay graph) take at
 # most 1/GRAPH_MEMORY_SHARE of the GPU's memory: so a default cannot push a run that fits eagerly
@@ -163,110 +162,29 @@ class ChunkGraphs:
             if self._eager_calls[key] < self.warmup:
                 self._eager_calls[key] += 1
                 return _outputs(fn(*args))
-            captured = self._capture_or_fail(site, fn, leaves, spec)
-            if captured is None:
+            # The generators as this call found them. The CUDA one's whole state object: a capture
+            # that fails never ends, and leaves the state it began in marked as capturing, which
+            # would refuse every later eager draw of the process.
+            cuda_generator = torch.cuda.default_generators[torch.cuda.current_device()]
+            rng_states = torch.get_rng_state(), cuda_generator.clone_state()
+            # ... and the current stream: torch.cuda.graph leaves its capture stream current when
+            # the capture's end fails
+            stream = torch.cuda.current_stream()
+            try:
+                captured = self._capture(site, fn, leaves, spec)
+            except RuntimeError as error:
+                torch.cuda.set_stream(stream)
+                torch.set_rng_state(rng_states[0])
+                cuda_generator.graphsafe_set_state(rng_states[1])
+                self._fail(str(error))
+                if not self.eager_on_failure:
+                    raise
+                warnings.warn(f"{error}. The cached step's chunks run eagerly (without CUDA graphs) from now "
+                              "on.", stacklevel=2)
                 return _outputs(fn(*args))
             self._graphs[key] = captured
             del self._eager_calls[key]
         return captured.replay(leaves)
-
-    def has_room_for_split(self, site: Hashable) -> bool:
-        """Whether :meth:`run_split` of ``site`` runs as the other calls do: through its graphs
-        (held, or room for both under ``max_graphs``), or eagerly as every call does after a
-        failed capture."""
-        return self.failure is not None or any(key[0] == site for key in self._graphs) or self._room_for_two()
-
-    def _room_for_two(self) -> bool:
-        return self.max_graphs is None or len(self._graphs) + 2 <= self.max_graphs
-
-    def run_split(self, site: Hashable, forward: Callable, backward: Callable,
-                  *args) -> tuple[tuple[torch.Tensor, ...], Callable[[list], bool]]:
-        """``forward(*args)`` with grad now and ``backward(its outputs, grads)`` later, as two
-        graphs of ``site`` and the signature of ``args``: for a forward whose backward needs
-        values computed after it (a cached step's kept chunk, whose gradient comes from the loss
-        over the whole batch). Nothing but eager work may run between the two.
-
-        Returns detached copies of the outputs and ``finish(grads)`` (one tensor or None per
-        output), which runs the backward, adds the parameter gradients to ``.grad`` and returns
-        True; or False where the backward's graph could not be captured (with
-        ``eager_on_failure``; every later call then runs eagerly): the caller redoes the forward
-        and backward eagerly, from the random state the forward began in.
-        """
-        leaves, spec = tree_flatten(args)
-        key = (site, str(spec), torch.is_grad_enabled(), tuple(_leaf_signature(leaf) for leaf in leaves))
-        captured = self._graphs.get(key)
-        if captured is not None:
-            outputs = _detached(captured.replay(leaves))
-            backward_graph = self._graphs[(key, "backward")]
-
-            def finish(grads) -> bool:
-                grad_leaves, grad_spec = tree_flatten(list(grads))
-                if str(grad_spec) != backward_graph.spec or any(
-                        _is_input(static) != _is_input(leaf)
-                        for static, leaf in zip(backward_graph.static_leaves, grad_leaves)):
-                    return False  # gradients unlike the captured ones: an eager redo
-                backward_graph.replay(grad_leaves)
-                return True
-
-            return outputs, finish
-        if self.failure is not None or not self._room_for_two():
-            return self._eager_split(forward, backward, args)
-        if self._eager_calls[key] < self.warmup:
-            self._eager_calls[key] += 1
-            return self._eager_split(forward, backward, args)
-        captured = self._capture_or_fail(site, forward, leaves, spec)
-        if captured is None:
-            return self._eager_split(forward, backward, args)
-        outputs = _detached(captured.replay(leaves))
-
-        def capture_backward(grads) -> bool:
-            grad_leaves, grad_spec = tree_flatten(list(grads))
-            backward_graph = self._capture_or_fail(
-                site, lambda *grad_list: backward(captured.outputs, list(grad_list)), grad_leaves, grad_spec)
-            if backward_graph is None:
-                return False
-            backward_graph.spec = str(grad_spec)
-            self._graphs[key] = captured
-            self._graphs[(key, "backward")] = backward_graph
-            del self._eager_calls[key]
-            backward_graph.replay(grad_leaves)
-            return True
-
-        return outputs, capture_backward
-
-    @staticmethod
-    def _eager_split(forward, backward, args):
-        live = _outputs(forward(*args))
-
-        def finish(grads) -> bool:
-            backward(live, list(grads))
-            return True
-
-        return _detached(live), finish
-
-    def _capture_or_fail(self, site, fn, leaves, spec) -> _CapturedCall | None:
-        """:meth:`_capture`; where it fails, every later call runs eagerly and this returns None
-        (with ``eager_on_failure``, and one warning) or raises."""
-        # The generators as this call found them. The CUDA one's whole state object: a capture
-        # that fails never ends, and leaves the state it began in marked as capturing, which
-        # would refuse every later eager draw of the process.
-        cuda_generator = torch.cuda.default_generators[torch.cuda.current_device()]
-        rng_states = torch.get_rng_state(), cuda_generator.clone_state()
-        # ... and the current stream: torch.cuda.graph leaves its capture stream current when
-        # the capture's end fails
-        stream = torch.cuda.current_stream()
-        try:
-            return self._capture(site, fn, leaves, spec)
-        except RuntimeError as error:
-            torch.cuda.set_stream(stream)
-            torch.set_rng_state(rng_states[0])
-            cuda_generator.graphsafe_set_state(rng_states[1])
-            self._fail(str(error))
-            if not self.eager_on_failure:
-                raise
-            warnings.warn(f"{error}. The cached step's chunks run eagerly (without CUDA graphs) from now "
-                          "on.", stacklevel=3)
-            return None
 
     def _tell_of_bound(self) -> None:
         if not self._told_of_bound:
@@ -324,7 +242,6 @@ class _CapturedCall:
         self.static_leaves = static_leaves
         self.outputs = outputs
         self.grads = grads
-        self.spec: str | None = None  # a backward graph's: the structure of the gradients it takes
 
     def replay(self, leaves) -> tuple[torch.Tensor, ...]:
         for static, leaf in zip(self.static_leaves, leaves):
@@ -378,11 +295,6 @@ def _leaf_signature(leaf):
         raise TypeError(f"a graphed chunk call got an unhashable {type(leaf).__name__} among its inputs: "
                         "pass tensors, or values fixed into the graph that can be hashed") from None
     return ("value", leaf)
-
-
-def _detached(outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    # a captured forward's copies would otherwise hang on the autograd graph of its capture
-    return tuple(output.detach() for output in outputs)
 
 
 def _outputs(result) -> tuple[torch.Tensor, ...]:

@@ -9,8 +9,9 @@ splits one optimisation step into three phases:
 3. replay each chunk's forward *with* grad under its recorded RNG state, so dropout draws the
    same masks, and backpropagate the cached embedding gradient through it.
 
-The last chunk is embedded with grad in phase 1 and backpropagated right after phase 2, its
-activations kept in between, so it is not replayed: one chunk's forward less per step.
+Where the chunks run eagerly, the last chunk is embedded with grad in phase 1 and backpropagated
+right after phase 2, its activations kept in between, so it is not replayed: one chunk's forward
+less per step.
 
 The parameter gradients are exactly those of the full-batch step; peak activation memory is
 that of one chunk. This module knows nothing of the Trainer: it takes encoder callables, the
@@ -188,9 +189,9 @@ def cached_step(
         keep_last_chunk: embed the last chunk (of the last encoder) with grad in the first pass and
             backpropagate it right after the loss, instead of replaying it: one chunk's forward
             less per step, for holding that chunk's activations while the loss runs. It applies
-            where the two passes chunk alike, without a ``backward`` hook, and where that encoder
-            has more than one chunk; with ``chunk_graphs``, where they can hold its two graphs
-            (its forward and its backward). ``False`` replays every chunk.
+            where the two passes chunk alike, without a ``backward`` hook and without
+            ``chunk_graphs``, and where that encoder has more than one chunk. ``False`` replays
+            every chunk.
 
     Returns:
         :class:`CachedStepOutput` with the detached loss and embeddings.
@@ -215,10 +216,11 @@ def cached_step(
     feed = functools.partial(_on_device, device=device, offload=offload)
     # The kept chunk's backward runs before every replay: never the step's (or, with no_sync per
     # encoder, its encoder's) last, which reduces under DDP; a backward hook (DeepSpeed) keeps its
-    # own order.
+    # own order. Chunk graphs replay every chunk: a kept chunk needs its forward and its backward
+    # as two graphs, which are not built.
     last_site = len(towers) - 1
-    keeps = (keep_last_chunk and replay_rng and backward is None and len(towers[-1].chunks) > 1
-             and (chunk_graphs is None or chunk_graphs.has_room_for_split(("kept", last_site))))
+    keeps = (keep_last_chunk and replay_rng and backward is None and chunk_graphs is None
+             and len(towers[-1].chunks) > 1)
 
     for site, tower in enumerate(towers):
         _embed_first_pass(tower, site, feed, chunk_graphs, keep_last=keeps and site == last_site)
@@ -296,7 +298,7 @@ def _embed_first_pass(tower: _Tower, site: int, feed, chunk_graphs: ChunkGraphs 
     for index, chunk in enumerate(feed(tower.first_pass_chunks)):
         tower.rng_states.append(RngState.capture(*chunk.values()))
         if keep_last and index == last:
-            tower.kept = _KeptChunk.embed(tower, site, chunk, chunk_graphs)
+            tower.kept = _KeptChunk.embed(tower, chunk)
             tower.kept_last = True
             tower.outputs.append(tower.kept.outputs)
         elif chunk_graphs is None:
@@ -309,28 +311,18 @@ def _embed_first_pass(tower: _Tower, site: int, feed, chunk_graphs: ChunkGraphs 
 
 @dataclass
 class _KeptChunk:
-    """A tower's last chunk, embedded with grad in phase 1; its backward (``finish``) runs right
-    after the loss, before any replay, so it is never a synchronised one: its forward and backward
-    both run inside the tower's ``no_sync``."""
+    """A tower's last chunk, embedded with grad in phase 1. Its backward runs right after the loss,
+    before any replay, so it is never a synchronised one: its forward and backward both run inside
+    the tower's ``no_sync``."""
 
-    chunk: dict
-    outputs: tuple[torch.Tensor, ...]  # detached, for the loss
-    finish: Callable[[list], bool]  # backpropagates its cached gradient; False: it must be replayed
+    live: tuple[torch.Tensor, ...]  # the encoder's outputs, their autograd graph kept
+    outputs: tuple[torch.Tensor, ...]  # the same, detached, for the loss
 
     @classmethod
-    def embed(cls, tower: _Tower, site: int, chunk: dict, chunk_graphs: ChunkGraphs | None) -> _KeptChunk:
-        if chunk_graphs is not None:
-            outputs, finish = chunk_graphs.run_split(("kept", site), tower.embed, _backpropagate, chunk)
-            return cls(chunk, outputs, finish)
+    def embed(cls, tower: _Tower, chunk: dict) -> _KeptChunk:
         with _unsynced(tower):
             live = _as_tuple(tower.embed(chunk))
-
-        def finish(grad_slices) -> bool:
-            with _unsynced(tower):
-                _backpropagate(live, grad_slices)
-            return True
-
-        return cls(chunk, tuple(output.detach() for output in live), finish)
+        return cls(live, tuple(output.detach() for output in live))
 
 
 def _unsynced(tower: _Tower) -> contextlib.AbstractContextManager:
@@ -338,17 +330,12 @@ def _unsynced(tower: _Tower) -> contextlib.AbstractContextManager:
 
 
 def _backpropagate_kept(tower: _Tower) -> None:
-    """The kept chunk's share of the loss backpropagated (through its graph, or, where that graph's
-    capture failed, through an eager replay under the chunk's RNG state)."""
+    """The kept chunk's share of the loss, backpropagated through the graph its forward kept."""
     kept, tower.kept = tower.kept, None
     starts = [grad.shape[0] - output.shape[0] if grad is not None else 0
               for output, grad in zip(kept.outputs, tower.grads)]
-    grad_slices = _grad_slices(kept.outputs, tower.grads, starts)
-    if not kept.finish(grad_slices):
-        with _unsynced(tower):
-            with tower.rng_states[-1].restored():
-                replayed = _as_tuple(tower.embed(kept.chunk))
-            _backpropagate(replayed, _grad_slices(replayed, tower.grads, starts))
+    with _unsynced(tower):
+        _backpropagate(kept.live, _grad_slices(kept.outputs, tower.grads, starts))
 
 
 @dataclass

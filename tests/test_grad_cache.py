@@ -600,52 +600,6 @@ def test_chunks_the_graphs_leave_to_eager_mode_give_the_uncached_gradients_in_fl
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("how", ["kept", "backward-capture-fails", "no-room"])
-def test_the_kept_last_chunk_in_graphs_gives_the_uncached_gradients_in_float64(how):
-    """The last (2-row) chunk embedded with grad and backpropagated after the loss through its own
-    pair of graphs, step after step, dropout on, against the eager, uncached reference.
-    ``backward-capture-fails``: its backward reads a value on the host, which the capture of its
-    backward's graph cannot hold: that chunk is then replayed eagerly from its random state, one
-    warning, every later call eager. ``no-room``: ``max_graphs`` holds the 4-row chunks' two graphs
-    only, so once they are captured the last chunk is replayed, not kept."""
-    model, batch = float64_clip_on_gpu(dropout=0.2)
-    batch = {name: value.cuda() for name, value in batch.items()}
-    encode = clip_encoder(model)
-    graphs = ChunkGraphs(model.parameters(), eager_on_failure=True,
-                         max_graphs=2 if how == "no-room" else None)
-
-    def encoder(chunk):
-        embeddings = encode(chunk)
-        if how == "backward-capture-fails" and embeddings[0].requires_grad and len(embeddings[0]) == 2:
-            embeddings[0].register_hook(lambda grad: grad if math.isfinite(grad.sum().item()) else grad)
-        return embeddings
-
-    kept_calls = []
-    run_split = graphs.run_split
-    graphs.run_split = lambda *args: kept_calls.append(args[0]) or run_split(*args)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(4):
-            reference_loss, reference = uncached_chunked_grads(model, batch, 4, seed=500 + step)
-            model.zero_grad(set_to_none=True)
-            torch.manual_seed(500 + step)
-            result = cached_step(encoder, batch, clip_loss, 4, loss_params=[model.logit_scale],
-                                 chunk_graphs=graphs)
-            torch.testing.assert_close(result.loss, reference_loss, rtol=1e-12, atol=1e-12)
-            assert_same_grads(parameter_grads(model), reference, rtol=1e-10, atol=1e-12)
-    failures = [str(warning.message) for warning in caught if "run eagerly" in str(warning.message)]
-    if how == "kept":
-        # the 4-row chunks' no-grad pass and replay; the kept chunk's forward and backward
-        assert graphs.captured == 4 and not failures and kept_calls == [("kept", 0)] * 4
-    elif how == "backward-capture-fails":
-        assert graphs.captured == 0 and graphs.failure is not None and len(failures) == 1, failures
-        assert failures[0].startswith("capturing a CUDA graph of the chunk call ('kept', 0) failed")
-    else:
-        # kept in the first step only, eagerly, before the bound was reached
-        assert graphs.captured == 2 and not failures and kept_calls == [("kept", 0)]
-
-
-@pytest.mark.gpu
 def test_chunk_graphs_refuse_distributed_hooks_and_other_chunkings():
     model, batch = float64_clip_on_gpu(dropout=0.0)
     graphs = ChunkGraphs(model.parameters())
