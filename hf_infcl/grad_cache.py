@@ -245,8 +245,7 @@ class _Tower:
     rng_states: list[RngState] = field(default_factory=list)  # phase 1, per first-pass chunk
     outputs: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # phase 1, per first-pass chunk
     grads: tuple[torch.Tensor | None, ...] = ()  # phase 2: the loss's gradient per output, whole batch
-    kept: _KeptChunk | None = None  # phase 1's last chunk, embedded with grad, awaiting its backward
-    kept_last: bool = False  # whether that chunk was kept (and so is not replayed)
+    kept: _KeptChunk | None = None  # phase 1's last chunk, embedded with grad (so not replayed)
 
     def split(self, chunk_size, no_grad_chunk_size, offload: bool, device) -> None:
         """The batch in (pinned host or device) memory, cut into the chunks of both passes
@@ -299,14 +298,11 @@ def _embed_first_pass(tower: _Tower, site: int, feed, chunk_graphs: ChunkGraphs 
         tower.rng_states.append(RngState.capture(*chunk.values()))
         if keep_last and index == last:
             tower.kept = _KeptChunk.embed(tower, chunk)
-            tower.kept_last = True
             tower.outputs.append(tower.kept.outputs)
-        elif chunk_graphs is None:
-            with torch.no_grad():
-                tower.outputs.append(_as_tuple(tower.embed(chunk)))
-        else:
-            with torch.no_grad():
-                tower.outputs.append(chunk_graphs.run(("embed", site), tower.embed, chunk))
+            continue
+        with torch.no_grad():
+            tower.outputs.append(_as_tuple(tower.embed(chunk)) if chunk_graphs is None
+                                 else chunk_graphs.run(("embed", site), tower.embed, chunk))
 
 
 @dataclass
@@ -331,7 +327,7 @@ def _unsynced(tower: _Tower) -> contextlib.AbstractContextManager:
 
 def _backpropagate_kept(tower: _Tower) -> None:
     """The kept chunk's share of the loss, backpropagated through the graph its forward kept."""
-    kept, tower.kept = tower.kept, None
+    kept = tower.kept
     starts = [grad.shape[0] - output.shape[0] if grad is not None else 0
               for output, grad in zip(kept.outputs, tower.grads)]
     with _unsynced(tower):
@@ -409,7 +405,7 @@ def _replay(towers: list[_Tower], param_grads: _LossParamGrads, feed, replay_rng
     (plain), or are added after the replays (sharded; with ``chunk_graphs``, plain too)."""
     for site, tower in enumerate(towers):
         row_starts = [0] * len(tower.grads)
-        replayed_chunks = tower.chunks[:-1] if tower.kept_last else tower.chunks
+        replayed_chunks = tower.chunks[:-1] if tower.kept is not None else tower.chunks
         last = len(replayed_chunks) - 1
         for index, chunk in enumerate(feed(replayed_chunks)):
             rng = tower.rng_states[index].restored() if replay_rng else contextlib.nullcontext()
