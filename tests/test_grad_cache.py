@@ -272,11 +272,12 @@ def test_no_sync_holds_every_backward_but_the_last_unsynchronised(per_tower, kee
 
 
 def test_the_kept_last_chunk_gives_the_gradients_of_replaying_it():
-    """Dropout on: the last chunk embedded once, with grad, draws the masks its replay would have,
-    so the step's loss and gradients are those of replaying every chunk; separate towers and a
-    shorter last chunk."""
-    model = tiny_clip(dropout=0.2)
-    batch = clip_batch(10, seed=9)
+    """Dropout on, float64: the last chunk embedded once, with grad, draws the masks its replay
+    would have, so the step's loss and gradients are those of replaying every chunk; separate
+    towers and a shorter last chunk."""
+    model = tiny_clip(dropout=0.2).double()
+    batch = {name: (value.double() if value.is_floating_point() else value)
+             for name, value in clip_batch(10, seed=9).items()}
     images = {"pixel_values": batch["pixel_values"]}
     texts = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     towers = [lambda c: model.get_image_features(**c).pooler_output,
@@ -288,8 +289,8 @@ def test_the_kept_last_chunk_gives_the_gradients_of_replaying_it():
         loss = cached_step(towers, [images, texts], lambda i, t, s: contrastive_loss(i, t, s.exp()), 4,
                            loss_params=[model.logit_scale], keep_last_chunk=keep).loss
         results[keep] = loss, parameter_grads(model)
-    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-6, atol=1e-6)
-    assert_same_grads(results[True][1], results[False][1])
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-12, atol=1e-12)
+    assert_same_grads(results[True][1], results[False][1], rtol=1e-10, atol=1e-12)
     with pytest.raises(TypeError, match="keep_last_chunk must be a bool, got int"):
         cached_step(towers, [images, texts], lambda i, t: contrastive_loss(i, t, 10.0), 4, keep_last_chunk=1)
 
